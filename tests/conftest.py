@@ -1,0 +1,37 @@
+"""Shared fixtures: compute devices, the offline data folder and the embedded real model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """Every device test runs on CPU, and on CUDA when one is present."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return torch.device(request.param)
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The offline data folder: $TSENOR_DATA_DIR (make points it at ../shared/data)."""
+    value = os.environ.get("TSENOR_DATA_DIR")
+    path = Path(value) if value else REPO_ROOT.parent / "shared" / "data"
+    if not (path / "README.md").is_file():
+        pytest.skip(f"offline data folder not found at {path}; set TSENOR_DATA_DIR")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The embedded SmolLM2-135M checkpoint, materialized into the cache on first use."""
+    from tsenor_cli.models.embedded import materialize
+
+    return materialize("smollm2-135m")

@@ -1,0 +1,3 @@
+from tsenor_cli.cli import main
+
+main()

@@ -1,0 +1,27 @@
+"""`tsenor model ...`: the embedded default model."""
+
+from __future__ import annotations
+
+import typer
+
+from tsenor_cli.cli import app
+from tsenor_cli.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, materialize
+
+model_app = typer.Typer(help="Manage the embedded default model.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+
+@model_app.command("materialize")
+def materialize_cmd(
+    name: str = typer.Argument(DEFAULT_MODEL, help=f"One of: {', '.join(EMBEDDED_MODELS)}."),
+) -> None:
+    """Convert an embedded model to a safetensors checkpoint in the cache (once) and print its path."""
+    path = materialize(name, progress=lambda msg: typer.echo(msg, err=True))
+    typer.echo(str(path))
+
+
+@model_app.command("list")
+def list_cmd() -> None:
+    """List the embedded models."""
+    for spec in EMBEDDED_MODELS.values():
+        typer.echo(f"{spec.name}\t{spec.description}")

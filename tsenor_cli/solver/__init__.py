@@ -1,0 +1,28 @@
+"""Transposable N:M mask solvers (paper Section 3) as pure batched torch functions.
+
+Public API: `transposable_nm_mask`, `solve`, `SolveResult`, `METHODS`, and the non-transposable
+helpers `nm_mask` and `unstructured_mask` used by the pruning frameworks.
+"""
+
+from tsenor_cli.solver import baselines, exact, exhaustive, reference, tsenor  # noqa: F401  (register methods)
+from tsenor_cli.solver.api import solve, transposable_nm_mask
+from tsenor_cli.solver.registry import METHODS, MethodInfo, get_method
+from tsenor_cli.solver.rowwise import nm_mask, unstructured_mask
+from tsenor_cli.solver.tiling import from_blocks, to_blocks, validate_scores
+from tsenor_cli.solver.types import BlockSolution, DualState, SolveResult
+
+__all__ = [
+    "METHODS",
+    "BlockSolution",
+    "DualState",
+    "MethodInfo",
+    "SolveResult",
+    "from_blocks",
+    "get_method",
+    "nm_mask",
+    "solve",
+    "to_blocks",
+    "transposable_nm_mask",
+    "unstructured_mask",
+    "validate_scores",
+]

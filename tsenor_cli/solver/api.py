@@ -1,0 +1,96 @@
+"""Public entry points: validate once, tile, dispatch to a registered block solver, certify."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tsenor_cli.solver.bounds import coordinate_upper_bound
+from tsenor_cli.solver.registry import get_method
+from tsenor_cli.solver.tiling import from_blocks, to_blocks, validate_scores
+from tsenor_cli.solver.types import DualState, SolveResult
+
+
+def _init_state(init: SolveResult | DualState | None, blocks: torch.Tensor) -> DualState | None:
+    if init is None:
+        return None
+    state = init.state if isinstance(init, SolveResult) else init
+    if state is None:
+        return None
+    B, M, _ = blocks.shape
+    if tuple(state.row.shape) != (B, M) or tuple(state.col.shape) != (B, M):
+        raise ValueError(
+            f"init has potentials for {tuple(state.row.shape)} blocks but the scores give ({B}, {M}); "
+            "warm-start only from a result on a matrix of the same shape and N:M"
+        )
+    return state
+
+
+def solve(
+    scores: torch.Tensor,
+    n: int,
+    m: int,
+    method: str = "tsenor",
+    *,
+    init: SolveResult | DualState | None = None,
+    **options: object,
+) -> SolveResult:
+    """Transposable N:M mask of `scores` with its objective and a certified upper bound.
+
+    scores: (R, C) non-negative float, R and C divisible by m → `SolveResult` whose mask is (R, C)
+    bool with exactly n kept in every row and every column of every m×m tile.
+    """
+    validate_scores(scores, n, m)
+    info = get_method(method)
+    if info.max_m is not None and m > info.max_m:
+        raise ValueError(f"method {method!r} handles M <= {info.max_m}, got M={m}; use method='tsenor' or 'exact'")
+    rows, cols = scores.shape
+    work_dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
+    blocks = to_blocks(scores.to(work_dtype), m)  # (B, M, M)
+    state = _init_state(init, blocks) if info.supports_init else None
+
+    if scores.is_cuda:
+        torch.cuda.synchronize(scores.device)
+    start = time.perf_counter()
+    sol = info.fn(blocks, n, init=state, **options)
+    if scores.is_cuda:
+        torch.cuda.synchronize(scores.device)
+    seconds = time.perf_counter() - start
+
+    mask_blocks = sol.mask  # (B, M, M) bool
+    block_obj = (blocks.double() * mask_blocks).sum((1, 2))  # (B,)
+    generic = coordinate_upper_bound(blocks, n)
+    block_ub = generic if sol.upper_bound is None else torch.minimum(sol.upper_bound.double(), generic)
+    # A bound below the objective can only be round-off of an optimal block; never report a negative gap.
+    block_ub = torch.maximum(block_ub, block_obj)
+    objective = float(block_obj.sum())
+    upper = float(block_ub.sum())
+    gap = (upper - objective) / upper if upper > 0 else 0.0
+    return SolveResult(
+        mask=from_blocks(mask_blocks, rows, cols),
+        objective=objective,
+        upper_bound=upper,
+        gap=gap,
+        block_objective=block_obj,
+        block_upper_bound=block_ub,
+        iterations=sol.iterations,
+        seconds=seconds,
+        method=method,
+        n=n,
+        m=m,
+        state=sol.state,
+    )
+
+
+def transposable_nm_mask(
+    scores: torch.Tensor,
+    n: int,
+    m: int,
+    method: str = "tsenor",
+    *,
+    init: SolveResult | DualState | None = None,
+    **options: object,
+) -> torch.Tensor:
+    """scores: (R, C) → mask (R, C) bool, exactly n per row and column of every m×m tile."""
+    return solve(scores, n, m, method, init=init, **options).mask

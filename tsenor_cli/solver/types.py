@@ -1,0 +1,73 @@
+"""Results and the block-solver protocol shared by every mask method."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class DualState:
+    """Dual potentials of the block LP, reusable as a warm start.
+
+    row: (B, M), col: (B, M), in the units of the (per-block normalized) scores the method solved.
+    `scale`: (B,) the per-block normalization the potentials are expressed in.
+    """
+
+    row: torch.Tensor
+    col: torch.Tensor
+    scale: torch.Tensor
+
+
+@dataclass(frozen=True)
+class BlockSolution:
+    """What a block solver returns.
+
+    mask: (B, M, M) bool, exactly n per row and column of every block.
+    upper_bound: (B,) float64 certified upper bound on each block's optimum, or None to let `solve`
+      compute the generic row/column bound.
+    state: dual potentials for a warm start, or None.
+    iterations: iterations of the method's main loop (0 for direct methods).
+    """
+
+    mask: torch.Tensor
+    upper_bound: torch.Tensor | None = None
+    state: DualState | None = None
+    iterations: int = 0
+
+
+class BlockSolver(Protocol):
+    """blocks: (B, M, M) non-negative float → `BlockSolution`; `init` is a previous state or None."""
+
+    def __call__(
+        self, blocks: torch.Tensor, n: int, *, init: DualState | None = None, **options: object
+    ) -> BlockSolution: ...
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    """Result of `tsenor_cli.solver.solve` on one (R, C) score matrix.
+
+    mask: (R, C) bool, same device as the scores.
+    objective: sum of kept scores (float64).
+    upper_bound: certified upper bound on the optimal objective (LP duality); equals `objective`
+      for `exact` and `exhaustive`.
+    gap: (upper_bound - objective) / upper_bound, a certified bound on the relative error.
+    block_objective, block_upper_bound: (B,) float64 per-tile values, tiles in `to_blocks` order.
+    state: dual potentials for `solve(..., init=result)`; None for methods without duals.
+    """
+
+    mask: torch.Tensor
+    objective: float
+    upper_bound: float
+    gap: float
+    block_objective: torch.Tensor
+    block_upper_bound: torch.Tensor
+    iterations: int
+    seconds: float
+    method: str
+    n: int
+    m: int
+    state: DualState | None = None
