@@ -1,10 +1,114 @@
-"""`tsenor bench ...`: benchmarks."""
+"""`tsenor bench ...`: benchmarks (quality against exact, and speed ratios measured in one run)."""
 
 from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
 
 import typer
 
 from tsenor_cli.cli import app
+from tsenor_cli.errors import InputNotFoundError, OutputExistsError, UsageError
+from tsenor_cli.nm import NMPattern, parse_nm
 
 bench_app = typer.Typer(help="Benchmarks (speed and quality ratios measured in one run).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+
+_BENCH_HEADER = """# Solver benchmarks
+
+Written by `make bench` (`tsenor bench solver`); every number below comes from that run. Quality is
+measured on tiles sampled from every linear layer of every decoder block of the real checkpoint;
+speed on one matrix assembled from real tiles, all methods in the same process, so compare the
+ratios, not the absolute seconds (the CI machines are shared 2-core VMs). `docs/solver.md` explains
+the methods and how the defaults were chosen.
+
+"""
+
+
+def _patterns(text: str) -> tuple[NMPattern, ...]:
+    return tuple(parse_nm(p) for p in text.split(",") if p.strip())
+
+
+def _methods(text: str) -> tuple[str, ...]:
+    from tsenor_cli.solver import METHODS
+
+    if text == "all":
+        return tuple(METHODS)
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [x for x in names if x not in METHODS]
+    if unknown:
+        raise UsageError(f"unknown solver method(s) {', '.join(unknown)}; choose from: {', '.join(METHODS)}")
+    return names
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    Path(tmp).replace(path)
+
+
+@bench_app.command("solver")
+def bench_solver(
+    model: str = typer.Option("smollm2-135m", help="Embedded model name or a local HF checkpoint folder."),
+    patterns: str = typer.Option("2:4,4:8,8:16,16:32,8:32", help="N:M patterns for the quality table."),
+    methods: str = typer.Option("all", help="Comma-separated mask methods, or 'all'."),
+    tiles: int = typer.Option(500, min=1, help="Tiles per pattern for the quality table."),
+    time_size: int = typer.Option(2048, min=16, help="Side of the square matrix timed for every method."),
+    time_patterns: str = typer.Option("8:16,16:32", help="Patterns timed on the large matrices."),
+    large_size: int = typer.Option(8192, min=0, help="Side of the matrix for tsenor's time and peak memory (0: skip)."),
+    device: str = typer.Option("cpu", help="cpu or cuda[:i]."),
+    seed: int = typer.Option(0, help="Seed for tile sampling and noise."),
+    quick: bool = typer.Option(False, "--quick", help="A small, fast run (CI smoke test)."),
+    output: Path | None = typer.Option(None, help="Write the JSON result here."),
+    markdown: Path | None = typer.Option(None, help="Write the Markdown tables here (e.g. docs/benchmarks.md)."),
+    force: bool = typer.Option(True, "--force/--no-force", help="Overwrite existing output files."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+) -> None:
+    """Quality of every mask method against `exact` on real tiles, and speed ratios on one matrix."""
+    import torch
+
+    from tsenor_cli.bench.solver import BenchConfig, run_bench, to_markdown
+    from tsenor_cli.models.embedded import is_embedded, materialize
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device} was asked for but CUDA is not available; use --device cpu")
+    for path in (output, markdown):
+        if path is not None and path.exists() and not force:
+            raise OutputExistsError(f"{path} exists; pass --force to overwrite it")
+    if is_embedded(model):
+        model_dir = materialize(model, progress=lambda m: typer.echo(m, err=True))
+    else:
+        model_dir = Path(model)
+        if not model_dir.is_dir():
+            raise InputNotFoundError(
+                f"model folder {model_dir} not found; pass a local HF checkpoint folder or --model smollm2-135m"
+            )
+    if quick:
+        patterns, tiles, time_size, time_patterns, large_size = "2:4,8:16", min(tiles, 40), 256, "8:16", 0
+    chosen = _methods(methods)
+    cfg = BenchConfig(
+        model_dir=model_dir,
+        model_name=model,
+        patterns=_patterns(patterns),
+        methods=chosen,
+        tiles=tiles,
+        time_size=time_size,
+        time_patterns=_patterns(time_patterns),
+        time_methods=chosen,
+        large_size=large_size,
+        device=device,
+        seed=seed,
+    )
+    for pat in cfg.time_patterns:
+        if time_size % pat.m or (large_size and large_size % pat.m):
+            raise UsageError(f"--time-size/--large-size must be multiples of M={pat.m} for pattern {pat}")
+    result = run_bench(cfg, progress=lambda m: typer.echo(f"[bench] {m}", err=True))
+    table = to_markdown(result)
+    if output is not None:
+        _write_atomic(output, result.to_json() + "\n")
+    if markdown is not None:
+        _write_atomic(markdown, _BENCH_HEADER + table)
+    typer.echo(result.to_json() if json_out else table)

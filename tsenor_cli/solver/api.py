@@ -60,8 +60,7 @@ def solve(
 
     mask_blocks = sol.mask  # (B, M, M) bool
     block_obj = (blocks.double() * mask_blocks).sum((1, 2))  # (B,)
-    generic = coordinate_upper_bound(blocks, n)
-    block_ub = generic if sol.upper_bound is None else torch.minimum(sol.upper_bound.double(), generic)
+    block_ub = coordinate_upper_bound(blocks, n) if sol.upper_bound is None else sol.upper_bound.double()
     # A bound below the objective can only be round-off of an optimal block; never report a negative gap.
     block_ub = torch.maximum(block_ub, block_obj)
     objective = float(block_obj.sum())

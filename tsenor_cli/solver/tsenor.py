@@ -1,1 +1,339 @@
-"""Placeholder: being written in this session (see the solver issue)."""
+"""`tsenor`: the fast TSENOR solver (paper Section 3) with exact rounding refinements.
+
+Pipeline per batch of blocks, all vectorized over blocks:
+
+1. Normalize each block by its max so one temperature fits every layer (Appendix B.1 scales τ by
+   max|W|).
+2. Entropic optimal transport with capacities (Algorithm 1) in the *scaling* domain. Writing the
+   log-domain Dykstra listing of Appendix A.2 with X = log S + log Q, the capacity dual folds away:
+   X only changes by additive row and column shifts, X = τ(w − u_i − v_j), and S = min(exp X, 1).
+   So each iteration is one clipped matrix scaling on K = exp(X): a row sum, one batched
+   matrix-vector product for the column sums, and two vector updates — no logsumexp. The scalings
+   are absorbed into the potentials (u, v) every few iterations so nothing overflows, τ grows
+   geometrically (ε-scaling) so few iterations are needed at each temperature, and blocks whose
+   row marginals are within tolerance stop early.
+3. Greedy selection (Algorithm 2, lines 1-6) ordered by the reduced cost w − u − v rather than by
+   S: at the cap S = 1 ties, the reduced cost still ranks entries.
+4. `complete_feasibility` makes every block exactly n per row and column.
+5. Cycle cancelling, our addition beyond the paper's L = 10 swaps: an alternating cycle
+   add (i₁, j₁), remove (i₂, j₁), add (i₂, j₂), remove (i₃, j₂), … back to i₁ keeps every row and
+   column count, and its gain is a sum of edge weights of a "row graph"
+       D[i, i'] = max_j { w[i, j] − w[i', j] : S[i, j] = 0, S[i', j] = 1 }.
+   The mask is optimal iff no cycle of that graph has positive weight, so we repeatedly apply the
+   best positive 2-cycle (the 2×2 exchange) or 3-cycle in every block that still has one.
+6. Certified bound: the potentials give a dual-feasible point of the block LP (solver/bounds.py),
+   tightened by two rounds of exact dual coordinate descent.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Literal
+
+import torch
+
+from dataclasses import dataclass
+
+from tsenor_cli.solver.bounds import coordinate_upper_bound
+from tsenor_cli.solver.registry import register
+from tsenor_cli.solver.rounding import complete_feasibility, greedy_select
+from tsenor_cli.solver.types import BlockSolution, DualState
+
+# Exponents are clipped to this range: above it exp overflows fp32, below it entries are
+# negligible (e^-60 ≈ 1e-26 of a kept entry) and would otherwise become slow denormals.
+_EXP_MAX = 50.0
+_EXP_MIN = -60.0
+
+
+def _block_scale(blocks: torch.Tensor) -> torch.Tensor:
+    """blocks: (B, M, M) → (B,) per-block max, 1 where a block is all zero."""
+    scale = blocks.amax(dim=(1, 2))  # (B,)
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def capped_sinkhorn(
+    w: torch.Tensor,
+    n: int,
+    taus: list[float],
+    iterations: int,
+    tol: float,
+    u: torch.Tensor,
+    v: torch.Tensor,
+    absorb_every: int = 10,
+    chunk: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Algorithm 1 (Dykstra for entropic OT with capacities) in potential form, ε-scaled.
+
+    w: (B, M, M) normalized scores in [0, 1]; u, v: (B, M) initial potentials →
+    (u, v) (B, M) final potentials and the largest number of iterations any chunk ran.
+    `iterations` is the budget per temperature in `taus`; a chunk of blocks leaves a temperature
+    early once max_i |Σ_j S_ij − n| ≤ tol·n in all its blocks. Chunks of `chunk` blocks run all their
+    iterations while their data is in cache, which matters more than anything else on a CPU.
+    """
+    B, M, _ = w.shape
+    u = u.clone()
+    v = v.clone()
+    one = w.new_ones(())
+    most = 0
+    for start in range(0, B, chunk):
+        wc = w[start : start + chunk]  # (b, M, M)
+        uc, vc = u[start : start + chunk], v[start : start + chunk]  # (b, M) views, updated in place
+        s = torch.empty_like(wc)
+        ran = 0
+        for tau in taus:
+            done = 0
+            while done < iterations:
+                k = torch.sub(wc, uc[:, :, None]).sub_(vc[:, None, :]).mul_(tau)  # (b, M, M) τ·reduced cost
+                k.clamp_(_EXP_MIN, _EXP_MAX).exp_()
+                p = uc.new_ones(uc.shape)  # row scalings, absorbed into u below
+                q = vc.new_ones(vc.shape)  # column scalings, absorbed into v below
+                steps = min(absorb_every, iterations - done)
+                violation = float("inf")
+                for _ in range(steps):
+                    # S = min(K ⊙ p qᵀ, 1): the capacity projection (C3) of the previous iterate.
+                    torch.mul(k, p[:, :, None], out=s)
+                    s.mul_(q[:, None, :]).clamp_(max=one)
+                    row_sum = s.sum(dim=2)  # (b, M)
+                    violation = float((row_sum - n).abs().amax())
+                    row_fac = n / row_sum  # row projection (C1)
+                    col_sum = torch.bmm(row_fac[:, None, :], s).squeeze(1)  # (b, M): Σ_i S_ij·row_fac_i
+                    p.mul_(row_fac)
+                    q.mul_(n / col_sum)  # column projection (C2)
+                done += steps
+                uc.sub_(torch.log(p) / tau)
+                vc.sub_(torch.log(q) / tau)
+                if violation <= tol * n:
+                    break
+            ran += done
+        most = max(most, ran)
+    return u, v, most
+
+
+def _maxplus(a: torch.Tensor, b: torch.Tensor, chunk: int = 8) -> torch.Tensor:
+    """a: (B, M, K), b: (B, K, N) → (B, M, N), out[i, k] = max_t a[i, t] + b[t, k] (max-plus product).
+
+    Small chunks keep the (chunk, M, N, K) temporary in cache; only values are computed here, the
+    few maximizers needed are recovered afterwards for the chosen cycles.
+    """
+    B, M, _ = a.shape
+    bt = b.transpose(1, 2)  # (B, N, K)
+    out = a.new_empty(B, M, bt.shape[1])
+    for start in range(0, B, chunk):
+        sl = slice(start, start + chunk)
+        out[sl] = (a[sl, :, None, :] + bt[sl, None, :, :]).amax(dim=3)
+    return out
+
+
+@dataclass(frozen=True)
+class _RowGraph:
+    """The row graph of a batch of masks (see module docstring, step 5).
+
+    add[i, j] = w[i, j] where S[i, j] = 0 else −inf; remove[i, j] = −w[i, j] where S[i, j] = 1 else −inf;
+    d[i, i'] = max_j add[i, j] + remove[i', j]: the gain of adding (i, j) and removing (i', j). All (b, M, M).
+    """
+
+    add: torch.Tensor
+    remove: torch.Tensor
+    d: torch.Tensor
+
+    @classmethod
+    def build(cls, mask: torch.Tensor, w: torch.Tensor) -> _RowGraph:
+        add = w.masked_fill(mask, float("-inf"))
+        remove = (-w).masked_fill_(~mask, float("-inf"))
+        return cls(add, remove, _maxplus(add, remove.transpose(1, 2)))
+
+    def column(self, sel: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+        """(k,) blocks, source rows, target rows → (k,) the column j realizing d[src, dst]."""
+        return (self.add[sel, src, :] + self.remove[sel, dst, :]).argmax(dim=1)
+
+
+def _apply_path(mask: torch.Tensor, idx: torch.Tensor, graph: _RowGraph, sel: torch.Tensor, rows: list[torch.Tensor]) -> None:
+    """Apply the closed row-graph walk rows[0] → rows[1] → … → rows[0] in blocks idx[sel].
+
+    Each edge a → b adds (a, j) and removes (b, j) for its best column j; in place on mask (B, M, M).
+    All columns are looked up before any change, as the cycle's gain was computed on the old mask.
+    """
+    edges = list(itertools.pairwise([*rows, rows[0]]))
+    cols = [graph.column(sel, a, b) for a, b in edges]
+    blk = idx[sel]
+    for (a, b), j in zip(edges, cols, strict=True):
+        mask[blk, a, j] = True
+        mask[blk, b, j] = False
+
+
+def _apply_two_cycles(mask: torch.Tensor, idx: torch.Tensor, graph: _RowGraph, tiny: float) -> torch.Tensor:
+    """Apply, in every block of idx, a greedy set of row-disjoint positive 2-cycles (2×2 exchanges).
+
+    mask: (B, M, M), changed in place → (b,) bool, whether a block had a positive 2-cycle. Cycles on
+    disjoint rows touch disjoint entries, so their gains add up and they can be applied together.
+    """
+    d = graph.d
+    b, M, _ = d.shape
+    upper = torch.ones(M, M, dtype=torch.bool, device=d.device).triu(diagonal=1)
+    g2 = (d + d.transpose(1, 2)).masked_fill_(~upper, float("-inf"))  # (b, M, M): i → k → i, i < k
+    gains, flat = g2.reshape(b, M * M).topk(M // 2, dim=1)  # (b, M/2) best pairs first
+    used = torch.zeros(b, M, dtype=torch.bool, device=d.device)
+    ar = torch.arange(b, device=d.device)
+    for c in range(M // 2):
+        i, k = flat[:, c] // M, flat[:, c] % M  # (b,)
+        sel = ((gains[:, c] > tiny) & ~used[ar, i] & ~used[ar, k]).nonzero().squeeze(1)
+        _apply_path(mask, idx, graph, sel, [i[sel], k[sel]])
+        used[sel, i[sel]] = True
+        used[sel, k[sel]] = True
+    return gains[:, 0] > tiny
+
+
+def _apply_long_cycle(mask: torch.Tensor, idx: torch.Tensor, graph: _RowGraph, tiny: float) -> torch.Tensor:
+    """Apply the best positive 3- or 4-cycle of the row graph in every block of idx.
+
+    Same arguments as `_apply_two_cycles` → (b,) bool, whether a block had one. Both come from one
+    max-plus square P[i, k] = max_a D[i, a] + D[a, k]: a 3-cycle is P[i, k] + D[k, i], a 4-cycle
+    P[i, k] + P[k, i]. Called only where no positive 2-cycle is left, so a positive closed walk of
+    length ≤ 4 is a simple cycle (a repeated row would split it into non-positive shorter cycles);
+    the distinctness checks only guard against ties.
+    """
+    d = graph.d
+    b, M, _ = d.shape
+    two_step = _maxplus(d, d)  # (b, M i, M k)
+    g3 = two_step + d.transpose(1, 2)  # i → a → k → i
+    g4 = two_step + two_step.transpose(1, 2)  # i → a → k → c → i
+    g3.diagonal(dim1=1, dim2=2).fill_(float("-inf"))
+    g4.diagonal(dim1=1, dim2=2).fill_(float("-inf"))
+    best3, flat3 = g3.reshape(b, M * M).max(dim=1)  # (b,)
+    best4, flat4 = g4.reshape(b, M * M).max(dim=1)  # (b,)
+    ar = torch.arange(b, device=d.device)
+
+    def mid(i: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return (d[ar, i, :] + d[ar, :, k]).argmax(dim=1)  # the a realizing P[i, k]
+
+    i3, k3 = flat3 // M, flat3 % M
+    a3 = mid(i3, k3)
+    ok3 = (best3 > tiny) & (a3 != i3) & (a3 != k3)
+    i4, k4 = flat4 // M, flat4 % M
+    a4, c4 = mid(i4, k4), mid(k4, i4)
+    distinct4 = (a4 != i4) & (a4 != k4) & (c4 != i4) & (c4 != k4) & (a4 != c4)
+    ok4 = (best4 > tiny) & distinct4 & (~ok3 | (best4 > best3))
+    ok3 = ok3 & ~ok4
+    sel = ok3.nonzero().squeeze(1)
+    _apply_path(mask, idx, graph, sel, [i3[sel], a3[sel], k3[sel]])
+    sel = ok4.nonzero().squeeze(1)
+    _apply_path(mask, idx, graph, sel, [i4[sel], a4[sel], k4[sel], c4[sel]])
+    return ok3 | ok4
+
+
+def cycle_search(mask: torch.Tensor, w: torch.Tensor, max_sweeps: int) -> tuple[torch.Tensor, int]:
+    """Cancel positive 2-, 3- and 4-cycles of the row graph until none is left or `max_sweeps` ran.
+
+    mask: (B, M, M) feasible, w: (B, M, M) → (mask (B, M, M) feasible with objective ≥ the input's,
+    sweeps run). A sweep applies a set of row-disjoint positive 2-cycles in every active block, or,
+    where there is none, its best positive 3- or 4-cycle; blocks with neither leave the active set.
+    """
+    B, M, _ = mask.shape
+    mask = mask.clone()
+    active = torch.arange(B, device=mask.device)
+    sweeps = 0
+    tiny = 1e-6 * float(w.amax()) if w.numel() else 0.0
+    while sweeps < max_sweeps and active.numel() > 0:
+        sweeps += 1
+        graph = _RowGraph.build(mask[active], w[active])
+        moved = _apply_two_cycles(mask, active, graph, tiny)  # (b,)
+        rest = (~moved).nonzero().squeeze(1)
+        if rest.numel() > 0:
+            sub = _RowGraph(graph.add[rest], graph.remove[rest], graph.d[rest])
+            moved[rest] = _apply_long_cycle(mask, active[rest], sub, tiny)
+        active = active[moved]
+    return mask, sweeps
+
+
+def _tau_schedule(tau: float, stages: int) -> list[float]:
+    """Geometric ε-scaling ending at `tau`: tau/2^(stages-1), …, tau/2, tau."""
+    return [tau / 2 ** (stages - 1 - s) for s in range(stages)]
+
+
+def _topn(scores: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """scores: (B, M, M) → mask (B, M, M) bool with the n largest along `dim`."""
+    idx = scores.topk(n, dim=dim).indices
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(dim, idx, True)
+
+
+Rounding = Literal["greedy", "rowcol"]
+
+
+def _round(reduced: torch.Tensor, w: torch.Tensor, n: int, rounding: Rounding) -> torch.Tensor:
+    """reduced, w: (B, M, M) → feasible mask (B, M, M) from the reduced costs.
+
+    "greedy" is Algorithm 2's greedy selection (M² sequential steps); "rowcol" keeps the top n of
+    each row by reduced cost, then the top n of each column among those (two `topk`, no sequential
+    loop), leaving somewhat larger deficits for `complete_feasibility` and the cycle search.
+    """
+    if rounding == "greedy":
+        start = greedy_select(reduced, n)
+    elif rounding == "rowcol":
+        rows = _topn(reduced, n, dim=2)
+        start = _topn(reduced.masked_fill(~rows, float("-inf")), n, dim=1) & rows
+    else:
+        raise ValueError(f"unknown rounding {rounding!r}; choose 'greedy' or 'rowcol'")
+    return complete_feasibility(start, w, n).mask
+
+
+@register(
+    "tsenor",
+    "TSENOR: ε-scaled entropic OT (Alg. 1) + rounding on reduced costs + cycle cancelling; fast, near-exact",
+    supports_init=True,
+)
+def tsenor(
+    blocks: torch.Tensor,
+    n: int,
+    *,
+    init: DualState | None = None,
+    tau: float = 200.0,
+    stages: int = 4,
+    iterations: int = 25,
+    tol: float = 1e-3,
+    rounding: Rounding = "rowcol",
+    sweeps: int = 30,
+) -> BlockSolution:
+    """blocks: (B, M, M) non-negative → mask (B, M, M) bool, exactly n per row and column.
+
+    Options (defaults chosen by measurement on SmolLM2 tiles, see docs/solver.md): `tau`, the final
+    inverse temperature on max-normalized scores; `stages`, ε-scaling stages ending at `tau`;
+    `iterations`, the Sinkhorn budget per stage; `tol`, the row-marginal tolerance for early stop;
+    `rounding`, see `_round`; `sweeps`, the cycle-cancelling budget (0 disables it).
+    With `init` (the state of an earlier solve on similar scores) only the final stage runs, and
+    the cycle search starts from the earlier mask instead of a fresh rounding.
+    """
+    B, M, _ = blocks.shape
+    if M == 4 and init is None:
+        from tsenor_cli.solver.exhaustive import exhaustive
+
+        # M = 4 has at most 90 candidate masks: enumeration is optimal and faster.
+        return exhaustive(blocks, n)
+    work = blocks if blocks.dtype in (torch.float32, torch.float64) else blocks.float()
+    scale = _block_scale(work)  # (B,)
+    w = work / scale[:, None, None]  # (B, M, M) in [0, 1]
+    if init is not None:
+        ratio = (init.scale.to(work) / scale)[:, None]  # (B, 1): old units → new units
+        u0, v0 = init.row.to(work) * ratio, init.col.to(work) * ratio
+        taus = [tau]
+    else:
+        # Start from the row-wise top-n threshold: a dual point close to the answer.
+        u0 = w.topk(n, dim=2).values[:, :, n - 1] - 0.5 / tau
+        v0 = w.new_zeros(B, M)
+        taus = _tau_schedule(tau, stages)
+    u, v, its = capped_sinkhorn(w, n, taus, iterations, tol, u0, v0)
+
+    if init is not None and init.mask is not None:
+        mask = init.mask.to(blocks.device)
+    else:
+        mask = _round(w - u[:, :, None] - v[:, None, :], w, n, rounding)
+    if sweeps > 0:
+        mask, _ = cycle_search(mask, w, sweeps)
+
+    # Two rounds of exact dual coordinate descent from the Sinkhorn potentials tighten the bound.
+    upper = coordinate_upper_bound(w, n, row=u, col=v, rounds=2) * scale.double()  # (B,)
+    return BlockSolution(
+        mask=mask,
+        upper_bound=upper if bool(torch.isfinite(upper).all()) else None,
+        state=DualState(row=u, col=v, scale=scale, mask=mask),
+        iterations=its,
+    )

@@ -10,15 +10,17 @@ import torch
 
 @dataclass(frozen=True)
 class DualState:
-    """Dual potentials of the block LP, reusable as a warm start.
+    """What a solve leaves for a warm start on similar scores (ALPS re-solves every iteration).
 
-    row: (B, M), col: (B, M), in the units of the (per-block normalized) scores the method solved.
-    `scale`: (B,) the per-block normalization the potentials are expressed in.
+    row: (B, M), col: (B, M) dual potentials of the block LP, in the units of the per-block
+    normalized scores the method solved; scale: (B,) that per-block normalization;
+    mask: (B, M, M) bool, the mask found, or None.
     """
 
     row: torch.Tensor
     col: torch.Tensor
     scale: torch.Tensor
+    mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

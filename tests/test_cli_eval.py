@@ -1,0 +1,162 @@
+"""`tsenor eval`: eval.json content, --force protection, option validation and error exits."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_tiny import make_tiny_llama
+from typer.testing import CliRunner
+
+from tsenor_cli.cli import app
+from tsenor_cli.data.eval_text import eval_token_stream
+from tsenor_cli.errors import InputNotFoundError, OutputExistsError, UsageError
+from tsenor_cli.evaluation.perplexity import perplexity
+from tsenor_cli.models.loading import load_model
+from tsenor_cli.report.schema import EvalRecord
+
+pytestmark = [pytest.mark.realdata, pytest.mark.usefixtures("hub_off")]
+
+
+@pytest.fixture
+def hub_off(monkeypatch: pytest.MonkeyPatch, data_dir: Path) -> None:
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TSENOR_DATA_DIR", str(data_dir))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("cli") / "tiny", max_position_embeddings=256)
+
+
+def invoke(args: list[str]):
+    return CliRunner().invoke(app, ["eval", *args])
+
+
+def test_eval_writes_eval_json(tiny: Path, tmp_path: Path, data_dir: Path) -> None:
+    out = tmp_path / "run"
+    args = [
+        "--model",
+        str(tiny),
+        "--ppl",
+        "wikitext2,ptb",
+        "--seqlen",
+        "64",
+        "--max-windows",
+        "2",
+        "--output",
+        str(out),
+    ]
+    result = invoke([*args, "--json"])
+    assert result.exit_code == 0, result.output
+    written = json.loads((out / "eval.json").read_text())
+    assert json.loads(result.stdout) == written
+    assert written["model"] == str(tiny) and written["seqlen"] == 64 and written["zeroshot"] is None
+    assert set(written["versions"]) == {"tsenor", "torch", "transformers", "datasets", "lm-eval"}
+    assert set(written["perplexity"]) == {"wikitext2", "ptb"}
+    wt2 = written["perplexity"]["wikitext2"]
+    assert wt2["windows"] == 2 and wt2["offline"] is True and "wiki.test.raw" in wt2["data"]
+    # the number is the library's perplexity on the same stream
+    loaded = load_model(str(tiny))
+    text = eval_token_stream("ptb", loaded.tokenizer, seqlen=64, data_dir=data_dir)
+    direct = perplexity(loaded.model, text.input_ids, seqlen=64, max_windows=2, device="cpu")
+    assert written["perplexity"]["ptb"]["ppl"] == pytest.approx(direct.ppl, rel=1e-6)
+    # `tsenor report` reads it
+    record = EvalRecord.from_json(written)
+    assert record.perplexity["ptb"].ppl == pytest.approx(written["perplexity"]["ptb"]["ppl"])
+    assert not list(out.glob(".eval.json.*"))  # no temp file left behind
+
+    before = (out / "eval.json").read_bytes()
+    again = invoke(args)
+    assert isinstance(again.exception, OutputExistsError) and again.exception.exit_code == 4
+    assert "--force" in str(again.exception)
+    assert (out / "eval.json").read_bytes() == before  # untouched
+
+    forced = invoke([*args, "--ppl", "c4", "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert set(json.loads((out / "eval.json").read_text())["perplexity"]) == {"c4"}
+    assert "c4" in forced.stdout and "ppl" in forced.stdout  # the human table
+
+
+def test_seqlen_default_capped_by_model(tiny: Path) -> None:
+    result = invoke(["--model", str(tiny), "--ppl", "ptb", "--max-windows", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["seqlen"] == 256  # min(2048, max_position_embeddings)
+    too_long = invoke(["--model", str(tiny), "--ppl", "ptb", "--seqlen", "512"])
+    assert isinstance(too_long.exception, UsageError) and "max_position_embeddings 256" in str(
+        too_long.exception
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ppl", "wikitext3"], "unknown --ppl dataset(s) wikitext3"),
+        (["--ppl", "none"], "nothing to evaluate"),
+        (["--batch-size", "0"], "--batch-size 0"),
+        (["--dtype", "int4"], "unknown dtype"),
+        (["--max-windows", "0"], "--max-windows must be positive"),
+    ],
+)
+def test_bad_options(tiny: Path, args: list[str], message: str) -> None:
+    result = invoke(["--model", str(tiny), *args])
+    assert isinstance(result.exception, UsageError), result.output
+    assert message in str(result.exception)
+
+
+def test_missing_model_and_hub_id(tmp_path: Path) -> None:
+    missing = invoke(["--model", str(tmp_path / "nope")])
+    assert isinstance(missing.exception, InputNotFoundError) and "does not exist" in str(missing.exception)
+    hub = invoke(["--model", "tsenor-nonexistent-org/model"])
+    assert isinstance(hub.exception, InputNotFoundError)
+    assert "cannot download tsenor-nonexistent-org/model (offline or no access)" in str(hub.exception)
+
+
+def test_tasks_without_zeroshot_module(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tsenor_cli.evaluation.zeroshot", None)  # import now fails
+    result = invoke(["--model", str(tiny), "--tasks", "piqa"])
+    assert isinstance(result.exception, UsageError)
+    assert "zero-shot evaluation is not available in this build" in str(result.exception)
+
+
+def test_main_exit_code_and_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Through the console-script entry: one `error:` line on stderr and exit code 3, no traceback."""
+    from tsenor_cli.cli import main
+
+    monkeypatch.delenv("TSENOR_DEBUG", raising=False)
+    monkeypatch.setattr(sys, "argv", ["tsenor", "eval", "--model", str(tmp_path / "missing-ckpt")])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 3
+    err = capsys.readouterr().err
+    assert err.startswith("error: model directory") and "Traceback" not in err
+    assert not (tmp_path / "missing-ckpt").exists()
+
+
+def test_eval_bf16_model_runs(tiny: Path) -> None:
+    result = invoke(
+        [
+            "--model",
+            str(tiny),
+            "--ppl",
+            "ptb",
+            "--seqlen",
+            "32",
+            "--max-windows",
+            "1",
+            "--dtype",
+            "bf16",
+            "--json",
+        ]
+    )
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["dtype"] == "bfloat16" and torch.isfinite(
+        torch.tensor(payload["perplexity"]["ptb"]["ppl"])
+    )

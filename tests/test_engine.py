@@ -1,0 +1,257 @@
+"""The block-by-block engine and `tsenor prune` / `tsenor verify` end to end on a tiny random LLaMA."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from helpers_tiny import make_tiny_llama
+from tsenor_cli.cli import app
+from tsenor_cli.errors import TsenorError
+from tsenor_cli.pruning.api import prune_model
+from tsenor_cli.pruning.config import PruneConfig
+from tsenor_cli.pruning.resume import RESUME_DIRNAME
+from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+
+FAST = ["--nm", "2:4", "--solver", "exhaustive", "--nsamples", "4", "--seqlen", "32", "--calib-data", "wikitext2"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "src")
+
+
+def _invoke(args: list[str]) -> object:
+    """Run the CLI as the console script does: known errors become their exit code."""
+    result = CliRunner().invoke(app, args)
+    if isinstance(result.exception, TsenorError):
+        result.exit_code = result.exception.exit_code  # what main() would exit with
+    return result
+
+
+def _tree_hash(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir()) if p.is_file()}
+
+
+def _weights_hash(path: Path) -> str:
+    tensors = load_file(str(path / "model.safetensors"))
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_prune_cli_end_to_end(tiny: Path, tmp_path: Path, data_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    before = _tree_hash(tiny)
+    out = tmp_path / "pruned"
+    result = _invoke(["prune", "--model", str(tiny), "--method", "wanda", *FAST, "--output", str(out), "--json"])
+    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    assert _tree_hash(tiny) == before  # the input checkpoint is untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pruned"]  # no temp leftovers
+    report = json.loads((out / "tsenor_report.json").read_text())
+    assert report["totals"]["layers_pruned"] == 14 and report["settings"]["seed"] == 0
+    assert all(0.0 < layer["recon_error"] < 1.0 and layer["gap"] == 0.0 for layer in report["layers"])
+    assert "rel. error" in (out / "tsenor_report.md").read_text()
+    config = json.loads((out / "config.json").read_text())
+    assert config["tsenor_sparsity"]["pattern"] == "2:4" and config["tsenor_sparsity"]["transposable"] is True
+    model = AutoModelForCausalLM.from_pretrained(out)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert float((q == 0).float().mean()) == pytest.approx(0.5)
+    with torch.no_grad():
+        logits = model(torch.arange(10)[None, :]).logits
+    assert bool(torch.isfinite(logits).all())
+    verified = _invoke(["verify", str(out)])
+    assert verified.exit_code == 0, verified.output  # type: ignore[attr-defined]
+    assert "satisfy 2:4" in verified.output  # type: ignore[attr-defined]
+
+
+def test_verify_flags_a_tampered_weight(tiny: Path, tmp_path: Path, data_dir: Path) -> None:
+    out = tmp_path / "pruned"
+    assert _invoke(["prune", "--model", str(tiny), "--method", "magnitude", *FAST, "--output", str(out)]).exit_code == 0  # type: ignore[attr-defined]
+    tensors = load_file(str(out / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    w = tensors[name].clone()
+    w[0, :4] = 1.0  # a full row of a 4×4 tile: 4 > N = 2
+    tensors[name] = w
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    result = _invoke(["verify", str(out)])
+    assert result.exit_code == 6
+    assert "model.layers.1.mlp.up_proj" in result.output  # type: ignore[attr-defined]
+
+
+def test_reconstruction_methods_beat_wanda_through_the_engine(tmp_path: Path, data_dir: Path) -> None:
+    src = make_tiny_llama(tmp_path / "one", hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, num_layers=1)
+    errors = {}
+    for name in ("wanda", "sparsegpt", "alps"):
+        cfg = PruneConfig(
+            model=str(src),
+            layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exhaustive"),
+            method=name,
+            calib_data="wikitext2",
+            nsamples=4,
+            seqlen=32,
+            output=tmp_path / name,
+        )
+        errors[name] = prune_model(cfg).totals()["mean_recon_error"]
+    assert errors["alps"] < errors["wanda"] and errors["sparsegpt"] < errors["wanda"]
+
+
+def test_engine_dense_pass_reproduces_the_model(tiny: Path) -> None:
+    """Captured block-0 inputs run through every block (+ norm + head) give the model's own logits."""
+    from tsenor_cli.models.loading import load_model
+    from tsenor_cli.pruning.engine import block_kwargs, capture_block_inputs, run_block
+
+    loaded = load_model(str(tiny))
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    hidden = capture_block_inputs(loaded.model, loaded.adapter, ids, torch.device("cpu"))
+    for index, block in enumerate(loaded.adapter.decoder_layers(loaded.model)):
+        out = torch.empty_like(hidden)
+        run_block(block, hidden, block_kwargs(loaded.model, loaded.adapter, hidden, index, torch.device("cpu")), out)
+        hidden = out
+    with torch.no_grad():
+        logits = loaded.adapter.lm_head(loaded.model)(loaded.adapter.final_norm(loaded.model)(hidden))
+        expected = loaded.model(ids).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny: Path, tmp_path: Path, data_dir: Path) -> None:
+    def cfg(output: Path, resume: bool) -> PruneConfig:
+        return PruneConfig(
+            model=str(tiny),
+            layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exhaustive"),
+            method="sparsegpt",
+            calib_data="wikitext2",
+            nsamples=4,
+            seqlen=32,
+            output=output,
+            resume=resume,
+        )
+
+    full = tmp_path / "full"
+    prune_model(cfg(full, resume=False))
+
+    class Killed(RuntimeError):
+        pass
+
+    def kill_after_first(index: int) -> None:
+        if index == 0:
+            raise Killed
+
+    out = tmp_path / "resumed"
+    with pytest.raises(Killed):
+        prune_model(cfg(out, resume=True), after_block=kill_after_first)
+    assert sorted(p.name for p in out.iterdir()) == [RESUME_DIRNAME]
+    # Without --resume the half-done folder is refused, not silently overwritten.
+    refused = _invoke(["prune", "--model", str(tiny), "--method", "sparsegpt", *FAST, "--output", str(out)])
+    assert refused.exit_code == 4 and "--resume" in str(refused.exception)  # type: ignore[attr-defined]
+    messages: list[str] = []
+    report = prune_model(cfg(out, resume=True), progress=messages.append)
+    assert report.resumed_from_block == 1
+    assert any("resuming after block 1/2" in m for m in messages)
+    assert not any(m == "block 1/2" for m in messages)  # block 0 was not redone
+    assert _weights_hash(out) == _weights_hash(full)
+    assert not (out / RESUME_DIRNAME).exists()
+    full_errors = [r["recon_error"] for r in json.loads((full / "tsenor_report.json").read_text())["layers"]]
+    assert [r.recon_error for r in report.layers] == full_errors
+
+
+def test_dry_run_writes_nothing(tiny: Path, tmp_path: Path) -> None:
+    out = tmp_path / "never"
+    result = _invoke(["prune", "--model", str(tiny), "--nm", "16:32", "--dry-run", "--output", str(out), "--json"])
+    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    plan = json.loads(result.output)  # type: ignore[attr-defined]
+    assert len(plan["layers"]) == 14 and plan["incompatible"] == 0
+    assert plan["estimated_device_bytes"] > 0
+    assert not out.exists()
+    bad = _invoke(["prune", "--model", str(tiny), "--nm", "24:48", "--dry-run"])
+    assert bad.exit_code == 0 and "NO:" in bad.output  # type: ignore[attr-defined]
+
+
+def test_config_file_values_are_overridden_by_flags(tiny: Path, tmp_path: Path) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f'model: {tiny}\nnm: "8:16"\nmethod: magnitude\nnsamples: 7\n')
+    result = _invoke(["prune", "--config", str(recipe), "--nsamples", "3", "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    plan = json.loads(result.output)  # type: ignore[attr-defined]
+    assert plan["nsamples"] == 3 and plan["pattern"] == "8:16" and plan["method"] == "magnitude"
+    unquoted = tmp_path / "unquoted.yaml"
+    unquoted.write_text(f"model: {tiny}\nnm: 8:16\n")
+    assert _invoke(["prune", "--config", str(unquoted), "--dry-run"]).exit_code == 2  # type: ignore[attr-defined]
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text(f"model: {tiny}\nnm: '8:16'\nlearning_rate: 1\n")
+    assert _invoke(["prune", "--config", str(unknown), "--dry-run"]).exit_code == 2  # type: ignore[attr-defined]
+
+
+def test_every_bad_input_gets_its_exit_code(tiny: Path, tmp_path: Path, data_dir: Path) -> None:
+    base = ["prune", "--model", str(tiny), "--method", "magnitude", "--solver", "exhaustive"]
+    cases = {
+        2: [*base, "--nm", "16-32", "--output", str(tmp_path / "a")],
+        3: ["prune", "--model", str(tmp_path / "missing" / "model"), "--nm", "2:4", "--output", str(tmp_path / "c")],
+        5: [*base, "--nm", "24:48", "--nsamples", "2", "--seqlen", "16", "--output", str(tmp_path / "d")],
+    }
+    for code, args in cases.items():
+        result = _invoke(args)
+        assert result.exit_code == code, (args, result.output)  # type: ignore[attr-defined]
+        assert "; " in str(result.exception) or code == 2  # the message names the fix
+    both = _invoke([*base, "--nm", "2:4", "--sparsity", "0.5", "--output", str(tmp_path / "b")])
+    assert both.exit_code == 2 and "exactly one" in str(both.exception)  # type: ignore[attr-defined]
+    unreadable = _invoke([*base, "--nm", "2:4", "--calib-data", str(tmp_path / "nope.txt"), "--output", str(tmp_path / "e")])
+    assert unreadable.exit_code == 3  # type: ignore[attr-defined]
+    incompatible = _invoke([*base, "--nm", "24:48", "--output", str(tmp_path / "f")])
+    assert incompatible.exit_code == 5 and "--skip-incompatible" in str(incompatible.exception)  # type: ignore[attr-defined]
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    taken = _invoke([*base, "--nm", "2:4", "--output", str(existing)])
+    assert taken.exit_code == 4 and (existing / "keep.txt").read_text() == "mine"  # type: ignore[attr-defined]
+    onto_input = _invoke([*base, "--nm", "2:4", *FAST[4:], "--output", str(tiny), "--force"])
+    assert onto_input.exit_code == 2  # type: ignore[attr-defined]
+    assert (tiny / "config.json").is_file() and "tsenor_sparsity" not in (tiny / "config.json").read_text()
+    for name in ("a", "b", "c", "d", "e", "f"):
+        assert not (tmp_path / name).exists()
+
+
+def test_skip_incompatible_leaves_layers_dense(tmp_path: Path, data_dir: Path) -> None:
+    src = make_tiny_llama(tmp_path / "odd", hidden_size=64, intermediate_size=80, num_layers=1)
+    out = tmp_path / "out"
+    args = ["prune", "--model", str(src), "--method", "wanda", "--nm", "16:32", "--solver", "exact"]
+    args += ["--nsamples", "2", "--seqlen", "16", "--calib-data", "wikitext2", "--output", str(out)]
+    assert _invoke(args).exit_code == 5  # type: ignore[attr-defined]
+    result = _invoke([*args, "--skip-incompatible"])
+    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    report = json.loads((out / "tsenor_report.json").read_text())
+    skipped = {r["name"] for r in report["layers"] if r["status"] == "skipped"}
+    assert skipped == {"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"}
+    assert _invoke(["verify", str(out)]).exit_code == 0  # type: ignore[attr-defined]
+    shutil.rmtree(out)
+
+
+@pytest.mark.realmodel
+@pytest.mark.realdata
+@pytest.mark.slow
+def test_smollm2_prunes_end_to_end_with_sane_perplexity(smollm2_path: Path, tmp_path: Path, data_dir: Path) -> None:
+    """SmolLM2-135M, wanda 2:4 transposable (exhaustive = provably optimal masks), 8×128 calibration."""
+    from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
+    from tsenor_cli.models.loading import load_model
+
+    out = tmp_path / "smol"
+    args = ["prune", "--model", str(smollm2_path), "--method", "wanda", "--nm", "2:4", "--solver", "exhaustive"]
+    args += ["--nsamples", "8", "--seqlen", "128", "--output", str(out)]
+    result = _invoke(args)
+    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    assert _invoke(["verify", str(out)]).exit_code == 0  # type: ignore[attr-defined]
+    eval_cfg = EvalConfig(ppl_datasets=("wikitext2",), seqlen=256, max_windows=2, data_dir=data_dir)
+    dense = evaluate_model(load_model(str(smollm2_path)), eval_cfg).perplexity["wikitext2"].result.ppl
+    pruned = evaluate_model(load_model(str(out)), eval_cfg).perplexity["wikitext2"].result.ppl
+    assert math.isfinite(pruned) and dense < pruned < 50 * dense

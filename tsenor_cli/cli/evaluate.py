@@ -1,0 +1,192 @@
+"""`tsenor eval --model M`: perplexity (WikiText2, PTB, C4) and optional zero-shot tasks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, cast
+
+import typer
+
+from tsenor_cli.cli import app
+from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
+from tsenor_cli.errors import OutputExistsError, UsageError
+from tsenor_cli.evaluation.runner import EvalConfig, EvalReport, evaluate_model
+from tsenor_cli.models.loading import load_model, parse_dtype
+
+EVAL_FILE = "eval.json"
+
+
+def parse_list(text: str | None, option: str) -> tuple[str, ...]:
+    """ "a,b , c" → ("a", "b", "c"); "" or "none" → (); empty items are refused."""
+    if text is None or text.strip().lower() in ("", "none"):
+        return ()
+    items = tuple(item.strip() for item in text.split(","))
+    if any(not item for item in items):
+        raise UsageError(f"{option} {text!r} has an empty item; pass a comma-separated list like a,b")
+    return items
+
+
+def parse_ppl_datasets(text: str | None) -> tuple[DatasetName, ...]:
+    items = parse_list(text, "--ppl")
+    unknown = [item for item in items if item not in DATASET_NAMES]
+    if unknown:
+        raise UsageError(
+            f"unknown --ppl dataset(s) {', '.join(unknown)}; "
+            f"use a subset of {','.join(DATASET_NAMES)} or none"
+        )
+    return cast(tuple[DatasetName, ...], items)
+
+
+def parse_batch_size(text: str) -> int | str:
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError as exc:
+        raise UsageError(f"--batch-size {text!r} must be a positive integer or 'auto'") from exc
+    if value < 1:
+        raise UsageError(f"--batch-size {value} must be a positive integer or 'auto'")
+    return value
+
+
+def parse_limit(text: str | None) -> int | float | None:
+    """lm-eval's limit: an integer document count, or a fraction in (0, 1]."""
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError as exc:
+        raise UsageError(f"--limit {text!r} must be a document count or a fraction in (0, 1]") from exc
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write JSON to a temp sibling, then rename it over `path` (never a half-written file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(payload, handle, indent=2)
+            handle.write("\n")
+        tmp.chmod(0o644)
+        tmp.replace(path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def format_table(report: EvalReport) -> str:
+    """A human table: one row per perplexity dataset, then zero-shot accuracies when run."""
+    lines = [
+        f"model {report.model} ({report.model_type}, {report.dtype}, {report.device}), seqlen {report.seqlen}"
+    ]
+    if report.perplexity:
+        lines.append(f"{'dataset':<10} {'ppl':>12} {'windows':>8} {'tokens':>9}  data")
+        for name, entry in report.perplexity.items():
+            r = entry.result
+            ppl = f"{r.ppl:.3f}" if math.isfinite(r.ppl) else str(r.ppl)
+            lines.append(
+                f"{name:<10} {ppl:>12} {r.windows:>8} {r.tokens:>9}  {'offline' if entry.offline else 'hub'}"
+            )
+    if report.zeroshot is not None:
+        zs = report.zeroshot.to_json()
+        lines.append(f"{'task':<14} {'acc':>8} {'acc_norm':>9}")
+        for task, metrics in zs["tasks"].items():
+            norm = metrics.get("acc_norm")
+            lines.append(
+                f"{task:<14} {metrics['acc']:>8.4f} {norm if norm is None else format(norm, '.4f'):>9}"
+            )
+        lines.append(f"{'average (acc)':<14} {zs['average']:>8.4f}")
+    lines.extend(f"data {name}: {entry.description}" for name, entry in report.perplexity.items())
+    lines.append(f"took {report.seconds:.1f} s")
+    return "\n".join(lines)
+
+
+@app.command("eval")
+def eval_cmd(
+    model: str = typer.Option(
+        ..., "--model", help="Embedded name (smollm2-135m), local checkpoint dir, or hub id."
+    ),
+    ppl: str = typer.Option(
+        ",".join(DATASET_NAMES), "--ppl", help="Perplexity datasets (comma list) or 'none'."
+    ),
+    tasks: str | None = typer.Option(
+        None, "--tasks", help="Zero-shot tasks (comma list), e.g. piqa,arc_easy."
+    ),
+    num_fewshot: int = typer.Option(0, "--num-fewshot", min=0, help="Few-shot examples for zero-shot tasks."),
+    limit: str | None = typer.Option(
+        None, "--limit", help="Zero-shot documents per task (count or fraction)."
+    ),
+    batch_size: str = typer.Option("auto", "--batch-size", help="Batch size (integer or 'auto')."),
+    seqlen: int | None = typer.Option(
+        None, "--seqlen", help="Perplexity window (default 2048, capped by the model)."
+    ),
+    max_windows: int | None = typer.Option(None, "--max-windows", help="Evaluate only the first N windows."),
+    dtype: str = typer.Option(
+        "auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16."
+    ),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow custom model code."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Directory to write eval.json into."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing eval.json."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+) -> None:
+    """Evaluate a model: perplexity (SparseGPT protocol) and optional lm-eval zero-shot tasks."""
+    # Validate every option before the (slow) model load, so a typo fails at once.
+    cfg = EvalConfig(
+        ppl_datasets=parse_ppl_datasets(ppl),
+        tasks=parse_list(tasks, "--tasks"),
+        num_fewshot=num_fewshot,
+        limit=parse_limit(limit),
+        batch_size=parse_batch_size(batch_size),
+        seqlen=seqlen,
+        max_windows=max_windows,
+    )
+    if not cfg.ppl_datasets and not cfg.tasks:
+        raise UsageError(
+            "nothing to evaluate: --ppl none and no --tasks; pass --ppl wikitext2 or --tasks piqa"
+        )
+    torch_dtype = parse_dtype(dtype)
+    target = output / EVAL_FILE if output is not None else None
+    if target is not None:
+        if output is not None and output.exists() and not output.is_dir():
+            raise UsageError(f"--output {output} is a file; pass a directory")
+        if target.exists() and not force:
+            raise OutputExistsError(
+                f"{target} already exists; pass --force to overwrite it or choose another --output"
+            )
+    if cfg.tasks:
+        _check_zeroshot_available()
+
+    def progress(message: str) -> None:
+        typer.echo(message, err=True)
+
+    loaded = load_model(
+        model, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code, progress=progress
+    )
+    report = evaluate_model(loaded, cfg, progress=progress)
+    payload = report.to_json()
+    if target is not None:
+        write_json_atomic(target, payload)
+        progress(f"wrote {target}")
+    if as_json:
+        typer.echo(json.dumps(payload, indent=2))
+    else:
+        typer.echo(format_table(report))
+
+
+def _check_zeroshot_available() -> None:
+    try:
+        import tsenor_cli.evaluation.zeroshot  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name != "tsenor_cli.evaluation.zeroshot":
+            raise
+        raise UsageError("zero-shot evaluation is not available in this build; omit --tasks") from exc

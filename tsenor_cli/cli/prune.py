@@ -1,0 +1,298 @@
+"""`tsenor prune`: parse and cross-check flags, hand a frozen `PruneConfig` to the library."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import typer
+import yaml
+from typer._click.core import ParameterSource
+
+from tsenor_cli.cli import app
+from tsenor_cli.errors import InputNotFoundError, UsageError
+from tsenor_cli.nm import parse_nm
+from tsenor_cli.pruning.config import PruneConfig
+from tsenor_cli.pruning.registry import PRUNERS
+from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.solver import METHODS
+
+NAMED_CALIBRATION = ("c4", "wikitext2", "ptb")
+# --method choices, straight from the registry (typer shows an Enum's values as the choices).
+MethodChoice = StrEnum("MethodChoice", {name: name for name in PRUNERS})  # type: ignore[misc]
+# --config keys and the type each must have; anything else in the file is refused.
+CONFIG_KEYS: dict[str, type] = {
+    "model": str,
+    "nm": str,
+    "sparsity": float,
+    "transposable": bool,
+    "method": str,
+    "solver": str,
+    "calib_data": str,
+    "nsamples": int,
+    "seqlen": int,
+    "seed": int,
+    "dtype": str,
+    "device": str,
+    "trust_remote_code": bool,
+    "sequential": bool,
+    "skip_incompatible": bool,
+    "output": str,
+}
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """Read a YAML recipe into {option: value}, refusing unknown keys and wrongly typed values."""
+    if not path.is_file():
+        raise InputNotFoundError(
+            f"--config {path} does not exist; pass a YAML file such as configs/smollm2-alps-16x32.yaml"
+        )
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise UsageError(f"--config {path} is not valid YAML ({exc}); fix the file") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path} must hold a mapping of option: value; fix the file")
+    values: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = str(raw_key).replace("-", "_")
+        if key not in CONFIG_KEYS:
+            raise UsageError(
+                f"--config {path}: unknown key {raw_key!r}; known keys: {', '.join(CONFIG_KEYS)}"
+            )
+        want = CONFIG_KEYS[key]
+        if key == "nm" and not isinstance(value, str):
+            raise UsageError(
+                f'--config {path}: nm must be a quoted string like "16:32" '
+                "(unquoted YAML reads 16:32 as a base-60 number)"
+            )
+        ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise UsageError(f"--config {path}: {key} must be a {want.__name__}, got {value!r}")
+        values[key] = value
+    return values
+
+
+def merge_config(ctx: typer.Context, given: dict[str, Any], config: Path | None) -> dict[str, Any]:
+    """Values from --config, overridden by flags given explicitly on the command line."""
+    if config is None:
+        return given
+    merged = dict(given)
+    for key, value in load_config_file(config).items():
+        if ctx.get_parameter_source(key) != ParameterSource.COMMANDLINE:
+            merged[key] = value
+    return merged
+
+
+def build_config(values: dict[str, Any], *, force: bool, resume: bool, command: str) -> PruneConfig:
+    """Cross-check the merged options and freeze them into a `PruneConfig`."""
+    if not values.get("model"):
+        raise UsageError("--model is required; pass a checkpoint directory, a hub id or smollm2-135m")
+    nm, sparsity = values.get("nm"), values.get("sparsity")
+    if (nm is None) == (sparsity is None):
+        raise UsageError(
+            "pass exactly one of --nm N:M (e.g. --nm 16:32) or --sparsity S (e.g. --sparsity 0.5)"
+        )
+    if nm is not None:
+        parsed = parse_nm(str(nm))
+        pattern = SparsityPattern.from_nm(parsed.n, parsed.m, transposable=bool(values["transposable"]))
+    else:
+        if not values["transposable"]:
+            raise UsageError("--no-transposable applies to --nm patterns only; drop it when using --sparsity")
+        pattern = SparsityPattern.unstructured(float(sparsity))  # type: ignore[arg-type]
+    calib = str(values["calib_data"])
+    if calib not in NAMED_CALIBRATION:
+        path = Path(calib).expanduser()
+        if not path.is_file():
+            raise InputNotFoundError(
+                f"--calib-data {calib} is not a readable file nor one of {', '.join(NAMED_CALIBRATION)}; "
+                "pass c4, wikitext2, ptb or an existing .txt/.jsonl/.json.gz/.parquet file"
+            )
+    output = values.get("output")
+    return PruneConfig(
+        model=str(values["model"]),
+        layer=LayerPruneConfig(pattern=pattern, solver=str(values["solver"])),
+        method=str(values["method"]),
+        calib_data=calib,
+        nsamples=int(values["nsamples"]),
+        seqlen=int(values["seqlen"]),
+        seed=int(values["seed"]),
+        dtype=None if values["dtype"] in (None, "auto") else str(values["dtype"]),
+        device=str(values["device"]),
+        trust_remote_code=bool(values["trust_remote_code"]),
+        sequential=bool(values["sequential"]),
+        skip_incompatible=bool(values["skip_incompatible"]),
+        output=Path(output).expanduser() if output else None,
+        force=force,
+        resume=resume,
+        command=command,
+    )
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+@app.command("prune")
+def prune_cmd(
+    ctx: typer.Context,
+    model: str | None = typer.Option(
+        None, "--model", help="Embedded name (smollm2-135m), checkpoint dir or hub id."
+    ),
+    nm: str | None = typer.Option(
+        None, "--nm", help="N:M pattern, e.g. 16:32 (transposable unless --no-transposable)."
+    ),
+    sparsity: float | None = typer.Option(
+        None, "--sparsity", help="Unstructured sparsity instead of N:M, e.g. 0.5."
+    ),
+    transposable: bool = typer.Option(
+        True, "--transposable/--no-transposable", help="Transposable N:M tiles."
+    ),
+    method: MethodChoice = typer.Option("alps", "--method", help="Pruning method."),
+    solver: str = typer.Option("tsenor", "--solver", help=f"Transposable mask solver: {', '.join(METHODS)}."),
+    calib_data: str = typer.Option("c4", "--calib-data", help="c4, wikitext2, ptb or a text/jsonl file."),
+    nsamples: int = typer.Option(128, "--nsamples", min=1, help="Calibration sequences."),
+    seqlen: int = typer.Option(
+        2048, "--seqlen", min=1, help="Calibration sequence length (capped by the model)."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of the calibration sampling."),
+    dtype: str = typer.Option(
+        "auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16."
+    ),
+    device: str = typer.Option(
+        "cpu", "--device", help="Compute device for one block at a time: cpu, cuda, cuda:N."
+    ),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow custom model code."),
+    sequential: bool = typer.Option(
+        True, "--sequential/--no-sequential", help="Prune [q,k,v],[o],[gate,up],[down] in turn."
+    ),
+    skip_incompatible: bool = typer.Option(
+        False, "--skip-incompatible", help="Leave layers M does not divide dense."
+    ),
+    output: str | None = typer.Option(None, "--output", "-o", help="Directory for the pruned checkpoint."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing non-empty --output."),
+    resume: bool = typer.Option(
+        False, "--resume", help="Save state after each block; continue an interrupted run."
+    ),
+    config: Path | None = typer.Option(
+        None, "--config", help="YAML recipe; explicit flags override its values."
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print the plan (layers, shapes, memory); write nothing."
+    ),
+    run_eval: bool = typer.Option(
+        False, "--eval", help="Evaluate the pruned checkpoint afterwards (eval.json)."
+    ),
+    ppl: str = typer.Option(
+        "wikitext2", "--ppl", help="With --eval: perplexity datasets (comma list) or none."
+    ),
+    tasks: str | None = typer.Option(None, "--tasks", help="With --eval: zero-shot tasks (comma list)."),
+    max_windows: int | None = typer.Option(
+        None, "--max-windows", min=1, help="With --eval: perplexity windows."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+) -> None:
+    """Prune a model to (transposable) N:M or unstructured sparsity, layer by layer."""
+    given = {
+        "model": model,
+        "nm": nm,
+        "sparsity": sparsity,
+        "transposable": transposable,
+        "method": str(method.value),
+        "solver": solver,
+        "calib_data": calib_data,
+        "nsamples": nsamples,
+        "seqlen": seqlen,
+        "seed": seed,
+        "dtype": dtype,
+        "device": device,
+        "trust_remote_code": trust_remote_code,
+        "sequential": sequential,
+        "skip_incompatible": skip_incompatible,
+        "output": output,
+    }
+    command = (
+        shlex.join(["tsenor", *sys.argv[1:]]) if sys.argv and Path(sys.argv[0]).name == "tsenor" else None
+    )
+    cfg = build_config(
+        merge_config(ctx, given, config), force=force, resume=resume, command=command or "tsenor prune"
+    )
+    eval_cfg = None
+    if run_eval:
+        if dry_run:
+            raise UsageError("--eval cannot run with --dry-run (there is no checkpoint); drop one of them")
+        from tsenor_cli.cli.evaluate import parse_list, parse_ppl_datasets
+        from tsenor_cli.evaluation.runner import EvalConfig
+
+        eval_cfg = EvalConfig(
+            ppl_datasets=parse_ppl_datasets(ppl), tasks=parse_list(tasks, "--tasks"), max_windows=max_windows
+        )
+
+    def progress(message: str) -> None:
+        typer.echo(message, err=True)
+
+    if dry_run:
+        from tsenor_cli.pruning.api import plan_model
+
+        plan = plan_model(cfg, progress=progress)
+        if as_json:
+            typer.echo(json.dumps(plan.to_dict(), indent=2))
+            return
+        typer.echo(
+            f"plan: {cfg.method} {cfg.pattern.label} ({cfg.pattern.kind}) on {plan.model} "
+            f"({plan.model_type}, {plan.params / 1e6:.1f}M params, {plan.dtype}), "
+            f"calibration {cfg.calib_data} {plan.nsamples}×{plan.seqlen}"
+        )
+        typer.echo(f"{'layer':<44} {'shape':>13}  compatible")
+        for slot in plan.slots:
+            why = plan.incompatible.get(slot.full_name)
+            shape = f"{slot.out_features}×{slot.in_features}"
+            typer.echo(f"{slot.full_name:<44} {shape:>13}  {'yes' if why is None else 'NO: ' + why}")
+        typer.echo(
+            f"estimated memory: CPU {_human_bytes(plan.cpu_bytes)} (model), "
+            f"{plan.device} {_human_bytes(plan.device_bytes)} (one block, activations, statistics, workspace)"
+        )
+        if plan.incompatible and not cfg.skip_incompatible:
+            typer.echo(
+                f"{len(plan.incompatible)} incompatible layer(s): the run would stop; "
+                "pass --skip-incompatible to leave them dense",
+                err=True,
+            )
+        return
+
+    from tsenor_cli.pruning.api import prune_model
+
+    report = prune_model(cfg, progress=progress)
+    payload: dict[str, Any] = {"prune": report.to_dict()}
+    if eval_cfg is not None and cfg.output is not None:
+        from tsenor_cli.cli.evaluate import EVAL_FILE, format_table, write_json_atomic
+        from tsenor_cli.evaluation.runner import evaluate_model
+        from tsenor_cli.models.loading import load_model, parse_dtype
+
+        loaded = load_model(
+            str(cfg.output), dtype=parse_dtype(cfg.dtype), device=cfg.device, progress=progress
+        )
+        evaluation = evaluate_model(loaded, eval_cfg, progress=progress)
+        write_json_atomic(cfg.output / EVAL_FILE, evaluation.to_json())
+        payload["eval"] = evaluation.to_json()
+        if not as_json:
+            typer.echo(format_table(evaluation))
+    if as_json:
+        typer.echo(json.dumps(payload if eval_cfg is not None else payload["prune"], indent=2))
+        return
+    totals = report.totals()
+    typer.echo(report.to_markdown().split("\n| layer")[0].rstrip())
+    typer.echo(f"wrote {cfg.output} ({totals['layers_pruned']} layers pruned in {report.seconds:.1f} s)")

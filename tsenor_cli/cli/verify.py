@@ -1,0 +1,49 @@
+"""`tsenor verify DIR`: check every pruned weight against the recorded (transposable) N:M pattern."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from tsenor_cli.cli import app
+from tsenor_cli.errors import VerificationError
+from tsenor_cli.pruning.verify import verify_checkpoint
+
+
+@app.command("verify")
+def verify_cmd(
+    directory: Path = typer.Argument(..., help="Checkpoint directory written by tsenor prune."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+) -> None:
+    """Check each M×M tile keeps at most N per row and column (exactly N where weights were non-zero)."""
+    report = verify_checkpoint(directory)
+    meta = report.sparsity
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        unit = {"transposable": "tiles", "nm": "groups", "unstructured": "layer"}.get(meta["kind"], "groups")
+        typer.echo(f"{directory}: {meta['method']} {meta['pattern']} ({meta['kind']})")
+        typer.echo(
+            f"{'layer':<44} {'shape':>11} {unit:>8} {'>N (error)':>11} {'<N (info)':>10} "
+            f"{'density':>8}  status"
+        )
+        for c in report.layers:
+            status = "ok" if c.ok else (c.problem or "VIOLATION")
+            shape = f"{c.shape[0]}×{c.shape[1]}"
+            typer.echo(
+                f"{c.name:<44} {shape:>11} {c.groups:>8} {c.over:>11} {c.under:>10} "
+                f"{c.density:>8.4f}  {status}"
+            )
+        under = sum(c.under for c in report.layers)
+        if under:
+            typer.echo(f"info: {under} rows/columns keep fewer than N (weights that were already zero)")
+    if not report.ok:
+        bad = [c.name for c in report.layers if not c.ok]
+        raise VerificationError(
+            f"{len(bad)} weight(s) violate {meta['pattern']} ({meta['kind']}), first: {bad[0]}; "
+            "the checkpoint was modified after pruning — re-run tsenor prune"
+        )
+    if not as_json:
+        typer.echo(f"all {len(report.layers)} pruned weights satisfy {meta['pattern']} ({meta['kind']})")

@@ -1,0 +1,1 @@
+"""Text data: calibration windows for pruning and token streams for perplexity."""

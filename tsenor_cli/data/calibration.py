@@ -1,0 +1,197 @@
+"""Calibration batches for layer-wise pruning (paper Section 4; SparseGPT/Wanda/ALPS protocol).
+
+``calibration_batches`` returns `nsamples` token windows of `seqlen` tokens:
+
+- ``c4`` (hub): SparseGPT's sampler on ``allenai/c4`` shard ``en/c4-train.00000-of-01024``: pick a random
+  document longer than `seqlen` tokens, then a random window inside it (``random.Random(seed)``).
+- ``c4`` (offline): the data folder's 1,000-document C4-en sample is too short for that (most documents
+  have fewer than 2,048 tokens), so the calibration half of it (documents 500-999; 0-499 are the
+  offline C4 evaluation text) is shuffled with ``random.Random(seed)``, each document is tokenized
+  without special tokens and followed by EOS, and random windows are cut from that one stream.
+- ``wikitext2`` / ``ptb``: the train split joined with " " (as SparseGPT does), random windows. Offline,
+  WikiText-2 train is missing, so its validation split (``wiki.valid.raw``) is used instead.
+- a file path (.txt, .jsonl, .json, .json.gz, .parquet with ``text``): documents joined as for offline C4.
+
+Random windows come from a ``torch.Generator`` seeded with `seed`; the same arguments always give
+the same tensor.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tsenor_cli.data import sources
+from tsenor_cli.errors import UsageError
+
+
+@dataclass(frozen=True)
+class CalibrationData:
+    """input_ids: (nsamples, seqlen) long; where it came from; whether the offline folder was used."""
+
+    input_ids: torch.Tensor
+    source_description: str
+    offline: bool
+
+    @property
+    def nsamples(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seqlen(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def random_windows(
+    stream: torch.Tensor, nsamples: int, seqlen: int, generator: torch.Generator
+) -> torch.Tensor:
+    """stream: (N,) long → (nsamples, seqlen) windows; starts uniform in [0, N - seqlen - 1] as in SparseGPT.
+
+    Needs N > seqlen.
+    """
+    total = int(stream.shape[0])
+    starts = torch.randint(0, total - seqlen, (nsamples,), generator=generator)  # (nsamples,)
+    index = starts[:, None] + torch.arange(seqlen)  # (nsamples, seqlen)
+    return stream[index]
+
+
+def _check_stream(stream: torch.Tensor, seqlen: int, what: str) -> None:
+    if stream.shape[0] <= seqlen:
+        raise UsageError(
+            f"{what} has only {stream.shape[0]} tokens, need more than --seqlen {seqlen}; "
+            "pass more text or a smaller --seqlen"
+        )
+
+
+def _separator(tokenizer: object) -> int:
+    for attr in ("eos_token_id", "sep_token_id", "bos_token_id"):
+        value = getattr(tokenizer, attr, None)
+        if isinstance(value, int):
+            return value
+    raise UsageError(
+        "the tokenizer has no EOS/SEP/BOS token to separate documents; use a tokenizer that defines eos_token"
+    )
+
+
+def _shuffled(docs: tuple[str, ...], seed: int) -> tuple[str, ...]:
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    return tuple(docs[i] for i in order)
+
+
+def _document_windows(
+    tokenizer: object, docs: tuple[str, ...], nsamples: int, seqlen: int, seed: int, what: str
+) -> torch.Tensor:
+    stream = sources.encode_documents(tokenizer, _shuffled(docs, seed), _separator(tokenizer))  # (N,)
+    _check_stream(stream, seqlen, what)
+    return random_windows(stream, nsamples, seqlen, torch.Generator().manual_seed(seed))
+
+
+def _text_windows(
+    tokenizer: object, text: str, nsamples: int, seqlen: int, seed: int, what: str
+) -> torch.Tensor:
+    stream = sources.encode(tokenizer, text)  # (N,)
+    _check_stream(stream, seqlen, what)
+    return random_windows(stream, nsamples, seqlen, torch.Generator().manual_seed(seed))
+
+
+def _c4_hub(tokenizer: object, nsamples: int, seqlen: int, seed: int) -> tuple[CalibrationData | None, str]:
+    """SparseGPT's C4 sampler; (None, why) when the hub is disabled or unreachable."""
+    raw, reason = sources.from_hub(
+        lambda: sources.hub_rows("allenai/c4", None, "train", "text", {"train": sources.C4_TRAIN_SHARD}),
+        f"allenai/c4 {sources.C4_TRAIN_SHARD} (hub)",
+    )
+    if raw is None:
+        return None, reason
+    rng = random.Random(seed)
+    windows = []
+    for _ in range(nsamples):
+        while True:  # a random document longer than seqlen tokens (SparseGPT datautils.get_c4)
+            ids = sources.encode(tokenizer, raw.rows[rng.randint(0, len(raw.rows) - 1)])
+            if ids.shape[0] > seqlen:
+                break
+        start = rng.randint(0, int(ids.shape[0]) - seqlen - 1)
+        windows.append(ids[start : start + seqlen])
+    description = (
+        f"{raw.description}: random document > {seqlen} tokens, random window (SparseGPT), seed {seed}"
+    )
+    return CalibrationData(torch.stack(windows), description, offline=False), ""
+
+
+def calibration_batches(
+    source: str,
+    tokenizer: object,
+    *,
+    nsamples: int = 128,
+    seqlen: int = 2048,
+    seed: int = 0,
+    data_dir: Path | None = None,
+) -> CalibrationData:
+    """`nsamples` windows of `seqlen` tokens from `source` (c4 | wikitext2 | ptb | a file path).
+
+    Returns CalibrationData with input_ids (nsamples, seqlen) long on CPU.
+    """
+    if nsamples < 1 or seqlen < 1:
+        raise UsageError(f"nsamples and seqlen must be positive, got {nsamples} and {seqlen}")
+    if source == "c4":
+        hub, reason = _c4_hub(tokenizer, nsamples, seqlen, seed)
+        if hub is not None:
+            return hub
+        path = sources.offline_file(data_dir, sources.C4_SAMPLE, "c4")
+        docs = sources.read_text_records(path)[sources.C4_EVAL_DOCS :]
+        ids = _document_windows(tokenizer, docs, nsamples, seqlen, seed, str(path))
+        description = (
+            f"offline C4-en sample {path} documents "
+            f"{sources.C4_EVAL_DOCS}-{sources.C4_EVAL_DOCS + len(docs) - 1} "
+            f"(not the c4-train shard; disjoint from the offline C4 eval documents): shuffled (seed {seed}), "
+            f"EOS-separated into one stream, {nsamples} random {seqlen}-token windows [{reason}]"
+        )
+        return CalibrationData(ids, description, offline=True)
+    if source == "wikitext2":
+        raw, reason = sources.from_hub(
+            lambda: sources.hub_rows("wikitext", "wikitext-2-raw-v1", "train", "text"),
+            "wikitext-2-raw-v1 train (hub)",
+        )
+        if raw is None:
+            path = sources.offline_file(data_dir, sources.WIKITEXT2_VALID, "wikitext2")
+            raw = sources.RawText(
+                sources.wikitext_rows(path),
+                f"offline {path} (WikiText-2 VALIDATION split: the train split is not in the data folder) "
+                f"[{reason}]",
+                offline=True,
+            )
+        ids = _text_windows(tokenizer, " ".join(raw.rows), nsamples, seqlen, seed, "wikitext2")
+        return CalibrationData(
+            ids, f"{raw.description}: rows joined with ' ', random windows, seed {seed}", raw.offline
+        )
+    if source == "ptb":
+        raw, reason = sources.from_hub(
+            lambda: sources.hub_rows("ptb_text_only", "penn_treebank", "train", "sentence"),
+            "ptb_text_only train (hub)",
+        )
+        if raw is None:
+            path = sources.offline_file(data_dir, sources.PTB_TRAIN, "ptb")
+            raw = sources.RawText(sources.ptb_sentences(path), f"offline {path} [{reason}]", offline=True)
+        ids = _text_windows(tokenizer, " ".join(raw.rows), nsamples, seqlen, seed, "ptb")
+        return CalibrationData(
+            ids, f"{raw.description}: sentences joined with ' ', random windows, seed {seed}", raw.offline
+        )
+    path = Path(source).expanduser()
+    if (
+        not path.exists()
+        and not any(source.lower().endswith(s) for s in sources.LOCAL_SUFFIXES)
+        and "/" not in source
+    ):
+        raise UsageError(
+            f"unknown calibration source {source!r}; use c4, wikitext2, ptb or a path to a text file"
+        )
+    docs = sources.read_text_records(path)
+    ids = _document_windows(tokenizer, docs, nsamples, seqlen, seed, str(path))
+    description = (
+        f"file {path} ({len(docs)} documents): shuffled (seed {seed}), EOS-separated into one stream, "
+        f"{nsamples} random {seqlen}-token windows"
+    )
+    return CalibrationData(ids, description, offline=True)

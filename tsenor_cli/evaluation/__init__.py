@@ -1,0 +1,1 @@
+"""Model evaluation: perplexity and zero-shot accuracy (lm-evaluation-harness)."""

@@ -1,0 +1,212 @@
+"""Library entry for evaluation: perplexity on WikiText2/PTB/C4 and optional zero-shot tasks.
+
+``evaluate_model(loaded, cfg) -> EvalReport``; ``EvalReport.to_json()`` is the content of ``eval.json``
+(read by ``tsenor report``; see tsenor_cli/report/schema.py for the fields it needs).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from tsenor_cli import __version__
+from tsenor_cli.data.eval_text import eval_token_stream
+from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
+from tsenor_cli.errors import UsageError
+from tsenor_cli.evaluation.perplexity import PerplexityResult, perplexity
+from tsenor_cli.models.loading import LoadedModel
+
+DEFAULT_SEQLEN = 2048
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What to evaluate. seqlen None = min(2048, the model's max positions)."""
+
+    ppl_datasets: tuple[DatasetName, ...] = DATASET_NAMES
+    tasks: tuple[str, ...] = ()
+    num_fewshot: int = 0
+    limit: int | float | None = None
+    batch_size: int | str = "auto"  # lm-eval's; perplexity uses it when it is an integer, else 1
+    seqlen: int | None = None
+    max_windows: int | None = None
+    data_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [d for d in self.ppl_datasets if d not in DATASET_NAMES]
+        if unknown:
+            raise UsageError(
+                f"unknown perplexity dataset(s) {', '.join(unknown)}; use {','.join(DATASET_NAMES)}"
+            )
+        if len(set(self.ppl_datasets)) != len(self.ppl_datasets):
+            raise UsageError(
+                f"perplexity dataset list {','.join(self.ppl_datasets)} repeats a name; give each once"
+            )
+        if self.seqlen is not None and self.seqlen < 2:
+            raise UsageError(f"--seqlen must be at least 2, got {self.seqlen}")
+        if self.max_windows is not None and self.max_windows < 1:
+            raise UsageError(f"--max-windows must be positive, got {self.max_windows}")
+        if self.num_fewshot < 0:
+            raise UsageError(f"--num-fewshot must be >= 0, got {self.num_fewshot}")
+        if isinstance(self.batch_size, int) and self.batch_size < 1:
+            raise UsageError(f"--batch-size must be positive or 'auto', got {self.batch_size}")
+        if isinstance(self.batch_size, str) and self.batch_size != "auto":
+            raise UsageError(f"--batch-size must be a positive integer or 'auto', got {self.batch_size!r}")
+
+
+@dataclass(frozen=True)
+class PerplexityEntry:
+    result: PerplexityResult
+    description: str
+    offline: bool
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.result.to_json(),
+            "data": self.description,
+            "offline": self.offline,
+            "seconds": self.seconds,
+        }
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    model: str
+    source: str
+    model_type: str
+    dtype: str
+    device: str
+    seqlen: int
+    max_windows: int | None
+    perplexity: dict[str, PerplexityEntry]
+    zeroshot: Any | None  # tsenor_cli.evaluation.zeroshot.ZeroShotResult
+    versions: dict[str, str]
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "source": self.source,
+            "model_type": self.model_type,
+            "dtype": self.dtype,
+            "device": self.device,
+            "seqlen": self.seqlen,
+            "max_windows": self.max_windows,
+            "perplexity": {name: entry.to_json() for name, entry in self.perplexity.items()},
+            "zeroshot": self.zeroshot.to_json() if self.zeroshot is not None else None,
+            "versions": self.versions,
+            "seconds": self.seconds,
+        }
+
+
+def package_versions() -> dict[str, str]:
+    """Versions of the libraries that decide the numbers (absent ones are reported as such)."""
+    versions = {"tsenor": __version__}
+    for key, dist in (
+        ("torch", "torch"),
+        ("transformers", "transformers"),
+        ("datasets", "datasets"),
+        ("lm-eval", "lm_eval"),
+    ):
+        try:
+            versions[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[key] = "not installed"
+    return versions
+
+
+def effective_seqlen(loaded: LoadedModel, seqlen: int | None) -> int:
+    """seqlen, or min(2048, max positions); a seqlen beyond the model's max positions is refused."""
+    limit = loaded.max_positions
+    if seqlen is None:
+        return min(DEFAULT_SEQLEN, limit) if limit else DEFAULT_SEQLEN
+    if limit is not None and seqlen > limit:
+        raise UsageError(
+            f"--seqlen {seqlen} exceeds the model's max_position_embeddings {limit}; "
+            f"pass --seqlen {limit} or less"
+        )
+    return seqlen
+
+
+def evaluate_model(
+    loaded: LoadedModel,
+    cfg: EvalConfig,
+    *,
+    progress: Callable[[str], None] | None = None,
+) -> EvalReport:
+    """Perplexity on each of cfg.ppl_datasets, then zero-shot cfg.tasks (when any)."""
+    started = time.perf_counter()
+    seqlen = effective_seqlen(loaded, cfg.seqlen)
+    device = next(loaded.model.parameters()).device
+    ppl_batch = cfg.batch_size if isinstance(cfg.batch_size, int) else 1
+    results: dict[str, PerplexityEntry] = {}
+    for name in cfg.ppl_datasets:
+        t0 = time.perf_counter()
+        text = eval_token_stream(name, loaded.tokenizer, seqlen=seqlen, data_dir=cfg.data_dir)
+        if progress is not None:
+            progress(f"{name}: {text.tokens} tokens ({text.description})")
+        report_step = _window_progress(name, progress)
+        result = perplexity(
+            loaded.model,
+            text.input_ids,
+            seqlen=seqlen,
+            max_windows=cfg.max_windows,
+            device=device,
+            batch_size=ppl_batch,
+            progress=report_step,
+        )
+        results[name] = PerplexityEntry(result, text.description, text.offline, time.perf_counter() - t0)
+        if progress is not None:
+            progress(f"{name}: ppl {result.ppl:.3f} over {result.windows} windows of {seqlen}")
+    zeroshot = None
+    if cfg.tasks:
+        zeroshot = _run_zeroshot(loaded, cfg, progress)
+    return EvalReport(
+        model=loaded.name,
+        source=loaded.source,
+        model_type=loaded.model_type,
+        dtype=str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+        device=str(device),
+        seqlen=seqlen,
+        max_windows=cfg.max_windows,
+        perplexity=results,
+        zeroshot=zeroshot,
+        versions=package_versions(),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _window_progress(name: str, progress: Callable[[str], None] | None) -> Callable[[int, int], None] | None:
+    if progress is None:
+        return None
+    sink = progress
+    started = time.perf_counter()
+
+    def step(done: int, total: int) -> None:
+        sink(f"{name}: window {done}/{total} ({time.perf_counter() - started:.0f} s)")
+
+    return step
+
+
+def _run_zeroshot(loaded: LoadedModel, cfg: EvalConfig, progress: Callable[[str], None] | None) -> Any:
+    try:
+        from tsenor_cli.evaluation.zeroshot import run_zeroshot
+    except ModuleNotFoundError as exc:
+        if exc.name != "tsenor_cli.evaluation.zeroshot":
+            raise
+        raise UsageError("zero-shot evaluation is not available in this build; omit --tasks") from exc
+    return run_zeroshot(
+        loaded.model,
+        loaded.tokenizer,
+        list(cfg.tasks),
+        num_fewshot=cfg.num_fewshot,
+        limit=cfg.limit,
+        batch_size=cfg.batch_size,
+        data_dir=cfg.data_dir,
+        progress=progress,
+    )

@@ -1,0 +1,160 @@
+"""Resolve a ``--model`` value (embedded name, local checkpoint folder or hub id) and load it.
+
+Resolution order: an embedded name (``smollm2-135m``) is materialized into the cache; an existing
+folder is a local checkpoint; a value that looks like a path but does not exist is an error naming
+that path; anything else is a hub id handed to ``from_pretrained``, whose failure (offline, no
+access, unknown id) becomes one InputNotFoundError with the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tsenor_cli.errors import InputNotFoundError, UsageError
+from tsenor_cli.models.adapters import ModelAdapter, adapter_for
+from tsenor_cli.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, is_embedded, materialize
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A causal LM in eval mode with its tokenizer and the adapter for its decoder structure."""
+
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    name: str  # what the user passed
+    source: str  # resolved local folder or hub id
+    adapter: ModelAdapter
+
+    @property
+    def model_type(self) -> str:
+        return str(self.model.config.model_type)
+
+    @property
+    def max_positions(self) -> int | None:
+        value = getattr(self.model.config, "max_position_embeddings", None)
+        return int(value) if value else None
+
+
+def parse_dtype(text: str | None) -> torch.dtype | None:
+    """Parse bf16/bfloat16, fp16/float16, fp32/float32; None or "auto" → None (the device default)."""
+    if text is None or text == "auto":
+        return None
+    key = text.strip().lower()
+    if key not in DTYPES:
+        raise UsageError(f"unknown dtype {text!r}; use one of: auto, {', '.join(sorted(DTYPES))}")
+    return DTYPES[key]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """A torch.device, refusing CUDA when none is present (a clear error rather than a deep traceback)."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"device {device!r} requested but no CUDA device is available; use --device cpu")
+    return resolved
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on CUDA (what the paper's A100 runs use), fp32 on CPU (bf16 matmuls are slow there)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _looks_like_path(name: str) -> bool:
+    # A hub id is "name" or "org/name"; anything with a leading ./ ~ / or more than one slash is a path.
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith("/") or "\\" in name
+
+
+def _hub_error(name: str) -> InputNotFoundError:
+    return InputNotFoundError(
+        f"cannot download {name} (offline or no access); pass a local checkpoint directory with "
+        f"--model /path, or use --model {DEFAULT_MODEL}"
+    )
+
+
+def resolve_source(name: str, *, progress: Callable[[str], None] | None = None) -> tuple[str, bool]:
+    """(source, is_local): a local checkpoint folder, or a hub id to try with from_pretrained."""
+    if not name or not name.strip():
+        raise UsageError(
+            f"--model is empty; pass a local checkpoint directory or one of: {', '.join(EMBEDDED_MODELS)}"
+        )
+    if is_embedded(name):
+        return str(materialize(name, progress=progress)), True
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise InputNotFoundError(
+                f"model path {path} is a file; pass the checkpoint directory that holds config.json"
+            )
+        if not (path / "config.json").is_file():
+            raise InputNotFoundError(
+                f"model directory {path} has no config.json; pass a HF checkpoint directory "
+                f"(config.json + safetensors + tokenizer), or use --model {DEFAULT_MODEL}"
+            )
+        return str(path.resolve()), True
+    if _looks_like_path(name):
+        raise InputNotFoundError(
+            f"model directory {path} does not exist; pass an existing local checkpoint directory, "
+            f"or use --model {DEFAULT_MODEL}"
+        )
+    return name, False
+
+
+def load_model(
+    name: str,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> LoadedModel:
+    """Load `name` as a causal LM in eval mode on `device` (default dtype: bf16 on CUDA, fp32 on CPU).
+
+    Raises InputNotFoundError for a missing folder or an unreachable hub id, and
+    IncompatibleModelError for a model type without an adapter (checked from the config, before the
+    weights are read).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch_device = resolve_device(device)
+    torch_dtype = dtype if dtype is not None else default_dtype(torch_device)
+    source, is_local = resolve_source(name, progress=progress)
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except OSError as exc:
+        if is_local:
+            raise InputNotFoundError(f"cannot read the config of {source}: {exc}") from exc
+        raise _hub_error(name) from exc
+    adapter = adapter_for(str(config.model_type))
+    if progress is not None:
+        progress(f"loading {name} ({config.model_type}, {torch_dtype}) on {torch_device}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, trust_remote_code=trust_remote_code
+        )
+    except OSError as exc:
+        if is_local:
+            raise InputNotFoundError(
+                f"cannot load the checkpoint in {source} ({exc}); "
+                "it needs config.json, *.safetensors and tokenizer files"
+            ) from exc
+        raise _hub_error(name) from exc
+    model = model.to(torch_device)  # type: ignore[arg-type]
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source, adapter=adapter)

@@ -1,0 +1,267 @@
+"""Library entry points: `prune_model(cfg) -> PruneReport` and `plan_model(cfg) -> PrunePlan` (dry run)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tsenor_cli import settings
+from tsenor_cli.errors import UsageError
+from tsenor_cli.pruning.config import PruneConfig
+from tsenor_cli.pruning.engine import (
+    LinearSlot,
+    block_kwargs,
+    capture_block_inputs,
+    check_compatibility,
+    incompatible_slots,
+    linear_slots,
+    prune_block,
+    run_block,
+)
+from tsenor_cli.pruning.output import check_not_input, prepare_output, write_checkpoint
+from tsenor_cli.pruning.registry import get_pruner
+from tsenor_cli.pruning.report import PruneReport, versions
+from tsenor_cli.pruning.resume import records_from_state
+from tsenor_cli.pruning.types import LayerRecord
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_msg: str) -> None:
+    return None
+
+
+def _dtype_and_device(cfg: PruneConfig) -> tuple[torch.dtype, torch.device]:
+    from tsenor_cli.models.loading import default_dtype, parse_dtype, resolve_device
+
+    device = resolve_device(cfg.device)
+    dtype = parse_dtype(cfg.dtype)
+    return (dtype if dtype is not None else default_dtype(device)), device
+
+
+def sparsity_metadata(cfg: PruneConfig, records: list[LayerRecord]) -> dict[str, Any]:
+    """What config.json records under `tsenor_sparsity` (read back by `tsenor verify`)."""
+    from tsenor_cli import __version__
+
+    p = cfg.pattern
+    return {
+        "method": cfg.method,
+        "pattern": p.label,
+        "kind": p.kind,
+        "n": p.n,
+        "m": p.m,
+        "sparsity": p.sparsity,
+        "transposable": p.transposable,
+        "solver": cfg.layer.solver if p.transposable else None,
+        "pruned_modules": [r.name for r in records if r.status == "pruned"],
+        "skipped_modules": [r.name for r in records if r.status != "pruned"],
+        "tsenor_version": __version__,
+    }
+
+
+def prune_model(
+    cfg: PruneConfig,
+    progress: Progress | None = None,
+    *,
+    after_block: Callable[[int], None] | None = None,
+) -> PruneReport:
+    """Prune `cfg.model` block by block and write the checkpoint + reports to `cfg.output`.
+
+    after_block(i) runs once block i is done and its resume state is saved (tests use it to simulate a
+    kill). Raises a `TsenorError` subclass for every input the user can fix, before any output exists.
+    """
+    from tsenor_cli.models.loading import load_model
+
+    say = progress or _quiet
+    start = time.perf_counter()
+    spec = get_pruner(cfg.method)
+    if cfg.output is None:
+        raise UsageError(
+            "--output is required to prune; pass --output DIR (or --dry-run to only print the plan)"
+        )
+    store = prepare_output(cfg.output, force=cfg.force, resume=cfg.resume)
+    dtype, device = _dtype_and_device(cfg)
+    loaded = load_model(
+        cfg.model, dtype=dtype, device="cpu", trust_remote_code=cfg.trust_remote_code, progress=say
+    )
+    check_not_input(cfg.output, loaded.source)
+    model, adapter = loaded.model, loaded.adapter
+    slots = linear_slots(model, adapter)
+    skipped = check_compatibility(slots, cfg.pattern, skip=cfg.skip_incompatible)
+    blocks = adapter.decoder_layers(model)
+    seqlen = min(cfg.seqlen, loaded.max_positions or cfg.seqlen)
+    config_hash = cfg.result_hash()
+
+    records: list[LayerRecord] = []
+    first = 0
+    if store is not None and store.exists():
+        state = store.load_state(config_hash)
+        first = int(state["next_block"])
+        store.restore_blocks(blocks, first)
+        hidden = store.load_hidden(device)
+        records = records_from_state(state)
+        calibration = str(state["calibration"])
+        say(f"resuming after block {first}/{len(blocks)} from {store.root}")
+    else:
+        from tsenor_cli.data.calibration import calibration_batches
+
+        calib = calibration_batches(
+            cfg.calib_data,
+            loaded.tokenizer,
+            nsamples=cfg.nsamples,
+            seqlen=seqlen,
+            seed=cfg.seed,
+            data_dir=settings.data_dir(),
+        )
+        calibration = str(calib.source_description)
+        say(f"calibration: {calibration}, {tuple(calib.input_ids.shape)} tokens")
+        hidden = capture_block_inputs(model, adapter, calib.input_ids, device)  # (S, T, H)
+
+    buffer = torch.empty_like(hidden)
+    for index in range(first, len(blocks)):
+        say(f"block {index + 1}/{len(blocks)}")
+        block = blocks[index]
+        block.to(device)
+        kwargs = block_kwargs(model, adapter, hidden, index, device)
+        records += prune_block(
+            block,
+            index,
+            adapter,
+            slots,
+            skipped,
+            hidden,
+            kwargs,
+            spec,
+            cfg.layer,
+            sequential=cfg.sequential,
+            device=device,
+            progress=say,
+        )
+        run_block(block, hidden, kwargs, buffer)  # the next block sees the pruned outputs
+        hidden, buffer = buffer, hidden
+        block.to("cpu")
+        if store is not None:
+            store.save_block(index, block, hidden, records, config_hash, {"calibration": calibration})
+        if after_block is not None:
+            after_block(index)
+
+    settings_dict = {**cfg.result_fields(), "device": str(device), "seqlen": seqlen}
+    report = PruneReport(
+        settings=settings_dict,
+        layers=tuple(records),
+        calibration=calibration,
+        seconds=time.perf_counter() - start,
+        output=str(cfg.output),
+        command=cfg.command,
+        versions=versions(),
+        resumed_from_block=first if first else None,
+    )
+    say(f"writing {cfg.output}")
+    write_checkpoint(model, loaded.tokenizer, cfg.output, report, sparsity_metadata(cfg, records))
+    return report
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    """What a run would do, without loading weights: layers, compatibility and a memory estimate (bytes)."""
+
+    model: str
+    method: str
+    pattern: str
+    source: str
+    model_type: str
+    slots: tuple[LinearSlot, ...]
+    incompatible: dict[str, str]
+    seqlen: int
+    nsamples: int
+    params: int
+    cpu_bytes: int
+    device_bytes: int
+    device: str
+    dtype: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "method": self.method,
+            "pattern": self.pattern,
+            "source": self.source,
+            "model_type": self.model_type,
+            "layers": [
+                {
+                    "name": s.full_name,
+                    "shape": [s.out_features, s.in_features],
+                    "compatible": s.full_name not in self.incompatible,
+                    "reason": self.incompatible.get(s.full_name),
+                }
+                for s in self.slots
+            ],
+            "incompatible": len(self.incompatible),
+            "seqlen": self.seqlen,
+            "nsamples": self.nsamples,
+            "params": self.params,
+            "estimated_cpu_bytes": self.cpu_bytes,
+            "estimated_device_bytes": self.device_bytes,
+            "device": self.device,
+            "dtype": self.dtype,
+        }
+
+
+def plan_model(cfg: PruneConfig, progress: Progress | None = None) -> PrunePlan:
+    """The dry-run plan, from the model built on the meta device (no weights read, nothing written)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tsenor_cli.models.adapters import adapter_for
+    from tsenor_cli.models.loading import resolve_source
+
+    dtype, device = _dtype_and_device(cfg)
+    source, _ = resolve_source(cfg.model, progress=progress)
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except OSError as exc:
+        from tsenor_cli.errors import InputNotFoundError
+
+        raise InputNotFoundError(
+            f"cannot read the config of {cfg.model} ({exc}); pass a local checkpoint directory"
+        ) from exc
+    adapter = adapter_for(str(config.model_type))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    slots = linear_slots(model, adapter)
+    bad = incompatible_slots(slots, cfg.pattern)
+    max_pos = getattr(config, "max_position_embeddings", None)
+    seqlen = min(cfg.seqlen, int(max_pos)) if max_pos else cfg.seqlen
+    width = torch.finfo(dtype).bits // 8
+    params = sum(p.numel() for p in model.parameters())
+    blocks = adapter.decoder_layers(model)
+    block_params = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+    hidden = int(config.hidden_size)
+    activations = 2 * cfg.nsamples * seqlen * hidden * width  # block inputs and outputs
+    groups = adapter.linear_groups if cfg.sequential else (adapter.linear_names,)
+    by_name = {s.local_name: s for s in slots if s.block == 0}
+    gram = max(sum(by_name[n].in_features ** 2 for n in g) for g in groups) * 4
+    spec = get_pruner(cfg.method)
+    biggest = max(slots, key=lambda s: s.out_features * s.in_features)
+    work = 4 * biggest.out_features * biggest.in_features * (8 if spec.iterative else 3)
+    if spec.needs_gram:
+        work += 3 * 8 * biggest.in_features**2  # damped/normalized H, its inverse or eigenvectors
+    return PrunePlan(
+        model=cfg.model,
+        method=cfg.method,
+        pattern=cfg.pattern.label,
+        source=source,
+        model_type=str(config.model_type),
+        slots=tuple(slots),
+        incompatible=bad,
+        seqlen=seqlen,
+        nsamples=cfg.nsamples,
+        params=params,
+        cpu_bytes=params * width,
+        device_bytes=block_params * width + activations + gram + work,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+    )

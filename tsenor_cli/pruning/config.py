@@ -1,0 +1,81 @@
+"""`PruneConfig`: the frozen description of one pruning run, built by the CLI (or by library users)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tsenor_cli.errors import UsageError
+from tsenor_cli.pruning.registry import get_pruner
+from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+
+
+@dataclass(frozen=True)
+class PruneConfig:
+    """Everything `prune_model` needs.
+
+    model: embedded name, local checkpoint folder or hub id; calib_data: c4 | wikitext2 | ptb | a file.
+    seqlen is capped by the model's context length. output None is only valid for a dry run.
+    layer: the per-layer method options (pattern, solver, dampening, ALPS schedule).
+    command: the command line, recorded in the report.
+    """
+
+    model: str
+    layer: LayerPruneConfig
+    method: str = "alps"
+    calib_data: str = "c4"
+    nsamples: int = 128
+    seqlen: int = 2048
+    seed: int = 0
+    dtype: str | None = None
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    sequential: bool = True
+    skip_incompatible: bool = False
+    output: Path | None = None
+    force: bool = False
+    resume: bool = False
+    command: str | None = None
+
+    def __post_init__(self) -> None:
+        get_pruner(self.method)
+        from tsenor_cli.solver import METHODS
+
+        if self.layer.solver not in METHODS:
+            raise UsageError(f"unknown --solver {self.layer.solver!r}; choose one of: {', '.join(METHODS)}")
+        if self.nsamples < 1:
+            raise UsageError(f"--nsamples {self.nsamples} must be >= 1; the paper uses 128")
+        if self.seqlen < 1:
+            raise UsageError(f"--seqlen {self.seqlen} must be >= 1; the paper uses 2048")
+
+    @property
+    def pattern(self) -> SparsityPattern:
+        return self.layer.pattern
+
+    def result_fields(self) -> dict[str, object]:
+        """The fields that decide the pruned weights (what a resumed run must share)."""
+        return {
+            "model": self.model,
+            "layer": {k: getattr(self.layer, k) for k in self.layer.__dataclass_fields__ if k != "pattern"},
+            "pattern": {
+                "kind": self.pattern.kind,
+                "n": self.pattern.n,
+                "m": self.pattern.m,
+                "sparsity": self.pattern.sparsity,
+            },
+            "method": self.method,
+            "calib_data": self.calib_data,
+            "nsamples": self.nsamples,
+            "seqlen": self.seqlen,
+            "seed": self.seed,
+            "dtype": self.dtype,
+            "sequential": self.sequential,
+            "skip_incompatible": self.skip_incompatible,
+        }
+
+    def result_hash(self) -> str:
+        """sha256 of `result_fields`, the key of a resume state."""
+        blob = json.dumps(self.result_fields(), sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()

@@ -1,0 +1,57 @@
+"""The registry of pruning methods; the CLI's `--method` choices come from `PRUNERS`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tsenor_cli.errors import UsageError
+from tsenor_cli.pruning import alps, magnitude, sparsegpt, wanda
+from tsenor_cli.pruning.stats import InputStats
+from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome
+
+
+class PruneFn(Protocol):
+    """weight: (out, in), statistics of the layer inputs, config → `PruneOutcome`."""
+
+    def __call__(
+        self, weight: torch.Tensor, stats: InputStats | None, cfg: LayerPruneConfig, /
+    ) -> PruneOutcome: ...
+
+
+@dataclass(frozen=True)
+class PrunerSpec:
+    """name: the --method value; needs_gram: whether `prune` reads XᵀX (else only ‖X_j‖ or nothing);
+    needs_data: whether calibration data changes the result; iterative: reports ADMM iterations."""
+
+    name: str
+    description: str
+    prune: Callable[..., PruneOutcome]
+    needs_gram: bool
+    needs_data: bool
+    iterative: bool = False
+
+
+PRUNERS: dict[str, PrunerSpec] = {
+    spec.name: spec
+    for spec in (
+        PrunerSpec("magnitude", "keep the largest |W|", magnitude.prune, magnitude.NEEDS_GRAM, False),
+        PrunerSpec("wanda", "keep the largest |W|·‖X_j‖ (Wanda)", wanda.prune, wanda.NEEDS_GRAM, True),
+        PrunerSpec(
+            "sparsegpt", "OBS with lazy updates (SparseGPT)", sparsegpt.prune, sparsegpt.NEEDS_GRAM, True
+        ),
+        PrunerSpec(
+            "alps", "ADMM + conjugate gradient (ALPS, Proposition 1)", alps.prune, alps.NEEDS_GRAM, True, True
+        ),
+    )
+}
+
+
+def get_pruner(name: str) -> PrunerSpec:
+    try:
+        return PRUNERS[name]
+    except KeyError:
+        raise UsageError(f"unknown pruning method {name!r}; choose one of: {', '.join(PRUNERS)}") from None

@@ -1,0 +1,85 @@
+"""SparseGPT (Frantar & Alistarh 2023) with transposable masks (paper Section 4).
+
+OBS with lazy batch updates as in IST-DASLab/sparsegpt `fasterprune`: H = XᵀX damped by 1% of its mean
+diagonal, the upper Cholesky factor of H⁻¹, columns processed left to right in blocks of 128. At every
+group of M columns the mask of that slab (all rows × M columns, i.e. a column of M×M tiles) is chosen
+from the OBS keep-score W²/[H⁻¹]_jj² — by the transposable solver for transposable patterns, by a row-wise
+top-n otherwise — and the pruning error of each column is propagated to the columns right of it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tsenor_cli.pruning.masks import choose_mask, solve_info
+from tsenor_cli.pruning.stats import InputStats, damped_gram
+from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome
+
+NEEDS_GRAM = True
+
+
+def _inverse_cholesky_upper(h: torch.Tensor) -> torch.Tensor:
+    """h: (in, in) SPD → U (in, in) upper triangular with UᵀU = h⁻¹ (SparseGPT's `Hinv`)."""
+    lower = torch.linalg.cholesky(h)
+    return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+
+
+def prune(weight: torch.Tensor, stats: InputStats | None, cfg: LayerPruneConfig) -> PruneOutcome:
+    """weight: (out, in) → `PruneOutcome` with OBS-updated weights under the pattern."""
+    if stats is None:
+        raise ValueError(
+            "sparsegpt needs the Gram matrix of the layer inputs; collect statistics with gram=True"
+        )
+    pattern = cfg.pattern
+    gram = stats.require_gram().to(weight.device)
+    w = weight.to(torch.float32).clone()  # (out, in)
+    cols = w.shape[1]
+    w[:, gram.diagonal() == 0] = 0.0  # inputs that never fire: their weights cannot matter
+    hinv = _inverse_cholesky_upper(damped_gram(gram, cfg.percdamp))  # (in, in) upper
+    grouped = pattern.kind in ("transposable", "nm")
+    blocksize = cfg.blocksize
+    if grouped and blocksize % pattern.m:
+        # The lazy-update block must hold whole groups of M columns.
+        blocksize = max(pattern.m, (blocksize // pattern.m) * pattern.m)
+
+    pruned = torch.zeros_like(w, dtype=torch.bool)  # (out, in) True = set to zero
+    objectives: list[float] = []
+    bounds: list[float] = []
+    seconds: list[float] = []
+    # OBS is sequential over columns by construction: each column's update depends on the error of
+    # the previous ones, so this loop (and the one inside) cannot be vectorized away.
+    for i1 in range(0, cols, blocksize):
+        i2 = min(i1 + blocksize, cols)
+        w1 = w[:, i1:i2].clone()  # (out, b)
+        q1 = torch.zeros_like(w1)
+        err1 = torch.zeros_like(w1)
+        hinv1 = hinv[i1:i2, i1:i2]  # (b, b)
+        d = hinv1.diagonal()  # (b,)
+        prune1 = torch.zeros_like(w1, dtype=torch.bool)
+        if pattern.kind == "unstructured":
+            keep = choose_mask(
+                w1.square() / d.square()[None, :], pattern, cfg.solver, unstructured_scope="matrix"
+            )
+            prune1 = ~keep.mask
+        for i in range(i2 - i1):
+            if grouped and i % pattern.m == 0:
+                slab = w1[:, i : i + pattern.m].square() / d[i : i + pattern.m].square()[None, :]  # (out, M)
+                choice = choose_mask(slab, pattern, cfg.solver)
+                prune1[:, i : i + pattern.m] = ~choice.mask
+                if choice.result is not None:
+                    objectives.append(choice.result.objective)
+                    bounds.append(choice.result.upper_bound)
+                    seconds.append(choice.result.seconds)
+            col = w1[:, i]  # (out,)
+            q = torch.where(prune1[:, i], torch.zeros_like(col), col)
+            q1[:, i] = q
+            err = (col - q) / d[i]  # (out,)
+            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
+            err1[:, i] = err
+        w[:, i1:i2] = q1
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+        pruned[:, i1:i2] = prune1
+
+    mask = ~pruned
+    info = solve_info(objectives, bounds, seconds) if objectives else None
+    return PruneOutcome(weight=w * mask, mask=mask, solve=info)

@@ -1,0 +1,153 @@
+"""Small frozen types shared by the pruning methods and the engine.
+
+Orientation: every weight here is an `nn.Linear` weight, (out, in); the calibration inputs X are
+(tokens, in) and the Gram matrix H = XᵀX is (in, in). The paper writes W as (in, out); a transposable
+N:M mask is the same set of tiles in either orientation, so only the row-wise N:M pattern (groups of M
+along the input dimension of each output row) depends on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from tsenor_cli.errors import UsageError
+
+PatternKind = Literal["transposable", "nm", "unstructured"]
+
+
+@dataclass(frozen=True)
+class SparsityPattern:
+    """What a pruned weight must look like.
+
+    transposable: every M×M tile keeps exactly n per row and column (paper eq. (1)).
+    nm: every group of m consecutive inputs of each output row keeps n (ordinary N:M).
+    unstructured: a `sparsity` share of each layer is zero.
+    """
+
+    kind: PatternKind
+    n: int = 0
+    m: int = 0
+    sparsity: float = 0.0
+
+    @staticmethod
+    def from_nm(n: int, m: int, *, transposable: bool) -> SparsityPattern:
+        if m < 2 or not 1 <= n < m:
+            raise UsageError(f"N:M pattern {n}:{m} needs 1 <= N < M and M >= 2; use e.g. 16:32")
+        return SparsityPattern("transposable" if transposable else "nm", n, m, 1.0 - n / m)
+
+    @staticmethod
+    def unstructured(sparsity: float) -> SparsityPattern:
+        if not 0.0 < sparsity < 1.0:
+            raise UsageError(f"--sparsity {sparsity} must be in (0, 1); e.g. 0.5 zeroes half the weights")
+        return SparsityPattern("unstructured", 0, 0, float(sparsity))
+
+    @property
+    def label(self) -> str:
+        """ "16:32" for N:M patterns, "50%" for unstructured."""
+        if self.kind == "unstructured":
+            return f"{self.sparsity:.0%}"
+        return f"{self.n}:{self.m}"
+
+    @property
+    def transposable(self) -> bool:
+        return self.kind == "transposable"
+
+    def incompatibility(self, out_features: int, in_features: int) -> str | None:
+        """Why an (out, in) weight cannot take this pattern, or None when it can.
+
+        Transposable tiles need both dimensions divisible by M; row-wise N:M groups only the input one.
+        """
+        if self.kind == "transposable":
+            if out_features % self.m or in_features % self.m:
+                return f"shape ({out_features}, {in_features}) is not divisible by M={self.m} in both dims"
+            return None
+        if self.kind == "nm":
+            if in_features % self.m:
+                return f"input dim {in_features} is not divisible by M={self.m}"
+            return None
+        if self.kind == "unstructured":
+            return None
+        raise ValueError(f"unknown pattern kind {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class LayerPruneConfig:
+    """Everything a method's `prune` reads besides the weight and the statistics.
+
+    solver: a `tsenor_cli.solver.METHODS` name, used for transposable masks.
+    percdamp: Hessian dampening as a share of mean diag(H) (SparseGPT and ALPS use 1%).
+    blocksize: SparseGPT's lazy-update block width (rounded to a multiple of M).
+    alps_*: the ALPS ADMM schedule (mazumder-lab/ALPS): ρ₀, iteration cap, ρ-update period,
+      earliest stop, stop threshold on the support change, and conjugate-gradient refinement steps.
+    """
+
+    pattern: SparsityPattern
+    solver: str = "tsenor"
+    percdamp: float = 0.01
+    blocksize: int = 128
+    alps_rho0: float = 0.1
+    alps_max_iter: int = 300
+    alps_update_iter: int = 3
+    alps_switch_iter: int = 30
+    alps_stop_change: float = 3e-4
+    alps_cg_iters: int = 10
+
+
+@dataclass(frozen=True)
+class MaskSolveInfo:
+    """Certified quality of the transposable mask(s) of one layer (summed over all solver calls).
+
+    objective / upper_bound: sum of kept scores and its LP-duality bound; gap = 1 − objective/upper_bound.
+    """
+
+    objective: float
+    upper_bound: float
+    gap: float
+    seconds: float
+    calls: int
+
+
+@dataclass(frozen=True)
+class PruneOutcome:
+    """weight: (out, in) float32 pruned weight (zero outside mask); mask: (out, in) bool kept entries.
+
+    solve: the transposable solver's certificate for the final mask, None for other patterns.
+    iterations: the method's main-loop iterations (ADMM steps for ALPS, 0 otherwise).
+    safeguard_tiles: tiles where Assumption 1's safeguard kept the previous mask (ALPS only).
+    """
+
+    weight: torch.Tensor
+    mask: torch.Tensor
+    solve: MaskSolveInfo | None
+    iterations: int = 0
+    safeguard_tiles: int = 0
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """One prunable linear of the model, as the report shows it.
+
+    name: full module name ("model.layers.3.mlp.down_proj"); status "pruned" or "skipped" (with reason).
+    recon_error: ‖X(Ŵ−W)ᵀ‖²/‖XWᵀ‖² on the calibration inputs the layer saw; gap: the solver's certified
+    relative gap (transposable only); seconds: wall time of the method on this layer.
+    """
+
+    block: int
+    name: str
+    out_features: int
+    in_features: int
+    status: str
+    reason: str | None = None
+    recon_error: float | None = None
+    density: float | None = None
+    gap: float | None = None
+    solver_objective: float | None = None
+    solver_upper_bound: float | None = None
+    solver_seconds: float | None = None
+    solver_calls: int = 0
+    seconds: float = 0.0
+    iterations: int = 0
+    safeguard_tiles: int = 0

@@ -1,0 +1,138 @@
+"""Check a pruned checkpoint against the sparsity recorded in its config.json (`tsenor verify`).
+
+For transposable N:M every M×M tile of every pruned weight may keep at most N per row and per column;
+our solvers always keep exactly N, so fewer than N only happens where weights were already zero before
+pruning (reported as info), while more than N is a violation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from tsenor_cli.errors import InputNotFoundError, VerificationError
+from tsenor_cli.pruning.output import SPARSITY_KEY
+from tsenor_cli.solver import to_blocks
+
+
+@dataclass(frozen=True)
+class LayerCheck:
+    """One pruned weight. groups: tiles (transposable), row groups (nm) or rows (unstructured).
+    over: rows+columns (or groups) keeping more than allowed — violations; under: keeping fewer (info)."""
+
+    name: str
+    shape: tuple[int, int]
+    groups: int
+    over: int
+    under: int
+    density: float
+    problem: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.over == 0 and self.problem is None
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    directory: str
+    sparsity: dict[str, Any]
+    layers: tuple[LayerCheck, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(layer.ok for layer in self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        meta = {k: v for k, v in self.sparsity.items() if not k.endswith("_modules")}
+        return {
+            "directory": self.directory,
+            "ok": self.ok,
+            "sparsity": meta,
+            "layers": [asdict(c) for c in self.layers],
+        }
+
+
+def _weight_files(directory: Path) -> dict[str, Path]:
+    """{tensor name: safetensors file} from the index of a sharded checkpoint or its single file."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        raise InputNotFoundError(
+            f"{directory} holds no model.safetensors(.index.json); pass a checkpoint written by tsenor prune"
+        )
+    with safe_open(str(single), framework="pt") as handle:
+        return {name: single for name in handle.keys()}  # noqa: SIM118  (safe_open has no __iter__)
+
+
+def check_weight(weight: torch.Tensor, meta: dict[str, Any]) -> tuple[int, int, int]:
+    """weight: (out, in) → (groups, over, under) for the recorded pattern."""
+    kept = weight != 0  # (out, in) bool
+    kind = meta["kind"]
+    if kind == "transposable":
+        n, m = int(meta["n"]), int(meta["m"])
+        tiles = (
+            to_blocks(kept, m).sum(2, dtype=torch.int64),
+            to_blocks(kept, m).sum(1, dtype=torch.int64),
+        )  # (B, M)
+        counts = torch.cat(tiles, 1)  # (B, 2M): row counts then column counts
+        return int(counts.shape[0]), int((counts > n).sum()), int((counts < n).sum())
+    if kind == "nm":
+        n, m = int(meta["n"]), int(meta["m"])
+        rows, cols = kept.shape
+        counts = kept.reshape(rows, cols // m, m).sum(2, dtype=torch.int64)  # (out, in/M)
+        return int(counts.numel()), int((counts > n).sum()), int((counts < n).sum())
+    if kind == "unstructured":
+        rows, cols = kept.shape
+        s = float(meta["sparsity"])
+        allowed = max(rows * (cols - round(s * cols)), rows * cols - round(s * rows * cols))
+        nnz = int(kept.sum())
+        return 1, int(nnz > allowed), int(nnz < allowed)
+    raise VerificationError(f"unknown sparsity kind {kind!r} in config.json; was it written by tsenor prune?")
+
+
+def verify_checkpoint(directory: Path) -> VerifyReport:
+    """Read config.json's `tsenor_sparsity` and check every pruned weight; raises only on unusable input."""
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise InputNotFoundError(
+            f"{directory} has no config.json; pass a checkpoint directory written by tsenor prune"
+        )
+    meta = json.loads(config_path.read_text()).get(SPARSITY_KEY)
+    if not isinstance(meta, dict):
+        raise VerificationError(
+            f"{config_path} records no {SPARSITY_KEY}; this checkpoint was not written by tsenor prune"
+        )
+    files = _weight_files(directory)
+    checks: list[LayerCheck] = []
+    for module in meta.get("pruned_modules", []):
+        name = f"{module}.weight"
+        if name not in files:
+            checks.append(
+                LayerCheck(module, (0, 0), 0, 0, 0, 0.0, "weight missing from the safetensors files")
+            )
+            continue
+        with safe_open(str(files[name]), framework="pt") as handle:
+            weight = handle.get_tensor(name)
+        rows, cols = weight.shape
+        if meta["kind"] != "unstructured" and (
+            cols % int(meta["m"]) or (meta["kind"] == "transposable" and rows % int(meta["m"]))
+        ):
+            checks.append(
+                LayerCheck(module, (rows, cols), 0, 0, 0, 0.0, f"shape not divisible by M={meta['m']}")
+            )
+            continue
+        groups, over, under = check_weight(weight, meta)
+        density = float((weight != 0).float().mean())
+        checks.append(LayerCheck(module, (int(rows), int(cols)), groups, over, under, density))
+    if not checks:
+        raise VerificationError(f"{config_path} lists no pruned modules; nothing to verify")
+    return VerifyReport(str(directory), meta, tuple(checks))

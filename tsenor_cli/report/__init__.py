@@ -1,0 +1,85 @@
+"""`tsenor report`: merge run directories into the paper's Table 2 layout, with CSV, JSON and PNG plots.
+
+`write_report` builds every file in a temporary sibling of the output directory and renames it into
+place, so a failed report leaves no partial output and an existing one untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tsenor_cli.errors import OutputExistsError, UsageError
+from tsenor_cli.report.plots import (
+    PERPLEXITY_PNG,
+    RECONSTRUCTION_PNG,
+    plot_perplexity_vs_m,
+    plot_reconstruction_error,
+)
+from tsenor_cli.report.schema import Run, load_run
+from tsenor_cli.report.table import Table, build_table
+
+__all__ = ["ReportOutput", "Run", "Table", "build_table", "load_run", "write_report"]
+
+
+@dataclass(frozen=True)
+class ReportOutput:
+    """What was written: the table, the output directory and the file names in it."""
+
+    table: Table
+    directory: Path
+    files: tuple[str, ...]
+    skipped: tuple[str, ...]
+
+
+def _check_output(output: Path, runs: Sequence[Run], force: bool) -> None:
+    target = output.resolve()
+    for run in runs:
+        run_path = run.path.resolve()
+        if target == run_path or target in run_path.parents:
+            raise UsageError(
+                f"--output {output} would replace run directory {run.path}; choose another directory"
+            )
+    if output.exists() and not force:
+        raise OutputExistsError(
+            f"{output} already exists; pass --force to replace it or choose another --output"
+        )
+
+
+def write_report(runs: Sequence[Run], output: Path, *, force: bool = False) -> ReportOutput:
+    """Write table.md, table.csv, table.json and the PNG plots into `output` (atomically)."""
+    _check_output(output, runs, force)
+    table = build_table(runs)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    try:
+        (tmp / "table.md").write_text(table.to_markdown(), encoding="utf-8")
+        (tmp / "table.csv").write_text(table.to_csv(), encoding="utf-8")
+        (tmp / "table.json").write_text(json.dumps(table.to_json(), indent=2) + "\n", encoding="utf-8")
+        files = ["table.md", "table.csv", "table.json"]
+        skipped = []
+        if plot_perplexity_vs_m(table, tmp / PERPLEXITY_PNG):
+            files.append(PERPLEXITY_PNG)
+        else:
+            skipped.append(f"{PERPLEXITY_PNG} (no N:M run with perplexity)")
+        if plot_reconstruction_error(runs, tmp / RECONSTRUCTION_PNG):
+            files.append(RECONSTRUCTION_PNG)
+        else:
+            skipped.append(f"{RECONSTRUCTION_PNG} (no run with per-layer records in tsenor_report.json)")
+        tmp.chmod(0o755)  # mkdtemp makes it 0700
+        if output.exists():
+            # --force: move the old output aside, put the new one in place, then delete the old one.
+            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
+            output.replace(old / output.name)
+            tmp.replace(output)
+            shutil.rmtree(old)
+        else:
+            tmp.replace(output)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return ReportOutput(table=table, directory=output, files=tuple(files), skipped=tuple(skipped))

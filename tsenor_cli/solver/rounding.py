@@ -1,0 +1,178 @@
+"""Rounding fractional block solutions to transposable N:M masks (paper Section 3.3, Algorithm 2).
+
+Pure batched functions over (B, M, M) tensors; Python loops run over algorithm steps only, never
+over blocks, rows or columns (paper Appendix A.2):
+
+- `greedy_select`: visit the M² entries of each block in descending score order and keep one
+  while its row and column have room (Algorithm 2, lines 1-6).
+- `local_search`: the paper's swap step (eq. (localscore)), applied only when it improves.
+- `complete_feasibility`: finishes any block that still has rows/columns with fewer than n kept,
+  so that every returned mask has exactly n per row and column.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Completion:
+    """Result of `complete_feasibility`.
+
+    mask: (B, M, M) bool with exactly n per row and column.
+    forced_blocks: how many blocks needed at least one non-improving swap (gain <= 0).
+    steps: how many repair steps ran (each adds one kept entry to a deficit row and column).
+    """
+
+    mask: torch.Tensor
+    forced_blocks: int
+    steps: int
+
+
+def greedy_select(order_scores: torch.Tensor, n: int) -> torch.Tensor:
+    """order_scores: (B, M, M) → mask (B, M, M) bool with at most n per row and column.
+
+    Visits the M² positions of every block in descending order of `order_scores` (ties broken by
+    position, stable sort, so the result is deterministic) and keeps a position when its row and
+    column both hold fewer than n (Algorithm 2, lines 1-6; listing in Appendix A.2). One pass of
+    M² vectorized steps over all blocks.
+    """
+    B, M, _ = order_scores.shape
+    device = order_scores.device
+    order = order_scores.reshape(B, M * M).argsort(dim=1, descending=True, stable=True)  # (B, M²)
+    # Counters live in flat (B·M,) vectors and each step touches them with index_select/index_add_
+    # on contiguous per-step index rows: ~15x faster on CPU than advanced indexing counter[b, r].
+    base = torch.arange(B, device=device)[None, :] * M  # (1, B)
+    rows_all = (order // M).T.contiguous() + base  # (M², B) flat row-counter index per step
+    cols_all = (order % M).T.contiguous() + base  # (M², B)
+    row_count = torch.zeros(B * M, dtype=torch.int32, device=device)
+    col_count = torch.zeros(B * M, dtype=torch.int32, device=device)
+    keep = torch.zeros(M * M, B, dtype=torch.bool, device=device)  # keep[k, b]: k-th visited kept
+    for k in range(M * M):
+        r = rows_all[k]  # (B,)
+        c = cols_all[k]  # (B,)
+        take = (row_count.index_select(0, r) < n) & (col_count.index_select(0, c) < n)  # (B,)
+        keep[k] = take
+        inc = take.to(torch.int32)
+        row_count.index_add_(0, r, inc)
+        col_count.index_add_(0, c, inc)
+    mask = torch.zeros(B, M * M, dtype=torch.bool, device=device).scatter_(1, order, keep.T)
+    return mask.view(B, M, M)
+
+
+def _first_true(x: torch.Tensor) -> torch.Tensor:
+    """x: (B, M) bool → (B,) index of the first True (0 where a row has none)."""
+    return x.to(torch.uint8).argmax(dim=1)
+
+
+def _best_swap(
+    mask: torch.Tensor, w: torch.Tensor, i: torch.Tensor, j: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Best 3-swap of eq. (localscore) for deficit row i and deficit column j of every block.
+
+    mask: (B, M, M) bool, w: (B, M, M) float64, i, j: (B,) → (gain (B,) float64 with -inf where no
+    valid swap exists, i' (B,), j' (B,)). The swap inserts (i, j') and (i', j) and removes (i', j').
+    """
+    B, M, _ = mask.shape
+    bidx = torch.arange(B, device=mask.device)
+    w_row = w[bidx, i, :]  # (B, M): w[i, j']
+    w_col = w[bidx, :, j]  # (B, M): w[i', j]
+    s_row = mask[bidx, i, :]  # (B, M): S[i, j']
+    s_col = mask[bidx, :, j]  # (B, M): S[i', j]
+    gain = w_row[:, None, :] + w_col[:, :, None] - w  # (B, M i', M j')
+    valid = mask & ~s_row[:, None, :] & ~s_col[:, :, None]  # (B, M, M)
+    gain = gain.masked_fill(~valid, float("-inf"))
+    best, flat = gain.reshape(B, M * M).max(dim=1)  # (B,)
+    return best, flat // M, flat % M
+
+
+def _apply_swap(
+    mask: torch.Tensor,
+    apply: torch.Tensor,
+    i: torch.Tensor,
+    j: torch.Tensor,
+    ip: torch.Tensor,
+    jp: torch.Tensor,
+) -> None:
+    """In place on mask (B, M, M): where apply (B,) holds, set S[i', j'] = 0, S[i, j'] = S[i', j] = 1."""
+    b = apply.nonzero().squeeze(1)  # (k,)
+    mask[b, ip[b], jp[b]] = False
+    mask[b, i[b], jp[b]] = True
+    mask[b, ip[b], j[b]] = True
+
+
+def _deficits(mask: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """mask: (B, M, M) → (row_deficit (B, M) bool, col_deficit (B, M) bool): fewer than n kept."""
+    return mask.sum(dim=2) < n, mask.sum(dim=1) < n
+
+
+def local_search(mask: torch.Tensor, weights: torch.Tensor, n: int, steps: int) -> torch.Tensor:
+    """mask: (B, M, M) bool (at most n per row/column), weights: (B, M, M) → improved mask (B, M, M).
+
+    Paper Algorithm 2, lines 7-14: for `steps` rounds, in every block that still has a deficit row
+    and column, take the first deficit row i and first deficit column j, find the swap
+    (i', j') = argmax w[i, j'] + w[i', j] − w[i', j'] over S[i', j'] = 1, S[i, j'] = 0, S[i', j] = 0
+    (eq. (localscore)) and apply it only when its gain is > 0. Blocks may stay infeasible; see
+    `complete_feasibility`. Does not modify the input.
+    """
+    mask = mask.clone()
+    w = weights.double()
+    for _ in range(steps):
+        row_def, col_def = _deficits(mask, n)
+        needs = row_def.any(dim=1) & col_def.any(dim=1)  # (B,)
+        if not bool(needs.any()):
+            break
+        i, j = _first_true(row_def), _first_true(col_def)
+        gain, ip, jp = _best_swap(mask, w, i, j)
+        _apply_swap(mask, needs & (gain > 0), i, j, ip, jp)
+    return mask
+
+
+def complete_feasibility(mask: torch.Tensor, weights: torch.Tensor, n: int) -> Completion:
+    """mask: (B, M, M) bool with at most n per row and column, weights: (B, M, M) non-negative →
+    `Completion` whose mask (B, M, M) has exactly n per row and column.
+
+    Each step, in every block with deficits: if some deficit row i and deficit column j have
+    S[i, j] = 0, add the best such entry; otherwise apply the best 3-swap of eq. (localscore) for the
+    first deficit row and column even when its gain is <= 0. Such a swap always exists then: column j
+    has < n < M ones, so some row i' has S[i', j] = 0; i' is not a deficit row (every deficit pair is
+    kept), so it holds n ones, which cannot all lie among the < n ones of row i. Every step raises one
+    deficit row and one deficit column by one, so the loop ends after at most the total deficit
+    (<= n·M) steps. Raises ValueError if a row or column holds more than n.
+    """
+    B, M, _ = mask.shape
+    if bool((mask.sum(dim=2) > n).any()) or bool((mask.sum(dim=1) > n).any()):
+        raise ValueError(f"complete_feasibility needs at most n={n} kept per row and column; got more")
+    mask = mask.clone()
+    forced = torch.zeros(B, dtype=torch.bool, device=mask.device)
+    steps = 0
+    # Work only on the blocks that still have deficits (usually a small share after greedy).
+    row_def, _ = _deficits(mask, n)
+    active = row_def.any(dim=1).nonzero().squeeze(1)  # (b,); row and column deficits have equal totals
+    sub = mask[active]  # (b, M, M)
+    w = weights[active].double()  # (b, M, M)
+    while active.numel() > 0:
+        steps += 1
+        b = active.numel()
+        row_def, col_def = _deficits(sub, n)
+        pair_free = row_def[:, :, None] & col_def[:, None, :] & ~sub  # (b, M, M)
+        add_score = w.masked_fill(~pair_free, float("-inf")).reshape(b, M * M)
+        add_best, add_flat = add_score.max(dim=1)  # (b,)
+        do_add = add_best > float("-inf")
+        add_b = do_add.nonzero().squeeze(1)
+        sub[add_b, add_flat[add_b] // M, add_flat[add_b] % M] = True
+
+        do_swap = ~do_add
+        i, j = _first_true(row_def), _first_true(col_def)
+        gain, ip, jp = _best_swap(sub, w, i, j)
+        if bool((do_swap & (gain == float("-inf"))).any()):
+            raise RuntimeError("complete_feasibility found no valid swap; the mask invariant is broken")
+        forced[active] |= do_swap & (gain <= 0)
+        _apply_swap(sub, do_swap, i, j, ip, jp)
+
+        mask[active] = sub
+        still = (sub.sum(dim=2) < n).any(dim=1)  # (b,)
+        active, sub, w = active[still], sub[still], w[still]
+    return Completion(mask=mask, forced_blocks=int(forced.sum()), steps=steps)
