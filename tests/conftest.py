@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,13 @@ def smollm2_path() -> Path:
     from tsenor_cli.models.embedded import materialize
 
     return materialize("smollm2-135m")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_intra_op_thread() -> Iterator[None]:
+    """The suite runs many small tensor ops; on 2 shared cores a second intra-op thread mostly adds
+    barrier waits (measured up to 200x slower for small logsumexp loops under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -127,6 +127,10 @@ def test_reference_close_to_optimal_on_real_tiles(real_weights: dict[str, torch.
     err_greedy = (ex.objective - greedy.objective) / ex.objective
     assert err_ref < err_greedy
     assert ref.upper_bound >= ex.objective * (1 - 1e-9)
+    # The reference's own dual bound (before `solve` takes the min with the generic one), per tile.
+    own = run_reference(to_blocks(w, 16), 8).solution.upper_bound
+    assert own is not None
+    assert bool((own >= ex.block_objective * (1 - 1e-9)).all())
 
 
 # ---------------------------------------------------------------- tsenor-reference internals
@@ -242,3 +246,16 @@ def test_complete_feasibility_forced_swap() -> None:
 def test_complete_feasibility_rejects_overfull() -> None:
     with pytest.raises(ValueError, match="at most n=1"):
         complete_feasibility(torch.ones(1, 3, 3, dtype=torch.bool), torch.rand(1, 3, 3), 1)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_zero_and_tiny_tiles(method: str) -> None:
+    """An all-zero tile and a tile of 1e-30 scores (float32) must give finite, certified results."""
+    m = 4
+    scores = torch.zeros(m, 3 * m)
+    scores[:, m : 2 * m] = torch.rand(m, m, generator=torch.Generator().manual_seed(0)) * 1e-30
+    scores[:, 2 * m :] = torch.rand(m, m, generator=torch.Generator().manual_seed(1))
+    result = solve(scores, 2, m, method)
+    assert _feasible(result.mask, 2, m)
+    assert bool(torch.isfinite(result.block_upper_bound).all())
+    _check_against_exact(result, solve(scores, 2, m, "exact"))

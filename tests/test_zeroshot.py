@@ -194,6 +194,8 @@ def test_bad_arguments_are_usage_errors() -> None:
         run_zeroshot(None, None, ["piqa"], limit=0, batch_size=1)
     with pytest.raises(UsageError, match="limit"):
         run_zeroshot(None, None, ["piqa"], limit=1.5, batch_size=1)
+    with pytest.raises(UsageError, match="fractional"):
+        run_zeroshot(None, None, ["piqa"], limit=1.0, batch_size=1)  # lm-eval would score 1 document
     with pytest.raises(UsageError, match="batch size"):
         run_zeroshot(None, None, ["piqa"], batch_size=0)
 

@@ -373,14 +373,15 @@ def to_markdown(result: BenchResult) -> str:
             "| N:M | size | method | seconds | × faster than tsenor-reference | objective below best | certified gap |",
             "|---|---|---|---:|---:|---:|---:|",
         ]
-        for r in result.timing:
+        for t_row in result.timing:
             ref = next(
-                (t.seconds for t in result.timing if t.pattern == r.pattern and t.method == "tsenor-reference"), None
+                (t.seconds for t in result.timing if t.pattern == t_row.pattern and t.method == "tsenor-reference"),
+                None,
             )
-            ratio = f"{ref / r.seconds:.1f}" if ref else "–"
+            ratio = f"{ref / t_row.seconds:.1f}" if ref else "–"
             lines.append(
-                f"| {r.pattern} | {r.size}² | {r.method} | {r.seconds:.3f} | {ratio} | {_pct(r.rel_to_best)} | "
-                f"{_pct(r.certified_gap)} |"
+                f"| {t_row.pattern} | {t_row.size}² | {t_row.method} | {t_row.seconds:.3f} | {ratio} | "
+                f"{_pct(t_row.rel_to_best)} | {_pct(t_row.certified_gap)} |"
             )
     if result.warm:
         lines += [

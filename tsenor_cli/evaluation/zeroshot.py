@@ -120,9 +120,10 @@ def _validate_limit(limit: int | float | None) -> None:
     if limit is None:
         return
     if isinstance(limit, bool) or not isinstance(limit, int | float):
-        raise UsageError(f"limit {limit!r} must be a number of documents or a fraction in (0, 1]")
-    if isinstance(limit, float) and not (0.0 < limit <= 1.0):
-        raise UsageError(f"fractional limit {limit} must lie in (0, 1]; pass an integer for a document count")
+        raise UsageError(f"limit {limit!r} must be a number of documents or a fraction in (0, 1)")
+    # lm-eval reads a limit below 1 as a fraction and anything else as a count (so 1.0 means 1 document).
+    if isinstance(limit, float) and not (0.0 < limit < 1.0):
+        raise UsageError(f"fractional limit {limit} must lie in (0, 1); pass an integer for a document count")
     if isinstance(limit, int) and limit < 1:
         raise UsageError(f"limit {limit} must be at least 1 document; omit it to score whole splits")
 
@@ -197,7 +198,7 @@ def run_zeroshot(
 ) -> ZeroShotResult:
     """Score `model` (a transformers causal LM, on its device) on `tasks` with lm-eval.
 
-    `limit` caps documents per task (an int count, or a fraction in (0, 1]); lm-eval takes the first
+    `limit` caps documents per task (an int count, or a fraction in (0, 1)); lm-eval takes the first
     documents of each split. `seed` seeds only lm-eval's few-shot sampler (its own random.Random):
     loglikelihood scoring draws no random numbers, so no global RNG is touched.
     """

@@ -89,8 +89,8 @@ def materialize(name: str = DEFAULT_MODEL, *, progress: Callable[[str], None] | 
     # from_pretrained look for the GGUF file again.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.hf_quantizer = None
-    model.is_quantized = False
+    model.hf_quantizer = None  # type: ignore[assignment]
+    model.is_quantized = False  # type: ignore[assignment]
     model.config.name_or_path = name
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))

@@ -36,16 +36,14 @@ def coordinate_upper_bound(
 
     For fixed v the bound is minimized over u_i by the n-th largest of (w_ij − v_j) over j (the
     function n·u + Σ_j max(0, a_j − u) is convex piecewise linear with that breakpoint), and likewise
-    for v. Starting from v = 0 the first step gives the row-wise top-n bound; each step can only
-    lower the bound, and the result is valid for any starting point.
+    for v. Starting from v = 0 the first step gives the row-wise top-n bound. Each step can only
+    lower the bound, so it is evaluated once at the end; the potentials may be computed in the
+    scores' precision because the bound is valid for any (u, v) and is evaluated in float64.
     """
     B, M, _ = blocks.shape
-    w = blocks.double()
-    v = w.new_zeros(B, M) if col is None else col.double()
-    u = w.new_zeros(B, M) if row is None else row.double()
-    best = dual_upper_bound(w, u, v, n)
+    v = blocks.new_zeros(B, M) if col is None else col.to(blocks.dtype)
+    u = blocks.new_zeros(B, M) if row is None else row.to(blocks.dtype)
     for _ in range(rounds):
-        u = _nth_largest(w - v[:, None, :], n, dim=2)  # (B, M)
-        v = _nth_largest(w - u[:, :, None], n, dim=1)  # (B, M)
-        best = torch.minimum(best, dual_upper_bound(w, u, v, n))
-    return best
+        u = _nth_largest(blocks - v[:, None, :], n, dim=2)  # (B, M)
+        v = _nth_largest(blocks - u[:, :, None], n, dim=1)  # (B, M)
+    return dual_upper_bound(blocks, u, v, n)

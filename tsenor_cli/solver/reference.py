@@ -65,8 +65,10 @@ class ReferenceRun:
 
 
 def _block_scale(blocks: torch.Tensor) -> torch.Tensor:
-    """blocks: (B, M, M) → (B,) float64 per-block max, at least the smallest positive float."""
-    return blocks.double().amax(dim=(1, 2)).clamp_min(torch.finfo(torch.float64).tiny)
+    """blocks: (B, M, M) → (B,) float64 per-block max; 1 for an all-zero block (any positive scale
+    serves there, and a tiny one would turn 0/0 into NaN)."""
+    peak = blocks.double().amax(dim=(1, 2))
+    return torch.where(peak > 0, peak, torch.ones_like(peak))
 
 
 def dykstra_log(blocks: torch.Tensor, n: int, *, tau_scale: float, iterations: int) -> DykstraResult:
@@ -74,7 +76,8 @@ def dykstra_log(blocks: torch.Tensor, n: int, *, tau_scale: float, iterations: i
     log space (Appendix A.2 listing), computed in the blocks' dtype."""
     scale = _block_scale(blocks)  # (B,)
     log_n = math.log(n)
-    log_s = blocks / (tau_scale * scale).to(blocks.dtype)[:, None, None]  # (B, M, M) = τ'|W|
+    # Divide in float64: tau_scale · scale can underflow float32 for tiny scores. (B, M, M) = τ'|W|
+    log_s = (blocks.double() / (tau_scale * scale)[:, None, None]).to(blocks.dtype)
     log_q = torch.zeros_like(log_s)
     B, M, _ = blocks.shape
     row_shift = blocks.new_zeros(B, M, dtype=torch.float64)
@@ -106,7 +109,8 @@ def run_reference(
         raise ValueError(f"tau_scale must be > 0, got {tau_scale}; the paper uses 0.005")
     if iterations < 0 or local_steps < 0:
         raise ValueError(
-            f"iterations and local_steps must be >= 0, got {iterations} and {local_steps}; the paper uses 300 and 10"
+            f"iterations and local_steps must be >= 0, got {iterations} and {local_steps}; "
+            "the paper uses 300 and 10"
         )
     dyk = dykstra_log(blocks, n, tau_scale=tau_scale, iterations=iterations)
     mask = greedy_select(dyk.log_s, n)  # exp is monotone: same order as S^(T)

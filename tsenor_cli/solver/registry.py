@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
-from tsenor_cli.solver.types import BlockSolver
+from tsenor_cli.solver.types import BlockSolution
+
+# Block solvers: fn(blocks (B, M, M), n, *, init=None, **options) -> BlockSolution (see types.BlockSolver);
+# a TypeVar keeps each solver's own typed keyword options visible to the type checker.
+F = TypeVar("F", bound=Callable[..., BlockSolution])
 
 
 @dataclass(frozen=True)
 class MethodInfo:
     name: str
-    fn: BlockSolver
+    fn: Callable[..., BlockSolution]
     description: str
     exact: bool  # provably optimal on every block
     supports_init: bool  # uses a warm start (`init=`)
@@ -28,8 +33,8 @@ def register(
     exact: bool = False,
     supports_init: bool = False,
     max_m: int | None = None,
-) -> Callable[[BlockSolver], BlockSolver]:
-    def wrap(fn: BlockSolver) -> BlockSolver:
+) -> Callable[[F], F]:
+    def wrap(fn: F) -> F:
         if name in METHODS:
             raise RuntimeError(f"mask method {name!r} registered twice")
         METHODS[name] = MethodInfo(name, fn, description, exact, supports_init, max_m)
