@@ -87,7 +87,7 @@ def bench_solver(
                 f"model folder {model_dir} not found; pass a local HF checkpoint folder or --model smollm2-135m"
             )
     if quick:
-        patterns, tiles, time_size, time_patterns, large_size = "2:4,8:16", min(tiles, 40), 256, "8:16", 0
+        patterns, tiles, time_size, time_patterns, large_size = "2:4,8:16", min(tiles, 24), 128, "8:16", 0
     chosen = _methods(methods)
     cfg = BenchConfig(
         model_dir=model_dir,

@@ -1,0 +1,49 @@
+"""`tsenor bench solver` through the CLI (the quick variant CI can afford)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tsenor_cli.cli import app
+from tsenor_cli.errors import UsageError
+
+
+@pytest.mark.realmodel
+def test_bench_solver_quick(tmp_path: Path, smollm2_path: Path) -> None:
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    result = CliRunner().invoke(
+        app,
+        ["bench", "solver", "--quick", "--methods", "tsenor,tsenor-reference,exact,exhaustive,two_approx",
+         "--output", str(out), "--markdown", str(md)],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    quality = {(r["pattern"], r["score"], r["method"]): r for r in data["quality"]}
+    # exhaustive only runs for M=4; exact is its own reference.
+    assert ("8:16", "|W|", "exhaustive") not in quality
+    assert quality[("2:4", "|W|", "exact")]["mean_rel_error"] == 0.0
+    assert quality[("2:4", "|W|", "tsenor")]["mean_rel_error"] == 0.0  # M=4 dispatches to enumeration
+    for row in data["quality"]:
+        assert row["bound_holds"], row
+        assert 0.0 <= row["mean_rel_error"] <= row["max_rel_error"] + 1e-15
+    assert {r["method"] for r in data["timing"]} == {"tsenor", "tsenor-reference", "exact", "two_approx"}
+    assert data["warm"] and data["warm"][0]["pattern"] == "8:16"
+    text = md.read_text()
+    assert "### Quality against `exact`" in text and "| 8:16 | W² | tsenor |" in text
+
+
+def test_bench_rejects_unknown_method() -> None:
+    # CliRunner sees the exception; `main()` turns it into "error: …" and exit code 2.
+    result = CliRunner().invoke(app, ["bench", "solver", "--quick", "--methods", "nope"])
+    assert isinstance(result.exception, UsageError)
+    assert "unknown solver method" in str(result.exception)
+
+
+def test_bench_rejects_bad_pattern() -> None:
+    result = CliRunner().invoke(app, ["bench", "solver", "--patterns", "8-16"])
+    assert isinstance(result.exception, UsageError)
+    assert "N:M" in str(result.exception)
