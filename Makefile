@@ -38,7 +38,7 @@ quality: install
 	$(VENV)/bin/mypy
 
 bench: install
-	$(TSENOR) bench solver --output docs/bench-solver.json
+	$(TSENOR) bench solver --output docs/bench-solver.json --markdown docs/benchmarks.md
 
 demo: install
 	bash scripts/demo.sh

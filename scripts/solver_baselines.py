@@ -132,10 +132,7 @@ def main() -> None:
         "quality": quality_rows,
         "slab": slab_rows,
     }
-    print(
-        f"{'pattern':8} {'method':22} {'tiles':>6} {'mean rel err':>13} {'max rel err':>12} "
-        f"{'cert gap':>9} {'s':>7}"
-    )
+    print(f"{'pattern':8} {'method':22} {'tiles':>6} {'mean rel err':>13} {'max rel err':>12} {'cert gap':>9} {'s':>7}")
     for row in quality_rows:
         if "mean_rel_error" in row:
             print(

@@ -17,8 +17,17 @@ def test_bench_solver_quick(tmp_path: Path, smollm2_path: Path) -> None:
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
     result = CliRunner().invoke(
         app,
-        ["bench", "solver", "--quick", "--methods", "tsenor,tsenor-reference,exact,exhaustive,two_approx",
-         "--output", str(out), "--markdown", str(md)],
+        [
+            "bench",
+            "solver",
+            "--quick",
+            "--methods",
+            "tsenor,tsenor-reference,exact,exhaustive,two_approx",
+            "--output",
+            str(out),
+            "--markdown",
+            str(md),
+        ],
     )
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())

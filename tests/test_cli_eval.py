@@ -87,9 +87,7 @@ def test_seqlen_default_capped_by_model(tiny: Path) -> None:
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["seqlen"] == 256  # min(2048, max_position_embeddings)
     too_long = invoke(["--model", str(tiny), "--ppl", "ptb", "--seqlen", "512"])
-    assert isinstance(too_long.exception, UsageError) and "max_position_embeddings 256" in str(
-        too_long.exception
-    )
+    assert isinstance(too_long.exception, UsageError) and "max_position_embeddings 256" in str(too_long.exception)
 
 
 @pytest.mark.parametrize(
@@ -157,6 +155,4 @@ def test_eval_bf16_model_runs(tiny: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
-    assert payload["dtype"] == "bfloat16" and torch.isfinite(
-        torch.tensor(payload["perplexity"]["ptb"]["ppl"])
-    )
+    assert payload["dtype"] == "bfloat16" and torch.isfinite(torch.tensor(payload["perplexity"]["ptb"]["ppl"]))

@@ -17,15 +17,10 @@ from tsenor_cli.models.loading import LoadedModel, default_dtype, load_model, pa
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-models")
-    return {
-        t: make_tiny_llama(root / t, model_type=t, seed=i)
-        for i, t in enumerate(("llama", "mistral", "qwen2"))
-    }
+    return {t: make_tiny_llama(root / t, model_type=t, seed=i) for i, t in enumerate(("llama", "mistral", "qwen2"))}
 
 
-def blockwise_logits(
-    loaded: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-):
+def blockwise_logits(loaded: LoadedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
     """Run embeddings → every decoder block via the adapter → norm → lm_head: (B, T) → (B, T, V)."""
     model, adapter = loaded.model, loaded.adapter
     hidden = adapter.embed(model, input_ids)  # (B, T, H)
@@ -55,9 +50,7 @@ def test_blockwise_forward_with_padding_mask(tiny_dirs: dict[str, Path]) -> None
     with torch.no_grad():
         full = loaded.model(ids, attention_mask=mask).logits
         mine = blockwise_logits(loaded, ids, mask)
-        kwargs = loaded.adapter.block_forward_kwargs(
-            loaded.model, loaded.adapter.embed(loaded.model, ids), mask
-        )
+        kwargs = loaded.adapter.block_forward_kwargs(loaded.model, loaded.adapter.embed(loaded.model, ids), mask)
     assert kwargs["attention_mask"] is not None  # padding cannot use SDPA's is_causal shortcut
     assert kwargs["use_cache"] is False and kwargs["past_key_values"] is None
     torch.testing.assert_close(mine[mask.bool()], full[mask.bool()], atol=1e-5, rtol=1e-5)
@@ -118,9 +111,7 @@ def test_unsupported_model_type(tmp_path: Path) -> None:
 
     AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gpt2"
-    with pytest.raises(
-        IncompatibleModelError, match="'gpt2' is not supported; supported types: llama, mistral, qwen2"
-    ):
+    with pytest.raises(IncompatibleModelError, match="'gpt2' is not supported; supported types: llama, mistral, qwen2"):
         load_model(str(tmp_path))
     with pytest.raises(IncompatibleModelError, match="supported types"):
         adapter_for("falcon")
@@ -133,10 +124,7 @@ def test_smollm2_blockwise_matches_full(smollm2_path: Path) -> None:
     loaded = load_model("smollm2-135m")
     assert loaded.source == str(smollm2_path.resolve())
     assert len(loaded.adapter.decoder_layers(loaded.model)) == 30
-    shapes = {
-        n: tuple(m.weight.shape)
-        for n, m in loaded.adapter.block_linears(loaded.model.model.layers[0]).items()
-    }
+    shapes = {n: tuple(m.weight.shape) for n, m in loaded.adapter.block_linears(loaded.model.model.layers[0]).items()}
     assert shapes["self_attn.k_proj"] == (192, 576) and shapes["mlp.down_proj"] == (576, 1536)
     text = "The quick brown fox jumps over the lazy dog. Transposable N:M sparsity accelerates training."
     ids = loaded.tokenizer(text, return_tensors="pt").input_ids

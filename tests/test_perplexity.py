@@ -16,9 +16,7 @@ from tsenor_cli.models.loading import load_model
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(
-        tmp_path_factory.mktemp("tiny") / "llama", vocab_size=512, tie_word_embeddings=False
-    )
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", vocab_size=512, tie_word_embeddings=False)
 
 
 def sparsegpt_reference_ppl(model: torch.nn.Module, ids: torch.Tensor, seqlen: int) -> float:

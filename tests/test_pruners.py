@@ -87,7 +87,9 @@ def test_sparsegpt_lazy_blocks_equal_column_by_column(kind: str) -> None:
 def test_sparsegpt_updates_beat_masking_alone() -> None:
     w, x = _problem(32, 64, 512, seed=5, device=torch.device("cpu"))
     gram = InputStats.from_inputs(x).require_gram()
-    out = PRUNERS["sparsegpt"].prune(w, InputStats.from_inputs(x), LayerPruneConfig(PATTERNS["transposable"], "exhaustive"))
+    out = PRUNERS["sparsegpt"].prune(
+        w, InputStats.from_inputs(x), LayerPruneConfig(PATTERNS["transposable"], "exhaustive")
+    )
     assert reconstruction_error(w, out.weight, gram) < 0.8 * reconstruction_error(w, w * out.mask, gram)
 
 

@@ -74,9 +74,7 @@ def runs(tmp_path: Path) -> list[Path]:
         _write_run(
             tmp_path,
             "nm24",
-            _eval(
-                {"c4": 50.0, "wikitext2": 35.5, "ptb": 70.0}, {"piqa": 0.55, "hellaswag": 0.35, "boolq": 0.60}
-            ),
+            _eval({"c4": 50.0, "wikitext2": 35.5, "ptb": 70.0}, {"piqa": 0.55, "hellaswag": 0.35, "boolq": 0.60}),
             _prune(2, 4, False, [0.04, 0.05, 0.07, 0.09]),
         ),
         _write_run(

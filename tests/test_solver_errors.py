@@ -56,9 +56,7 @@ def test_unknown_method() -> None:
 
 
 def test_exhaustive_rejects_large_m() -> None:
-    with pytest.raises(
-        ValueError, match=r"'exhaustive' handles M <= 4, got M=8; use method='tsenor' or 'exact'"
-    ):
+    with pytest.raises(ValueError, match=r"'exhaustive' handles M <= 4, got M=8; use method='tsenor' or 'exact'"):
         transposable_nm_mask(_ok(), 4, 8, "exhaustive")
 
 
@@ -77,9 +75,7 @@ def test_warm_start_shape_mismatch_in_api() -> None:
     """`solve` checks a warm start's shape before calling a method that uses it."""
     blocks = torch.rand(4, 4, 4)
     other = DualState(row=torch.zeros(9, 4), col=torch.zeros(9, 4), scale=torch.ones(9))
-    with pytest.raises(
-        ValueError, match=r"warm-start only from a result on a matrix of the same shape and N:M"
-    ):
+    with pytest.raises(ValueError, match=r"warm-start only from a result on a matrix of the same shape and N:M"):
         _init_state(other, blocks)
 
 

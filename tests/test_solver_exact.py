@@ -54,9 +54,7 @@ def test_exact_matches_brute_force(m: int, n: int) -> None:
 def test_exact_matches_exhaustive_m4(n: int) -> None:
     gen = torch.Generator().manual_seed(n)
     # Integer scores create many ties: the optimum value must still agree.
-    scores = torch.cat(
-        [torch.rand(40, 40, generator=gen), torch.randint(0, 4, (40, 40), generator=gen).float()], dim=0
-    )
+    scores = torch.cat([torch.rand(40, 40, generator=gen), torch.randint(0, 4, (40, 40), generator=gen).float()], dim=0)
     ex = solve(scores, n, 4, "exact")
     ref = solve(scores, n, 4, "exhaustive")
     assert _feasible(ex.mask, n, 4)

@@ -102,9 +102,7 @@ def real_weights(smollm2_path: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.realmodel
 @pytest.mark.parametrize("score", ["abs", "square"])
 @pytest.mark.parametrize(("n", "m"), [(2, 4), (8, 16), (16, 32), (8, 32)])
-def test_every_method_on_real_tiles(
-    real_weights: dict[str, torch.Tensor], score: str, n: int, m: int
-) -> None:
+def test_every_method_on_real_tiles(real_weights: dict[str, torch.Tensor], score: str, n: int, m: int) -> None:
     for w in real_weights.values():
         scores = w.abs() if score == "abs" else w.square()
         ex = solve(scores, n, m, "exact")
@@ -143,9 +141,7 @@ def test_dykstra_shift_algebra() -> None:
     for iterations in (1, 7, 50):
         d = dykstra_log(blocks, 3, tau_scale=0.005, iterations=iterations)
         x = d.log_s + d.log_q
-        expected = (
-            blocks / (0.005 * d.scale[:, None, None]) - d.row_shift[:, :, None] - d.col_shift[:, None, :]
-        )
+        expected = blocks / (0.005 * d.scale[:, None, None]) - d.row_shift[:, :, None] - d.col_shift[:, None, :]
         torch.testing.assert_close(x, expected, rtol=1e-9, atol=1e-8)
 
 

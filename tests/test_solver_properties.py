@@ -48,9 +48,7 @@ def problems(draw: st.DrawFn) -> tuple[torch.Tensor, int, int]:
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(problem=problems())
-def test_all_methods_feasible_and_bounded(
-    problem: tuple[torch.Tensor, int, int], device: torch.device
-) -> None:
+def test_all_methods_feasible_and_bounded(problem: tuple[torch.Tensor, int, int], device: torch.device) -> None:
     scores, n, m = problem
     scores = scores.to(device)
     before = scores.clone()

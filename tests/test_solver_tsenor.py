@@ -29,9 +29,7 @@ def test_potential_form_equals_log_domain_dykstra() -> None:
     n, tau = 3, 200.0
     first = dykstra_log(w, n, tau_scale=0.005, iterations=1)
     later = dykstra_log(w, n, tau_scale=0.005, iterations=41)
-    u, v, its = capped_sinkhorn(
-        w, n, [tau], 40, 0.0, first.row_shift / tau, first.col_shift / tau, absorb_every=7
-    )
+    u, v, its = capped_sinkhorn(w, n, [tau], 40, 0.0, first.row_shift / tau, first.col_shift / tau, absorb_every=7)
     assert its == 40
     ours = torch.minimum(torch.exp(tau * (w - u[:, :, None] - v[:, None, :])), torch.ones(()))
     assert torch.allclose(ours, later.log_s.exp(), atol=1e-9)

@@ -91,17 +91,13 @@ def test_piqa_winogrande_rte_docs() -> None:
     assert piqa == [{"goal": "g", "sol1": "a", "sol2": "b", "label": 1}]
     with pytest.raises(UsageError, match="1 records but 2 labels"):
         converters.piqa_docs([{"goal": "g", "sol1": "a", "sol2": "b"}], ["1", "0"])
-    wg = converters.winogrande_docs(
-        [{"sentence": "A _ b.", "option1": "x", "option2": "y", "answer": "2"}], ["2"]
-    )
+    wg = converters.winogrande_docs([{"sentence": "A _ b.", "option1": "x", "option2": "y", "answer": "2"}], ["2"])
     assert wg[0]["answer"] == "2"
     assert converters.winogrande_doc_to_choice(wg[0]) == ["A x", "A y"]
     assert converters.winogrande_doc_to_target(wg[0]) == "b."
     assert converters.winogrande_doc_to_text(wg[0]) == 1
     with pytest.raises(UsageError, match="answer"):
-        converters.winogrande_docs(
-            [{"sentence": "A _", "option1": "x", "option2": "y", "answer": "1"}], ["2"]
-        )
+        converters.winogrande_docs([{"sentence": "A _", "option1": "x", "option2": "y", "answer": "1"}], ["2"])
     rte = converters.rte_docs_from_superglue(
         [{"premise": "p", "hypothesis": "h", "label": "entailment", "idx": 0}],
     )

@@ -22,9 +22,7 @@ class NMPattern:
         if self.m < 2:
             raise UsageError(f"N:M pattern {self.n}:{self.m} has M < 2; use M >= 2, e.g. 2:4 or 16:32")
         if not 1 <= self.n < self.m:
-            raise UsageError(
-                f"N:M pattern {self.n}:{self.m} needs 1 <= N < M; use e.g. {self.m // 2}:{self.m}"
-            )
+            raise UsageError(f"N:M pattern {self.n}:{self.m} needs 1 <= N < M; use e.g. {self.m // 2}:{self.m}")
 
     @property
     def sparsity(self) -> float:

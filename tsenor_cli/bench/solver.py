@@ -293,9 +293,7 @@ def run_large(cfg: BenchConfig, progress: Progress) -> list[LargeRow]:
             base = torch.cuda.memory_allocated(scores.device)
             res = solve(scores, pat.n, pat.m, "tsenor")
             peak = (torch.cuda.max_memory_allocated(scores.device) - base) / 2**20
-            rows.append(
-                LargeRow(str(pat), cfg.large_size, "tsenor", res.seconds, scores.numel() * 4 / 2**20, peak)
-            )
+            rows.append(LargeRow(str(pat), cfg.large_size, "tsenor", res.seconds, scores.numel() * 4 / 2**20, peak))
             continue
         ctx = multiprocessing.get_context("spawn")
         queue: multiprocessing.Queue = ctx.Queue()
@@ -357,7 +355,8 @@ def to_markdown(result: BenchResult) -> str:
         "",
         "### Quality against `exact` (relative error = 1 − objective/optimum, per tile)",
         "",
-        "| N:M | score | method | mean rel. error | max rel. error | optimal tiles | mean certified gap | bound ≥ opt |",
+        "| N:M | score | method | mean rel. error | max rel. error | optimal tiles | mean certified gap "
+        "| bound ≥ opt |",
         "|---|---|---|---:|---:|---:|---:|:-:|",
     ]
     for r in result.quality:

@@ -35,8 +35,7 @@ def parse_ppl_datasets(text: str | None) -> tuple[DatasetName, ...]:
     unknown = [item for item in items if item not in DATASET_NAMES]
     if unknown:
         raise UsageError(
-            f"unknown --ppl dataset(s) {', '.join(unknown)}; "
-            f"use a subset of {','.join(DATASET_NAMES)} or none"
+            f"unknown --ppl dataset(s) {', '.join(unknown)}; use a subset of {','.join(DATASET_NAMES)} or none"
         )
     return cast(tuple[DatasetName, ...], items)
 
@@ -85,25 +84,19 @@ def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
 
 def format_table(report: EvalReport) -> str:
     """A human table: one row per perplexity dataset, then zero-shot accuracies when run."""
-    lines = [
-        f"model {report.model} ({report.model_type}, {report.dtype}, {report.device}), seqlen {report.seqlen}"
-    ]
+    lines = [f"model {report.model} ({report.model_type}, {report.dtype}, {report.device}), seqlen {report.seqlen}"]
     if report.perplexity:
         lines.append(f"{'dataset':<10} {'ppl':>12} {'windows':>8} {'tokens':>9}  data")
         for name, entry in report.perplexity.items():
             r = entry.result
             ppl = f"{r.ppl:.3f}" if math.isfinite(r.ppl) else str(r.ppl)
-            lines.append(
-                f"{name:<10} {ppl:>12} {r.windows:>8} {r.tokens:>9}  {'offline' if entry.offline else 'hub'}"
-            )
+            lines.append(f"{name:<10} {ppl:>12} {r.windows:>8} {r.tokens:>9}  {'offline' if entry.offline else 'hub'}")
     if report.zeroshot is not None:
         zs = report.zeroshot.to_json()
         lines.append(f"{'task':<14} {'acc':>8} {'acc_norm':>9}")
         for task, metrics in zs["tasks"].items():
             norm = metrics.get("acc_norm")
-            lines.append(
-                f"{task:<14} {metrics['acc']:>8.4f} {norm if norm is None else format(norm, '.4f'):>9}"
-            )
+            lines.append(f"{task:<14} {metrics['acc']:>8.4f} {norm if norm is None else format(norm, '.4f'):>9}")
         lines.append(f"{'average (acc)':<14} {zs['average']:>8.4f}")
     lines.extend(f"data {name}: {entry.description}" for name, entry in report.perplexity.items())
     lines.append(f"took {report.seconds:.1f} s")
@@ -112,27 +105,15 @@ def format_table(report: EvalReport) -> str:
 
 @app.command("eval")
 def eval_cmd(
-    model: str = typer.Option(
-        ..., "--model", help="Embedded name (smollm2-135m), local checkpoint dir, or hub id."
-    ),
-    ppl: str = typer.Option(
-        ",".join(DATASET_NAMES), "--ppl", help="Perplexity datasets (comma list) or 'none'."
-    ),
-    tasks: str | None = typer.Option(
-        None, "--tasks", help="Zero-shot tasks (comma list), e.g. piqa,arc_easy."
-    ),
+    model: str = typer.Option(..., "--model", help="Embedded name (smollm2-135m), local checkpoint dir, or hub id."),
+    ppl: str = typer.Option(",".join(DATASET_NAMES), "--ppl", help="Perplexity datasets (comma list) or 'none'."),
+    tasks: str | None = typer.Option(None, "--tasks", help="Zero-shot tasks (comma list), e.g. piqa,arc_easy."),
     num_fewshot: int = typer.Option(0, "--num-fewshot", min=0, help="Few-shot examples for zero-shot tasks."),
-    limit: str | None = typer.Option(
-        None, "--limit", help="Zero-shot documents per task (count or fraction)."
-    ),
+    limit: str | None = typer.Option(None, "--limit", help="Zero-shot documents per task (count or fraction)."),
     batch_size: str = typer.Option("auto", "--batch-size", help="Batch size (integer or 'auto')."),
-    seqlen: int | None = typer.Option(
-        None, "--seqlen", help="Perplexity window (default 2048, capped by the model)."
-    ),
+    seqlen: int | None = typer.Option(None, "--seqlen", help="Perplexity window (default 2048, capped by the model)."),
     max_windows: int | None = typer.Option(None, "--max-windows", help="Evaluate only the first N windows."),
-    dtype: str = typer.Option(
-        "auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16."
-    ),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow custom model code."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Directory to write eval.json into."),
@@ -151,27 +132,21 @@ def eval_cmd(
         max_windows=max_windows,
     )
     if not cfg.ppl_datasets and not cfg.tasks:
-        raise UsageError(
-            "nothing to evaluate: --ppl none and no --tasks; pass --ppl wikitext2 or --tasks piqa"
-        )
+        raise UsageError("nothing to evaluate: --ppl none and no --tasks; pass --ppl wikitext2 or --tasks piqa")
     torch_dtype = parse_dtype(dtype)
     target = output / EVAL_FILE if output is not None else None
     if target is not None:
         if output is not None and output.exists() and not output.is_dir():
             raise UsageError(f"--output {output} is a file; pass a directory")
         if target.exists() and not force:
-            raise OutputExistsError(
-                f"{target} already exists; pass --force to overwrite it or choose another --output"
-            )
+            raise OutputExistsError(f"{target} already exists; pass --force to overwrite it or choose another --output")
     if cfg.tasks:
         _check_zeroshot_available()
 
     def progress(message: str) -> None:
         typer.echo(message, err=True)
 
-    loaded = load_model(
-        model, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code, progress=progress
-    )
+    loaded = load_model(model, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code, progress=progress)
     report = evaluate_model(loaded, cfg, progress=progress)
     payload = report.to_json()
     if target is not None:

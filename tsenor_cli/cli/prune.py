@@ -63,9 +63,7 @@ def load_config_file(path: Path) -> dict[str, Any]:
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
         if key not in CONFIG_KEYS:
-            raise UsageError(
-                f"--config {path}: unknown key {raw_key!r}; known keys: {', '.join(CONFIG_KEYS)}"
-            )
+            raise UsageError(f"--config {path}: unknown key {raw_key!r}; known keys: {', '.join(CONFIG_KEYS)}")
         want = CONFIG_KEYS[key]
         if key == "nm" and not isinstance(value, str):
             raise UsageError(
@@ -98,9 +96,7 @@ def build_config(values: dict[str, Any], *, force: bool, resume: bool, command: 
         raise UsageError("--model is required; pass a checkpoint directory, a hub id or smollm2-135m")
     nm, sparsity = values.get("nm"), values.get("sparsity")
     if (nm is None) == (sparsity is None):
-        raise UsageError(
-            "pass exactly one of --nm N:M (e.g. --nm 16:32) or --sparsity S (e.g. --sparsity 0.5)"
-        )
+        raise UsageError("pass exactly one of --nm N:M (e.g. --nm 16:32) or --sparsity S (e.g. --sparsity 0.5)")
     if nm is not None:
         parsed = parse_nm(str(nm))
         pattern = SparsityPattern.from_nm(parsed.n, parsed.m, transposable=bool(values["transposable"]))
@@ -149,60 +145,34 @@ def _human_bytes(n: int) -> str:
 @app.command("prune")
 def prune_cmd(
     ctx: typer.Context,
-    model: str | None = typer.Option(
-        None, "--model", help="Embedded name (smollm2-135m), checkpoint dir or hub id."
-    ),
+    model: str | None = typer.Option(None, "--model", help="Embedded name (smollm2-135m), checkpoint dir or hub id."),
     nm: str | None = typer.Option(
         None, "--nm", help="N:M pattern, e.g. 16:32 (transposable unless --no-transposable)."
     ),
-    sparsity: float | None = typer.Option(
-        None, "--sparsity", help="Unstructured sparsity instead of N:M, e.g. 0.5."
-    ),
-    transposable: bool = typer.Option(
-        True, "--transposable/--no-transposable", help="Transposable N:M tiles."
-    ),
+    sparsity: float | None = typer.Option(None, "--sparsity", help="Unstructured sparsity instead of N:M, e.g. 0.5."),
+    transposable: bool = typer.Option(True, "--transposable/--no-transposable", help="Transposable N:M tiles."),
     method: MethodChoice = typer.Option("alps", "--method", help="Pruning method."),
     solver: str = typer.Option("tsenor", "--solver", help=f"Transposable mask solver: {', '.join(METHODS)}."),
     calib_data: str = typer.Option("c4", "--calib-data", help="c4, wikitext2, ptb or a text/jsonl file."),
     nsamples: int = typer.Option(128, "--nsamples", min=1, help="Calibration sequences."),
-    seqlen: int = typer.Option(
-        2048, "--seqlen", min=1, help="Calibration sequence length (capped by the model)."
-    ),
+    seqlen: int = typer.Option(2048, "--seqlen", min=1, help="Calibration sequence length (capped by the model)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the calibration sampling."),
-    dtype: str = typer.Option(
-        "auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16."
-    ),
-    device: str = typer.Option(
-        "cpu", "--device", help="Compute device for one block at a time: cpu, cuda, cuda:N."
-    ),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16."),
+    device: str = typer.Option("cpu", "--device", help="Compute device for one block at a time: cpu, cuda, cuda:N."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow custom model code."),
     sequential: bool = typer.Option(
         True, "--sequential/--no-sequential", help="Prune [q,k,v],[o],[gate,up],[down] in turn."
     ),
-    skip_incompatible: bool = typer.Option(
-        False, "--skip-incompatible", help="Leave layers M does not divide dense."
-    ),
+    skip_incompatible: bool = typer.Option(False, "--skip-incompatible", help="Leave layers M does not divide dense."),
     output: str | None = typer.Option(None, "--output", "-o", help="Directory for the pruned checkpoint."),
     force: bool = typer.Option(False, "--force", help="Replace an existing non-empty --output."),
-    resume: bool = typer.Option(
-        False, "--resume", help="Save state after each block; continue an interrupted run."
-    ),
-    config: Path | None = typer.Option(
-        None, "--config", help="YAML recipe; explicit flags override its values."
-    ),
-    dry_run: bool = typer.Option(
-        False, "--dry-run", help="Print the plan (layers, shapes, memory); write nothing."
-    ),
-    run_eval: bool = typer.Option(
-        False, "--eval", help="Evaluate the pruned checkpoint afterwards (eval.json)."
-    ),
-    ppl: str = typer.Option(
-        "wikitext2", "--ppl", help="With --eval: perplexity datasets (comma list) or none."
-    ),
+    resume: bool = typer.Option(False, "--resume", help="Save state after each block; continue an interrupted run."),
+    config: Path | None = typer.Option(None, "--config", help="YAML recipe; explicit flags override its values."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (layers, shapes, memory); write nothing."),
+    run_eval: bool = typer.Option(False, "--eval", help="Evaluate the pruned checkpoint afterwards (eval.json)."),
+    ppl: str = typer.Option("wikitext2", "--ppl", help="With --eval: perplexity datasets (comma list) or none."),
     tasks: str | None = typer.Option(None, "--tasks", help="With --eval: zero-shot tasks (comma list)."),
-    max_windows: int | None = typer.Option(
-        None, "--max-windows", min=1, help="With --eval: perplexity windows."
-    ),
+    max_windows: int | None = typer.Option(None, "--max-windows", min=1, help="With --eval: perplexity windows."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Prune a model to (transposable) N:M or unstructured sparsity, layer by layer."""
@@ -224,12 +194,8 @@ def prune_cmd(
         "skip_incompatible": skip_incompatible,
         "output": output,
     }
-    command = (
-        shlex.join(["tsenor", *sys.argv[1:]]) if sys.argv and Path(sys.argv[0]).name == "tsenor" else None
-    )
-    cfg = build_config(
-        merge_config(ctx, given, config), force=force, resume=resume, command=command or "tsenor prune"
-    )
+    command = shlex.join(["tsenor", *sys.argv[1:]]) if sys.argv and Path(sys.argv[0]).name == "tsenor" else None
+    cfg = build_config(merge_config(ctx, given, config), force=force, resume=resume, command=command or "tsenor prune")
     eval_cfg = None
     if run_eval:
         if dry_run:
@@ -282,9 +248,7 @@ def prune_cmd(
         from tsenor_cli.evaluation.runner import evaluate_model
         from tsenor_cli.models.loading import load_model, parse_dtype
 
-        loaded = load_model(
-            str(cfg.output), dtype=parse_dtype(cfg.dtype), device=cfg.device, progress=progress
-        )
+        loaded = load_model(str(cfg.output), dtype=parse_dtype(cfg.dtype), device=cfg.device, progress=progress)
         evaluation = evaluate_model(loaded, eval_cfg, progress=progress)
         write_json_atomic(cfg.output / EVAL_FILE, evaluation.to_json())
         payload["eval"] = evaluation.to_json()

@@ -22,9 +22,7 @@ def report_cmd(
     run_dirs: list[Path] = typer.Argument(
         ..., help="Run directories, each with eval.json (and tsenor_report.json when pruned)."
     ),
-    output: Path = typer.Option(
-        ..., "--output", "-o", help="Directory for table.md/.csv/.json and PNG plots."
-    ),
+    output: Path = typer.Option(..., "--output", "-o", help="Directory for table.md/.csv/.json and PNG plots."),
     fmt: ReportFormat = typer.Option(ReportFormat.markdown, "--format", help="What to print on stdout."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --output directory."),
 ) -> None:

@@ -25,17 +25,11 @@ def verify_cmd(
     else:
         unit = {"transposable": "tiles", "nm": "groups", "unstructured": "layer"}.get(meta["kind"], "groups")
         typer.echo(f"{directory}: {meta['method']} {meta['pattern']} ({meta['kind']})")
-        typer.echo(
-            f"{'layer':<44} {'shape':>11} {unit:>8} {'>N (error)':>11} {'<N (info)':>10} "
-            f"{'density':>8}  status"
-        )
+        typer.echo(f"{'layer':<44} {'shape':>11} {unit:>8} {'>N (error)':>11} {'<N (info)':>10} {'density':>8}  status")
         for c in report.layers:
             status = "ok" if c.ok else (c.problem or "VIOLATION")
             shape = f"{c.shape[0]}×{c.shape[1]}"
-            typer.echo(
-                f"{c.name:<44} {shape:>11} {c.groups:>8} {c.over:>11} {c.under:>10} "
-                f"{c.density:>8.4f}  {status}"
-            )
+            typer.echo(f"{c.name:<44} {shape:>11} {c.groups:>8} {c.over:>11} {c.under:>10} {c.density:>8.4f}  {status}")
         under = sum(c.under for c in report.layers)
         if under:
             typer.echo(f"info: {under} rows/columns keep fewer than N (weights that were already zero)")

@@ -45,9 +45,7 @@ class CalibrationData:
         return int(self.input_ids.shape[1])
 
 
-def random_windows(
-    stream: torch.Tensor, nsamples: int, seqlen: int, generator: torch.Generator
-) -> torch.Tensor:
+def random_windows(stream: torch.Tensor, nsamples: int, seqlen: int, generator: torch.Generator) -> torch.Tensor:
     """stream: (N,) long → (nsamples, seqlen) windows; starts uniform in [0, N - seqlen - 1] as in SparseGPT.
 
     Needs N > seqlen.
@@ -90,9 +88,7 @@ def _document_windows(
     return random_windows(stream, nsamples, seqlen, torch.Generator().manual_seed(seed))
 
 
-def _text_windows(
-    tokenizer: object, text: str, nsamples: int, seqlen: int, seed: int, what: str
-) -> torch.Tensor:
+def _text_windows(tokenizer: object, text: str, nsamples: int, seqlen: int, seed: int, what: str) -> torch.Tensor:
     stream = sources.encode(tokenizer, text)  # (N,)
     _check_stream(stream, seqlen, what)
     return random_windows(stream, nsamples, seqlen, torch.Generator().manual_seed(seed))
@@ -115,9 +111,7 @@ def _c4_hub(tokenizer: object, nsamples: int, seqlen: int, seed: int) -> tuple[C
                 break
         start = rng.randint(0, int(ids.shape[0]) - seqlen - 1)
         windows.append(ids[start : start + seqlen])
-    description = (
-        f"{raw.description}: random document > {seqlen} tokens, random window (SparseGPT), seed {seed}"
-    )
+    description = f"{raw.description}: random document > {seqlen} tokens, random window (SparseGPT), seed {seed}"
     return CalibrationData(torch.stack(windows), description, offline=False), ""
 
 
@@ -159,8 +153,7 @@ def calibration_batches(
             path = sources.offline_file(data_dir, sources.WIKITEXT2_VALID, "wikitext2")
             raw = sources.RawText(
                 sources.wikitext_rows(path),
-                f"offline {path} (WikiText-2 VALIDATION split: the train split is not in the data folder) "
-                f"[{reason}]",
+                f"offline {path} (WikiText-2 VALIDATION split: the train split is not in the data folder) [{reason}]",
                 offline=True,
             )
         ids = _text_windows(tokenizer, " ".join(raw.rows), nsamples, seqlen, seed, "wikitext2")
@@ -180,14 +173,8 @@ def calibration_batches(
             ids, f"{raw.description}: sentences joined with ' ', random windows, seed {seed}", raw.offline
         )
     path = Path(source).expanduser()
-    if (
-        not path.exists()
-        and not any(source.lower().endswith(s) for s in sources.LOCAL_SUFFIXES)
-        and "/" not in source
-    ):
-        raise UsageError(
-            f"unknown calibration source {source!r}; use c4, wikitext2, ptb or a path to a text file"
-        )
+    if not path.exists() and not any(source.lower().endswith(s) for s in sources.LOCAL_SUFFIXES) and "/" not in source:
+        raise UsageError(f"unknown calibration source {source!r}; use c4, wikitext2, ptb or a path to a text file")
     docs = sources.read_text_records(path)
     ids = _document_windows(tokenizer, docs, nsamples, seqlen, seed, str(path))
     description = (

@@ -105,9 +105,7 @@ def read_text_records(path: Path) -> tuple[str, ...]:
             f"data file {path} does not exist; pass an existing file or one of: c4, wikitext2, ptb"
         )
     if not path.is_file():
-        raise UsageError(
-            f"data path {path} is not a file; pass a {'/'.join(LOCAL_SUFFIXES)} file with a text field"
-        )
+        raise UsageError(f"data path {path} is not a file; pass a {'/'.join(LOCAL_SUFFIXES)} file with a text field")
     name = path.name.lower()
     try:
         if name.endswith(".txt"):
@@ -134,9 +132,7 @@ def read_text_records(path: Path) -> tuple[str, ...]:
     except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as exc:
         raise UsageError(f"cannot read {path}: {exc}; pass a UTF-8 text/JSON-lines/parquet file") from exc
     except PermissionError as exc:
-        raise UsageError(
-            f"cannot read {path}: permission denied; fix its permissions or pass another file"
-        ) from exc
+        raise UsageError(f"cannot read {path}: permission denied; fix its permissions or pass another file") from exc
     if not any(doc.strip() for doc in docs):
         raise UsageError(f"data file {path} holds no text; pass a file with non-empty `text` records")
     return docs
@@ -161,9 +157,7 @@ def _json_array_text(text: str, path: Path) -> tuple[str, ...]:
     try:
         records = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise UsageError(
-            f"{path} is not valid JSON ({exc.msg}); pass a JSON array or JSON lines with `text`"
-        ) from exc
+        raise UsageError(f"{path} is not valid JSON ({exc.msg}); pass a JSON array or JSON lines with `text`") from exc
     if not isinstance(records, list):
         raise UsageError(f"{path} is not a JSON array of records; pass records with a `text` field")
     return tuple(_record_text(record, path, f"record {i}") for i, record in enumerate(records))

@@ -80,8 +80,7 @@ def perplexity(
         total = min(total, max_windows)
     if total == 0:
         raise UsageError(
-            f"the text has {input_ids.shape[1]} tokens, fewer than one window of {seqlen}; "
-            "use a smaller --seqlen"
+            f"the text has {input_ids.shape[1]} tokens, fewer than one window of {seqlen}; use a smaller --seqlen"
         )
     windows = input_ids[0, : total * seqlen].view(total, seqlen)  # (T,) → (W, S)
     nll = torch.zeros(total, dtype=torch.float64)

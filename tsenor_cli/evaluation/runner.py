@@ -39,13 +39,9 @@ class EvalConfig:
     def __post_init__(self) -> None:
         unknown = [d for d in self.ppl_datasets if d not in DATASET_NAMES]
         if unknown:
-            raise UsageError(
-                f"unknown perplexity dataset(s) {', '.join(unknown)}; use {','.join(DATASET_NAMES)}"
-            )
+            raise UsageError(f"unknown perplexity dataset(s) {', '.join(unknown)}; use {','.join(DATASET_NAMES)}")
         if len(set(self.ppl_datasets)) != len(self.ppl_datasets):
-            raise UsageError(
-                f"perplexity dataset list {','.join(self.ppl_datasets)} repeats a name; give each once"
-            )
+            raise UsageError(f"perplexity dataset list {','.join(self.ppl_datasets)} repeats a name; give each once")
         if self.seqlen is not None and self.seqlen < 2:
             raise UsageError(f"--seqlen must be at least 2, got {self.seqlen}")
         if self.max_windows is not None and self.max_windows < 1:
@@ -127,8 +123,7 @@ def effective_seqlen(loaded: LoadedModel, seqlen: int | None) -> int:
         return min(DEFAULT_SEQLEN, limit) if limit else DEFAULT_SEQLEN
     if limit is not None and seqlen > limit:
         raise UsageError(
-            f"--seqlen {seqlen} exceeds the model's max_position_embeddings {limit}; "
-            f"pass --seqlen {limit} or less"
+            f"--seqlen {seqlen} exceeds the model's max_position_embeddings {limit}; pass --seqlen {limit} or less"
         )
     return seqlen
 

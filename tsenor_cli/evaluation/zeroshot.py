@@ -108,9 +108,7 @@ def validate_tasks(tasks: Sequence[str]) -> tuple[str, ...]:
         raise UsageError(f"no zero-shot tasks given; choose from {', '.join(PAPER_TASKS)}")
     unknown = [t for t in tasks if t not in TASK_FILES]
     if unknown:
-        raise UsageError(
-            f"unknown zero-shot task(s) {', '.join(unknown)}; valid names: {', '.join(PAPER_TASKS)}"
-        )
+        raise UsageError(f"unknown zero-shot task(s) {', '.join(unknown)}; valid names: {', '.join(PAPER_TASKS)}")
     if len(set(tasks)) != len(tasks):
         raise UsageError(f"zero-shot task list {', '.join(tasks)} repeats a task; name each task once")
     return tuple(tasks)
@@ -158,8 +156,7 @@ def _offline_data_dir(data_dir: Path | None, tasks: Sequence[str]) -> Path:
         )
     if not path.is_dir():
         raise InputNotFoundError(
-            f"data folder {path} does not exist; set {settings.DATA_DIR_ENV} to a folder with the layout of "
-            "shared/data"
+            f"data folder {path} does not exist; set {settings.DATA_DIR_ENV} to a folder with the layout of shared/data"
         )
     for task in tasks:
         resolve_files(task, path)  # raises InputNotFoundError naming the missing file
@@ -215,9 +212,7 @@ def run_zeroshot(
     from lm_eval.tasks import TaskManager
 
     if root is not None:
-        manager = TaskManager(
-            include_path=str(TASKS_DIR), include_defaults=False, metadata={"data_dir": str(root)}
-        )
+        manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata={"data_dir": str(root)})
         where = f"offline tasks from {root}"
     else:
         manager = TaskManager()

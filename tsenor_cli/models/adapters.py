@@ -173,8 +173,7 @@ def adapter_for(model_type: str) -> ModelAdapter:
     adapter = ADAPTERS.get(model_type)
     if adapter is None:
         raise IncompatibleModelError(
-            f"model type {model_type!r} is not supported; "
-            f"supported types: {', '.join(supported_model_types())}"
+            f"model type {model_type!r} is not supported; supported types: {', '.join(supported_model_types())}"
         )
     return adapter
 

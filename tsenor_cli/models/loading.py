@@ -90,9 +90,7 @@ def _hub_error(name: str) -> InputNotFoundError:
 def resolve_source(name: str, *, progress: Callable[[str], None] | None = None) -> tuple[str, bool]:
     """(source, is_local): a local checkpoint folder, or a hub id to try with from_pretrained."""
     if not name or not name.strip():
-        raise UsageError(
-            f"--model is empty; pass a local checkpoint directory or one of: {', '.join(EMBEDDED_MODELS)}"
-        )
+        raise UsageError(f"--model is empty; pass a local checkpoint directory or one of: {', '.join(EMBEDDED_MODELS)}")
     if is_embedded(name):
         return str(materialize(name, progress=progress)), True
     path = Path(name).expanduser()
@@ -145,9 +143,7 @@ def load_model(
         progress(f"loading {name} ({config.model_type}, {torch_dtype}) on {torch_device}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch_dtype, trust_remote_code=trust_remote_code
-        )
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     except OSError as exc:
         if is_local:
             raise InputNotFoundError(

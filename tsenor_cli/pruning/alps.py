@@ -143,9 +143,7 @@ def prune(
         obj = float(block_obj.sum())
         ub = float(final_result.block_upper_bound.sum())
         gap = max((ub - obj) / ub, 0.0) if ub > 0 else 0.0
-        info = MaskSolveInfo(
-            objective=obj, upper_bound=ub, gap=gap, seconds=float(sum(seconds)), calls=len(seconds)
-        )
+        info = MaskSolveInfo(objective=obj, upper_bound=ub, gap=gap, seconds=float(sum(seconds)), calls=len(seconds))
     return PruneOutcome(
         weight=new_weight * final_mask,
         mask=final_mask,

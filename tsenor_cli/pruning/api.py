@@ -80,14 +80,10 @@ def prune_model(
     start = time.perf_counter()
     spec = get_pruner(cfg.method)
     if cfg.output is None:
-        raise UsageError(
-            "--output is required to prune; pass --output DIR (or --dry-run to only print the plan)"
-        )
+        raise UsageError("--output is required to prune; pass --output DIR (or --dry-run to only print the plan)")
     store = prepare_output(cfg.output, force=cfg.force, resume=cfg.resume)
     dtype, device = _dtype_and_device(cfg)
-    loaded = load_model(
-        cfg.model, dtype=dtype, device="cpu", trust_remote_code=cfg.trust_remote_code, progress=say
-    )
+    loaded = load_model(cfg.model, dtype=dtype, device="cpu", trust_remote_code=cfg.trust_remote_code, progress=say)
     check_not_input(cfg.output, loaded.source)
     model, adapter = loaded.model, loaded.adapter
     slots = linear_slots(model, adapter)

@@ -65,9 +65,7 @@ def incompatible_slots(slots: Sequence[LinearSlot], pattern: SparsityPattern) ->
     return found
 
 
-def check_compatibility(
-    slots: Sequence[LinearSlot], pattern: SparsityPattern, *, skip: bool
-) -> dict[str, str]:
+def check_compatibility(slots: Sequence[LinearSlot], pattern: SparsityPattern, *, skip: bool) -> dict[str, str]:
     """The incompatible linears (to skip), or IncompatibleModelError listing them when `skip` is False."""
     bad = incompatible_slots(slots, pattern)
     if bad and not skip:
@@ -94,9 +92,7 @@ def _to_device(value: Any, device: torch.device) -> Any:
 
 
 @torch.no_grad()
-def capture_block_inputs(
-    model: nn.Module, adapter: Any, input_ids: torch.Tensor, device: torch.device
-) -> torch.Tensor:
+def capture_block_inputs(model: nn.Module, adapter: Any, input_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
     """input_ids: (S, T) long → hidden states (S, T, H) entering decoder block 0, on `device`.
 
     The model's own forward runs on the CPU up to block 0, whose pre-hook records its input and stops
@@ -124,9 +120,7 @@ def capture_block_inputs(
     return torch.cat(captured, 0)  # (S, T, H)
 
 
-def block_kwargs(
-    model: nn.Module, adapter: Any, hidden: torch.Tensor, index: int, device: torch.device
-) -> Any:
+def block_kwargs(model: nn.Module, adapter: Any, hidden: torch.Tensor, index: int, device: torch.device) -> Any:
     """Keyword arguments of block `index` for one-sample inputs shaped like hidden[:1], on `device`.
 
     The rotary embedding lives on the CPU with the model, so they are computed there and moved.
@@ -136,9 +130,7 @@ def block_kwargs(
 
 
 @torch.no_grad()
-def run_block(
-    block: nn.Module, inputs: torch.Tensor, kwargs: dict[str, Any], out: torch.Tensor | None
-) -> None:
+def run_block(block: nn.Module, inputs: torch.Tensor, kwargs: dict[str, Any], out: torch.Tensor | None) -> None:
     """inputs: (S, T, H) → the block's outputs written into `out` (S, T, H), or discarded when None.
 
     One sample per call: the kwargs (mask, rotary) are built for batch 1 and peak memory stays small.
@@ -192,8 +184,7 @@ def prune_block(
             continue
         stats = {name: InputStats(linears[name].in_features, gram=True, device=device) for name in active}
         handles = [
-            linears[name].register_forward_hook(lambda _m, args, _o, s=stats[name]: s.add(args[0]))
-            for name in active
+            linears[name].register_forward_hook(lambda _m, args, _o, s=stats[name]: s.add(args[0])) for name in active
         ]
         try:
             run_block(block, inputs, kwargs, None)
@@ -201,9 +192,7 @@ def prune_block(
             for handle in handles:
                 handle.remove()
         for name in active:
-            records[name] = _prune_linear(
-                linears[name], by_local[name], stats[name], spec, layer_cfg, device, progress
-            )
+            records[name] = _prune_linear(linears[name], by_local[name], stats[name], spec, layer_cfg, device, progress)
     return [records[name] for name in adapter.linear_names]
 
 

@@ -27,15 +27,12 @@ def prepare_output(output: Path, *, force: bool, resume: bool) -> ResumeStore | 
     """
     if output.exists():
         if not output.is_dir():
-            raise OutputExistsError(
-                f"--output {output} is a file; choose a directory path for the checkpoint"
-            )
+            raise OutputExistsError(f"--output {output} is a file; choose a directory path for the checkpoint")
         entries = {p.name for p in output.iterdir()}
         if entries == {RESUME_DIRNAME}:
             if not resume and not force:
                 raise OutputExistsError(
-                    f"{output} holds an interrupted run; "
-                    "pass --resume to continue it or --force to start over"
+                    f"{output} holds an interrupted run; pass --resume to continue it or --force to start over"
                 )
             if not resume:
                 shutil.rmtree(output / RESUME_DIRNAME)
@@ -54,9 +51,7 @@ def check_not_input(output: Path, source: str) -> None:
         return
     out, src = output.resolve(), src.resolve()
     if out == src or out in src.parents:
-        raise UsageError(
-            f"--output {output} would overwrite the input checkpoint {src}; choose another directory"
-        )
+        raise UsageError(f"--output {output} would overwrite the input checkpoint {src}; choose another directory")
 
 
 def _replace_dir(tmp: Path, output: Path) -> None:
@@ -70,9 +65,7 @@ def _replace_dir(tmp: Path, output: Path) -> None:
         tmp.rename(output)
 
 
-def write_checkpoint(
-    model: Any, tokenizer: Any, output: Path, report: PruneReport, sparsity: dict[str, Any]
-) -> None:
+def write_checkpoint(model: Any, tokenizer: Any, output: Path, report: PruneReport, sparsity: dict[str, Any]) -> None:
     """save_pretrained (safetensors, sharded) + tokenizer + reports into a temp sibling, then rename."""
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))

@@ -17,9 +17,7 @@ from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome
 class PruneFn(Protocol):
     """weight: (out, in), statistics of the layer inputs, config → `PruneOutcome`."""
 
-    def __call__(
-        self, weight: torch.Tensor, stats: InputStats | None, cfg: LayerPruneConfig, /
-    ) -> PruneOutcome: ...
+    def __call__(self, weight: torch.Tensor, stats: InputStats | None, cfg: LayerPruneConfig, /) -> PruneOutcome: ...
 
 
 @dataclass(frozen=True)
@@ -40,12 +38,8 @@ PRUNERS: dict[str, PrunerSpec] = {
     for spec in (
         PrunerSpec("magnitude", "keep the largest |W|", magnitude.prune, magnitude.NEEDS_GRAM, False),
         PrunerSpec("wanda", "keep the largest |W|·‖X_j‖ (Wanda)", wanda.prune, wanda.NEEDS_GRAM, True),
-        PrunerSpec(
-            "sparsegpt", "OBS with lazy updates (SparseGPT)", sparsegpt.prune, sparsegpt.NEEDS_GRAM, True
-        ),
-        PrunerSpec(
-            "alps", "ADMM + conjugate gradient (ALPS, Proposition 1)", alps.prune, alps.NEEDS_GRAM, True, True
-        ),
+        PrunerSpec("sparsegpt", "OBS with lazy updates (SparseGPT)", sparsegpt.prune, sparsegpt.NEEDS_GRAM, True),
+        PrunerSpec("alps", "ADMM + conjugate gradient (ALPS, Proposition 1)", alps.prune, alps.NEEDS_GRAM, True, True),
     )
 }
 

@@ -79,11 +79,7 @@ class PruneReport:
         s = self.settings
         t = self.totals()
         pattern = s["pattern"]
-        label = (
-            f"{pattern['n']}:{pattern['m']}"
-            if pattern["kind"] != "unstructured"
-            else f"{pattern['sparsity']:.0%}"
-        )
+        label = f"{pattern['n']}:{pattern['m']}" if pattern["kind"] != "unstructured" else f"{pattern['sparsity']:.0%}"
         lines = [
             "# tsenor pruning report",
             "",

@@ -27,9 +27,7 @@ def _inverse_cholesky_upper(h: torch.Tensor) -> torch.Tensor:
 def prune(weight: torch.Tensor, stats: InputStats | None, cfg: LayerPruneConfig) -> PruneOutcome:
     """weight: (out, in) → `PruneOutcome` with OBS-updated weights under the pattern."""
     if stats is None:
-        raise ValueError(
-            "sparsegpt needs the Gram matrix of the layer inputs; collect statistics with gram=True"
-        )
+        raise ValueError("sparsegpt needs the Gram matrix of the layer inputs; collect statistics with gram=True")
     pattern = cfg.pattern
     gram = stats.require_gram().to(weight.device)
     w = weight.to(torch.float32).clone()  # (out, in)
@@ -57,9 +55,7 @@ def prune(weight: torch.Tensor, stats: InputStats | None, cfg: LayerPruneConfig)
         d = hinv1.diagonal()  # (b,)
         prune1 = torch.zeros_like(w1, dtype=torch.bool)
         if pattern.kind == "unstructured":
-            keep = choose_mask(
-                w1.square() / d.square()[None, :], pattern, cfg.solver, unstructured_scope="matrix"
-            )
+            keep = choose_mask(w1.square() / d.square()[None, :], pattern, cfg.solver, unstructured_scope="matrix")
             prune1 = ~keep.mask
         for i in range(i2 - i1):
             if grouped and i % pattern.m == 0:

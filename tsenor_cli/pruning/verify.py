@@ -103,9 +103,7 @@ def verify_checkpoint(directory: Path) -> VerifyReport:
     """Read config.json's `tsenor_sparsity` and check every pruned weight; raises only on unusable input."""
     config_path = directory / "config.json"
     if not config_path.is_file():
-        raise InputNotFoundError(
-            f"{directory} has no config.json; pass a checkpoint directory written by tsenor prune"
-        )
+        raise InputNotFoundError(f"{directory} has no config.json; pass a checkpoint directory written by tsenor prune")
     meta = json.loads(config_path.read_text()).get(SPARSITY_KEY)
     if not isinstance(meta, dict):
         raise VerificationError(
@@ -116,9 +114,7 @@ def verify_checkpoint(directory: Path) -> VerifyReport:
     for module in meta.get("pruned_modules", []):
         name = f"{module}.weight"
         if name not in files:
-            checks.append(
-                LayerCheck(module, (0, 0), 0, 0, 0, 0.0, "weight missing from the safetensors files")
-            )
+            checks.append(LayerCheck(module, (0, 0), 0, 0, 0, 0.0, "weight missing from the safetensors files"))
             continue
         with safe_open(str(files[name]), framework="pt") as handle:
             weight = handle.get_tensor(name)
@@ -126,9 +122,7 @@ def verify_checkpoint(directory: Path) -> VerifyReport:
         if meta["kind"] != "unstructured" and (
             cols % int(meta["m"]) or (meta["kind"] == "transposable" and rows % int(meta["m"]))
         ):
-            checks.append(
-                LayerCheck(module, (rows, cols), 0, 0, 0, 0.0, f"shape not divisible by M={meta['m']}")
-            )
+            checks.append(LayerCheck(module, (rows, cols), 0, 0, 0, 0.0, f"shape not divisible by M={meta['m']}"))
             continue
         groups, over, under = check_weight(weight, meta)
         density = float((weight != 0).float().mean())

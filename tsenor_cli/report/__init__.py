@@ -41,13 +41,9 @@ def _check_output(output: Path, runs: Sequence[Run], force: bool) -> None:
     for run in runs:
         run_path = run.path.resolve()
         if target == run_path or target in run_path.parents:
-            raise UsageError(
-                f"--output {output} would replace run directory {run.path}; choose another directory"
-            )
+            raise UsageError(f"--output {output} would replace run directory {run.path}; choose another directory")
     if output.exists() and not force:
-        raise OutputExistsError(
-            f"{output} already exists; pass --force to replace it or choose another --output"
-        )
+        raise OutputExistsError(f"{output} already exists; pass --force to replace it or choose another --output")
 
 
 def write_report(runs: Sequence[Run], output: Path, *, force: bool = False) -> ReportOutput:

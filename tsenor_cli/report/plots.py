@@ -39,9 +39,7 @@ def plot_perplexity_vs_m(table: Table, path: Path) -> bool:
         lines: dict[tuple[str, bool, float], list[tuple[int, float]]] = defaultdict(list)
         for row in nm_rows:
             if dataset in row.perplexity and row.m is not None:
-                lines[(row.algorithm, row.transposable is True, row.sparsity)].append(
-                    (row.m, row.perplexity[dataset])
-                )
+                lines[(row.algorithm, row.transposable is True, row.sparsity)].append((row.m, row.perplexity[dataset]))
         for (algorithm, transposable, sparsity), points in sorted(lines.items()):
             points.sort()
             ax.plot(
@@ -93,9 +91,7 @@ def plot_reconstruction_error(runs: Sequence[Run], path: Path) -> bool:
             if pattern is not None
             else f"unstructured {100 * prune.sparsity:g}%"
         )
-        ax.plot(
-            range(len(errors)), errors, marker=".", linewidth=1, label=f"{run.label}: {prune.method} {kind}"
-        )
+        ax.plot(range(len(errors)), errors, marker=".", linewidth=1, label=f"{run.label}: {prune.method} {kind}")
     if positive:
         ax.set_yscale("log")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -24,9 +24,7 @@ class SchemaError(UsageError):
     """A run file that is not valid JSON or lacks a required field (exit 2)."""
 
 
-def _get(
-    obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str, *, optional: bool = False
-) -> Any:
+def _get(obj: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str, *, optional: bool = False) -> Any:
     """obj[key] checked against `kind`; None when optional and absent or null."""
     if key not in obj or obj[key] is None:
         if optional:
@@ -103,9 +101,7 @@ class ZeroShotSummary:
         metric = _get(obj, "average_metric", str, where, optional=True) or "acc"
         if metric != "acc":
             raise SchemaError(f"{where}: average_metric {metric!r} is not 'acc'; re-run `tsenor eval`")
-        return cls(
-            tasks=tasks, average=_get(obj, "average", float, where, optional=True), average_metric=metric
-        )
+        return cls(tasks=tasks, average=_get(obj, "average", float, where, optional=True), average_metric=metric)
 
 
 @dataclass(frozen=True)
@@ -186,13 +182,9 @@ class PruneReport:
         raw_layers = _get(obj, "layers", list, where, optional=True) or []
         return cls(
             method=_get(obj, "method", str, where),
-            pattern=PatternInfo.from_json(raw_pattern, f"{where}: pattern")
-            if raw_pattern is not None
-            else None,
+            pattern=PatternInfo.from_json(raw_pattern, f"{where}: pattern") if raw_pattern is not None else None,
             sparsity=sparsity,
-            layers=tuple(
-                LayerRecord.from_json(layer, f"{where}: layers[{i}]") for i, layer in enumerate(raw_layers)
-            ),
+            layers=tuple(LayerRecord.from_json(layer, f"{where}: layers[{i}]") for i, layer in enumerate(raw_layers)),
         )
 
 
@@ -213,9 +205,7 @@ def _read_json(path: Path) -> Mapping[str, Any]:
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise SchemaError(
-            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); re-create the run"
-        ) from exc
+        raise SchemaError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); re-create the run") from exc
     if not isinstance(obj, dict):
         raise SchemaError(f"{path} holds a JSON {type(obj).__name__}, expected an object; re-create the run")
     return obj
@@ -224,9 +214,7 @@ def _read_json(path: Path) -> Mapping[str, Any]:
 def load_run(path: Path) -> Run:
     """Read a run directory; no directory or no eval.json → InputNotFoundError."""
     if not path.is_dir():
-        raise InputNotFoundError(
-            f"run directory {path} does not exist; pass directories made by `tsenor eval`"
-        )
+        raise InputNotFoundError(f"run directory {path} does not exist; pass directories made by `tsenor eval`")
     eval_path = path / EVAL_FILE
     if not eval_path.is_file():
         raise InputNotFoundError(
@@ -236,7 +224,5 @@ def load_run(path: Path) -> Run:
     return Run(
         path=path,
         eval=EvalRecord.from_json(_read_json(eval_path), str(eval_path)),
-        prune=PruneReport.from_json(_read_json(prune_path), str(prune_path))
-        if prune_path.is_file()
-        else None,
+        prune=PruneReport.from_json(_read_json(prune_path), str(prune_path)) if prune_path.is_file() else None,
     )

@@ -205,9 +205,7 @@ def build_table(runs: Sequence[Run]) -> Table:
         raise UsageError("no runs to report; pass at least one run directory")
     labels = [run.label for run in runs]
     if len(set(labels)) != len(labels):
-        raise UsageError(
-            f"run directory names repeat ({', '.join(labels)}); rows are labelled by name, rename one"
-        )
+        raise UsageError(f"run directory names repeat ({', '.join(labels)}); rows are labelled by name, rename one")
     rows = sorted((row_of(run) for run in runs), key=Row.sort_key)
     return Table(
         rows=tuple(rows),

@@ -27,9 +27,7 @@ def _topn_mask(scores: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(dim, idx, True)
 
 
-@register(
-    "two_approx", "Hubara et al. 2021 greedy 2-approximation on the raw scores, completed to feasibility"
-)
+@register("two_approx", "Hubara et al. 2021 greedy 2-approximation on the raw scores, completed to feasibility")
 def two_approx(blocks: torch.Tensor, n: int, *, init: DualState | None = None) -> BlockSolution:
     """blocks: (B, M, M) → mask (B, M, M) bool: greedy on the scores, then `complete_feasibility`."""
     return BlockSolution(mask=complete_feasibility(greedy_select(blocks, n), blocks, n).mask)

@@ -81,9 +81,7 @@ def exact(
     `chunk_variables`: at most this many LP variables (blocks·M²) per HiGHS call.
     """
     if chunk_variables < 1:
-        raise ValueError(
-            f"chunk_variables must be >= 1, got {chunk_variables}; e.g. {DEFAULT_CHUNK_VARIABLES}"
-        )
+        raise ValueError(f"chunk_variables must be >= 1, got {chunk_variables}; e.g. {DEFAULT_CHUNK_VARIABLES}")
     B, M, _ = blocks.shape
     w = blocks.detach().to("cpu", torch.float64)  # (B, M, M)
     scale = w.amax(dim=(1, 2)).clamp_min(torch.finfo(torch.float64).tiny)  # (B,)

@@ -40,9 +40,7 @@ def all_transposable_masks(n: int, m: int, *, like: torch.Tensor) -> torch.Tenso
     exact=True,
     max_m=EXHAUSTIVE_MAX_M,
 )
-def exhaustive(
-    blocks: torch.Tensor, n: int, *, init: DualState | None = None, chunk: int = 1 << 20
-) -> BlockSolution:
+def exhaustive(blocks: torch.Tensor, n: int, *, init: DualState | None = None, chunk: int = 1 << 20) -> BlockSolution:
     """blocks: (B, M, M), M <= 4 → mask (B, M, M) bool, the optimal transposable n:M mask per block."""
     B, M, _ = blocks.shape
     pats = all_transposable_masks(n, M, like=blocks)  # (P, M, M)

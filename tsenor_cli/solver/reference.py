@@ -109,8 +109,7 @@ def run_reference(
         raise ValueError(f"tau_scale must be > 0, got {tau_scale}; the paper uses 0.005")
     if iterations < 0 or local_steps < 0:
         raise ValueError(
-            f"iterations and local_steps must be >= 0, got {iterations} and {local_steps}; "
-            "the paper uses 300 and 10"
+            f"iterations and local_steps must be >= 0, got {iterations} and {local_steps}; the paper uses 300 and 10"
         )
     dyk = dykstra_log(blocks, n, tau_scale=tau_scale, iterations=iterations)
     mask = greedy_select(dyk.log_s, n)  # exp is monotone: same order as S^(T)
@@ -148,6 +147,4 @@ def tsenor_reference(
     local_steps: int = 10,
 ) -> BlockSolution:
     """blocks: (B, M, M) → mask (B, M, M) bool via `run_reference` (see the module docstring)."""
-    return run_reference(
-        blocks, n, tau_scale=tau_scale, iterations=iterations, local_steps=local_steps
-    ).solution
+    return run_reference(blocks, n, tau_scale=tau_scale, iterations=iterations, local_steps=local_steps).solution

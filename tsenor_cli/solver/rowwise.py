@@ -36,10 +36,10 @@ def unstructured_mask(scores: torch.Tensor, sparsity: float, *, per_row: bool = 
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity}; e.g. 0.5 keeps half the weights")
     rows, cols = scores.shape
     if per_row:
-        keep = cols - int(round(sparsity * cols))
+        keep = cols - round(sparsity * cols)
         idx = scores.topk(keep, dim=1).indices  # (R, keep)
         return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)
     flat = scores.reshape(-1)
-    keep = flat.numel() - int(round(sparsity * flat.numel()))
+    keep = flat.numel() - round(sparsity * flat.numel())
     idx = flat.topk(keep).indices
     return torch.zeros_like(flat, dtype=torch.bool).scatter_(0, idx, True).reshape(rows, cols)

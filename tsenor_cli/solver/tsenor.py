@@ -28,11 +28,10 @@ Pipeline per batch of blocks, all vectorized over blocks:
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
-
-from dataclasses import dataclass
 
 from tsenor_cli.solver.bounds import coordinate_upper_bound
 from tsenor_cli.solver.registry import register
@@ -151,7 +150,9 @@ class _RowGraph:
         return (self.add[sel, src, :] + self.remove[sel, dst, :]).argmax(dim=1)
 
 
-def _apply_path(mask: torch.Tensor, idx: torch.Tensor, graph: _RowGraph, sel: torch.Tensor, rows: list[torch.Tensor]) -> None:
+def _apply_path(
+    mask: torch.Tensor, idx: torch.Tensor, graph: _RowGraph, sel: torch.Tensor, rows: list[torch.Tensor]
+) -> None:
     """Apply the closed row-graph walk rows[0] → rows[1] → … → rows[0] in blocks idx[sel].
 
     Each edge a → b adds (a, j) and removes (b, j) for its best column j; in place on mask (B, M, M).
@@ -280,6 +281,41 @@ def _round(reduced: torch.Tensor, w: torch.Tensor, n: int, rounding: Rounding) -
     return complete_feasibility(start, w, n).mask
 
 
+_MAX_ELEMENTS = 1 << 22  # scores per slice of blocks solved at once (16 MiB in fp32)
+
+
+def _slice_state(state: DualState | None, start: int, size: int) -> DualState | None:
+    if state is None:
+        return None
+    sl = slice(start, start + size)
+    return DualState(
+        row=state.row[sl],
+        col=state.col[sl],
+        scale=state.scale[sl],
+        mask=None if state.mask is None else state.mask[sl],
+    )
+
+
+def _concat_solutions(parts: list[BlockSolution]) -> BlockSolution:
+    uppers = [p.upper_bound for p in parts]
+    states = [p.state for p in parts]
+    state = None
+    if all(s is not None for s in states):
+        masks = [s.mask for s in states if s is not None]
+        state = DualState(
+            row=torch.cat([s.row for s in states if s is not None]),
+            col=torch.cat([s.col for s in states if s is not None]),
+            scale=torch.cat([s.scale for s in states if s is not None]),
+            mask=torch.cat([m for m in masks if m is not None]) if all(m is not None for m in masks) else None,
+        )
+    return BlockSolution(
+        mask=torch.cat([p.mask for p in parts]),
+        upper_bound=torch.cat([u for u in uppers if u is not None]) if all(u is not None for u in uppers) else None,
+        state=state,
+        iterations=max(p.iterations for p in parts),
+    )
+
+
 @register(
     "tsenor",
     "TSENOR: ε-scaled entropic OT (Alg. 1) + rounding on reduced costs + cycle cancelling; fast, near-exact",
@@ -312,6 +348,25 @@ def tsenor(
 
         # M = 4 has at most 90 candidate masks: enumeration is optimal and faster.
         return exhaustive(blocks, n)
+    per_call = max(1, _MAX_ELEMENTS // (M * M))
+    if per_call < B:
+        # Blocks are independent: solving them in slices bounds the temporaries (index tensors of the
+        # greedy pass, reduced costs, row graphs) to a fixed size instead of a multiple of the matrix.
+        parts = [
+            tsenor(
+                blocks[s : s + per_call],
+                n,
+                init=_slice_state(init, s, per_call),
+                tau=tau,
+                stages=stages,
+                iterations=iterations,
+                tol=tol,
+                rounding=rounding,
+                sweeps=sweeps,
+            )
+            for s in range(0, B, per_call)
+        ]
+        return _concat_solutions(parts)
     work = blocks if blocks.dtype in (torch.float32, torch.float64) else blocks.float()
     scale = _block_scale(work)  # (B,)
     w = work / scale[:, None, None]  # (B, M, M) in [0, 1]

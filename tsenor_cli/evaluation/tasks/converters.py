@@ -86,9 +86,7 @@ def piqa_docs(records: Sequence[Mapping[str, Any]], labels: Sequence[str]) -> li
     docs = []
     for record, label in zip(records, labels, strict=True):
         _require(record, ("goal", "sol1", "sol2"), "piqa")
-        docs.append(
-            {"goal": record["goal"], "sol1": record["sol1"], "sol2": record["sol2"], "label": int(label)}
-        )
+        docs.append({"goal": record["goal"], "sol1": record["sol1"], "sol2": record["sol2"], "label": int(label)})
     return docs
 
 
@@ -98,16 +96,12 @@ def winogrande_docs(records: Sequence[Mapping[str, Any]], labels: Sequence[str])
     The labels file is authoritative; an `answer` inside a record must agree with it.
     """
     if len(records) != len(labels):
-        raise UsageError(
-            f"winogrande: {len(records)} records but {len(labels)} labels; the files must pair up"
-        )
+        raise UsageError(f"winogrande: {len(records)} records but {len(labels)} labels; the files must pair up")
     docs = []
     for i, (record, label) in enumerate(zip(records, labels, strict=True)):
         _require(record, ("sentence", "option1", "option2"), "winogrande")
         if label not in ("1", "2") or record.get("answer", label) != label:
-            raise UsageError(
-                f"winogrande: record {i} has answer {record.get('answer')!r} but label {label!r}"
-            )
+            raise UsageError(f"winogrande: record {i} has answer {record.get('answer')!r} but label {label!r}")
         docs.append(
             {
                 "sentence": record["sentence"],
