@@ -156,3 +156,15 @@ def test_eval_bf16_model_runs(tiny: Path) -> None:
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert payload["dtype"] == "bfloat16" and torch.isfinite(torch.tensor(payload["perplexity"]["ptb"]["ppl"]))
+
+
+def test_eval_table_with_zero_shot_tasks(tiny: Path, tmp_path: Path, data_dir: Path) -> None:
+    """The human table prints tasks with and without acc_norm (RTE defines only acc)."""
+    result = invoke(
+        ["--model", str(tiny), "--ppl", "none", "--tasks", "rte,piqa", "--limit", "2", "--output", str(tmp_path)]
+    )
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines() if line.strip()}
+    assert rows["rte"][1] == "-"  # no acc_norm
+    assert 0.0 <= float(rows["piqa"][1]) <= 1.0
+    assert "average" in rows

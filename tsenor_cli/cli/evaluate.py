@@ -96,7 +96,8 @@ def format_table(report: EvalReport) -> str:
         lines.append(f"{'task':<14} {'acc':>8} {'acc_norm':>9}")
         for task, metrics in zs["tasks"].items():
             norm = metrics.get("acc_norm")
-            lines.append(f"{task:<14} {metrics['acc']:>8.4f} {norm if norm is None else format(norm, '.4f'):>9}")
+            norm_text = "-" if norm is None else f"{norm:.4f}"  # WinoGrande, RTE, BoolQ define only acc
+            lines.append(f"{task:<14} {metrics['acc']:>8.4f} {norm_text:>9}")
         lines.append(f"{'average (acc)':<14} {zs['average']:>8.4f}")
     lines.extend(f"data {name}: {entry.description}" for name, entry in report.perplexity.items())
     lines.append(f"took {report.seconds:.1f} s")
