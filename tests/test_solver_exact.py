@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -11,16 +10,6 @@ import torch
 from tsenor_cli.solver import METHODS, solve, to_blocks
 from tsenor_cli.solver.bounds import dual_upper_bound
 from tsenor_cli.solver.exact import exact
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Small-tensor ops on the 2 shared cores run up to 200x slower with 2 intra-op threads contending
-    with other processes (measured: 300 logsumexp on (32, 16, 16) took 6.2 s vs 0.03 s)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _brute_force(block: torch.Tensor, n: int) -> float:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,17 +13,6 @@ from tsenor_cli.solver.bounds import dual_upper_bound
 from tsenor_cli.solver.exact import exact
 from tsenor_cli.solver.reference import dykstra_log, run_reference
 from tsenor_cli.solver.rounding import complete_feasibility, greedy_select, local_search
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Small-tensor ops on the 2 shared cores run up to 200x slower with 2 intra-op threads contending
-    with other processes (measured: 300 logsumexp on (32, 16, 16) took 6.2 s vs 0.03 s)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 FIG_W = torch.tensor(
     [[0.88, 0.01, 0.84, 0.27], [0.01, 0.71, 0.75, 0.53], [0.82, 0.78, 0.15, 0.25], [0.29, 0.50, 0.26, 0.95]],

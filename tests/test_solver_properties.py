@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -12,15 +10,6 @@ from hypothesis import strategies as st
 from tsenor_cli.solver import METHODS, solve, to_blocks
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """Small-tensor ops on the 2 shared cores run far slower with contending intra-op threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @st.composite
