@@ -161,7 +161,9 @@ def prune_cmd(
     device: str = typer.Option("cpu", "--device", help="Compute device for one block at a time: cpu, cuda, cuda:N."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow custom model code."),
     sequential: bool = typer.Option(
-        True, "--sequential/--no-sequential", help="Prune the groups (q,k,v), (o), (gate,up), (down) in turn, re-running the block between them."
+        True,
+        "--sequential/--no-sequential",
+        help="Prune the groups (q,k,v), (o), (gate,up), (down) in turn, re-running the block between them.",
     ),
     skip_incompatible: bool = typer.Option(False, "--skip-incompatible", help="Leave layers M does not divide dense."),
     output: str | None = typer.Option(None, "--output", "-o", help="Directory for the pruned checkpoint."),
