@@ -63,6 +63,17 @@ def test_prune_cli_end_to_end(tiny: Path, tmp_path: Path, data_dir: Path) -> Non
     assert report["totals"]["layers_pruned"] == 14 and report["settings"]["seed"] == 0
     assert all(0.0 < layer["recon_error"] < 1.0 and layer["gap"] == 0.0 for layer in report["layers"])
     assert "rel. error" in (out / "tsenor_report.md").read_text()
+    # `tsenor report` reads the same file (docs/report-format.md).
+    from tsenor_cli.report.schema import PruneReport
+
+    parsed = PruneReport.from_json(report)
+    assert parsed.method == "wanda" and parsed.sparsity == pytest.approx(0.5)
+    assert parsed.pattern is not None and (parsed.pattern.n, parsed.pattern.m, parsed.pattern.transposable) == (
+        2,
+        4,
+        True,
+    )
+    assert len(parsed.layers) == 14 and all(layer.reconstruction_error is not None for layer in parsed.layers)
     config = json.loads((out / "config.json").read_text())
     assert config["tsenor_sparsity"]["pattern"] == "2:4" and config["tsenor_sparsity"]["transposable"] is True
     model = AutoModelForCausalLM.from_pretrained(out)

@@ -32,4 +32,5 @@ def debug() -> bool:
 
 def hub_offline() -> bool:
     """True when the user told the HF libraries not to reach the hub."""
-    return any(os.environ.get(v, "") not in ("", "0") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    names = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+    return any(os.environ.get(v, "") not in ("", "0") for v in names)

@@ -64,7 +64,17 @@ class PruneReport:
         }
 
     def to_dict(self) -> dict[str, Any]:
+        pattern = self.settings["pattern"]
+        structured = pattern["kind"] in ("transposable", "nm")
         return {
+            # The top-level summary `tsenor report` reads (docs/report-format.md).
+            "method": self.settings["method"],
+            "pattern": (
+                {"n": pattern["n"], "m": pattern["m"], "transposable": pattern["kind"] == "transposable"}
+                if structured
+                else None
+            ),
+            "sparsity": float(pattern["sparsity"]),
             "settings": self.settings,
             "calibration": self.calibration,
             "output": self.output,
@@ -72,7 +82,7 @@ class PruneReport:
             "versions": self.versions,
             "resumed_from_block": self.resumed_from_block,
             "totals": self.totals(),
-            "layers": [asdict(r) for r in self.layers],
+            "layers": [{**asdict(r), "reconstruction_error": r.recon_error} for r in self.layers],
         }
 
     def to_markdown(self) -> str:
