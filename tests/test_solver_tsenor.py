@@ -77,6 +77,39 @@ def test_tsenor_rejects_unknown_rounding() -> None:
         solve(torch.rand(16, 16), 8, 16, "tsenor", rounding="nearest")
 
 
+def test_tsenor_rejects_unknown_bound() -> None:
+    with pytest.raises(ValueError, match="bound"):
+        solve(torch.rand(16, 16), 8, 16, "tsenor", bound="loose")
+
+
+def test_potentials_bound_is_certified_and_looser() -> None:
+    """bound="potentials" skips the coordinate round: still ≥ the exact optimum per tile, never tighter."""
+    gen = torch.Generator().manual_seed(4)
+    scores = torch.rand(64, 64, generator=gen)
+    opt = solve(scores, 8, 16, "exact").block_objective
+    tight = solve(scores, 8, 16, "tsenor")
+    loose = solve(scores, 8, 16, "tsenor", bound="potentials")
+    assert torch.equal(tight.mask, loose.mask)
+    assert bool((loose.block_upper_bound >= opt * (1 - 1e-9)).all())
+    assert bool((loose.block_upper_bound >= tight.block_upper_bound * (1 - 1e-9)).all())
+
+
+def test_warm_start_without_sinkhorn_keeps_the_potentials() -> None:
+    """iterations=0 (ALPS's intermediate projections): the potentials carry over unchanged, the mask
+    still improves from the previous one by cycle cancelling, and stays feasible."""
+    gen = torch.Generator().manual_seed(6)
+    scores = torch.rand(64, 64, generator=gen)
+    first = solve(scores, 8, 16, "tsenor")
+    changed = scores * (1 + 0.3 * torch.rand(64, 64, generator=gen))
+    warm = solve(changed, 8, 16, "tsenor", init=first, iterations=0, sweeps=2)
+    assert warm.state is not None and first.state is not None
+    ratio = (first.state.scale / warm.state.scale)[:, None]
+    torch.testing.assert_close(warm.state.row, first.state.row * ratio)
+    assert _feasible(to_blocks(warm.mask, 16), 8)
+    before = float((to_blocks(changed.double(), 16) * to_blocks(first.mask, 16)).sum())
+    assert warm.objective >= before - 1e-9
+
+
 @pytest.mark.realmodel
 def test_warm_start_feasible_and_as_good(smollm2_path: Path) -> None:
     """Re-solving 1%-perturbed real scores from the previous result: feasible, and within 1e-4 of a

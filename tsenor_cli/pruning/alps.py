@@ -30,17 +30,33 @@ NEEDS_GRAM = True
 RHO_MAX = 1e6
 
 
+def inner_solver_options(solver: str, sweeps: int, iterations: int) -> dict[str, object]:
+    """Options of the intermediate D-step projections, by solver; the final projection uses the defaults.
+
+    The ADMM only needs each intermediate mask to be good and no worse than the previous one per tile
+    (Assumption 1, enforced by the safeguard), not optimal or certified tightly: for `tsenor` a few
+    cycle-cancelling sweeps from the warm-started mask and the bound at the potentials suffice
+    (docs/results.md measures the effect). Other solvers run with their defaults.
+    """
+    if solver == "tsenor":
+        return {"sweeps": sweeps, "bound": "potentials", "iterations": iterations}
+    return {}
+
+
 def _project(
     z: torch.Tensor,
     cfg: LayerPruneConfig,
     prev: SolveResult | None,
     prev_mask: torch.Tensor | None,
     seconds: list[float],
+    options: dict[str, object] | None = None,
 ) -> tuple[torch.Tensor, SolveResult | None, torch.Tensor | None, int]:
     """z: (out, in) → (mask (out, in) bool of the pattern maximizing Σ S⊙z², solver result, (B,) per-tile
     objective of the returned mask for transposable patterns, number of safeguarded tiles)."""
     scores = z.square()
-    choice = choose_mask(scores, cfg.pattern, cfg.solver, init=prev, unstructured_scope="matrix")
+    choice = choose_mask(
+        scores, cfg.pattern, cfg.solver, init=prev, unstructured_scope="matrix", solver_options=options
+    )
     if choice.result is None:
         return choice.mask, None, None, 0
     seconds.append(choice.result.seconds)
@@ -116,11 +132,12 @@ def prune(
     safeguarded = 0
     w_t = b_hat
     iterations = 0
+    inner = inner_solver_options(cfg.solver, cfg.alps_inner_sweeps, cfg.alps_inner_iterations)
     for t in range(cfg.alps_max_iter):
         iterations = t + 1
         w_t = (y - v + rho * d) @ inv  # Ĥ + ρI is symmetric, so right-multiplying solves the row systems
         z = w_t + v / rho
-        mask, result, _, kept = _project(z, cfg, result, mask, seconds)
+        mask, result, _, kept = _project(z, cfg, result, mask, seconds, inner)
         safeguarded += kept
         d = z * mask
         v = v + rho * (w_t - d)

@@ -6,6 +6,7 @@ masks from the plain top-k helpers. Scores are "keep" scores: larger means more 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,14 +31,15 @@ def choose_mask(
     *,
     init: SolveResult | None = None,
     unstructured_scope: Literal["row", "matrix"] = "row",
+    solver_options: Mapping[str, object] | None = None,
 ) -> MaskChoice:
     """scores: (R, C) non-negative → mask (R, C) bool of `pattern`.
 
     unstructured_scope picks the comparison group of unstructured sparsity: each output row (Wanda)
-    or the whole matrix (magnitude, ALPS).
+    or the whole matrix (magnitude, ALPS). solver_options go to the transposable solver.
     """
     if pattern.kind == "transposable":
-        result = solve(scores, pattern.n, pattern.m, method=solver, init=init)
+        result = solve(scores, pattern.n, pattern.m, method=solver, init=init, **(solver_options or {}))
         return MaskChoice(result.mask, result)
     if pattern.kind == "nm":
         return MaskChoice(nm_mask(scores, pattern.n, pattern.m), None)

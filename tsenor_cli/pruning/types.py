@@ -81,7 +81,9 @@ class LayerPruneConfig:
     percdamp: Hessian dampening as a share of mean diag(H) (SparseGPT and ALPS use 1%).
     blocksize: SparseGPT's lazy-update block width (rounded to a multiple of M).
     alps_*: the ALPS ADMM schedule (mazumder-lab/ALPS): ρ₀, iteration cap, ρ-update period,
-      earliest stop, stop threshold on the support change, and conjugate-gradient refinement steps.
+      earliest stop, stop threshold on the support change, and conjugate-gradient refinement steps;
+      alps_inner_sweeps, alps_inner_iterations: the `tsenor` cycle-cancelling sweeps and Sinkhorn
+        iterations of the intermediate projections (the final projection runs the full solver).
     """
 
     pattern: SparsityPattern
@@ -94,6 +96,8 @@ class LayerPruneConfig:
     alps_switch_iter: int = 30
     alps_stop_change: float = 3e-4
     alps_cg_iters: int = 10
+    alps_inner_sweeps: int = 2
+    alps_inner_iterations: int = 0
 
 
 @dataclass(frozen=True)

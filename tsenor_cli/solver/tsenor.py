@@ -33,7 +33,7 @@ from typing import Literal
 
 import torch
 
-from tsenor_cli.solver.bounds import coordinate_upper_bound
+from tsenor_cli.solver.bounds import coordinate_upper_bound, dual_upper_bound
 from tsenor_cli.solver.registry import register
 from tsenor_cli.solver.rounding import complete_feasibility, greedy_select
 from tsenor_cli.solver.types import BlockSolution, DualState
@@ -111,7 +111,7 @@ def capped_sinkhorn(
     return u, v, most
 
 
-def _maxplus(a: torch.Tensor, b: torch.Tensor, chunk_elements: int = 1 << 18) -> torch.Tensor:
+def _maxplus(a: torch.Tensor, b: torch.Tensor, chunk_elements: int = 1 << 19) -> torch.Tensor:
     """a: (B, M, K), b: (B, K, N) → (B, M, N), out[i, k] = max_t a[i, t] + b[t, k] (max-plus product).
 
     Chunks keep the (chunk, M, N, K) temporary near cache size; only values are computed here, the
@@ -262,6 +262,7 @@ def _topn(scores: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 
 
 Rounding = Literal["greedy", "rowcol"]
+Bound = Literal["coordinate", "potentials"]
 
 
 def _round(reduced: torch.Tensor, w: torch.Tensor, n: int, rounding: Rounding) -> torch.Tensor:
@@ -332,16 +333,22 @@ def tsenor(
     tol: float = 1e-3,
     rounding: Rounding = "greedy",
     sweeps: int = 30,
+    bound: Bound = "coordinate",
 ) -> BlockSolution:
     """blocks: (B, M, M) non-negative → mask (B, M, M) bool, exactly n per row and column.
 
     Options (defaults chosen by measurement on SmolLM2 tiles, see docs/solver.md): `tau`, the final
     inverse temperature on max-normalized scores; `stages`, ε-scaling stages ending at `tau`;
     `iterations`, the Sinkhorn budget per stage; `tol`, the row-marginal tolerance for early stop;
-    `rounding`, see `_round`; `sweeps`, the cycle-cancelling budget (0 disables it).
+    `rounding`, see `_round`; `sweeps`, the cycle-cancelling budget (0 disables it); `bound`,
+    "coordinate" tightens the certified bound by a round of dual coordinate descent, "potentials"
+    evaluates it at the Sinkhorn potentials only (looser, but one pass: for inner loops such as
+    ALPS's, whose intermediate masks need no tight certificate).
     With `init` (the state of an earlier solve on similar scores) only the final stage runs, and
     the cycle search starts from the earlier mask instead of a fresh rounding.
     """
+    if bound not in ("coordinate", "potentials"):
+        raise ValueError(f"unknown bound {bound!r}; choose 'coordinate' or 'potentials'")
     B, M, _ = blocks.shape
     if M == 4:
         from tsenor_cli.solver.exhaustive import exhaustive
@@ -363,6 +370,7 @@ def tsenor(
                 tol=tol,
                 rounding=rounding,
                 sweeps=sweeps,
+                bound=bound,
             )
             for s in range(0, B, per_call)
         ]
@@ -388,8 +396,11 @@ def tsenor(
     if sweeps > 0:
         mask, _ = cycle_search(mask, w, sweeps)
 
-    # A round of exact dual coordinate descent from the Sinkhorn potentials tightens the bound.
-    upper = coordinate_upper_bound(w, n, row=u, col=v, rounds=1) * scale.double()  # (B,)
+    if bound == "coordinate":
+        # A round of exact dual coordinate descent from the Sinkhorn potentials tightens the bound.
+        upper = coordinate_upper_bound(w, n, row=u, col=v, rounds=1) * scale.double()  # (B,)
+    else:
+        upper = dual_upper_bound(w, u, v, n) * scale.double()  # (B,)
     return BlockSolution(
         mask=mask,
         upper_bound=upper if bool(torch.isfinite(upper).all()) else None,
