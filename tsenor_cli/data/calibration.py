@@ -145,29 +145,13 @@ def calibration_batches(
         )
         return CalibrationData(ids, description, offline=True)
     if source == "wikitext2":
-        raw, reason = sources.from_hub(
-            lambda: sources.hub_rows("wikitext", "wikitext-2-raw-v1", "train", "text"),
-            "wikitext-2-raw-v1 train (hub)",
-        )
-        if raw is None:
-            path = sources.offline_file(data_dir, sources.WIKITEXT2_VALID, "wikitext2")
-            raw = sources.RawText(
-                sources.wikitext_rows(path),
-                f"offline {path} (WikiText-2 VALIDATION split: the train split is not in the data folder) [{reason}]",
-                offline=True,
-            )
+        raw = sources.wikitext2_text("train", data_dir)
         ids = _text_windows(tokenizer, " ".join(raw.rows), nsamples, seqlen, seed, "wikitext2")
         return CalibrationData(
             ids, f"{raw.description}: rows joined with ' ', random windows, seed {seed}", raw.offline
         )
     if source == "ptb":
-        raw, reason = sources.from_hub(
-            lambda: sources.hub_rows("ptb_text_only", "penn_treebank", "train", "sentence"),
-            "ptb_text_only train (hub)",
-        )
-        if raw is None:
-            path = sources.offline_file(data_dir, sources.PTB_TRAIN, "ptb")
-            raw = sources.RawText(sources.ptb_sentences(path), f"offline {path} [{reason}]", offline=True)
+        raw = sources.ptb_text("train", data_dir)
         ids = _text_windows(tokenizer, " ".join(raw.rows), nsamples, seqlen, seed, "ptb")
         return CalibrationData(
             ids, f"{raw.description}: sentences joined with ' ', random windows, seed {seed}", raw.offline

@@ -47,37 +47,23 @@ def eval_token_stream(
     if seqlen < 2:
         raise UsageError(f"seqlen must be at least 2, got {seqlen}")
     if name == "wikitext2":
-        raw, reason = sources.from_hub(
-            lambda: sources.hub_rows("wikitext", "wikitext-2-raw-v1", "test", "text"),
-            "wikitext-2-raw-v1 test (hub)",
-        )
-        if raw is None:
-            path = sources.offline_file(data_dir, sources.WIKITEXT2_TEST, "wikitext2")
-            raw = sources.RawText(
-                sources.wikitext_rows(path),
-                f"offline {path} as HF wikitext-2-raw-v1 test rows [{reason}]",
-                True,
-            )
+        raw = sources.wikitext2_text("test", data_dir)
         ids = sources.encode(tokenizer, "\n\n".join(raw.rows))
         return EvalText(ids[None, :], f"{raw.description}, rows joined with '\\n\\n'", raw.offline)
     if name == "ptb":
-        raw, reason = sources.from_hub(
-            lambda: sources.hub_rows("ptb_text_only", "penn_treebank", "test", "sentence"),
-            "ptb_text_only test (hub)",
-        )
-        if raw is None:
-            path = sources.offline_file(data_dir, sources.PTB_TEST, "ptb")
-            raw = sources.RawText(sources.ptb_sentences(path), f"offline {path} [{reason}]", True)
+        raw = sources.ptb_text("test", data_dir)
         ids = sources.encode(tokenizer, " ".join(raw.rows))
         return EvalText(ids[None, :], f"{raw.description}, sentences joined with ' '", raw.offline)
     if name == "c4":
-        raw, reason = sources.from_hub(
+        hub, reason = sources.from_hub(
             lambda: sources.hub_rows(
                 "allenai/c4", None, "validation", "text", {"validation": sources.C4_VALIDATION_SHARD}
             )[:C4_EVAL_DOCS_HUB],
             f"allenai/c4 {sources.C4_VALIDATION_SHARD} first {C4_EVAL_DOCS_HUB} documents (hub)",
         )
-        if raw is None:
+        if hub is not None:
+            raw = hub
+        else:
             path = sources.offline_file(data_dir, sources.C4_SAMPLE, "c4")
             docs = sources.read_text_records(path)[: sources.C4_EVAL_DOCS]
             raw = sources.RawText(

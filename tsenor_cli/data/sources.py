@@ -198,6 +198,44 @@ def from_hub(loader: Callable[[], tuple[str, ...]], description: str) -> tuple[R
     return RawText(rows=rows, description=description, offline=False), ""
 
 
+def wikitext2_text(split: Literal["train", "test"], data_dir: Path | None) -> RawText:
+    """WikiText-2 raw rows of `split`: the hub's wikitext-2-raw-v1, else the offline file.
+
+    The offline folder has no train split: calibration ("train") falls back to the validation file,
+    and the description says so.
+    """
+    raw, reason = from_hub(
+        lambda: hub_rows("wikitext", "wikitext-2-raw-v1", split, "text"), f"wikitext-2-raw-v1 {split} (hub)"
+    )
+    if raw is not None:
+        return raw
+    if split == "train":
+        path = offline_file(data_dir, WIKITEXT2_VALID, "wikitext2")
+        note = "WikiText-2 VALIDATION split: the train split is not in the data folder"
+    elif split == "test":
+        path = offline_file(data_dir, WIKITEXT2_TEST, "wikitext2")
+        note = "as HF wikitext-2-raw-v1 test rows"
+    else:
+        raise ValueError(f"unknown WikiText-2 split {split!r}; choose 'train' or 'test'")
+    return RawText(wikitext_rows(path), f"offline {path} ({note}) [{reason}]", offline=True)
+
+
+def ptb_text(split: Literal["train", "test"], data_dir: Path | None) -> RawText:
+    """PTB sentences of `split`: the hub's ptb_text_only, else the offline file."""
+    raw, reason = from_hub(
+        lambda: hub_rows("ptb_text_only", "penn_treebank", split, "sentence"), f"ptb_text_only {split} (hub)"
+    )
+    if raw is not None:
+        return raw
+    if split == "train":
+        path = offline_file(data_dir, PTB_TRAIN, "ptb")
+    elif split == "test":
+        path = offline_file(data_dir, PTB_TEST, "ptb")
+    else:
+        raise ValueError(f"unknown PTB split {split!r}; choose 'train' or 'test'")
+    return RawText(ptb_sentences(path), f"offline {path} [{reason}]", offline=True)
+
+
 def hub_rows(
     path: str, config: str | None, split: str, field: str, data_files: dict[str, str] | None = None
 ) -> tuple[str, ...]:
