@@ -12,7 +12,7 @@ export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 PYTEST_ARGS ?=
 
-.PHONY: install test quality bench demo clean model
+.PHONY: install test quality bench demo results clean model
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ bench: install
 
 demo: install
 	bash scripts/demo.sh
+
+# The Table-2 grid on smollm2-135m (hours; resumable: finished runs are skipped), then the target checks.
+results: install
+	$(PY) scripts/results_grid.py --max-windows 8
+	$(PY) scripts/results_targets.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

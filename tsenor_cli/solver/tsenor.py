@@ -177,14 +177,19 @@ def _apply_two_cycles(mask: torch.Tensor, idx: torch.Tensor, graph: _RowGraph, t
     upper = torch.ones(M, M, dtype=torch.bool, device=d.device).triu(diagonal=1)
     g2 = (d + d.transpose(1, 2)).masked_fill_(~upper, float("-inf"))  # (b, M, M): i → k → i, i < k
     gains, flat = g2.reshape(b, M * M).topk(M // 2, dim=1)  # (b, M/2) best pairs first
+    first, second = flat // M, flat % M  # (b, M/2) the two rows of each candidate
     used = torch.zeros(b, M, dtype=torch.bool, device=d.device)
     ar = torch.arange(b, device=d.device)
+    chosen = torch.zeros(b, M // 2, dtype=torch.bool, device=d.device)
+    # Greedy choice over the candidates in gain order (cheap (b,) steps); applied all at once below.
     for c in range(M // 2):
-        i, k = flat[:, c] // M, flat[:, c] % M  # (b,)
-        sel = ((gains[:, c] > tiny) & ~used[ar, i] & ~used[ar, k]).nonzero().squeeze(1)
-        _apply_path(mask, idx, graph, sel, [i[sel], k[sel]])
-        used[sel, i[sel]] = True
-        used[sel, k[sel]] = True
+        i, k = first[:, c], second[:, c]  # (b,)
+        ok = (gains[:, c] > tiny) & ~used[ar, i] & ~used[ar, k]  # (b,)
+        chosen[:, c] = ok
+        used[ar, i] |= ok
+        used[ar, k] |= ok
+    sel, c = chosen.nonzero().unbind(1)  # (k,) block and candidate of every chosen 2-cycle
+    _apply_path(mask, idx, graph, sel, [first[sel, c], second[sel, c]])
     return gains[:, 0] > tiny
 
 

@@ -1,0 +1,82 @@
+"""ALPS on one real SmolLM2 layer: how the intermediate projections' solver budget trades time for error.
+
+Usage: .venv/bin/python scripts/alps_layer_study.py [--block 5] [--linear mlp.gate_proj] [--threads 1]
+Runs the dense model on 64×512 offline C4 calibration tokens up to `--block`, collects the layer's Gram
+matrix, then prunes it with ALPS at transposable 16:32 under several (inner sweeps, inner Sinkhorn
+iterations) settings and at ordinary 16:32, printing a Markdown table (docs/solver.md quotes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+
+from tsenor_cli import settings
+from tsenor_cli.data.calibration import calibration_batches
+from tsenor_cli.models.loading import load_model
+from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPattern, reconstruction_error
+from tsenor_cli.pruning.engine import block_kwargs, capture_block_inputs, run_block
+
+SETTINGS = [(30, 25), (5, 0), (3, 0), (2, 0), (1, 0)]
+
+
+def layer_problem(block: int, linear: str, nsamples: int, seqlen: int) -> tuple[torch.Tensor, InputStats]:
+    """(weight (out, in), input statistics with the Gram matrix) of one linear of the dense model."""
+    loaded = load_model("smollm2-135m", dtype=torch.float32, device="cpu", trust_remote_code=False)
+    model, adapter = loaded.model, loaded.adapter
+    calib = calibration_batches(
+        "c4", loaded.tokenizer, nsamples=nsamples, seqlen=seqlen, seed=0, data_dir=settings.data_dir()
+    )
+    cpu = torch.device("cpu")
+    hidden = capture_block_inputs(model, adapter, calib.input_ids, cpu)  # (S, T, H)
+    buffer = torch.empty_like(hidden)
+    layers = adapter.decoder_layers(model)
+    for index in range(block):
+        run_block(layers[index], hidden, block_kwargs(model, adapter, hidden, index, cpu), buffer)
+        hidden, buffer = buffer, hidden
+    target = adapter.block_linears(layers[block])[linear]
+    stats = InputStats(target.in_features, gram=True, device=cpu)
+    handle = target.register_forward_hook(lambda _m, args, _o: stats.add(args[0]))
+    try:
+        run_block(layers[block], hidden, block_kwargs(model, adapter, hidden, block, cpu), None)
+    finally:
+        handle.remove()
+    return target.weight.data.clone(), stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--block", type=int, default=5)
+    parser.add_argument("--linear", default="mlp.gate_proj")
+    parser.add_argument("--nsamples", type=int, default=64)
+    parser.add_argument("--seqlen", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    weight, stats = layer_problem(args.block, args.linear, args.nsamples, args.seqlen)
+    torch.set_num_threads(args.threads)
+    gram = stats.require_gram()
+    alps = PRUNERS["alps"].prune
+    print(f"block {args.block} {args.linear} {tuple(weight.shape)}, {args.threads} thread(s)\n")
+    print("| pattern | inner sweeps | inner Sinkhorn iterations | ADMM iterations | rel. error | seconds |")
+    print("|---|---:|---:|---:|---:|---:|")
+    transposable = LayerPruneConfig(SparsityPattern.from_nm(16, 32, transposable=True))
+    for sweeps, iterations in SETTINGS:
+        cfg = dataclasses.replace(transposable, alps_inner_sweeps=sweeps, alps_inner_iterations=iterations)
+        start = time.perf_counter()
+        out = alps(weight, stats, cfg)
+        secs = time.perf_counter() - start
+        err = reconstruction_error(weight, out.weight, gram)
+        print(f"| transposable 16:32 | {sweeps} | {iterations} | {out.iterations} | {err:.5f} | {secs:.1f} |")
+    cfg = LayerPruneConfig(SparsityPattern.from_nm(16, 32, transposable=False))
+    start = time.perf_counter()
+    out = alps(weight, stats, cfg)
+    secs = time.perf_counter() - start
+    err = reconstruction_error(weight, out.weight, gram)
+    print(f"| ordinary 16:32 | — | — | {out.iterations} | {err:.5f} | {secs:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
