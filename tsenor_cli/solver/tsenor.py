@@ -188,8 +188,8 @@ def _apply_two_cycles(mask: torch.Tensor, idx: torch.Tensor, graph: _RowGraph, t
         chosen[:, c] = ok
         used[ar, i] |= ok
         used[ar, k] |= ok
-    sel, c = chosen.nonzero().unbind(1)  # (k,) block and candidate of every chosen 2-cycle
-    _apply_path(mask, idx, graph, sel, [first[sel, c], second[sel, c]])
+    sel, cand = chosen.nonzero().unbind(1)  # (k,) block and candidate of every chosen 2-cycle
+    _apply_path(mask, idx, graph, sel, [first[sel, cand], second[sel, cand]])
     return gains[:, 0] > tiny
 
 
