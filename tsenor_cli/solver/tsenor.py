@@ -266,7 +266,11 @@ def _topn(scores: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     return torch.zeros_like(scores, dtype=torch.bool).scatter_(dim, idx, True)
 
 
-Rounding = Literal["greedy", "rowcol"]
+Rounding = Literal["auto", "greedy", "rowcol"]
+# "auto" rounds by greedy from this many blocks up: its M² sequential steps cost the same for 1 block
+# or 4096, so below this size the two `topk` of "rowcol" (plus a longer repair) are faster
+# (SparseGPT's (rows, M) slabs: 48 blocks of 32×32 solve in 85 ms instead of 125 ms; docs/solver.md).
+_GREEDY_FROM_BLOCKS = 1024
 Bound = Literal["coordinate", "potentials"]
 
 
@@ -277,13 +281,15 @@ def _round(reduced: torch.Tensor, w: torch.Tensor, n: int, rounding: Rounding) -
     each row by reduced cost, then the top n of each column among those (two `topk`, no sequential
     loop), leaving somewhat larger deficits for `complete_feasibility` and the cycle search.
     """
+    if rounding == "auto":
+        rounding = "greedy" if reduced.shape[0] >= _GREEDY_FROM_BLOCKS else "rowcol"
     if rounding == "greedy":
         start = greedy_select(reduced, n)
     elif rounding == "rowcol":
         rows = _topn(reduced, n, dim=2)
         start = _topn(reduced.masked_fill(~rows, float("-inf")), n, dim=1) & rows
     else:
-        raise ValueError(f"unknown rounding {rounding!r}; choose 'greedy' or 'rowcol'")
+        raise ValueError(f"unknown rounding {rounding!r}; choose 'auto', 'greedy' or 'rowcol'")
     return complete_feasibility(start, w, n).mask
 
 
@@ -336,7 +342,7 @@ def tsenor(
     stages: int = 4,
     iterations: int = 25,
     tol: float = 1e-3,
-    rounding: Rounding = "greedy",
+    rounding: Rounding = "auto",
     sweeps: int = 30,
     bound: Bound = "coordinate",
 ) -> BlockSolution:
@@ -345,13 +351,15 @@ def tsenor(
     Options (defaults chosen by measurement on SmolLM2 tiles, see docs/solver.md): `tau`, the final
     inverse temperature on max-normalized scores; `stages`, ε-scaling stages ending at `tau`;
     `iterations`, the Sinkhorn budget per stage; `tol`, the row-marginal tolerance for early stop;
-    `rounding`, see `_round`; `sweeps`, the cycle-cancelling budget (0 disables it); `bound`,
-    "coordinate" tightens the certified bound by a round of dual coordinate descent, "potentials"
+    `rounding`, see `_round` ("auto": greedy from 1024 blocks up, else rowcol); `sweeps`, the
+    cycle-cancelling budget (0 disables it); `bound`, "coordinate" tightens the certified bound by a round of dual coordinate descent, "potentials"
     evaluates it at the Sinkhorn potentials only (looser, but one pass: for inner loops such as
     ALPS's, whose intermediate masks need no tight certificate).
     With `init` (the state of an earlier solve on similar scores) only the final stage runs, and
     the cycle search starts from the earlier mask instead of a fresh rounding.
     """
+    if rounding not in ("auto", "greedy", "rowcol"):
+        raise ValueError(f"unknown rounding {rounding!r}; choose 'auto', 'greedy' or 'rowcol'")
     if bound not in ("coordinate", "potentials"):
         raise ValueError(f"unknown bound {bound!r}; choose 'coordinate' or 'potentials'")
     B, M, _ = blocks.shape
