@@ -352,9 +352,10 @@ def tsenor(
     inverse temperature on max-normalized scores; `stages`, ε-scaling stages ending at `tau`;
     `iterations`, the Sinkhorn budget per stage; `tol`, the row-marginal tolerance for early stop;
     `rounding`, see `_round` ("auto": greedy from 1024 blocks up, else rowcol); `sweeps`, the
-    cycle-cancelling budget (0 disables it); `bound`, "coordinate" tightens the certified bound by a round of dual coordinate descent, "potentials"
-    evaluates it at the Sinkhorn potentials only (looser, but one pass: for inner loops such as
-    ALPS's, whose intermediate masks need no tight certificate).
+    cycle-cancelling budget (0 disables it); `bound`, "coordinate" tightens the certified bound by a
+    round of dual coordinate descent, "potentials" evaluates it at the Sinkhorn potentials only
+    (looser, but one pass: for inner loops such as ALPS's, whose intermediate masks need no tight
+    certificate).
     With `init` (the state of an earlier solve on similar scores) only the final stage runs, and
     the cycle search starts from the earlier mask instead of a fresh rounding.
     """
