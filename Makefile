@@ -38,14 +38,16 @@ quality: install
 	$(VENV)/bin/mypy
 
 bench: install
-	$(TSENOR) bench solver --output docs/bench-solver.json --markdown docs/benchmarks.md
+	$(TSENOR) bench solver --time-methods tsenor,tsenor-reference,exact,two_approx,bi_nm --repeats 3 \
+	  --output docs/bench-solver.json --markdown docs/benchmarks.md
 
 demo: install
 	bash scripts/demo.sh
 
 # The Table-2 grid on smollm2-135m (hours; resumable: finished runs are skipped), then the target checks.
 results: install
-	$(PY) scripts/results_grid.py --max-windows 8
+	$(PY) scripts/results_grid.py --max-windows 8 --limit 100 \
+	  --tasks piqa,arc_easy,arc_challenge,hellaswag,winogrande,rte,openbookqa,boolq
 	$(PY) scripts/results_targets.py
 
 clean:

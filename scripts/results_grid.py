@@ -2,9 +2,10 @@
 
 Each run prunes with `tsenor prune` (its own process, with --resume), evaluates with `tsenor eval`,
 copies the small JSON/Markdown reports to RESULTS/runs/NAME/ and, unless --keep-checkpoints, deletes
-the pruned weights. A run whose RESULTS/runs/NAME/eval.json exists is skipped, so the script can be
-killed and restarted at any time; after every run it rebuilds RESULTS/table.{md,csv,json} and the plots
-with `tsenor report`.
+the pruned weights. A run whose RESULTS/runs/NAME/eval.json exists (and, with --tasks, holds every
+requested task at the requested --limit) is skipped, so the script can be killed and restarted at any
+time; a finished run that lacks the zero-shot tasks is pruned again (same seed, same masks) and
+evaluated. After every run it rebuilds RESULTS/table.{md,csv,json} and the plots with `tsenor report`.
 
 Usage (make results runs it with the defaults):
     .venv/bin/python scripts/results_grid.py [--only alps-16x32-t,alps-16x32-o] [--tasks piqa,...]
@@ -112,6 +113,18 @@ def run_one(run: Run, args: argparse.Namespace, work: Path, results: Path) -> No
         shutil.rmtree(out)
 
 
+def is_done(run: Run, args: argparse.Namespace) -> bool:
+    """eval.json exists and covers what this invocation asks for (perplexity always; tasks if given)."""
+    path = args.results / "runs" / run.name / "eval.json"
+    if not path.exists():
+        return False
+    if not args.tasks:
+        return True
+    zeroshot = json.loads(path.read_text()).get("zeroshot") or {}
+    have = set(zeroshot.get("tasks", {}))
+    return set(args.tasks.split(",")) <= have and zeroshot.get("limit") == args.limit
+
+
 def rebuild_report(results: Path) -> None:
     done = sorted(p for p in (results / "runs").glob("*") if (p / "eval.json").exists())
     if done:
@@ -143,7 +156,7 @@ def main() -> None:
         runs = [Run.parse(name) for name in args.only.split(",")]
     else:
         runs = default_runs(args.methods.split(","), args.patterns.split(","), args.kinds.split(","))
-    todo = [r for r in runs if not (args.results / "runs" / r.name / "eval.json").exists()]
+    todo = [r for r in runs if not is_done(r, args)]
     print(f"{len(runs) - len(todo)} of {len(runs)} runs done; to do: {', '.join(r.name for r in todo) or 'none'}")
     if args.dry_run:
         return

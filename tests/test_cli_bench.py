@@ -23,6 +23,8 @@ def test_bench_solver_quick(tmp_path: Path, smollm2_path: Path) -> None:
             "--quick",
             "--methods",
             "tsenor,tsenor-reference,exact,exhaustive,two_approx",
+            "--time-methods",
+            "tsenor,tsenor-reference,exact",
             "--output",
             str(out),
             "--markdown",
@@ -39,7 +41,8 @@ def test_bench_solver_quick(tmp_path: Path, smollm2_path: Path) -> None:
     for row in data["quality"]:
         assert row["bound_holds"], row
         assert 0.0 <= row["mean_rel_error"] <= row["max_rel_error"] + 1e-15
-    assert {r["method"] for r in data["timing"]} == {"tsenor", "tsenor-reference", "exact", "two_approx"}
+    assert {r["method"] for r in data["timing"]} == {"tsenor", "tsenor-reference", "exact"}
+    assert data["config"]["repeats"] == 1  # --quick times each method once
     assert data["warm"] and data["warm"][0]["pattern"] == "8:16"
     text = md.read_text()
     assert "### Quality against `exact`" in text and "| 8:16 | W² | tsenor |" in text
@@ -56,3 +59,11 @@ def test_bench_rejects_bad_pattern() -> None:
     result = CliRunner().invoke(app, ["bench", "solver", "--patterns", "8-16"])
     assert isinstance(result.exception, UsageError)
     assert "N:M" in str(result.exception)
+
+
+def test_bench_rejects_timed_method_outside_methods() -> None:
+    result = CliRunner().invoke(
+        app, ["bench", "solver", "--quick", "--methods", "tsenor,exact", "--time-methods", "two_approx"]
+    )
+    assert isinstance(result.exception, UsageError)
+    assert "--time-methods" in str(result.exception)

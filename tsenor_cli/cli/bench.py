@@ -58,6 +58,8 @@ def bench_solver(
     tiles: int = typer.Option(500, min=1, help="Tiles per pattern for the quality table."),
     time_size: int = typer.Option(2048, min=16, help="Side of the square matrix timed for every method."),
     time_patterns: str = typer.Option("8:16,16:32", help="Patterns timed on the large matrices."),
+    time_methods: str = typer.Option("all", help="Comma-separated methods to time, or 'all' (those of --methods)."),
+    repeats: int = typer.Option(3, min=1, help="Timed solves per method, round-robin; the minimum is reported."),
     large_size: int = typer.Option(8192, min=0, help="Side of the matrix for tsenor's time and peak memory (0: skip)."),
     device: str = typer.Option("cpu", help="cpu or cuda[:i]."),
     seed: int = typer.Option(0, help="Seed for tile sampling and noise."),
@@ -89,6 +91,9 @@ def bench_solver(
     if quick:
         patterns, tiles, time_size, time_patterns, large_size = "2:4,8:16", min(tiles, 24), 128, "8:16", 0
     chosen = _methods(methods)
+    timed = chosen if time_methods == "all" else _methods(time_methods)
+    if not set(timed) <= set(chosen):
+        raise UsageError(f"--time-methods {time_methods} must be among --methods {methods}")
     cfg = BenchConfig(
         model_dir=model_dir,
         model_name=model,
@@ -97,8 +102,9 @@ def bench_solver(
         tiles=tiles,
         time_size=time_size,
         time_patterns=_patterns(time_patterns),
-        time_methods=chosen,
+        time_methods=timed,
         large_size=large_size,
+        repeats=1 if quick else repeats,
         device=device,
         seed=seed,
     )
