@@ -84,3 +84,15 @@ def test_masks_invariant_to_positive_scaling(problem: tuple[torch.Tensor, int, i
         b = solve(scaled, n, m, name)
         assert torch.equal(a.mask, b.mask), name
         assert b.objective == pytest.approx(4 * a.objective, rel=1e-9, abs=1e-12), name
+
+
+def test_block_objective_in_slices_matches_whole_matrix() -> None:
+    from tsenor_cli.solver.api import _block_objective
+
+    gen = torch.Generator().manual_seed(3)
+    blocks = torch.rand(37, 8, 8, generator=gen)
+    mask = torch.rand(37, 8, 8, generator=gen) < 0.5
+    whole = (blocks.double() * mask).sum((1, 2))
+    # 3 blocks per slice: 13 slices, the last one partial.
+    assert torch.equal(_block_objective(blocks, mask, chunk_elements=3 * 64), whole)
+    assert torch.equal(_block_objective(blocks, mask), whole)

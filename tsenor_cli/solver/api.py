@@ -27,6 +27,18 @@ def _init_state(init: SolveResult | DualState | None, blocks: torch.Tensor) -> D
     return state
 
 
+def _block_objective(blocks: torch.Tensor, mask: torch.Tensor, chunk_elements: int = 1 << 22) -> torch.Tensor:
+    """blocks: (B, M, M), mask: (B, M, M) bool → (B,) float64 sum of the kept scores per block.
+
+    In slices of about `chunk_elements` scores: a float64 copy of the whole matrix would be twice its
+    size, the largest allocation of a solve on a big matrix (docs/benchmarks.md, large matrix).
+    """
+    B, M, _ = blocks.shape
+    step = max(1, chunk_elements // (M * M))
+    parts = [(blocks[s : s + step].double() * mask[s : s + step]).sum((1, 2)) for s in range(0, B, step)]
+    return torch.cat(parts) if parts else blocks.new_zeros(0, dtype=torch.float64)
+
+
 def solve(
     scores: torch.Tensor,
     n: int,
@@ -59,7 +71,7 @@ def solve(
     seconds = time.perf_counter() - start
 
     mask_blocks = sol.mask  # (B, M, M) bool
-    block_obj = (blocks.double() * mask_blocks).sum((1, 2))  # (B,)
+    block_obj = _block_objective(blocks, mask_blocks)  # (B,)
     block_ub = coordinate_upper_bound(blocks, n) if sol.upper_bound is None else sol.upper_bound.double()
     # A bound below the objective can only be round-off of an optimal block; never report a negative gap.
     block_ub = torch.maximum(block_ub, block_obj)
