@@ -11,6 +11,12 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+if not torch.cuda.is_available():
+    # Without a GPU the fused Triton kernels run in Triton's CPU interpreter. Triton reads this when it
+    # is first imported (its own @jit library functions are built then), so it is set before any test
+    # module can import it; with a GPU the kernels are compiled and tested on CUDA instead.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def device(request: pytest.FixtureRequest) -> torch.device:

@@ -33,6 +33,7 @@ from typing import Literal
 
 import torch
 
+from tsenor_cli.solver import triton_kernels
 from tsenor_cli.solver.bounds import coordinate_upper_bound, dual_upper_bound
 from tsenor_cli.solver.registry import register
 from tsenor_cli.solver.rounding import complete_feasibility, greedy_select
@@ -42,6 +43,22 @@ from tsenor_cli.solver.types import BlockSolution, DualState
 # negligible (e^-60 ≈ 1e-26 of a kept entry) and would otherwise become slow denormals.
 _EXP_MAX = 50.0
 _EXP_MIN = -60.0
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    """Elements per batched temporary. On CPU small, so a chunk's iterations run in cache; on CUDA
+    large, because there the cost is one kernel launch per operation and chunk, not memory traffic."""
+
+    slice: int  # scores per independent sub-solve (bounds every temporary of `tsenor`)
+    sinkhorn: int  # scores per chunk that runs all its Sinkhorn iterations at once
+    maxplus: int  # elements of the (chunk, M, M, M) temporary of a max-plus product
+
+
+def _chunks(device: torch.device) -> _Chunks:
+    if device.type == "cuda":
+        return _Chunks(slice=1 << 26, sinkhorn=1 << 26, maxplus=1 << 27)
+    return _Chunks(slice=1 << 22, sinkhorn=1 << 18, maxplus=1 << 19)
 
 
 def _block_scale(blocks: torch.Tensor) -> torch.Tensor:
@@ -59,7 +76,7 @@ def capped_sinkhorn(
     u: torch.Tensor,
     v: torch.Tensor,
     absorb_every: int = 10,
-    chunk_elements: int = 1 << 18,
+    chunk_elements: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Algorithm 1 (Dykstra for entropic OT with capacities) in potential form, ε-scaled.
 
@@ -68,10 +85,10 @@ def capped_sinkhorn(
     `iterations` is the budget per temperature in `taus`; a chunk of blocks leaves a temperature
     early once max_i |Σ_j S_ij − n| ≤ tol·n in all its blocks. Chunks of about `chunk_elements`
     scores run all their iterations while their data is in cache; much smaller chunks would be
-    dominated by per-call overhead, much larger ones by memory traffic.
+    dominated by per-call overhead, much larger ones by memory traffic (default: by device).
     """
     B, M, _ = w.shape
-    chunk = max(1, chunk_elements // (M * M))
+    chunk = max(1, (chunk_elements or _chunks(w.device).sinkhorn) // (M * M))
     u = u.clone()
     v = v.clone()
     one = w.new_ones(())
@@ -90,12 +107,15 @@ def capped_sinkhorn(
                 q = vc.new_ones(vc.shape)  # column scalings, absorbed into v below
                 steps = min(absorb_every, iterations - done)
                 violation = float("inf")
-                for _ in range(steps):
+                for step in range(steps):
                     # S = min(K ⊙ p qᵀ, 1): the capacity projection (C3) of the previous iterate.
                     torch.mul(k, p[:, :, None], out=s)
                     s.mul_(q[:, None, :]).clamp_(max=one)
                     row_sum = s.sum(dim=2)  # (b, M)
-                    violation = float((row_sum - n).abs().amax())
+                    if step == steps - 1:
+                        # Only the period's last violation decides the early stop; reading it is a
+                        # device sync on CUDA, so it is not read on the other steps.
+                        violation = float((row_sum - n).abs().amax())
                     row_fac = n / row_sum  # row projection (C1)
                     # Σ_i S_ij·row_fac_i as a scaled reduction: batched (1×M)@(M×M) matmuls are slow.
                     col_sum = s.mul_(row_fac[:, :, None]).sum(dim=1)  # (b, M)
@@ -111,15 +131,18 @@ def capped_sinkhorn(
     return u, v, most
 
 
-def _maxplus(a: torch.Tensor, b: torch.Tensor, chunk_elements: int = 1 << 19) -> torch.Tensor:
+def _maxplus(a: torch.Tensor, b: torch.Tensor, chunk_elements: int | None = None) -> torch.Tensor:
     """a: (B, M, K), b: (B, K, N) → (B, M, N), out[i, k] = max_t a[i, t] + b[t, k] (max-plus product).
 
     Chunks keep the (chunk, M, N, K) temporary near cache size; only values are computed here, the
     few maximizers needed are recovered afterwards for the chosen cycles.
     """
     B, M, K = a.shape
+    if a.is_cuda and K == M == b.shape[2] and triton_kernels.supports(a):
+        # On CUDA the (chunk, M, N, K) temporary is the cost; the fused kernel has none.
+        return triton_kernels.maxplus_fused(a, b)
     bt = b.transpose(1, 2)  # (B, N, K)
-    chunk = max(1, chunk_elements // (M * bt.shape[1] * K))
+    chunk = max(1, (chunk_elements or _chunks(a.device).maxplus) // (M * bt.shape[1] * K))
     out = a.new_empty(B, M, bt.shape[1])
     for start in range(0, B, chunk):
         sl = slice(start, start + chunk)
@@ -272,6 +295,28 @@ Rounding = Literal["auto", "greedy", "rowcol"]
 # (SparseGPT's (rows, M) slabs: 48 blocks of 32×32 solve in 85 ms instead of 125 ms; docs/solver.md).
 _GREEDY_FROM_BLOCKS = 1024
 Bound = Literal["coordinate", "potentials"]
+Sinkhorn = Literal["auto", "torch", "triton"]
+
+
+def _sinkhorn(
+    backend: Sinkhorn,
+    w: torch.Tensor,
+    n: int,
+    taus: list[float],
+    iterations: int,
+    tol: float,
+    u: torch.Tensor,
+    v: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Dispatch `capped_sinkhorn`: "auto" takes the fused Triton kernel for float32 tiles on CUDA
+    when Triton is installed (it ships with CUDA builds of torch) and the torch loop otherwise."""
+    if backend == "auto":
+        backend = "triton" if w.is_cuda and triton_kernels.supports(w) else "torch"
+    if backend == "torch":
+        return capped_sinkhorn(w, n, taus, iterations, tol, u, v)
+    if backend == "triton":
+        return triton_kernels.capped_sinkhorn_fused(w, n, taus, iterations, tol, u, v)
+    raise ValueError(f"unknown sinkhorn backend {backend!r}; choose 'auto', 'torch' or 'triton'")
 
 
 def _round(reduced: torch.Tensor, w: torch.Tensor, n: int, rounding: Rounding) -> torch.Tensor:
@@ -282,7 +327,10 @@ def _round(reduced: torch.Tensor, w: torch.Tensor, n: int, rounding: Rounding) -
     loop), leaving somewhat larger deficits for `complete_feasibility` and the cycle search.
     """
     if rounding == "auto":
-        rounding = "greedy" if reduced.shape[0] >= _GREEDY_FROM_BLOCKS else "rowcol"
+        # On CUDA each of the greedy's M² steps is a few kernel launches: rowcol is faster at any size
+        # (8192², docs/benchmarks.md, CUDA section).
+        big = reduced.shape[0] >= _GREEDY_FROM_BLOCKS and not reduced.is_cuda
+        rounding = "greedy" if big else "rowcol"
     if rounding == "greedy":
         start = greedy_select(reduced, n)
     elif rounding == "rowcol":
@@ -291,9 +339,6 @@ def _round(reduced: torch.Tensor, w: torch.Tensor, n: int, rounding: Rounding) -
     else:
         raise ValueError(f"unknown rounding {rounding!r}; choose 'auto', 'greedy' or 'rowcol'")
     return complete_feasibility(start, w, n).mask
-
-
-_MAX_ELEMENTS = 1 << 22  # scores per slice of blocks solved at once (16 MiB in fp32)
 
 
 def _slice_state(state: DualState | None, start: int, size: int) -> DualState | None:
@@ -345,17 +390,20 @@ def tsenor(
     rounding: Rounding = "auto",
     sweeps: int = 30,
     bound: Bound = "coordinate",
+    sinkhorn: Sinkhorn = "auto",
+    max_elements: int | None = None,
 ) -> BlockSolution:
     """blocks: (B, M, M) non-negative → mask (B, M, M) bool, exactly n per row and column.
 
     Options (defaults chosen by measurement on SmolLM2 tiles, see docs/solver.md): `tau`, the final
     inverse temperature on max-normalized scores; `stages`, ε-scaling stages ending at `tau`;
     `iterations`, the Sinkhorn budget per stage; `tol`, the row-marginal tolerance for early stop;
-    `rounding`, see `_round` ("auto": greedy from 1024 blocks up, else rowcol); `sweeps`, the
+    `rounding`, see `_round` ("auto": greedy from 1024 blocks up on CPU, else rowcol); `sweeps`, the
     cycle-cancelling budget (0 disables it); `bound`, "coordinate" tightens the certified bound by a
     round of dual coordinate descent, "potentials" evaluates it at the Sinkhorn potentials only
     (looser, but one pass: for inner loops such as ALPS's, whose intermediate masks need no tight
-    certificate).
+    certificate); `sinkhorn`, "triton" for the fused kernel of solver/triton_kernels.py, "torch"
+    for the loop here, "auto" for the kernel on CUDA when Triton is installed.
     With `init` (the state of an earlier solve on similar scores) only the final stage runs, and
     the cycle search starts from the earlier mask instead of a fresh rounding.
     """
@@ -363,13 +411,17 @@ def tsenor(
         raise ValueError(f"unknown rounding {rounding!r}; choose 'auto', 'greedy' or 'rowcol'")
     if bound not in ("coordinate", "potentials"):
         raise ValueError(f"unknown bound {bound!r}; choose 'coordinate' or 'potentials'")
+    if sinkhorn not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown sinkhorn backend {sinkhorn!r}; choose 'auto', 'torch' or 'triton'")
     B, M, _ = blocks.shape
     if M == 4:
         from tsenor_cli.solver.exhaustive import exhaustive
 
         # M = 4 has at most 90 candidate masks: enumeration is optimal and faster.
         return exhaustive(blocks, n)
-    per_call = max(1, _MAX_ELEMENTS // (M * M))
+    if max_elements is not None and max_elements < 1:
+        raise ValueError(f"max_elements must be a positive number of scores, got {max_elements}")
+    per_call = max(1, (max_elements or _chunks(blocks.device).slice) // (M * M))
     if per_call < B:
         # Blocks are independent: solving them in slices bounds the temporaries (index tensors of the
         # greedy pass, reduced costs, row graphs) to a fixed size instead of a multiple of the matrix.
@@ -385,6 +437,8 @@ def tsenor(
                 rounding=rounding,
                 sweeps=sweeps,
                 bound=bound,
+                sinkhorn=sinkhorn,
+                max_elements=max_elements,
             )
             for s in range(0, B, per_call)
         ]
@@ -401,7 +455,7 @@ def tsenor(
         u0 = w.topk(n, dim=2).values[:, :, n - 1] - 0.5 / tau
         v0 = w.new_zeros(B, M)
         taus = _tau_schedule(tau, stages)
-    u, v, its = capped_sinkhorn(w, n, taus, iterations, tol, u0, v0)
+    u, v, its = _sinkhorn(sinkhorn, w, n, taus, iterations, tol, u0, v0)
 
     if init is not None and init.mask is not None:
         mask = init.mask.to(blocks.device)
