@@ -87,3 +87,16 @@ def test_fused_maxplus_matches_torch(triton_device: torch.device) -> None:
     want = (a[:, :, :, None] + b[:, None, :, :]).amax(dim=2)  # (B, i, k) over t
     got = st.maxplus_fused(a.to(triton_device), b.to(triton_device)).cpu()
     assert torch.equal(got, want)
+
+
+def test_max_elements_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_elements"):
+        solve(torch.rand(32, 32), 4, 8, "tsenor", max_elements=0)
+
+
+def test_max_elements_slices_give_the_same_mask() -> None:
+    """Tiles are independent on CPU: slicing the batch changes memory, not the answer."""
+    scores = torch.rand(64, 64, generator=torch.Generator().manual_seed(7))
+    whole = solve(scores, 4, 8, "tsenor")
+    sliced = solve(scores, 4, 8, "tsenor", max_elements=8 * 8 * 5)
+    assert torch.equal(whole.mask, sliced.mask)
