@@ -100,3 +100,23 @@ def test_max_elements_slices_give_the_same_mask() -> None:
     whole = solve(scores, 4, 8, "tsenor")
     sliced = solve(scores, 4, 8, "tsenor", max_elements=8 * 8 * 5)
     assert torch.equal(whole.mask, sliced.mask)
+
+
+@pytest.mark.parametrize(("n", "M"), [(2, 8), (8, 16), (16, 32)])
+def test_fused_cycle_search_reaches_the_loop_quality(triton_device: torch.device, n: int, M: int) -> None:
+    """From the same rounding, the per-tile kernel keeps N per row and column, never loses objective,
+    ends with no positive 2-cycle, and is as good as the sweep loop (it may end at another local optimum)."""
+    from tsenor_cli.solver.tsenor import _round, _RowGraph, cycle_search
+
+    w = _scores(6, M, seed=11 * M, device=torch.device("cpu"))
+    start = _round(w, w, n, "rowcol")
+    loop, _ = cycle_search(start, w, 30)
+    fused, moves = st.cycle_search_fused(start.to(triton_device), w.to(triton_device), 30 * M // 2, 1e-6)
+    fused = fused.cpu()
+    assert bool((fused.sum(1) == n).all()) and bool((fused.sum(2) == n).all())
+    objective = (w * fused).sum((1, 2))
+    assert bool((objective >= (w * start).sum((1, 2)) - 1e-6).all())
+    assert float(objective.sum()) >= float((w * loop).sum()) * (1 - 1e-4)
+    d = _RowGraph.build(fused, w).d
+    assert float((d + d.transpose(1, 2)).max()) <= 1e-6
+    assert 0 < moves < 30 * M // 2

@@ -16,9 +16,9 @@ interpreter (`TRITON_INTERPRET=1`), and the max-plus product against the torch o
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
+from types import ModuleType
 
 import torch
 
@@ -40,84 +40,10 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@functools.cache
-def _kernel(interpret: bool):
-    """The jitted kernel, built on first use (importing Triton is slow); Triton reads
-    TRITON_INTERPRET when a function is decorated, hence one build per mode."""
-    import triton
-    import triton.language as tl
+def _jit() -> ModuleType:
+    from tsenor_cli.solver import _triton_jit
 
-    @triton.jit
-    def sinkhorn_kernel(
-        w_ptr,
-        u_ptr,
-        v_ptr,
-        taus_ptr,
-        ran_ptr,
-        n,
-        tol_n,
-        M: tl.constexpr,
-        TAUS: tl.constexpr,  # temperatures (ε-scaling stages)
-        PERIODS: tl.constexpr,  # absorb periods per temperature: ceil(iterations / absorb_every)
-        ABSORB: tl.constexpr,  # iterations per period
-        LAST: tl.constexpr,  # iterations of the last period
-    ):
-        pid = tl.program_id(0).to(tl.int64)
-        rows = tl.arange(0, M)
-        cols = tl.arange(0, M)
-        w = tl.load(w_ptr + pid * M * M + rows[:, None] * M + cols[None, :])  # (M, M)
-        u = tl.load(u_ptr + pid * M + rows)  # (M,)
-        v = tl.load(v_ptr + pid * M + cols)  # (M,)
-        ran = 0
-        for t in tl.static_range(TAUS):
-            tau = tl.load(taus_ptr + t)
-            stop = 0
-            for period in tl.static_range(PERIODS):
-                if stop == 0:
-                    x = tau * (w - u[:, None] - v[None, :])
-                    k = tl.exp(tl.minimum(tl.maximum(x, -60.0), 50.0))  # (M, M), clipped as EXP_MIN/MAX
-                    p = tl.full((M,), 1.0, tl.float32)  # row scalings, absorbed into u below
-                    q = tl.full((M,), 1.0, tl.float32)  # column scalings, absorbed into v below
-                    violation = 0.0
-                    for _ in tl.static_range(LAST if period == PERIODS - 1 else ABSORB):
-                        s = tl.minimum(k * p[:, None] * q[None, :], 1.0)  # capacity projection (C3)
-                        row_sum = tl.sum(s, axis=1)  # (M,)
-                        violation = tl.max(tl.abs(row_sum - n), axis=0)
-                        row_fac = n / row_sum  # row projection (C1)
-                        col_sum = tl.sum(s * row_fac[:, None], axis=0)  # (M,)
-                        p = p * row_fac
-                        q = q * (n / col_sum)  # column projection (C2)
-                    ran += LAST if period == PERIODS - 1 else ABSORB
-                    u = u - tl.log(p) / tau
-                    v = v - tl.log(q) / tau
-                    if violation <= tol_n:
-                        stop = 1
-        tl.store(u_ptr + pid * M + rows, u)
-        tl.store(v_ptr + pid * M + cols, v)
-        tl.store(ran_ptr + pid, ran)
-
-    return sinkhorn_kernel
-
-
-@functools.cache
-def _maxplus_kernel(interpret: bool):
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def maxplus_kernel(a_ptr, b_ptr, out_ptr, M: tl.constexpr):
-        pid = tl.program_id(0).to(tl.int64)
-        rows = tl.arange(0, M)
-        cols = tl.arange(0, M)
-        base = pid * M * M
-        acc = tl.full((M, M), float("-inf"), tl.float32)
-        for t in range(M):
-            a_col = tl.load(a_ptr + base + rows * M + t)  # (M,) a[:, t]
-            b_row = tl.load(b_ptr + base + t * M + cols)  # (M,) b[t, :]
-            acc = tl.maximum(acc, a_col[:, None] + b_row[None, :])
-        tl.store(out_ptr + base + rows[:, None] * M + cols[None, :], acc)
-
-    return maxplus_kernel
+    return _triton_jit
 
 
 def maxplus_fused(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -127,7 +53,7 @@ def maxplus_fused(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         raise ValueError("the fused max-plus product needs float32 (B, M, M) inputs with M a power of two <= 64")
     out = torch.empty_like(a)
     if B > 0:
-        _maxplus_kernel(_interpreting())[(B,)](a.contiguous(), b.contiguous(), out, M=M, num_warps=1 if M <= 16 else 4)
+        _jit().maxplus_kernel[(B,)](a.contiguous(), b.contiguous(), out, M=M, num_warps=1 if M <= 16 else 4)
     return out
 
 
@@ -145,7 +71,7 @@ def capped_sinkhorn_fused(
     B, M, _ = w.shape
     if not supports(w):
         raise ValueError("the fused Sinkhorn needs float32 (B, M, M) scores with M a power of two <= 64 on CUDA")
-    kernel = _kernel(_interpreting())
+    kernel = _jit().sinkhorn_kernel
     u = u.to(torch.float32).contiguous().clone()
     v = v.to(torch.float32).contiguous().clone()
     taus_t = torch.tensor(taus, dtype=torch.float32, device=w.device)
@@ -167,3 +93,19 @@ def capped_sinkhorn_fused(
             num_warps=1 if M <= 16 else 4,
         )
     return u, v, int(ran.max()) if B > 0 else 0
+
+
+def cycle_search_fused(mask: torch.Tensor, w: torch.Tensor, max_moves: int, tiny: float) -> tuple[torch.Tensor, int]:
+    """mask: (B, M, M) bool feasible, w: (B, M, M) float32 → (mask with no positive cycle of length ≤ 4
+    left, or `max_moves` cycles applied in a tile; the most cycles any tile applied)."""
+    B, M, _ = w.shape
+    if not supports(w):
+        raise ValueError("the fused cycle search needs float32 (B, M, M) scores with M a power of two <= 64")
+    out = mask.to(torch.int8).contiguous()
+    scratch = w.new_empty(B, 3, M, M)
+    moves = torch.zeros(B, dtype=torch.int32, device=w.device)
+    if B > 0:
+        _jit().cycle_kernel[(B,)](
+            w.contiguous(), out, scratch, moves, max_moves, float(tiny), M=M, num_warps=1 if M <= 16 else 4
+        )
+    return out.bool(), int(moves.max()) if B > 0 else 0

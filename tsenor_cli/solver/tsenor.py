@@ -254,18 +254,27 @@ def _apply_long_cycle(mask: torch.Tensor, idx: torch.Tensor, graph: _RowGraph, t
     return ok3 | ok4
 
 
-def cycle_search(mask: torch.Tensor, w: torch.Tensor, max_sweeps: int) -> tuple[torch.Tensor, int]:
+def cycle_search(
+    mask: torch.Tensor, w: torch.Tensor, max_sweeps: int, *, fused: bool = True
+) -> tuple[torch.Tensor, int]:
     """Cancel positive 2-, 3- and 4-cycles of the row graph until none is left or `max_sweeps` ran.
 
     mask: (B, M, M) feasible, w: (B, M, M) → (mask (B, M, M) feasible with objective ≥ the input's,
     sweeps run). A sweep applies a set of row-disjoint positive 2-cycles in every active block, or,
     where there is none, its best positive 3- or 4-cycle; blocks with neither leave the active set.
+    On CUDA (float32, M a power of two) the fused kernel applies one cycle per step, at most
+    max_sweeps·M/2 per tile (what the sweeps allow), and the count returned is the most cycles any
+    tile applied; `fused=False` keeps the sweep loop (for comparisons).
     """
     B, M, _ = mask.shape
+    tiny = 1e-6 * float(w.amax()) if w.numel() else 0.0
+    if fused and w.is_cuda and triton_kernels.supports(w):
+        # On CUDA every sweep here is dozens of launches and syncs; the fused kernel runs each tile's
+        # search to the end in one launch, one cycle per step, with the same budget of cycles.
+        return triton_kernels.cycle_search_fused(mask, w, max_sweeps * M // 2, tiny)
     mask = mask.clone()
     active = torch.arange(B, device=mask.device)
     sweeps = 0
-    tiny = 1e-6 * float(w.amax()) if w.numel() else 0.0
     while sweeps < max_sweeps and active.numel() > 0:
         sweeps += 1
         graph = _RowGraph.build(mask[active], w[active])
