@@ -120,3 +120,15 @@ def test_fused_cycle_search_reaches_the_loop_quality(triton_device: torch.device
     d = _RowGraph.build(fused, w).d
     assert float((d + d.transpose(1, 2)).max()) <= 1e-6
     assert 0 < moves < 30 * M // 2
+
+
+@pytest.mark.parametrize(("n", "M"), [(2, 8), (8, 16), (16, 32)])
+def test_fused_bound_equals_coordinate_bound(triton_device: torch.device, n: int, M: int) -> None:
+    from tsenor_cli.solver.bounds import coordinate_upper_bound
+
+    w = _scores(5, M, seed=3 * M, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(M)
+    u, v = 0.5 * torch.rand(5, M, generator=gen), 0.3 * torch.rand(5, M, generator=gen)
+    want = coordinate_upper_bound(w, n, row=u, col=v, rounds=1)
+    got = st.coordinate_bound_fused(w.to(triton_device), n, v.to(triton_device)).cpu()
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-9)

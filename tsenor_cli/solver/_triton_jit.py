@@ -174,3 +174,23 @@ def cycle_kernel(w_ptr, mask_ptr, scratch_ptr, moves_ptr, max_moves, tiny, M: tl
                 go = 0
     tl.store(mask_ptr + pid * M * M + grid, s.to(tl.int8))
     tl.store(moves_ptr + pid, moves)
+
+
+@triton.jit
+def bound_kernel(w_ptr, v_ptr, out_ptr, n, M: tl.constexpr):
+    """One round of exact dual coordinate descent from the column potentials v, then the dual bound in float64 (see
+    bounds.coordinate_upper_bound): u_i = n-th largest of w_ij − v_j, v_j = n-th largest of w_ij − u_i."""
+    pid = tl.program_id(0).to(tl.int64)
+    rows = tl.arange(0, M)
+    cols = tl.arange(0, M)
+    w = tl.load(w_ptr + pid * M * M + rows[:, None] * M + cols[None, :])  # (M, M)
+    v = tl.load(v_ptr + pid * M + cols)  # (M,)
+    nth = cols[None, :] == (n - 1)  # the n-th position of a descending sort along the last axis
+    u = tl.sum(tl.where(nth, tl.sort(w - v[None, :], descending=True), 0.0), axis=1)  # (M,) per row
+    v = tl.sum(tl.where(nth, tl.sort(tl.trans(w - u[:, None]), descending=True), 0.0), axis=1)  # per column
+    w64 = w.to(tl.float64)
+    u64 = u.to(tl.float64)
+    v64 = v.to(tl.float64)
+    slack = tl.maximum(w64 - u64[:, None] - v64[None, :], 0.0)
+    total = n * (tl.sum(u64, axis=0) + tl.sum(v64, axis=0)) + tl.sum(tl.sum(slack, axis=1), axis=0)
+    tl.store(out_ptr + pid, total)

@@ -1,17 +1,19 @@
-"""Fused Triton kernels for `tsenor` on CUDA: the capped Sinkhorn (paper Algorithm 1, potential
-form) and the max-plus product of the cycle search.
+"""Fused Triton kernels for `tsenor` on CUDA (the jitted code is in `_triton_jit.py`).
 
-The torch loop in `tsenor.capped_sinkhorn` launches ~8 kernels per iteration, each streaming the
-whole (B, M, M) batch through memory: at 8192² that is ~2 GB of traffic per iteration and most of a
-GPU solve. Here one program owns one M×M tile and keeps it in registers for every stage and
-iteration: the scores are read once, the potentials written once.
+One program owns one M×M tile and keeps it in registers, so each step is one launch that reads the
+scores once, instead of the torch path's several launches per iteration, each streaming the whole
+(B, M, M) batch (the cost on a GPU; docs/benchmarks-cuda.md):
 
-The max-plus product out[i, k] = max_t a[i, t] + b[t, k] in torch materializes a (B, M, M, M)
-temporary; the kernel keeps the (M, M) accumulator in registers and reads a and b once.
+- `capped_sinkhorn_fused`: Algorithm 1 in potential form, every stage and iteration in one launch;
+  the semantics of `tsenor.capped_sinkhorn` with one tile per chunk (each tile stops on its own
+  marginal violation).
+- `cycle_search_fused`: the cycle cancelling of `tsenor.cycle_search`, each tile to the end, one
+  cycle per step.
+- `coordinate_bound_fused`: `bounds.coordinate_upper_bound` with one round, without float64 copies.
+- `maxplus_fused`: the max-plus product without the (B, M, M, M) temporary (the torch sweep loop).
 
-Semantics of the Sinkhorn are those of `capped_sinkhorn` with one block per chunk (so each tile leaves a stage on its
-own marginal violation); `tests/test_solver_triton.py` checks the two agree under Triton's CPU
-interpreter (`TRITON_INTERPRET=1`), and the max-plus product against the torch one.
+`tests/test_solver_triton.py` checks each against the torch code under Triton's CPU interpreter
+(`TRITON_INTERPRET=1`, set by tests/conftest.py when there is no GPU) and compiled on a GPU.
 """
 
 from __future__ import annotations
@@ -109,3 +111,23 @@ def cycle_search_fused(mask: torch.Tensor, w: torch.Tensor, max_moves: int, tiny
             w.contiguous(), out, scratch, moves, max_moves, float(tiny), M=M, num_warps=1 if M <= 16 else 4
         )
     return out.bool(), int(moves.max()) if B > 0 else 0
+
+
+def coordinate_bound_fused(w: torch.Tensor, n: int, col: torch.Tensor) -> torch.Tensor:
+    """w: (B, M, M) float32, col: (B, M) column potentials → (B,) float64, the same certified bound as
+    `bounds.coordinate_upper_bound(w, n, col=col, rounds=1)` (whose first step recomputes the row
+    potentials) without its float64 copies of w."""
+    B, M, _ = w.shape
+    if not supports(w):
+        raise ValueError("the fused bound needs float32 (B, M, M) scores with M a power of two <= 64")
+    out = torch.empty(B, dtype=torch.float64, device=w.device)
+    if B > 0:
+        _jit().bound_kernel[(B,)](
+            w.contiguous(),
+            col.to(torch.float32).contiguous(),
+            out,
+            n,
+            M=M,
+            num_warps=1 if M <= 16 else 4,
+        )
+    return out

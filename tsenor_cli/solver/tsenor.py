@@ -350,6 +350,23 @@ def _round(reduced: torch.Tensor, w: torch.Tensor, n: int, rounding: Rounding) -
     return complete_feasibility(start, w, n).mask
 
 
+def _round_potentials(w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, n: int, rounding: Rounding) -> torch.Tensor:
+    """w: (B, M, M), u, v: (B, M) potentials → feasible mask (B, M, M) rounded from w − u − v."""
+    return _round(w - u[:, :, None] - v[:, None, :], w, n, rounding)
+
+
+def _bound(w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, n: int, bound: Bound) -> torch.Tensor:
+    """(B,) float64 certified upper bound of each normalized block from the potentials (see `tsenor`)."""
+    if bound == "coordinate":
+        # A round of exact dual coordinate descent from the Sinkhorn potentials tightens the bound.
+        if w.is_cuda and triton_kernels.supports(w):
+            return triton_kernels.coordinate_bound_fused(w, n, v)
+        return coordinate_upper_bound(w, n, row=u, col=v, rounds=1)
+    if bound == "potentials":
+        return dual_upper_bound(w, u, v, n)
+    raise ValueError(f"unknown bound {bound!r}; choose 'coordinate' or 'potentials'")
+
+
 def _slice_state(state: DualState | None, start: int, size: int) -> DualState | None:
     if state is None:
         return None
@@ -469,15 +486,10 @@ def tsenor(
     if init is not None and init.mask is not None:
         mask = init.mask.to(blocks.device)
     else:
-        mask = _round(w - u[:, :, None] - v[:, None, :], w, n, rounding)
+        mask = _round_potentials(w, u, v, n, rounding)
     if sweeps > 0:
         mask, _ = cycle_search(mask, w, sweeps)
-
-    if bound == "coordinate":
-        # A round of exact dual coordinate descent from the Sinkhorn potentials tightens the bound.
-        upper = coordinate_upper_bound(w, n, row=u, col=v, rounds=1) * scale.double()  # (B,)
-    else:
-        upper = dual_upper_bound(w, u, v, n) * scale.double()  # (B,)
+    upper = _bound(w, u, v, n, bound) * scale.double()  # (B,)
     return BlockSolution(
         mask=mask,
         upper_bound=upper if bool(torch.isfinite(upper).all()) else None,
