@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tsenor_cli.solver import SolveResult, from_blocks, solve, to_blocks
-from tsenor_cli.solver.tsenor import _block_scale, _bound, _round_potentials, _sinkhorn, _tau_schedule, cycle_search
+from tsenor_cli.solver.tsenor import _block_scale, _bound, _round, _sinkhorn, _tau_schedule, cycle_search
 
 PATTERNS = ((8, 16), (16, 32))
 POOL_SIZE = 2048
@@ -129,7 +129,7 @@ def phases(scores: torch.Tensor, n: int, m: int, rounding: str, backend: str) ->
     v0 = w.new_zeros(B, M)
     taus = _tau_schedule(200.0, 4)
     u, v, _ = step("sinkhorn", lambda: _sinkhorn(backend, w, n, taus, 25, 1e-3, u0, v0))  # type: ignore[misc]
-    mask = step("rounding+completion", lambda: _round_potentials(w, u, v, n, rounding))  # type: ignore[arg-type]
+    mask = step("rounding+completion", lambda: _round(w - u[:, :, None] - v[:, None, :], w, n, rounding))  # type: ignore[arg-type]
     step("cycle search", lambda: cycle_search(mask, w, 30))  # type: ignore[arg-type]
     step("cycle search (sweep loop)", lambda: cycle_search(mask, w, 30, fused=False))  # type: ignore[arg-type]
     step("coordinate bound", lambda: _bound(w, u, v, n, "coordinate"))

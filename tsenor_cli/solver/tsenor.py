@@ -337,7 +337,7 @@ def _round(reduced: torch.Tensor, w: torch.Tensor, n: int, rounding: Rounding) -
     """
     if rounding == "auto":
         # On CUDA each of the greedy's M² steps is a few kernel launches: rowcol is faster at any size
-        # (8192², docs/benchmarks.md, CUDA section).
+        # (8192², docs/benchmarks-cuda.md).
         big = reduced.shape[0] >= _GREEDY_FROM_BLOCKS and not reduced.is_cuda
         rounding = "greedy" if big else "rowcol"
     if rounding == "greedy":
@@ -348,11 +348,6 @@ def _round(reduced: torch.Tensor, w: torch.Tensor, n: int, rounding: Rounding) -
     else:
         raise ValueError(f"unknown rounding {rounding!r}; choose 'auto', 'greedy' or 'rowcol'")
     return complete_feasibility(start, w, n).mask
-
-
-def _round_potentials(w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, n: int, rounding: Rounding) -> torch.Tensor:
-    """w: (B, M, M), u, v: (B, M) potentials → feasible mask (B, M, M) rounded from w − u − v."""
-    return _round(w - u[:, :, None] - v[:, None, :], w, n, rounding)
 
 
 def _bound(w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, n: int, bound: Bound) -> torch.Tensor:
@@ -486,7 +481,7 @@ def tsenor(
     if init is not None and init.mask is not None:
         mask = init.mask.to(blocks.device)
     else:
-        mask = _round_potentials(w, u, v, n, rounding)
+        mask = _round(w - u[:, :, None] - v[:, None, :], w, n, rounding)
     if sweeps > 0:
         mask, _ = cycle_search(mask, w, sweeps)
     upper = _bound(w, u, v, n, bound) * scale.double()  # (B,)
