@@ -44,7 +44,8 @@ def main() -> None:
         scores = from_blocks(tiles, tiles.shape[0] * m, m)
         print(f"[tune] {n}:{m}: exact", file=sys.stderr, flush=True)
         opt = solve(scores, n, m, "exact").block_objective
-        for options in [{"method": "tsenor-reference"}] + [{"method": "tsenor", **s} for s in SETTINGS]:
+        variants = [{"method": "tsenor", "backend": "torch", **s} for s in SETTINGS]
+        for options in [{"method": "tsenor-reference"}, {"method": "tsenor", "backend": "flow"}, *variants]:
             method = str(options.pop("method"))
             start = time.perf_counter()
             res = solve(scores, n, m, method, **options)

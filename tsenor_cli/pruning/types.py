@@ -83,7 +83,8 @@ class LayerPruneConfig:
     alps_*: the ALPS ADMM schedule (mazumder-lab/ALPS): ρ₀, iteration cap, ρ-update period,
       earliest stop, stop threshold on the support change, and conjugate-gradient refinement steps;
       alps_inner_sweeps, alps_inner_iterations: the `tsenor` cycle-cancelling sweeps and Sinkhorn
-        iterations of the intermediate projections (the final projection runs the full solver).
+        iterations of the intermediate projections where `tsenor` runs its "torch" backend (CUDA);
+        on CPU every projection is exact (alps.inner_solver_options).
     """
 
     pattern: SparsityPattern

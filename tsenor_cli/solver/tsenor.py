@@ -35,6 +35,7 @@ import torch
 
 from tsenor_cli.solver import triton_kernels
 from tsenor_cli.solver.bounds import coordinate_upper_bound, dual_upper_bound
+from tsenor_cli.solver.flow import exact_flow
 from tsenor_cli.solver.registry import register
 from tsenor_cli.solver.rounding import complete_feasibility, greedy_select
 from tsenor_cli.solver.types import BlockSolution, DualState
@@ -394,9 +395,46 @@ def _concat_solutions(parts: list[BlockSolution]) -> BlockSolution:
     )
 
 
+Backend = Literal["auto", "flow", "torch"]
+
+
+def resolve_backend(backend: Backend, device: torch.device) -> Literal["flow", "torch"]:
+    """ "auto" → "flow" on CPU (compiled, exact, fastest there) and "torch" elsewhere (the Triton kernels
+    on CUDA); an explicit choice is kept."""
+    if backend == "auto":
+        return "flow" if device.type == "cpu" else "torch"
+    if backend in ("flow", "torch"):
+        return backend
+    raise ValueError(f"unknown tsenor backend {backend!r}; choose 'auto', 'flow' or 'torch'")
+
+
+def _solve_flow(
+    w: torch.Tensor, n: int, scale: torch.Tensor, init: DualState | None, dual_rounds: int | None
+) -> BlockSolution:
+    """w: (B, M, M) float64 max-normalized scores, scale: (B,) → the exact solution by solver/flow.py.
+
+    A warm start reuses the previous column potentials (converted to the new normalization); the
+    previous mask is not needed, since the row selection from those potentials rebuilds it where it
+    is still optimal. Optimal potentials make the certified bound equal the objective.
+    """
+    col = None
+    if init is not None:
+        col = init.col.to(w) * (init.scale.to(w) / scale.to(w))[:, None]
+    rounds = dual_rounds if dual_rounds is not None else (2 if init is None else 0)
+    res = exact_flow(w, n, col=col, rounds=rounds)
+    upper = dual_upper_bound(w, res.row, res.col, n) * scale.double()  # (B,)
+    return BlockSolution(
+        mask=res.mask,
+        upper_bound=upper,
+        state=DualState(row=res.row.to(scale.dtype), col=res.col.to(scale.dtype), scale=scale, mask=res.mask),
+        iterations=int(res.paths.max()) if res.paths.numel() else 0,
+    )
+
+
 @register(
     "tsenor",
-    "TSENOR: ε-scaled entropic OT (Alg. 1) + rounding on reduced costs + cycle cancelling; fast, near-exact",
+    "TSENOR: exact compiled shortest-path repair from dual potentials on CPU; ε-scaled entropic OT (Alg. 1) "
+    "+ rounding + cycle cancelling on CUDA",
     supports_init=True,
 )
 def tsenor(
@@ -404,19 +442,27 @@ def tsenor(
     n: int,
     *,
     init: DualState | None = None,
-    tau: float = 200.0,
-    stages: int = 4,
-    iterations: int = 25,
-    tol: float = 1e-3,
-    rounding: Rounding = "auto",
-    sweeps: int = 30,
-    bound: Bound = "coordinate",
-    sinkhorn: Sinkhorn = "auto",
+    backend: Backend = "auto",
+    dual_rounds: int | None = None,
+    tau: float | None = None,
+    stages: int | None = None,
+    iterations: int | None = None,
+    tol: float | None = None,
+    rounding: Rounding | None = None,
+    sweeps: int | None = None,
+    bound: Bound | None = None,
+    sinkhorn: Sinkhorn | None = None,
     max_elements: int | None = None,
 ) -> BlockSolution:
     """blocks: (B, M, M) non-negative → mask (B, M, M) bool, exactly n per row and column.
 
-    Options (defaults chosen by measurement on SmolLM2 tiles, see docs/solver.md): `tau`, the final
+    `backend`: "flow" solves every tile exactly with the compiled successive-shortest-path kernel of
+    solver/flow.py (its option: `dual_rounds` of dual coordinate descent before the paths, default 2
+    cold and 0 warm); "torch" runs the entropic pipeline below (Sinkhorn, rounding, cycle
+    cancelling), with the Triton kernels on CUDA; "auto" is "flow" on CPU, where it is faster and
+    exact, and "torch" on CUDA (docs/solver.md). Options of the other backend are refused.
+
+    Options of "torch" (defaults chosen by measurement on SmolLM2 tiles, see docs/solver.md): `tau`, the final
     inverse temperature on max-normalized scores; `stages`, ε-scaling stages ending at `tau`;
     `iterations`, the Sinkhorn budget per stage; `tol`, the row-marginal tolerance for early stop;
     `rounding`, see `_round` ("auto": greedy from 1024 blocks up on CPU, else rowcol); `sweeps`, the
@@ -428,11 +474,33 @@ def tsenor(
     With `init` (the state of an earlier solve on similar scores) only the final stage runs, and
     the cycle search starts from the earlier mask instead of a fresh rounding.
     """
-    if rounding not in ("auto", "greedy", "rowcol"):
+    chosen = resolve_backend(backend, blocks.device)
+    torch_options = {
+        "tau": tau,
+        "stages": stages,
+        "iterations": iterations,
+        "tol": tol,
+        "rounding": rounding,
+        "sweeps": sweeps,
+        "bound": bound,
+        "sinkhorn": sinkhorn,
+    }
+    if chosen == "flow":
+        given = [name for name, value in torch_options.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"option(s) {', '.join(given)} belong to backend='torch' but this solve uses backend='flow' "
+                "(the default on CPU); pass backend='torch' or drop them"
+            )
+    elif dual_rounds is not None:
+        raise ValueError("dual_rounds belongs to backend='flow'; pass backend='flow' or drop it")
+    if dual_rounds is not None and dual_rounds < 0:
+        raise ValueError(f"dual_rounds must be >= 0, got {dual_rounds}")
+    if rounding is not None and rounding not in ("auto", "greedy", "rowcol"):
         raise ValueError(f"unknown rounding {rounding!r}; choose 'auto', 'greedy' or 'rowcol'")
-    if bound not in ("coordinate", "potentials"):
+    if bound is not None and bound not in ("coordinate", "potentials"):
         raise ValueError(f"unknown bound {bound!r}; choose 'coordinate' or 'potentials'")
-    if sinkhorn not in ("auto", "torch", "triton"):
+    if sinkhorn is not None and sinkhorn not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown sinkhorn backend {sinkhorn!r}; choose 'auto', 'torch' or 'triton'")
     B, M, _ = blocks.shape
     if M == 4:
@@ -451,6 +519,8 @@ def tsenor(
                 blocks[s : s + per_call],
                 n,
                 init=_slice_state(init, s, per_call),
+                backend=chosen,
+                dual_rounds=dual_rounds,
                 tau=tau,
                 stages=stages,
                 iterations=iterations,
@@ -467,6 +537,13 @@ def tsenor(
     work = blocks if blocks.dtype in (torch.float32, torch.float64) else blocks.float()
     scale = _block_scale(work)  # (B,)
     w = work / scale[:, None, None]  # (B, M, M) in [0, 1]
+    if chosen == "flow":
+        # float64 from the raw scores: the bound of the exact potentials is then certified to round-off.
+        return _solve_flow(work.double() / scale.double()[:, None, None], n, scale, init, dual_rounds)
+    tau = 200.0 if tau is None else tau
+    iterations = 25 if iterations is None else iterations
+    tol = 1e-3 if tol is None else tol
+    sweeps = 30 if sweeps is None else sweeps
     if init is not None:
         ratio = (init.scale.to(work) / scale)[:, None]  # (B, 1): old units → new units
         u0, v0 = init.row.to(work) * ratio, init.col.to(work) * ratio
@@ -475,16 +552,16 @@ def tsenor(
         # Start from the row-wise top-n threshold: a dual point close to the answer.
         u0 = w.topk(n, dim=2).values[:, :, n - 1] - 0.5 / tau
         v0 = w.new_zeros(B, M)
-        taus = _tau_schedule(tau, stages)
-    u, v, its = _sinkhorn(sinkhorn, w, n, taus, iterations, tol, u0, v0)
+        taus = _tau_schedule(tau, 4 if stages is None else stages)
+    u, v, its = _sinkhorn(sinkhorn or "auto", w, n, taus, iterations, tol, u0, v0)
 
     if init is not None and init.mask is not None:
         mask = init.mask.to(blocks.device)
     else:
-        mask = _round(w - u[:, :, None] - v[:, None, :], w, n, rounding)
+        mask = _round(w - u[:, :, None] - v[:, None, :], w, n, rounding or "auto")
     if sweeps > 0:
         mask, _ = cycle_search(mask, w, sweeps)
-    upper = _bound(w, u, v, n, bound) * scale.double()  # (B,)
+    upper = _bound(w, u, v, n, bound or "coordinate") * scale.double()  # (B,)
     return BlockSolution(
         mask=mask,
         upper_bound=upper if bool(torch.isfinite(upper).all()) else None,

@@ -1,0 +1,147 @@
+"""`tsenor`'s flow backend (solver/flow.py): exact masks and optimal potentials, checked against HiGHS."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tsenor_cli.bench.solver import sample_real_tiles
+from tsenor_cli.solver import from_blocks, solve, to_blocks
+from tsenor_cli.solver.bounds import dual_upper_bound
+from tsenor_cli.solver.flow import exact_flow
+
+
+def _feasible(blocks_mask: torch.Tensor, n: int) -> bool:
+    return bool((blocks_mask.sum(1) == n).all()) and bool((blocks_mask.sum(2) == n).all())
+
+
+def test_hand_worked_exchange() -> None:
+    """1:2 on [[0, 1], [1, 0]]: the anti-diagonal, objective 2, potentials certify it."""
+    w = torch.tensor([[[0.0, 1.0], [1.0, 0.0]]])
+    res = exact_flow(w, 1)
+    assert torch.equal(res.mask[0], torch.tensor([[False, True], [True, False]]))
+    assert float(dual_upper_bound(w, res.row, res.col, 1)[0]) == pytest.approx(2.0)
+
+
+def test_hand_worked_three_cycle() -> None:
+    """1:3 where the best mask is the shifted permutation (3.0), which no 2×2 exchange of the identity
+    (1.5) reaches."""
+    w = torch.tensor([[[0.5, 1.0, 0.0], [0.0, 0.5, 1.0], [1.0, 0.0, 0.5]]])
+    res = exact_flow(w, 1)
+    assert float((w * res.mask).sum()) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize(("n", "m"), [(1, 4), (2, 4), (1, 8), (4, 8), (7, 8), (3, 6), (8, 16), (16, 32), (8, 32)])
+def test_equals_highs_on_random_tiles(n: int, m: int) -> None:
+    """Objective per tile equal to the LP optimum from HiGHS, exactly n per row and column, and the
+    returned potentials certify it (dual bound = objective)."""
+    gen = torch.Generator().manual_seed(n * 1000 + m)
+    scores = torch.rand(6 * m, 4 * m, generator=gen)
+    exact = solve(scores, n, m, "exact")
+    ours = solve(scores, n, m, "tsenor", backend="flow")
+    assert _feasible(to_blocks(ours.mask, m), n)
+    torch.testing.assert_close(ours.block_objective, exact.block_objective, rtol=1e-12, atol=1e-12)
+    assert ours.gap <= 1e-12
+
+
+@pytest.mark.realmodel
+@pytest.mark.parametrize(("n", "m"), [(8, 16), (16, 32), (8, 32), (32, 64)])
+@pytest.mark.parametrize("kind", ["abs", "sq"])
+def test_equals_highs_on_real_tiles(smollm2_path: Path, n: int, m: int, kind: str) -> None:
+    tiles = sample_real_tiles(smollm2_path, m, 48, seed=13)
+    tiles = tiles.abs() if kind == "abs" else tiles.square()
+    scores = from_blocks(tiles, tiles.shape[0] * m, m)
+    exact = solve(scores, n, m, "exact")
+    ours = solve(scores, n, m, "tsenor")  # the default backend on CPU
+    torch.testing.assert_close(ours.block_objective, exact.block_objective, rtol=1e-12, atol=0.0)
+    assert ours.upper_bound >= exact.objective * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("rounds", [0, 1, 2, 5])
+def test_dual_rounds_change_speed_not_the_answer(rounds: int) -> None:
+    gen = torch.Generator().manual_seed(2)
+    scores = torch.rand(64, 64, generator=gen)
+    base = solve(scores, 8, 16, "tsenor", backend="flow", dual_rounds=0)
+    other = solve(scores, 8, 16, "tsenor", backend="flow", dual_rounds=rounds)
+    torch.testing.assert_close(other.block_objective, base.block_objective, rtol=1e-12, atol=0.0)
+
+
+def test_more_rounds_need_fewer_paths() -> None:
+    """Better starting potentials leave less column excess to route (why cold solves run 2 rounds)."""
+    gen = torch.Generator().manual_seed(8)
+    w = torch.rand(200, 32, 32, generator=gen)
+    paths = [int(exact_flow(w, 16, rounds=r).paths.sum()) for r in (0, 1, 2)]
+    assert paths[0] > paths[1] > paths[2]
+
+
+def test_warm_start_is_exact_and_needs_fewer_paths() -> None:
+    gen = torch.Generator().manual_seed(5)
+    w = torch.rand(300, 16, 16, generator=gen, dtype=torch.float64)
+    first = exact_flow(w, 8, rounds=2)
+    perturbed = w * (1 + 0.01 * torch.randn(w.shape, generator=gen, dtype=torch.float64))
+    cold = exact_flow(perturbed, 8, rounds=0)
+    warm = exact_flow(perturbed, 8, col=first.col, rounds=0)
+    torch.testing.assert_close((perturbed * warm.mask).sum((1, 2)), (perturbed * cold.mask).sum((1, 2)))
+    assert int(warm.paths.sum()) < int(cold.paths.sum()) / 2
+
+
+def test_ties_and_zero_tiles_are_feasible() -> None:
+    """Constant and all-zero tiles (every mask optimal) and heavy ties still give exactly n per line."""
+    const = torch.ones(1, 8, 8)
+    zero = torch.zeros(1, 8, 8)
+    ties = torch.randint(0, 3, (5, 8, 8), generator=torch.Generator().manual_seed(0)).float()
+    w = torch.cat([const, zero, ties])
+    res = exact_flow(w, 3)
+    assert _feasible(res.mask, 3)
+    exact = solve(from_blocks(w, 7 * 8, 8), 3, 8, "exact")
+    torch.testing.assert_close((w.double() * res.mask).sum((1, 2)), exact.block_objective)
+
+
+def test_deterministic_across_thread_counts() -> None:
+    gen = torch.Generator().manual_seed(4)
+    w = torch.rand(64, 16, 16, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = exact_flow(w, 8)
+        torch.set_num_threads(2)
+        two = exact_flow(w, 8)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one.mask, two.mask)
+    assert torch.equal(one.col, two.col)
+
+
+def test_state_roundtrip_through_solve() -> None:
+    """solve(..., init=result) with the flow backend: a warm start on a rescaled matrix gives the
+    same (exact) objective as a cold solve."""
+    gen = torch.Generator().manual_seed(6)
+    scores = torch.rand(96, 96, generator=gen)
+    first = solve(scores, 16, 32, "tsenor")
+    changed = (scores * (1 + 0.05 * torch.randn(96, 96, generator=gen))).abs() * 3.0
+    warm = solve(changed, 16, 32, "tsenor", init=first)
+    cold = solve(changed, 16, 32, "tsenor")
+    assert warm.objective == pytest.approx(cold.objective, rel=1e-12)
+    assert warm.gap <= 1e-12
+
+
+def test_flow_on_the_input_device(device: torch.device) -> None:
+    """backend="flow" takes tensors on any device (it computes on the CPU) and answers on theirs."""
+    scores = torch.rand(32, 32, generator=torch.Generator().manual_seed(1)).to(device)
+    res = solve(scores, 4, 8, "tsenor", backend="flow")
+    assert res.mask.device == scores.device
+    assert _feasible(to_blocks(res.mask, 8).cpu(), 4)
+
+
+def test_options_of_the_other_backend_are_refused() -> None:
+    scores = torch.rand(16, 16)
+    with pytest.raises(ValueError, match="backend='torch'"):
+        solve(scores, 8, 16, "tsenor", sweeps=3)  # CPU default is flow
+    with pytest.raises(ValueError, match="dual_rounds belongs"):
+        solve(scores, 8, 16, "tsenor", backend="torch", dual_rounds=1)
+    with pytest.raises(ValueError, match="unknown tsenor backend"):
+        solve(scores, 8, 16, "tsenor", backend="gpu")
+    with pytest.raises(ValueError, match="dual_rounds must be"):
+        solve(scores, 8, 16, "tsenor", dual_rounds=-1)
