@@ -22,7 +22,8 @@ def test_hand_worked_exchange() -> None:
     w = torch.tensor([[[0.0, 1.0], [1.0, 0.0]]])
     res = exact_flow(w, 1)
     assert torch.equal(res.mask[0], torch.tensor([[False, True], [True, False]]))
-    assert float(dual_upper_bound(w, res.row, res.col, 1)[0]) == pytest.approx(2.0)
+    assert float(dual_upper_bound(w, res.row, res.col, 1)[0]) == pytest.approx(2.0)  # max 1: units agree
+    assert float(res.upper_bound[0]) == pytest.approx(2.0)
 
 
 def test_hand_worked_three_cycle() -> None:
@@ -82,7 +83,7 @@ def test_warm_start_is_exact_and_needs_fewer_paths() -> None:
     first = exact_flow(w, 8, rounds=2)
     perturbed = w * (1 + 0.01 * torch.randn(w.shape, generator=gen, dtype=torch.float64))
     cold = exact_flow(perturbed, 8, rounds=0)
-    warm = exact_flow(perturbed, 8, col=first.col, rounds=0)
+    warm = exact_flow(perturbed, 8, col=first.col * first.scale[:, None], rounds=0)  # score units
     torch.testing.assert_close((perturbed * warm.mask).sum((1, 2)), (perturbed * cold.mask).sum((1, 2)))
     assert int(warm.paths.sum()) < int(cold.paths.sum()) / 2
 

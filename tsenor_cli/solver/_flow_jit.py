@@ -189,15 +189,56 @@ def _augment(
     return paths
 
 
+@njit(cache=True)
+def _normalize(tile: np.ndarray, w: np.ndarray) -> float:
+    """w = tile / max(tile) in float64 (1 for an all-zero tile) → that scale."""
+    m = tile.shape[0]
+    scale = 0.0
+    for i in range(m):
+        for j in range(m):
+            scale = max(scale, float(tile[i, j]))
+    if scale <= 0.0:
+        scale = 1.0
+    for i in range(m):
+        for j in range(m):
+            w[i, j] = tile[i, j] / scale
+    return scale
+
+
+@njit(cache=True)
+def _dual_bound(w: np.ndarray, n: int, u: np.ndarray, v: np.ndarray) -> float:
+    """n·Σu + n·Σv + Σ max(0, w − u − v): the certified bound of bounds.dual_upper_bound, one tile."""
+    m = w.shape[0]
+    total = 0.0
+    for i in range(m):
+        total += n * u[i]
+        for j in range(m):
+            total += max(w[i, j] - u[i] - v[j], 0.0)
+    for j in range(m):
+        total += n * v[j]
+    return total
+
+
 @njit(parallel=True, cache=True)
 def solve_tiles(
-    w: np.ndarray, n: int, u: np.ndarray, v: np.ndarray, mask: np.ndarray, rounds: int, paths: np.ndarray
+    blocks: np.ndarray,
+    n: int,
+    u: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray,
+    rounds: int,
+    scale: np.ndarray,
+    bound: np.ndarray,
+    paths: np.ndarray,
 ) -> None:
-    """w: (B, M, M) float64; u, v: (B, M) float64, v holds the starting column potentials; mask: (B, M, M)
-    bool; paths: (B,) int64. In place: an optimal mask and optimal potentials of every tile, and the
-    number of augmenting paths each tile needed."""
-    B, M, _ = w.shape
+    """blocks: (B, M, M) float32 or float64 non-negative scores; v: (B, M) float64 starting column
+    potentials in the units of the scores (zeros for a cold start). In place: mask (B, M, M) bool an
+    optimal mask of every tile; u, v (B, M) optimal potentials of the tile divided by its max, which
+    goes to scale (B,); bound (B,) the certified bound in the units of the scores; paths (B,) the
+    augmenting paths each tile needed. Each tile is normalized in a private float64 copy."""
+    B, M, _ = blocks.shape
     for b in prange(B):
+        w = np.empty((M, M))
         vals = np.empty(M)
         buf = np.empty(M)
         excess = np.empty(M, np.int64)
@@ -205,6 +246,11 @@ def solve_tiles(
         key_c = np.empty(M)
         pred_r = np.empty(M, np.int64)
         pred_c = np.empty(M, np.int64)
-        _dual_rounds(w[b], n, u[b], v[b], rounds, buf)
-        total = _select_rows(w[b], n, u[b], v[b], mask[b], excess, vals, buf)
-        paths[b] = _augment(w[b], mask[b], u[b], v[b], excess, total, key_r, key_c, pred_r, pred_c)
+        s = _normalize(blocks[b], w)
+        for j in range(M):
+            v[b, j] /= s
+        _dual_rounds(w, n, u[b], v[b], rounds, buf)
+        total = _select_rows(w, n, u[b], v[b], mask[b], excess, vals, buf)
+        paths[b] = _augment(w, mask[b], u[b], v[b], excess, total, key_r, key_c, pred_r, pred_c)
+        scale[b] = s
+        bound[b] = _dual_bound(w, n, u[b], v[b]) * s

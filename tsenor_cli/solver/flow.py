@@ -25,45 +25,55 @@ import torch
 @dataclass(frozen=True)
 class FlowResult:
     """mask: (B, M, M) bool, exactly n per row and column, optimal; row, col: (B, M) float64 optimal
-    potentials of the normalized tiles; paths: (B,) int64 augmenting paths each tile needed."""
+    potentials of each tile divided by its max, which is scale (B,) float64; upper_bound: (B,) float64
+    the certified bound in the scores' units (= the optimum up to round-off); paths: (B,) int64
+    augmenting paths each tile needed."""
 
     mask: torch.Tensor
     row: torch.Tensor
     col: torch.Tensor
+    scale: torch.Tensor
+    upper_bound: torch.Tensor
     paths: torch.Tensor
 
 
-def exact_flow(w: torch.Tensor, n: int, col: torch.Tensor | None = None, rounds: int = 2) -> FlowResult:
-    """w: (B, M, M) non-negative scores (any float dtype, any device), col: (B, M) starting column
-    potentials in w's units or None for zeros → `FlowResult` on w's device.
+def exact_flow(blocks: torch.Tensor, n: int, col: torch.Tensor | None = None, rounds: int = 1) -> FlowResult:
+    """blocks: (B, M, M) non-negative scores (float32 or float64, any device), col: (B, M) starting
+    column potentials in the scores' units or None for zeros → `FlowResult` on the blocks' device.
 
-    `rounds` of dual coordinate descent run before the paths: each costs about a third of a
-    selection pass and removes most of the remaining excess from a cold start (v = 0); a warm start
-    from a previous solve's potentials needs none. Runs on as many threads as torch uses.
+    Each tile is divided by its max inside the kernel (one temperature-free scale for every layer).
+    `rounds` of dual coordinate descent run before the paths: each costs about 1.5 row selections and
+    removes most of the remaining excess from a cold start (v = 0); a warm start from a previous
+    solve's potentials needs none (docs/solver.md). Runs on as many threads as torch uses.
     """
-    # Imported here: numba's import (~0.5 s) and the first compile (~7 s) are paid by the first solve, not
-    # by every start of the CLI.
+    # Imported here: numba's import (~0.5 s) and the first compile (a few seconds per dtype) are paid
+    # by the first solve, not by every start of the CLI.
     import numba
 
     from tsenor_cli.solver import _flow_jit
 
-    B, M, _ = w.shape
+    B, M, _ = blocks.shape
     if rounds < 0:
         raise ValueError(f"rounds must be >= 0, got {rounds}")
-    w64 = np.ascontiguousarray(w.detach().to("cpu", torch.float64).numpy())  # (B, M, M)
-    v = (
-        np.zeros((B, M)) if col is None else np.ascontiguousarray(col.detach().to("cpu", torch.float64).numpy()).copy()
-    )  # (B, M)
+    if blocks.dtype not in (torch.float32, torch.float64):
+        blocks = blocks.float()
+    # Zero-copy for contiguous CPU tensors: the kernel normalizes each tile into its own buffer.
+    w = np.ascontiguousarray(blocks.detach().cpu().numpy())  # (B, M, M)
+    v = np.zeros((B, M)) if col is None else col.detach().to("cpu", torch.float64).numpy().copy()  # (B, M)
     u = np.empty((B, M))
     mask = np.empty((B, M, M), dtype=np.bool_)
+    scale = np.empty(B)
+    bound = np.empty(B)
     paths = np.zeros(B, dtype=np.int64)
     most = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # set at import from the machine
     numba.set_num_threads(max(1, min(torch.get_num_threads(), most)))
-    _flow_jit.solve_tiles(w64, n, u, v, mask, rounds, paths)
-    device = w.device
+    _flow_jit.solve_tiles(w, n, u, v, mask, rounds, scale, bound, paths)
+    device = blocks.device
     return FlowResult(
         mask=torch.from_numpy(mask).to(device),
         row=torch.from_numpy(u).to(device),
         col=torch.from_numpy(v).to(device),
+        scale=torch.from_numpy(scale).to(device),
+        upper_bound=torch.from_numpy(bound).to(device),
         paths=torch.from_numpy(paths).to(device),
     )

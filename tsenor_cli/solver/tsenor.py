@@ -408,25 +408,24 @@ def resolve_backend(backend: Backend, device: torch.device) -> Literal["flow", "
     raise ValueError(f"unknown tsenor backend {backend!r}; choose 'auto', 'flow' or 'torch'")
 
 
-def _solve_flow(
-    w: torch.Tensor, n: int, scale: torch.Tensor, init: DualState | None, dual_rounds: int | None
-) -> BlockSolution:
-    """w: (B, M, M) float64 max-normalized scores, scale: (B,) → the exact solution by solver/flow.py.
+def _solve_flow(blocks: torch.Tensor, n: int, init: DualState | None, dual_rounds: int | None) -> BlockSolution:
+    """blocks: (B, M, M) raw scores → the exact solution by solver/flow.py.
 
-    A warm start reuses the previous column potentials (converted to the new normalization); the
-    previous mask is not needed, since the row selection from those potentials rebuilds it where it
-    is still optimal. Optimal potentials make the certified bound equal the objective.
+    A warm start reuses the previous column potentials (in score units; the kernel divides them by the
+    new per-tile max); the previous mask is not needed, since the row selection from those potentials
+    rebuilds it where it is still optimal. Optimal potentials make the certified bound equal the
+    objective.
     """
     col = None
     if init is not None:
-        col = init.col.to(w) * (init.scale.to(w) / scale.to(w))[:, None]
-    rounds = dual_rounds if dual_rounds is not None else (2 if init is None else 0)
-    res = exact_flow(w, n, col=col, rounds=rounds)
-    upper = dual_upper_bound(w, res.row, res.col, n) * scale.double()  # (B,)
+        col = init.col.to(blocks.device, torch.float64) * init.scale.to(blocks.device, torch.float64)[:, None]
+    rounds = dual_rounds if dual_rounds is not None else (1 if init is None else 0)
+    res = exact_flow(blocks, n, col=col, rounds=rounds)
+    dtype = blocks.dtype if blocks.dtype in (torch.float32, torch.float64) else torch.float32
     return BlockSolution(
         mask=res.mask,
-        upper_bound=upper,
-        state=DualState(row=res.row.to(scale.dtype), col=res.col.to(scale.dtype), scale=scale, mask=res.mask),
+        upper_bound=res.upper_bound,
+        state=DualState(row=res.row.to(dtype), col=res.col.to(dtype), scale=res.scale.to(dtype), mask=res.mask),
         iterations=int(res.paths.max()) if res.paths.numel() else 0,
     )
 
@@ -457,7 +456,7 @@ def tsenor(
     """blocks: (B, M, M) non-negative → mask (B, M, M) bool, exactly n per row and column.
 
     `backend`: "flow" solves every tile exactly with the compiled successive-shortest-path kernel of
-    solver/flow.py (its option: `dual_rounds` of dual coordinate descent before the paths, default 2
+    solver/flow.py (its option: `dual_rounds` of dual coordinate descent before the paths, default 1
     cold and 0 warm); "torch" runs the entropic pipeline below (Sinkhorn, rounding, cycle
     cancelling), with the Triton kernels on CUDA; "auto" is "flow" on CPU, where it is faster and
     exact, and "torch" on CUDA (docs/solver.md). Options of the other backend are refused.
@@ -534,12 +533,11 @@ def tsenor(
             for s in range(0, B, per_call)
         ]
         return _concat_solutions(parts)
+    if chosen == "flow":
+        return _solve_flow(blocks, n, init, dual_rounds)
     work = blocks if blocks.dtype in (torch.float32, torch.float64) else blocks.float()
     scale = _block_scale(work)  # (B,)
     w = work / scale[:, None, None]  # (B, M, M) in [0, 1]
-    if chosen == "flow":
-        # float64 from the raw scores: the bound of the exact potentials is then certified to round-off.
-        return _solve_flow(work.double() / scale.double()[:, None, None], n, scale, init, dual_rounds)
     tau = 200.0 if tau is None else tau
     iterations = 25 if iterations is None else iterations
     tol = 1e-3 if tol is None else tol
