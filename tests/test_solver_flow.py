@@ -146,3 +146,16 @@ def test_options_of_the_other_backend_are_refused() -> None:
         solve(scores, 8, 16, "tsenor", backend="gpu")
     with pytest.raises(ValueError, match="dual_rounds must be"):
         solve(scores, 8, 16, "tsenor", dual_rounds=-1)
+
+
+def test_retry_round_for_far_off_potentials() -> None:
+    """Potentials from unrelated scores (as ALPS's early iterations hand over): the retry round keeps
+    the answer exact and routes fewer paths than the stale potentials alone."""
+    gen = torch.Generator().manual_seed(9)
+    w = torch.rand(200, 32, 32, generator=gen, dtype=torch.float64)
+    stale = exact_flow(torch.rand(200, 32, 32, generator=gen, dtype=torch.float64), 16)
+    col = stale.col * stale.scale[:, None]
+    plain = exact_flow(w, 16, col=col, rounds=0)
+    retried = exact_flow(w, 16, col=col, rounds=0, retry_excess=16)
+    torch.testing.assert_close((w * retried.mask).sum((1, 2)), (w * plain.mask).sum((1, 2)))
+    assert int(retried.paths.sum()) < int(plain.paths.sum())

@@ -227,15 +227,18 @@ def solve_tiles(
     v: np.ndarray,
     mask: np.ndarray,
     rounds: int,
+    retry_excess: int,
     scale: np.ndarray,
     bound: np.ndarray,
     paths: np.ndarray,
 ) -> None:
     """blocks: (B, M, M) float32 or float64 non-negative scores; v: (B, M) float64 starting column
-    potentials in the units of the scores (zeros for a cold start). In place: mask (B, M, M) bool an
-    optimal mask of every tile; u, v (B, M) optimal potentials of the tile divided by its max, which
-    goes to scale (B,); bound (B,) the certified bound in the units of the scores; paths (B,) the
-    augmenting paths each tile needed. Each tile is normalized in a private float64 copy."""
+    potentials in the units of the scores (zeros for a cold start); a tile whose row selection leaves
+    more than `retry_excess` kept entries to move runs one more round and selects again.
+    In place: mask (B, M, M) bool, an optimal mask of every tile; u, v (B, M), its optimal potentials
+    divided by the tile's max, which goes to scale (B,); bound (B,), the certified bound in the units
+    of the scores; paths (B,), the augmenting paths each tile needed. Each tile is normalized in a
+    private float64 copy."""
     B, M, _ = blocks.shape
     for b in prange(B):
         w = np.empty((M, M))
@@ -251,6 +254,11 @@ def solve_tiles(
             v[b, j] /= s
         _dual_rounds(w, n, u[b], v[b], rounds, buf)
         total = _select_rows(w, n, u[b], v[b], mask[b], excess, vals, buf)
+        if total > retry_excess:
+            # The starting potentials were far off (a warm start on much-changed scores): one round of
+            # coordinate descent costs less than the paths it saves.
+            _dual_rounds(w, n, u[b], v[b], 1, buf)
+            total = _select_rows(w, n, u[b], v[b], mask[b], excess, vals, buf)
         paths[b] = _augment(w, mask[b], u[b], v[b], excess, total, key_r, key_c, pred_r, pred_c)
         scale[b] = s
         bound[b] = _dual_bound(w, n, u[b], v[b]) * s

@@ -37,14 +37,22 @@ class FlowResult:
     paths: torch.Tensor
 
 
-def exact_flow(blocks: torch.Tensor, n: int, col: torch.Tensor | None = None, rounds: int = 1) -> FlowResult:
+def exact_flow(
+    blocks: torch.Tensor,
+    n: int,
+    col: torch.Tensor | None = None,
+    rounds: int = 1,
+    retry_excess: int | None = None,
+) -> FlowResult:
     """blocks: (B, M, M) non-negative scores (float32 or float64, any device), col: (B, M) starting
     column potentials in the scores' units or None for zeros → `FlowResult` on the blocks' device.
 
     Each tile is divided by its max inside the kernel (one temperature-free scale for every layer).
     `rounds` of dual coordinate descent run before the paths: each costs about 1.5 row selections and
     removes most of the remaining excess from a cold start (v = 0); a warm start from a previous
-    solve's potentials needs none (docs/solver.md). Runs on as many threads as torch uses.
+    solve's potentials often needs none. A tile whose row selection leaves more than `retry_excess`
+    entries to move (None: never) runs one more round first: ALPS's scores change too much between
+    iterations for its previous potentials alone (docs/solver.md). Runs on as many threads as torch uses.
     """
     # Imported here: numba's import (~0.5 s) and the first compile (a few seconds per dtype) are paid
     # by the first solve, not by every start of the CLI.
@@ -67,7 +75,8 @@ def exact_flow(blocks: torch.Tensor, n: int, col: torch.Tensor | None = None, ro
     paths = np.zeros(B, dtype=np.int64)
     most = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # set at import from the machine
     numba.set_num_threads(max(1, min(torch.get_num_threads(), most)))
-    _flow_jit.solve_tiles(w, n, u, v, mask, rounds, scale, bound, paths)
+    retry = B * M * M if retry_excess is None else retry_excess  # above any excess: never
+    _flow_jit.solve_tiles(w, n, u, v, mask, rounds, retry, scale, bound, paths)
     device = blocks.device
     return FlowResult(
         mask=torch.from_numpy(mask).to(device),
