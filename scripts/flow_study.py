@@ -16,7 +16,9 @@ import torch
 
 from tsenor_cli.bench.solver import real_matrix
 from tsenor_cli.models.embedded import materialize
+from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPattern
 from tsenor_cli.solver import to_blocks
+from tsenor_cli.solver import tsenor as tsenor_module
 from tsenor_cli.solver.flow import FlowResult, exact_flow
 
 
@@ -35,6 +37,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--alps", action="store_true", help="also time ALPS on a random layer per retry threshold")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     path = materialize()
@@ -58,6 +61,34 @@ def main() -> None:
         for rounds in (0, 1):
             secs, res = best_of(args.repeats, noisy, n, col=col, rounds=rounds)
             print(f"| {n}:{m} | 1% noise, warm | {rounds} | {res.paths.double().mean():.1f} | {secs:.3f} |")
+
+    if args.alps:
+        alps_retry(args.repeats)
+
+
+def alps_retry(repeats: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(1536, 576, generator=gen)
+    stats = InputStats.from_inputs(torch.randn(8192, 576, generator=gen))
+    transposable = LayerPruneConfig(SparsityPattern.from_nm(16, 32, transposable=True))
+    ordinary = LayerPruneConfig(SparsityPattern.from_nm(16, 32, transposable=False))
+    print("\n| ALPS 16:32, random 1536×576 | retry above × M | ADMM iterations | seconds | in the solver |")
+    print("|---|---:|---:|---:|---:|")
+    default = tsenor_module.RETRY_EXCESS_PER_M
+    for retry in (float(32), 0.5, 0.25, 0.0):  # 32·M: never
+        tsenor_module.RETRY_EXCESS_PER_M = retry
+        best, out = float("inf"), None
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out = PRUNERS["alps"].prune(weight, stats, transposable)
+            best = min(best, time.perf_counter() - start)
+        assert out is not None and out.solve is not None
+        label = "never" if retry >= 32 else f"{retry}"
+        print(f"| transposable | {label} | {out.iterations} | {best:.2f} | {out.solve.seconds:.2f} |")
+    tsenor_module.RETRY_EXCESS_PER_M = default
+    start = time.perf_counter()
+    out = PRUNERS["alps"].prune(weight, stats, ordinary)
+    print(f"| ordinary | — | {out.iterations} | {time.perf_counter() - start:.2f} | — |")
 
 
 if __name__ == "__main__":
