@@ -88,6 +88,59 @@ def test_warm_start_is_exact_and_needs_fewer_paths() -> None:
     assert int(warm.paths.sum()) < int(cold.paths.sum()) / 2
 
 
+def test_warm_mask_on_unchanged_scores_needs_no_path() -> None:
+    """Re-solving the same scores from the previous mask and potentials keeps the mask as it is: the
+    centred potentials certify it, so not one tile routes a path."""
+    gen = torch.Generator().manual_seed(21)
+    w = torch.rand(200, 16, 16, generator=gen, dtype=torch.float64)
+    first = exact_flow(w, 8)
+    again = exact_flow(w, 8, col=first.col * first.scale[:, None], rounds=0, init_mask=first.mask)
+    assert int(again.paths.sum()) == 0
+    assert torch.equal(again.mask, first.mask)
+    torch.testing.assert_close(again.upper_bound, (w * first.mask).sum((1, 2)), rtol=1e-12, atol=0.0)
+
+
+@pytest.mark.parametrize(("n", "m"), [(2, 8), (8, 16), (16, 32)])
+def test_warm_mask_equals_highs_and_beats_potentials_alone(n: int, m: int) -> None:
+    """1% noise: the warm start from the previous mask is exact (HiGHS per tile), and centring plus the
+    kept rows route fewer paths than the previous potentials alone, which route fewer than none."""
+    gen = torch.Generator().manual_seed(n * 100 + m)
+    w = torch.rand(120, m, m, generator=gen, dtype=torch.float64)
+    first = exact_flow(w, n)
+    noisy = (w * (1 + 0.01 * torch.randn(w.shape, generator=gen, dtype=torch.float64))).abs()
+    col = first.col * first.scale[:, None]
+    potentials_only = exact_flow(noisy, n, col=col, rounds=0)
+    warm = exact_flow(noisy, n, col=col, rounds=0, init_mask=first.mask)
+    assert _feasible(warm.mask, n)
+    exact = solve(from_blocks(noisy, noisy.shape[0] * m, m), n, m, "exact")
+    torch.testing.assert_close((noisy * warm.mask).sum((1, 2)), exact.block_objective, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(warm.upper_bound, exact.block_objective, rtol=1e-9, atol=1e-12)
+    assert int(warm.paths.sum()) < int(potentials_only.paths.sum())
+    assert torch.equal(first.mask, exact_flow(w, n).mask)  # the caller's previous mask is not modified
+
+
+def test_warm_mask_of_another_shape_is_repaired() -> None:
+    """An outside state whose mask rows do not hold n (or keep nothing) is not trusted: those rows are
+    selected afresh and the answer is still exact."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.rand(50, 8, 8, generator=gen, dtype=torch.float64)
+    bad = torch.zeros(50, 8, 8, dtype=torch.bool)
+    bad[:, :, :3] = True  # three per row, eight or none per column
+    bad[:, 0] = False  # and a row that keeps nothing
+    res = exact_flow(w, 3, col=torch.zeros(50, 8, dtype=torch.float64), rounds=0, init_mask=bad)
+    assert _feasible(res.mask, 3)
+    exact = solve(from_blocks(w, 50 * 8, 8), 3, 8, "exact")
+    torch.testing.assert_close((w * res.mask).sum((1, 2)), exact.block_objective, rtol=1e-12, atol=1e-12)
+
+
+def test_warm_mask_shape_and_sweeps_are_checked() -> None:
+    w = torch.rand(4, 8, 8)
+    with pytest.raises(ValueError, match="init_mask has shape"):
+        exact_flow(w, 4, init_mask=torch.zeros(4, 8, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="sweeps must be >= 0"):
+        exact_flow(w, 4, sweeps=-1)
+
+
 def test_ties_and_zero_tiles_are_feasible() -> None:
     """Constant and all-zero tiles (every mask optimal) and heavy ties still give exactly n per line."""
     const = torch.ones(1, 8, 8)

@@ -16,6 +16,10 @@ import numpy as np
 from numba import njit, prange
 
 _INF = 1e300
+# Round-off allowance of the warm-start consistency test on scores normalized to [0, 1]: re-derived
+# potentials of an optimal mask leave its tight arcs a few ulps off zero, which must not count as a
+# violation (the certified bound is computed from the final potentials, so exactness is checked).
+_SLACK = 1e-12
 
 
 @njit(cache=True, inline="always")
@@ -67,37 +71,103 @@ def _dual_rounds(w: np.ndarray, n: int, u: np.ndarray, v: np.ndarray, rounds: in
 
 
 @njit(cache=True)
+def _select_row(
+    w: np.ndarray, n: int, i: int, u: np.ndarray, v: np.ndarray, mask: np.ndarray, vals: np.ndarray, buf: np.ndarray
+) -> None:
+    """Row i keeps its n best entries by w_ij − v_j and u_i is set between the n-th and (n+1)-th, so row
+    i satisfies complementary slackness with (u, v)."""
+    m = w.shape[0]
+    for j in range(m):
+        vals[j] = w[i, j] - v[j]
+        buf[j] = vals[j]
+    a, b = _nth_and_next(buf, m, n)
+    u[i] = 0.5 * (a + b)
+    kept = 0
+    for j in range(m):
+        take = vals[j] > a
+        mask[i, j] = take
+        kept += take
+    for j in range(m):  # ties at the n-th value: the first ones by column index
+        if kept < n and vals[j] == a and not mask[i, j]:
+            mask[i, j] = True
+            kept += 1
+
+
+@njit(cache=True, inline="always")
+def _row_interval(w: np.ndarray, mask: np.ndarray, i: int, v: np.ndarray) -> tuple[float, float]:
+    """(max over dropped, min over kept) of w_ij − v_j in row i: the u_i that satisfy complementary
+    slackness with row i's current entries (empty when the first exceeds the second)."""
+    m = w.shape[0]
+    lo, hi = -_INF, _INF
+    for j in range(m):
+        r = w[i, j] - v[j]
+        if mask[i, j]:
+            hi = min(hi, r)
+        else:
+            lo = max(lo, r)
+    return lo, hi
+
+
+@njit(cache=True)
+def _center(w: np.ndarray, mask: np.ndarray, u: np.ndarray, v: np.ndarray, sweeps: int) -> None:
+    """Coordinate sweeps on the potentials with the mask fixed: u_i, then v_j, moves to the middle of
+    the interval that satisfies complementary slackness with its row (column) of the mask (to the
+    middle of the violation when that interval is empty).
+
+    Why: a previous solve's potentials are tight (reduced cost 0) on the arcs of its last paths, so
+    any noise on the scores breaks slackness there; centred potentials leave every row and column a
+    margin, and a mask that is still optimal for the new scores is then kept as it is."""
+    m = w.shape[0]
+    for _ in range(sweeps):
+        for i in range(m):
+            lo, hi = _row_interval(w, mask, i, v)
+            if lo > -_INF and hi < _INF:  # a row keeping none or all (an outside state) stays put
+                u[i] = 0.5 * (lo + hi)
+        for j in range(m):
+            lo, hi = -_INF, _INF
+            for i in range(m):
+                r = w[i, j] - u[i]
+                if mask[i, j]:
+                    hi = min(hi, r)
+                else:
+                    lo = max(lo, r)
+            if lo > -_INF and hi < _INF:
+                v[j] = 0.5 * (lo + hi)
+
+
+@njit(cache=True)
 def _select_rows(
     w: np.ndarray,
     n: int,
     u: np.ndarray,
     v: np.ndarray,
     mask: np.ndarray,
+    keep: bool,
     excess: np.ndarray,
     vals: np.ndarray,
     buf: np.ndarray,
 ) -> int:
-    """Every row keeps its n best entries by w_ij − v_j and u_i is set between the n-th and (n+1)-th,
-    so (mask, u, v) satisfy complementary slackness; columns may hold more or fewer than n.
-    Fills excess[j] = (kept in column j) − n and returns the total positive excess."""
+    """Every row satisfies complementary slackness with (u, v) afterwards: with `keep`, a row of the
+    incoming mask that already does (some u_i fits between its dropped and kept entries) stays as it
+    is with u_i in the middle of that interval (rows holding other than n are not kept); every other
+    row keeps its n best entries by
+    w_ij − v_j. Columns may then hold more or fewer than n: fills excess[j] = (kept in column j) − n
+    and returns the total positive excess."""
     m = w.shape[0]
     for j in range(m):
         excess[j] = -n
     for i in range(m):
-        for j in range(m):
-            vals[j] = w[i, j] - v[j]
-            buf[j] = vals[j]
-        a, b = _nth_and_next(buf, m, n)
-        u[i] = 0.5 * (a + b)
-        kept = 0
-        for j in range(m):
-            take = vals[j] > a
-            mask[i, j] = take
-            kept += take
-        for j in range(m):  # ties at the n-th value: the first ones by column index
-            if kept < n and vals[j] == a and not mask[i, j]:
-                mask[i, j] = True
-                kept += 1
+        lo, hi = _INF, -_INF
+        if keep:
+            kept = 0
+            for j in range(m):
+                kept += mask[i, j]
+            if kept == n:  # a row of another shape (an outside state) is never kept
+                lo, hi = _row_interval(w, mask, i, v)
+        if lo <= hi + _SLACK:
+            u[i] = 0.5 * (lo + hi)
+        else:
+            _select_row(w, n, i, u, v, mask, vals, buf)
         for j in range(m):
             excess[j] += mask[i, j]
     total = 0
@@ -226,15 +296,19 @@ def solve_tiles(
     u: np.ndarray,
     v: np.ndarray,
     mask: np.ndarray,
+    warm_mask: bool,
     rounds: int,
+    sweeps: int,
     retry_excess: int,
     scale: np.ndarray,
     bound: np.ndarray,
     paths: np.ndarray,
 ) -> None:
     """blocks: (B, M, M) float32 or float64 non-negative scores; v: (B, M) float64 starting column
-    potentials in the units of the scores (zeros for a cold start); a tile whose row selection leaves
-    more than `retry_excess` kept entries to move runs one more round and selects again.
+    potentials in the units of the scores (zeros for a cold start); with `warm_mask`, mask (B, M, M)
+    holds a previous mask (n per row and column) that is kept wherever it is still optimal, after
+    `sweeps` of mask-fixed centring of the potentials; a tile whose row selection leaves more than
+    `retry_excess` kept entries to move runs one round of dual coordinate descent and selects afresh.
     In place: mask (B, M, M) bool, an optimal mask of every tile; u, v (B, M), its optimal potentials
     divided by the tile's max, which goes to scale (B,); bound (B,), the certified bound in the units
     of the scores; paths (B,), the augmenting paths each tile needed. Each tile is normalized in a
@@ -253,12 +327,17 @@ def solve_tiles(
         for j in range(M):
             v[b, j] /= s
         _dual_rounds(w, n, u[b], v[b], rounds, buf)
-        total = _select_rows(w, n, u[b], v[b], mask[b], excess, vals, buf)
+        start = v[b].copy()
+        if warm_mask:
+            _center(w, mask[b], u[b], v[b], sweeps)
+        total = _select_rows(w, n, u[b], v[b], mask[b], warm_mask, excess, vals, buf)
         if total > retry_excess:
-            # The starting potentials were far off (a warm start on much-changed scores): one round of
-            # coordinate descent costs less than the paths it saves.
+            # The starting point was far off (a warm start on much-changed scores): one round of
+            # coordinate descent costs less than the paths it saves. It starts from the potentials
+            # handed in, not the centred ones, which the previous mask has pulled towards itself.
+            v[b, :] = start
             _dual_rounds(w, n, u[b], v[b], 1, buf)
-            total = _select_rows(w, n, u[b], v[b], mask[b], excess, vals, buf)
+            total = _select_rows(w, n, u[b], v[b], mask[b], False, excess, vals, buf)
         paths[b] = _augment(w, mask[b], u[b], v[b], excess, total, key_r, key_c, pred_r, pred_c)
         scale[b] = s
         bound[b] = _dual_bound(w, n, u[b], v[b]) * s

@@ -409,26 +409,35 @@ def resolve_backend(backend: Backend, device: torch.device) -> Literal["flow", "
 
 
 # A warm-started tile whose row selection leaves more than this × M kept entries to move runs one round
-# of coordinate descent first. Measured (docs/solver.md): 1%-noise re-solves stay as fast (excess ~2-8 per
-# tile), ALPS's re-solves, whose previous potentials leave 20-33 paths per 32×32 tile, spend 23% less.
-RETRY_EXCESS_PER_M = 0.5
+# of coordinate descent from the handed-in potentials and selects afresh. ALPS's scores change far more
+# between ADMM iterations than 1% noise: its middle iterations leave 10-30 entries to move per 32×32
+# tile from the previous state, more than a round leaves. `scripts/flow_study.py` (docs/solver.md).
+RETRY_EXCESS_PER_M = 0.25
+# Mask-fixed centring sweeps of a warm start (solver/_flow_jit.py `_center`): on 2048² real tiles with
+# 1% noise they take the paths per tile from 3.3 to 0.7 (8:16) and 8.6 to 2.3 (16:32) at 2 sweeps.
+WARM_CENTRING_SWEEPS = 2
 
 
 def _solve_flow(blocks: torch.Tensor, n: int, init: DualState | None, dual_rounds: int | None) -> BlockSolution:
     """blocks: (B, M, M) raw scores → the exact solution by solver/flow.py.
 
     A warm start reuses the previous column potentials (in score units; the kernel divides them by the
-    new per-tile max); the previous mask is not needed, since the row selection from those potentials
-    rebuilds it where it is still optimal. Optimal potentials make the certified bound equal the
-    objective.
+    new per-tile max) and, when the state has one, the previous mask: after a few mask-fixed centring
+    sweeps of the potentials, every row of it that still satisfies complementary slackness is kept,
+    so a tile the new scores did not change needs no path (docs/solver.md, warm start). Optimal
+    potentials make the certified bound equal the objective.
     """
     col = None
+    init_mask = None
     if init is not None:
         col = init.col.to(blocks.device, torch.float64) * init.scale.to(blocks.device, torch.float64)[:, None]
+        init_mask = init.mask
     rounds = dual_rounds if dual_rounds is not None else (1 if init is None else 0)
     B, M, _ = blocks.shape
     retry = None if init is None else int(RETRY_EXCESS_PER_M * M)
-    res = exact_flow(blocks, n, col=col, rounds=rounds, retry_excess=retry)
+    res = exact_flow(
+        blocks, n, col=col, rounds=rounds, retry_excess=retry, init_mask=init_mask, sweeps=WARM_CENTRING_SWEEPS
+    )
     dtype = blocks.dtype if blocks.dtype in (torch.float32, torch.float64) else torch.float32
     return BlockSolution(
         mask=res.mask,
