@@ -138,6 +138,79 @@ def test_engine_dense_pass_reproduces_the_model(tiny: Path) -> None:
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_statistics_passes_stop_early_with_identical_results(tiny: Path) -> None:
+    """Each sequential group's statistics pass stops once its linears have run (no MLP for [q,k,v] or [o]),
+    and pruning gives bit-for-bit the weights and errors of full block passes, also with a skipped linear."""
+    import copy
+
+    from tsenor_cli.models.loading import load_model
+    from tsenor_cli.pruning.engine import (
+        block_kwargs,
+        capture_block_inputs,
+        group_input_stats,
+        linear_slots,
+        prune_block,
+    )
+    from tsenor_cli.pruning.registry import get_pruner
+
+    loaded = load_model(str(tiny))
+    model, adapter = loaded.model, loaded.adapter
+    cpu = torch.device("cpu")
+    samples = 3
+    ids = torch.randint(0, 1000, (samples, 16), generator=torch.Generator().manual_seed(0))
+    hidden = capture_block_inputs(model, adapter, ids, cpu)  # (3, 16, 64)
+    kwargs = block_kwargs(model, adapter, hidden, 0, cpu)
+    block = adapter.decoder_layers(model)[0]
+    linears = adapter.block_linears(block)
+    entered: list[str] = []
+    watched = {"o_proj": linears["self_attn.o_proj"], "mlp": block.get_submodule("mlp")}
+    handles = [m.register_forward_pre_hook(lambda _m, _a, n=n: entered.append(n)) for n, m in watched.items()]
+    try:
+        reached = []
+        for group in adapter.linear_groups:
+            group_linears = {name: linears[name] for name in group}
+            entered.clear()
+            early = group_input_stats(block, group_linears, hidden, kwargs, cpu)
+            reached.append((entered.count("o_proj"), entered.count("mlp")))
+            full = group_input_stats(block, group_linears, hidden, kwargs, cpu, stop_early=False)
+            for name in group:
+                assert torch.equal(early[name].require_gram(), full[name].require_gram())
+                assert torch.equal(early[name].sq_norms, full[name].sq_norms)
+                assert early[name].tokens == full[name].tokens == samples * 16
+    finally:
+        for handle in handles:
+            handle.remove()
+    # (o_proj entered, MLP entered) per pass: [q,k,v] stops before both, [o] before the MLP.
+    assert reached == [(0, 0), (samples, 0), (samples, samples), (samples, samples)]
+
+    slots = linear_slots(model, adapter)
+    skipped = {"model.layers.0.self_attn.v_proj": "left dense by the test"}  # [q,k] must stop before v runs
+    layer_cfg = LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exhaustive")
+    results = {}
+    for stop_early in (True, False):
+        pruned = copy.deepcopy(block)
+        records = prune_block(
+            pruned,
+            0,
+            adapter,
+            slots,
+            skipped,
+            hidden,
+            kwargs,
+            get_pruner("sparsegpt"),  # updates the kept weights, so later groups depend on earlier ones
+            layer_cfg,
+            sequential=True,
+            device=cpu,
+            progress=lambda _msg: None,
+            stop_early=stop_early,
+        )
+        results[stop_early] = (pruned.state_dict(), [(r.status, r.recon_error, r.density) for r in records])
+    (early_weights, early_records), (full_weights, full_records) = results[True], results[False]
+    assert early_records == full_records and early_records[2][0] == "skipped"
+    assert all(torch.equal(early_weights[name], full_weights[name]) for name in full_weights)
+    assert not torch.equal(early_weights["mlp.down_proj.weight"], linears["mlp.down_proj"].weight)  # it was pruned
+
+
 def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny: Path, tmp_path: Path, data_dir: Path) -> None:
     def cfg(output: Path, resume: bool) -> PruneConfig:
         return PruneConfig(

@@ -4,7 +4,9 @@ The model stays on the CPU; one decoder block and the calibration activations li
 device. For each block: run the calibration activations through it with forward hooks that accumulate
 each linear's input statistics, prune the linears (group by group when sequential: [q,k,v], [o],
 [gate,up], [down], re-running the block between groups so later groups see pruned inputs), run it once
-more so the next block sees pruned outputs, and move it back.
+more so the next block sees pruned outputs, and move it back. A statistics pass stops each sample's
+forward as soon as the group's linears have seen their input, so [q,k,v] costs the input norm and three
+matmuls, not the whole block.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ class _Captured(Exception):
     def __init__(self, hidden: torch.Tensor) -> None:
         super().__init__("captured")
         self.hidden = hidden
+
+
+class _GroupSeen(Exception):
+    """Raised by a statistics hook once every linear of the group has seen the current sample's input."""
 
 
 def linear_slots(model: nn.Module, adapter: Any) -> list[LinearSlot]:
@@ -142,6 +148,55 @@ def run_block(block: nn.Module, inputs: torch.Tensor, kwargs: dict[str, Any], ou
             out[j : j + 1] = hidden
 
 
+@torch.no_grad()
+def group_input_stats(
+    block: nn.Module,
+    linears: dict[str, nn.Linear],
+    inputs: torch.Tensor,
+    kwargs: dict[str, Any],
+    device: torch.device,
+    *,
+    stop_early: bool = True,
+) -> dict[str, InputStats]:
+    """inputs: (S, T, H) → {name: statistics (with XᵀX) of the inputs (S·T, in) of linears[name]}.
+
+    `linears` are the group's linears to prune, all inside `block`, each called once per block forward.
+    With `stop_early` a sample's forward is abandoned once each of them has been called: the rest of the
+    block cannot change what they saw, so the statistics are bit-for-bit those of a full pass (the
+    computation up to there is the same). stop_early=False runs the whole block.
+    """
+    stats = {name: InputStats(linear.in_features, gram=True, device=device) for name, linear in linears.items()}
+    pending: set[str] = set()  # the linears not yet called for the current sample
+
+    def make_hook(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        def hook(_module: nn.Module, args: tuple[Any, ...], _output: Any) -> None:
+            stats[name].add(args[0])
+            pending.discard(name)
+            if stop_early and not pending:
+                raise _GroupSeen
+
+        return hook
+
+    handles = [linear.register_forward_hook(make_hook(name)) for name, linear in linears.items()]
+    try:
+        for j in range(inputs.shape[0]):  # one sample per call, as in run_block (the kwargs are for batch 1)
+            pending.update(linears)
+            try:
+                block(inputs[j : j + 1], **kwargs)
+            except _GroupSeen:
+                pass
+            else:
+                # A linear the forward never reaches would be pruned from empty statistics.
+                if pending:
+                    raise RuntimeError(
+                        f"{sorted(pending)} never ran in the block's forward; the adapter does not match"
+                    )
+    finally:
+        for handle in handles:
+            handle.remove()
+    return stats
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -161,8 +216,13 @@ def prune_block(
     sequential: bool,
     device: torch.device,
     progress: Progress,
+    stop_early: bool = True,
 ) -> list[LayerRecord]:
-    """Prune the linears of one block (already on `device`) in place; one record per linear."""
+    """Prune the linears of one block (already on `device`) in place; one record per linear.
+
+    inputs: (S, T, H) the block's calibration inputs. stop_early: cut each statistics pass at the
+    group's linears (see `group_input_stats`); False runs the whole block per group, same results.
+    """
     linears: dict[str, nn.Linear] = adapter.block_linears(block)
     by_local = {slot.local_name: slot for slot in slots if slot.block == index}
     groups: Sequence[Sequence[str]] = adapter.linear_groups if sequential else (adapter.linear_names,)
@@ -182,15 +242,8 @@ def prune_block(
                 )
         if not active:
             continue
-        stats = {name: InputStats(linears[name].in_features, gram=True, device=device) for name in active}
-        handles = [
-            linears[name].register_forward_hook(lambda _m, args, _o, s=stats[name]: s.add(args[0])) for name in active
-        ]
-        try:
-            run_block(block, inputs, kwargs, None)
-        finally:
-            for handle in handles:
-                handle.remove()
+        group_linears = {name: linears[name] for name in active}
+        stats = group_input_stats(block, group_linears, inputs, kwargs, device, stop_early=stop_early)
         for name in active:
             records[name] = _prune_linear(linears[name], by_local[name], stats[name], spec, layer_cfg, device, progress)
     return [records[name] for name in adapter.linear_names]
