@@ -108,6 +108,20 @@ def _row_interval(w: np.ndarray, mask: np.ndarray, i: int, v: np.ndarray) -> tup
     return lo, hi
 
 
+@njit(cache=True, inline="always")
+def _col_interval(w: np.ndarray, mask: np.ndarray, j: int, u: np.ndarray) -> tuple[float, float]:
+    """`_row_interval` for column j: (max over dropped, min over kept) of w_ij − u_i."""
+    m = w.shape[0]
+    lo, hi = -_INF, _INF
+    for i in range(m):
+        r = w[i, j] - u[i]
+        if mask[i, j]:
+            hi = min(hi, r)
+        else:
+            lo = max(lo, r)
+    return lo, hi
+
+
 @njit(cache=True)
 def _center(w: np.ndarray, mask: np.ndarray, u: np.ndarray, v: np.ndarray, sweeps: int) -> None:
     """Coordinate sweeps on the potentials with the mask fixed: u_i, then v_j, moves to the middle of
@@ -124,13 +138,7 @@ def _center(w: np.ndarray, mask: np.ndarray, u: np.ndarray, v: np.ndarray, sweep
             if lo > -_INF and hi < _INF:  # a row keeping none or all (an outside state) stays put
                 u[i] = 0.5 * (lo + hi)
         for j in range(m):
-            lo, hi = -_INF, _INF
-            for i in range(m):
-                r = w[i, j] - u[i]
-                if mask[i, j]:
-                    hi = min(hi, r)
-                else:
-                    lo = max(lo, r)
+            lo, hi = _col_interval(w, mask, j, u)
             if lo > -_INF and hi < _INF:
                 v[j] = 0.5 * (lo + hi)
 
@@ -150,9 +158,8 @@ def _select_rows(
     """Every row satisfies complementary slackness with (u, v) afterwards: with `keep`, a row of the
     incoming mask that already does (some u_i fits between its dropped and kept entries) stays as it
     is with u_i in the middle of that interval (rows holding other than n are not kept); every other
-    row keeps its n best entries by
-    w_ij − v_j. Columns may then hold more or fewer than n: fills excess[j] = (kept in column j) − n
-    and returns the total positive excess."""
+    row keeps its n best entries by w_ij − v_j. Columns may then hold more or fewer than n: fills
+    excess[j] = (kept in column j) − n and returns the total positive excess."""
     m = w.shape[0]
     for j in range(m):
         excess[j] = -n

@@ -414,7 +414,8 @@ def resolve_backend(backend: Backend, device: torch.device) -> Literal["flow", "
 # tile from the previous state, more than a round leaves. `scripts/flow_study.py` (docs/solver.md).
 RETRY_EXCESS_PER_M = 0.25
 # Mask-fixed centring sweeps of a warm start (solver/_flow_jit.py `_center`): on 2048² real tiles with
-# 1% noise they take the paths per tile from 3.3 to 0.7 (8:16) and 8.6 to 2.3 (16:32) at 2 sweeps.
+# 1% noise, 2 sweeps leave 0.6 (8:16) and 2.2 (16:32) paths per tile where the previous potentials alone
+# leave 2.6 and 7.5; a third saves fewer paths than it costs (docs/solver.md).
 WARM_CENTRING_SWEEPS = 2
 
 
