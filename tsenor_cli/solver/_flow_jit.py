@@ -108,20 +108,6 @@ def _row_interval(w: np.ndarray, mask: np.ndarray, i: int, v: np.ndarray) -> tup
     return lo, hi
 
 
-@njit(cache=True, inline="always")
-def _col_interval(w: np.ndarray, mask: np.ndarray, j: int, u: np.ndarray) -> tuple[float, float]:
-    """`_row_interval` for column j: (max over dropped, min over kept) of w_ij − u_i."""
-    m = w.shape[0]
-    lo, hi = -_INF, _INF
-    for i in range(m):
-        r = w[i, j] - u[i]
-        if mask[i, j]:
-            hi = min(hi, r)
-        else:
-            lo = max(lo, r)
-    return lo, hi
-
-
 @njit(cache=True)
 def _center(w: np.ndarray, mask: np.ndarray, u: np.ndarray, v: np.ndarray, sweeps: int) -> None:
     """Coordinate sweeps on the potentials with the mask fixed: u_i, then v_j, moves to the middle of
@@ -138,7 +124,7 @@ def _center(w: np.ndarray, mask: np.ndarray, u: np.ndarray, v: np.ndarray, sweep
             if lo > -_INF and hi < _INF:  # a row keeping none or all (an outside state) stays put
                 u[i] = 0.5 * (lo + hi)
         for j in range(m):
-            lo, hi = _col_interval(w, mask, j, u)
+            lo, hi = _row_interval(w.T, mask.T, j, u)  # column j: row j of the transposes
             if lo > -_INF and hi < _INF:
                 v[j] = 0.5 * (lo + hi)
 

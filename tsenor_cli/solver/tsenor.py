@@ -415,7 +415,7 @@ def resolve_backend(backend: Backend, device: torch.device) -> Literal["flow", "
 RETRY_EXCESS_PER_M = 0.25
 # Mask-fixed centring sweeps of a warm start (solver/_flow_jit.py `_center`): on 2048² real tiles with
 # 1% noise, 2 sweeps leave 0.6 (8:16) and 2.2 (16:32) paths per tile where the previous potentials alone
-# leave 2.6 and 7.5; a third saves fewer paths than it costs (docs/solver.md).
+# leave 2.6 and 7.5; a third saves little at 1% noise and costs ALPS, whose stale tiles retry (docs/solver.md).
 WARM_CENTRING_SWEEPS = 2
 
 
