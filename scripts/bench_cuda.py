@@ -25,12 +25,26 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from tsenor_cli.solver import SolveResult, from_blocks, solve, to_blocks
-from tsenor_cli.solver.tsenor import _block_scale, _bound, _round, _sinkhorn, _tau_schedule, cycle_search
+from tsenor_cli.solver.tsenor import (
+    Rounding,
+    Sinkhorn,
+    _block_scale,
+    _bound,
+    _round,
+    _sinkhorn,
+    _tau_schedule,
+    cycle_search,
+)
+
+T = TypeVar("T")
+ROUNDINGS: tuple[Rounding, ...] = ("greedy", "rowcol")
+SINKHORNS: tuple[Sinkhorn, ...] = ("torch", "triton")
 
 PATTERNS = ((8, 16), (16, 32))
 POOL_SIZE = 2048
@@ -108,12 +122,12 @@ def record(
     print(json.dumps(row), flush=True)
 
 
-def phases(scores: torch.Tensor, n: int, m: int, rounding: str, backend: str) -> dict[str, float]:
+def phases(scores: torch.Tensor, n: int, m: int, rounding: Rounding, backend: Sinkhorn) -> dict[str, float]:
     """Seconds of each step of one cold `tsenor` solve with its defaults (tsenor.py's pipeline)."""
     device = scores.device
     out: dict[str, float] = {}
 
-    def step(name: str, fn: Callable[[], object]) -> object:
+    def step(name: str, fn: Callable[[], T]) -> T:
         sync(device)
         start = time.perf_counter()
         value = fn()
@@ -128,10 +142,10 @@ def phases(scores: torch.Tensor, n: int, m: int, rounding: str, backend: str) ->
     u0 = w.topk(n, dim=2).values[:, :, n - 1] - 0.5 / 200.0
     v0 = w.new_zeros(B, M)
     taus = _tau_schedule(200.0, 4)
-    u, v, _ = step("sinkhorn", lambda: _sinkhorn(backend, w, n, taus, 25, 1e-3, u0, v0))  # type: ignore[misc]
-    mask = step("rounding+completion", lambda: _round(w - u[:, :, None] - v[:, None, :], w, n, rounding))  # type: ignore[arg-type]
-    step("cycle search", lambda: cycle_search(mask, w, 30))  # type: ignore[arg-type]
-    step("cycle search (sweep loop)", lambda: cycle_search(mask, w, 30, fused=False))  # type: ignore[arg-type]
+    u, v, _ = step("sinkhorn", lambda: _sinkhorn(backend, w, n, taus, 25, 1e-3, u0, v0))
+    mask = step("rounding+completion", lambda: _round(w - u[:, :, None] - v[:, None, :], w, n, rounding))
+    step("cycle search", lambda: cycle_search(mask, w, 30))
+    step("cycle search (sweep loop)", lambda: cycle_search(mask, w, 30, fused=False))
     step("coordinate bound", lambda: _bound(w, u, v, n, "coordinate"))
     return out
 
@@ -199,8 +213,8 @@ def run(args: argparse.Namespace) -> None:
             if size == max(args.sizes):
                 extra["phases"][pat] = {  # type: ignore[index]
                     f"{r}, sinkhorn={b}": phases(scores, n, m, r, b)
-                    for r in ("greedy", "rowcol")
-                    for b in (("torch", "triton") if device.type == "cuda" else ("torch",))
+                    for r in ROUNDINGS
+                    for b in (SINKHORNS if device.type == "cuda" else SINKHORNS[:1])
                 }
                 if device.type == "cuda":
                     sync(device)
@@ -229,7 +243,7 @@ def run(args: argparse.Namespace) -> None:
 PAPER_8192_8x16_S = 1.06
 
 
-def layers_markdown(layers: dict) -> list[str]:  # type: ignore[type-arg]
+def layers_markdown(layers: dict[str, Any]) -> list[str]:
     out = [
         "",
         "## Pruning one layer on the GPU (LLaMA-3.2-1B shapes, 16:32)",
@@ -253,7 +267,7 @@ def layers_markdown(layers: dict) -> list[str]:  # type: ignore[type-arg]
     return out
 
 
-def to_markdown(report: dict, layers: dict | None = None) -> str:  # type: ignore[type-arg]
+def to_markdown(report: dict[str, Any], layers: dict[str, Any] | None = None) -> str:
     info, rows = report["info"], report["rows"]
     out = [
         "# The mask solver on a GPU",

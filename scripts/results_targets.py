@@ -2,7 +2,10 @@
 
 Usage: .venv/bin/python scripts/results_targets.py [--results docs/results]
 Reads RESULTS/runs/NAME/{eval.json,tsenor_report.json} and writes RESULTS/targets.md (also printed).
-A target whose runs are missing is reported as "not run", never as met.
+A target whose runs are missing is reported as "not run", never as met. RESULTS/claims.md gets the
+numbers behind docs/results.md's paragraph on the paper's Section 5.2 claims, computed from the same
+runs: transposable over ordinary perplexity per method and pattern, and how much of Wanda's and
+SparseGPT's perplexity increase over the dense model ALPS removes.
 """
 
 from __future__ import annotations
@@ -78,8 +81,8 @@ def check(results: Path) -> list[tuple[str, str, str]]:
     if pair is None:
         rows.append(("ALPS T16:32 ppl < SparseGPT O2:4", "—", "not run"))
     else:
-        t, s = pair
-        rows.append(("ALPS T16:32 ppl < SparseGPT O2:4", f"{_ppl(t):.2f} vs {_ppl(s):.2f}", _ok(_ppl(t) < _ppl(s))))
+        t, sg = pair
+        rows.append(("ALPS T16:32 ppl < SparseGPT O2:4", f"{_ppl(t):.2f} vs {_ppl(sg):.2f}", _ok(_ppl(t) < _ppl(sg))))
     alone = runs["alps-16x32-t"]
     if alone is None:
         rows.append(("ALPS T16:32 whole run ≤ 20 min on the 2-core CPU", "—", "not run"))
@@ -92,6 +95,57 @@ def check(results: Path) -> list[tuple[str, str, str]]:
             )
         )
     return rows
+
+
+# The grid's patterns at 50% sparsity in order of M (the paper's Figure 3 axis); 8:32 is 75% and stands apart.
+HALF = ("2:4", "4:8", "8:16", "16:32")
+METHODS = ("alps", "sparsegpt", "wanda", "magnitude")
+
+
+def _name(method: str, nm: str, transposable: bool) -> str:
+    return f"{method}-{nm.replace(':', 'x')}-{'t' if transposable else 'o'}"
+
+
+def claims(results: Path, dataset: str = "wikitext2") -> list[str]:
+    """→ Markdown lines: T/O perplexity ratios by method and pattern, then ALPS's share of the loss removed."""
+    patterns = (*HALF, "8:32")
+    names = [_name(m, nm, t) for m in METHODS for nm in patterns for t in (True, False)]
+    runs = {name: _load(results, name) for name in names}
+    dense = _load(results, "dense")
+
+    def ppl(name: str) -> float | None:
+        run = runs[name]
+        return None if run is None else float(run["eval"]["perplexity"][dataset]["ppl"])
+
+    lines = [
+        f"Transposable over ordinary {dataset} perplexity (— where a run is missing):",
+        "",
+        "| method | " + " | ".join(patterns) + " |",
+        "|---|" + "---:|" * len(patterns),
+    ]
+    for m in METHODS:
+        cells = []
+        for nm in patterns:
+            t, o = ppl(_name(m, nm, True)), ppl(_name(m, nm, False))
+            cells.append("—" if t is None or o is None else f"{t / o:.2f}×")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Share of the {dataset} perplexity increase over dense that ALPS removes, (other − ALPS) / (other − dense):",
+        "",
+        "| pattern | vs Wanda | vs SparseGPT |",
+        "|---|---:|---:|",
+    ]
+    d = None if dense is None else float(dense["eval"]["perplexity"][dataset]["ppl"])
+    for nm in patterns:
+        for t in (True, False):
+            a = ppl(_name("alps", nm, t))
+            cells = []
+            for other in ("wanda", "sparsegpt"):
+                x = ppl(_name(other, nm, t))
+                cells.append("—" if a is None or x is None or d is None else f"{(x - a) / (x - d):.0%}")
+            lines.append(f"| {'T' if t else 'O'}{nm} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _ok(flag: bool) -> str:
@@ -107,6 +161,9 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     (args.results / "targets.md").write_text(text)
     print(text, end="")
+    claim_text = "\n".join(claims(args.results)) + "\n"
+    (args.results / "claims.md").write_text(claim_text)
+    print("\n" + claim_text, end="")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -45,7 +46,9 @@ def main() -> None:
         print(f"[tune] {n}:{m}: exact", file=sys.stderr, flush=True)
         opt = solve(scores, n, m, "exact").block_objective
         variants = [{"method": "tsenor", "backend": "torch", **s} for s in SETTINGS]
-        for options in [{"method": "tsenor-reference"}, {"method": "tsenor", "backend": "flow"}, *variants]:
+        runs: list[dict[str, Any]] = [{"method": "tsenor-reference"}, {"method": "tsenor", "backend": "flow"}]
+        runs += variants
+        for options in runs:
             method = str(options.pop("method"))
             start = time.perf_counter()
             res = solve(scores, n, m, method, **options)

@@ -77,3 +77,20 @@ def test_results_targets_report_missing_runs_as_not_run(tmp_path: Path) -> None:
     targets = _load_script("results_targets")
     rows = targets.check(tmp_path)
     assert rows and all(verdict == "not run" for _, _, verdict in rows)
+
+
+def _fake_run(results: Path, name: str, ppl: float) -> None:
+    run = results / "runs" / name
+    run.mkdir(parents=True)
+    (run / "eval.json").write_text(json.dumps({"perplexity": {"wikitext2": {"ppl": ppl}}}))
+
+
+def test_results_claims_ratios_and_share_from_runs(tmp_path: Path) -> None:
+    targets = _load_script("results_targets")
+    for name, ppl in [("dense", 20.0), ("alps-16x32-t", 45.0), ("alps-16x32-o", 36.0), ("wanda-16x32-t", 120.0)]:
+        _fake_run(tmp_path, name, ppl)
+    lines = targets.claims(tmp_path)
+    alps = next(line for line in lines if line.startswith("| alps |"))
+    assert alps == "| alps | — | — | — | 1.25× | — |"  # 45 / 36; the other patterns were not run
+    t16 = next(line for line in lines if line.startswith("| T16:32 |"))
+    assert t16 == "| T16:32 | 75% | — |"  # (120 − 45) / (120 − 20); no SparseGPT run
