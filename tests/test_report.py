@@ -194,3 +194,22 @@ def test_schema_tolerates_missing_optional_fields() -> None:
         {"method": "a", "pattern": None, "sparsity": 0.5, "layers": [{"name": "q", "block": 0}]}
     ).layers[0]
     assert skipped.reconstruction_error is None  # a skipped layer: no error, a gap in the plot
+
+
+def test_block_means_average_recorded_linears_and_leave_skipped_blocks_as_gaps() -> None:
+    import math
+
+    from tsenor_cli.report.plots import _block_means
+    from tsenor_cli.report.schema import LayerRecord, PatternInfo
+
+    layers = (
+        LayerRecord("model.layers.0.self_attn.q_proj", 0, 0.02),
+        LayerRecord("model.layers.0.mlp.down_proj", 0, 0.04),
+        LayerRecord("model.layers.1.self_attn.q_proj", 1, None),  # skipped: no error
+        LayerRecord("model.layers.2.self_attn.q_proj", 2, 0.01),
+        LayerRecord("model.layers.2.mlp.down_proj", 2, None),
+    )
+    prune = PruneReport("alps", PatternInfo(n=2, m=4, transposable=True), 0.5, layers)
+    blocks, means = _block_means(prune)
+    assert blocks == [0, 1, 2]
+    assert means[0] == pytest.approx(0.03) and math.isnan(means[1]) and means[2] == pytest.approx(0.01)

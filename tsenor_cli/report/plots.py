@@ -1,28 +1,51 @@
 """PNG plots for `tsenor report`, drawn with matplotlib's object API on the Agg canvas (no pyplot state).
 
 - `plot_perplexity_vs_m`: the paper's Figure 3 (upper): perplexity against M at equal sparsity, one
-  line per (algorithm, transposable, sparsity); ordinary N:M solid, transposable dashed; dense runs as
-  dotted horizontal references. One panel per perplexity dataset.
-- `plot_reconstruction_error`: per-layer relative reconstruction error as recorded in
-  tsenor_report.json (Appendix B.2.3 reports the same quantity), in pruning order, one line per run.
+  line per (algorithm, transposable, sparsity); ordinary N:M solid, transposable dashed, one colour per
+  algorithm, one marker per sparsity; dense runs as dotted horizontal references. One panel per
+  perplexity dataset.
+- `plot_reconstruction_error`: relative reconstruction error as recorded in tsenor_report.json
+  (Appendix B.2.3 reports the same quantity), averaged over each decoder block's pruned linears, one
+  panel per pattern and one line per run in it (same colours and line styles), so a grid of forty runs
+  stays readable.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from collections.abc import Sequence
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator, ScalarFormatter
+from matplotlib.lines import Line2D
+from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, ScalarFormatter
 
-from tsenor_cli.report.schema import Run
+from tsenor_cli.report.schema import PruneReport, Run
 from tsenor_cli.report.table import PPL_COLUMNS, Table
 
 PERPLEXITY_PNG = "perplexity_vs_m.png"
 RECONSTRUCTION_PNG = "reconstruction_error.png"
+
+
+# Sparsity → marker, so 50% N:M lines and 75% ones (8:32) of one algorithm stay apart.
+_MARKERS = ("o", "^", "s", "D", "v", "P")
+
+
+def _colours(algorithms: Iterable[str]) -> dict[str, str]:
+    """One colour of matplotlib's default cycle per algorithm, in sorted order, shared by both plots."""
+    return {a: f"C{i % 10}" for i, a in enumerate(sorted(set(algorithms)))}
+
+
+def _log_y(ax: Axes) -> None:
+    """Log y axis labelled at 1, 2 and 5 × 10^k as plain numbers: perplexities are read as values, and
+    labelling every minor tick (3, 4, 6, 7, ...) makes the labels overlap."""
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def plot_perplexity_vs_m(table: Table, path: Path) -> bool:
@@ -32,7 +55,10 @@ def plot_perplexity_vs_m(table: Table, path: Path) -> bool:
     if not datasets:
         return False
     names = dict(PPL_COLUMNS)
-    fig = Figure(figsize=(4.2 * len(datasets), 3.6), layout="constrained")
+    colours = _colours(r.algorithm for r in nm_rows)
+    sparsities = sorted({r.sparsity for r in nm_rows})
+    markers = {sp: _MARKERS[i % len(_MARKERS)] for i, sp in enumerate(sparsities)}
+    fig = Figure(figsize=(4.6 * len(datasets), 4.2), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(datasets), squeeze=False)[0]
     for ax, dataset in zip(axes, datasets, strict=True):
@@ -45,7 +71,8 @@ def plot_perplexity_vs_m(table: Table, path: Path) -> bool:
             ax.plot(
                 [m for m, _ in points],
                 [p for _, p in points],
-                marker="o",
+                color=colours[algorithm],
+                marker=markers[sparsity],
                 linestyle="--" if transposable else "-",
                 label=f"{algorithm} {'transposable' if transposable else 'N:M'} ({100 * sparsity:g}%)",
             )
@@ -53,52 +80,92 @@ def plot_perplexity_vs_m(table: Table, path: Path) -> bool:
             if row.sparsity == 0.0 and dataset in row.perplexity:
                 ax.axhline(row.perplexity[dataset], color="gray", linestyle=":", label=f"dense ({row.run})")
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        _log_y(ax)
         ms = sorted({m for pts in lines.values() for m, _ in pts})
         ax.set_xticks(ms, [str(m) for m in ms])
-        # Plain numbers on the log axis: perplexities are read as values, not powers of ten.
-        ax.yaxis.set_major_formatter(ScalarFormatter())
-        ax.yaxis.set_minor_formatter(ScalarFormatter())
         ax.set_xlabel("M")
         ax.set_ylabel(f"{names.get(dataset, dataset)} perplexity")
         ax.set_title(names.get(dataset, dataset))
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize="small")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize="small")
     fig.suptitle("Perplexity vs M at equal sparsity: N:M (solid) and transposable N:M (dashed)")
     fig.savefig(path, format="png", dpi=120)
     return True
 
 
+def _pattern_key(prune: PruneReport) -> tuple[float, int, str]:
+    """Panel order and title: sparsity, then M (unstructured last within a sparsity)."""
+    pattern = prune.pattern
+    if pattern is None:
+        return (prune.sparsity, 1 << 30, f"unstructured {100 * prune.sparsity:g}%")
+    return (prune.sparsity, pattern.m, f"{pattern.n}:{pattern.m}")
+
+
+def _transposable(prune: PruneReport) -> bool:
+    return prune.pattern is not None and prune.pattern.transposable
+
+
+def _block_means(prune: PruneReport) -> tuple[list[int], list[float]]:
+    """→ (blocks, mean relative error of each block's recorded linears); skipped layers (None) do not
+    count, and a block whose linears were all skipped is NaN, a gap in the line."""
+    by_block: dict[int, list[float]] = defaultdict(list)
+    for layer in prune.layers:
+        by_block.setdefault(layer.block, [])
+        if layer.reconstruction_error is not None:
+            by_block[layer.block].append(layer.reconstruction_error)
+    blocks = sorted(by_block)
+    return blocks, [sum(v) / len(v) if v else math.nan for v in (by_block[b] for b in blocks)]
+
+
 def plot_reconstruction_error(runs: Sequence[Run], path: Path) -> bool:
     """Write the plot to `path`; False (nothing written) when no run has per-layer records."""
-    pruned = [run for run in runs if run.prune is not None and run.prune.layers]
+    pruned = [(run, run.prune) for run in runs if run.prune is not None and run.prune.layers]
     if not pruned:
         return False
-    fig = Figure(figsize=(9.0, 4.0), layout="constrained")
+    panels: dict[tuple[float, int, str], list[tuple[Run, PruneReport]]] = defaultdict(list)
+    for run, prune in pruned:
+        panels[_pattern_key(prune)].append((run, prune))
+    colours = _colours(prune.method for _, prune in pruned)
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig = Figure(figsize=(4.6 * cols, 3.4 * rows), layout="constrained")
     FigureCanvasAgg(fig)
-    ax = fig.subplots()
+    grid = fig.subplots(rows, cols, squeeze=False, sharey=True)
+    axes = [ax for row in grid for ax in row]
+    for ax in axes[len(panels) :]:
+        ax.set_visible(False)
     positive = True
-    for run in sorted(pruned, key=lambda r: r.label):
-        prune = run.prune
-        assert prune is not None  # filtered above; narrows the type for mypy
-        # Skipped layers (error null) leave a gap in the line.
-        recorded = [layer.reconstruction_error for layer in prune.layers]
-        errors = [math.nan if e is None else e for e in recorded]
-        positive = positive and all(e > 0 for e in errors if not math.isnan(e))
-        pattern = prune.pattern
-        kind = (
-            f"{pattern.n}:{pattern.m}{' transposable' if pattern.transposable else ''}"
-            if pattern is not None
-            else f"unstructured {100 * prune.sparsity:g}%"
-        )
-        ax.plot(range(len(errors)), errors, marker=".", linewidth=1, label=f"{run.label}: {prune.method} {kind}")
+    legend: dict[str, Line2D] = {}
+    for ax, (key, members) in zip(axes, sorted(panels.items()), strict=False):
+        kinds = Counter((prune.method, _transposable(prune)) for _, prune in members)
+        for run, prune in sorted(members, key=lambda rp: (rp[1].method, _transposable(rp[1]), rp[0].label)):
+            blocks, errors = _block_means(prune)
+            positive = positive and all(e > 0 for e in errors if not math.isnan(e))
+            transposable = _transposable(prune)
+            label = f"{prune.method}{' transposable' if transposable else ''}"
+            if kinds[(prune.method, transposable)] > 1:  # two runs of one kind in a panel: name them
+                label += f" ({run.label})"
+            (line,) = ax.plot(
+                blocks,
+                errors,
+                color=colours[prune.method],
+                linestyle="--" if transposable else "-",
+                marker=".",
+                linewidth=1,
+                label=label,
+            )
+            legend.setdefault(label, line)
+        ax.set_title(f"{key[2]} ({100 * key[0]:g}% sparse)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("decoder block")
+        ax.grid(True, which="both", alpha=0.3)
     if positive:
-        ax.set_yscale("log")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("layer (pruning order)")
-    ax.set_ylabel("relative reconstruction error")
-    ax.set_title("Per-layer relative reconstruction error (tsenor_report.json)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
+        for ax in axes[: len(panels)]:
+            ax.set_yscale("log")
+    for row in grid:
+        row[0].set_ylabel("mean relative error")
+    fig.legend(list(legend.values()), list(legend), loc="outside right upper", fontsize="small")
+    fig.suptitle("Relative reconstruction error ‖X(Ŵ−W)ᵀ‖²/‖XWᵀ‖² per block, mean over its pruned linears")
     fig.savefig(path, format="png", dpi=120)
     return True
