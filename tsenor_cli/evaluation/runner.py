@@ -19,6 +19,7 @@ from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import UsageError
 from tsenor_cli.evaluation.perplexity import PerplexityResult, perplexity
 from tsenor_cli.models.loading import LoadedModel
+from tsenor_cli.provenance import source_revision
 
 DEFAULT_SEQLEN = 2048
 
@@ -103,6 +104,9 @@ class EvalReport:
 def package_versions() -> dict[str, str]:
     """Versions of the libraries that decide the numbers (absent ones are reported as such)."""
     versions = {"tsenor": __version__}
+    revision = source_revision()
+    if revision is not None:
+        versions["tsenor_source"] = revision
     for key, dist in (
         ("torch", "torch"),
         ("transformers", "transformers"),

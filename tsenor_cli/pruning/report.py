@@ -15,13 +15,18 @@ def versions() -> dict[str, str]:
     import transformers
 
     from tsenor_cli import __version__
+    from tsenor_cli.provenance import source_revision
 
-    return {
+    out = {
         "tsenor": __version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
     }
+    revision = source_revision()
+    if revision is not None:
+        out["tsenor_source"] = revision
+    return out
 
 
 @dataclass(frozen=True)
