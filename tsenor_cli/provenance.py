@@ -38,3 +38,15 @@ def source_revision(root: Path = PACKAGE_ROOT) -> str | None:
         return None
     status = run("status", "--porcelain", "--untracked-files=no", "--", ".")
     return commit + ("+dirty" if status else "")
+
+
+def tsenor_versions() -> dict[str, str]:
+    """→ {"tsenor": version} plus "tsenor_source" (the commit) when running from a git checkout; the
+    shared head of every report's `versions`."""
+    from tsenor_cli import __version__
+
+    out = {"tsenor": __version__}
+    revision = source_revision()
+    if revision is not None:
+        out["tsenor_source"] = revision
+    return out

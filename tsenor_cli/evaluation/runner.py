@@ -13,13 +13,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from tsenor_cli import __version__
 from tsenor_cli.data.eval_text import eval_token_stream
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import UsageError
 from tsenor_cli.evaluation.perplexity import PerplexityResult, perplexity
 from tsenor_cli.models.loading import LoadedModel
-from tsenor_cli.provenance import source_revision
+from tsenor_cli.provenance import tsenor_versions
 
 DEFAULT_SEQLEN = 2048
 
@@ -103,10 +102,7 @@ class EvalReport:
 
 def package_versions() -> dict[str, str]:
     """Versions of the libraries that decide the numbers (absent ones are reported as such)."""
-    versions = {"tsenor": __version__}
-    revision = source_revision()
-    if revision is not None:
-        versions["tsenor_source"] = revision
+    versions = tsenor_versions()
     for key, dist in (
         ("torch", "torch"),
         ("transformers", "transformers"),

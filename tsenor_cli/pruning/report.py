@@ -14,19 +14,14 @@ def versions() -> dict[str, str]:
     import torch
     import transformers
 
-    from tsenor_cli import __version__
-    from tsenor_cli.provenance import source_revision
+    from tsenor_cli.provenance import tsenor_versions
 
-    out = {
-        "tsenor": __version__,
+    return {
+        **tsenor_versions(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
     }
-    revision = source_revision()
-    if revision is not None:
-        out["tsenor_source"] = revision
-    return out
 
 
 @dataclass(frozen=True)

@@ -111,9 +111,9 @@ def _block_means(prune: PruneReport) -> tuple[list[int], list[float]]:
     count, and a block whose linears were all skipped is NaN, a gap in the line."""
     by_block: dict[int, list[float]] = defaultdict(list)
     for layer in prune.layers:
-        by_block.setdefault(layer.block, [])
+        recorded = by_block[layer.block]  # a block of skipped layers still gets its (empty) entry
         if layer.reconstruction_error is not None:
-            by_block[layer.block].append(layer.reconstruction_error)
+            recorded.append(layer.reconstruction_error)
     blocks = sorted(by_block)
     return blocks, [sum(v) / len(v) if v else math.nan for v in (by_block[b] for b in blocks)]
 
