@@ -213,3 +213,36 @@ def test_block_means_average_recorded_linears_and_leave_skipped_blocks_as_gaps()
     blocks, means = _block_means(prune)
     assert blocks == [0, 1, 2]
     assert means[0] == pytest.approx(0.03) and math.isnan(means[1]) and means[2] == pytest.approx(0.01)
+
+
+def test_tick_labels_stay_plain_numbers_over_wide_ranges() -> None:
+    """A perplexity axis spanning 20 to 5 million (broken 75%-sparse runs) once read "0.000" at every
+    tick below a million, because the default formatter moved the scale into a "1e6" offset."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from tsenor_cli.report.plots import _log_y, tick_label
+
+    assert [tick_label(v) for v in (0.5, 1.0, 20.0, 500.0, 2000.0, 5e6, 2.5e9)] == [
+        "0.5",
+        "1",
+        "20",
+        "500",
+        "2k",
+        "5M",
+        "2.5G",
+    ]
+    fig = Figure()
+    FigureCanvasAgg(fig)
+    wide, narrow = fig.subplots(1, 2)
+    wide.plot([4, 32], [20.0, 5.4e6])
+    _log_y(wide)
+    narrow.plot([4, 32], [36.0, 140.0])
+    _log_y(narrow)
+    fig.canvas.draw()
+    low, high = wide.get_ylim()
+    shown = [t.get_text() for t in wide.get_yticklabels() if low <= t.get_position()[1] <= high]
+    assert shown == ["100", "1k", "10k", "100k", "1M", "10M"]
+    assert wide.yaxis.get_offset_text().get_text() == ""
+    low, high = narrow.get_ylim()
+    assert [t.get_text() for t in narrow.get_yticklabels() if low <= t.get_position()[1] <= high] == ["50", "100"]

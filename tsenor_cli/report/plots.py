@@ -21,7 +21,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import LogLocator, MaxNLocator, NullFormatter, ScalarFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from tsenor_cli.report.schema import PruneReport, Run
 from tsenor_cli.report.table import PPL_COLUMNS, Table
@@ -39,12 +39,25 @@ def _colours(algorithms: Iterable[str]) -> dict[str, str]:
     return {a: f"C{i % 10}" for i, a in enumerate(sorted(set(algorithms)))}
 
 
+def tick_label(value: float, _position: object = None) -> str:
+    """A log-axis tick as a plain number, with k/M for thousands/millions: 20, 500, 2k, 5M.
+    (matplotlib's ScalarFormatter switches to an offset such as "1e6" on wide ranges and then
+    labels 10-1000 as "0.000", which is what broken runs at 75% sparsity produced.)"""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:g}{suffix}"
+    return f"{value:g}"
+
+
 def _log_y(ax: Axes) -> None:
     """Log y axis labelled at 1, 2 and 5 × 10^k as plain numbers: perplexities are read as values, and
-    labelling every minor tick (3, 4, 6, 7, ...) makes the labels overlap."""
+    labelling every minor tick (3, 4, 6, 7, ...) makes the labels overlap. Call after plotting: over
+    more than three decades only the powers of ten are labelled, for the same reason."""
     ax.set_yscale("log")
-    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(ScalarFormatter())
+    low, high = ax.get_ylim()
+    subs = (1.0,) if high > 1000 * low else (1.0, 2.0, 5.0)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
+    ax.yaxis.set_major_formatter(FuncFormatter(tick_label))
     ax.yaxis.set_minor_formatter(NullFormatter())
 
 
