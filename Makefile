@@ -10,6 +10,8 @@ export TSENOR_DATA_DIR ?= $(abspath ../shared/data)
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
+# The paper's LaTeX source, for comparing our ratios with its tables (`make results`).
+TSENOR_PAPER ?= $(abspath ../shared/paper/tsenor.tex)
 PYTEST_ARGS ?=
 
 .PHONY: install test quality bench demo results clean model
@@ -49,6 +51,7 @@ results: install
 	$(PY) scripts/results_grid.py --max-windows 8 --limit 100 \
 	  --tasks piqa,arc_easy,arc_challenge,hellaswag,winogrande,rte,openbookqa,boolq
 	$(PY) scripts/results_targets.py
+	$(PY) scripts/paper_ratios.py --paper $(TSENOR_PAPER)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,67 @@
+"""scripts/paper_ratios.py: parsing the paper's result tables and the ratio report, on hand-written snippets."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "paper_ratios.py"
+
+
+@pytest.fixture(scope="module")
+def paper_ratios() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("paper_ratios", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _table(label: str, alps_o: tuple[float, float, float], alps_t: tuple[float, float, float]) -> str:
+    """A table shaped like the paper's appendix tables, with one 16:32 group."""
+    o, t = (" & ".join(f"{x:.2f}" for x in v) for v in (alps_o, alps_t))
+    return "\n".join(
+        [
+            r"\begin{table}[h]",
+            r"\multirow{5}{*}{16:32}",
+            r"&\texttt{SparseGPT} & \ding{55} & 99.00 & 98.00 & 97.00 & 50.00 \\",
+            rf"&\texttt{{ALPS}} & \ding{{55}} & {o} & 60.00 \\",
+            r"% &\texttt{ALPS} & \ding{55} & 1.00 & 1.00 & 1.00 \\",
+            rf"&\texttt{{\modelnamee+ALPS}} & \ding{{51}} & {t} & 58.00 \\",
+            rf"\caption{{x}}\label{{{label}}}",
+            r"\end{table}",
+        ]
+    )
+
+
+def test_parse_table_reads_marks_groups_and_skips_comments(paper_ratios: ModuleType) -> None:
+    tex = "preamble\n" + _table("tab:exp-all-1B", (22.97, 16.75, 27.61), (25.92, 19.12, 31.08))
+    rows = paper_ratios.parse_table(tex, "tab:exp-all-1B")
+    assert rows == {
+        ("16:32", "SparseGPT", False): (99.0, 98.0, 97.0),
+        ("16:32", "ALPS", False): (22.97, 16.75, 27.61),
+        ("16:32", "ALPS", True): (25.92, 19.12, 31.08),
+    }
+
+
+def test_parse_table_missing_label_names_the_fix(paper_ratios: ModuleType) -> None:
+    with pytest.raises(ValueError, match=r"tsenor\.tex"):
+        paper_ratios.parse_table("no tables here", "tab:exp-all-1B")
+
+
+def test_report_puts_paper_and_our_ratios_side_by_side(paper_ratios: ModuleType, tmp_path: Path) -> None:
+    tex = "\n".join(_table(label, (10.0, 20.0, 40.0), (11.0, 25.0, 60.0)) for _, label in paper_ratios.TABLES)
+    for kind, scale in (("t", 1.5), ("o", 1.0)):
+        run = tmp_path / "runs" / f"alps-16x32-{kind}"
+        run.mkdir(parents=True)
+        ppl = {"c4": 30.0 * scale, "wikitext2": 20.0 * scale, "ptb": 40.0 * scale}
+        (run / "eval.json").write_text(json.dumps({"perplexity": {k: {"ppl": v} for k, v in ppl.items()}}))
+    lines = paper_ratios.report(tex, tmp_path)
+    wt2 = lines[lines.index("ALPS transposable / ordinary perplexity, wikitext2 (— where a row is missing):") :]
+    # 16:32 is the fourth pattern column; 25/20 = 1.25 in the paper rows, 1.5 in ours; other patterns missing.
+    assert wt2[4] == "| LLaMA-3.2-1B (paper) | — | — | — | 1.25× | — |"
+    assert wt2[7] == "| SmolLM2-135M (ours) | — | — | — | 1.50× | — |"
