@@ -52,6 +52,7 @@ results: install
 	  --tasks piqa,arc_easy,arc_challenge,hellaswag,winogrande,rte,openbookqa,boolq
 	$(PY) scripts/results_targets.py
 	$(PY) scripts/paper_ratios.py --paper $(TSENOR_PAPER)
+	$(PY) scripts/pattern_cost.py --output docs/results/pattern_cost.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

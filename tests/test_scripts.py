@@ -1,4 +1,8 @@
-"""scripts/paper_ratios.py: parsing the paper's result tables and the ratio report, on hand-written snippets."""
+"""The analysis scripts behind docs/results.md, on hand-written inputs.
+
+scripts/paper_ratios.py: parsing the paper's result tables and the ratio report. scripts/pattern_cost.py:
+the score a pattern leaves out, on a tile worked by hand.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +12,27 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "paper_ratios.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
-@pytest.fixture(scope="module")
-def paper_ratios() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("paper_ratios", SCRIPT)
+def _load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def paper_ratios() -> ModuleType:
+    return _load_script("paper_ratios")
+
+
+@pytest.fixture(scope="module")
+def pattern_cost() -> ModuleType:
+    return _load_script("pattern_cost")
 
 
 def _table(label: str, alps_o: tuple[float, float, float], alps_t: tuple[float, float, float]) -> str:
@@ -65,3 +79,13 @@ def test_report_puts_paper_and_our_ratios_side_by_side(paper_ratios: ModuleType,
     # 16:32 is the fourth pattern column; 25/20 = 1.25 in the paper rows, 1.5 in ours; other patterns missing.
     assert wt2[4] == "| LLaMA-3.2-1B (paper) | — | — | — | 1.25× | — |"
     assert wt2[7] == "| SmolLM2-135M (ours) | — | — | — | 1.50× | — |"
+
+
+def test_pattern_cost_outlier_column_hand_worked(pattern_cost: ModuleType) -> None:
+    # 2:4 on one 4×4 tile; column 0 scores 10 in every row, column 1 scores 5, the rest 1 (total 68).
+    # Ordinary keeps columns 0 and 1 in every row (60 kept). Transposable keeps exactly 2 per column,
+    # so at best 2·10 + 2·5 + 2·1 + 2·1 = 34: the outlier columns lose half their rows whatever the solver.
+    scores = torch.tensor([[10.0, 5.0, 1.0, 1.0]] * 4)
+    assert pattern_cost.left_out(scores, 2, 4, transposable=False) == pytest.approx(8 / 68)
+    assert pattern_cost.left_out(scores, 2, 4, transposable=True) == pytest.approx(34 / 68)
+    assert pattern_cost.top_channel_share(scores, 0.25) == pytest.approx(40 / 68)
