@@ -2,12 +2,12 @@
 
 Usage: .venv/bin/python scripts/pattern_cost.py [--nm 16:32] [--results docs/results] [--output FILE.md]
 Runs the dense model on the calibration protocol of docs/results.md (64×512 offline C4 tokens, seed 0),
-collects every decoder linear's input column norms ‖X_j‖₂, and scores each weight by (W_ij·‖X_j‖)², the
-ALPS projection score in its unit-diagonal coordinates (the square of Wanda's). For each linear it finds
-the best ordinary N:M mask (row-wise top-N) and the best transposable mask (the exact `tsenor` solve on
-CPU) and reports the share of the score each leaves out. Averaged by projection type, next to ALPS's
-reconstruction-error ratio alps-NxM-t / alps-NxM-o from RESULTS/runs (when both runs are there), this
-separates what the pattern costs from what the ADMM and the weight update do with it.
+collects every decoder linear's input column norms ‖X_j‖₂, and scores each weight by (W_ij·‖X_j‖)²: ALPS's
+projection score in its unit-diagonal coordinates, up to the 1% dampening (the square of Wanda's). For
+each linear it finds the best ordinary N:M mask (row-wise top-N) and the best transposable mask (the
+exact `tsenor` solve on CPU) and reports the share of the score each leaves out. Averaged by projection
+type, next to ALPS's reconstruction-error ratio alps-NxM-t / alps-NxM-o from RESULTS/runs (when both
+runs are there), this separates what the pattern costs from what the ADMM and the weight update do with it.
 
 The transposable pattern caps every input channel at N of every M rows; a channel whose inputs are
 large for every output row (an outlier channel) loses half of its weights whatever the solver does.
