@@ -15,22 +15,16 @@ import time
 
 import torch
 
-from tsenor_cli import settings
-from tsenor_cli.data.calibration import calibration_batches
-from tsenor_cli.models.loading import load_model
 from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPattern, reconstruction_error
-from tsenor_cli.pruning.engine import block_kwargs, capture_block_inputs, run_block
+from tsenor_cli.pruning.api import dense_calibration_inputs
+from tsenor_cli.pruning.engine import block_kwargs, run_block
 
 
 def layer_problem(block: int, linear: str, nsamples: int, seqlen: int) -> tuple[torch.Tensor, InputStats]:
     """(weight (out, in), input statistics with the Gram matrix) of one linear of the dense model."""
-    loaded = load_model("smollm2-135m", dtype=torch.float32, device="cpu", trust_remote_code=False)
+    loaded, hidden = dense_calibration_inputs("smollm2-135m", nsamples=nsamples, seqlen=seqlen)  # hidden (S, T, H)
     model, adapter = loaded.model, loaded.adapter
-    calib = calibration_batches(
-        "c4", loaded.tokenizer, nsamples=nsamples, seqlen=seqlen, seed=0, data_dir=settings.data_dir()
-    )
     cpu = torch.device("cpu")
-    hidden = capture_block_inputs(model, adapter, calib.input_ids, cpu)  # (S, T, H)
     buffer = torch.empty_like(hidden)
     layers = adapter.decoder_layers(model)
     for index in range(block):

@@ -22,12 +22,10 @@ from pathlib import Path
 
 import torch
 
-from tsenor_cli import settings
-from tsenor_cli.data.calibration import calibration_batches
-from tsenor_cli.models.loading import load_model
 from tsenor_cli.nm import parse_nm
 from tsenor_cli.pruning import InputStats, SparsityPattern
-from tsenor_cli.pruning.engine import block_kwargs, capture_block_inputs, run_block
+from tsenor_cli.pruning.api import dense_calibration_inputs
+from tsenor_cli.pruning.engine import block_kwargs, run_block
 from tsenor_cli.pruning.masks import choose_mask
 
 # Outlier channels: the share of the score held by this fraction of a layer's input channels.
@@ -51,13 +49,9 @@ def top_channel_share(scores: torch.Tensor, fraction: float) -> float:
 
 def column_norms(nsamples: int, seqlen: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(weights (out, in), input column norms (in,)) of every decoder linear of the dense model, by name."""
-    loaded = load_model("smollm2-135m", dtype=torch.float32, device="cpu", trust_remote_code=False)
+    loaded, hidden = dense_calibration_inputs("smollm2-135m", nsamples=nsamples, seqlen=seqlen)  # hidden (S, T, H)
     model, adapter = loaded.model, loaded.adapter
-    calib = calibration_batches(
-        "c4", loaded.tokenizer, nsamples=nsamples, seqlen=seqlen, seed=0, data_dir=settings.data_dir()
-    )
     cpu = torch.device("cpu")
-    hidden = capture_block_inputs(model, adapter, calib.input_ids, cpu)  # (S, T, H)
     buffer = torch.empty_like(hidden)
     weights: dict[str, torch.Tensor] = {}
     norms: dict[str, torch.Tensor] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from tsenor_cli.pruning.report import PruneReport, versions
 from tsenor_cli.pruning.resume import records_from_state
 from tsenor_cli.pruning.types import LayerRecord
 
+if TYPE_CHECKING:
+    from tsenor_cli.models.loading import LoadedModel
+
 Progress = Callable[[str], None]
 
 
@@ -41,6 +44,25 @@ def _dtype_and_device(cfg: PruneConfig) -> tuple[torch.dtype, torch.device]:
     device = resolve_device(cfg.device)
     dtype = parse_dtype(cfg.dtype)
     return (dtype if dtype is not None else default_dtype(device)), device
+
+
+def dense_calibration_inputs(
+    model: str, *, nsamples: int, seqlen: int, seed: int = 0, calib_data: str = "c4"
+) -> tuple[LoadedModel, torch.Tensor]:
+    """The unpruned model (fp32 on CPU) and its calibration hidden states entering block 0, (S, T, H).
+
+    For analyses that walk the dense model block by block (scripts/pattern_cost.py,
+    scripts/alps_layer_study.py); calibration data come from the offline folder when it is set.
+    """
+    from tsenor_cli.data.calibration import calibration_batches
+    from tsenor_cli.models.loading import load_model
+
+    loaded = load_model(model, dtype=torch.float32, device="cpu", trust_remote_code=False)
+    calib = calibration_batches(
+        calib_data, loaded.tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed, data_dir=settings.data_dir()
+    )
+    hidden = capture_block_inputs(loaded.model, loaded.adapter, calib.input_ids, torch.device("cpu"))
+    return loaded, hidden
 
 
 def sparsity_metadata(cfg: PruneConfig, records: list[LayerRecord]) -> dict[str, Any]:
