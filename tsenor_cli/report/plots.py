@@ -40,7 +40,7 @@ def _colours(algorithms: Iterable[str]) -> dict[str, str]:
 
 
 def tick_label(value: float, _position: object = None) -> str:
-    """A log-axis tick as a plain number, with k/M for thousands/millions: 20, 500, 2k, 5M.
+    """A log-axis tick as a plain number, with k/M/G for thousands/millions/billions: 20, 2k, 5M.
     (matplotlib's ScalarFormatter switches to an offset such as "1e6" on wide ranges and then
     labels 10-1000 as "0.000", which is what broken runs at 75% sparsity produced.)"""
     for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
