@@ -51,7 +51,7 @@ def solve(
     """Transposable N:M mask of `scores` with its objective and a certified upper bound.
 
     scores: (R, C) non-negative float, R and C divisible by m → `SolveResult` whose mask is (R, C)
-    bool with exactly n in every row and every column of every m×m tile. `method` "auto" runs the
+    bool with exactly n kept in every row and column of every m×m tile. `method` "auto" runs the
     method it picks for the scores' device and M (solver/auto.py); `SolveResult.method` names the one
     that ran. `options` go to that method and must be among its options.
     """
