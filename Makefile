@@ -40,7 +40,7 @@ quality: install
 	$(VENV)/bin/mypy
 
 bench: install
-	$(TSENOR) bench solver --time-methods tsenor,tsenor-reference,exact,two_approx,bi_nm --repeats 3 \
+	$(TSENOR) bench solver --time-methods flow,tsenor,tsenor-reference,exact,two_approx,bi_nm --repeats 3 \
 	  --output docs/bench-solver.json --markdown docs/benchmarks.md
 
 demo: install

@@ -3,9 +3,9 @@
 Usage: .venv/bin/python scripts/alps_layer_study.py [--block 5] [--linear mlp.gate_proj] [--threads 1]
 Runs the dense model on 64×512 offline C4 calibration tokens up to `--block`, collects the layer's Gram
 matrix, then prunes it with ALPS at transposable 16:32 and at ordinary 16:32, printing a Markdown table
-(docs/solver.md quotes it). On CPU `tsenor` solves every ADMM projection exactly (its flow backend);
-the cheaper inner projections of its torch backend (`alps_inner_sweeps`, `alps_inner_iterations`) apply
-on CUDA only, where `scripts/bench_cuda.py layers` times them.
+(docs/solver.md quotes it). On CPU the default solver (`auto`) is the exact `flow`, so every ADMM
+projection is exact; the cheaper inner projections of `tsenor` (`alps_inner_sweeps`,
+`alps_inner_iterations`) apply where it runs (`auto` on CUDA, where `scripts/bench_cuda.py layers` times them).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main() -> None:
     print(f"block {args.block} {args.linear} {tuple(weight.shape)}, {args.threads} thread(s)\n")
     print("| pattern | projections | ADMM iterations | rel. error | seconds |")
     print("|---|---|---:|---:|---:|")
-    runs = (("transposable", True, "exact (tsenor flow)"), ("ordinary", False, "row top-n"))
+    runs = (("transposable", True, "exact (flow)"), ("ordinary", False, "row top-n"))
     for label, transposable, projections in runs:
         cfg = LayerPruneConfig(SparsityPattern.from_nm(16, 32, transposable=transposable))
         start = time.perf_counter()

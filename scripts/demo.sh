@@ -31,7 +31,7 @@ step "2/6 dense model: perplexity (WikiText2, PTB; ${WINDOWS}×${SEQLEN} tokens)
 "$TSENOR" eval --model "$MODEL" "${EVAL_ARGS[@]}" --output "$OUT/dense"
 
 step "3/6 prune: ALPS, transposable 16:32, ${NSAMPLES}×${SEQLEN} local C4 calibration"
-"$TSENOR" prune --model "$MODEL" --nm 16:32 --method alps --solver tsenor \
+"$TSENOR" prune --model "$MODEL" --nm 16:32 --method alps --solver auto \
   --calib-data c4 --nsamples "$NSAMPLES" --seqlen "$SEQLEN" --seed 0 --output "$OUT/alps-16x32" --force
 
 step "4/6 verify: every 32×32 tile keeps at most 16 per row and column"

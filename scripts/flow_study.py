@@ -1,4 +1,4 @@
-"""How many dual rounds `tsenor`'s flow backend should run, and what a warm start saves (docs/solver.md).
+"""How many dual rounds the exact `flow` solver should run, and what a warm start saves (docs/solver.md).
 
 Usage: .venv/bin/python scripts/flow_study.py [--size 2048] [--threads 1] [--repeats 3]
 On a (size, size) matrix of real SmolLM2 tiles (the benchmark's `real_matrix`, |W|), prints per N:M
@@ -17,8 +17,8 @@ import torch
 from tsenor_cli.bench.solver import real_matrix
 from tsenor_cli.models.embedded import materialize
 from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPattern
+from tsenor_cli.solver import flow as flow_module
 from tsenor_cli.solver import to_blocks
-from tsenor_cli.solver import tsenor as tsenor_module
 from tsenor_cli.solver.flow import FlowResult, exact_flow
 
 
@@ -79,9 +79,9 @@ def alps_retry(repeats: int) -> None:
     ordinary = LayerPruneConfig(SparsityPattern.from_nm(16, 32, transposable=False))
     print("\n| ALPS 16:32, random 1536×576 | retry above × M | ADMM iterations | seconds | in the solver |")
     print("|---|---:|---:|---:|---:|")
-    default = tsenor_module.RETRY_EXCESS_PER_M
+    default = flow_module.RETRY_EXCESS_PER_M
     for retry in (float(32), 0.5, 0.25, 0.0):  # 32·M: never
-        tsenor_module.RETRY_EXCESS_PER_M = retry
+        flow_module.RETRY_EXCESS_PER_M = retry
         best, out = float("inf"), None
         for _ in range(repeats):
             start = time.perf_counter()
@@ -90,7 +90,7 @@ def alps_retry(repeats: int) -> None:
         assert out is not None and out.solve is not None
         label = "never" if retry >= 32 else f"{retry}"
         print(f"| transposable | {label} | {out.iterations} | {best:.2f} | {out.solve.seconds:.2f} |")
-    tsenor_module.RETRY_EXCESS_PER_M = default
+    flow_module.RETRY_EXCESS_PER_M = default
     start = time.perf_counter()
     out = PRUNERS["alps"].prune(weight, stats, ordinary)
     print(f"| ordinary | — | {out.iterations} | {time.perf_counter() - start:.2f} | — |")

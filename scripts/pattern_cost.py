@@ -35,7 +35,7 @@ TYPES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 
 def left_out(scores: torch.Tensor, n: int, m: int, *, transposable: bool) -> float:
     """scores: (out, in) ≥ 0 → share of Σ scores outside the best mask of the pattern."""
-    mask = choose_mask(scores, SparsityPattern.from_nm(n, m, transposable=transposable), "tsenor").mask
+    mask = choose_mask(scores, SparsityPattern.from_nm(n, m, transposable=transposable), "auto").mask
     total = scores.sum(dtype=torch.float64)
     return float((total - (scores * mask).sum(dtype=torch.float64)) / total)
 

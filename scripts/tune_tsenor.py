@@ -45,8 +45,8 @@ def main() -> None:
         scores = from_blocks(tiles, tiles.shape[0] * m, m)
         print(f"[tune] {n}:{m}: exact", file=sys.stderr, flush=True)
         opt = solve(scores, n, m, "exact").block_objective
-        variants = [{"method": "tsenor", "backend": "torch", **s} for s in SETTINGS]
-        runs: list[dict[str, Any]] = [{"method": "tsenor-reference"}, {"method": "tsenor", "backend": "flow"}]
+        variants = [{"method": "tsenor", **s} for s in SETTINGS]
+        runs: list[dict[str, Any]] = [{"method": "tsenor-reference"}, {"method": "flow"}]
         runs += variants
         for options in runs:
             method = str(options.pop("method"))

@@ -22,9 +22,9 @@ def test_bench_solver_quick(tmp_path: Path, smollm2_path: Path) -> None:
             "solver",
             "--quick",
             "--methods",
-            "tsenor,tsenor-reference,exact,exhaustive,two_approx",
+            "flow,tsenor,tsenor-reference,exact,exhaustive,two_approx",
             "--time-methods",
-            "tsenor,tsenor-reference,exact",
+            "flow,tsenor,tsenor-reference,exact",
             "--output",
             str(out),
             "--markdown",
@@ -37,13 +37,15 @@ def test_bench_solver_quick(tmp_path: Path, smollm2_path: Path) -> None:
     # exhaustive only runs for M=4; exact is its own reference.
     assert ("8:16", "|W|", "exhaustive") not in quality
     assert quality[("2:4", "|W|", "exact")]["mean_rel_error"] == 0.0
-    assert quality[("2:4", "|W|", "tsenor")]["mean_rel_error"] == 0.0  # M=4 dispatches to enumeration
+    for pattern in ("2:4", "8:16"):
+        assert quality[(pattern, "|W|", "flow")]["max_rel_error"] <= 1e-12  # exact up to round-off
+        assert quality[(pattern, "|W|", "tsenor")]["mean_rel_error"] <= 1e-4  # entropic: the 0.01%
     for row in data["quality"]:
         assert row["bound_holds"], row
         assert 0.0 <= row["mean_rel_error"] <= row["max_rel_error"] + 1e-15
-    assert {r["method"] for r in data["timing"]} == {"tsenor", "tsenor-reference", "exact"}
+    assert {r["method"] for r in data["timing"]} == {"flow", "tsenor", "tsenor-reference", "exact"}
     assert data["config"]["repeats"] == 1  # --quick times each method once
-    assert data["warm"] and data["warm"][0]["pattern"] == "8:16"
+    assert {(r["pattern"], r["method"]) for r in data["warm"]} == {("8:16", "flow"), ("8:16", "tsenor")}
     text = md.read_text()
     assert "### Quality against `exact`" in text and "| 8:16 | W² | tsenor |" in text
 

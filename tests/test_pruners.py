@@ -118,21 +118,27 @@ def test_alps_weights_are_optimal_on_their_support_and_beat_one_shot_methods() -
     assert errors["alps"] < errors["sparsegpt"] < errors["wanda"]
 
 
-def test_alps_inner_projections_are_cheap_only_for_tsenor_on_cuda() -> None:
-    """The intermediate D-steps pass reduced options to `tsenor`'s torch backend (CUDA) alone; on CPU
-    `tsenor` solves every projection exactly, and other solvers run as asked."""
+def test_alps_inner_projections_are_cheap_only_where_tsenor_runs() -> None:
+    """The intermediate D-steps pass reduced options to `tsenor` alone: asked for by name on any device,
+    or picked by `auto` on CUDA; `auto` on CPU runs the exact `flow` for every projection, M = 4 the
+    exhaustive enumeration, and other solvers run as asked."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert inner_solver_options("tsenor", 2, 0, cuda) == {"sweeps": 2, "bound": "potentials", "iterations": 0}
-    assert inner_solver_options("tsenor", 2, 0, cpu) == {}
-    assert inner_solver_options("exact", 2, 0, cuda) == {}
+    cheap = {"sweeps": 2, "bound": "potentials", "iterations": 0}
+    assert inner_solver_options("auto", 2, 0, cuda, 16) == cheap
+    assert inner_solver_options("tsenor", 2, 0, cuda, 16) == cheap
+    assert inner_solver_options("tsenor", 2, 0, cpu, 16) == cheap
+    assert inner_solver_options("auto", 2, 0, cpu, 16) == {}
+    assert inner_solver_options("auto", 2, 0, cuda, 4) == {}
+    assert inner_solver_options("flow", 2, 0, cuda, 16) == {}
+    assert inner_solver_options("exact", 2, 0, cuda, 16) == {}
 
 
 @pytest.mark.cuda
 def test_alps_with_cheap_inner_projections_stays_close_to_full_projections() -> None:
-    """Real-valued random layer, transposable 8:16 with `tsenor`'s torch backend (CUDA, where the cheap
-    projections are used): they cost at most 5% more reconstruction error than full ones."""
+    """Real-valued random layer, transposable 8:16 with the default solver on CUDA (`auto` runs `tsenor`
+    there, with the cheap projections): they cost at most 5% more reconstruction error than full ones."""
     if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: on CPU every ALPS projection is exact")
+        pytest.skip("no CUDA device: on CPU `auto` runs the exact flow for every ALPS projection")
     w, x = _problem(32, 64, 512, seed=8, device=torch.device("cuda"))
     stats = InputStats.from_inputs(x)
     gram = stats.require_gram()
@@ -142,13 +148,14 @@ def test_alps_with_cheap_inner_projections_stays_close_to_full_projections() -> 
     assert reconstruction_error(w, cheap.weight, gram) <= 1.05 * reconstruction_error(w, full.weight, gram)
 
 
-def test_alps_on_cpu_follows_exact_projections() -> None:
-    """On CPU `tsenor` projects exactly (flow backend), so ALPS with it takes the same ADMM path as ALPS
+@pytest.mark.parametrize("solver", ["auto", "flow"])
+def test_alps_on_cpu_follows_exact_projections(solver: str) -> None:
+    """On CPU the default `auto` runs the exact `flow`, so ALPS with it takes the same ADMM path as ALPS
     with the HiGHS `exact` solver: same iterations, same mask, same weights (continuous data, no ties)."""
     w, x = _problem(32, 64, 512, seed=9, device=torch.device("cpu"))
     stats = InputStats.from_inputs(x)
     pattern = SparsityPattern.from_nm(8, 16, transposable=True)
-    ours = PRUNERS["alps"].prune(w, stats, LayerPruneConfig(pattern, solver="tsenor"))
+    ours = PRUNERS["alps"].prune(w, stats, LayerPruneConfig(pattern, solver=solver))
     exact = PRUNERS["alps"].prune(w, stats, LayerPruneConfig(pattern, solver="exact"))
     assert ours.iterations == exact.iterations
     assert torch.equal(ours.mask, exact.mask)

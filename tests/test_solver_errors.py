@@ -56,7 +56,7 @@ def test_unknown_method() -> None:
 
 
 def test_exhaustive_rejects_large_m() -> None:
-    with pytest.raises(ValueError, match=r"'exhaustive' handles M <= 4, got M=8; use method='tsenor' or 'exact'"):
+    with pytest.raises(ValueError, match=r"'exhaustive' handles M <= 4, got M=8; use method='auto' or 'exact'"):
         transposable_nm_mask(_ok(), 4, 8, "exhaustive")
 
 

@@ -58,8 +58,8 @@ def test_solve_with_fused_sinkhorn_is_feasible_and_as_good(triton_device: torch.
     """The whole solve with sinkhorn="triton" gives exact N per row and column and the same quality."""
     gen = torch.Generator().manual_seed(3)
     scores = (torch.randn(64, 64, generator=gen).abs()).to(triton_device)
-    fused = solve(scores, 8, 16, "tsenor", backend="torch", sinkhorn="triton")
-    loop = solve(scores, 8, 16, "tsenor", backend="torch", sinkhorn="torch")
+    fused = solve(scores, 8, 16, "tsenor", sinkhorn="triton")
+    loop = solve(scores, 8, 16, "tsenor", sinkhorn="torch")
     blocks = to_blocks(fused.mask, 16)
     assert bool((blocks.sum(1) == 8).all()) and bool((blocks.sum(2) == 8).all())
     assert fused.objective == pytest.approx(loop.objective, rel=1e-4)
@@ -74,7 +74,7 @@ def test_fused_rejects_what_it_cannot_take() -> None:
 
 def test_unknown_backend_is_an_error() -> None:
     with pytest.raises(ValueError, match="sinkhorn backend"):
-        solve(torch.rand(16, 16), 2, 4 * 2, "tsenor", backend="torch", sinkhorn="cupy")
+        solve(torch.rand(16, 16), 2, 4 * 2, "tsenor", sinkhorn="cupy")
 
 
 def test_fused_maxplus_matches_torch(triton_device: torch.device) -> None:
@@ -94,12 +94,12 @@ def test_max_elements_must_be_positive() -> None:
         solve(torch.rand(32, 32), 4, 8, "tsenor", max_elements=0)
 
 
-@pytest.mark.parametrize("backend", ["flow", "torch"])
-def test_max_elements_slices_give_the_same_mask(backend: str) -> None:
+@pytest.mark.parametrize("method", ["flow", "tsenor"])
+def test_max_elements_slices_give_the_same_mask(method: str) -> None:
     """Tiles are independent on CPU: slicing the batch changes memory, not the answer."""
     scores = torch.rand(64, 64, generator=torch.Generator().manual_seed(7))
-    whole = solve(scores, 4, 8, "tsenor", backend=backend)
-    sliced = solve(scores, 4, 8, "tsenor", backend=backend, max_elements=8 * 8 * 5)
+    whole = solve(scores, 4, 8, method)
+    sliced = solve(scores, 4, 8, method, max_elements=8 * 8 * 5)
     assert torch.equal(whole.mask, sliced.mask)
 
 

@@ -4,7 +4,8 @@ Quality: tiles sampled from every linear layer of every decoder block of a real 
 seed), scores |W| and W² (the ALPS case). Speed: a 2048×2048 matrix assembled from real tiles,
 every method solving the same matrix in the same process, so ratios are comparable even on a
 noisy machine; warm start re-solves the matrix perturbed by 1% relative noise from the cold
-result; the large case reports seconds and peak extra memory of `tsenor` on 8192×8192.
+result, for every timed method that takes one (`flow`, `tsenor`); the large case reports seconds and
+peak extra memory of the default solver on 8192×8192 (what `auto` runs on the device: `flow` on CPU).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from safetensors import safe_open
 
 from tsenor_cli import __version__
 from tsenor_cli.nm import NMPattern
-from tsenor_cli.solver import METHODS, SolveResult, from_blocks, solve, to_blocks
+from tsenor_cli.solver import METHODS, SolveResult, from_blocks, resolve_method, solve, to_blocks
 
 ScoreKind = Literal["abs", "sq"]
 SCORE_KINDS: tuple[ScoreKind, ...] = ("abs", "sq")
@@ -80,6 +81,7 @@ class TimingRow:
 class WarmRow:
     pattern: str
     size: int
+    method: str
     cold_seconds: float
     warm_seconds: float
     speedup: float
@@ -207,11 +209,12 @@ def run_timing(cfg: BenchConfig, progress: Progress) -> tuple[list[TimingRow], l
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     for pat in cfg.time_patterns:
         scores = real_matrix(cfg.model_dir, cfg.time_size, pat.m, cfg.seed).to(cfg.device)
-        # Warm up lazy initialization (kernels, thread pools) outside the timed calls.
-        solve(scores[: pat.m * 4, : pat.m * 4], pat.n, pat.m, "tsenor")
+        methods = [m for m in cfg.time_methods if _applicable(m, pat.m)]
+        # Warm up lazy initialization (compiled kernels, thread pools) outside the timed calls.
+        for method in methods:
+            solve(scores[: pat.m * 4, : pat.m * 4], pat.n, pat.m, method)
         # Round-robin repeats, minimum time kept: a burst of load from a neighbour then slows one
         # repeat of one method instead of biasing the ratios (the masks are identical every repeat).
-        methods = [m for m in cfg.time_methods if _applicable(m, pat.m)]
         results: dict[str, SolveResult] = {}
         seconds: dict[str, float] = {}
         for rep in range(cfg.repeats):
@@ -224,19 +227,20 @@ def run_timing(cfg: BenchConfig, progress: Progress) -> tuple[list[TimingRow], l
             timing.append(
                 TimingRow(str(pat), cfg.time_size, method, seconds[method], r.objective, 1 - r.objective / best, r.gap)
             )
-        if "tsenor" in results:
-            noise = 1 + 0.01 * torch.randn(scores.shape, generator=gen).to(scores)
-            perturbed = (scores * noise).abs()
+        noise = 1 + 0.01 * torch.randn(scores.shape, generator=gen).to(scores)
+        perturbed = (scores * noise).abs()
+        for method in [m for m in methods if METHODS[m].supports_init and METHODS[m].choose is None]:
             cold_s, warm_s = float("inf"), float("inf")
             for rep in range(cfg.repeats):
-                progress(f"warm start {pat}: 1% relative noise ({rep + 1}/{cfg.repeats})")
-                cold = _timed_solve(perturbed, pat, "tsenor")
-                hot = _timed_solve(perturbed, pat, "tsenor", init=results["tsenor"])
+                progress(f"warm start {pat} {method}: 1% relative noise ({rep + 1}/{cfg.repeats})")
+                cold = _timed_solve(perturbed, pat, method)
+                hot = _timed_solve(perturbed, pat, method, init=results[method])
                 cold_s, warm_s = min(cold_s, cold.seconds), min(warm_s, hot.seconds)
             warm.append(
                 WarmRow(
                     pattern=str(pat),
                     size=cfg.time_size,
+                    method=method,
                     cold_seconds=cold_s,
                     warm_seconds=warm_s,
                     speedup=cold_s / max(warm_s, 1e-9),
@@ -278,13 +282,15 @@ class _RssSampler:
         self.peak = max(self.peak, _rss_mib())
 
 
-def _large_child(model_dir: str, size: int, n: int, m: int, seed: int, queue: multiprocessing.Queue) -> None:
+def _large_child(
+    model_dir: str, size: int, n: int, m: int, seed: int, method: str, queue: multiprocessing.Queue
+) -> None:
     # Runs in a fresh process so the memory it reports belongs to this solve alone.
     scores = real_matrix(Path(model_dir), size, m, seed)
-    solve(scores[: m * 4, : m * 4], n, m, "tsenor")
+    solve(scores[: m * 4, : m * 4], n, m, method)
     before = _rss_mib()
     with _RssSampler() as sampler:
-        res = solve(scores, n, m, "tsenor")
+        res = solve(scores, n, m, method)
     queue.put((res.seconds, scores.numel() * scores.element_size() / 2**20, max(sampler.peak - before, 0.0)))
 
 
@@ -293,25 +299,26 @@ def run_large(cfg: BenchConfig, progress: Progress) -> list[LargeRow]:
     if cfg.large_size <= 0:
         return rows
     for pat in cfg.time_patterns:
-        progress(f"large {pat} {cfg.large_size}x{cfg.large_size}: tsenor")
+        method = resolve_method("auto", torch.device(cfg.device), pat.m).name  # the default solver there
+        progress(f"large {pat} {cfg.large_size}x{cfg.large_size}: {method}")
         if cfg.device.startswith("cuda"):
             scores = real_matrix(cfg.model_dir, cfg.large_size, pat.m, cfg.seed).to(cfg.device)
-            solve(scores[: pat.m * 4, : pat.m * 4], pat.n, pat.m, "tsenor")
+            solve(scores[: pat.m * 4, : pat.m * 4], pat.n, pat.m, method)
             torch.cuda.reset_peak_memory_stats(scores.device)
             base = torch.cuda.memory_allocated(scores.device)
-            res = solve(scores, pat.n, pat.m, "tsenor")
+            res = solve(scores, pat.n, pat.m, method)
             peak = (torch.cuda.max_memory_allocated(scores.device) - base) / 2**20
-            rows.append(LargeRow(str(pat), cfg.large_size, "tsenor", res.seconds, scores.numel() * 4 / 2**20, peak))
+            rows.append(LargeRow(str(pat), cfg.large_size, method, res.seconds, scores.numel() * 4 / 2**20, peak))
             continue
         ctx = multiprocessing.get_context("spawn")
         queue: multiprocessing.Queue = ctx.Queue()
         proc = ctx.Process(
-            target=_large_child, args=(str(cfg.model_dir), cfg.large_size, pat.n, pat.m, cfg.seed, queue)
+            target=_large_child, args=(str(cfg.model_dir), cfg.large_size, pat.n, pat.m, cfg.seed, method, queue)
         )
         proc.start()
         seconds, matrix_mib, peak = queue.get()
         proc.join()
-        rows.append(LargeRow(str(pat), cfg.large_size, "tsenor", seconds, matrix_mib, peak))
+        rows.append(LargeRow(str(pat), cfg.large_size, method, seconds, matrix_mib, peak))
     return rows
 
 
@@ -397,12 +404,13 @@ def to_markdown(result: BenchResult) -> str:
             "",
             "### Warm start (`init=` the cold result; scores × (1 + 0.01·N(0,1)))",
             "",
-            "| N:M | size | cold s | warm s | speed-up | warm objective vs cold |",
-            "|---|---|---:|---:|---:|---:|",
+            "| N:M | size | method | cold s | warm s | speed-up | warm objective vs cold |",
+            "|---|---|---|---:|---:|---:|---:|",
         ]
         for w in result.warm:
             lines.append(
-                f"| {w.pattern} | {w.size}² | {w.cold_seconds:.3f} | {w.warm_seconds:.3f} | {w.speedup:.1f}× | "
+                f"| {w.pattern} | {w.size}² | {w.method} | {w.cold_seconds:.3f} | {w.warm_seconds:.3f} | "
+                f"{w.speedup:.1f}× | "
                 f"{100 * w.warm_vs_cold:+.4f}% |"
             )
     if result.large:

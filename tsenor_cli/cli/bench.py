@@ -34,7 +34,8 @@ def _methods(text: str) -> tuple[str, ...]:
     from tsenor_cli.solver import METHODS
 
     if text == "all":
-        return tuple(METHODS)
+        # `auto` only runs one of the others: "all" lists each solver once.
+        return tuple(name for name, info in METHODS.items() if info.choose is None)
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     unknown = [x for x in names if x not in METHODS]
     if unknown:
@@ -60,7 +61,9 @@ def bench_solver(
     time_patterns: str = typer.Option("8:16,16:32", help="Patterns timed on the large matrices."),
     time_methods: str = typer.Option("all", help="Comma-separated methods to time, or 'all' (those of --methods)."),
     repeats: int = typer.Option(3, min=1, help="Timed solves per method, round-robin; the minimum is reported."),
-    large_size: int = typer.Option(8192, min=0, help="Side of the matrix for tsenor's time and peak memory (0: skip)."),
+    large_size: int = typer.Option(
+        8192, min=0, help="Side of the matrix for the default solver's time and peak memory (0: skip)."
+    ),
     device: str = typer.Option("cpu", help="cpu or cuda[:i]."),
     seed: int = typer.Option(0, help="Seed for tile sampling and noise."),
     quick: bool = typer.Option(False, "--quick", help="A small, fast run (CI smoke test)."),

@@ -152,7 +152,11 @@ def prune_cmd(
     sparsity: float | None = typer.Option(None, "--sparsity", help="Unstructured sparsity instead of N:M, e.g. 0.5."),
     transposable: bool = typer.Option(True, "--transposable/--no-transposable", help="Transposable N:M tiles."),
     method: MethodChoice = typer.Option("alps", "--method", help="Pruning method."),
-    solver: str = typer.Option("tsenor", "--solver", help=f"Transposable mask solver: {', '.join(METHODS)}."),
+    solver: str = typer.Option(
+        "auto",
+        "--solver",
+        help=f"Transposable mask solver: {', '.join(METHODS)} (auto: exact flow on CPU, tsenor on CUDA).",
+    ),
     calib_data: str = typer.Option("c4", "--calib-data", help="c4, wikitext2, ptb or a text/jsonl file."),
     nsamples: int = typer.Option(128, "--nsamples", min=1, help="Calibration sequences."),
     seqlen: int = typer.Option(2048, "--seqlen", min=1, help="Calibration sequence length (capped by the model)."),

@@ -24,24 +24,24 @@ import torch
 from tsenor_cli.pruning.masks import choose_mask, keep_better_tiles
 from tsenor_cli.pruning.stats import InputStats, damped_gram
 from tsenor_cli.pruning.types import LayerPruneConfig, MaskSolveInfo, PruneOutcome
-from tsenor_cli.solver import SolveResult
-from tsenor_cli.solver.tsenor import resolve_backend
+from tsenor_cli.solver import SolveResult, resolve_method
 
 NEEDS_GRAM = True
 RHO_MAX = 1e6
 
 
-def inner_solver_options(solver: str, sweeps: int, iterations: int, device: torch.device) -> dict[str, object]:
-    """Options of the intermediate D-step projections, by solver; the final projection uses the defaults.
+def inner_solver_options(solver: str, sweeps: int, iterations: int, device: torch.device, m: int) -> dict[str, object]:
+    """Options of the intermediate D-step projections, by the solver that runs; the final projection
+    uses the defaults.
 
     The ADMM only needs each intermediate mask to be good and no worse than the previous one per tile
-    (Assumption 1, enforced by the safeguard), not optimal or certified tightly. For `tsenor` on
-    CUDA (its "torch" backend) a few cycle-cancelling sweeps from the warm-started mask and the bound
-    at the potentials suffice (docs/solver.md measures the effect). On CPU `tsenor` solves exactly
-    (its "flow" backend) and a warm solve costs about as little as the cheap one, so every projection
-    is exact there. Other solvers run with their defaults.
+    (Assumption 1, enforced by the safeguard), not optimal or certified tightly. Where `tsenor` runs
+    (asked for, or `auto` on CUDA) a few cycle-cancelling sweeps from the warm-started mask and the
+    bound at the potentials suffice (docs/solver.md measures the effect). `flow` (`auto` on the CPU)
+    solves exactly and a warm solve costs about as little as the cheap one, so every projection is
+    exact there. Other solvers run with their defaults.
     """
-    if solver == "tsenor" and resolve_backend("auto", device) == "torch":
+    if resolve_method(solver, device, m).name == "tsenor":
         return {"sweeps": sweeps, "bound": "potentials", "iterations": iterations}
     return {}
 
@@ -135,7 +135,9 @@ def prune(
     safeguarded = 0
     w_t = b_hat
     iterations = 0
-    inner = inner_solver_options(cfg.solver, cfg.alps_inner_sweeps, cfg.alps_inner_iterations, b_hat.device)
+    inner = inner_solver_options(
+        cfg.solver, cfg.alps_inner_sweeps, cfg.alps_inner_iterations, b_hat.device, cfg.pattern.m
+    )
     for t in range(cfg.alps_max_iter):
         iterations = t + 1
         w_t = (y - v + rho * d) @ inv  # Ĥ + ρI is symmetric, so right-multiplying solves the row systems

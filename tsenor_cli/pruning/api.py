@@ -65,8 +65,11 @@ def dense_calibration_inputs(
     return loaded, hidden
 
 
-def sparsity_metadata(cfg: PruneConfig, records: list[LayerRecord]) -> dict[str, Any]:
-    """What config.json records under `tsenor_sparsity` (read back by `tsenor verify`)."""
+def sparsity_metadata(cfg: PruneConfig, records: list[LayerRecord], solver: str | None) -> dict[str, Any]:
+    """What config.json records under `tsenor_sparsity` (read back by `tsenor verify`).
+
+    solver: the transposable solver that ran (`PruneConfig.solver_that_runs`), None for other
+    patterns; `solver_requested` keeps the name asked for ("auto")."""
     from tsenor_cli import __version__
 
     p = cfg.pattern
@@ -78,7 +81,8 @@ def sparsity_metadata(cfg: PruneConfig, records: list[LayerRecord]) -> dict[str,
         "m": p.m,
         "sparsity": p.sparsity,
         "transposable": p.transposable,
-        "solver": cfg.layer.solver if p.transposable else None,
+        "solver": solver,
+        "solver_requested": cfg.layer.solver if p.transposable else None,
         "pruned_modules": [r.name for r in records if r.status == "pruned"],
         "skipped_modules": [r.name for r in records if r.status != "pruned"],
         "tsenor_version": __version__,
@@ -167,7 +171,8 @@ def prune_model(
         if after_block is not None:
             after_block(index)
 
-    settings_dict = {**cfg.result_fields(), "device": str(device), "seqlen": seqlen}
+    solver = cfg.solver_that_runs(device)
+    settings_dict = {**cfg.result_fields(), "device": str(device), "seqlen": seqlen, "solver": solver}
     report = PruneReport(
         settings=settings_dict,
         layers=tuple(records),
@@ -179,7 +184,7 @@ def prune_model(
         resumed_from_block=first if first else None,
     )
     say(f"writing {cfg.output}")
-    write_checkpoint(model, loaded.tokenizer, cfg.output, report, sparsity_metadata(cfg, records))
+    write_checkpoint(model, loaded.tokenizer, cfg.output, report, sparsity_metadata(cfg, records, solver))
     return report
 
 

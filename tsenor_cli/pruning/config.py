@@ -6,10 +6,14 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tsenor_cli.errors import UsageError
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,15 @@ class PruneConfig:
     @property
     def pattern(self) -> SparsityPattern:
         return self.layer.pattern
+
+    def solver_that_runs(self, device: torch.device) -> str | None:
+        """The transposable mask solver that runs on `device`: `layer.solver`, or for "auto" the method it
+        picks there (solver/auto.py); None for patterns that need no solver."""
+        if not self.pattern.transposable:
+            return None
+        from tsenor_cli.solver import resolve_method
+
+        return resolve_method(self.layer.solver, device, self.pattern.m).name
 
     def result_fields(self) -> dict[str, object]:
         """The fields that decide the pruned weights (what a resumed run must share)."""

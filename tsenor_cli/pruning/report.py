@@ -28,7 +28,8 @@ def versions() -> dict[str, str]:
 class PruneReport:
     """The outcome of `prune_model`.
 
-    settings: the run's result-deciding settings (`PruneConfig.result_fields`) plus device and solver.
+    settings: the run's result-deciding settings (`PruneConfig.result_fields`, with the solver asked for
+      under layer.solver) plus the device and the solver that ran (`solver`, None without one).
     output: the written checkpoint folder, None for a dry run.
     """
 
@@ -94,7 +95,7 @@ class PruneReport:
             "# tsenor pruning report",
             "",
             f"- model: `{s['model']}`",
-            f"- method: {s['method']}, pattern {label} ({pattern['kind']}), solver {s['layer']['solver']}",
+            f"- method: {s['method']}, pattern {label} ({pattern['kind']}), {_solver_label(s)}",
             f"- calibration: {self.calibration} ({s['nsamples']} × {s['seqlen']}), seed {s['seed']}",
             f"- command: `{self.command or ''}`",
             f"- versions: {', '.join(f'{k} {v}' for k, v in self.versions.items())}",
@@ -114,6 +115,14 @@ class PruneReport:
                 f"{_fmt(r.gap)} | {r.seconds:.2f} | {r.iterations} |"
             )
         return "\n".join(lines) + "\n"
+
+
+def _solver_label(settings: dict[str, Any]) -> str:
+    """The transposable solver that ran and, if different, the one asked for: "solver flow (asked for auto)"."""
+    ran, asked = settings["solver"], settings["layer"]["solver"]
+    if ran is None:
+        return "no mask solver"
+    return f"solver {ran}" if ran == asked else f"solver {ran} (asked for {asked})"
 
 
 def _fmt(value: float | None) -> str:

@@ -77,18 +77,19 @@ class SparsityPattern:
 class LayerPruneConfig:
     """Everything a method's `prune` reads besides the weight and the statistics.
 
-    solver: a `tsenor_cli.solver.METHODS` name, used for transposable masks.
+    solver: a `tsenor_cli.solver.METHODS` name, used for transposable masks; "auto" picks by device
+      (exact `flow` on the CPU, `tsenor` on CUDA, `exhaustive` for M = 4; solver/auto.py).
     percdamp: Hessian dampening as a share of mean diag(H) (SparseGPT and ALPS use 1%).
     blocksize: SparseGPT's lazy-update block width (rounded to a multiple of M).
     alps_*: the ALPS ADMM schedule (mazumder-lab/ALPS): ρ₀, iteration cap, ρ-update period,
       earliest stop, stop threshold on the support change, and conjugate-gradient refinement steps;
       alps_inner_sweeps, alps_inner_iterations: the `tsenor` cycle-cancelling sweeps and Sinkhorn
-        iterations of the intermediate projections where `tsenor` runs its "torch" backend (CUDA);
-        on CPU every projection is exact (alps.inner_solver_options).
+        iterations of the intermediate projections where `tsenor` runs (`auto` on CUDA); with `flow`
+        (`auto` on the CPU) every projection is exact (alps.inner_solver_options).
     """
 
     pattern: SparsityPattern
-    solver: str = "tsenor"
+    solver: str = "auto"
     percdamp: float = 0.01
     blocksize: int = 128
     alps_rho0: float = 0.1

@@ -7,7 +7,7 @@ import time
 import torch
 
 from tsenor_cli.solver.bounds import coordinate_upper_bound
-from tsenor_cli.solver.registry import get_method
+from tsenor_cli.solver.registry import resolve_method
 from tsenor_cli.solver.tiling import from_blocks, to_blocks, validate_scores
 from tsenor_cli.solver.types import DualState, SolveResult
 
@@ -43,7 +43,7 @@ def solve(
     scores: torch.Tensor,
     n: int,
     m: int,
-    method: str = "tsenor",
+    method: str = "auto",
     *,
     init: SolveResult | DualState | None = None,
     **options: object,
@@ -51,12 +51,21 @@ def solve(
     """Transposable N:M mask of `scores` with its objective and a certified upper bound.
 
     scores: (R, C) non-negative float, R and C divisible by m → `SolveResult` whose mask is (R, C)
-    bool with exactly n kept in every row and every column of every m×m tile.
+    bool with exactly n kept in every row and column of every m×m tile. `method` "auto" runs the
+    method it picks for the scores' device and M (solver/auto.py); `SolveResult.method` names the one
+    that ran. `options` go to that method and must be among its options.
     """
     validate_scores(scores, n, m)
-    info = get_method(method)
+    info = resolve_method(method, scores.device, m)
+    named = repr(method) if info.name == method else f"{method!r} (which runs {info.name!r} here)"
     if info.max_m is not None and m > info.max_m:
-        raise ValueError(f"method {method!r} handles M <= {info.max_m}, got M={m}; use method='tsenor' or 'exact'")
+        raise ValueError(f"method {named} handles M <= {info.max_m}, got M={m}; use method='auto' or 'exact'")
+    unknown = sorted(set(options) - set(info.options))
+    if unknown:
+        raise ValueError(
+            f"option(s) {', '.join(unknown)} do not apply to method {named}; "
+            f"its options: {', '.join(info.options) or 'none'}"
+        )
     rows, cols = scores.shape
     work_dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
     blocks = to_blocks(scores.to(work_dtype), m)  # (B, M, M)
@@ -87,7 +96,8 @@ def solve(
         block_upper_bound=block_ub,
         iterations=sol.iterations,
         seconds=seconds,
-        method=method,
+        method=info.name,
+        requested=method,
         n=n,
         m=m,
         state=sol.state,
@@ -98,7 +108,7 @@ def transposable_nm_mask(
     scores: torch.Tensor,
     n: int,
     m: int,
-    method: str = "tsenor",
+    method: str = "auto",
     *,
     init: SolveResult | DualState | None = None,
     **options: object,

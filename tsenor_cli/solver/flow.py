@@ -1,4 +1,4 @@
-"""Exact transposable N:M masks by successive shortest paths, compiled for the CPU (`tsenor`'s CPU path).
+"""`flow`: exact transposable N:M masks by successive shortest paths, compiled for the CPU.
 
 Each M×M tile is a bipartite b-matching (paper eq. (2); its LP eq. (4) is integral, Section 3.1), a
 small min-cost flow. Starting from dual potentials (u, v), every row keeps its n best entries by
@@ -7,11 +7,12 @@ excess is then moved along cheapest alternating paths (Dijkstra on reduced costs
 after each path) until every column holds n. The result is an optimal mask and optimal potentials, so
 the certified bound equals the objective up to round-off.
 
-Why this and not the entropic iteration on CPU: on 2-core CPUs the torch pipeline (Sinkhorn, greedy,
-cycle cancelling) is hundreds of small tensor operations whose cost is dispatch, not arithmetic; a
-compiled per-tile loop has none of that, and the paths it needs are few once the potentials are
-close (two rounds of exact dual coordinate descent from v = 0, or a previous solve's potentials for
-a warm start). Measured in docs/solver.md.
+This is not the paper's algorithm (that is `tsenor`, solver/tsenor.py): it is an exact solver that is
+faster than the entropic pipeline on CPUs. On 2-core CPUs the torch pipeline (Sinkhorn, greedy, cycle
+cancelling) is hundreds of small tensor operations whose cost is dispatch, not arithmetic; a compiled
+per-tile loop has none of that, and the paths it needs are few once the potentials are close (a round
+of exact dual coordinate descent from v = 0, or a previous solve's potentials and mask for a warm
+start). Measured in docs/solver.md; `auto` picks this solver on the CPU.
 """
 
 from __future__ import annotations
@@ -20,6 +21,23 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from tsenor_cli.solver.registry import register
+from tsenor_cli.solver.slices import blocks_per_slice, in_slices
+from tsenor_cli.solver.types import BlockSolution, DualState
+
+# A warm-started tile whose row selection leaves more than this × M kept entries to move runs one round
+# of coordinate descent from the handed-in potentials and selects afresh. ALPS's scores change far more
+# between ADMM iterations than 1% noise: its middle iterations leave 10-30 entries to move per 32×32
+# tile from the previous state, more than a round leaves. `scripts/flow_study.py` (docs/solver.md).
+RETRY_EXCESS_PER_M = 0.25
+# Mask-fixed centring sweeps of a warm start (solver/_flow_jit.py `_center`): on 2048² real tiles with
+# 1% noise, 2 sweeps leave 0.6 (8:16) and 2.2 (16:32) paths per tile where the previous potentials alone
+# leave 2.6 and 7.5; a third saves little at 1% noise and costs ALPS, whose stale tiles retry (docs/solver.md).
+WARM_CENTRING_SWEEPS = 2
+# Scores per kernel call: bounds the float64 potentials and the mask buffers the kernel fills (in host
+# memory whatever the input's device) to a fixed size on large matrices.
+SLICE_ELEMENTS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -99,4 +117,61 @@ def exact_flow(
         scale=torch.from_numpy(scale).to(device),
         upper_bound=torch.from_numpy(bound).to(device),
         paths=torch.from_numpy(paths).to(device),
+    )
+
+
+@register(
+    "flow",
+    "exact per tile: min-cost flow by successive shortest paths from dual potentials (compiled, runs on the CPU)",
+    exact=True,
+    supports_init=True,
+)
+def flow(
+    blocks: torch.Tensor,
+    n: int,
+    *,
+    init: DualState | None = None,
+    dual_rounds: int | None = None,
+    max_elements: int | None = None,
+) -> BlockSolution:
+    """blocks: (B, M, M) non-negative → the optimal mask (B, M, M) bool per tile, exactly n per row and
+    column, with optimal potentials (so the certified bound equals the objective up to round-off).
+
+    Runs on the CPU: tiles on another device (CUDA) are copied to host memory for the compiled kernel
+    and the answer is copied back, which is correct but slower there than `tsenor` on the GPU (`auto`
+    picks by device). `dual_rounds`: rounds of dual coordinate descent before the paths (default 1
+    cold, 0 warm). `max_elements`: scores per kernel call (default 2²²), which bounds its buffers.
+
+    A warm start reuses the previous column potentials (in score units; the kernel divides them by the
+    new per-tile max) and, when the state has one, the previous mask: after a few mask-fixed centring
+    sweeps of the potentials, every row of it that still satisfies complementary slackness is kept,
+    so a tile the new scores did not change needs no path (docs/solver.md, warm start).
+    """
+    if dual_rounds is not None and dual_rounds < 0:
+        raise ValueError(f"dual_rounds must be >= 0, got {dual_rounds}")
+    B, M, _ = blocks.shape
+    per_slice = blocks_per_slice(max_elements, SLICE_ELEMENTS, M)
+    if per_slice < B:
+        return in_slices(
+            lambda part, state: flow(part, n, init=state, dual_rounds=dual_rounds, max_elements=max_elements),
+            blocks,
+            init,
+            per_slice,
+        )
+    col = None
+    init_mask = None
+    if init is not None:
+        col = init.col.to(blocks.device, torch.float64) * init.scale.to(blocks.device, torch.float64)[:, None]
+        init_mask = init.mask
+    rounds = dual_rounds if dual_rounds is not None else (1 if init is None else 0)
+    retry = None if init is None else int(RETRY_EXCESS_PER_M * M)
+    res = exact_flow(
+        blocks, n, col=col, rounds=rounds, retry_excess=retry, init_mask=init_mask, sweeps=WARM_CENTRING_SWEEPS
+    )
+    dtype = blocks.dtype if blocks.dtype in (torch.float32, torch.float64) else torch.float32
+    return BlockSolution(
+        mask=res.mask,
+        upper_bound=res.upper_bound,
+        state=DualState(row=res.row.to(dtype), col=res.col.to(dtype), scale=res.scale.to(dtype), mask=res.mask),
+        iterations=int(res.paths.max()) if res.paths.numel() else 0,
     )

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
+
+import torch
 
 from tsenor_cli.solver.types import BlockSolution
 
 # Block solvers: fn(blocks (B, M, M), n, *, init=None, **options) -> BlockSolution (see types.BlockSolver);
 # a TypeVar keeps each solver's own typed keyword options visible to the type checker.
 F = TypeVar("F", bound=Callable[..., BlockSolution])
+# A method that picks another registered method for the scores' device and M (`auto`).
+Chooser = Callable[[torch.device, int], str]
 
 
 @dataclass(frozen=True)
@@ -21,9 +26,16 @@ class MethodInfo:
     exact: bool  # provably optimal on every block
     supports_init: bool  # uses a warm start (`init=`)
     max_m: int | None = None  # largest M the method accepts, None for any
+    options: tuple[str, ...] = ()  # the keyword options `fn` takes besides `init`
+    choose: Chooser | None = None  # set for a method that runs another one (see `resolve_method`)
 
 
 METHODS: dict[str, MethodInfo] = {}
+
+
+def _keyword_options(fn: Callable[..., BlockSolution]) -> tuple[str, ...]:
+    params = inspect.signature(fn).parameters.values()
+    return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "init")
 
 
 def register(
@@ -33,11 +45,14 @@ def register(
     exact: bool = False,
     supports_init: bool = False,
     max_m: int | None = None,
+    choose: Chooser | None = None,
 ) -> Callable[[F], F]:
     def wrap(fn: F) -> F:
         if name in METHODS:
             raise RuntimeError(f"mask method {name!r} registered twice")
-        METHODS[name] = MethodInfo(name, fn, description, exact, supports_init, max_m)
+        METHODS[name] = MethodInfo(
+            name, fn, description, exact, supports_init, max_m, options=_keyword_options(fn), choose=choose
+        )
         return fn
 
     return wrap
@@ -49,3 +64,12 @@ def get_method(name: str) -> MethodInfo:
     except KeyError:
         known = ", ".join(sorted(METHODS))
         raise ValueError(f"unknown mask method {name!r}; choose one of: {known}") from None
+
+
+def resolve_method(name: str, device: torch.device, m: int) -> MethodInfo:
+    """The method that runs when `name` is asked for on scores on `device` with tiles of side `m`:
+    the method itself, or for a choosing method (`auto`) the one it picks there."""
+    info = get_method(name)
+    if info.choose is None:
+        return info
+    return get_method(info.choose(device, m))

@@ -1,4 +1,8 @@
-"""`tsenor`: the fast TSENOR solver (paper Section 3) with exact rounding refinements.
+"""`tsenor`: the paper's TSENOR solver (Section 3: entropic OT, then rounding) with our improvements.
+
+The same pipeline on every device: torch operations on the CPU, fused Triton kernels for its hot loops
+on CUDA (solver/triton_kernels.py). Not exact: each solve reports a certified gap. `flow`
+(solver/flow.py) is the exact solver that is faster on CPUs; `auto` picks between them by device.
 
 Pipeline per batch of blocks, all vectorized over blocks:
 
@@ -35,9 +39,9 @@ import torch
 
 from tsenor_cli.solver import triton_kernels
 from tsenor_cli.solver.bounds import coordinate_upper_bound, dual_upper_bound
-from tsenor_cli.solver.flow import exact_flow
 from tsenor_cli.solver.registry import register
 from tsenor_cli.solver.rounding import complete_feasibility, greedy_select
+from tsenor_cli.solver.slices import blocks_per_slice, in_slices
 from tsenor_cli.solver.types import BlockSolution, DualState
 
 # Exponents are clipped to this range: above it exp overflows fp32, below it entries are
@@ -363,95 +367,10 @@ def _bound(w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, n: int, bound: Bou
     raise ValueError(f"unknown bound {bound!r}; choose 'coordinate' or 'potentials'")
 
 
-def _slice_state(state: DualState | None, start: int, size: int) -> DualState | None:
-    if state is None:
-        return None
-    sl = slice(start, start + size)
-    return DualState(
-        row=state.row[sl],
-        col=state.col[sl],
-        scale=state.scale[sl],
-        mask=None if state.mask is None else state.mask[sl],
-    )
-
-
-def _concat_solutions(parts: list[BlockSolution]) -> BlockSolution:
-    uppers = [p.upper_bound for p in parts]
-    states = [p.state for p in parts]
-    state = None
-    if all(s is not None for s in states):
-        masks = [s.mask for s in states if s is not None]
-        state = DualState(
-            row=torch.cat([s.row for s in states if s is not None]),
-            col=torch.cat([s.col for s in states if s is not None]),
-            scale=torch.cat([s.scale for s in states if s is not None]),
-            mask=torch.cat([m for m in masks if m is not None]) if all(m is not None for m in masks) else None,
-        )
-    return BlockSolution(
-        mask=torch.cat([p.mask for p in parts]),
-        upper_bound=torch.cat([u for u in uppers if u is not None]) if all(u is not None for u in uppers) else None,
-        state=state,
-        iterations=max(p.iterations for p in parts),
-    )
-
-
-Backend = Literal["auto", "flow", "torch"]
-
-
-def resolve_backend(backend: Backend, device: torch.device) -> Literal["flow", "torch"]:
-    """ "auto" → "flow" on CPU (compiled, exact, fastest there) and "torch" elsewhere (the Triton kernels
-    on CUDA); an explicit choice is kept."""
-    if backend == "auto":
-        return "flow" if device.type == "cpu" else "torch"
-    if backend in ("flow", "torch"):
-        return backend
-    raise ValueError(f"unknown tsenor backend {backend!r}; choose 'auto', 'flow' or 'torch'")
-
-
-# A warm-started tile whose row selection leaves more than this × M kept entries to move runs one round
-# of coordinate descent from the handed-in potentials and selects afresh. ALPS's scores change far more
-# between ADMM iterations than 1% noise: its middle iterations leave 10-30 entries to move per 32×32
-# tile from the previous state, more than a round leaves. `scripts/flow_study.py` (docs/solver.md).
-RETRY_EXCESS_PER_M = 0.25
-# Mask-fixed centring sweeps of a warm start (solver/_flow_jit.py `_center`): on 2048² real tiles with
-# 1% noise, 2 sweeps leave 0.6 (8:16) and 2.2 (16:32) paths per tile where the previous potentials alone
-# leave 2.6 and 7.5; a third saves little at 1% noise and costs ALPS, whose stale tiles retry (docs/solver.md).
-WARM_CENTRING_SWEEPS = 2
-
-
-def _solve_flow(blocks: torch.Tensor, n: int, init: DualState | None, dual_rounds: int | None) -> BlockSolution:
-    """blocks: (B, M, M) raw scores → the exact solution by solver/flow.py.
-
-    A warm start reuses the previous column potentials (in score units; the kernel divides them by the
-    new per-tile max) and, when the state has one, the previous mask: after a few mask-fixed centring
-    sweeps of the potentials, every row of it that still satisfies complementary slackness is kept,
-    so a tile the new scores did not change needs no path (docs/solver.md, warm start). Optimal
-    potentials make the certified bound equal the objective.
-    """
-    col = None
-    init_mask = None
-    if init is not None:
-        col = init.col.to(blocks.device, torch.float64) * init.scale.to(blocks.device, torch.float64)[:, None]
-        init_mask = init.mask
-    rounds = dual_rounds if dual_rounds is not None else (1 if init is None else 0)
-    B, M, _ = blocks.shape
-    retry = None if init is None else int(RETRY_EXCESS_PER_M * M)
-    res = exact_flow(
-        blocks, n, col=col, rounds=rounds, retry_excess=retry, init_mask=init_mask, sweeps=WARM_CENTRING_SWEEPS
-    )
-    dtype = blocks.dtype if blocks.dtype in (torch.float32, torch.float64) else torch.float32
-    return BlockSolution(
-        mask=res.mask,
-        upper_bound=res.upper_bound,
-        state=DualState(row=res.row.to(dtype), col=res.col.to(dtype), scale=res.scale.to(dtype), mask=res.mask),
-        iterations=int(res.paths.max()) if res.paths.numel() else 0,
-    )
-
-
 @register(
     "tsenor",
-    "TSENOR: exact compiled shortest-path repair from dual potentials on CPU; ε-scaled entropic OT (Alg. 1) "
-    "+ rounding + cycle cancelling on CUDA",
+    "the paper's TSENOR: ε-scaled entropic OT with capacities (Alg. 1) + greedy rounding + feasibility completion "
+    "+ cycle cancelling + certified bound; Triton kernels on CUDA",
     supports_init=True,
 )
 def tsenor(
@@ -459,8 +378,6 @@ def tsenor(
     n: int,
     *,
     init: DualState | None = None,
-    backend: Backend = "auto",
-    dual_rounds: int | None = None,
     tau: float | None = None,
     stages: int | None = None,
     iterations: int | None = None,
@@ -473,13 +390,7 @@ def tsenor(
 ) -> BlockSolution:
     """blocks: (B, M, M) non-negative → mask (B, M, M) bool, exactly n per row and column.
 
-    `backend`: "flow" solves every tile exactly with the compiled successive-shortest-path kernel of
-    solver/flow.py (its option: `dual_rounds` of dual coordinate descent before the paths, default 1
-    cold and 0 warm); "torch" runs the entropic pipeline below (Sinkhorn, rounding, cycle
-    cancelling), with the Triton kernels on CUDA; "auto" is "flow" on CPU, where it is faster and
-    exact, and "torch" on CUDA (docs/solver.md). Options of the other backend are refused.
-
-    Options of "torch" (defaults chosen by measurement on SmolLM2 tiles, see docs/solver.md): `tau`, the final
+    Options (defaults chosen by measurement on SmolLM2 tiles, see docs/solver.md): `tau`, the final
     inverse temperature on max-normalized scores; `stages`, ε-scaling stages ending at `tau`;
     `iterations`, the Sinkhorn budget per stage; `tol`, the row-marginal tolerance for early stop;
     `rounding`, see `_round` ("auto": greedy from 1024 blocks up on CPU, else rowcol); `sweeps`, the
@@ -487,32 +398,11 @@ def tsenor(
     round of dual coordinate descent, "potentials" evaluates it at the Sinkhorn potentials only
     (looser, but one pass: for inner loops such as ALPS's, whose intermediate masks need no tight
     certificate); `sinkhorn`, "triton" for the fused kernel of solver/triton_kernels.py, "torch"
-    for the loop here, "auto" for the kernel on CUDA when Triton is installed.
+    for the loop here, "auto" for the kernel on CUDA when Triton is installed; `max_elements`, scores
+    per independent sub-solve (bounds every temporary; default by device).
     With `init` (the state of an earlier solve on similar scores) only the final stage runs, and
     the cycle search starts from the earlier mask instead of a fresh rounding.
     """
-    chosen = resolve_backend(backend, blocks.device)
-    torch_options = {
-        "tau": tau,
-        "stages": stages,
-        "iterations": iterations,
-        "tol": tol,
-        "rounding": rounding,
-        "sweeps": sweeps,
-        "bound": bound,
-        "sinkhorn": sinkhorn,
-    }
-    if chosen == "flow":
-        given = [name for name, value in torch_options.items() if value is not None]
-        if given:
-            raise ValueError(
-                f"option(s) {', '.join(given)} belong to backend='torch' but this solve uses backend='flow' "
-                "(the default on CPU); pass backend='torch' or drop them"
-            )
-    elif dual_rounds is not None:
-        raise ValueError("dual_rounds belongs to backend='flow'; pass backend='flow' or drop it")
-    if dual_rounds is not None and dual_rounds < 0:
-        raise ValueError(f"dual_rounds must be >= 0, got {dual_rounds}")
     if rounding is not None and rounding not in ("auto", "greedy", "rowcol"):
         raise ValueError(f"unknown rounding {rounding!r}; choose 'auto', 'greedy' or 'rowcol'")
     if bound is not None and bound not in ("coordinate", "potentials"):
@@ -520,24 +410,15 @@ def tsenor(
     if sinkhorn is not None and sinkhorn not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown sinkhorn backend {sinkhorn!r}; choose 'auto', 'torch' or 'triton'")
     B, M, _ = blocks.shape
-    if M == 4:
-        from tsenor_cli.solver.exhaustive import exhaustive
-
-        # M = 4 has at most 90 candidate masks: enumeration is optimal and faster.
-        return exhaustive(blocks, n)
-    if max_elements is not None and max_elements < 1:
-        raise ValueError(f"max_elements must be a positive number of scores, got {max_elements}")
-    per_call = max(1, (max_elements or _chunks(blocks.device).slice) // (M * M))
-    if per_call < B:
+    per_slice = blocks_per_slice(max_elements, _chunks(blocks.device).slice, M)
+    if per_slice < B:
         # Blocks are independent: solving them in slices bounds the temporaries (index tensors of the
         # greedy pass, reduced costs, row graphs) to a fixed size instead of a multiple of the matrix.
-        parts = [
-            tsenor(
-                blocks[s : s + per_call],
+        return in_slices(
+            lambda part, state: tsenor(
+                part,
                 n,
-                init=_slice_state(init, s, per_call),
-                backend=chosen,
-                dual_rounds=dual_rounds,
+                init=state,
                 tau=tau,
                 stages=stages,
                 iterations=iterations,
@@ -547,12 +428,11 @@ def tsenor(
                 bound=bound,
                 sinkhorn=sinkhorn,
                 max_elements=max_elements,
-            )
-            for s in range(0, B, per_call)
-        ]
-        return _concat_solutions(parts)
-    if chosen == "flow":
-        return _solve_flow(blocks, n, init, dual_rounds)
+            ),
+            blocks,
+            init,
+            per_slice,
+        )
     work = blocks if blocks.dtype in (torch.float32, torch.float64) else blocks.float()
     scale = _block_scale(work)  # (B,)
     w = work / scale[:, None, None]  # (B, M, M) in [0, 1]

@@ -55,9 +55,11 @@ class SolveResult:
     mask: (R, C) bool, same device as the scores.
     objective: sum of kept scores (float64).
     upper_bound: certified upper bound on the optimal objective (LP duality); equals `objective`
-      for `exact` and `exhaustive`.
+      for `exact`, `exhaustive` and `flow` (up to round-off).
     gap: (upper_bound - objective) / upper_bound, a certified bound on the relative error.
     block_objective, block_upper_bound: (B,) float64 per-tile values, tiles in `to_blocks` order.
+    method: the method that ran; requested: the one asked for, which differs for `auto` (it names
+      the method it picked, e.g. requested "auto", method "flow" on the CPU).
     state: dual potentials for `solve(..., init=result)`; None for methods without duals.
     """
 
@@ -70,6 +72,7 @@ class SolveResult:
     iterations: int
     seconds: float
     method: str
+    requested: str
     n: int
     m: int
     state: DualState | None = None
