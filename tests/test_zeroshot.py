@@ -274,3 +274,24 @@ def test_offline_tasks_score_documents(tiny_model: tuple[Any, Any], data_dir: Pa
     payload = json.loads(json.dumps(result.to_json()))
     assert set(payload["tasks"]) == set(PAPER_TASKS) and payload["average_metric"] == "acc"
     assert any("zero-shot" in m for m in messages)
+
+
+def test_hub_task_download_failure_names_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No data folder, hub allowed: lm-eval's hub tasks; a failed download is one error naming --data-dir.
+    (lm-eval's model wrapper and task index are stubbed: only the error path is under test.)"""
+    import lm_eval
+    import lm_eval.models.huggingface
+    import lm_eval.tasks
+
+    managers: list[dict[str, Any]] = []
+
+    def unreachable(**_kwargs: Any) -> None:
+        raise ConnectionError("Couldn't reach 'baber/piqa' on the Hub")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", unreachable)
+    monkeypatch.setattr(lm_eval.models.huggingface, "HFLM", lambda **kwargs: kwargs)
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kwargs: managers.append(kwargs))
+    hub = RunContext(data_dir=None, offline=False, cache_dir=tmp_path)
+    with pytest.raises(InputNotFoundError, match=r"ConnectionError: Couldn't reach 'baber/piqa'.*pass --data-dir"):
+        run_zeroshot(None, None, ["piqa"], hub, limit=2, batch_size=1)
+    assert managers == [{}]  # lm-eval's own task index (hub configs), not our offline twins

@@ -71,7 +71,7 @@ def format_table(report: EvalReport) -> str:
         lines.append(f"{'dataset':<10} {'ppl':>12} {'windows':>8} {'tokens':>9}  data")
         for name, entry in report.perplexity.items():
             ppl = f"{entry.ppl:.3f}" if math.isfinite(entry.ppl) else str(entry.ppl)
-            kind = entry.data_source.kind if entry.data_source is not None else "?"
+            kind = entry.data_source.kind if entry.data_source is not None else "unrecorded"
             lines.append(f"{name:<10} {ppl:>12} {entry.windows:>8} {entry.tokens:>9}  {kind}")
     if report.zeroshot is not None:
         lines.append(f"{'task':<14} {'acc':>8} {'acc_norm':>9}")

@@ -158,18 +158,28 @@ def run_zeroshot(
         progress(f"zero-shot: {', '.join(names)} ({where}, limit={limit}, batch size {size})")
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=size)
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=list(names),
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        log_samples=False,
-        random_seed=None,
-        numpy_random_seed=None,
-        torch_random_seed=None,
-        fewshot_random_seed=seed,
-    )
+    try:
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(names),
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            log_samples=False,
+            random_seed=None,
+            numpy_random_seed=None,
+            torch_random_seed=None,
+            fewshot_random_seed=seed,
+        )
+    except OSError as exc:
+        if root is not None:
+            raise
+        # ConnectionError, the hub libraries' offline-mode errors and missing datasets are OSErrors.
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise InputNotFoundError(
+            f"cannot download the zero-shot task data from the HF hub ({type(exc).__name__}: {first}); "
+            "pass --data-dir with the offline data folder, or fix the connection"
+        ) from exc
     if results is None:
         raise RuntimeError("lm-eval returned no results on rank 0")
 

@@ -82,7 +82,7 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith("/") or "\\" in name
 
 
-def hub_error(name: str, ctx: RunContext) -> InputNotFoundError:
+def _hub_error(name: str, ctx: RunContext) -> InputNotFoundError:
     """The error for a hub id that did not load: not cached under the offline policy, or not downloadable."""
     if ctx.offline:
         return InputNotFoundError(
@@ -147,7 +147,7 @@ def load_model(
     except OSError as exc:
         if is_local:
             raise InputNotFoundError(f"cannot read the config of {source}: {exc}") from exc
-        raise hub_error(name, ctx) from exc
+        raise _hub_error(name, ctx) from exc
     adapter = adapter_for(str(config.model_type))
     if progress is not None:
         progress(f"loading {name} ({config.model_type}, {torch_dtype}) on {torch_device}")
@@ -160,7 +160,7 @@ def load_model(
                 f"cannot load the checkpoint in {source} ({exc}); "
                 "it needs config.json, *.safetensors and tokenizer files"
             ) from exc
-        raise hub_error(name, ctx) from exc
+        raise _hub_error(name, ctx) from exc
     model = model.to(torch_device)  # type: ignore[arg-type]
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source, adapter=adapter)
