@@ -18,11 +18,14 @@ import torch
 from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPattern, reconstruction_error
 from tsenor_cli.pruning.api import dense_calibration_inputs
 from tsenor_cli.pruning.engine import block_kwargs, run_block
+from tsenor_cli.settings import RunContext
 
 
 def layer_problem(block: int, linear: str, nsamples: int, seqlen: int) -> tuple[torch.Tensor, InputStats]:
     """(weight (out, in), input statistics with the Gram matrix) of one linear of the dense model."""
-    loaded, hidden = dense_calibration_inputs("smollm2-135m", nsamples=nsamples, seqlen=seqlen)  # hidden (S, T, H)
+    loaded, hidden = dense_calibration_inputs(
+        "smollm2-135m", RunContext.from_environment(), nsamples=nsamples, seqlen=seqlen
+    )  # hidden (S, T, H)
     model, adapter = loaded.model, loaded.adapter
     cpu = torch.device("cpu")
     buffer = torch.empty_like(hidden)

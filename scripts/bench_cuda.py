@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import torch
 from safetensors.torch import load_file, save_file
 
+from tsenor_cli import atomic
 from tsenor_cli.solver import SolveResult, from_blocks, solve, to_blocks
 from tsenor_cli.solver.tsenor import (
     Rounding,
@@ -53,8 +54,9 @@ POOL_SIZE = 2048
 def make_pool(output: Path, seed: int) -> None:
     from tsenor_cli.bench.solver import sample_real_tiles
     from tsenor_cli.models.embedded import materialize
+    from tsenor_cli.settings import RunContext
 
-    model_dir = materialize("smollm2-135m")
+    model_dir = materialize("smollm2-135m", RunContext.from_environment().cache_dir)
     tensors = {
         f"tiles_{m}": sample_real_tiles(model_dir, m, (POOL_SIZE // m) ** 2, seed).abs().contiguous()
         for _, m in PATTERNS
@@ -232,10 +234,10 @@ def run(args: argparse.Namespace) -> None:
             del scores, noisy, results
     report = {"info": info, "rows": rows, **extra}
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        atomic.write_json(args.json, report)
     text = to_markdown(report)
     if args.markdown:
-        args.markdown.write_text(text)
+        atomic.write_text(args.markdown, text)
     print(text)
 
 
@@ -388,16 +390,13 @@ def layers(args: argparse.Namespace) -> None:
                 )
                 print(json.dumps(rows[-1]), flush=True)
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "tokens": args.tokens,
-                    "rows": rows,
-                },
-                indent=2,
-            )
-            + "\n"
+        atomic.write_json(
+            args.json,
+            {
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "tokens": args.tokens,
+                "rows": rows,
+            },
         )
 
 
@@ -436,7 +435,7 @@ def main() -> None:
         layers(args)
     elif args.command == "render":
         layers_report = json.loads(args.layers.read_text()) if args.layers else None
-        args.markdown.write_text(to_markdown(json.loads(args.json.read_text()), layers_report))
+        atomic.write_text(args.markdown, to_markdown(json.loads(args.json.read_text()), layers_report))
     else:
         raise SystemExit(f"unknown command {args.command!r}")
 

@@ -15,8 +15,9 @@ import time
 import torch
 
 from tsenor_cli.bench.solver import real_matrix
-from tsenor_cli.models.embedded import materialize
+from tsenor_cli.models.embedded import DEFAULT_MODEL, materialize
 from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPattern
+from tsenor_cli.settings import RunContext
 from tsenor_cli.solver import flow as flow_module
 from tsenor_cli.solver import to_blocks
 from tsenor_cli.solver.flow import FlowResult, exact_flow
@@ -40,7 +41,7 @@ def main() -> None:
     parser.add_argument("--alps", action="store_true", help="also time ALPS on a random layer per retry threshold")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = materialize()
+    path = materialize(DEFAULT_MODEL, RunContext.from_environment().cache_dir)
     print(f"{args.size}² real tiles, {args.threads} thread(s), best of {args.repeats}\n")
     print("| N:M | start | dual rounds | paths per tile | seconds |")
     print("|---|---|---:|---:|---:|")

@@ -15,6 +15,8 @@ import json
 import re
 from pathlib import Path
 
+from tsenor_cli import atomic
+
 # (model, table label) in the paper's appendix; perplexity columns in this order. The 8B table's caption
 # says "LLaMA3.2-8B", a name no Meta release has (Table `tab:exp-layer-ablation` says LLaMA3-8B), so the
 # label quotes it rather than guess the checkpoint.
@@ -110,7 +112,7 @@ def main() -> None:
     if not args.paper.is_file():
         parser.error(f"paper source not found: {args.paper}; pass --paper PATH/tsenor.tex")
     text = "\n".join(report(args.paper.read_text(), args.results)).rstrip() + "\n"
-    (args.results / "paper_ratios.md").write_text(text)
+    atomic.write_text(args.results / "paper_ratios.md", text)
     print(text, end="")
 
 

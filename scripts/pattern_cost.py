@@ -22,11 +22,13 @@ from pathlib import Path
 
 import torch
 
+from tsenor_cli import atomic
 from tsenor_cli.nm import parse_nm
 from tsenor_cli.pruning import InputStats, SparsityPattern
 from tsenor_cli.pruning.api import dense_calibration_inputs
 from tsenor_cli.pruning.engine import block_kwargs, run_block
 from tsenor_cli.pruning.masks import choose_mask
+from tsenor_cli.settings import RunContext
 
 # Outlier channels: the share of the score held by this fraction of a layer's input channels.
 TOP_CHANNELS = 0.02
@@ -49,7 +51,9 @@ def top_channel_share(scores: torch.Tensor, fraction: float) -> float:
 
 def column_norms(nsamples: int, seqlen: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(weights (out, in), input column norms (in,)) of every decoder linear of the dense model, by name."""
-    loaded, hidden = dense_calibration_inputs("smollm2-135m", nsamples=nsamples, seqlen=seqlen)  # hidden (S, T, H)
+    loaded, hidden = dense_calibration_inputs(
+        "smollm2-135m", RunContext.from_environment(), nsamples=nsamples, seqlen=seqlen
+    )  # hidden (S, T, H)
     model, adapter = loaded.model, loaded.adapter
     cpu = torch.device("cpu")
     buffer = torch.empty_like(hidden)
@@ -136,7 +140,7 @@ def main() -> None:
     ]
     text = "\n".join(lines) + "\n"
     if args.output is not None:
-        args.output.write_text(text)
+        atomic.write_text(args.output, text)
     print(text, end="")
 
 

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tsenor_cli import atomic
+
 METHODS = ("alps", "sparsegpt", "wanda", "magnitude")
 PATTERNS = ("16:32", "2:4", "8:16", "4:8", "8:32")
 KINDS = ("t", "o")
@@ -108,7 +110,7 @@ def run_one(run: Run, args: argparse.Namespace, work: Path, results: Path) -> No
     for name in KEEP_FILES:
         if (out / name).exists():
             shutil.copy2(out / name, dest / name)
-    (dest / "wall_seconds.json").write_text(json.dumps({"seconds": time.perf_counter() - start}) + "\n")
+    atomic.write_json(dest / "wall_seconds.json", {"seconds": time.perf_counter() - start}, indent=None)
     if not args.keep_checkpoints:
         shutil.rmtree(out)
 

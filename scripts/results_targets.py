@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tsenor_cli import atomic
+
 
 def _load(results: Path, name: str) -> dict[str, Any] | None:
     run = results / "runs" / name
@@ -159,10 +161,10 @@ def main() -> None:
     lines = ["| target | measured | verdict |", "|---|---|---|"]
     lines += [f"| {t} | {m} | {v} |" for t, m, v in check(args.results)]
     text = "\n".join(lines) + "\n"
-    (args.results / "targets.md").write_text(text)
+    atomic.write_text(args.results / "targets.md", text)
     print(text, end="")
     claim_text = "\n".join(claims(args.results)) + "\n"
-    (args.results / "claims.md").write_text(claim_text)
+    atomic.write_text(args.results / "claims.md", claim_text)
     print("\n" + claim_text, end="")
 
 

@@ -8,7 +8,6 @@ Progress goes to stderr; a table and (optionally) JSON with every number to stdo
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -17,7 +16,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from tsenor_cli import atomic
 from tsenor_cli.models.embedded import materialize
+from tsenor_cli.settings import RunContext
 from tsenor_cli.solver import from_blocks, solve, to_blocks
 from tsenor_cli.solver.reference import run_reference
 
@@ -122,7 +123,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    path = materialize("smollm2-135m")
+    path = materialize("smollm2-135m", RunContext.from_environment().cache_dir)
     quality_rows = [] if args.skip_quality else quality(path, args.tiles)
     slab_rows = [] if args.skip_slab else slab_timing(path)
     result = {
@@ -151,9 +152,7 @@ def main() -> None:
             f"gap={row['certified_gap']:.2e}"
         )
     if args.json is not None:
-        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        tmp.replace(args.json)
+        atomic.write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from tsenor_cli.bench.solver import sample_real_tiles
-from tsenor_cli.models.embedded import materialize
+from tsenor_cli.models.embedded import DEFAULT_MODEL, materialize
+from tsenor_cli.settings import RunContext
 from tsenor_cli.solver import from_blocks, solve
 
 SETTINGS: list[dict[str, object]] = [
@@ -37,7 +38,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = materialize()
+    path = materialize(DEFAULT_MODEL, RunContext.from_environment().cache_dir)
     print("| N:M | options | mean rel. error | max rel. error | optimal tiles | mean certified gap | seconds |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for n, m in [(8, 16), (16, 32), (8, 32)]:

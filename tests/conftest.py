@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tsenor_cli.settings import RunContext, cache_dir_default
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 if not torch.cuda.is_available():
@@ -37,11 +39,17 @@ def data_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def data_ctx(data_dir: Path) -> RunContext:
+    """A run context that reads every dataset from the offline data folder and never reaches the hub."""
+    return RunContext(data_dir=data_dir.resolve(), offline=True, cache_dir=cache_dir_default())
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The embedded SmolLM2-135M checkpoint, materialized into the cache on first use."""
     from tsenor_cli.models.embedded import materialize
 
-    return materialize("smollm2-135m")
+    return materialize("smollm2-135m", cache_dir_default())
 
 
 @pytest.fixture(autouse=True, scope="session")

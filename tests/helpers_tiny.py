@@ -12,13 +12,19 @@ from pathlib import Path
 
 import torch
 
+from tsenor_cli.settings import RunContext, cache_dir_default
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+# For loading local or embedded models in tests: no data folder, the hub never contacted.
+LOCAL_CTX = RunContext(data_dir=None, offline=True, cache_dir=cache_dir_default())
 
 
 def smollm2_dir() -> Path:
     from tsenor_cli.models.embedded import materialize
 
-    return materialize("smollm2-135m")
+    return materialize("smollm2-135m", LOCAL_CTX.cache_dir)
 
 
 def make_tiny_llama(

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers_tiny import make_tiny_llama
+from helpers_tiny import LOCAL_CTX, make_tiny_llama
 from typer.testing import CliRunner
 
 from tsenor_cli.cli import app
@@ -16,7 +17,8 @@ from tsenor_cli.data.eval_text import eval_token_stream
 from tsenor_cli.errors import InputNotFoundError, OutputExistsError, UsageError
 from tsenor_cli.evaluation.perplexity import perplexity
 from tsenor_cli.models.loading import load_model
-from tsenor_cli.report.schema import EvalRecord
+from tsenor_cli.runfiles import SCHEMA_VERSION, EvalReport
+from tsenor_cli.settings import RunContext
 
 pytestmark = [pytest.mark.realdata, pytest.mark.usefixtures("hub_off")]
 
@@ -37,9 +39,17 @@ def invoke(args: list[str]):
     return CliRunner().invoke(app, ["eval", *args])
 
 
-def test_eval_writes_eval_json(tiny: Path, tmp_path: Path, data_dir: Path) -> None:
+def test_eval_writes_eval_json(
+    tiny: Path, tmp_path: Path, data_dir: Path, data_ctx: RunContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The flags decide, not the environment: no TSENOR_DATA_DIR, no HF_*_OFFLINE.
+    for name in ("TSENOR_DATA_DIR", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
     out = tmp_path / "run"
     args = [
+        "--data-dir",
+        str(data_dir),
+        "--offline",
         "--model",
         str(tiny),
         "--ppl",
@@ -56,19 +66,28 @@ def test_eval_writes_eval_json(tiny: Path, tmp_path: Path, data_dir: Path) -> No
     written = json.loads((out / "eval.json").read_text())
     assert json.loads(result.stdout) == written
     assert written["model"] == str(tiny) and written["seqlen"] == 64 and written["zeroshot"] is None
+    assert written["schema_version"] == SCHEMA_VERSION
+    assert written["context"] == {"data_dir": str(data_dir.resolve()), "offline": True}
     # tsenor_source (the git commit) only when the package runs from a git checkout
     assert set(written["versions"]) - {"tsenor_source"} == {"tsenor", "torch", "transformers", "datasets", "lm-eval"}
     assert set(written["perplexity"]) == {"wikitext2", "ptb"}
     wt2 = written["perplexity"]["wikitext2"]
-    assert wt2["windows"] == 2 and wt2["offline"] is True and "wiki.test.raw" in wt2["data"]
+    assert wt2["windows"] == 2 and "wiki.test.raw" in wt2["data"]
+    wiki = data_dir / "wikitext-2-raw" / "wiki.test.raw"
+    assert wt2["data_source"] == {
+        "kind": "offline",
+        "files": [{"path": str(wiki.resolve()), "sha256": hashlib.sha256(wiki.read_bytes()).hexdigest()}],
+        "hub": None,
+    }
     # the number is the library's perplexity on the same stream
-    loaded = load_model(str(tiny))
-    text = eval_token_stream("ptb", loaded.tokenizer, seqlen=64, data_dir=data_dir)
+    loaded = load_model(str(tiny), LOCAL_CTX)
+    text = eval_token_stream("ptb", loaded.tokenizer, data_ctx, seqlen=64)
     direct = perplexity(loaded.model, text.input_ids, seqlen=64, max_windows=2, device="cpu")
     assert written["perplexity"]["ptb"]["ppl"] == pytest.approx(direct.ppl, rel=1e-6)
     # `tsenor report` reads it
-    record = EvalRecord.from_json(written)
+    record = EvalReport.from_json(written)
     assert record.perplexity["ptb"].ppl == pytest.approx(written["perplexity"]["ptb"]["ppl"])
+    assert record.to_json() == written  # one schema: what is read writes back the same
     assert not list(out.glob(".eval.json.*"))  # no temp file left behind
 
     before = (out / "eval.json").read_bytes()
@@ -112,7 +131,8 @@ def test_missing_model_and_hub_id(tmp_path: Path) -> None:
     assert isinstance(missing.exception, InputNotFoundError) and "does not exist" in str(missing.exception)
     hub = invoke(["--model", "tsenor-nonexistent-org/model"])
     assert isinstance(hub.exception, InputNotFoundError)
-    assert "cannot download tsenor-nonexistent-org/model (offline or no access)" in str(hub.exception)
+    # HF_HUB_OFFLINE (the hub_off fixture) is the default of --offline: the local HF cache only
+    assert "tsenor-nonexistent-org/model is not in the local HF cache" in str(hub.exception)
 
 
 def test_tasks_without_zeroshot_module(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:

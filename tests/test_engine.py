@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_tiny import make_tiny_llama
+from helpers_tiny import LOCAL_CTX, make_tiny_llama
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -20,6 +20,7 @@ from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.resume import RESUME_DIRNAME
 from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.settings import RunContext
 
 FAST = ["--nm", "2:4", "--solver", "exhaustive", "--nsamples", "4", "--seqlen", "32", "--calib-data", "wikitext2"]
 
@@ -55,25 +56,39 @@ def test_prune_cli_end_to_end(tiny: Path, tmp_path: Path, data_dir: Path) -> Non
 
     before = _tree_hash(tiny)
     out = tmp_path / "pruned"
-    result = _invoke(["prune", "--model", str(tiny), "--method", "wanda", *FAST, "--output", str(out), "--json"])
+    args = ["prune", "--model", str(tiny), "--method", "wanda", *FAST, "--output", str(out), "--json"]
+    result = _invoke([*args, "--data-dir", str(data_dir), "--offline"])
     assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
     assert _tree_hash(tiny) == before  # the input checkpoint is untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pruned"]  # no temp leftovers
+    # ordinary permissions on everything written (save_pretrained and mkdtemp leave some private)
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {p.name: 0o644 for p in out.iterdir()}
+    assert out.stat().st_mode & 0o777 == 0o755
     report = json.loads((out / "tsenor_report.json").read_text())
+    assert json.loads(result.stdout) == report  # type: ignore[attr-defined]
+    assert report["context"] == {"data_dir": str(data_dir.resolve()), "offline": True}
+    valid = data_dir / "wikitext-2-raw" / "wiki.valid.raw"  # offline WikiText-2 calibration text
+    assert report["calibration_source"] == {
+        "kind": "offline",
+        "files": [{"path": str(valid.resolve()), "sha256": hashlib.sha256(valid.read_bytes()).hexdigest()}],
+        "hub": None,
+    }
+    assert all("reconstruction_error" not in layer for layer in report["layers"])  # one name per field
     assert report["totals"]["layers_pruned"] == 14 and report["settings"]["seed"] == 0
     assert all(0.0 < layer["recon_error"] < 1.0 and layer["gap"] == 0.0 for layer in report["layers"])
     assert "rel. error" in (out / "tsenor_report.md").read_text()
     # `tsenor report` reads the same file (docs/report-format.md).
-    from tsenor_cli.report.schema import PruneReport
+    from tsenor_cli.runfiles import PruneReport
 
     parsed = PruneReport.from_json(report)
+    assert parsed.to_json() == report
     assert parsed.method == "wanda" and parsed.sparsity == pytest.approx(0.5)
     assert parsed.pattern is not None and (parsed.pattern.n, parsed.pattern.m, parsed.pattern.transposable) == (
         2,
         4,
         True,
     )
-    assert len(parsed.layers) == 14 and all(layer.reconstruction_error is not None for layer in parsed.layers)
+    assert len(parsed.layers) == 14 and all(layer.recon_error is not None for layer in parsed.layers)
     config = json.loads((out / "config.json").read_text())
     assert config["tsenor_sparsity"]["pattern"] == "2:4" and config["tsenor_sparsity"]["transposable"] is True
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -101,7 +116,7 @@ def test_verify_flags_a_tampered_weight(tiny: Path, tmp_path: Path, data_dir: Pa
     assert "model.layers.1.mlp.up_proj" in result.output  # type: ignore[attr-defined]
 
 
-def test_reconstruction_methods_beat_wanda_through_the_engine(tmp_path: Path, data_dir: Path) -> None:
+def test_reconstruction_methods_beat_wanda_through_the_engine(tmp_path: Path, data_ctx: RunContext) -> None:
     src = make_tiny_llama(
         tmp_path / "one", hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, num_layers=1
     )
@@ -116,7 +131,7 @@ def test_reconstruction_methods_beat_wanda_through_the_engine(tmp_path: Path, da
             seqlen=32,
             output=tmp_path / name,
         )
-        errors[name] = prune_model(cfg).totals()["mean_recon_error"]
+        errors[name] = prune_model(cfg, data_ctx).totals()["mean_recon_error"]
     assert errors["alps"] < errors["wanda"] and errors["sparsegpt"] < errors["wanda"]
 
 
@@ -125,7 +140,7 @@ def test_engine_dense_pass_reproduces_the_model(tiny: Path) -> None:
     from tsenor_cli.models.loading import load_model
     from tsenor_cli.pruning.engine import block_kwargs, capture_block_inputs, run_block
 
-    loaded = load_model(str(tiny))
+    loaded = load_model(str(tiny), LOCAL_CTX)
     ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
     hidden = capture_block_inputs(loaded.model, loaded.adapter, ids, torch.device("cpu"))
     for index, block in enumerate(loaded.adapter.decoder_layers(loaded.model)):
@@ -153,7 +168,7 @@ def test_statistics_passes_stop_early_with_identical_results(tiny: Path) -> None
     )
     from tsenor_cli.pruning.registry import get_pruner
 
-    loaded = load_model(str(tiny))
+    loaded = load_model(str(tiny), LOCAL_CTX)
     model, adapter = loaded.model, loaded.adapter
     cpu = torch.device("cpu")
     samples = 3
@@ -211,7 +226,7 @@ def test_statistics_passes_stop_early_with_identical_results(tiny: Path) -> None
     assert not torch.equal(early_weights["mlp.down_proj.weight"], linears["mlp.down_proj"].weight)  # it was pruned
 
 
-def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny: Path, tmp_path: Path, data_dir: Path) -> None:
+def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny: Path, tmp_path: Path, data_ctx: RunContext) -> None:
     def cfg(output: Path, resume: bool) -> PruneConfig:
         return PruneConfig(
             model=str(tiny),
@@ -225,7 +240,7 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny: Path, tmp_path: P
         )
 
     full = tmp_path / "full"
-    prune_model(cfg(full, resume=False))
+    prune_model(cfg(full, resume=False), data_ctx)
 
     class Killed(RuntimeError):
         pass
@@ -236,13 +251,13 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny: Path, tmp_path: P
 
     out = tmp_path / "resumed"
     with pytest.raises(Killed):
-        prune_model(cfg(out, resume=True), after_block=kill_after_first)
+        prune_model(cfg(out, resume=True), data_ctx, after_block=kill_after_first)
     assert sorted(p.name for p in out.iterdir()) == [RESUME_DIRNAME]
     # Without --resume the half-done folder is refused, not silently overwritten.
     refused = _invoke(["prune", "--model", str(tiny), "--method", "sparsegpt", *FAST, "--output", str(out)])
     assert refused.exit_code == 4 and "--resume" in str(refused.exception)  # type: ignore[attr-defined]
     messages: list[str] = []
-    report = prune_model(cfg(out, resume=True), progress=messages.append)
+    report = prune_model(cfg(out, resume=True), data_ctx, progress=messages.append)
     assert report.resumed_from_block == 1
     assert any("resuming after block 1/2" in m for m in messages)
     assert not any(m == "block 1/2" for m in messages)  # block 0 was not redone
@@ -250,6 +265,9 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny: Path, tmp_path: P
     assert not (out / RESUME_DIRNAME).exists()
     full_errors = [r["recon_error"] for r in json.loads((full / "tsenor_report.json").read_text())["layers"]]
     assert [r.recon_error for r in report.layers] == full_errors
+    # the resumed run records the calibration source its first part used
+    full_source = json.loads((full / "tsenor_report.json").read_text())["calibration_source"]
+    assert report.calibration_source is not None and report.calibration_source.to_json() == full_source
 
 
 def test_dry_run_writes_nothing(tiny: Path, tmp_path: Path) -> None:
@@ -328,7 +346,9 @@ def test_skip_incompatible_leaves_layers_dense(tmp_path: Path, data_dir: Path) -
 @pytest.mark.realmodel
 @pytest.mark.realdata
 @pytest.mark.slow
-def test_smollm2_prunes_end_to_end_with_sane_perplexity(smollm2_path: Path, tmp_path: Path, data_dir: Path) -> None:
+def test_smollm2_prunes_end_to_end_with_sane_perplexity(
+    smollm2_path: Path, tmp_path: Path, data_dir: Path, data_ctx: RunContext
+) -> None:
     """SmolLM2-135M, wanda 2:4 transposable (exhaustive = provably optimal masks), 4×64 calibration.
 
     2:4 rather than 16:32 keeps this under a few minutes on a busy 2-core CPU: a 16:32 solve of one
@@ -343,9 +363,9 @@ def test_smollm2_prunes_end_to_end_with_sane_perplexity(smollm2_path: Path, tmp_
     result = _invoke(args)
     assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
     assert _invoke(["verify", str(out)]).exit_code == 0  # type: ignore[attr-defined]
-    eval_cfg = EvalConfig(ppl_datasets=("wikitext2",), seqlen=256, max_windows=2, data_dir=data_dir)
-    dense = evaluate_model(load_model(str(smollm2_path)), eval_cfg).perplexity["wikitext2"].result.ppl
-    pruned = evaluate_model(load_model(str(out)), eval_cfg).perplexity["wikitext2"].result.ppl
+    eval_cfg = EvalConfig(ppl_datasets=("wikitext2",), seqlen=256, max_windows=2)
+    dense = evaluate_model(load_model(str(smollm2_path), LOCAL_CTX), eval_cfg, data_ctx).perplexity["wikitext2"].ppl
+    pruned = evaluate_model(load_model(str(out), LOCAL_CTX), eval_cfg, data_ctx).perplexity["wikitext2"].ppl
     # Measured: dense 30.9, wanda 2:4 transposable 1637 (row-wise 2:4: 143) — 50% in 4×4 tiles is harsh on a
     # 135M model. Sane = finite, worse than dense, far better than a uniform guess over the vocabulary.
     assert math.isfinite(pruned) and dense < pruned < min(200 * dense, 49152 / 10)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_tiny import make_tiny_llama
+from helpers_tiny import LOCAL_CTX, make_tiny_llama
 
 from tsenor_cli.errors import IncompatibleModelError, InputNotFoundError, UsageError
 from tsenor_cli.models.adapters import LLAMA_LINEAR_GROUPS, adapter_for, supported_model_types
@@ -33,7 +33,7 @@ def blockwise_logits(loaded: LoadedModel, input_ids: torch.Tensor, attention_mas
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
 def test_blockwise_forward_matches_full_model(tiny_dirs: dict[str, Path], model_type: str) -> None:
-    loaded = load_model(str(tiny_dirs[model_type]))
+    loaded = load_model(str(tiny_dirs[model_type]), LOCAL_CTX)
     assert loaded.model.config.model_type == model_type
     ids = torch.randint(0, 2000, (3, 37), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -43,7 +43,7 @@ def test_blockwise_forward_matches_full_model(tiny_dirs: dict[str, Path], model_
 
 
 def test_blockwise_forward_with_padding_mask(tiny_dirs: dict[str, Path]) -> None:
-    loaded = load_model(str(tiny_dirs["llama"]))
+    loaded = load_model(str(tiny_dirs["llama"]), LOCAL_CTX)
     ids = torch.randint(0, 2000, (2, 20), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[1, 14:] = 0  # right padding in the second row
@@ -57,7 +57,7 @@ def test_blockwise_forward_with_padding_mask(tiny_dirs: dict[str, Path]) -> None
 
 
 def test_loaded_model_fields_and_linears(tiny_dirs: dict[str, Path]) -> None:
-    loaded = load_model(str(tiny_dirs["llama"]))
+    loaded = load_model(str(tiny_dirs["llama"]), LOCAL_CTX)
     assert not loaded.model.training
     assert loaded.source == str(tiny_dirs["llama"].resolve())
     assert next(loaded.model.parameters()).dtype == torch.float32  # CPU default
@@ -72,7 +72,7 @@ def test_loaded_model_fields_and_linears(tiny_dirs: dict[str, Path]) -> None:
 
 
 def test_load_dtype_and_device(tiny_dirs: dict[str, Path], device: torch.device) -> None:
-    loaded = load_model(str(tiny_dirs["llama"]), dtype=torch.bfloat16, device=device)
+    loaded = load_model(str(tiny_dirs["llama"]), LOCAL_CTX, dtype=torch.bfloat16, device=device)
     param = next(loaded.model.parameters())
     assert param.dtype == torch.bfloat16 and param.device.type == device.type
     assert default_dtype(torch.device("cuda")) == torch.bfloat16
@@ -89,21 +89,21 @@ def test_parse_dtype() -> None:
 def test_missing_model_dir(tmp_path: Path) -> None:
     missing = tmp_path / "no" / "such-checkpoint"
     with pytest.raises(InputNotFoundError, match=f"{missing}.*does not exist"):
-        load_model(str(missing))
+        load_model(str(missing), LOCAL_CTX)
 
 
 def test_dir_without_config(tmp_path: Path) -> None:
     with pytest.raises(InputNotFoundError, match=r"has no config\.json"):
-        load_model(str(tmp_path))
+        load_model(str(tmp_path), LOCAL_CTX)
 
 
-def test_unknown_hub_id_offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_unknown_hub_id_offline() -> None:
+    """The offline policy comes from the context (no HF_HUB_OFFLINE needed): the local HF cache only."""
     with pytest.raises(InputNotFoundError) as info:
-        load_model("tsenor-nonexistent-org/no-such-model")
+        load_model("tsenor-nonexistent-org/no-such-model", LOCAL_CTX)
     message = str(info.value)
-    assert "cannot download tsenor-nonexistent-org/no-such-model (offline or no access)" in message
-    assert "--model /path" in message and "--model smollm2-135m" in message
+    assert "tsenor-nonexistent-org/no-such-model is not in the local HF cache" in message
+    assert "--model /path" in message and "drop --offline" in message and "--model smollm2-135m" in message
 
 
 def test_unsupported_model_type(tmp_path: Path) -> None:
@@ -112,7 +112,7 @@ def test_unsupported_model_type(tmp_path: Path) -> None:
     AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gpt2"
     with pytest.raises(IncompatibleModelError, match="'gpt2' is not supported; supported types: llama, mistral, qwen2"):
-        load_model(str(tmp_path))
+        load_model(str(tmp_path), LOCAL_CTX)
     with pytest.raises(IncompatibleModelError, match="supported types"):
         adapter_for("falcon")
     assert supported_model_types() == ("llama", "mistral", "qwen2")
@@ -121,7 +121,7 @@ def test_unsupported_model_type(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.realmodel
 def test_smollm2_blockwise_matches_full(smollm2_path: Path) -> None:
-    loaded = load_model("smollm2-135m")
+    loaded = load_model("smollm2-135m", LOCAL_CTX)
     assert loaded.source == str(smollm2_path.resolve())
     assert len(loaded.adapter.decoder_layers(loaded.model)) == 30
     shapes = {n: tuple(m.weight.shape) for n, m in loaded.adapter.block_linears(loaded.model.model.layers[0]).items()}

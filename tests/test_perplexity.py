@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_tiny import make_tiny_llama
+from helpers_tiny import LOCAL_CTX, make_tiny_llama
 
 from tsenor_cli.errors import UsageError
 from tsenor_cli.evaluation.perplexity import perplexity
 from tsenor_cli.models.loading import load_model
+from tsenor_cli.settings import RunContext
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def sparsegpt_reference_ppl(model: torch.nn.Module, ids: torch.Tensor, seqlen: i
 
 
 def test_matches_sparsegpt_reference(tiny_path: Path, device: torch.device) -> None:
-    loaded = load_model(str(tiny_path), device=device, dtype=torch.float32)
+    loaded = load_model(str(tiny_path), LOCAL_CTX, device=device, dtype=torch.float32)
     ids = torch.randint(0, 512, (1, 5 * 32 + 7), generator=torch.Generator().manual_seed(0))
     result = perplexity(loaded.model, ids, seqlen=32, device=device, batch_size=2)
     assert result.windows == 5 and result.tokens == 5 * 31 and result.seqlen == 32  # tail of 7 dropped
@@ -42,7 +43,7 @@ def test_matches_sparsegpt_reference(tiny_path: Path, device: torch.device) -> N
 
 
 def test_batch_size_and_max_windows(tiny_path: Path) -> None:
-    loaded = load_model(str(tiny_path))
+    loaded = load_model(str(tiny_path), LOCAL_CTX)
     ids = torch.randint(0, 512, (1, 6 * 16), generator=torch.Generator().manual_seed(1))
     one = perplexity(loaded.model, ids, seqlen=16, device="cpu", batch_size=1)
     four = perplexity(loaded.model, ids, seqlen=16, device="cpu", batch_size=4)
@@ -58,7 +59,7 @@ def test_batch_size_and_max_windows(tiny_path: Path) -> None:
 
 def test_uniform_model_has_vocab_size_ppl(tiny_path: Path) -> None:
     """Zero lm_head → uniform next-token distribution → perplexity exactly the vocabulary size."""
-    loaded = load_model(str(tiny_path))
+    loaded = load_model(str(tiny_path), LOCAL_CTX)
     with torch.no_grad():
         loaded.model.get_output_embeddings().weight.zero_()
     ids = torch.randint(0, 512, (1, 3 * 20), generator=torch.Generator().manual_seed(2))
@@ -67,7 +68,7 @@ def test_uniform_model_has_vocab_size_ppl(tiny_path: Path) -> None:
 
 
 def test_rejects_bad_input(tiny_path: Path) -> None:
-    loaded = load_model(str(tiny_path))
+    loaded = load_model(str(tiny_path), LOCAL_CTX)
     with pytest.raises(UsageError, match=r"must be \(1, T\)"):
         perplexity(loaded.model, torch.zeros(2, 40, dtype=torch.long), seqlen=8, device="cpu")
     with pytest.raises(UsageError, match="fewer than one window of 64"):
@@ -79,11 +80,11 @@ def test_rejects_bad_input(tiny_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.realmodel
 @pytest.mark.realdata
-def test_smollm2_wikitext2_ppl_sane(smollm2_path: Path, data_dir: Path) -> None:
+def test_smollm2_wikitext2_ppl_sane(smollm2_path: Path, data_ctx: RunContext) -> None:
     from tsenor_cli.data.eval_text import eval_token_stream
 
-    loaded = load_model(str(smollm2_path))
-    text = eval_token_stream("wikitext2", loaded.tokenizer, seqlen=512, data_dir=data_dir)
+    loaded = load_model(str(smollm2_path), LOCAL_CTX)
+    text = eval_token_stream("wikitext2", loaded.tokenizer, data_ctx, seqlen=512)
     result = perplexity(loaded.model, text.input_ids, seqlen=512, max_windows=2, device="cpu")
     print(f"smollm2-135m dense WikiText2 ppl (seqlen 512, first 2 windows): {result.ppl:.3f}")
     # A sanity band, not a target: a broken model or tokenizer gives hundreds or more; a uniform one 49152.

@@ -197,17 +197,19 @@ def test_safeguard_keeps_the_better_tile() -> None:
 @pytest.mark.realmodel
 @pytest.mark.realdata
 @pytest.mark.slow
-def test_method_ordering_on_a_real_smollm2_layer(smollm2_path: object, data_dir: object) -> None:
+def test_method_ordering_on_a_real_smollm2_layer(smollm2_path: object, data_ctx: object) -> None:
     """Real weights and real activations (C4 calibration through SmolLM2 up to block 2's k_proj, 192×576).
 
     The paper's ordering alps ≤ sparsegpt ≤ wanda holds robustly for the reconstruction error; magnitude vs
     wanda is close and not asserted.
     """
+    from helpers_tiny import LOCAL_CTX
+
     from tsenor_cli.data.calibration import calibration_batches
     from tsenor_cli.models.loading import load_model
 
-    loaded = load_model(str(smollm2_path))
-    calib = calibration_batches("c4", loaded.tokenizer, nsamples=4, seqlen=128, seed=0, data_dir=data_dir)  # type: ignore[arg-type]
+    loaded = load_model(str(smollm2_path), LOCAL_CTX)
+    calib = calibration_batches("c4", loaded.tokenizer, data_ctx, nsamples=4, seqlen=128, seed=0)  # type: ignore[arg-type]
     linear = loaded.adapter.decoder_layers(loaded.model)[2].self_attn.k_proj
     stats = InputStats(linear.in_features, gram=True, device="cpu")
     handle = linear.register_forward_hook(lambda _m, args, _o: stats.add(args[0]))

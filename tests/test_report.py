@@ -1,10 +1,14 @@
-"""`tsenor report`: schema, merged table (hand-checked numbers), CSV/JSON, PNG plots and errors."""
+"""`tsenor report`: run files (one schema, v1 compatibility), merged table (hand-checked numbers),
+CSV/JSON, PNG plots and errors."""
 
 from __future__ import annotations
 
+import copy
 import csv
 import io
 import json
+import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,38 +18,103 @@ from typer.testing import CliRunner
 from tsenor_cli.cli import app
 from tsenor_cli.errors import InputNotFoundError, OutputExistsError, UsageError
 from tsenor_cli.report import build_table, load_run, write_report
-from tsenor_cli.report.schema import EvalRecord, PruneReport, SchemaError
+from tsenor_cli.runfiles import (
+    EVAL_FILE,
+    PRUNE_FILE,
+    SCHEMA_VERSION,
+    ContextRecord,
+    DataFile,
+    DataSource,
+    EvalReport,
+    LayerRecord,
+    PatternInfo,
+    PerplexityRecord,
+    PruneReport,
+    SchemaError,
+    TaskScore,
+    ZeroShotResult,
+    read_json,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+OFFLINE = DataSource(kind="offline", files=(DataFile("/data/wiki.test.raw", "ab" * 32),))
+
+
+def _eval_report(ppl: dict[str, float], accs: dict[str, float] | None) -> EvalReport:
+    tokens = 1000
+    zeroshot = None
+    if accs is not None:
+        zeroshot = ZeroShotResult(
+            tasks=tuple(TaskScore(k, v, 0.03, None, None, 200, OFFLINE, "1.0") for k, v in accs.items()),
+            average=sum(accs.values()) / len(accs),
+            average_metric="acc",
+            num_fewshot=0,
+            limit=200,
+            source="offline",
+            lm_eval_version="0.4.13",
+        )
+    return EvalReport(
+        model="tiny-llama",
+        source="/ckpt/tiny-llama",
+        model_type="llama",
+        dtype="float32",
+        device="cpu",
+        seqlen=64,
+        max_windows=None,
+        perplexity={
+            k: PerplexityRecord(v, math.log(v) * tokens, tokens, 16, 64, "test text", OFFLINE, 1.5)
+            for k, v in ppl.items()
+        },
+        zeroshot=zeroshot,
+        versions={"tsenor": "0.1.0"},
+        seconds=3.0,
+        command="tsenor eval --model tiny-llama",
+        context=ContextRecord(data_dir="/data", offline=True),
+    )
 
 
 def _eval(ppl: dict[str, float], accs: dict[str, float] | None) -> dict[str, Any]:
-    obj: dict[str, Any] = {
-        "model": "tiny-llama",
-        "perplexity": {k: {"ppl": v, "tokens": 1000} for k, v in ppl.items()},
-    }
-    if accs is not None:
-        obj["zeroshot"] = {
-            "tasks": {k: {"acc": v, "acc_norm": None, "n_samples": 200} for k, v in accs.items()},
-            "average": sum(accs.values()) / len(accs),
-            "average_metric": "acc",
-        }
-    return obj
+    return _eval_report(ppl, accs).to_json()
 
 
-def _prune(n: int, m: int, transposable: bool, errors: list[float]) -> dict[str, Any]:
-    return {
-        "method": "alps",
-        "pattern": {"n": n, "m": m, "transposable": transposable},
-        "sparsity": 1 - n / m,
-        "layers": [
-            # `gap` and `seconds` are optional: the last record leaves them out.
-            {"name": f"model.layers.{i // 2}.mlp.proj{i % 2}", "block": i // 2, "reconstruction_error": e}
-            | ({"gap": 0.0, "seconds": 0.5} if i < len(errors) - 1 else {})
-            for i, e in enumerate(errors)
-        ],
-        "extra_field_from_the_pruner": [1, 2, 3],
-    }
+def _layers(errors: list[float | None]) -> tuple[LayerRecord, ...]:
+    return tuple(
+        LayerRecord(
+            block=i // 2,
+            name=f"model.layers.{i // 2}.mlp.proj{i % 2}",
+            out_features=8,
+            in_features=16,
+            status="pruned" if e is not None else "skipped",
+            reason=None if e is not None else "shape (8, 16) is not divisible by M=32 in both dims",
+            recon_error=e,
+            density=0.5 if e is not None else None,
+            gap=0.0 if e is not None else None,
+            seconds=0.5,
+        )
+        for i, e in enumerate(errors)
+    )
+
+
+def _prune_report(n: int, m: int, transposable: bool, errors: list[float | None]) -> PruneReport:
+    return PruneReport(
+        method="alps",
+        pattern=PatternInfo(n=n, m=m, transposable=transposable),
+        sparsity=1 - n / m,
+        settings={"model": "tiny-llama", "method": "alps", "seed": 0},
+        layers=_layers(errors),
+        calibration="test calibration text",
+        seconds=12.5,
+        output="/runs/x",
+        command="tsenor prune --model tiny-llama",
+        versions={"tsenor": "0.1.0"},
+        calibration_source=OFFLINE,
+        context=ContextRecord(data_dir="/data", offline=False),
+    )
+
+
+def _prune(n: int, m: int, transposable: bool, errors: list[float | None]) -> dict[str, Any]:
+    return {**_prune_report(n, m, transposable, errors).to_json(), "extra_field_from_the_pruner": [1, 2, 3]}
 
 
 def _write_run(root: Path, name: str, eval_obj: dict[str, Any], prune_obj: dict[str, Any] | None) -> Path:
@@ -166,50 +235,125 @@ def test_errors(runs: list[Path], tmp_path: Path) -> None:
     (empty / "eval.json").write_text("{not json")
     with pytest.raises(SchemaError, match="not valid JSON"):
         load_run(empty)
+    valid = _eval({"c4": 30.0}, {"piqa": 0.5})
+    no_model = {k: v for k, v in valid.items() if k != "model"}
     with pytest.raises(SchemaError, match="missing field 'model'"):
-        EvalRecord.from_json({"perplexity": {}})
+        EvalReport.from_json(no_model)
+    percent = copy.deepcopy(valid)
+    percent["zeroshot"]["tasks"]["piqa"]["acc"] = 52.0
     with pytest.raises(SchemaError, match="fraction"):
-        EvalRecord.from_json({"model": "x", "zeroshot": {"tasks": {"piqa": {"acc": 52.0}}}})
+        EvalReport.from_json(percent)
+    norm = copy.deepcopy(valid)
+    norm["zeroshot"]["average_metric"] = "acc_norm"
     with pytest.raises(SchemaError, match="average_metric"):
-        EvalRecord.from_json({"model": "x", "zeroshot": {"tasks": {}, "average_metric": "acc_norm"}})
-    with pytest.raises(SchemaError, match="transposable"):
-        PruneReport.from_json({"method": "alps", "pattern": {"n": 2, "m": 4}, "sparsity": 0.5})
+        EvalReport.from_json(norm)
+    wrong_type = copy.deepcopy(valid)
+    wrong_type["seqlen"] = "64"
+    with pytest.raises(SchemaError, match="field 'seqlen' must be int"):
+        EvalReport.from_json(wrong_type)
+    pruned = _prune(2, 4, True, [0.1])
+    pruned["pattern"] = {"n": 2, "m": 4}
+    with pytest.raises(SchemaError, match="missing field 'transposable'"):
+        PruneReport.from_json(pruned)
+    bad_status = _prune(2, 4, True, [0.1])
+    bad_status["layers"][0]["status"] = "half-done"
+    with pytest.raises(SchemaError, match="status 'half-done'"):
+        PruneReport.from_json(bad_status)
+    future = {**_eval({"c4": 30.0}, None), "schema_version": SCHEMA_VERSION + 1}
+    with pytest.raises(SchemaError, match="upgrade tsenor"):
+        EvalReport.from_json(future)
 
 
-def test_schema_tolerates_missing_optional_fields() -> None:
-    record = EvalRecord.from_json({"model": "m"})
-    assert record.perplexity == {} and record.zeroshot is None
-    prune = PruneReport.from_json({"method": "magnitude", "pattern": None, "sparsity": 0.5})
-    assert prune.pattern is None and prune.layers == ()
-    layer = PruneReport.from_json(
-        {
-            "method": "a",
-            "pattern": None,
-            "sparsity": 0.5,
-            "layers": [{"name": "q", "block": 0, "reconstruction_error": 1}],
-        }
-    ).layers[0]
-    assert layer.gap is None and layer.seconds is None and layer.reconstruction_error == 1.0
-    skipped = PruneReport.from_json(
-        {"method": "a", "pattern": None, "sparsity": 0.5, "layers": [{"name": "q", "block": 0}]}
-    ).layers[0]
-    assert skipped.reconstruction_error is None  # a skipped layer: no error, a gap in the plot
+@pytest.mark.parametrize("accs", [None, {"piqa": 0.52, "boolq": 0.61}])
+def test_eval_file_round_trips(accs: dict[str, float] | None) -> None:
+    """write → read → equal, through real JSON text (inf, the perplexity of a diverged model, included)."""
+    report = _eval_report({"c4": 30.0, "wikitext2": math.inf}, accs)
+    text = json.dumps(report.to_json())
+    assert EvalReport.from_json(json.loads(text)) == report
+
+
+def test_prune_file_round_trips_with_ignored_layers_and_model_totals() -> None:
+    """Layer status "ignored" and the optional model_params / model_nonzero totals read back as written."""
+    report = _prune_report(8, 16, False, [0.1, None, 0.3])
+    ignored = LayerRecord(3, "lm_head", 8, 16, "ignored", "left dense by --ignore")
+    report = replace(report, layers=(*report.layers, ignored), model_params=1000, model_nonzero=600)
+    written = json.loads(json.dumps(report.to_json()))
+    assert written["schema_version"] == SCHEMA_VERSION
+    assert written["totals"]["model_params"] == 1000 and written["totals"]["layers_skipped"] == 2
+    assert PruneReport.from_json(written) == report
+    without = _prune_report(2, 4, True, [0.2])
+    assert PruneReport.from_json(without.to_json()).model_params is None  # optional: absent totals are None
+
+
+def test_version_1_files_still_load() -> None:
+    """A v1 file (no schema_version): the error under either name, source flags as kind-only sources."""
+    v1_prune = _prune(2, 4, True, [0.25, None])
+    for key in ("schema_version", "calibration_source", "context"):
+        del v1_prune[key]
+    for layer in v1_prune["layers"]:
+        layer["reconstruction_error"] = layer["recon_error"]
+    only_long_name = copy.deepcopy(v1_prune)
+    for layer in only_long_name["layers"]:
+        del layer["recon_error"]
+    for obj in (v1_prune, only_long_name):
+        read = PruneReport.from_json(obj)
+        assert read.schema_version == 1 and [layer.recon_error for layer in read.layers] == [0.25, None]
+        assert read.calibration_source is None and read.context is None
+        assert "reconstruction_error" not in read.to_json()["layers"][0]  # written back under one name
+    v1_eval = _eval({"wikitext2": 20.0}, {"piqa": 0.5})
+    for key in ("schema_version", "command", "context"):
+        del v1_eval[key]
+    v1_eval["perplexity"]["wikitext2"]["offline"] = True
+    del v1_eval["perplexity"]["wikitext2"]["data_source"]
+    v1_eval["zeroshot"]["tasks"]["piqa"]["source"] = "hub"
+    del v1_eval["zeroshot"]["tasks"]["piqa"]["data_source"]
+    read_eval = EvalReport.from_json(v1_eval)
+    assert read_eval.schema_version == 1 and read_eval.command is None and read_eval.context is None
+    assert read_eval.perplexity["wikitext2"].data_source == DataSource(kind="offline")
+    assert read_eval.zeroshot is not None and read_eval.zeroshot.tasks[0].data_source == DataSource(kind="hub")
+
+
+RESULT_FILES = sorted(
+    p.relative_to(REPO_ROOT)
+    for p in (REPO_ROOT / "docs" / "results").rglob("*.json")
+    if p.name in (EVAL_FILE, PRUNE_FILE)
+)
+
+
+def test_every_published_run_directory_is_covered() -> None:
+    """The parametrized test below really sees every run directory's eval.json (the glob is not empty)."""
+    run_dirs = {d.relative_to(REPO_ROOT) for d in (REPO_ROOT / "docs" / "results").glob("**/runs/*") if d.is_dir()}
+    assert run_dirs and {p.parent for p in RESULT_FILES if p.name == EVAL_FILE} == run_dirs
+
+
+@pytest.mark.parametrize("relative", RESULT_FILES, ids=str)
+def test_published_run_files_load_and_keep_their_numbers(relative: Path) -> None:
+    """Every run file under docs/results (all v1) loads; the numbers `tsenor report` uses are the file's."""
+    obj = read_json(REPO_ROOT / relative)
+    if relative.name == EVAL_FILE:
+        record = EvalReport.from_json(obj, str(relative))
+        assert record.schema_version == 1
+        assert {k: v.ppl for k, v in record.perplexity.items()} == {k: v["ppl"] for k, v in obj["perplexity"].items()}
+        if obj["zeroshot"] is not None:
+            assert record.zeroshot is not None
+            assert {t.name: t.acc for t in record.zeroshot.tasks} == {
+                k: v["acc"] for k, v in obj["zeroshot"]["tasks"].items()
+            }
+        # written back, it is a current-version file with the same content
+        assert EvalReport.from_json(record.to_json()) == replace(record, schema_version=SCHEMA_VERSION)
+    else:
+        prune = PruneReport.from_json(obj, str(relative))
+        assert prune.schema_version == 1 and prune.method == obj["method"]
+        assert [layer.recon_error for layer in prune.layers] == [layer["recon_error"] for layer in obj["layers"]]
+        assert prune.totals()["mean_recon_error"] == pytest.approx(obj["totals"]["mean_recon_error"], rel=1e-12)
+        assert PruneReport.from_json(prune.to_json()) == replace(prune, schema_version=SCHEMA_VERSION)
 
 
 def test_block_means_average_recorded_linears_and_leave_skipped_blocks_as_gaps() -> None:
-    import math
-
     from tsenor_cli.report.plots import _block_means
-    from tsenor_cli.report.schema import LayerRecord, PatternInfo
 
-    layers = (
-        LayerRecord("model.layers.0.self_attn.q_proj", 0, 0.02),
-        LayerRecord("model.layers.0.mlp.down_proj", 0, 0.04),
-        LayerRecord("model.layers.1.self_attn.q_proj", 1, None),  # skipped: no error
-        LayerRecord("model.layers.2.self_attn.q_proj", 2, 0.01),
-        LayerRecord("model.layers.2.mlp.down_proj", 2, None),
-    )
-    prune = PruneReport("alps", PatternInfo(n=2, m=4, transposable=True), 0.5, layers)
+    errors: list[float | None] = [0.02, 0.04, None, None, 0.01, None]  # block 1: all skipped
+    prune = _prune_report(2, 4, True, errors)
     blocks, means = _block_means(prune)
     assert blocks == [0, 1, 2]
     assert means[0] == pytest.approx(0.03) and math.isnan(means[1]) and means[2] == pytest.approx(0.01)

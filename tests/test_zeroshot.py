@@ -8,17 +8,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers_tiny import LOCAL_CTX
 
 from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.evaluation.tasks import converters
 from tsenor_cli.evaluation.zeroshot import (
     PAPER_TASKS,
     TASKS_DIR,
-    TaskScore,
+    _hub_task_source,
     average_acc,
-    choose_source,
     run_zeroshot,
+    task_source,
 )
+from tsenor_cli.runfiles import DataSource, TaskScore
+from tsenor_cli.settings import RunContext
 
 # ---------------------------------------------------------------- converters on hand-made inputs
 
@@ -171,41 +174,57 @@ def test_rte_jsonl_and_parquet_give_the_same_docs(data_dir: Path) -> None:
     assert sum(by_idx[d["idx"]] != d for d in parquet) == 6
 
 
-def test_missing_data_folder_names_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(InputNotFoundError, match="TSENOR_DATA_DIR"):
-        run_zeroshot(None, None, ["piqa"], offline=True, data_dir=tmp_path / "absent", batch_size=1)
-    monkeypatch.delenv("TSENOR_DATA_DIR", raising=False)
-    with pytest.raises(InputNotFoundError, match="TSENOR_DATA_DIR"):
-        run_zeroshot(None, None, ["piqa"], offline=True, batch_size=1)
-    with pytest.raises(InputNotFoundError, match=r"piqa/valid\.jsonl"):
-        run_zeroshot(None, None, ["piqa"], offline=True, data_dir=tmp_path, batch_size=1)
+def test_missing_data_folder_names_the_option(tmp_path: Path) -> None:
+    absent = RunContext(data_dir=tmp_path / "absent", offline=False, cache_dir=tmp_path)
+    with pytest.raises(InputNotFoundError, match="--data-dir"):
+        run_zeroshot(None, None, ["piqa"], absent, batch_size=1)
+    with pytest.raises(InputNotFoundError, match="--data-dir"):
+        run_zeroshot(None, None, ["piqa"], LOCAL_CTX, batch_size=1)  # hub off, no folder
+    empty = RunContext(data_dir=tmp_path, offline=True, cache_dir=tmp_path)
+    with pytest.raises(InputNotFoundError, match=r"piqa/valid\.jsonl.*--data-dir"):
+        run_zeroshot(None, None, ["piqa"], empty, batch_size=1)
 
 
 def test_bad_arguments_are_usage_errors() -> None:
     with pytest.raises(UsageError, match="valid names: piqa, hellaswag"):
-        run_zeroshot(None, None, ["piqa", "mmlu"], batch_size=1)
+        run_zeroshot(None, None, ["piqa", "mmlu"], LOCAL_CTX, batch_size=1)
     with pytest.raises(UsageError, match="repeats"):
-        run_zeroshot(None, None, ["piqa", "piqa"], batch_size=1)
+        run_zeroshot(None, None, ["piqa", "piqa"], LOCAL_CTX, batch_size=1)
     with pytest.raises(UsageError, match="limit"):
-        run_zeroshot(None, None, ["piqa"], limit=0, batch_size=1)
+        run_zeroshot(None, None, ["piqa"], LOCAL_CTX, limit=0, batch_size=1)
     with pytest.raises(UsageError, match="limit"):
-        run_zeroshot(None, None, ["piqa"], limit=1.5, batch_size=1)
+        run_zeroshot(None, None, ["piqa"], LOCAL_CTX, limit=1.5, batch_size=1)
     with pytest.raises(UsageError, match="fractional"):
-        run_zeroshot(None, None, ["piqa"], limit=1.0, batch_size=1)  # lm-eval would score 1 document
+        run_zeroshot(None, None, ["piqa"], LOCAL_CTX, limit=1.0, batch_size=1)  # lm-eval would score 1 document
     with pytest.raises(UsageError, match="batch size"):
-        run_zeroshot(None, None, ["piqa"], batch_size=0)
+        run_zeroshot(None, None, ["piqa"], LOCAL_CTX, batch_size=0)
 
 
-def test_source_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert choose_source(True) == "offline"
-    assert choose_source(False) == "hub"
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert choose_source(None) == "offline"  # no network probe when the hub is switched off
+def test_task_source_follows_the_context(data_dir: Path, tmp_path: Path) -> None:
+    """A data folder → the offline twins, whatever the hub policy; none → lm-eval's hub tasks; no probe."""
+    for offline in (False, True):
+        ctx = RunContext(data_dir=data_dir, offline=offline, cache_dir=tmp_path)
+        assert task_source(ctx, ["piqa", "rte"]) == ("offline", data_dir)
+    assert task_source(RunContext(data_dir=None, offline=False, cache_dir=tmp_path), ["piqa"]) == ("hub", None)
+
+
+def test_hub_task_source_names_dataset_config_and_split() -> None:
+    """Hand-made lm-eval task configs: the test split when there is one, else validation."""
+    boolq = {"dataset_path": "super_glue", "dataset_name": "boolq", "validation_split": "validation"}
+    assert _hub_task_source(boolq) == DataSource(kind="hub", hub="super_glue/boolq split=validation")
+    pinned = {
+        "dataset_path": "allenai/openbookqa",
+        "dataset_name": None,
+        "dataset_kwargs": {"revision": "abc123"},
+        "validation_split": "validation",
+        "test_split": "test",
+    }
+    assert _hub_task_source(pinned) == DataSource(kind="hub", hub="allenai/openbookqa@abc123 split=test")
 
 
 def test_average_is_unweighted_mean_of_acc() -> None:
     def score(name: str, acc: float, n: int, acc_norm: float | None) -> TaskScore:
-        return TaskScore(name, acc, None, acc_norm, None, n, "offline", "1.0")
+        return TaskScore(name, acc, None, acc_norm, None, n, DataSource(kind="offline"), "1.0")
 
     scores = [
         score("piqa", 0.70, 1838, 0.71),
@@ -231,20 +250,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
 
 @pytest.mark.realdata
 @pytest.mark.realmodel
-def test_offline_tasks_score_documents(tiny_model: tuple[Any, Any], data_dir: Path) -> None:
+def test_offline_tasks_score_documents(tiny_model: tuple[Any, Any], data_dir: Path, data_ctx: RunContext) -> None:
     model, tokenizer = tiny_model
     messages: list[str] = []
     result = run_zeroshot(
-        model, tokenizer, list(PAPER_TASKS), limit=4, batch_size=4, data_dir=data_dir, offline=True,
-        progress=messages.append,
-    )  # fmt: skip
+        model, tokenizer, list(PAPER_TASKS), data_ctx, limit=4, batch_size=4, progress=messages.append
+    )
     assert [t.name for t in result.tasks] == list(PAPER_TASKS)
     for task in result.tasks:
         assert task.n_samples == 4, task
         assert 0.0 <= task.acc <= 1.0
         # Four 0/1 outcomes: acc is a multiple of 1/4 (lm-eval really scored 4 documents).
         assert math.isclose(task.acc * 4, round(task.acc * 4))
-        assert task.source == "offline" and task.version in ("1.0", "2.0")
+        assert task.version in ("1.0", "2.0")
+        # the files the task read, with their sha256
+        read = converters.resolve_files(task.name, data_dir)
+        assert task.data_source is not None and task.data_source.kind == "offline"
+        assert [f.path for f in task.data_source.files] == [str(p.resolve()) for p in read]
         has_norm = task.name not in ("winogrande", "rte", "boolq")
         assert (task.acc_norm is not None) == has_norm
     assert result.average == pytest.approx(sum(t.acc for t in result.tasks) / 8)
@@ -252,3 +274,24 @@ def test_offline_tasks_score_documents(tiny_model: tuple[Any, Any], data_dir: Pa
     payload = json.loads(json.dumps(result.to_json()))
     assert set(payload["tasks"]) == set(PAPER_TASKS) and payload["average_metric"] == "acc"
     assert any("zero-shot" in m for m in messages)
+
+
+def test_hub_task_download_failure_names_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No data folder, hub allowed: lm-eval's hub tasks; a failed download is one error naming --data-dir.
+    (lm-eval's model wrapper and task index are stubbed: only the error path is under test.)"""
+    import lm_eval
+    import lm_eval.models.huggingface
+    import lm_eval.tasks
+
+    managers: list[dict[str, Any]] = []
+
+    def unreachable(**_kwargs: Any) -> None:
+        raise ConnectionError("Couldn't reach 'baber/piqa' on the Hub")
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", unreachable)
+    monkeypatch.setattr(lm_eval.models.huggingface, "HFLM", lambda **kwargs: kwargs)
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kwargs: managers.append(kwargs))
+    hub = RunContext(data_dir=None, offline=False, cache_dir=tmp_path)
+    with pytest.raises(InputNotFoundError, match=r"ConnectionError: Couldn't reach 'baber/piqa'.*pass --data-dir"):
+        run_zeroshot(None, None, ["piqa"], hub, limit=2, batch_size=1)
+    assert managers == [{}]  # lm-eval's own task index (hub configs), not our offline twins

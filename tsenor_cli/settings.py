@@ -1,36 +1,107 @@
-"""Project settings read from the environment, in one place (no hidden globals elsewhere)."""
+"""The run's external inputs, read from the environment in this one place and frozen into a `RunContext`.
+
+The CLI builds one `RunContext` per command from its flags (``--data-dir``, ``--offline``), with the
+environment variables below as defaults, and hands it to the library; no other module reads
+``os.environ`` or probes the network.
+
+Which source a named dataset (calibration text, perplexity text, zero-shot task data) comes from is
+decided by the context alone, never by trying one and falling back to another:
+
+- ``data_dir`` set → every named dataset is read from that offline data folder;
+- otherwise → from the HF hub (a download failure is an error naming ``--data-dir``);
+- otherwise with ``offline`` → an error: the hub is forbidden and there is no data folder.
+
+``offline`` also decides how a hub model id loads: from the local HF cache only.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 DATA_DIR_ENV = "TSENOR_DATA_DIR"
 CACHE_DIR_ENV = "TSENOR_CACHE_DIR"
 DEBUG_ENV = "TSENOR_DEBUG"
+# The HF libraries' own "stay offline" switches; any of them set makes offline the default.
+HUB_OFFLINE_ENVS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+TRITON_INTERPRET_ENV = "TRITON_INTERPRET"
+
+_FALSE = ("", "0", "false", "False", "no")
 
 
-def data_dir() -> Path | None:
-    """The offline data folder (layout of ``../shared/data``) or None when unset."""
-    value = os.environ.get(DATA_DIR_ENV)
+def _flag(environ: Mapping[str, str], name: str) -> bool:
+    return environ.get(name, "") not in _FALSE
+
+
+def _environ(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
+
+
+def data_dir_default(environ: Mapping[str, str] | None = None) -> Path | None:
+    """$TSENOR_DATA_DIR (the offline data folder, layout of ``shared/data``) or None when unset."""
+    value = _environ(environ).get(DATA_DIR_ENV)
     return Path(value).expanduser() if value else None
 
 
-def cache_dir() -> Path:
+def cache_dir_default(environ: Mapping[str, str] | None = None) -> Path:
     """Where materialized models live: $TSENOR_CACHE_DIR, else $XDG_CACHE_HOME/tsenor, else ~/.cache/tsenor."""
-    value = os.environ.get(CACHE_DIR_ENV)
+    env = _environ(environ)
+    value = env.get(CACHE_DIR_ENV)
     if value:
         return Path(value).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
+    xdg = env.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "tsenor"
 
 
-def debug() -> bool:
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0", "false", "False")
+def debug_default(environ: Mapping[str, str] | None = None) -> bool:
+    """$TSENOR_DEBUG set to anything but empty/0/false: full tracebacks instead of one `error:` line."""
+    return _flag(_environ(environ), DEBUG_ENV)
 
 
-def hub_offline() -> bool:
-    """True when the user told the HF libraries not to reach the hub."""
-    names = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
-    return any(os.environ.get(v, "") not in ("", "0") for v in names)
+def offline_default(environ: Mapping[str, str] | None = None) -> bool:
+    """True when the user told the HF libraries not to reach the hub (HF_HUB_OFFLINE & co)."""
+    env = _environ(environ)
+    return any(_flag(env, name) for name in HUB_OFFLINE_ENVS)
+
+
+def triton_interpret() -> bool:
+    """Whether Triton runs its kernels in the CPU interpreter ($TRITON_INTERPRET=1, set by the tests)."""
+    return os.environ.get(TRITON_INTERPRET_ENV) == "1"
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """The external inputs of one run (the rule for data sources is in this module's docstring).
+
+    data_dir: the offline data folder; None = named datasets come from the HF hub.
+    offline: never contact the HF hub (hub model ids load from the local HF cache only).
+    cache_dir: where embedded models are materialized.
+    debug: show full tracebacks.
+    """
+
+    data_dir: Path | None
+    offline: bool
+    cache_dir: Path
+    debug: bool = False
+
+    @classmethod
+    def from_environment(
+        cls,
+        data_dir: Path | None = None,
+        offline: bool | None = None,
+        cache_dir: Path | None = None,
+        debug: bool | None = None,
+        *,
+        environ: Mapping[str, str] | None = None,
+    ) -> RunContext:
+        """Explicit values win; what is None comes from the environment (`environ`, default os.environ)."""
+        folder = Path(data_dir).expanduser() if data_dir is not None else data_dir_default(environ)
+        return cls(
+            data_dir=folder.resolve() if folder is not None else None,
+            offline=offline if offline is not None else offline_default(environ),
+            cache_dir=Path(cache_dir).expanduser() if cache_dir is not None else cache_dir_default(environ),
+            debug=debug if debug is not None else debug_default(environ),
+        )

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import typer
 
-from tsenor_cli.cli import app
+from tsenor_cli import atomic
+from tsenor_cli.cli import app, run_context
 from tsenor_cli.errors import InputNotFoundError, OutputExistsError, UsageError
 from tsenor_cli.nm import NMPattern, parse_nm
 
@@ -43,16 +42,9 @@ def _methods(text: str) -> tuple[str, ...]:
     return names
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    Path(tmp).replace(path)
-
-
 @bench_app.command("solver")
 def bench_solver(
+    ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", help="Embedded model name or a local HF checkpoint folder."),
     patterns: str = typer.Option("2:4,4:8,8:16,16:32,8:32", help="N:M patterns for the quality table."),
     methods: str = typer.Option("all", help="Comma-separated mask methods, or 'all'."),
@@ -84,7 +76,8 @@ def bench_solver(
         if path is not None and path.exists() and not force:
             raise OutputExistsError(f"{path} exists; pass --force to overwrite it")
     if is_embedded(model):
-        model_dir = materialize(model, progress=lambda m: typer.echo(m, err=True))
+        cache_dir = run_context(ctx, None, offline=False).cache_dir
+        model_dir = materialize(model, cache_dir, progress=lambda m: typer.echo(m, err=True))
     else:
         model_dir = Path(model)
         if not model_dir.is_dir():
@@ -117,7 +110,7 @@ def bench_solver(
     result = run_bench(cfg, progress=lambda m: typer.echo(f"[bench] {m}", err=True))
     table = to_markdown(result)
     if output is not None:
-        _write_atomic(output, result.to_json() + "\n")
+        atomic.write_text(output, result.to_json() + "\n")
     if markdown is not None:
-        _write_atomic(markdown, _BENCH_HEADER + table)
+        atomic.write_text(markdown, _BENCH_HEADER + table)
     typer.echo(result.to_json() if json_out else table)

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import typer
 
-from tsenor_cli.cli import app
+from tsenor_cli import atomic
+from tsenor_cli.cli import DATA_DIR_HELP, OFFLINE_HELP, app, command_line, run_context
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import OutputExistsError, UsageError
-from tsenor_cli.evaluation.runner import EvalConfig, EvalReport, evaluate_model
+from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
 from tsenor_cli.models.loading import load_model, parse_dtype
-
-EVAL_FILE = "eval.json"
+from tsenor_cli.runfiles import EVAL_FILE, EvalReport
 
 
 def parse_list(text: str | None, option: str) -> tuple[str, ...]:
@@ -66,46 +64,30 @@ def parse_limit(text: str | None) -> int | float | None:
         raise UsageError(f"--limit {text!r} must be a document count or a fraction in (0, 1]") from exc
 
 
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write JSON to a temp sibling, then rename it over `path` (never a half-written file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(payload, handle, indent=2)
-            handle.write("\n")
-        tmp.chmod(0o644)
-        tmp.replace(path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def format_table(report: EvalReport) -> str:
     """A human table: one row per perplexity dataset, then zero-shot accuracies when run."""
     lines = [f"model {report.model} ({report.model_type}, {report.dtype}, {report.device}), seqlen {report.seqlen}"]
     if report.perplexity:
         lines.append(f"{'dataset':<10} {'ppl':>12} {'windows':>8} {'tokens':>9}  data")
         for name, entry in report.perplexity.items():
-            r = entry.result
-            ppl = f"{r.ppl:.3f}" if math.isfinite(r.ppl) else str(r.ppl)
-            lines.append(f"{name:<10} {ppl:>12} {r.windows:>8} {r.tokens:>9}  {'offline' if entry.offline else 'hub'}")
+            ppl = f"{entry.ppl:.3f}" if math.isfinite(entry.ppl) else str(entry.ppl)
+            kind = entry.data_source.kind if entry.data_source is not None else "unrecorded"
+            lines.append(f"{name:<10} {ppl:>12} {entry.windows:>8} {entry.tokens:>9}  {kind}")
     if report.zeroshot is not None:
-        zs = report.zeroshot.to_json()
         lines.append(f"{'task':<14} {'acc':>8} {'acc_norm':>9}")
-        for task, metrics in zs["tasks"].items():
-            norm = metrics.get("acc_norm")
-            norm_text = "-" if norm is None else f"{norm:.4f}"  # WinoGrande, RTE, BoolQ define only acc
-            lines.append(f"{task:<14} {metrics['acc']:>8.4f} {norm_text:>9}")
-        lines.append(f"{'average (acc)':<14} {zs['average']:>8.4f}")
-    lines.extend(f"data {name}: {entry.description}" for name, entry in report.perplexity.items())
+        for task in report.zeroshot.tasks:
+            # WinoGrande, RTE, BoolQ define only acc
+            norm_text = "-" if task.acc_norm is None else f"{task.acc_norm:.4f}"
+            lines.append(f"{task.name:<14} {task.acc:>8.4f} {norm_text:>9}")
+        lines.append(f"{'average (acc)':<14} {report.zeroshot.average:>8.4f}")
+    lines.extend(f"data {name}: {entry.data}" for name, entry in report.perplexity.items())
     lines.append(f"took {report.seconds:.1f} s")
     return "\n".join(lines)
 
 
 @app.command("eval")
 def eval_cmd(
+    ctx: typer.Context,
     model: str = typer.Option(..., "--model", help="Embedded name (smollm2-135m), local checkpoint dir, or hub id."),
     ppl: str = typer.Option(",".join(DATASET_NAMES), "--ppl", help="Perplexity datasets (comma list) or 'none'."),
     tasks: str | None = typer.Option(None, "--tasks", help="Zero-shot tasks (comma list), e.g. piqa,arc_easy."),
@@ -120,6 +102,8 @@ def eval_cmd(
     output: Path | None = typer.Option(None, "--output", "-o", help="Directory to write eval.json into."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing eval.json."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+    data_dir: Path | None = typer.Option(None, "--data-dir", help=DATA_DIR_HELP),
+    offline: bool = typer.Option(False, "--offline", help=OFFLINE_HELP),
 ) -> None:
     """Evaluate a model: perplexity (SparseGPT protocol) and optional lm-eval zero-shot tasks."""
     # Validate every option before the (slow) model load, so a typo fails at once.
@@ -131,7 +115,9 @@ def eval_cmd(
         batch_size=parse_batch_size(batch_size),
         seqlen=seqlen,
         max_windows=max_windows,
+        command=command_line(),
     )
+    run_ctx = run_context(ctx, data_dir, offline)
     if not cfg.ppl_datasets and not cfg.tasks:
         raise UsageError("nothing to evaluate: --ppl none and no --tasks; pass --ppl wikitext2 or --tasks piqa")
     torch_dtype = parse_dtype(dtype)
@@ -147,11 +133,13 @@ def eval_cmd(
     def progress(message: str) -> None:
         typer.echo(message, err=True)
 
-    loaded = load_model(model, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code, progress=progress)
-    report = evaluate_model(loaded, cfg, progress=progress)
+    loaded = load_model(
+        model, run_ctx, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code, progress=progress
+    )
+    report = evaluate_model(loaded, cfg, run_ctx, progress=progress)
     payload = report.to_json()
     if target is not None:
-        write_json_atomic(target, payload)
+        atomic.write_json(target, payload)
         progress(f"wrote {target}")
     if as_json:
         typer.echo(json.dumps(payload, indent=2))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from tsenor_cli.cli import app
+from tsenor_cli.cli import app, run_context
 from tsenor_cli.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, materialize
 
 model_app = typer.Typer(help="Manage the embedded default model.", no_args_is_help=True)
@@ -13,10 +13,12 @@ app.add_typer(model_app, name="model")
 
 @model_app.command("materialize")
 def materialize_cmd(
+    ctx: typer.Context,
     name: str = typer.Argument(DEFAULT_MODEL, help=f"One of: {', '.join(EMBEDDED_MODELS)}."),
 ) -> None:
     """Convert an embedded model to a safetensors checkpoint in the cache (once) and print its path."""
-    path = materialize(name, progress=lambda msg: typer.echo(msg, err=True))
+    cache_dir = run_context(ctx, None, offline=False).cache_dir
+    path = materialize(name, cache_dir, progress=lambda msg: typer.echo(msg, err=True))
     typer.echo(str(path))
 
 

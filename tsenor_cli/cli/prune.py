@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -13,7 +11,7 @@ import typer
 import yaml
 from typer._click.core import ParameterSource
 
-from tsenor_cli.cli import app
+from tsenor_cli.cli import DATA_DIR_HELP, OFFLINE_HELP, app, command_line, run_context
 from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.nm import parse_nm
 from tsenor_cli.pruning.config import PruneConfig
@@ -180,6 +178,8 @@ def prune_cmd(
     tasks: str | None = typer.Option(None, "--tasks", help="With --eval: zero-shot tasks (comma list)."),
     max_windows: int | None = typer.Option(None, "--max-windows", min=1, help="With --eval: perplexity windows."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    data_dir: Path | None = typer.Option(None, "--data-dir", help=DATA_DIR_HELP),
+    offline: bool = typer.Option(False, "--offline", help=OFFLINE_HELP),
 ) -> None:
     """Prune a model to (transposable) N:M or unstructured sparsity, layer by layer."""
     given = {
@@ -200,8 +200,9 @@ def prune_cmd(
         "skip_incompatible": skip_incompatible,
         "output": output,
     }
-    command = shlex.join(["tsenor", *sys.argv[1:]]) if sys.argv and Path(sys.argv[0]).name == "tsenor" else None
-    cfg = build_config(merge_config(ctx, given, config), force=force, resume=resume, command=command or "tsenor prune")
+    run_ctx = run_context(ctx, data_dir, offline)
+    command = command_line()
+    cfg = build_config(merge_config(ctx, given, config), force=force, resume=resume, command=command)
     eval_cfg = None
     if run_eval:
         if dry_run:
@@ -210,7 +211,10 @@ def prune_cmd(
         from tsenor_cli.evaluation.runner import EvalConfig
 
         eval_cfg = EvalConfig(
-            ppl_datasets=parse_ppl_datasets(ppl), tasks=parse_list(tasks, "--tasks"), max_windows=max_windows
+            ppl_datasets=parse_ppl_datasets(ppl),
+            tasks=parse_list(tasks, "--tasks"),
+            max_windows=max_windows,
+            command=command,
         )
 
     def progress(message: str) -> None:
@@ -219,7 +223,7 @@ def prune_cmd(
     if dry_run:
         from tsenor_cli.pruning.api import plan_model
 
-        plan = plan_model(cfg, progress=progress)
+        plan = plan_model(cfg, run_ctx, progress=progress)
         if as_json:
             typer.echo(json.dumps(plan.to_dict(), indent=2))
             return
@@ -247,16 +251,20 @@ def prune_cmd(
 
     from tsenor_cli.pruning.api import prune_model
 
-    report = prune_model(cfg, progress=progress)
-    payload: dict[str, Any] = {"prune": report.to_dict()}
+    report = prune_model(cfg, run_ctx, progress=progress)
+    payload: dict[str, Any] = {"prune": report.to_json()}
     if eval_cfg is not None and cfg.output is not None:
-        from tsenor_cli.cli.evaluate import EVAL_FILE, format_table, write_json_atomic
+        from tsenor_cli import atomic
+        from tsenor_cli.cli.evaluate import format_table
         from tsenor_cli.evaluation.runner import evaluate_model
         from tsenor_cli.models.loading import load_model, parse_dtype
+        from tsenor_cli.runfiles import EVAL_FILE
 
-        loaded = load_model(str(cfg.output), dtype=parse_dtype(cfg.dtype), device=cfg.device, progress=progress)
-        evaluation = evaluate_model(loaded, eval_cfg, progress=progress)
-        write_json_atomic(cfg.output / EVAL_FILE, evaluation.to_json())
+        loaded = load_model(
+            str(cfg.output), run_ctx, dtype=parse_dtype(cfg.dtype), device=cfg.device, progress=progress
+        )
+        evaluation = evaluate_model(loaded, eval_cfg, run_ctx, progress=progress)
+        atomic.write_json(cfg.output / EVAL_FILE, evaluation.to_json())
         payload["eval"] = evaluation.to_json()
         if not as_json:
             typer.echo(format_table(evaluation))

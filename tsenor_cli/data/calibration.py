@@ -12,8 +12,10 @@
   WikiText-2 train is missing, so its validation split (``wiki.valid.raw``) is used instead.
 - a file path (.txt, .jsonl, .json, .json.gz, .parquet with ``text``): documents joined as for offline C4.
 
-Random windows come from a ``torch.Generator`` seeded with `seed`; the same arguments always give
-the same tensor.
+Whether the named sources come from the hub or the offline folder is the run context's choice
+(tsenor_cli/settings.py); `CalibrationData.source` records which, with the files' sha256. Random
+windows come from a ``torch.Generator`` seeded with `seed`; the same arguments always give the same
+tensor.
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ import torch
 
 from tsenor_cli.data import sources
 from tsenor_cli.errors import UsageError
+from tsenor_cli.runfiles import DataSource
+from tsenor_cli.settings import RunContext
 
 
 @dataclass(frozen=True)
 class CalibrationData:
-    """input_ids: (nsamples, seqlen) long; where it came from; whether the offline folder was used."""
+    """input_ids: (nsamples, seqlen) long; a description of the text; where it came from."""
 
     input_ids: torch.Tensor
     source_description: str
-    offline: bool
+    source: DataSource
 
     @property
     def nsamples(self) -> int:
@@ -94,35 +98,31 @@ def _text_windows(tokenizer: object, text: str, nsamples: int, seqlen: int, seed
     return random_windows(stream, nsamples, seqlen, torch.Generator().manual_seed(seed))
 
 
-def _c4_hub(tokenizer: object, nsamples: int, seqlen: int, seed: int) -> tuple[CalibrationData | None, str]:
-    """SparseGPT's C4 sampler; (None, why) when the hub is disabled or unreachable."""
-    raw, reason = sources.from_hub(
-        lambda: sources.hub_rows("allenai/c4", None, "train", "text", {"train": sources.C4_TRAIN_SHARD}),
-        f"allenai/c4 {sources.C4_TRAIN_SHARD} (hub)",
-    )
-    if raw is None:
-        return None, reason
+def _sparsegpt_c4_windows(
+    docs: tuple[str, ...], tokenizer: object, nsamples: int, seqlen: int, seed: int
+) -> torch.Tensor:
+    """SparseGPT's C4 sampler (datautils.get_c4): a random document longer than `seqlen` tokens, then a
+    random window in it, `nsamples` times → (nsamples, seqlen) long."""
     rng = random.Random(seed)
     windows = []
     for _ in range(nsamples):
-        while True:  # a random document longer than seqlen tokens (SparseGPT datautils.get_c4)
-            ids = sources.encode(tokenizer, raw.rows[rng.randint(0, len(raw.rows) - 1)])
+        while True:
+            ids = sources.encode(tokenizer, docs[rng.randint(0, len(docs) - 1)])
             if ids.shape[0] > seqlen:
                 break
         start = rng.randint(0, int(ids.shape[0]) - seqlen - 1)
         windows.append(ids[start : start + seqlen])
-    description = f"{raw.description}: random document > {seqlen} tokens, random window (SparseGPT), seed {seed}"
-    return CalibrationData(torch.stack(windows), description, offline=False), ""
+    return torch.stack(windows)
 
 
 def calibration_batches(
     source: str,
     tokenizer: object,
+    ctx: RunContext,
     *,
     nsamples: int = 128,
     seqlen: int = 2048,
     seed: int = 0,
-    data_dir: Path | None = None,
 ) -> CalibrationData:
     """`nsamples` windows of `seqlen` tokens from `source` (c4 | wikitext2 | ptb | a file path).
 
@@ -131,30 +131,23 @@ def calibration_batches(
     if nsamples < 1 or seqlen < 1:
         raise UsageError(f"nsamples and seqlen must be positive, got {nsamples} and {seqlen}")
     if source == "c4":
-        hub, reason = _c4_hub(tokenizer, nsamples, seqlen, seed)
-        if hub is not None:
-            return hub
-        path = sources.offline_file(data_dir, sources.C4_SAMPLE, "c4")
-        docs = sources.read_text_records(path)[sources.C4_EVAL_DOCS :]
-        ids = _document_windows(tokenizer, docs, nsamples, seqlen, seed, str(path))
-        description = (
-            f"offline C4-en sample {path} documents "
-            f"{sources.C4_EVAL_DOCS}-{sources.C4_EVAL_DOCS + len(docs) - 1} "
-            f"(not the c4-train shard; disjoint from the offline C4 eval documents): shuffled (seed {seed}), "
-            f"EOS-separated into one stream, {nsamples} random {seqlen}-token windows [{reason}]"
-        )
-        return CalibrationData(ids, description, offline=True)
+        raw = sources.c4_documents("train", ctx)
+        if raw.source.kind == "hub":
+            ids = _sparsegpt_c4_windows(raw.rows, tokenizer, nsamples, seqlen, seed)
+            how = f"random document > {seqlen} tokens, random window (SparseGPT), seed {seed}"
+        else:
+            ids = _document_windows(tokenizer, raw.rows, nsamples, seqlen, seed, raw.description)
+            how = f"shuffled (seed {seed}), EOS-separated into one stream, {nsamples} random {seqlen}-token windows"
+        return CalibrationData(ids, f"{raw.description}: {how}", raw.source)
     if source == "wikitext2":
-        raw = sources.wikitext2_text("train", data_dir)
+        raw = sources.wikitext2_text("train", ctx)
         ids = _text_windows(tokenizer, " ".join(raw.rows), nsamples, seqlen, seed, "wikitext2")
-        return CalibrationData(
-            ids, f"{raw.description}: rows joined with ' ', random windows, seed {seed}", raw.offline
-        )
+        return CalibrationData(ids, f"{raw.description}: rows joined with ' ', random windows, seed {seed}", raw.source)
     if source == "ptb":
-        raw = sources.ptb_text("train", data_dir)
+        raw = sources.ptb_text("train", ctx)
         ids = _text_windows(tokenizer, " ".join(raw.rows), nsamples, seqlen, seed, "ptb")
         return CalibrationData(
-            ids, f"{raw.description}: sentences joined with ' ', random windows, seed {seed}", raw.offline
+            ids, f"{raw.description}: sentences joined with ' ', random windows, seed {seed}", raw.source
         )
     path = Path(source).expanduser()
     if not path.exists() and not any(source.lower().endswith(s) for s in sources.LOCAL_SUFFIXES) and "/" not in source:
@@ -165,4 +158,4 @@ def calibration_batches(
         f"file {path} ({len(docs)} documents): shuffled (seed {seed}), EOS-separated into one stream, "
         f"{nsamples} random {seqlen}-token windows"
     )
-    return CalibrationData(ids, description, offline=True)
+    return CalibrationData(ids, description, sources.file_source("file", [path]))

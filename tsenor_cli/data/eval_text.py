@@ -6,18 +6,21 @@
 - ``c4``: the first 1,100 documents of validation shard ``en/c4-validation.00000-of-00008`` joined with
   " ", cut to the first 256×seqlen tokens. Offline no validation slice exists: documents 0-499 of the
   data folder's C4-en sample (train-distribution documents) are used the same way; the description says so.
+
+Hub or offline folder: the run context decides (tsenor_cli/settings.py); `EvalText.source` records which.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
 
 from tsenor_cli.data import sources
 from tsenor_cli.errors import UsageError
+from tsenor_cli.runfiles import DataSource
+from tsenor_cli.settings import RunContext
 
 C4_EVAL_DOCS_HUB = 1100
 C4_EVAL_WINDOWS = 256
@@ -25,11 +28,11 @@ C4_EVAL_WINDOWS = 256
 
 @dataclass(frozen=True)
 class EvalText:
-    """input_ids: (1, T) long; where the text came from; whether the offline folder was used."""
+    """input_ids: (1, T) long; a description of the text; where it came from."""
 
     input_ids: torch.Tensor
     description: str
-    offline: bool
+    source: DataSource
 
     @property
     def tokens(self) -> int:
@@ -39,44 +42,28 @@ class EvalText:
 def eval_token_stream(
     name: Literal["wikitext2", "ptb", "c4"],
     tokenizer: object,
+    ctx: RunContext,
     *,
     seqlen: int,
-    data_dir: Path | None = None,
 ) -> EvalText:
     """The evaluation text of `name` tokenized into one stream (1, T) long on CPU."""
     if seqlen < 2:
         raise UsageError(f"seqlen must be at least 2, got {seqlen}")
     if name == "wikitext2":
-        raw = sources.wikitext2_text("test", data_dir)
+        raw = sources.wikitext2_text("test", ctx)
         ids = sources.encode(tokenizer, "\n\n".join(raw.rows))
-        return EvalText(ids[None, :], f"{raw.description}, rows joined with '\\n\\n'", raw.offline)
+        return EvalText(ids[None, :], f"{raw.description}, rows joined with '\\n\\n'", raw.source)
     if name == "ptb":
-        raw = sources.ptb_text("test", data_dir)
+        raw = sources.ptb_text("test", ctx)
         ids = sources.encode(tokenizer, " ".join(raw.rows))
-        return EvalText(ids[None, :], f"{raw.description}, sentences joined with ' '", raw.offline)
+        return EvalText(ids[None, :], f"{raw.description}, sentences joined with ' '", raw.source)
     if name == "c4":
-        hub, reason = sources.from_hub(
-            lambda: sources.hub_rows(
-                "allenai/c4", None, "validation", "text", {"validation": sources.C4_VALIDATION_SHARD}
-            )[:C4_EVAL_DOCS_HUB],
-            f"allenai/c4 {sources.C4_VALIDATION_SHARD} first {C4_EVAL_DOCS_HUB} documents (hub)",
-        )
-        if hub is not None:
-            raw = hub
-        else:
-            path = sources.offline_file(data_dir, sources.C4_SAMPLE, "c4")
-            docs = sources.read_text_records(path)[: sources.C4_EVAL_DOCS]
-            raw = sources.RawText(
-                docs,
-                f"offline C4-en sample {path} documents 0-{len(docs) - 1} "
-                "(NOT the c4 validation shard, which is "
-                f"not in the data folder; numbers are not comparable to published C4 ppl) [{reason}]",
-                True,
-            )
-        ids = sources.encode(tokenizer, " ".join(raw.rows))[: C4_EVAL_WINDOWS * seqlen]
+        raw = sources.c4_documents("validation", ctx)
+        rows, description = raw.rows, raw.description
+        if raw.source.kind == "hub":
+            rows, description = rows[:C4_EVAL_DOCS_HUB], f"{description} first {C4_EVAL_DOCS_HUB} documents"
+        ids = sources.encode(tokenizer, " ".join(rows))[: C4_EVAL_WINDOWS * seqlen]
         return EvalText(
-            ids[None, :],
-            f"{raw.description}, joined with ' ', first {C4_EVAL_WINDOWS}×{seqlen} tokens",
-            raw.offline,
+            ids[None, :], f"{description}, joined with ' ', first {C4_EVAL_WINDOWS}×{seqlen} tokens", raw.source
         )
     raise UsageError(f"unknown evaluation dataset {name!r}; use one of: {', '.join(sources.DATASET_NAMES)}")

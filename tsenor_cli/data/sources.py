@@ -1,25 +1,29 @@
-"""Raw text of the language-modelling datasets: from the HF hub when reachable, else the offline folder.
+"""Raw text of the language-modelling datasets: from the offline data folder or from the HF hub.
 
-The offline folder ($TSENOR_DATA_DIR, layout of ``shared/data``; see its README) holds WikiText-2 raw
+Which one is decided by the run context alone (`data_folder`; the rule is in tsenor_cli/settings.py):
+the data folder when one is set, else the hub; never one after the other failed. The offline folder
+(``--data-dir`` / $TSENOR_DATA_DIR, layout of ``shared/data``; see its README) holds WikiText-2 raw
 test/valid, PTB train/valid/test, and a 1,000-document C4-en sample. This module turns those files
 into the same rows the hub datasets give (``wikitext-2-raw-v1`` rows, ``ptb_text_only`` sentences,
-C4 documents), so calibration and evaluation code do not care where the text came from.
+C4 documents), so calibration and evaluation code do not care where the text came from, and records
+where it came from as a `DataSource` (files with their sha256, or the hub dataset).
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
-import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from tsenor_cli import settings
 from tsenor_cli.errors import InputNotFoundError, UsageError
+from tsenor_cli.runfiles import DataFile, DataKind, DataSource
+from tsenor_cli.settings import RunContext
 
 DatasetName = Literal["wikitext2", "ptb", "c4"]
 DATASET_NAMES: tuple[DatasetName, ...] = ("wikitext2", "ptb", "c4")
@@ -39,43 +43,63 @@ C4_TRAIN_SHARD = "en/c4-train.00000-of-01024.json.gz"
 C4_VALIDATION_SHARD = "en/c4-validation.00000-of-00008.json.gz"
 
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet")
+_HASH_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
 class RawText:
-    """Rows of text (documents, sentences or WikiText rows) and where they came from."""
+    """Rows of text (documents, sentences or WikiText rows), a description and where they came from."""
 
     rows: tuple[str, ...]
     description: str
-    offline: bool
+    source: DataSource
 
 
-def hub_enabled() -> bool:
-    """False when the user told the HF libraries to stay offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)."""
-    flags = ("HF_DATASETS_OFFLINE",)
-    return not (settings.hub_offline() or any(os.environ.get(v, "") not in ("", "0") for v in flags))
+def data_folder(ctx: RunContext, dataset: str) -> Path | None:
+    """The data folder `dataset` is read from, or None for the HF hub (the rule of tsenor_cli/settings.py).
 
-
-def resolve_data_dir(data_dir: Path | None) -> Path | None:
-    """The explicit data_dir, else $TSENOR_DATA_DIR, else None."""
-    return Path(data_dir).expanduser() if data_dir is not None else settings.data_dir()
-
-
-def offline_file(data_dir: Path | None, relative: str, dataset: str) -> Path:
-    """The path of an offline data file; InputNotFoundError with the fix when it is not there."""
-    folder = resolve_data_dir(data_dir)
-    if folder is None:
+    With the hub forbidden (offline) and no data folder there is no source: InputNotFoundError.
+    """
+    if ctx.data_dir is not None:
+        return ctx.data_dir
+    if ctx.offline:
         raise InputNotFoundError(
-            f"no data for {dataset}: the HF hub is not reachable and no data folder is set; "
-            f"set TSENOR_DATA_DIR to the offline data folder (with {relative}) or pass a text file path"
+            f"no data for {dataset}: the HF hub is off (--offline or HF_HUB_OFFLINE) and no data folder is set; "
+            "pass --data-dir with the offline data folder (or set TSENOR_DATA_DIR), or drop --offline"
         )
-    path = folder / relative
+    return None
+
+
+def offline_file(data_dir: Path, relative: str, dataset: str) -> Path:
+    """data_dir / relative; InputNotFoundError with the fix when it is not there."""
+    path = data_dir / relative
     if not path.is_file():
         raise InputNotFoundError(
-            f"no data for {dataset}: {path} does not exist; set TSENOR_DATA_DIR to the offline data "
-            f"folder (with {relative}) or pass a text file path"
+            f"no data for {dataset}: {path} does not exist; pass --data-dir with a folder laid out as "
+            f"shared/data (with {relative})"
         )
     return path
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of the bytes of `path`."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_source(kind: DataKind, paths: Sequence[Path]) -> DataSource:
+    """A DataSource for local files (kind "offline" or "file"), each with its absolute path and sha256."""
+    return DataSource(kind=kind, files=tuple(DataFile(str(p.resolve()), sha256_file(p)) for p in paths))
+
+
+def hub_source(path: str, config: str | None, split: str, data_files: dict[str, str] | None = None) -> DataSource:
+    """A DataSource naming a hub dataset split, e.g. "allenai/c4 split=train file=en/c4-train...json.gz"."""
+    name = path if config is None else f"{path}/{config}"
+    files = "".join(f" file={f}" for f in (data_files or {}).values())
+    return DataSource(kind="hub", hub=f"{name} split={split}{files}")
 
 
 def wikitext_rows(path: Path) -> tuple[str, ...]:
@@ -187,53 +211,73 @@ def _parquet_text(path: Path) -> tuple[str, ...]:
     return tuple(values)
 
 
-def from_hub(loader: Callable[[], tuple[str, ...]], description: str) -> tuple[RawText | None, str]:
-    """Run a hub loader; (RawText, "") on success, (None, reason) when the hub is off or fails."""
-    if not hub_enabled():
-        return None, "HF hub disabled (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE)"
+def from_hub(
+    dataset: str, path: str, config: str | None, split: str, field: str, data_files: dict[str, str] | None = None
+) -> RawText:
+    """Rows of one text field of a hub dataset split; a failed download is InputNotFoundError naming --data-dir."""
+    source = hub_source(path, config, split, data_files)
     try:
-        rows = loader()
+        rows = hub_rows(path, config, split, field, data_files)
     except (OSError, ValueError) as exc:  # ConnectionError, DatasetNotFoundError, gated repos are OSErrors
-        return None, f"HF hub failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return RawText(rows=rows, description=description, offline=False), ""
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise InputNotFoundError(
+            f"cannot download {dataset} ({source.hub}) from the HF hub ({type(exc).__name__}: {first}); "
+            "pass --data-dir with the offline data folder, or fix the connection"
+        ) from exc
+    return RawText(rows=rows, description=f"{source.hub} (hub)", source=source)
 
 
-def wikitext2_text(split: Literal["train", "test"], data_dir: Path | None) -> RawText:
-    """WikiText-2 raw rows of `split`: the hub's wikitext-2-raw-v1, else the offline file.
+def wikitext2_text(split: Literal["train", "test"], ctx: RunContext) -> RawText:
+    """WikiText-2 raw rows of `split`: the data folder's file when one is set, else the hub's wikitext-2-raw-v1.
 
-    The offline folder has no train split: calibration ("train") falls back to the validation file,
+    The offline folder has no train split: calibration ("train") reads the validation file instead,
     and the description says so.
     """
-    raw, reason = from_hub(
-        lambda: hub_rows("wikitext", "wikitext-2-raw-v1", split, "text"), f"wikitext-2-raw-v1 {split} (hub)"
-    )
-    if raw is not None:
-        return raw
-    if split == "train":
-        path = offline_file(data_dir, WIKITEXT2_VALID, "wikitext2")
-        note = "WikiText-2 VALIDATION split: the train split is not in the data folder"
-    elif split == "test":
-        path = offline_file(data_dir, WIKITEXT2_TEST, "wikitext2")
-        note = "as HF wikitext-2-raw-v1 test rows"
-    else:
+    if split not in ("train", "test"):
         raise ValueError(f"unknown WikiText-2 split {split!r}; choose 'train' or 'test'")
-    return RawText(wikitext_rows(path), f"offline {path} ({note}) [{reason}]", offline=True)
-
-
-def ptb_text(split: Literal["train", "test"], data_dir: Path | None) -> RawText:
-    """PTB sentences of `split`: the hub's ptb_text_only, else the offline file."""
-    raw, reason = from_hub(
-        lambda: hub_rows("ptb_text_only", "penn_treebank", split, "sentence"), f"ptb_text_only {split} (hub)"
-    )
-    if raw is not None:
-        return raw
+    folder = data_folder(ctx, "wikitext2")
+    if folder is None:
+        return from_hub("wikitext2", "wikitext", "wikitext-2-raw-v1", split, "text")
     if split == "train":
-        path = offline_file(data_dir, PTB_TRAIN, "ptb")
-    elif split == "test":
-        path = offline_file(data_dir, PTB_TEST, "ptb")
+        path = offline_file(folder, WIKITEXT2_VALID, "wikitext2")
+        note = "WikiText-2 VALIDATION split: the train split is not in the data folder"
     else:
+        path = offline_file(folder, WIKITEXT2_TEST, "wikitext2")
+        note = "as HF wikitext-2-raw-v1 test rows"
+    return RawText(wikitext_rows(path), f"offline {path} ({note})", file_source("offline", [path]))
+
+
+def ptb_text(split: Literal["train", "test"], ctx: RunContext) -> RawText:
+    """PTB sentences of `split`: the data folder's file when one is set, else the hub's ptb_text_only."""
+    if split not in ("train", "test"):
         raise ValueError(f"unknown PTB split {split!r}; choose 'train' or 'test'")
-    return RawText(ptb_sentences(path), f"offline {path} [{reason}]", offline=True)
+    folder = data_folder(ctx, "ptb")
+    if folder is None:
+        return from_hub("ptb", "ptb_text_only", "penn_treebank", split, "sentence")
+    path = offline_file(folder, PTB_TRAIN if split == "train" else PTB_TEST, "ptb")
+    return RawText(ptb_sentences(path), f"offline {path}", file_source("offline", [path]))
+
+
+def c4_documents(split: Literal["train", "validation"], ctx: RunContext) -> RawText:
+    """C4 documents: the hub shard of `split` (SparseGPT's), or the data folder's C4-en sample split by
+    position (documents C4_EVAL_DOCS and on for "train", the ones before for "validation")."""
+    folder = data_folder(ctx, "c4")
+    if folder is None:
+        shard = C4_TRAIN_SHARD if split == "train" else C4_VALIDATION_SHARD
+        return from_hub("c4", "allenai/c4", None, split, "text", {split: shard})
+    path = offline_file(folder, C4_SAMPLE, "c4")
+    docs = read_text_records(path)
+    if split == "train":
+        rows, first = docs[C4_EVAL_DOCS:], C4_EVAL_DOCS
+        note = "not the c4-train shard; disjoint from the offline C4 eval documents"
+    else:
+        rows, first = docs[:C4_EVAL_DOCS], 0
+        note = (
+            "NOT the c4 validation shard, which is not in the data folder; "
+            "numbers are not comparable to published C4 ppl"
+        )
+    description = f"offline C4-en sample {path} documents {first}-{first + len(rows) - 1} ({note})"
+    return RawText(rows, description, file_source("offline", [path]))
 
 
 def hub_rows(

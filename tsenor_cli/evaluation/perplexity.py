@@ -27,15 +27,6 @@ class PerplexityResult:
     windows: int
     seqlen: int
 
-    def to_json(self) -> dict[str, float | int]:
-        return {
-            "ppl": self.ppl,
-            "nll_sum": self.nll_sum,
-            "tokens": self.tokens,
-            "windows": self.windows,
-            "seqlen": self.seqlen,
-        }
-
 
 def window_nll(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
     """windows: (B, S) long → summed next-token NLL per window (B,) float64, computed in fp32.

@@ -1,7 +1,7 @@
 """Library entry for evaluation: perplexity on WikiText2/PTB/C4 and optional zero-shot tasks.
 
-``evaluate_model(loaded, cfg) -> EvalReport``; ``EvalReport.to_json()`` is the content of ``eval.json``
-(read by ``tsenor report``; see tsenor_cli/report/schema.py for the fields it needs).
+``evaluate_model(loaded, cfg, ctx) -> EvalReport``; ``EvalReport.to_json()`` is the content of
+``eval.json`` (defined in tsenor_cli/runfiles.py, read back by ``tsenor report``).
 """
 
 from __future__ import annotations
@@ -10,22 +10,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
-from pathlib import Path
-from typing import Any
 
 from tsenor_cli.data.eval_text import eval_token_stream
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import UsageError
-from tsenor_cli.evaluation.perplexity import PerplexityResult, perplexity
+from tsenor_cli.evaluation.perplexity import perplexity
 from tsenor_cli.models.loading import LoadedModel
 from tsenor_cli.provenance import tsenor_versions
+from tsenor_cli.runfiles import ContextRecord, EvalReport, PerplexityRecord, ZeroShotResult
+from tsenor_cli.settings import RunContext
 
 DEFAULT_SEQLEN = 2048
 
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """What to evaluate. seqlen None = min(2048, the model's max positions)."""
+    """What to evaluate. seqlen None = min(2048, the model's max positions); command: the command line,
+    recorded in eval.json."""
 
     ppl_datasets: tuple[DatasetName, ...] = DATASET_NAMES
     tasks: tuple[str, ...] = ()
@@ -34,7 +35,7 @@ class EvalConfig:
     batch_size: int | str = "auto"  # lm-eval's; perplexity uses it when it is an integer, else 1
     seqlen: int | None = None
     max_windows: int | None = None
-    data_dir: Path | None = None
+    command: str | None = None
 
     def __post_init__(self) -> None:
         unknown = [d for d in self.ppl_datasets if d not in DATASET_NAMES]
@@ -52,52 +53,6 @@ class EvalConfig:
             raise UsageError(f"--batch-size must be positive or 'auto', got {self.batch_size}")
         if isinstance(self.batch_size, str) and self.batch_size != "auto":
             raise UsageError(f"--batch-size must be a positive integer or 'auto', got {self.batch_size!r}")
-
-
-@dataclass(frozen=True)
-class PerplexityEntry:
-    result: PerplexityResult
-    description: str
-    offline: bool
-    seconds: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            **self.result.to_json(),
-            "data": self.description,
-            "offline": self.offline,
-            "seconds": self.seconds,
-        }
-
-
-@dataclass(frozen=True)
-class EvalReport:
-    model: str
-    source: str
-    model_type: str
-    dtype: str
-    device: str
-    seqlen: int
-    max_windows: int | None
-    perplexity: dict[str, PerplexityEntry]
-    zeroshot: Any | None  # tsenor_cli.evaluation.zeroshot.ZeroShotResult
-    versions: dict[str, str]
-    seconds: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "source": self.source,
-            "model_type": self.model_type,
-            "dtype": self.dtype,
-            "device": self.device,
-            "seqlen": self.seqlen,
-            "max_windows": self.max_windows,
-            "perplexity": {name: entry.to_json() for name, entry in self.perplexity.items()},
-            "zeroshot": self.zeroshot.to_json() if self.zeroshot is not None else None,
-            "versions": self.versions,
-            "seconds": self.seconds,
-        }
 
 
 def package_versions() -> dict[str, str]:
@@ -131,18 +86,20 @@ def effective_seqlen(loaded: LoadedModel, seqlen: int | None) -> int:
 def evaluate_model(
     loaded: LoadedModel,
     cfg: EvalConfig,
+    ctx: RunContext,
     *,
     progress: Callable[[str], None] | None = None,
 ) -> EvalReport:
-    """Perplexity on each of cfg.ppl_datasets, then zero-shot cfg.tasks (when any)."""
+    """Perplexity on each of cfg.ppl_datasets, then zero-shot cfg.tasks (when any), with data from
+    where `ctx` says (tsenor_cli/settings.py)."""
     started = time.perf_counter()
     seqlen = effective_seqlen(loaded, cfg.seqlen)
     device = next(loaded.model.parameters()).device
     ppl_batch = cfg.batch_size if isinstance(cfg.batch_size, int) else 1
-    results: dict[str, PerplexityEntry] = {}
+    results: dict[str, PerplexityRecord] = {}
     for name in cfg.ppl_datasets:
         t0 = time.perf_counter()
-        text = eval_token_stream(name, loaded.tokenizer, seqlen=seqlen, data_dir=cfg.data_dir)
+        text = eval_token_stream(name, loaded.tokenizer, ctx, seqlen=seqlen)
         if progress is not None:
             progress(f"{name}: {text.tokens} tokens ({text.description})")
         report_step = _window_progress(name, progress)
@@ -155,12 +112,21 @@ def evaluate_model(
             batch_size=ppl_batch,
             progress=report_step,
         )
-        results[name] = PerplexityEntry(result, text.description, text.offline, time.perf_counter() - t0)
+        results[name] = PerplexityRecord(
+            ppl=result.ppl,
+            nll_sum=result.nll_sum,
+            tokens=result.tokens,
+            windows=result.windows,
+            seqlen=result.seqlen,
+            data=text.description,
+            data_source=text.source,
+            seconds=time.perf_counter() - t0,
+        )
         if progress is not None:
             progress(f"{name}: ppl {result.ppl:.3f} over {result.windows} windows of {seqlen}")
     zeroshot = None
     if cfg.tasks:
-        zeroshot = _run_zeroshot(loaded, cfg, progress)
+        zeroshot = _run_zeroshot(loaded, cfg, ctx, progress)
     return EvalReport(
         model=loaded.name,
         source=loaded.source,
@@ -173,6 +139,8 @@ def evaluate_model(
         zeroshot=zeroshot,
         versions=package_versions(),
         seconds=time.perf_counter() - started,
+        command=cfg.command,
+        context=ContextRecord.of(ctx),
     )
 
 
@@ -188,7 +156,9 @@ def _window_progress(name: str, progress: Callable[[str], None] | None) -> Calla
     return step
 
 
-def _run_zeroshot(loaded: LoadedModel, cfg: EvalConfig, progress: Callable[[str], None] | None) -> Any:
+def _run_zeroshot(
+    loaded: LoadedModel, cfg: EvalConfig, ctx: RunContext, progress: Callable[[str], None] | None
+) -> ZeroShotResult:
     try:
         from tsenor_cli.evaluation.zeroshot import run_zeroshot
     except ModuleNotFoundError as exc:
@@ -199,9 +169,9 @@ def _run_zeroshot(loaded: LoadedModel, cfg: EvalConfig, progress: Callable[[str]
         loaded.model,
         loaded.tokenizer,
         list(cfg.tasks),
+        ctx,
         num_fewshot=cfg.num_fewshot,
         limit=cfg.limit,
         batch_size=cfg.batch_size,
-        data_dir=cfg.data_dir,
         progress=progress,
     )

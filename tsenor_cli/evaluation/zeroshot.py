@@ -1,12 +1,14 @@
 """Zero-shot accuracy through lm-evaluation-harness on an in-memory model (paper Section 5.2, Table 2).
 
-Scoring is lm-eval's own (`HFLM` + `simple_evaluate`); this module picks the task source, runs it
-and condenses the results. Two task sources:
+Scoring is lm-eval's own (`HFLM` + `simple_evaluate`); this module runs it on the task source the
+run context picks (the rule of tsenor_cli/settings.py, `sources.data_folder`) and condenses the
+results, recording for each task the files it read (with sha256) or the hub dataset:
 
-- ``hub``: lm-eval's built-in task configs, which download their datasets from the HF hub.
-- ``offline``: our twins in ``tsenor_cli/evaluation/tasks/`` (same names, same prompts and metrics,
-  tag ``tsenor_offline``) that read the data folder ($TSENOR_DATA_DIR). They are loaded by a
+- ``offline`` (a data folder is set): our twins in ``tsenor_cli/evaluation/tasks/`` (same names,
+  same prompts and metrics, tag ``tsenor_offline``) that read that folder. They are loaded by a
   TaskManager that sees only that directory, so the names never clash with the built-in ones.
+- ``hub`` (no data folder, hub allowed): lm-eval's built-in task configs, which download their
+  datasets from the HF hub.
 
 The average is the unweighted mean of ``acc`` over the tasks, as the paper's "Avg" column (pruning
 papers report acc, not acc_norm); the result says so in ``average_metric``.
@@ -15,17 +17,15 @@ papers report acc, not acc_norm); the result says so in ``average_metric``.
 from __future__ import annotations
 
 import math
-import urllib.request
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from tsenor_cli import settings
+from tsenor_cli.data.sources import data_folder, file_source
 from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.evaluation.tasks.converters import TASK_FILES, resolve_files
-
-Source = Literal["hub", "offline"]
+from tsenor_cli.runfiles import DataSource, TaskScore, TaskSource, ZeroShotResult
+from tsenor_cli.settings import RunContext
 
 # The paper's eight tasks, in Table 2's column order.
 PAPER_TASKS: tuple[str, ...] = (
@@ -42,57 +42,6 @@ TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 # lm-eval's batch-size probe runs 5 forward passes at batch 64 and the longest request: minutes on a
 # CPU, which cannot signal out-of-memory the way CUDA does. CPU runs use this fixed size instead.
 CPU_AUTO_BATCH_SIZE = 8
-_HUB_PROBE_URL = "https://huggingface.co/api/datasets/allenai/ai2_arc"
-
-
-@dataclass(frozen=True)
-class TaskScore:
-    """One task's lm-eval metrics; acc_norm is None for tasks that do not define it (WG, RTE, BoolQ)."""
-
-    name: str
-    acc: float
-    acc_stderr: float | None
-    acc_norm: float | None
-    acc_norm_stderr: float | None
-    n_samples: int
-    source: Source
-    version: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "acc": self.acc,
-            "acc_stderr": self.acc_stderr,
-            "acc_norm": self.acc_norm,
-            "acc_norm_stderr": self.acc_norm_stderr,
-            "n_samples": self.n_samples,
-            "source": self.source,
-            "version": self.version,
-        }
-
-
-@dataclass(frozen=True)
-class ZeroShotResult:
-    """Per-task scores plus the unweighted mean of `average_metric` over the tasks."""
-
-    tasks: tuple[TaskScore, ...]
-    average: float
-    average_metric: Literal["acc"]
-    num_fewshot: int
-    limit: int | float | None
-    source: Source
-    lm_eval_version: str
-
-    def to_json(self) -> dict[str, Any]:
-        """The ``zeroshot`` section of eval.json (docs/report-format.md)."""
-        return {
-            "tasks": {t.name: t.to_json() for t in self.tasks},
-            "average": self.average,
-            "average_metric": self.average_metric,
-            "num_fewshot": self.num_fewshot,
-            "limit": self.limit,
-            "source": self.source,
-            "lm_eval_version": self.lm_eval_version,
-        }
 
 
 def average_acc(scores: Sequence[TaskScore]) -> float:
@@ -126,41 +75,31 @@ def _validate_limit(limit: int | float | None) -> None:
         raise UsageError(f"limit {limit} must be at least 1 document; omit it to score whole splits")
 
 
-def hub_reachable(timeout_s: float = 3.0) -> bool:
-    """True when the HF hub answers an HTTPS request within `timeout_s`."""
-    request = urllib.request.Request(_HUB_PROBE_URL, method="HEAD")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return bool(response.status < 500)
-    except OSError:  # URLError, refused connections and timeouts are all OSErrors
-        return False
-
-
-def choose_source(offline: bool | None) -> Source:
-    """`offline` forces the source; None picks hub when the hub is allowed and reachable."""
-    if offline is True:
-        return "offline"
-    if offline is False:
-        return "hub"
-    if offline is None:
-        return "offline" if settings.hub_offline() or not hub_reachable() else "hub"
-    raise UsageError(f"offline must be True, False or None, not {offline!r}")
-
-
-def _offline_data_dir(data_dir: Path | None, tasks: Sequence[str]) -> Path:
-    path = data_dir if data_dir is not None else settings.data_dir()
-    if path is None:
+def task_source(ctx: RunContext, tasks: Sequence[str]) -> tuple[TaskSource, Path | None]:
+    """("offline", the data folder) when the context names one, else ("hub", None); the files every
+    offline task reads must exist (InputNotFoundError naming the first missing one)."""
+    folder = data_folder(ctx, f"zero-shot task {tasks[0]}" if len(tasks) == 1 else "the zero-shot tasks")
+    if folder is None:
+        return "hub", None
+    if not folder.is_dir():
         raise InputNotFoundError(
-            f"offline zero-shot evaluation needs the data folder; set {settings.DATA_DIR_ENV} to a folder "
-            "with the layout of shared/data"
-        )
-    if not path.is_dir():
-        raise InputNotFoundError(
-            f"data folder {path} does not exist; set {settings.DATA_DIR_ENV} to a folder with the layout of shared/data"
+            f"data folder {folder} does not exist; pass --data-dir with a folder laid out as shared/data"
         )
     for task in tasks:
-        resolve_files(task, path)  # raises InputNotFoundError naming the missing file
-    return path.resolve()
+        resolve_files(task, folder)  # raises InputNotFoundError naming the missing file
+    return "offline", folder
+
+
+def _hub_task_source(config: Mapping[str, Any]) -> DataSource:
+    """The hub dataset an lm-eval task config reads (its test split when it has one, else validation)."""
+    name = str(config.get("dataset_path"))
+    if config.get("dataset_name"):
+        name += f"/{config['dataset_name']}"
+    revision = (config.get("dataset_kwargs") or {}).get("revision")
+    if revision:
+        name += f"@{revision}"
+    split = config.get("test_split") or config.get("validation_split")
+    return DataSource(kind="hub", hub=f"{name} split={split}")
 
 
 def _resolve_batch_size(model: Any, batch_size: int | str) -> int | str:
@@ -184,12 +123,11 @@ def run_zeroshot(
     model: Any,
     tokenizer: Any,
     tasks: list[str],
+    ctx: RunContext,
     *,
     num_fewshot: int = 0,
     limit: int | float | None = None,
     batch_size: int | str = "auto",
-    data_dir: Path | None = None,
-    offline: bool | None = None,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> ZeroShotResult:
@@ -204,8 +142,7 @@ def run_zeroshot(
     if num_fewshot < 0:
         raise UsageError(f"num_fewshot {num_fewshot} must be >= 0")
     size = _resolve_batch_size(model, batch_size)
-    source = choose_source(offline)
-    root = _offline_data_dir(data_dir, names) if source == "offline" else None
+    source, root = task_source(ctx, names)
 
     import lm_eval
     from lm_eval.models.huggingface import HFLM
@@ -221,18 +158,28 @@ def run_zeroshot(
         progress(f"zero-shot: {', '.join(names)} ({where}, limit={limit}, batch size {size})")
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=size)
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=list(names),
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        log_samples=False,
-        random_seed=None,
-        numpy_random_seed=None,
-        torch_random_seed=None,
-        fewshot_random_seed=seed,
-    )
+    try:
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(names),
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            log_samples=False,
+            random_seed=None,
+            numpy_random_seed=None,
+            torch_random_seed=None,
+            fewshot_random_seed=seed,
+        )
+    except OSError as exc:
+        if root is not None:
+            raise
+        # ConnectionError, the hub libraries' offline-mode errors and missing datasets are OSErrors.
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise InputNotFoundError(
+            f"cannot download the zero-shot task data from the HF hub ({type(exc).__name__}: {first}); "
+            "pass --data-dir with the offline data folder, or fix the connection"
+        ) from exc
     if results is None:
         raise RuntimeError("lm-eval returned no results on rank 0")
 
@@ -250,7 +197,11 @@ def run_zeroshot(
                 acc_norm=_metric(values, "acc_norm"),
                 acc_norm_stderr=_metric(values, "acc_norm_stderr"),
                 n_samples=int(results["n-samples"][name]["effective"]),
-                source=source,
+                data_source=(
+                    file_source("offline", resolve_files(name, root))
+                    if root is not None
+                    else _hub_task_source(results["configs"][name])
+                ),
                 version=str(results["versions"][name]),
             )
         )

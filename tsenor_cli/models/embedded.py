@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tsenor_cli import settings
+from tsenor_cli import atomic
 from tsenor_cli.errors import InputNotFoundError
 
 
@@ -60,20 +59,22 @@ def _gguf_path(spec: EmbeddedModel) -> Path:
     return path
 
 
-def materialized_dir(name: str) -> Path:
-    return settings.cache_dir() / "models" / name
+def materialized_dir(name: str, cache_dir: Path) -> Path:
+    """Where `materialize` puts the checkpoint of `name` under the cache folder (RunContext.cache_dir)."""
+    return cache_dir / "models" / name
 
 
-def materialize(name: str = DEFAULT_MODEL, *, progress: Callable[[str], None] | None = None) -> Path:
-    """Return a local HF checkpoint folder for the embedded model `name`, converting it on first use.
+def materialize(name: str, cache_dir: Path, *, progress: Callable[[str], None] | None = None) -> Path:
+    """Return a local HF checkpoint folder for the embedded model `name` under `cache_dir`, converting it
+    on first use.
 
-    The conversion writes into a temporary sibling folder and renames it into place, so an
-    interrupted conversion never leaves a half-written checkpoint behind.
+    The conversion writes into a temporary sibling folder and renames it into place (tsenor_cli.atomic),
+    so an interrupted conversion never leaves a half-written checkpoint behind.
     """
     if name not in EMBEDDED_MODELS:
         known = ", ".join(sorted(EMBEDDED_MODELS))
         raise InputNotFoundError(f"unknown embedded model {name!r}; choose one of: {known}")
-    target = materialized_dir(name)
+    target = materialized_dir(name, cache_dir)
     if (target / "config.json").is_file():
         return target
     spec = EMBEDDED_MODELS[name]
@@ -92,18 +93,12 @@ def materialize(name: str = DEFAULT_MODEL, *, progress: Callable[[str], None] | 
     model.hf_quantizer = None  # type: ignore[assignment]
     model.is_quantized = False  # type: ignore[assignment]
     model.config.name_or_path = name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
-    try:
+    if target.exists() and not (target / "config.json").is_file():
+        # A folder without config.json is no checkpoint: the leftover of a copy made by hand or an
+        # older tsenor that did not write atomically.
+        shutil.rmtree(target)
+    # replace=False: when another process finished the same conversion first, its copy is kept.
+    with atomic.atomic_dir(target) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if (target / "config.json").is_file():  # another process won the race
-            return target
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -3,7 +3,8 @@
 Resolution order: an embedded name (``smollm2-135m``) is materialized into the cache; an existing
 folder is a local checkpoint; a value that looks like a path but does not exist is an error naming
 that path; anything else is a hub id handed to ``from_pretrained``, whose failure (offline, no
-access, unknown id) becomes one InputNotFoundError with the fix.
+access, unknown id) becomes one InputNotFoundError with the fix. With the run context's offline policy
+a hub id loads from the local HF cache only (``local_files_only``), never from the network.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.models.adapters import ModelAdapter, adapter_for
 from tsenor_cli.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, is_embedded, materialize
+from tsenor_cli.settings import RunContext
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -80,19 +82,25 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith("/") or "\\" in name
 
 
-def _hub_error(name: str) -> InputNotFoundError:
+def _hub_error(name: str, ctx: RunContext) -> InputNotFoundError:
+    """The error for a hub id that did not load: not cached under the offline policy, or not downloadable."""
+    if ctx.offline:
+        return InputNotFoundError(
+            f"{name} is not in the local HF cache and the hub is off (--offline or HF_HUB_OFFLINE); pass a "
+            f"local checkpoint directory with --model /path, drop --offline, or use --model {DEFAULT_MODEL}"
+        )
     return InputNotFoundError(
         f"cannot download {name} (offline or no access); pass a local checkpoint directory with "
         f"--model /path, or use --model {DEFAULT_MODEL}"
     )
 
 
-def resolve_source(name: str, *, progress: Callable[[str], None] | None = None) -> tuple[str, bool]:
+def resolve_source(name: str, ctx: RunContext, *, progress: Callable[[str], None] | None = None) -> tuple[str, bool]:
     """(source, is_local): a local checkpoint folder, or a hub id to try with from_pretrained."""
     if not name or not name.strip():
         raise UsageError(f"--model is empty; pass a local checkpoint directory or one of: {', '.join(EMBEDDED_MODELS)}")
     if is_embedded(name):
-        return str(materialize(name, progress=progress)), True
+        return str(materialize(name, ctx.cache_dir, progress=progress)), True
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -115,6 +123,7 @@ def resolve_source(name: str, *, progress: Callable[[str], None] | None = None) 
 
 def load_model(
     name: str,
+    ctx: RunContext,
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
@@ -123,7 +132,7 @@ def load_model(
 ) -> LoadedModel:
     """Load `name` as a causal LM in eval mode on `device` (default dtype: bf16 on CUDA, fp32 on CPU).
 
-    Raises InputNotFoundError for a missing folder or an unreachable hub id, and
+    Raises InputNotFoundError for a missing folder or an unreachable (or, offline, uncached) hub id, and
     IncompatibleModelError for a model type without an adapter (checked from the config, before the
     weights are read).
     """
@@ -131,26 +140,27 @@ def load_model(
 
     torch_device = resolve_device(device)
     torch_dtype = dtype if dtype is not None else default_dtype(torch_device)
-    source, is_local = resolve_source(name, progress=progress)
+    source, is_local = resolve_source(name, ctx, progress=progress)
+    hub = {"trust_remote_code": trust_remote_code, "local_files_only": ctx.offline}
     try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(source, **hub)
     except OSError as exc:
         if is_local:
             raise InputNotFoundError(f"cannot read the config of {source}: {exc}") from exc
-        raise _hub_error(name) from exc
+        raise _hub_error(name, ctx) from exc
     adapter = adapter_for(str(config.model_type))
     if progress is not None:
         progress(f"loading {name} ({config.model_type}, {torch_dtype}) on {torch_device}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(source, **hub)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **hub)
     except OSError as exc:
         if is_local:
             raise InputNotFoundError(
                 f"cannot load the checkpoint in {source} ({exc}); "
                 "it needs config.json, *.safetensors and tokenizer files"
             ) from exc
-        raise _hub_error(name) from exc
+        raise _hub_error(name, ctx) from exc
     model = model.to(torch_device)  # type: ignore[arg-type]
     model.eval()
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source, adapter=adapter)

@@ -1,4 +1,7 @@
-"""Library entry points: `prune_model(cfg) -> PruneReport` and `plan_model(cfg) -> PrunePlan` (dry run)."""
+"""Library entry points: `prune_model(cfg, ctx) -> PruneReport` and `plan_model(cfg, ctx) -> PrunePlan` (dry run).
+
+`ctx` (settings.RunContext) says where calibration data and hub models may come from.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tsenor_cli import settings
 from tsenor_cli.errors import UsageError
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.engine import (
@@ -24,9 +26,11 @@ from tsenor_cli.pruning.engine import (
 )
 from tsenor_cli.pruning.output import check_not_input, prepare_output, write_checkpoint
 from tsenor_cli.pruning.registry import get_pruner
-from tsenor_cli.pruning.report import PruneReport, versions
+from tsenor_cli.pruning.report import versions
 from tsenor_cli.pruning.resume import records_from_state
 from tsenor_cli.pruning.types import LayerRecord
+from tsenor_cli.runfiles import ContextRecord, DataSource, PatternInfo, PruneReport
+from tsenor_cli.settings import RunContext
 
 if TYPE_CHECKING:
     from tsenor_cli.models.loading import LoadedModel
@@ -47,20 +51,18 @@ def _dtype_and_device(cfg: PruneConfig) -> tuple[torch.dtype, torch.device]:
 
 
 def dense_calibration_inputs(
-    model: str, *, nsamples: int, seqlen: int, seed: int = 0, calib_data: str = "c4"
+    model: str, ctx: RunContext, *, nsamples: int, seqlen: int, seed: int = 0, calib_data: str = "c4"
 ) -> tuple[LoadedModel, torch.Tensor]:
     """The unpruned model (fp32 on CPU) and its calibration hidden states entering block 0, (S, T, H).
 
     For analyses that walk the dense model block by block (scripts/pattern_cost.py,
-    scripts/alps_layer_study.py); calibration data come from the offline folder when it is set.
+    scripts/alps_layer_study.py); calibration data come from where `ctx` says.
     """
     from tsenor_cli.data.calibration import calibration_batches
     from tsenor_cli.models.loading import load_model
 
-    loaded = load_model(model, dtype=torch.float32, device="cpu", trust_remote_code=False)
-    calib = calibration_batches(
-        calib_data, loaded.tokenizer, nsamples=nsamples, seqlen=seqlen, seed=seed, data_dir=settings.data_dir()
-    )
+    loaded = load_model(model, ctx, dtype=torch.float32, device="cpu", trust_remote_code=False)
+    calib = calibration_batches(calib_data, loaded.tokenizer, ctx, nsamples=nsamples, seqlen=seqlen, seed=seed)
     hidden = capture_block_inputs(loaded.model, loaded.adapter, calib.input_ids, torch.device("cpu"))
     return loaded, hidden
 
@@ -91,6 +93,7 @@ def sparsity_metadata(cfg: PruneConfig, records: list[LayerRecord], solver: str 
 
 def prune_model(
     cfg: PruneConfig,
+    ctx: RunContext,
     progress: Progress | None = None,
     *,
     after_block: Callable[[int], None] | None = None,
@@ -109,7 +112,9 @@ def prune_model(
         raise UsageError("--output is required to prune; pass --output DIR (or --dry-run to only print the plan)")
     store = prepare_output(cfg.output, force=cfg.force, resume=cfg.resume)
     dtype, device = _dtype_and_device(cfg)
-    loaded = load_model(cfg.model, dtype=dtype, device="cpu", trust_remote_code=cfg.trust_remote_code, progress=say)
+    loaded = load_model(
+        cfg.model, ctx, dtype=dtype, device="cpu", trust_remote_code=cfg.trust_remote_code, progress=say
+    )
     check_not_input(cfg.output, loaded.source)
     model, adapter = loaded.model, loaded.adapter
     slots = linear_slots(model, adapter)
@@ -127,19 +132,16 @@ def prune_model(
         hidden = store.load_hidden(device)
         records = records_from_state(state)
         calibration = str(state["calibration"])
+        calibration_source = DataSource.from_json(state["calibration_source"], f"{store.state_path}")
         say(f"resuming after block {first}/{len(blocks)} from {store.root}")
     else:
         from tsenor_cli.data.calibration import calibration_batches
 
         calib = calibration_batches(
-            cfg.calib_data,
-            loaded.tokenizer,
-            nsamples=cfg.nsamples,
-            seqlen=seqlen,
-            seed=cfg.seed,
-            data_dir=settings.data_dir(),
+            cfg.calib_data, loaded.tokenizer, ctx, nsamples=cfg.nsamples, seqlen=seqlen, seed=cfg.seed
         )
         calibration = str(calib.source_description)
+        calibration_source = calib.source
         say(f"calibration: {calibration}, {tuple(calib.input_ids.shape)} tokens")
         hidden = capture_block_inputs(model, adapter, calib.input_ids, device)  # (S, T, H)
 
@@ -167,13 +169,18 @@ def prune_model(
         hidden, buffer = buffer, hidden
         block.to("cpu")
         if store is not None:
-            store.save_block(index, block, hidden, records, config_hash, {"calibration": calibration})
+            extra = {"calibration": calibration, "calibration_source": calibration_source.to_json()}
+            store.save_block(index, block, hidden, records, config_hash, extra)
         if after_block is not None:
             after_block(index)
 
     solver = cfg.solver_that_runs(device)
     settings_dict = {**cfg.result_fields(), "device": str(device), "seqlen": seqlen, "solver": solver}
+    p = cfg.pattern
     report = PruneReport(
+        method=cfg.method,
+        pattern=PatternInfo(p.n, p.m, p.transposable) if p.kind in ("transposable", "nm") else None,
+        sparsity=float(p.sparsity),
         settings=settings_dict,
         layers=tuple(records),
         calibration=calibration,
@@ -182,6 +189,8 @@ def prune_model(
         command=cfg.command,
         versions=versions(),
         resumed_from_block=first if first else None,
+        calibration_source=calibration_source,
+        context=ContextRecord.of(ctx),
     )
     say(f"writing {cfg.output}")
     write_checkpoint(model, loaded.tokenizer, cfg.output, report, sparsity_metadata(cfg, records, solver))
@@ -234,7 +243,7 @@ class PrunePlan:
         }
 
 
-def plan_model(cfg: PruneConfig, progress: Progress | None = None) -> PrunePlan:
+def plan_model(cfg: PruneConfig, ctx: RunContext, progress: Progress | None = None) -> PrunePlan:
     """The dry-run plan, from the model built on the meta device (no weights read, nothing written)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -242,9 +251,11 @@ def plan_model(cfg: PruneConfig, progress: Progress | None = None) -> PrunePlan:
     from tsenor_cli.models.loading import resolve_source
 
     dtype, device = _dtype_and_device(cfg)
-    source, _ = resolve_source(cfg.model, progress=progress)
+    source, _ = resolve_source(cfg.model, ctx, progress=progress)
     try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+        config = AutoConfig.from_pretrained(
+            source, trust_remote_code=cfg.trust_remote_code, local_files_only=ctx.offline
+        )
     except OSError as exc:
         from tsenor_cli.errors import InputNotFoundError
 

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from tsenor_cli import atomic
 from tsenor_cli.errors import OutputExistsError, UsageError
-from tsenor_cli.pruning.report import PruneReport
 from tsenor_cli.pruning.resume import RESUME_DIRNAME, ResumeStore
+from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, PruneReport
 
 SPARSITY_KEY = "tsenor_sparsity"
-REPORT_JSON = "tsenor_report.json"
-REPORT_MD = "tsenor_report.md"
 MAX_SHARD_SIZE = "2GB"
 
 
@@ -54,29 +51,12 @@ def check_not_input(output: Path, source: str) -> None:
         raise UsageError(f"--output {output} would overwrite the input checkpoint {src}; choose another directory")
 
 
-def _replace_dir(tmp: Path, output: Path) -> None:
-    """Move the finished `tmp` folder to `output`, replacing what is there (rename, so never half-written)."""
-    if output.exists():
-        old = output.with_name(f".{output.name}.old-{os.getpid()}")
-        output.rename(old)
-        tmp.rename(output)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(output)
-
-
 def write_checkpoint(model: Any, tokenizer: Any, output: Path, report: PruneReport, sparsity: dict[str, Any]) -> None:
-    """save_pretrained (safetensors, sharded) + tokenizer + reports into a temp sibling, then rename."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    try:
-        tmp.chmod(0o755)
+    """save_pretrained (safetensors, sharded) + tokenizer + reports, built in a temp sibling and renamed
+    into place (replacing an existing `output`: prepare_output allowed it)."""
+    with atomic.atomic_dir(output, replace=True) as tmp:
         setattr(model.config, SPARSITY_KEY, sparsity)
         model.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE)
         tokenizer.save_pretrained(tmp)
-        (tmp / REPORT_JSON).write_text(json.dumps(report.to_dict(), indent=2))
-        (tmp / REPORT_MD).write_text(report.to_markdown())
-        _replace_dir(tmp, output)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / PRUNE_FILE).write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
+        (tmp / PRUNE_MARKDOWN).write_text(report.to_markdown(), encoding="utf-8")

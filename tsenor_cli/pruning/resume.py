@@ -13,26 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
+from tsenor_cli import atomic
 from tsenor_cli.errors import UsageError
 from tsenor_cli.pruning.types import LayerRecord
 
 RESUME_DIRNAME = ".tsenor-resume"
-STATE_VERSION = 1
-
-
-def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp))
-    tmp.replace(path)
-
-
-def _atomic_write_text(text: str, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+# 2: the state also records where the calibration data came from (calibration_source).
+STATE_VERSION = 2
 
 
 class ResumeStore:
@@ -69,8 +59,8 @@ class ResumeStore:
     ) -> None:
         """Record that blocks 0..index are done: hidden (S, T, H) is the input of block index+1."""
         self.root.mkdir(parents=True, exist_ok=True)
-        _atomic_save(dict(block.state_dict()), self.root / f"block_{index:04d}.safetensors")
-        _atomic_save({"hidden": hidden}, self.root / "hidden.safetensors")
+        atomic.save_safetensors(dict(block.state_dict()), self.root / f"block_{index:04d}.safetensors")
+        atomic.save_safetensors({"hidden": hidden}, self.root / "hidden.safetensors")
         state = {
             "version": STATE_VERSION,
             "config_hash": config_hash,
@@ -78,7 +68,7 @@ class ResumeStore:
             "records": [asdict(r) for r in records],
             **extra,
         }
-        _atomic_write_text(json.dumps(state, indent=1), self.state_path)
+        atomic.write_json(self.state_path, state, indent=1)
 
     def restore_blocks(self, blocks: nn.ModuleList, next_block: int) -> None:
         """Load the saved pruned parameters of blocks 0..next_block-1 into `blocks` (on the CPU)."""

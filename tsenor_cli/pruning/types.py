@@ -15,6 +15,9 @@ import torch
 
 from tsenor_cli.errors import UsageError
 
+# LayerRecord is defined with the run files it is written to; the engine and resume code import it from here.
+from tsenor_cli.runfiles import LayerRecord as LayerRecord
+
 PatternKind = Literal["transposable", "nm", "unstructured"]
 
 
@@ -128,32 +131,5 @@ class PruneOutcome:
     weight: torch.Tensor
     mask: torch.Tensor
     solve: MaskSolveInfo | None
-    iterations: int = 0
-    safeguard_tiles: int = 0
-
-
-@dataclass(frozen=True)
-class LayerRecord:
-    """One prunable linear of the model, as the report shows it.
-
-    name: full module name ("model.layers.3.mlp.down_proj"); status "pruned" or "skipped" (with reason).
-    recon_error: ‖X(Ŵ−W)ᵀ‖²/‖XWᵀ‖² on the calibration inputs the layer saw; gap: the solver's certified
-    relative gap (transposable only); seconds: wall time of the method on this layer.
-    """
-
-    block: int
-    name: str
-    out_features: int
-    in_features: int
-    status: str
-    reason: str | None = None
-    recon_error: float | None = None
-    density: float | None = None
-    gap: float | None = None
-    solver_objective: float | None = None
-    solver_upper_bound: float | None = None
-    solver_seconds: float | None = None
-    solver_calls: int = 0
-    seconds: float = 0.0
     iterations: int = 0
     safeguard_tiles: int = 0

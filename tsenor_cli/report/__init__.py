@@ -7,12 +7,11 @@ place, so a failed report leaves no partial output and an existing one untouched
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from tsenor_cli import atomic
 from tsenor_cli.errors import OutputExistsError, UsageError
 from tsenor_cli.report.plots import (
     PERPLEXITY_PNG,
@@ -20,8 +19,8 @@ from tsenor_cli.report.plots import (
     plot_perplexity_vs_m,
     plot_reconstruction_error,
 )
-from tsenor_cli.report.schema import Run, load_run
 from tsenor_cli.report.table import Table, build_table
+from tsenor_cli.runfiles import Run, load_run
 
 __all__ = ["ReportOutput", "Run", "Table", "build_table", "load_run", "write_report"]
 
@@ -50,14 +49,12 @@ def write_report(runs: Sequence[Run], output: Path, *, force: bool = False) -> R
     """Write table.md, table.csv, table.json and the PNG plots into `output` (atomically)."""
     _check_output(output, runs, force)
     table = build_table(runs)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    try:
+    files = ["table.md", "table.csv", "table.json"]
+    skipped = []
+    with atomic.atomic_dir(output, replace=True) as tmp:
         (tmp / "table.md").write_text(table.to_markdown(), encoding="utf-8")
         (tmp / "table.csv").write_text(table.to_csv(), encoding="utf-8")
         (tmp / "table.json").write_text(json.dumps(table.to_json(), indent=2) + "\n", encoding="utf-8")
-        files = ["table.md", "table.csv", "table.json"]
-        skipped = []
         if plot_perplexity_vs_m(table, tmp / PERPLEXITY_PNG):
             files.append(PERPLEXITY_PNG)
         else:
@@ -66,16 +63,4 @@ def write_report(runs: Sequence[Run], output: Path, *, force: bool = False) -> R
             files.append(RECONSTRUCTION_PNG)
         else:
             skipped.append(f"{RECONSTRUCTION_PNG} (no run with per-layer records in tsenor_report.json)")
-        tmp.chmod(0o755)  # mkdtemp makes it 0700
-        if output.exists():
-            # --force: move the old output aside, put the new one in place, then delete the old one.
-            old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old-", dir=output.parent))
-            output.replace(old / output.name)
-            tmp.replace(output)
-            shutil.rmtree(old)
-        else:
-            tmp.replace(output)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return ReportOutput(table=table, directory=output, files=tuple(files), skipped=tuple(skipped))

@@ -23,8 +23,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from tsenor_cli.report.schema import PruneReport, Run
 from tsenor_cli.report.table import PPL_COLUMNS, Table
+from tsenor_cli.runfiles import PruneReport, Run
 
 PERPLEXITY_PNG = "perplexity_vs_m.png"
 RECONSTRUCTION_PNG = "reconstruction_error.png"
@@ -125,8 +125,8 @@ def _block_means(prune: PruneReport) -> tuple[list[int], list[float]]:
     by_block: dict[int, list[float]] = defaultdict(list)
     for layer in prune.layers:
         recorded = by_block[layer.block]  # a block of skipped layers still gets its (empty) entry
-        if layer.reconstruction_error is not None:
-            recorded.append(layer.reconstruction_error)
+        if layer.recon_error is not None:
+            recorded.append(layer.recon_error)
     blocks = sorted(by_block)
     return blocks, [sum(v) / len(v) if v else math.nan for v in (by_block[b] for b in blocks)]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tsenor_cli.errors import UsageError
-from tsenor_cli.report.schema import Run
+from tsenor_cli.runfiles import Run
 
 PPL_COLUMNS: tuple[tuple[str, str], ...] = (("c4", "C4"), ("wikitext2", "WT2"), ("ptb", "PTB"))
 TASK_COLUMNS: tuple[tuple[str, str], ...] = (
@@ -195,7 +195,7 @@ def row_of(run: Run) -> Row:
         transposable=prune.pattern.transposable if prune is not None and prune.pattern is not None else None,
         sparsity=prune.sparsity if prune is not None else 0.0,
         perplexity={name: p.ppl for name, p in run.eval.perplexity.items()},
-        accuracy={name: t.acc for name, t in zeroshot.tasks.items()} if zeroshot is not None else {},
+        accuracy={t.name: t.acc for t in zeroshot.tasks} if zeroshot is not None else {},
     )
 
 

@@ -19,10 +19,11 @@ scores once, instead of the torch path's several launches per iteration, each st
 from __future__ import annotations
 
 import importlib.util
-import os
 from types import ModuleType
 
 import torch
+
+from tsenor_cli import settings
 
 
 def available() -> bool:
@@ -39,7 +40,7 @@ def supports(w: torch.Tensor) -> bool:
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return settings.triton_interpret()
 
 
 def _jit() -> ModuleType:

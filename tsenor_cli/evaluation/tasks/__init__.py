@@ -1,6 +1,6 @@
 """Offline lm-eval task configs for the paper's eight zero-shot tasks (Section 5.2).
 
 The YAML files here mirror lm-evaluation-harness's own task definitions; `converters` turns the
-files of the offline data folder ($TSENOR_DATA_DIR) into the document dicts those definitions read.
+files of the offline data folder (--data-dir) into the document dicts those definitions read.
 `docs/zeroshot.md` lists every difference from the hub versions.
 """

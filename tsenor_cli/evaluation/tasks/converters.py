@@ -47,8 +47,8 @@ def resolve_files(task: str, data_dir: Path) -> tuple[Path, ...]:
         existing = [p for p in paths if p.is_file()]
         if not existing:
             raise InputNotFoundError(
-                f"offline data for {task} not found: {' or '.join(map(str, paths))}; point TSENOR_DATA_DIR "
-                "at a folder with the layout of shared/data (see its README.md)"
+                f"offline data for {task} not found: {' or '.join(map(str, paths))}; pass --data-dir with a "
+                "folder laid out as shared/data (see its README.md)"
             )
         found.append(existing[0])
     return tuple(found)
@@ -252,7 +252,7 @@ def _data_dir(kwargs: Mapping[str, Any]) -> Path:
     value = kwargs.get("data_dir")
     if not value:
         raise InputNotFoundError(
-            "offline zero-shot tasks need the data folder; set TSENOR_DATA_DIR (layout of shared/data)"
+            "offline zero-shot tasks need the data folder; pass --data-dir (layout of shared/data)"
         )
     return Path(str(value))
 

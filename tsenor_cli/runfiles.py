@@ -1,0 +1,604 @@
+"""The run files, defined once: ``tsenor_report.json`` (`PruneReport`) and ``eval.json`` (`EvalReport`).
+
+`tsenor prune` and `tsenor eval` write these dataclasses with ``to_json()``; `tsenor report` reads them
+back with ``from_json()``, so every field has one name and one type (docs/report-format.md shows them).
+Each file carries ``schema_version``; ``to_json()`` always writes the current format
+(`SCHEMA_VERSION`), and the dataclasses' ``schema_version`` says which version a record was read from.
+A file without the field is version 1, as written before the field existed; it still loads:
+
+- v1 layer records carry the relative error twice, as ``recon_error`` and ``reconstruction_error``
+  (either is read); v2 writes ``recon_error`` only.
+- v1 records where a dataset came from only as a flag (``perplexity.<d>.offline``,
+  ``zeroshot.tasks.<t>.source``); it is read as a `DataSource` of that kind with no files. v2 records
+  the files read (path and sha256) or the hub dataset, and the calibration data's source too.
+- v1 has no ``context`` (data folder, offline policy) and no ``command`` in eval.json: read as None.
+
+Reading checks every field against its annotation and the value ranges `tsenor report` relies on; a
+missing field or a wrong type is one `SchemaError` line naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin, get_type_hints
+
+from tsenor_cli.errors import InputNotFoundError, UsageError
+
+if TYPE_CHECKING:
+    from tsenor_cli.settings import RunContext
+
+SCHEMA_VERSION = 2
+EVAL_FILE = "eval.json"
+PRUNE_FILE = "tsenor_report.json"
+PRUNE_MARKDOWN = "tsenor_report.md"
+LAYER_STATUSES = ("pruned", "skipped", "ignored")
+
+DataKind = Literal["offline", "file", "hub"]
+TaskSource = Literal["hub", "offline"]
+
+
+class SchemaError(UsageError):
+    """A run file that is not valid JSON or lacks a required field (exit 2)."""
+
+
+# ---------------------------------------------------------------- reading helpers
+
+
+def _type_name(hint: Any) -> str:
+    if get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(hint))
+    if get_origin(hint) is Literal:
+        return " or ".join(repr(a) for a in get_args(hint))
+    if hint is type(None):
+        return "null"
+    origin = get_origin(hint) or hint
+    return getattr(origin, "__name__", str(hint))
+
+
+def _typed(value: Any, hint: Any, key: str, where: str) -> Any:
+    """`value` checked against the annotation `hint` (JSON scalars, unions, Literal, dict); ints are
+    accepted where floats are expected, booleans never as numbers."""
+    origin = get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in get_args(hint):
+            return None
+        for option in get_args(hint):
+            if option is type(None):
+                continue
+            try:
+                return _typed(value, option, key, where)
+            except SchemaError:
+                continue
+        raise SchemaError(f"{where}: field {key!r} must be {_type_name(hint)}, got {value!r}")
+    if origin is Literal:
+        if isinstance(value, str) and value in get_args(hint):
+            return value
+        raise SchemaError(f"{where}: field {key!r} is {value!r}, expected {_type_name(hint)}")
+    if hint is Any:
+        return value
+    kind = origin or hint
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if value is None:
+        raise SchemaError(f"{where}: field {key!r} is null, expected {_type_name(hint)}")
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
+        raise SchemaError(f"{where}: field {key!r} must be {_type_name(hint)}, got {type(value).__name__}")
+    return value
+
+
+def _read(cls: type, obj: Mapping[str, Any], where: str, **given: Any) -> dict[str, Any]:
+    """Keyword arguments for dataclass `cls` from the JSON object `obj`: `given` as is, every other
+    field read under its own name and checked against its annotation; a field with a default may be
+    absent (v2-only fields)."""
+    hints = get_type_hints(cls)
+    values = dict(given)
+    for f in fields(cls):
+        if f.name in given:
+            continue
+        if f.name not in obj:
+            if f.default is not MISSING or f.default_factory is not MISSING:
+                continue
+            raise SchemaError(f"{where}: missing field {f.name!r}")
+        values[f.name] = _typed(obj[f.name], hints[f.name], f.name, where)
+    return values
+
+
+def _field(obj: Mapping[str, Any], key: str, hint: Any, where: str) -> Any:
+    """obj[key] checked against `hint`; a missing key is an error."""
+    if key not in obj:
+        raise SchemaError(f"{where}: missing field {key!r}")
+    return _typed(obj[key], hint, key, where)
+
+
+def _object(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise SchemaError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _version(obj: Mapping[str, Any], where: str) -> int:
+    version = obj.get("schema_version", 1)
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= SCHEMA_VERSION:
+        raise SchemaError(
+            f"{where}: schema_version {version!r} is not one this tsenor reads (1 to {SCHEMA_VERSION}); "
+            "upgrade tsenor or re-create the run"
+        )
+    return version
+
+
+def _flat_json(record: Any) -> dict[str, Any]:
+    return {f.name: getattr(record, f.name) for f in fields(record)}
+
+
+# ---------------------------------------------------------------- shared records
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """One file a dataset was read from, with the sha256 of its bytes."""
+
+    path: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """Where one dataset came from.
+
+    kind: "offline" (the data folder), "file" (a user file) or "hub" (the HF hub).
+    files: the files read, for offline and file sources (empty when a v1 file did not record them).
+    hub: the hub dataset, e.g. "allenai/c4 split=train file=en/c4-train.00000-of-01024.json.gz".
+    """
+
+    kind: DataKind
+    files: tuple[DataFile, ...] = ()
+    hub: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "files": [_flat_json(f) for f in self.files], "hub": self.hub}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> DataSource:
+        obj = _object(obj, where)
+        raw_files = _field(obj, "files", list, where)
+        files = tuple(
+            DataFile(**_read(DataFile, _object(f, where), f"{where}: files[{i}]")) for i, f in enumerate(raw_files)
+        )
+        return cls(**_read(cls, obj, where, files=files))
+
+
+@dataclass(frozen=True)
+class ContextRecord:
+    """The run's inputs that are not results settings: the data folder and the hub policy (settings.RunContext)."""
+
+    data_dir: str | None
+    offline: bool
+
+    @classmethod
+    def of(cls, ctx: RunContext) -> ContextRecord:
+        return cls(data_dir=str(ctx.data_dir) if ctx.data_dir is not None else None, offline=ctx.offline)
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> ContextRecord:
+        return cls(**_read(cls, _object(obj, where), where))
+
+
+def _optional(obj: Mapping[str, Any], key: str, reader: Any, where: str) -> Any:
+    value = obj.get(key)
+    return None if value is None else reader(value, f"{where}: {key}")
+
+
+# ---------------------------------------------------------------- tsenor_report.json
+
+
+@dataclass(frozen=True)
+class PatternInfo:
+    """``tsenor_report.json → pattern``: null for unstructured pruning."""
+
+    n: int
+    m: int
+    transposable: bool
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> PatternInfo:
+        info = cls(**_read(cls, _object(obj, where), where))
+        if not 1 <= info.n < info.m:
+            raise SchemaError(f"{where}: pattern {info.n}:{info.m} needs 1 <= n < m")
+        return info
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """One prunable linear of the model, as the report shows it.
+
+    name: full module name ("model.layers.3.mlp.down_proj"); status "pruned", "skipped" (with reason:
+    the pattern does not fit) or "ignored" (with reason: left dense by choice).
+    recon_error: ‖X(Ŵ−W)ᵀ‖²/‖XWᵀ‖² on the calibration inputs the layer saw; gap: the solver's certified
+    relative gap (transposable only); seconds: wall time of the method on this layer.
+    """
+
+    block: int
+    name: str
+    out_features: int
+    in_features: int
+    status: str
+    reason: str | None = None
+    recon_error: float | None = None
+    density: float | None = None
+    gap: float | None = None
+    solver_objective: float | None = None
+    solver_upper_bound: float | None = None
+    solver_seconds: float | None = None
+    solver_calls: int = 0
+    seconds: float = 0.0
+    iterations: int = 0
+    safeguard_tiles: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return _flat_json(self)
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str, version: int = SCHEMA_VERSION) -> LayerRecord:
+        obj = _object(obj, where)
+        given: dict[str, Any] = {}
+        if version == 1 and "recon_error" not in obj:
+            given["recon_error"] = _typed(obj.get("reconstruction_error"), float | None, "reconstruction_error", where)
+        record = cls(**_read(cls, obj, where, **given))
+        if record.status not in LAYER_STATUSES:
+            raise SchemaError(f"{where}: status {record.status!r} is not one of {', '.join(LAYER_STATUSES)}")
+        return record
+
+
+@dataclass(frozen=True)
+class PruneReport:
+    """``tsenor_report.json``: how the model was pruned and the per-layer records.
+
+    settings: the run's result-deciding settings (`PruneConfig.result_fields`) plus device and seqlen.
+    calibration: a description of the calibration text; calibration_source: where it came from.
+    seconds: the whole run's wall time; output: the checkpoint folder; command: the command line.
+    model_params / model_nonzero: parameter count of the whole model and how many are non-zero.
+    The file's ``totals`` are computed from these (`totals()`), not stored separately.
+    """
+
+    method: str
+    pattern: PatternInfo | None
+    sparsity: float
+    settings: dict[str, Any]
+    layers: tuple[LayerRecord, ...]
+    calibration: str
+    seconds: float
+    output: str | None
+    command: str | None
+    versions: dict[str, str]
+    resumed_from_block: int | None = None
+    calibration_source: DataSource | None = None
+    context: ContextRecord | None = None
+    model_params: int | None = None
+    model_nonzero: int | None = None
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def pruned(self) -> list[LayerRecord]:
+        return [r for r in self.layers if r.status == "pruned"]
+
+    def totals(self) -> dict[str, Any]:
+        pruned = self.pruned
+        errors = [r.recon_error for r in pruned if r.recon_error is not None]
+        gaps = [r.gap for r in pruned if r.gap is not None]
+        return {
+            "layers_pruned": len(pruned),
+            "layers_skipped": len(self.layers) - len(pruned),
+            "mean_recon_error": statistics.fmean(errors) if errors else None,
+            "max_recon_error": max(errors) if errors else None,
+            "max_gap": max(gaps) if gaps else None,
+            "mean_gap": statistics.fmean(gaps) if gaps else None,
+            "method_seconds": sum(r.seconds for r in pruned),
+            "solver_seconds": sum(r.solver_seconds or 0.0 for r in pruned),
+            "total_seconds": self.seconds,
+            "admm_iterations": sum(r.iterations for r in pruned),
+            "safeguard_tiles": sum(r.safeguard_tiles for r in pruned),
+            "model_params": self.model_params,
+            "model_nonzero": self.model_nonzero,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            # The summary `tsenor report` reads first (docs/report-format.md).
+            "method": self.method,
+            "pattern": _flat_json(self.pattern) if self.pattern is not None else None,
+            "sparsity": self.sparsity,
+            "settings": self.settings,
+            "calibration": self.calibration,
+            "calibration_source": self.calibration_source.to_json() if self.calibration_source is not None else None,
+            "context": _flat_json(self.context) if self.context is not None else None,
+            "output": self.output,
+            "command": self.command,
+            "versions": self.versions,
+            "resumed_from_block": self.resumed_from_block,
+            "totals": self.totals(),
+            "layers": [r.to_json() for r in self.layers],
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = PRUNE_FILE) -> PruneReport:
+        obj = _object(obj, where)
+        version = _version(obj, where)
+        totals = _object(_field(obj, "totals", dict, where), f"{where}: totals")
+        raw_pattern = _field(obj, "pattern", dict | None, where)
+        raw_layers = _field(obj, "layers", list, where)
+        report = cls(
+            **_read(
+                cls,
+                obj,
+                where,
+                schema_version=version,
+                pattern=PatternInfo.from_json(raw_pattern, f"{where}: pattern") if raw_pattern is not None else None,
+                layers=tuple(
+                    LayerRecord.from_json(layer, f"{where}: layers[{i}]", version) for i, layer in enumerate(raw_layers)
+                ),
+                seconds=_field(totals, "total_seconds", float, f"{where}: totals"),
+                model_params=_typed(totals.get("model_params"), int | None, "model_params", f"{where}: totals"),
+                model_nonzero=_typed(totals.get("model_nonzero"), int | None, "model_nonzero", f"{where}: totals"),
+                calibration_source=_optional(obj, "calibration_source", DataSource.from_json, where),
+                context=_optional(obj, "context", ContextRecord.from_json, where),
+            )
+        )
+        if not 0.0 <= report.sparsity < 1.0:
+            raise SchemaError(f"{where}: sparsity {report.sparsity} must lie in [0, 1)")
+        return report
+
+    def to_markdown(self) -> str:
+        """The content of tsenor_report.md: the summary and one table row per layer."""
+        s = self.settings
+        t = self.totals()
+        pattern = s["pattern"]
+        label = f"{pattern['n']}:{pattern['m']}" if pattern["kind"] != "unstructured" else f"{pattern['sparsity']:.0%}"
+        lines = [
+            "# tsenor pruning report",
+            "",
+            f"- model: `{s['model']}`",
+            f"- method: {s['method']}, pattern {label} ({pattern['kind']}), {_solver_label(s)}",
+            f"- calibration: {self.calibration} ({s['nsamples']} × {s['seqlen']}), seed {s['seed']}",
+        ]
+        if self.context is not None:
+            folder = self.context.data_dir or "none (HF hub)"
+            lines.append(f"- data folder: {folder}; offline: {'yes' if self.context.offline else 'no'}")
+        lines += [
+            f"- command: `{self.command or ''}`",
+            f"- versions: {', '.join(f'{k} {v}' for k, v in self.versions.items())}",
+            f"- total time: {self.seconds:.1f} s "
+            f"(method {t['method_seconds']:.1f} s, solver {t['solver_seconds']:.1f} s)",
+            f"- layers pruned: {t['layers_pruned']}, skipped: {t['layers_skipped']}",
+            f"- mean relative reconstruction error: {_fmt(t['mean_recon_error'])}; "
+            f"max certified gap: {_fmt(t['max_gap'])}",
+            "",
+            "| layer | shape | status | rel. error | certified gap | seconds | iterations |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in self.layers:
+            status = r.status if r.reason is None else f"{r.status}: {r.reason}"
+            lines.append(
+                f"| {r.name} | {r.out_features}×{r.in_features} | {status} | {_fmt(r.recon_error)} | "
+                f"{_fmt(r.gap)} | {r.seconds:.2f} | {r.iterations} |"
+            )
+        return "\n".join(lines) + "\n"
+
+
+def _solver_label(settings: Mapping[str, Any]) -> str:
+    """The transposable solver that ran and, if different, the one asked for: "solver flow (asked for auto)".
+
+    Reports written before the solver split (schema v1) carry only the solver asked for.
+    """
+    asked = settings["layer"]["solver"]
+    ran = settings.get("solver", asked)
+    if ran is None:
+        return "no mask solver"
+    return f"solver {ran}" if ran == asked else f"solver {ran} (asked for {asked})"
+
+
+def _fmt(value: float | None) -> str:
+    return "—" if value is None else f"{value:.4g}"
+
+
+# ---------------------------------------------------------------- eval.json
+
+
+@dataclass(frozen=True)
+class PerplexityRecord:
+    """``eval.json → perplexity.<dataset>``: ppl = exp(nll_sum / tokens) over `windows` windows of
+    `seqlen` (inf allowed: a diverged model); data: a description of the text; seconds: wall time."""
+
+    ppl: float
+    nll_sum: float
+    tokens: int
+    windows: int
+    seqlen: int
+    data: str
+    data_source: DataSource | None
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {**_flat_json(self), "data_source": self.data_source.to_json() if self.data_source else None}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str, version: int = SCHEMA_VERSION) -> PerplexityRecord:
+        obj = _object(obj, where)
+        if version == 1:
+            offline = _field(obj, "offline", bool, where)
+            source: DataSource | None = DataSource(kind="offline" if offline else "hub")
+        else:
+            source = _optional(obj, "data_source", DataSource.from_json, where)
+        record = cls(**_read(cls, obj, where, data_source=source))
+        if math.isnan(record.ppl) or record.ppl <= 0:
+            raise SchemaError(f"{where}: ppl {record.ppl} must be a positive number")
+        return record
+
+
+@dataclass(frozen=True)
+class TaskScore:
+    """One zero-shot task's lm-eval metrics (fractions in [0, 1]); acc_norm is None for tasks that do
+    not define it (WinoGrande, RTE, BoolQ)."""
+
+    name: str
+    acc: float
+    acc_stderr: float | None
+    acc_norm: float | None
+    acc_norm_stderr: float | None
+    n_samples: int
+    data_source: DataSource | None
+    version: str
+
+    def to_json(self) -> dict[str, Any]:
+        body = {k: v for k, v in _flat_json(self).items() if k != "name"}
+        return {**body, "data_source": self.data_source.to_json() if self.data_source else None}
+
+    @classmethod
+    def from_json(cls, name: str, obj: Any, where: str, version: int = SCHEMA_VERSION) -> TaskScore:
+        obj = _object(obj, where)
+        if version == 1:
+            source: DataSource | None = DataSource(kind=_field(obj, "source", TaskSource, where))
+        else:
+            source = _optional(obj, "data_source", DataSource.from_json, where)
+        score = cls(**_read(cls, obj, where, name=name, data_source=source))
+        for key in ("acc", "acc_norm"):
+            value = getattr(score, key)
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise SchemaError(f"{where}: {key} {value} must be a fraction in [0, 1]")
+        return score
+
+
+@dataclass(frozen=True)
+class ZeroShotResult:
+    """``eval.json → zeroshot``: per-task scores and the unweighted mean of `average_metric` over them.
+
+    source: which task definitions ran ("hub": lm-eval's own, "offline": the data-folder twins).
+    """
+
+    tasks: tuple[TaskScore, ...]
+    average: float
+    average_metric: Literal["acc"]
+    num_fewshot: int
+    limit: int | float | None
+    source: TaskSource
+    lm_eval_version: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {**_flat_json(self), "tasks": {t.name: t.to_json() for t in self.tasks}}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str, version: int = SCHEMA_VERSION) -> ZeroShotResult:
+        obj = _object(obj, where)
+        raw = _field(obj, "tasks", dict, where)
+        metric = _field(obj, "average_metric", str, where)
+        if metric != "acc":
+            raise SchemaError(f"{where}: average_metric {metric!r} is not 'acc'; re-run `tsenor eval`")
+        tasks = tuple(TaskScore.from_json(str(k), v, f"{where}: task {k}", version) for k, v in raw.items())
+        return cls(**_read(cls, obj, where, tasks=tasks))
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """``eval.json``: the model evaluated, perplexity per dataset and (optionally) zero-shot accuracy.
+
+    model: what the user passed; source: the resolved folder or hub id; seconds: the whole evaluation.
+    """
+
+    model: str
+    source: str
+    model_type: str
+    dtype: str
+    device: str
+    seqlen: int
+    max_windows: int | None
+    perplexity: dict[str, PerplexityRecord]
+    zeroshot: ZeroShotResult | None
+    versions: dict[str, str]
+    seconds: float
+    command: str | None = None
+    context: ContextRecord | None = None
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            **{k: v for k, v in _flat_json(self).items() if k != "schema_version"},
+            "perplexity": {name: entry.to_json() for name, entry in self.perplexity.items()},
+            "zeroshot": self.zeroshot.to_json() if self.zeroshot is not None else None,
+            "context": _flat_json(self.context) if self.context is not None else None,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = EVAL_FILE) -> EvalReport:
+        obj = _object(obj, where)
+        version = _version(obj, where)
+        raw_ppl = _field(obj, "perplexity", dict, where)
+        perplexity = {
+            str(name): PerplexityRecord.from_json(entry, f"{where}: perplexity.{name}", version)
+            for name, entry in raw_ppl.items()
+        }
+        raw_zs = _field(obj, "zeroshot", dict | None, where)
+        return cls(
+            **_read(
+                cls,
+                obj,
+                where,
+                schema_version=version,
+                perplexity=perplexity,
+                zeroshot=ZeroShotResult.from_json(raw_zs, f"{where}: zeroshot", version)
+                if raw_zs is not None
+                else None,
+                context=_optional(obj, "context", ContextRecord.from_json, where),
+            )
+        )
+
+
+# ---------------------------------------------------------------- run directories
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run directory: its eval.json and, when it was pruned, its tsenor_report.json."""
+
+    path: Path
+    eval: EvalReport
+    prune: PruneReport | None
+
+    @property
+    def label(self) -> str:
+        return self.path.name
+
+
+def read_json(path: Path) -> Mapping[str, Any]:
+    """A run file's JSON object; not JSON or not an object → SchemaError naming the file."""
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise SchemaError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); re-create the run") from exc
+    if not isinstance(obj, dict):
+        raise SchemaError(f"{path} holds a JSON {type(obj).__name__}, expected an object; re-create the run")
+    return obj
+
+
+def load_run(path: Path) -> Run:
+    """Read a run directory; no directory or no eval.json → InputNotFoundError."""
+    if not path.is_dir():
+        raise InputNotFoundError(f"run directory {path} does not exist; pass directories made by `tsenor eval`")
+    eval_path = path / EVAL_FILE
+    if not eval_path.is_file():
+        raise InputNotFoundError(
+            f"{path} has no {EVAL_FILE}; evaluate the model into it first (`tsenor eval` writes it)"
+        )
+    prune_path = path / PRUNE_FILE
+    return Run(
+        path=path,
+        eval=EvalReport.from_json(read_json(eval_path), str(eval_path)),
+        prune=PruneReport.from_json(read_json(prune_path), str(prune_path)) if prune_path.is_file() else None,
+    )
