@@ -30,6 +30,8 @@ class PruneReport:
 
     settings: the run's result-deciding settings (`PruneConfig.result_fields`) plus device and solver.
     output: the written checkpoint folder, None for a dry run.
+    model_params / model_nonzero: entries and nonzero entries of every parameter of the written model
+    (tied weights once); linear_params / linear_nonzero: the same over the decoder blocks' linear weights.
     """
 
     settings: dict[str, Any]
@@ -40,6 +42,11 @@ class PruneReport:
     command: str | None
     versions: dict[str, str]
     resumed_from_block: int | None = None
+    # --- density of the written model (issue 16) ---
+    model_params: int | None = None
+    model_nonzero: int | None = None
+    linear_params: int | None = None
+    linear_nonzero: int | None = None
 
     @property
     def pruned(self) -> list[LayerRecord]:
@@ -51,7 +58,14 @@ class PruneReport:
         gaps = [r.gap for r in pruned if r.gap is not None]
         return {
             "layers_pruned": len(pruned),
-            "layers_skipped": len(self.layers) - len(pruned),
+            "layers_skipped": sum(r.status == "skipped" for r in self.layers),
+            "layers_ignored": sum(r.status == "ignored" for r in self.layers),
+            "model_params": self.model_params,
+            "model_nonzero": self.model_nonzero,
+            "model_density": _ratio(self.model_nonzero, self.model_params),
+            "linear_params": self.linear_params,
+            "linear_nonzero": self.linear_nonzero,
+            "linear_density": _ratio(self.linear_nonzero, self.linear_params),
             "mean_recon_error": statistics.fmean(errors) if errors else None,
             "max_recon_error": max(errors) if errors else None,
             "max_gap": max(gaps) if gaps else None,
@@ -100,7 +114,8 @@ class PruneReport:
             f"- versions: {', '.join(f'{k} {v}' for k, v in self.versions.items())}",
             f"- total time: {self.seconds:.1f} s "
             f"(method {t['method_seconds']:.1f} s, solver {t['solver_seconds']:.1f} s)",
-            f"- layers pruned: {t['layers_pruned']}, skipped: {t['layers_skipped']}",
+            f"- layers pruned: {t['layers_pruned']}, skipped: {t['layers_skipped']}, ignored: {t['layers_ignored']}",
+            *self._density_lines(t),
             f"- mean relative reconstruction error: {_fmt(t['mean_recon_error'])}; "
             f"max certified gap: {_fmt(t['max_gap'])}",
             "",
@@ -114,6 +129,23 @@ class PruneReport:
                 f"{_fmt(r.gap)} | {r.seconds:.2f} | {r.iterations} |"
             )
         return "\n".join(lines) + "\n"
+
+    def _density_lines(self, t: dict[str, Any]) -> list[str]:
+        """The report's density and ignored-layer lines (issue 16)."""
+        lines = []
+        if t["model_density"] is not None and t["linear_density"] is not None:
+            lines.append(
+                f"- density: model {t['model_density']:.4f} ({t['model_nonzero']:,} of {t['model_params']:,} "
+                f"parameters nonzero), decoder linears {t['linear_density']:.4f}"
+            )
+        ignored = [r.name for r in self.layers if r.status == "ignored"]
+        if ignored:
+            lines.append(f"- ignored (left dense): {', '.join(ignored)}")
+        return lines
+
+
+def _ratio(part: int | None, whole: int | None) -> float | None:
+    return None if part is None or not whole else part / whole
 
 
 def _fmt(value: float | None) -> str:
