@@ -93,8 +93,9 @@ def test_groups_are_found_by_observation(family: str) -> None:
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "gemma3_text"])
 def test_replayed_masks_are_the_sliding_window_ones(family: str) -> None:
-    """The recorded masks hide keys more than a window back (so a plain causal mask would differ), and
-    where full and sliding layers mix, replaying one layer's arguments for the other changes its output."""
+    """The recorded masks hide keys more than a window back (so a plain causal mask would differ), Gemma-3's
+    local and global layers get their own rotary embeddings, and where full and sliding layers mix,
+    replaying one layer's arguments for the other changes its output."""
     model = _model(family)
     structure = discover_structure(model)
     calls = capture_block_calls(structure, SEQ_LEN)
@@ -106,6 +107,9 @@ def test_replayed_masks_are_the_sliding_window_ones(family: str) -> None:
             allowed = mask if mask.dtype == torch.bool else mask == 0  # (1, 1, T, T)
             assert bool(allowed[0, 0, SEQ_LEN - 1, SEQ_LEN - 1]) and bool(allowed[0, 0, SEQ_LEN - 1, SEQ_LEN - 8])
             assert not bool(allowed[0, 0, SEQ_LEN - 1, SEQ_LEN - 1 - SLIDING_WINDOW])
+    if family == "gemma3_text":  # local (sliding) and global layers get different rotary embeddings
+        cos_local, cos_global = (call.kwargs["position_embeddings"][0] for call in calls)
+        assert not torch.allclose(cos_local, cos_global)
     if len(set(layer_types)) > 1:
         assert call_difference(calls[0], calls[1]) == "attention_mask"
         hidden = capture_block_inputs(structure, _ids(1, seed=3), torch.device("cpu")).hidden
