@@ -159,3 +159,23 @@ def test_ignoring_incompatible_layers_replaces_skip_incompatible(tmp_path: Path)
     result = _invoke([*base, "--ignore", "*.mlp.*"])
     assert result.exit_code == 0 and "NO: " not in result.output  # type: ignore[attr-defined]
     assert "ignored: matched --ignore *.mlp.*" in result.output  # type: ignore[attr-defined]
+
+
+def test_many_ignored_layers_are_counted_by_reason_in_the_summary() -> None:
+    from tsenor_cli.pruning.report import MAX_LISTED_IGNORED, PruneReport
+    from tsenor_cli.pruning.types import LayerRecord
+
+    cfg = PruneConfig(model="m", layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)))
+    layers = [LayerRecord(0, f"model.layers.{i}.q", 4, 4, "ignored", "not matched by --targets") for i in range(13)]
+    layers += [
+        LayerRecord(0, "model.layers.0.o", 4, 4, "ignored", "matched --ignore *.o"),
+        LayerRecord(0, "p", 4, 4, "pruned"),
+    ]
+    report = PruneReport(
+        {**cfg.result_fields(), "device": "cpu"}, tuple(layers), "c", 1.0, None, None, {}, None, 100, 90, 60, 50
+    )
+    assert len(layers) - 1 > MAX_LISTED_IGNORED
+    markdown = report.to_markdown()
+    assert "- ignored (left dense): 13 not matched by --targets; 1 matched --ignore *.o (each in the table)" in markdown
+    assert "- density: model 0.9000 (90 of 100 parameters nonzero), decoder linears 0.8333" in markdown
+    assert markdown.count("| ignored: ") == 14

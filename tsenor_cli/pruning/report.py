@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import platform
 import statistics
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from tsenor_cli.pruning.types import LayerRecord
+
+MAX_LISTED_IGNORED = 12  # more ignored layers than this are counted by reason in the summary line
 
 
 def versions() -> dict[str, str]:
@@ -138,9 +141,14 @@ class PruneReport:
                 f"- density: model {t['model_density']:.4f} ({t['model_nonzero']:,} of {t['model_params']:,} "
                 f"parameters nonzero), decoder linears {t['linear_density']:.4f}"
             )
-        ignored = [r.name for r in self.layers if r.status == "ignored"]
+        ignored = [r for r in self.layers if r.status == "ignored"]
+        if len(ignored) <= MAX_LISTED_IGNORED:
+            named = ", ".join(r.name for r in ignored)
+        else:  # every one is in the table below; the line counts them by reason
+            reasons = Counter(r.reason for r in ignored)
+            named = "; ".join(f"{count} {reason}" for reason, count in reasons.items()) + " (each in the table)"
         if ignored:
-            lines.append(f"- ignored (left dense): {', '.join(ignored)}")
+            lines.append(f"- ignored (left dense): {named}")
         return lines
 
 
