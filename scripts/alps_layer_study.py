@@ -17,27 +17,28 @@ import torch
 
 from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPattern, reconstruction_error
 from tsenor_cli.pruning.api import dense_calibration_inputs
-from tsenor_cli.pruning.engine import block_kwargs, run_block
+from tsenor_cli.pruning.engine import run_block
 from tsenor_cli.settings import RunContext
 
 
 def layer_problem(block: int, linear: str, nsamples: int, seqlen: int) -> tuple[torch.Tensor, InputStats]:
     """(weight (out, in), input statistics with the Gram matrix) of one linear of the dense model."""
-    loaded, hidden = dense_calibration_inputs(
+    loaded, inputs = dense_calibration_inputs(
         "smollm2-135m", RunContext.from_environment(), nsamples=nsamples, seqlen=seqlen
-    )  # hidden (S, T, H)
-    model, adapter = loaded.model, loaded.adapter
+    )
+    structure = loaded.structure
     cpu = torch.device("cpu")
+    hidden = inputs.hidden  # (S, T, H)
     buffer = torch.empty_like(hidden)
-    layers = adapter.decoder_layers(model)
+    layers = structure.blocks
     for index in range(block):
-        run_block(layers[index], hidden, block_kwargs(model, adapter, hidden, index, cpu), buffer)
+        run_block(layers[index], hidden, inputs.calls[index], buffer)
         hidden, buffer = buffer, hidden
-    target = adapter.block_linears(layers[block])[linear]
+    target = structure.block_linears(block)[linear]
     stats = InputStats(target.in_features, gram=True, device=cpu)
     handle = target.register_forward_hook(lambda _m, args, _o: stats.add(args[0]))
     try:
-        run_block(layers[block], hidden, block_kwargs(model, adapter, hidden, block, cpu), None)
+        run_block(layers[block], hidden, inputs.calls[block], None)
     finally:
         handle.remove()
     return target.weight.data.clone(), stats

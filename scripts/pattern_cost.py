@@ -26,7 +26,7 @@ from tsenor_cli import atomic
 from tsenor_cli.nm import parse_nm
 from tsenor_cli.pruning import InputStats, SparsityPattern
 from tsenor_cli.pruning.api import dense_calibration_inputs
-from tsenor_cli.pruning.engine import block_kwargs, run_block
+from tsenor_cli.pruning.engine import run_block
 from tsenor_cli.pruning.masks import choose_mask
 from tsenor_cli.settings import RunContext
 
@@ -51,23 +51,24 @@ def top_channel_share(scores: torch.Tensor, fraction: float) -> float:
 
 def column_norms(nsamples: int, seqlen: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(weights (out, in), input column norms (in,)) of every decoder linear of the dense model, by name."""
-    loaded, hidden = dense_calibration_inputs(
+    loaded, inputs = dense_calibration_inputs(
         "smollm2-135m", RunContext.from_environment(), nsamples=nsamples, seqlen=seqlen
-    )  # hidden (S, T, H)
-    model, adapter = loaded.model, loaded.adapter
+    )
+    structure = loaded.structure
     cpu = torch.device("cpu")
+    hidden = inputs.hidden  # (S, T, H)
     buffer = torch.empty_like(hidden)
     weights: dict[str, torch.Tensor] = {}
     norms: dict[str, torch.Tensor] = {}
-    for index, layer in enumerate(adapter.decoder_layers(model)):
-        linears = adapter.block_linears(layer)
+    for index, layer in enumerate(structure.blocks):
+        linears = structure.block_linears(index)
         stats = {name: InputStats(lin.in_features, gram=False, device=cpu) for name, lin in linears.items()}
         handles = [
             lin.register_forward_hook(lambda _m, args, _o, s=stats[name]: s.add(args[0]))
             for name, lin in linears.items()
         ]
         try:
-            run_block(layer, hidden, block_kwargs(model, adapter, hidden, index, cpu), buffer)
+            run_block(layer, hidden, inputs.calls[index], buffer)
         finally:
             for handle in handles:
                 handle.remove()
@@ -76,7 +77,7 @@ def column_norms(nsamples: int, seqlen: int) -> tuple[dict[str, torch.Tensor], d
             key = f"{index}.{name.split('.')[-1]}"
             weights[key] = lin.weight.data.clone()
             norms[key] = stats[name].col_norms
-        print(f"block {index + 1}/{len(adapter.decoder_layers(model))}", flush=True)
+        print(f"block {index + 1}/{len(structure)}", flush=True)
     return weights, norms
 
 

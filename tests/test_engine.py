@@ -135,24 +135,6 @@ def test_reconstruction_methods_beat_wanda_through_the_engine(tmp_path: Path, da
     assert errors["alps"] < errors["wanda"] and errors["sparsegpt"] < errors["wanda"]
 
 
-def test_engine_dense_pass_reproduces_the_model(tiny: Path) -> None:
-    """Captured block-0 inputs run through every block (+ norm + head) give the model's own logits."""
-    from tsenor_cli.models.loading import load_model
-    from tsenor_cli.pruning.engine import block_kwargs, capture_block_inputs, run_block
-
-    loaded = load_model(str(tiny), LOCAL_CTX)
-    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
-    hidden = capture_block_inputs(loaded.model, loaded.adapter, ids, torch.device("cpu"))
-    for index, block in enumerate(loaded.adapter.decoder_layers(loaded.model)):
-        out = torch.empty_like(hidden)
-        run_block(block, hidden, block_kwargs(loaded.model, loaded.adapter, hidden, index, torch.device("cpu")), out)
-        hidden = out
-    with torch.no_grad():
-        logits = loaded.adapter.lm_head(loaded.model)(loaded.adapter.final_norm(loaded.model)(hidden))
-        expected = loaded.model(ids).logits
-    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-
-
 def test_statistics_passes_stop_early_with_identical_results(tiny: Path) -> None:
     """Each sequential group's statistics pass stops once its linears have run (no MLP for [q,k,v] or [o]),
     and pruning gives bit-for-bit the weights and errors of full block passes, also with a skipped linear."""
@@ -160,34 +142,36 @@ def test_statistics_passes_stop_early_with_identical_results(tiny: Path) -> None
 
     from tsenor_cli.models.loading import load_model
     from tsenor_cli.pruning.engine import (
-        block_kwargs,
         capture_block_inputs,
         group_input_stats,
+        linear_groups,
         linear_slots,
         prune_block,
     )
     from tsenor_cli.pruning.registry import get_pruner
 
     loaded = load_model(str(tiny), LOCAL_CTX)
-    model, adapter = loaded.model, loaded.adapter
+    structure = loaded.structure
     cpu = torch.device("cpu")
     samples = 3
     ids = torch.randint(0, 1000, (samples, 16), generator=torch.Generator().manual_seed(0))
-    hidden = capture_block_inputs(model, adapter, ids, cpu)  # (3, 16, 64)
-    kwargs = block_kwargs(model, adapter, hidden, 0, cpu)
-    block = adapter.decoder_layers(model)[0]
-    linears = adapter.block_linears(block)
+    inputs = capture_block_inputs(structure, ids, cpu)
+    hidden, call = inputs.hidden, inputs.calls[0]  # hidden (3, 16, 64)
+    block = structure.blocks[0]
+    linears = structure.block_linears(0)
+    groups = linear_groups(block, linears, call, hidden[:1]).groups
+    assert len(groups) == 4  # [q,k,v], [o], [gate,up], [down]
     entered: list[str] = []
     watched = {"o_proj": linears["self_attn.o_proj"], "mlp": block.get_submodule("mlp")}
     handles = [m.register_forward_pre_hook(lambda _m, _a, n=n: entered.append(n)) for n, m in watched.items()]
     try:
         reached = []
-        for group in adapter.linear_groups:
+        for group in groups:
             group_linears = {name: linears[name] for name in group}
             entered.clear()
-            early = group_input_stats(block, group_linears, hidden, kwargs, cpu)
+            early = group_input_stats(block, group_linears, hidden, call, cpu)
             reached.append((entered.count("o_proj"), entered.count("mlp")))
-            full = group_input_stats(block, group_linears, hidden, kwargs, cpu, stop_early=False)
+            full = group_input_stats(block, group_linears, hidden, call, cpu, stop_early=False)
             for name in group:
                 assert torch.equal(early[name].require_gram(), full[name].require_gram())
                 assert torch.equal(early[name].sq_norms, full[name].sq_norms)
@@ -198,7 +182,7 @@ def test_statistics_passes_stop_early_with_identical_results(tiny: Path) -> None
     # (o_proj entered, MLP entered) per pass: [q,k,v] stops before both, [o] before the MLP.
     assert reached == [(0, 0), (samples, 0), (samples, samples), (samples, samples)]
 
-    slots = linear_slots(model, adapter)
+    slots = linear_slots(structure)
     skipped = {"model.layers.0.self_attn.v_proj": "left dense by the test"}  # [q,k] must stop before v runs
     layer_cfg = LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exhaustive")
     results = {}
@@ -207,11 +191,11 @@ def test_statistics_passes_stop_early_with_identical_results(tiny: Path) -> None
         records = prune_block(
             pruned,
             0,
-            adapter,
+            structure,
             slots,
             skipped,
             hidden,
-            kwargs,
+            call,
             get_pruner("sparsegpt"),  # updates the kept weights, so later groups depend on earlier ones
             layer_cfg,
             sequential=True,

@@ -210,7 +210,7 @@ def test_method_ordering_on_a_real_smollm2_layer(smollm2_path: object, data_ctx:
 
     loaded = load_model(str(smollm2_path), LOCAL_CTX)
     calib = calibration_batches("c4", loaded.tokenizer, data_ctx, nsamples=4, seqlen=128, seed=0)  # type: ignore[arg-type]
-    linear = loaded.adapter.decoder_layers(loaded.model)[2].self_attn.k_proj
+    linear = loaded.structure.block_linears(2)["self_attn.k_proj"]
     stats = InputStats(linear.in_features, gram=True, device="cpu")
     handle = linear.register_forward_hook(lambda _m, args, _o: stats.add(args[0]))
     with torch.no_grad():

@@ -24,6 +24,7 @@ import math
 import statistics
 import types
 import typing
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 2
 EVAL_FILE = "eval.json"
 PRUNE_FILE = "tsenor_report.json"
+MAX_LISTED_IGNORED = 12  # more ignored layers than this are counted by reason in the report summary
 PRUNE_MARKDOWN = "tsenor_report.md"
 LAYER_STATUSES = ("pruned", "skipped", "ignored")
 
@@ -263,7 +265,8 @@ class PruneReport:
     settings: the run's result-deciding settings (`PruneConfig.result_fields`) plus device and seqlen.
     calibration: a description of the calibration text; calibration_source: where it came from.
     seconds: the whole run's wall time; output: the checkpoint folder; command: the command line.
-    model_params / model_nonzero: parameter count of the whole model and how many are non-zero.
+    model_params / model_nonzero: entries and nonzero entries of every parameter of the written model
+    (tied weights once); linear_params / linear_nonzero: the same over the decoder blocks' linear weights.
     The file's ``totals`` are computed from these (`totals()`), not stored separately.
     """
 
@@ -282,6 +285,8 @@ class PruneReport:
     context: ContextRecord | None = None
     model_params: int | None = None
     model_nonzero: int | None = None
+    linear_params: int | None = None
+    linear_nonzero: int | None = None
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -294,7 +299,8 @@ class PruneReport:
         gaps = [r.gap for r in pruned if r.gap is not None]
         return {
             "layers_pruned": len(pruned),
-            "layers_skipped": len(self.layers) - len(pruned),
+            "layers_skipped": sum(r.status == "skipped" for r in self.layers),
+            "layers_ignored": sum(r.status == "ignored" for r in self.layers),
             "mean_recon_error": statistics.fmean(errors) if errors else None,
             "max_recon_error": max(errors) if errors else None,
             "max_gap": max(gaps) if gaps else None,
@@ -306,6 +312,10 @@ class PruneReport:
             "safeguard_tiles": sum(r.safeguard_tiles for r in pruned),
             "model_params": self.model_params,
             "model_nonzero": self.model_nonzero,
+            "model_density": _ratio(self.model_nonzero, self.model_params),
+            "linear_params": self.linear_params,
+            "linear_nonzero": self.linear_nonzero,
+            "linear_density": _ratio(self.linear_nonzero, self.linear_params),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -347,6 +357,8 @@ class PruneReport:
                 seconds=_field(totals, "total_seconds", float, f"{where}: totals"),
                 model_params=_typed(totals.get("model_params"), int | None, "model_params", f"{where}: totals"),
                 model_nonzero=_typed(totals.get("model_nonzero"), int | None, "model_nonzero", f"{where}: totals"),
+                linear_params=_typed(totals.get("linear_params"), int | None, "linear_params", f"{where}: totals"),
+                linear_nonzero=_typed(totals.get("linear_nonzero"), int | None, "linear_nonzero", f"{where}: totals"),
                 calibration_source=_optional(obj, "calibration_source", DataSource.from_json, where),
                 context=_optional(obj, "context", ContextRecord.from_json, where),
             )
@@ -376,7 +388,8 @@ class PruneReport:
             f"- versions: {', '.join(f'{k} {v}' for k, v in self.versions.items())}",
             f"- total time: {self.seconds:.1f} s "
             f"(method {t['method_seconds']:.1f} s, solver {t['solver_seconds']:.1f} s)",
-            f"- layers pruned: {t['layers_pruned']}, skipped: {t['layers_skipped']}",
+            f"- layers pruned: {t['layers_pruned']}, skipped: {t['layers_skipped']}, ignored: {t['layers_ignored']}",
+            *self._density_lines(t),
             f"- mean relative reconstruction error: {_fmt(t['mean_recon_error'])}; "
             f"max certified gap: {_fmt(t['max_gap'])}",
             "",
@@ -390,6 +403,28 @@ class PruneReport:
                 f"{_fmt(r.gap)} | {r.seconds:.2f} | {r.iterations} |"
             )
         return "\n".join(lines) + "\n"
+
+    def _density_lines(self, t: Mapping[str, Any]) -> list[str]:
+        """The report's density and ignored-layer lines."""
+        lines = []
+        if t["model_density"] is not None and t["linear_density"] is not None:
+            lines.append(
+                f"- density: model {t['model_density']:.4f} ({t['model_nonzero']:,} of {t['model_params']:,} "
+                f"parameters nonzero), decoder linears {t['linear_density']:.4f}"
+            )
+        ignored = [r for r in self.layers if r.status == "ignored"]
+        if len(ignored) <= MAX_LISTED_IGNORED:
+            named = ", ".join(r.name for r in ignored)
+        else:  # every one is in the table below; the line counts them by reason
+            reasons = Counter(r.reason for r in ignored)
+            named = "; ".join(f"{count} {reason}" for reason, count in reasons.items()) + " (each in the table)"
+        if ignored:
+            lines.append(f"- ignored (left dense): {named}")
+        return lines
+
+
+def _ratio(part: int | None, whole: int | None) -> float | None:
+    return None if part is None or not whole else part / whole
 
 
 def _solver_label(settings: Mapping[str, Any]) -> str:

@@ -39,6 +39,8 @@ CONFIG_KEYS: dict[str, type] = {
     "trust_remote_code": bool,
     "sequential": bool,
     "skip_incompatible": bool,
+    "ignore": list,
+    "targets": list,
     "output": str,
 }
 
@@ -68,6 +70,9 @@ def load_config_file(path: Path) -> dict[str, Any]:
                 f'--config {path}: nm must be a quoted string like "16:32" '
                 "(unquoted YAML reads 16:32 as a base-60 number)"
             )
+        if want is list:
+            values[key] = _pattern_list(path, key, value)
+            continue
         ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
@@ -75,6 +80,17 @@ def load_config_file(path: Path) -> dict[str, Any]:
             raise UsageError(f"--config {path}: {key} must be a {want.__name__}, got {value!r}")
         values[key] = value
     return values
+
+
+def _pattern_list(path: Path, key: str, value: Any) -> list[str]:
+    """A recipe's ignore/targets: one pattern string or a list of them."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return list(value)
+    raise UsageError(
+        f"--config {path}: {key} must be a pattern string or a list of them (e.g. ['*.mlp.down_proj']), got {value!r}"
+    )
 
 
 def merge_config(ctx: typer.Context, given: dict[str, Any], config: Path | None) -> dict[str, Any]:
@@ -124,6 +140,8 @@ def build_config(values: dict[str, Any], *, force: bool, resume: bool, command: 
         trust_remote_code=bool(values["trust_remote_code"]),
         sequential=bool(values["sequential"]),
         skip_incompatible=bool(values["skip_incompatible"]),
+        ignore=tuple(values.get("ignore") or ()),
+        targets=tuple(values.get("targets") or ()),
         output=Path(output).expanduser() if output else None,
         force=force,
         resume=resume,
@@ -165,9 +183,18 @@ def prune_cmd(
     sequential: bool = typer.Option(
         True,
         "--sequential/--no-sequential",
-        help="Prune the groups (q,k,v), (o), (gate,up), (down) in turn, re-running the block between them.",
+        help="Prune the linears that read the same input together, group after group "
+        "(LLaMA: (q,k,v), (o), (gate,up), (down)), re-running the block between groups.",
     ),
     skip_incompatible: bool = typer.Option(False, "--skip-incompatible", help="Leave layers M does not divide dense."),
+    ignore: list[str] | None = typer.Option(
+        None,
+        "--ignore",
+        help="Leave matching linears dense (repeatable): glob on full names ('*.mlp.down_proj') or 're:REGEX'.",
+    ),
+    targets: list[str] | None = typer.Option(
+        None, "--targets", help="Prune only matching linears (repeatable): glob on full names or 're:REGEX'."
+    ),
     output: str | None = typer.Option(None, "--output", "-o", help="Directory for the pruned checkpoint."),
     force: bool = typer.Option(False, "--force", help="Replace an existing non-empty --output."),
     resume: bool = typer.Option(False, "--resume", help="Save state after each block; continue an interrupted run."),
@@ -198,6 +225,8 @@ def prune_cmd(
         "trust_remote_code": trust_remote_code,
         "sequential": sequential,
         "skip_incompatible": skip_incompatible,
+        "ignore": ignore or [],
+        "targets": targets or [],
         "output": output,
     }
     run_ctx = run_context(ctx, data_dir, offline)
@@ -236,7 +265,10 @@ def prune_cmd(
         for slot in plan.slots:
             why = plan.incompatible.get(slot.full_name)
             shape = f"{slot.out_features}×{slot.in_features}"
-            typer.echo(f"{slot.full_name:<44} {shape:>13}  {'yes' if why is None else 'NO: ' + why}")
+            verdict = "yes" if why is None else "NO: " + why
+            if slot.full_name in plan.ignored:
+                verdict = "ignored: " + plan.ignored[slot.full_name]
+            typer.echo(f"{slot.full_name:<44} {shape:>13}  {verdict}")
         typer.echo(
             f"estimated memory: CPU {_human_bytes(plan.cpu_bytes)} (model), "
             f"{plan.device} {_human_bytes(plan.device_bytes)} (one block, activations, statistics, workspace)"

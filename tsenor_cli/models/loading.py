@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from tsenor_cli.errors import InputNotFoundError, UsageError
-from tsenor_cli.models.adapters import ModelAdapter, adapter_for
+from tsenor_cli.errors import IncompatibleModelError, InputNotFoundError, UsageError
 from tsenor_cli.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, is_embedded, materialize
+from tsenor_cli.models.structure import ModelStructure, discover_structure
 from tsenor_cli.settings import RunContext
 
 DTYPES: dict[str, torch.dtype] = {
@@ -33,13 +33,13 @@ DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A causal LM in eval mode with its tokenizer and the adapter for its decoder structure."""
+    """A causal LM in eval mode with its tokenizer and its decoder structure."""
 
     model: Any  # transformers PreTrainedModel
     tokenizer: Any  # transformers PreTrainedTokenizerBase
     name: str  # what the user passed
     source: str  # resolved local folder or hub id
-    adapter: ModelAdapter
+    structure: ModelStructure
 
     @property
     def model_type(self) -> str:
@@ -121,6 +121,22 @@ def resolve_source(name: str, ctx: RunContext, *, progress: Callable[[str], None
     return name, False
 
 
+def meta_model(config: Any, *, trust_remote_code: bool = False) -> Any:
+    """The causal LM of a transformers `config` built on the meta device: its module tree and shapes, no weights.
+
+    IncompatibleModelError when transformers has no causal-LM class for the config's model type.
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except ValueError as exc:  # transformers' "Unrecognized configuration class ... for AutoModelForCausalLM"
+        raise IncompatibleModelError(
+            f"model type {config.model_type!r} has no causal-LM class in transformers; pass a decoder LM checkpoint"
+        ) from exc
+
+
 def load_model(
     name: str,
     ctx: RunContext,
@@ -133,8 +149,8 @@ def load_model(
     """Load `name` as a causal LM in eval mode on `device` (default dtype: bf16 on CUDA, fp32 on CPU).
 
     Raises InputNotFoundError for a missing folder or an unreachable (or, offline, uncached) hub id, and
-    IncompatibleModelError for a model type without an adapter (checked from the config, before the
-    weights are read).
+    IncompatibleModelError for a model without a decoder block list of nn.Linear-holding blocks
+    (checked on the model built from its config on the meta device, before the weights are read).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -148,7 +164,7 @@ def load_model(
         if is_local:
             raise InputNotFoundError(f"cannot read the config of {source}: {exc}") from exc
         raise _hub_error(name, ctx) from exc
-    adapter = adapter_for(str(config.model_type))
+    discover_structure(meta_model(config, trust_remote_code=trust_remote_code))
     if progress is not None:
         progress(f"loading {name} ({config.model_type}, {torch_dtype}) on {torch_device}")
     try:
@@ -163,4 +179,5 @@ def load_model(
         raise _hub_error(name, ctx) from exc
     model = model.to(torch_device)  # type: ignore[arg-type]
     model.eval()
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source, adapter=adapter)
+    structure = discover_structure(model)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source, structure=structure)

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,8 +15,9 @@ import torch
 from tsenor_cli.errors import UsageError
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.engine import (
+    BlockInputs,
     LinearSlot,
-    block_kwargs,
+    capture_block_calls,
     capture_block_inputs,
     check_compatibility,
     incompatible_slots,
@@ -28,12 +29,14 @@ from tsenor_cli.pruning.output import check_not_input, prepare_output, write_che
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.report import versions
 from tsenor_cli.pruning.resume import records_from_state
+from tsenor_cli.pruning.selection import excluded_layers
 from tsenor_cli.pruning.types import LayerRecord
 from tsenor_cli.runfiles import ContextRecord, DataSource, PatternInfo, PruneReport
 from tsenor_cli.settings import RunContext
 
 if TYPE_CHECKING:
     from tsenor_cli.models.loading import LoadedModel
+    from tsenor_cli.models.structure import ModelStructure
 
 Progress = Callable[[str], None]
 
@@ -52,8 +55,9 @@ def _dtype_and_device(cfg: PruneConfig) -> tuple[torch.dtype, torch.device]:
 
 def dense_calibration_inputs(
     model: str, ctx: RunContext, *, nsamples: int, seqlen: int, seed: int = 0, calib_data: str = "c4"
-) -> tuple[LoadedModel, torch.Tensor]:
-    """The unpruned model (fp32 on CPU) and its calibration hidden states entering block 0, (S, T, H).
+) -> tuple[LoadedModel, BlockInputs]:
+    """The unpruned model (fp32 on CPU) and its calibration inputs: hidden states entering block 0
+    (S, T, H) and what the model passes each block besides them.
 
     For analyses that walk the dense model block by block (scripts/pattern_cost.py,
     scripts/alps_layer_study.py); calibration data come from where `ctx` says.
@@ -63,8 +67,7 @@ def dense_calibration_inputs(
 
     loaded = load_model(model, ctx, dtype=torch.float32, device="cpu", trust_remote_code=False)
     calib = calibration_batches(calib_data, loaded.tokenizer, ctx, nsamples=nsamples, seqlen=seqlen, seed=seed)
-    hidden = capture_block_inputs(loaded.model, loaded.adapter, calib.input_ids, torch.device("cpu"))
-    return loaded, hidden
+    return loaded, capture_block_inputs(loaded.structure, calib.input_ids, torch.device("cpu"))
 
 
 def sparsity_metadata(cfg: PruneConfig, records: list[LayerRecord], solver: str | None) -> dict[str, Any]:
@@ -86,9 +89,20 @@ def sparsity_metadata(cfg: PruneConfig, records: list[LayerRecord], solver: str 
         "solver": solver,
         "solver_requested": cfg.layer.solver if p.transposable else None,
         "pruned_modules": [r.name for r in records if r.status == "pruned"],
-        "skipped_modules": [r.name for r in records if r.status != "pruned"],
+        "skipped_modules": [r.name for r in records if r.status == "skipped"],
+        "ignored_modules": [r.name for r in records if r.status == "ignored"],
         "tsenor_version": __version__,
     }
+
+
+def nonzero_counts(parameters: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """(entries, nonzero entries) over `parameters`, each counted once however often it is listed."""
+    unique = {id(p): p for p in parameters}.values()
+    return sum(p.numel() for p in unique), sum(int(torch.count_nonzero(p)) for p in unique)
+
+
+def _linear_weights(structure: ModelStructure) -> list[torch.Tensor]:
+    return [linear.weight for index in range(len(structure)) for linear in structure.block_linears(index).values()]
 
 
 def prune_model(
@@ -116,10 +130,15 @@ def prune_model(
         cfg.model, ctx, dtype=dtype, device="cpu", trust_remote_code=cfg.trust_remote_code, progress=say
     )
     check_not_input(cfg.output, loaded.source)
-    model, adapter = loaded.model, loaded.adapter
-    slots = linear_slots(model, adapter)
-    skipped = check_compatibility(slots, cfg.pattern, skip=cfg.skip_incompatible)
-    blocks = adapter.decoder_layers(model)
+    model, structure = loaded.model, loaded.structure
+    slots = linear_slots(structure)
+    ignored = excluded_layers([s.full_name for s in slots], cfg.ignore, cfg.targets)
+    candidates = [s for s in slots if s.full_name not in ignored]
+    skipped = check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)
+    blocks = structure.blocks
+    say(f"{structure.model_type}: {len(blocks)} blocks in {structure.blocks_name}, {len(slots)} linears")
+    if ignored:
+        say(f"leaving {len(ignored)} linear(s) dense (--ignore/--targets)")
     seqlen = min(cfg.seqlen, loaded.max_positions or cfg.seqlen)
     config_hash = cfg.result_hash()
 
@@ -130,6 +149,7 @@ def prune_model(
         first = int(state["next_block"])
         store.restore_blocks(blocks, first)
         hidden = store.load_hidden(device)
+        calls = capture_block_calls(structure, int(hidden.shape[1]))
         records = records_from_state(state)
         calibration = str(state["calibration"])
         calibration_source = DataSource.from_json(state["calibration_source"], f"{store.state_path}")
@@ -143,29 +163,31 @@ def prune_model(
         calibration = str(calib.source_description)
         calibration_source = calib.source
         say(f"calibration: {calibration}, {tuple(calib.input_ids.shape)} tokens")
-        hidden = capture_block_inputs(model, adapter, calib.input_ids, device)  # (S, T, H)
+        inputs = capture_block_inputs(structure, calib.input_ids, device)
+        hidden, calls = inputs.hidden, inputs.calls  # hidden (S, T, H)
 
     buffer = torch.empty_like(hidden)
     for index in range(first, len(blocks)):
         say(f"block {index + 1}/{len(blocks)}")
         block = blocks[index]
         block.to(device)
-        kwargs = block_kwargs(model, adapter, hidden, index, device)
+        call = calls[index].to(device)
         records += prune_block(
             block,
             index,
-            adapter,
+            structure,
             slots,
             skipped,
             hidden,
-            kwargs,
+            call,
             spec,
             cfg.layer,
             sequential=cfg.sequential,
             device=device,
             progress=say,
+            ignored=ignored,
         )
-        run_block(block, hidden, kwargs, buffer)  # the next block sees the pruned outputs
+        run_block(block, hidden, call, buffer)  # the next block sees the pruned outputs
         hidden, buffer = buffer, hidden
         block.to("cpu")
         if store is not None:
@@ -177,6 +199,8 @@ def prune_model(
     solver = cfg.solver_that_runs(device)
     settings_dict = {**cfg.result_fields(), "device": str(device), "seqlen": seqlen, "solver": solver}
     p = cfg.pattern
+    model_params, model_nonzero = nonzero_counts(list(model.parameters()))
+    linear_params, linear_nonzero = nonzero_counts(_linear_weights(structure))
     report = PruneReport(
         method=cfg.method,
         pattern=PatternInfo(p.n, p.m, p.transposable) if p.kind in ("transposable", "nm") else None,
@@ -191,6 +215,10 @@ def prune_model(
         resumed_from_block=first if first else None,
         calibration_source=calibration_source,
         context=ContextRecord.of(ctx),
+        model_params=model_params,
+        model_nonzero=model_nonzero,
+        linear_params=linear_params,
+        linear_nonzero=linear_nonzero,
     )
     say(f"writing {cfg.output}")
     write_checkpoint(model, loaded.tokenizer, cfg.output, report, sparsity_metadata(cfg, records, solver))
@@ -208,6 +236,7 @@ class PrunePlan:
     model_type: str
     slots: tuple[LinearSlot, ...]
     incompatible: dict[str, str]
+    ignored: dict[str, str]
     seqlen: int
     nsamples: int
     params: int
@@ -229,10 +258,12 @@ class PrunePlan:
                     "shape": [s.out_features, s.in_features],
                     "compatible": s.full_name not in self.incompatible,
                     "reason": self.incompatible.get(s.full_name),
+                    "ignored": self.ignored.get(s.full_name),
                 }
                 for s in self.slots
             ],
             "incompatible": len(self.incompatible),
+            "ignored": len(self.ignored),
             "seqlen": self.seqlen,
             "nsamples": self.nsamples,
             "params": self.params,
@@ -244,11 +275,16 @@ class PrunePlan:
 
 
 def plan_model(cfg: PruneConfig, ctx: RunContext, progress: Progress | None = None) -> PrunePlan:
-    """The dry-run plan, from the model built on the meta device (no weights read, nothing written)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The dry-run plan, from the model built on the meta device (no weights read, nothing written).
 
-    from tsenor_cli.models.adapters import adapter_for
-    from tsenor_cli.models.loading import resolve_source
+    The structure and the linears come from the same discovery as a run. The sequential groups need a
+    real forward (`engine.linear_groups`), so the Gram-matrix estimate takes all of a block's pruned
+    linears at once: exact without --sequential, an upper bound with it.
+    """
+    from transformers import AutoConfig
+
+    from tsenor_cli.models.loading import meta_model, resolve_source
+    from tsenor_cli.models.structure import discover_structure
 
     dtype, device = _dtype_and_device(cfg)
     source, _ = resolve_source(cfg.model, ctx, progress=progress)
@@ -262,24 +298,22 @@ def plan_model(cfg: PruneConfig, ctx: RunContext, progress: Progress | None = No
         raise InputNotFoundError(
             f"cannot read the config of {cfg.model} ({exc}); pass a local checkpoint directory"
         ) from exc
-    adapter = adapter_for(str(config.model_type))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
-    slots = linear_slots(model, adapter)
-    bad = incompatible_slots(slots, cfg.pattern)
+    model = meta_model(config, trust_remote_code=cfg.trust_remote_code)
+    structure = discover_structure(model)
+    slots = linear_slots(structure)
+    ignored = excluded_layers([s.full_name for s in slots], cfg.ignore, cfg.targets)
+    candidates = [s for s in slots if s.full_name not in ignored]
+    bad = incompatible_slots(candidates, cfg.pattern)
     max_pos = getattr(config, "max_position_embeddings", None)
     seqlen = min(cfg.seqlen, int(max_pos)) if max_pos else cfg.seqlen
     width = torch.finfo(dtype).bits // 8
     params = sum(p.numel() for p in model.parameters())
-    blocks = adapter.decoder_layers(model)
-    block_params = max(sum(p.numel() for p in b.parameters()) for b in blocks)
+    block_params = max(sum(p.numel() for p in b.parameters()) for b in structure.blocks)
     hidden = int(config.hidden_size)
     activations = 2 * cfg.nsamples * seqlen * hidden * width  # block inputs and outputs
-    groups = adapter.linear_groups if cfg.sequential else (adapter.linear_names,)
-    by_name = {s.local_name: s for s in slots if s.block == 0}
-    gram = max(sum(by_name[n].in_features ** 2 for n in g) for g in groups) * 4
+    gram = 4 * max(sum(s.in_features**2 for s in candidates if s.block == index) for index in range(len(structure)))
     spec = get_pruner(cfg.method)
-    biggest = max(slots, key=lambda s: s.out_features * s.in_features)
+    biggest = max(candidates, key=lambda s: s.out_features * s.in_features)
     work = 4 * biggest.out_features * biggest.in_features * (8 if spec.iterative else 3)
     if spec.needs_gram:
         work += 3 * 8 * biggest.in_features**2  # damped/normalized H, its inverse or eigenvectors
@@ -288,9 +322,10 @@ def plan_model(cfg: PruneConfig, ctx: RunContext, progress: Progress | None = No
         method=cfg.method,
         pattern=cfg.pattern.label,
         source=source,
-        model_type=str(config.model_type),
+        model_type=structure.model_type,
         slots=tuple(slots),
         incompatible=bad,
+        ignored=ignored,
         seqlen=seqlen,
         nsamples=cfg.nsamples,
         params=params,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from tsenor_cli.errors import UsageError
 from tsenor_cli.pruning.registry import get_pruner
+from tsenor_cli.pruning.selection import check_patterns
 from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
 
 if TYPE_CHECKING:
@@ -23,6 +24,8 @@ class PruneConfig:
     model: embedded name, local checkpoint folder or hub id; calib_data: c4 | wikitext2 | ptb | a file.
     seqlen is capped by the model's context length. output None is only valid for a dry run.
     layer: the per-layer method options (pattern, solver, dampening, ALPS schedule).
+    ignore / targets: patterns on full module names (globs, or `re:` regexes) of the linears to leave
+    dense / to restrict pruning to (`tsenor_cli.pruning.selection`); empty targets means all.
     command: the command line, recorded in the report.
     """
 
@@ -38,6 +41,8 @@ class PruneConfig:
     trust_remote_code: bool = False
     sequential: bool = True
     skip_incompatible: bool = False
+    ignore: tuple[str, ...] = ()
+    targets: tuple[str, ...] = ()
     output: Path | None = None
     force: bool = False
     resume: bool = False
@@ -53,6 +58,8 @@ class PruneConfig:
             raise UsageError(f"--nsamples {self.nsamples} must be >= 1; the paper uses 128")
         if self.seqlen < 1:
             raise UsageError(f"--seqlen {self.seqlen} must be >= 1; the paper uses 2048")
+        check_patterns(self.ignore, "--ignore")
+        check_patterns(self.targets, "--targets")
 
     @property
     def pattern(self) -> SparsityPattern:
@@ -86,6 +93,8 @@ class PruneConfig:
             "dtype": self.dtype,
             "sequential": self.sequential,
             "skip_incompatible": self.skip_incompatible,
+            "ignore": list(self.ignore),
+            "targets": list(self.targets),
         }
 
     def result_hash(self) -> str:

@@ -1,18 +1,26 @@
 """The block-by-block runner shared by every method (layer-wise reconstruction, paper Section 4).
 
 The model stays on the CPU; one decoder block and the calibration activations live on the compute
-device. For each block: run the calibration activations through it with forward hooks that accumulate
-each linear's input statistics, prune the linears (group by group when sequential: [q,k,v], [o],
-[gate,up], [down], re-running the block between groups so later groups see pruned inputs), run it once
-more so the next block sees pruned outputs, and move it back. A statistics pass stops each sample's
-forward as soon as the group's linears have seen their input, so [q,k,v] costs the input norm and three
-matmuls, not the whole block.
+device. For each block: find its sequential groups by watching which linears read the same input,
+run the calibration activations through it with forward hooks that accumulate each linear's input
+statistics, prune the linears group by group (re-running the block between groups so later groups see
+pruned inputs), run it once more so the next block sees pruned outputs, and move it back. A statistics
+pass stops each sample's forward as soon as the group's linears have seen their input, so [q,k,v]
+costs the input norm and three matmuls, not the whole block.
+
+What a block is given is never built here: one forward of the model's own ``forward`` records the
+arguments it passes each block (`capture_block_calls`), and the engine replays them with the hidden
+states swapped. Invariant (checked at capture): for a batch-1 input of length T, every argument of
+every block other than the hidden states (attention masks, sliding-window masks, rotary position
+embeddings, position ids, cache flags) depends only on T, not on the token values; so one record per
+calibration shape serves every sample, and only the hidden states differ between samples.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,11 +28,13 @@ import torch
 from torch import nn
 
 from tsenor_cli.errors import IncompatibleModelError
+from tsenor_cli.models.structure import ModelStructure
 from tsenor_cli.pruning.registry import PrunerSpec
 from tsenor_cli.pruning.stats import InputStats, reconstruction_error
 from tsenor_cli.pruning.types import LayerPruneConfig, LayerRecord, SparsityPattern
 
 Progress = Callable[[str], None]
+HIDDEN_KEYWORD = "hidden_states"
 
 
 @dataclass(frozen=True)
@@ -38,25 +48,91 @@ class LinearSlot:
     in_features: int
 
 
+@dataclass(frozen=True, eq=False)
+class BlockCall:
+    """What the model's forward passes one decoder block, less the hidden states.
+
+    args: the positional arguments after the hidden states; kwargs: the keyword arguments;
+    hidden_keyword: None when the hidden states are the first positional argument, else their keyword.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    hidden_keyword: str | None = None
+
+    @staticmethod
+    def split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, BlockCall]:
+        """(hidden states, the rest) of one call ``block(*args, **kwargs)``."""
+        if args and isinstance(args[0], torch.Tensor):
+            return args[0], BlockCall(tuple(args[1:]), dict(kwargs))
+        hidden = kwargs.get(HIDDEN_KEYWORD)
+        if isinstance(hidden, torch.Tensor):
+            rest = {key: value for key, value in kwargs.items() if key != HIDDEN_KEYWORD}
+            return hidden, BlockCall(tuple(args), rest, HIDDEN_KEYWORD)
+        raise IncompatibleModelError(
+            "the model calls its decoder blocks without hidden states (neither a first positional tensor nor "
+            f"{HIDDEN_KEYWORD}=); tsenor cannot replay this architecture's blocks"
+        )
+
+    def bind(self, hidden: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """hidden: (B, T, H) → the (args, kwargs) of ``block(*args, **kwargs)`` on these hidden states."""
+        if self.hidden_keyword is None:
+            return (hidden, *self.args), self.kwargs
+        return self.args, {**self.kwargs, self.hidden_keyword: hidden}
+
+    def to(self, device: torch.device) -> BlockCall:
+        """The same call with its tensors on `device`."""
+        return BlockCall(_to_device(self.args, device), _to_device(self.kwargs, device), self.hidden_keyword)
+
+
+@dataclass(frozen=True, eq=False)
+class BlockInputs:
+    """hidden: (S, T, H) the calibration hidden states entering block 0; calls: per block, on the CPU."""
+
+    hidden: torch.Tensor
+    calls: tuple[BlockCall, ...]
+
+
+@dataclass(frozen=True)
+class LinearGroups:
+    """What one forward of a block showed about its linears.
+
+    groups: the linears that read the same input tensor, groups in the order their inputs appeared;
+    calls: how many times each linear ran (0: never, so it has no calibration inputs).
+    """
+
+    groups: tuple[tuple[str, ...], ...]
+    calls: dict[str, int]
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The linears that ran, in the order they first ran."""
+        return tuple(name for group in self.groups for name in group)
+
+
 class _Captured(Exception):
     """Raised by the pre-hook on block 0 to stop the forward once its input is known."""
 
-    def __init__(self, hidden: torch.Tensor) -> None:
+    def __init__(self, hidden: torch.Tensor, call: BlockCall) -> None:
         super().__init__("captured")
         self.hidden = hidden
+        self.call = call
+
+
+class _AllRecorded(Exception):
+    """Raised by the last block's recorder: the rest of the model's forward is not needed."""
 
 
 class _GroupSeen(Exception):
     """Raised by a statistics hook once every linear of the group has seen the current sample's input."""
 
 
-def linear_slots(model: nn.Module, adapter: Any) -> list[LinearSlot]:
-    """Every prunable linear of the model in block order, with full module names."""
-    names = {id(module): name for name, module in model.named_modules()}
+def linear_slots(structure: ModelStructure) -> list[LinearSlot]:
+    """Every nn.Linear of every decoder block, in block order then module order, with full module names."""
     slots: list[LinearSlot] = []
-    for index, block in enumerate(adapter.decoder_layers(model)):
-        for local, linear in adapter.block_linears(block).items():
-            full = f"{names[id(block)]}.{local}"
+    for index in range(len(structure)):
+        for local, linear in structure.block_linears(index).items():
+            full = structure.full_name(index, local)
             slots.append(LinearSlot(index, local, full, int(linear.out_features), int(linear.in_features)))
     return slots
 
@@ -79,7 +155,7 @@ def check_compatibility(slots: Sequence[LinearSlot], pattern: SparsityPattern, *
         more = f" (and {len(bad) - 6} more)" if len(bad) > 6 else ""
         raise IncompatibleModelError(
             f"{len(bad)} linear layer(s) cannot take {pattern.label}: {listed}{more}; "
-            "choose an M that divides these dimensions or pass --skip-incompatible to leave them dense"
+            "choose an M that divides these dimensions or pass --skip-incompatible (or --ignore) to leave them dense"
         )
     return bad
 
@@ -97,55 +173,217 @@ def _to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
-@torch.no_grad()
-def capture_block_inputs(model: nn.Module, adapter: Any, input_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """input_ids: (S, T) long → hidden states (S, T, H) entering decoder block 0, on `device`.
+def _same(a: Any, b: Any) -> bool:
+    """Whether two recorded arguments are equal: tensors by shape, dtype and every value; containers item by item."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(torch.equal(a, b))
+        )
+    if isinstance(a, tuple | list):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
+    return type(a) is type(b) and bool(a == b)
 
-    The model's own forward runs on the CPU up to block 0, whose pre-hook records its input and stops
-    the forward, so whatever the architecture does before the blocks (embedding scale etc.) is kept.
+
+def call_difference(a: BlockCall, b: BlockCall) -> str | None:
+    """The first argument in which two calls of a block differ ("attention_mask", "positional argument 1"), or None."""
+    if a.hidden_keyword != b.hidden_keyword:
+        return "hidden-state argument"
+    if len(a.args) != len(b.args):
+        return "positional arguments"
+    for position, (x, y) in enumerate(zip(a.args, b.args, strict=True)):
+        if not _same(x, y):
+            return f"positional argument {position + 1}"
+    for key in sorted(a.kwargs.keys() | b.kwargs.keys()):
+        if key not in a.kwargs or key not in b.kwargs or not _same(a.kwargs[key], b.kwargs[key]):
+            return key
+    return None
+
+
+def _output_like(template: Any, hidden: torch.Tensor) -> Any:
+    """A block output shaped like `template` (a tensor, or a tuple led by the hidden states) carrying `hidden`."""
+    if isinstance(template, torch.Tensor):
+        return hidden
+    if isinstance(template, tuple) and template and isinstance(template[0], torch.Tensor):
+        return (hidden, *template[1:])
+    raise IncompatibleModelError(
+        f"decoder blocks return {type(template).__name__}; tsenor needs a tensor or a tuple led by the hidden states"
+    )
+
+
+@torch.no_grad()
+def capture_block_calls(
+    structure: ModelStructure, seq_len: int, *, tokens: torch.Tensor | None = None
+) -> tuple[BlockCall, ...]:
+    """What the model's own forward passes each decoder block for a batch-1 input of `seq_len` tokens.
+
+    tokens: (1, seq_len) long, the probe input; zeros when None (the recorded arguments depend on the
+    length only: see the module docstring). Each block's forward is swapped, for this one call, for a
+    recorder that returns its input unchanged, so no block computes and the record costs the embedding
+    and mask/rotary set-up; block 0's real output, computed once, shows the return type the model's
+    loop expects. Returns one BlockCall per block, on the model's device.
     """
-    first = adapter.decoder_layers(model)[0]
-    base = adapter.base(model)
+    blocks = structure.blocks
+    if tokens is None:
+        device = next(structure.base.parameters()).device
+        tokens = torch.zeros((1, seq_len), dtype=torch.long, device=device)
+    if tuple(tokens.shape) != (1, seq_len):
+        raise ValueError(f"tokens must be (1, {seq_len}), got shape {tuple(tokens.shape)}")
+    calls: dict[int, BlockCall] = {}
+    template: list[Any] = []
+
+    def recorder(index: int, real_forward: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            hidden, call = BlockCall.split(args, kwargs)
+            if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (1, seq_len):
+                raise IncompatibleModelError(
+                    f"block {index} of {structure.blocks_name} got hidden states of shape "
+                    f"{tuple(hidden.shape)}, not (1, {seq_len}, hidden); tsenor needs (batch, tokens, hidden) inputs"
+                )
+            if index in calls:
+                raise IncompatibleModelError(
+                    f"block {index} of {structure.blocks_name} runs twice in one forward; tsenor needs each "
+                    "decoder block to run once"
+                )
+            calls[index] = call
+            if not template:
+                template.append(real_forward(*args, **kwargs))
+            if len(calls) == len(blocks):
+                raise _AllRecorded
+            return _output_like(template[0], hidden)
+
+        return forward
+
+    # The recorders go into the instance's __dict__, where they shadow the class's forward (hooks and
+    # nn.Module.__call__ are unchanged); whatever was there before is put back.
+    previous = [vars(block).get("forward") for block in blocks]
+    try:
+        for index, block in enumerate(blocks):
+            vars(block)["forward"] = recorder(index, block.forward)
+        with contextlib.suppress(_AllRecorded):
+            structure.base(input_ids=tokens, use_cache=False)
+    finally:
+        for block, before in zip(blocks, previous, strict=True):
+            if before is None:
+                vars(block).pop("forward", None)
+            else:
+                vars(block)["forward"] = before
+    if len(calls) != len(blocks):
+        missing = [index for index in range(len(blocks)) if index not in calls]
+        raise IncompatibleModelError(
+            f"the forward of {type(structure.base).__name__} never ran blocks {missing} of {structure.blocks_name}; "
+            "tsenor needs every decoder block to run once"
+        )
+    return tuple(calls[index] for index in range(len(blocks)))
+
+
+@torch.no_grad()
+def capture_block_inputs(structure: ModelStructure, input_ids: torch.Tensor, device: torch.device) -> BlockInputs:
+    """input_ids: (S, T) long → hidden states (S, T, H) entering decoder block 0 (on `device`) and every
+    block's other arguments (on the model's device).
+
+    The model's own forward runs up to block 0, whose pre-hook records its input and stops the forward,
+    so whatever the architecture does before the blocks (embedding scale etc.) is kept. The block
+    arguments are recorded for a zeros probe and compared with those of the first sample: they must not
+    depend on the token values (the module docstring's invariant), else IncompatibleModelError.
+    """
+    seq_len = int(input_ids.shape[1])
+    calls = capture_block_calls(structure, seq_len)
+    first = capture_block_calls(structure, seq_len, tokens=input_ids[:1])
+    for index, (probe, sample) in enumerate(zip(calls, first, strict=True)):
+        differs = call_difference(probe, sample)
+        if differs is not None:
+            raise IncompatibleModelError(
+                f"the {differs} that the model passes block {index} depends on the token values, not only on "
+                "the sequence length; tsenor replays one record per calibration shape and cannot prune this model"
+            )
 
     def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        hidden = args[0] if args else kwargs["hidden_states"]
-        raise _Captured(hidden)
+        raise _Captured(*BlockCall.split(args, kwargs))
 
-    handle = first.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = structure.blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
     captured: list[torch.Tensor] = []
     try:
         for row in input_ids:  # one sample at a time keeps the CPU memory at one sequence
             try:
-                base(input_ids=row[None, :], use_cache=False)
+                structure.base(input_ids=row[None, :], use_cache=False)
             except _Captured as caught:
                 captured.append(caught.hidden.to(device))
             else:
-                raise RuntimeError("decoder block 0 was never called; the adapter does not match this model")
+                raise RuntimeError("decoder block 0 was never called; the structure does not match this model")
     finally:
         handle.remove()
-    return torch.cat(captured, 0)  # (S, T, H)
+    return BlockInputs(torch.cat(captured, 0), calls)  # hidden (S, T, H)
 
 
-def block_kwargs(model: nn.Module, adapter: Any, hidden: torch.Tensor, index: int, device: torch.device) -> Any:
-    """Keyword arguments of block `index` for one-sample inputs shaped like hidden[:1], on `device`.
-
-    The rotary embedding lives on the CPU with the model, so they are computed there and moved.
-    """
-    probe = torch.zeros((1, *hidden.shape[1:]), dtype=hidden.dtype)  # (1, T, H) on CPU
-    return _to_device(adapter.block_forward_kwargs(model, probe, layer_index=index), device)
+def _block_output(block: nn.Module, call: BlockCall, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden: (B, T, H) → the block's output hidden states (B, T, H)."""
+    args, kwargs = call.bind(hidden)
+    result = block(*args, **kwargs)
+    return result[0] if isinstance(result, tuple) else result
 
 
 @torch.no_grad()
-def run_block(block: nn.Module, inputs: torch.Tensor, kwargs: dict[str, Any], out: torch.Tensor | None) -> None:
+def run_block(block: nn.Module, inputs: torch.Tensor, call: BlockCall, out: torch.Tensor | None) -> None:
     """inputs: (S, T, H) → the block's outputs written into `out` (S, T, H), or discarded when None.
 
-    One sample per call: the kwargs (mask, rotary) are built for batch 1 and peak memory stays small.
+    One sample per call: the recorded arguments (masks, rotary) are for batch 1, and peak memory stays small.
     """
     for j in range(inputs.shape[0]):
-        result = block(inputs[j : j + 1], **kwargs)
-        hidden = result[0] if isinstance(result, tuple) else result
+        hidden = _block_output(block, call, inputs[j : j + 1])
         if out is not None:
             out[j : j + 1] = hidden
+
+
+def _input_key(x: torch.Tensor) -> tuple[Any, ...]:
+    """The identity of a tensor's view of memory: the same storage, offset, shape, strides and dtype."""
+    return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
+
+
+@torch.no_grad()
+def linear_groups(
+    block: nn.Module, linears: Mapping[str, nn.Linear], call: BlockCall, sample: torch.Tensor
+) -> LinearGroups:
+    """sample: (1, T, H) → the sequential groups of `linears`, observed in one forward of `block`.
+
+    Linears whose input is the same view of the same memory (the same tensor, or a view or no-op cast of
+    it) form a group; groups come in the order their input first appears. Sameness of memory rather than
+    equality of values: two inputs computed apart (each expert's own token subset, a norm applied twice)
+    are kept apart, which costs an extra statistics pass but is always correct, whereas equal values
+    could merge a linear with one that feeds it. Every input is held until the forward ends, so no memory
+    is reused under a recorded address.
+    """
+    seen: list[torch.Tensor] = []
+    first_call: dict[str, int] = {}
+    keys: dict[str, tuple[Any, ...]] = {}
+    calls = dict.fromkeys(linears, 0)
+
+    def make_hook(name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
+        def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
+            calls[name] += 1
+            if name not in keys:
+                seen.append(args[0])
+                first_call[name] = len(first_call)
+                keys[name] = _input_key(args[0])
+
+        return hook
+
+    handles = [linear.register_forward_pre_hook(make_hook(name)) for name, linear in linears.items()]
+    try:
+        _block_output(block, call, sample)
+    finally:
+        for handle in handles:
+            handle.remove()
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for name in sorted(first_call, key=first_call.__getitem__):
+        groups.setdefault(keys[name], []).append(name)
+    seen.clear()
+    return LinearGroups(tuple(tuple(group) for group in groups.values()), calls)
 
 
 @torch.no_grad()
@@ -153,7 +391,7 @@ def group_input_stats(
     block: nn.Module,
     linears: dict[str, nn.Linear],
     inputs: torch.Tensor,
-    kwargs: dict[str, Any],
+    call: BlockCall,
     device: torch.device,
     *,
     stop_early: bool = True,
@@ -179,18 +417,16 @@ def group_input_stats(
 
     handles = [linear.register_forward_hook(make_hook(name)) for name, linear in linears.items()]
     try:
-        for j in range(inputs.shape[0]):  # one sample per call, as in run_block (the kwargs are for batch 1)
+        for j in range(inputs.shape[0]):  # one sample per call, as in run_block (the arguments are for batch 1)
             pending.update(linears)
             try:
-                block(inputs[j : j + 1], **kwargs)
+                _block_output(block, call, inputs[j : j + 1])
             except _GroupSeen:
                 pass
             else:
                 # A linear the forward never reaches would be pruned from empty statistics.
                 if pending:
-                    raise RuntimeError(
-                        f"{sorted(pending)} never ran in the block's forward; the adapter does not match"
-                    )
+                    raise RuntimeError(f"{sorted(pending)} never ran in the block's forward")
     finally:
         for handle in handles:
             handle.remove()
@@ -202,51 +438,65 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _check_runs_once(slot: LinearSlot, calls: int) -> None:
+    """A linear to prune must run exactly once per block forward: its statistics are its inputs."""
+    if calls == 1:
+        return
+    why = "never runs in its block's forward, so it has no calibration inputs"
+    if calls > 1:
+        why = f"runs {calls} times per forward of its block (shared weights)"
+    raise IncompatibleModelError(f"{slot.full_name} {why}; pass --ignore {slot.full_name} to leave it dense")
+
+
 def prune_block(
     block: nn.Module,
     index: int,
-    adapter: Any,
+    structure: ModelStructure,
     slots: Sequence[LinearSlot],
-    skipped: dict[str, str],
+    skipped: Mapping[str, str],
     inputs: torch.Tensor,
-    kwargs: dict[str, Any],
+    call: BlockCall,
     spec: PrunerSpec,
     layer_cfg: LayerPruneConfig,
     *,
     sequential: bool,
     device: torch.device,
     progress: Progress,
+    ignored: Mapping[str, str] | None = None,
     stop_early: bool = True,
 ) -> list[LayerRecord]:
-    """Prune the linears of one block (already on `device`) in place; one record per linear.
+    """Prune the linears of one block (already on `device`, `call` too) in place; one record per linear.
 
-    inputs: (S, T, H) the block's calibration inputs. stop_early: cut each statistics pass at the
-    group's linears (see `group_input_stats`); False runs the whole block per group, same results.
+    inputs: (S, T, H) the block's calibration inputs. skipped / ignored: {full name: reason} of linears
+    left dense because their shape cannot take the pattern / because the user excluded them. The groups
+    come from one forward of the dense block on the first sample (`linear_groups`). stop_early: cut each
+    statistics pass at the group's linears (see `group_input_stats`); False runs the whole block per
+    group, same results. Records come in pruning order, then any linear that never runs.
     """
-    linears: dict[str, nn.Linear] = adapter.block_linears(block)
+    ignored = ignored or {}
+    linears = structure.block_linears(index, block)
     by_local = {slot.local_name: slot for slot in slots if slot.block == index}
-    groups: Sequence[Sequence[str]] = adapter.linear_groups if sequential else (adapter.linear_names,)
+    observed = linear_groups(block, linears, call, inputs[:1])
     records: dict[str, LayerRecord] = {}
+    for name, slot in by_local.items():
+        for status, reasons in (("ignored", ignored), ("skipped", skipped)):
+            if slot.full_name in reasons:
+                reason = reasons[slot.full_name]
+                records[name] = LayerRecord(index, slot.full_name, slot.out_features, slot.in_features, status, reason)
+                break
+        else:
+            _check_runs_once(slot, observed.calls[name])
+    groups = observed.groups if sequential else (observed.order,)
     for group in groups:
-        active = [name for name in group if by_local[name].full_name not in skipped]
-        for name in group:
-            slot = by_local[name]
-            if slot.full_name in skipped:
-                records[name] = LayerRecord(
-                    index,
-                    slot.full_name,
-                    slot.out_features,
-                    slot.in_features,
-                    "skipped",
-                    skipped[slot.full_name],
-                )
+        active = [name for name in group if name not in records]
         if not active:
             continue
         group_linears = {name: linears[name] for name in active}
-        stats = group_input_stats(block, group_linears, inputs, kwargs, device, stop_early=stop_early)
+        stats = group_input_stats(block, group_linears, inputs, call, device, stop_early=stop_early)
         for name in active:
             records[name] = _prune_linear(linears[name], by_local[name], stats[name], spec, layer_cfg, device, progress)
-    return [records[name] for name in adapter.linear_names]
+    never_ran = [name for name in by_local if name not in observed.order]
+    return [records[name] for name in (*observed.order, *never_ran)]
 
 
 def _prune_linear(

@@ -1,0 +1,194 @@
+"""`--ignore` / `--targets`: pattern semantics, errors, recipes, and ignored layers left dense end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_tiny import make_tiny_llama
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from tsenor_cli.cli import app
+from tsenor_cli.errors import TsenorError, UsageError
+from tsenor_cli.pruning.config import PruneConfig
+from tsenor_cli.pruning.selection import check_patterns, excluded_layers, matches
+from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+
+NAMES = [f"model.layers.{b}.{local}" for b in (0, 1) for local in ("self_attn.q_proj", "mlp.up_proj", "mlp.down_proj")]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "src")
+
+
+@pytest.fixture(scope="module")
+def calib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text(" ".join(f"block {i} reads what block {i - 1} wrote and prunes half of it." for i in range(60)))
+    return path
+
+
+def _invoke(args: list[str]) -> object:
+    result = CliRunner().invoke(app, args)
+    if isinstance(result.exception, TsenorError):
+        result.exit_code = result.exception.exit_code
+    return result
+
+
+def test_globs_and_regexes_on_full_names() -> None:
+    name = "model.layers.10.mlp.down_proj"
+    assert matches("*.mlp.down_proj", name) and matches("model.layers.1?.*", name)
+    assert matches(name, name) and not matches("mlp.down_proj", name)  # a plain name matches only itself
+    assert not matches("*.MLP.*", name)  # case-sensitive, like module names
+    # re: is matched at the start of the name (re.match, as llm-compressor does), not anywhere in it
+    assert matches(r"re:.*down_proj$", name) and matches(r"re:model\.layers\.1", name)
+    assert not matches("re:mlp", name) and matches("re:.*mlp", name)
+
+
+def test_excluded_layers_reasons() -> None:
+    assert excluded_layers(NAMES, (), ()) == {}
+    assert excluded_layers(NAMES, ["*.down_proj", "re:model\\.layers\\.1\\."], ()) == {
+        "model.layers.0.mlp.down_proj": "matched --ignore *.down_proj",
+        "model.layers.1.self_attn.q_proj": "matched --ignore re:model\\.layers\\.1\\.",
+        "model.layers.1.mlp.up_proj": "matched --ignore re:model\\.layers\\.1\\.",
+        "model.layers.1.mlp.down_proj": "matched --ignore *.down_proj",
+    }
+    only_mlp = excluded_layers(NAMES, ["*.down_proj"], ["*.mlp.*"])
+    assert only_mlp == {
+        "model.layers.0.self_attn.q_proj": "not matched by --targets",
+        "model.layers.0.mlp.down_proj": "matched --ignore *.down_proj",
+        "model.layers.1.self_attn.q_proj": "not matched by --targets",
+        "model.layers.1.mlp.down_proj": "matched --ignore *.down_proj",
+    }
+
+
+def test_bad_patterns_are_one_line_usage_errors() -> None:
+    with pytest.raises(UsageError, match=r"--ignore '\*\.mlp\.dwn_proj' matches no linear layer"):
+        excluded_layers(NAMES, ["*.mlp.dwn_proj"], ())
+    with pytest.raises(UsageError, match="--targets 're:lm_head' matches no linear layer"):
+        excluded_layers(NAMES, (), ["re:lm_head"])
+    with pytest.raises(UsageError, match="leave none of the 6 linear layers to prune"):
+        excluded_layers(NAMES, ["model.*"], ())
+    with pytest.raises(UsageError, match=r"--ignore 're:\(' is not a valid regular expression"):
+        check_patterns(["re:("], "--ignore")
+    with pytest.raises(UsageError, match="--targets got an empty pattern"):
+        PruneConfig(model="x", layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)), targets=(" ",))
+    cfg = PruneConfig(model="x", layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)))
+    with_ignore = PruneConfig(
+        model="x", layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)), ignore=("*.q_proj",)
+    )
+    assert with_ignore.result_fields()["ignore"] == ["*.q_proj"] and cfg.result_hash() != with_ignore.result_hash()
+
+
+def test_ignored_layers_stay_dense_and_are_reported(tiny: Path, calib: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["prune", "--model", str(tiny), "--method", "sparsegpt", "--nm", "2:4", "--solver", "exhaustive"]
+    args += ["--nsamples", "2", "--seqlen", "32", "--calib-data", str(calib), "--output", str(out)]
+    args += ["--ignore", "*.mlp.down_proj", "--ignore", r"re:model\.layers\.1\.self_attn\.q_"]
+    result = _invoke(args)
+    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    source, pruned = load_file(str(tiny / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    ignored = ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
+    for name in ignored:
+        assert torch.equal(pruned[f"{name}.weight"], source[f"{name}.weight"])  # bit-for-bit dense
+    assert float((pruned["model.layers.1.self_attn.k_proj.weight"] == 0).float().mean()) == 0.5
+
+    report = json.loads((out / "tsenor_report.json").read_text())
+    status = {layer["name"]: (layer["status"], layer["reason"]) for layer in report["layers"]}
+    assert status["model.layers.0.mlp.down_proj"] == ("ignored", "matched --ignore *.mlp.down_proj")
+    assert status["model.layers.1.self_attn.q_proj"] == (
+        "ignored",
+        r"matched --ignore re:model\.layers\.1\.self_attn\.q_",
+    )
+    assert sum(s == "pruned" for s, _ in status.values()) == 11
+    totals = report["totals"]
+    assert (totals["layers_pruned"], totals["layers_skipped"], totals["layers_ignored"]) == (11, 0, 3)
+    # Hand count: a block's linears hold q 64·64 + k,v 2·32·64 + o 64·64 + gate,up 2·128·64 + down 64·128
+    # = 36864 weights; 2 blocks = 73728, of which 2·8192 (down) + 4096 (q of block 1) = 20480 stay dense
+    # and the other 53248 keep exactly half (transposable 2:4, random weights have no zeros).
+    assert totals["linear_params"] == 73728 and totals["linear_nonzero"] == 20480 + 53248 // 2
+    assert totals["linear_density"] == pytest.approx(47104 / 73728)
+    all_params = sum(t.numel() for t in source.values())  # the tied lm_head is stored once
+    assert totals["model_params"] == all_params and totals["model_nonzero"] == all_params - 53248 // 2
+    markdown = (out / "tsenor_report.md").read_text()
+    assert f"- ignored (left dense): {', '.join(ignored)}" in markdown
+    assert "| model.layers.0.mlp.down_proj | 64×128 | ignored: matched --ignore *.mlp.down_proj |" in markdown
+    assert "- density: model " in markdown and "decoder linears 0.6389" in markdown
+
+    meta = json.loads((out / "config.json").read_text())["tsenor_sparsity"]
+    assert meta["ignored_modules"] == ignored and meta["skipped_modules"] == []
+    verified = _invoke(["verify", str(out), "--json"])
+    assert verified.exit_code == 0, verified.output  # type: ignore[attr-defined]
+    checked = [layer["name"] for layer in json.loads(verified.output)["layers"]]  # type: ignore[attr-defined]
+    assert len(checked) == 11 and not set(checked) & set(ignored)
+
+
+def test_targets_from_a_recipe_and_errors_before_any_output(tiny: Path, tmp_path: Path) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model: {tiny}\nnm: '2:4'\ntargets: '*.mlp.*'\nignore: ['*.up_proj']\n")
+    result = _invoke(["prune", "--config", str(recipe), "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    plan = json.loads(result.output)  # type: ignore[attr-defined]
+    kept = [layer["name"] for layer in plan["layers"] if layer["ignored"] is None]
+    assert kept == [f"model.layers.{b}.mlp.{p}" for b in (0, 1) for p in ("gate_proj", "down_proj")]
+    assert plan["ignored"] == 10
+    # A flag given on the command line replaces the recipe's list.
+    flagged = _invoke(["prune", "--config", str(recipe), "--ignore", "*.gate_proj", "--dry-run", "--json"])
+    kept = [layer["name"] for layer in json.loads(flagged.output)["layers"] if layer["ignored"] is None]  # type: ignore[attr-defined]
+    assert kept == [f"model.layers.{b}.mlp.{p}" for b in (0, 1) for p in ("up_proj", "down_proj")]
+
+    bad_type = tmp_path / "bad.yaml"
+    bad_type.write_text(f"model: {tiny}\nnm: '2:4'\nignore: 3\n")
+    refused = _invoke(["prune", "--config", str(bad_type), "--dry-run"])
+    assert refused.exit_code == 2 and "ignore must be a pattern string or a list" in str(refused.exception)  # type: ignore[attr-defined]
+
+    out = tmp_path / "never"
+    typo = _invoke(["prune", "--model", str(tiny), "--nm", "2:4", "--ignore", "*.mlp.dwn_proj", "--output", str(out)])
+    assert typo.exit_code == 2 and "matches no linear layer" in str(typo.exception)  # type: ignore[attr-defined]
+    assert not out.exists()
+
+
+def test_ignoring_incompatible_layers_replaces_skip_incompatible(tmp_path: Path) -> None:
+    odd = make_tiny_llama(tmp_path / "odd", intermediate_size=80, num_layers=1)  # MLP dims 16:32 cannot tile
+    base = ["prune", "--model", str(odd), "--nm", "16:32", "--dry-run"]
+    assert "NO: " in _invoke(base).output  # type: ignore[attr-defined]
+    result = _invoke([*base, "--ignore", "*.mlp.*"])
+    assert result.exit_code == 0 and "NO: " not in result.output  # type: ignore[attr-defined]
+    assert "ignored: matched --ignore *.mlp.*" in result.output  # type: ignore[attr-defined]
+
+
+def test_many_ignored_layers_are_counted_by_reason_in_the_summary() -> None:
+    from tsenor_cli.pruning.types import LayerRecord
+    from tsenor_cli.runfiles import MAX_LISTED_IGNORED, PruneReport
+
+    cfg = PruneConfig(model="m", layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)))
+    layers = [LayerRecord(0, f"model.layers.{i}.q", 4, 4, "ignored", "not matched by --targets") for i in range(13)]
+    layers += [
+        LayerRecord(0, "model.layers.0.o", 4, 4, "ignored", "matched --ignore *.o"),
+        LayerRecord(0, "p", 4, 4, "pruned"),
+    ]
+    report = PruneReport(
+        method="alps",
+        pattern=None,
+        sparsity=0.5,
+        settings={**cfg.result_fields(), "device": "cpu", "solver": "flow"},
+        layers=tuple(layers),
+        calibration="c",
+        seconds=1.0,
+        output=None,
+        command=None,
+        versions={},
+        model_params=100,
+        model_nonzero=90,
+        linear_params=60,
+        linear_nonzero=50,
+    )
+    assert len(layers) - 1 > MAX_LISTED_IGNORED
+    markdown = report.to_markdown()
+    assert "- ignored (left dense): 13 not matched by --targets; 1 matched --ignore *.o (each in the table)" in markdown
+    assert "- density: model 0.9000 (90 of 100 parameters nonzero), decoder linears 0.8333" in markdown
+    assert markdown.count("| ignored: ") == 14

@@ -1,0 +1,67 @@
+"""Which linears are pruned: `--targets` restricts, `--ignore` excludes (patterns on full module names).
+
+A pattern is a glob (fnmatch, case-sensitive: ``*.mlp.down_proj``, ``model.layers.0.*``; a plain name
+matches only itself) or, with the ``re:`` prefix, a regular expression matched at the start of the name
+(``re.match``, as llm-compressor's ``ignore``/``targets`` do: ``re:.*down_proj$``). Names are the full
+module names of the model ("model.layers.3.self_attn.q_proj"). A pattern that matches no linear of the
+decoder blocks is an error: a typo must not silently prune everything.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from fnmatch import fnmatchcase
+
+from tsenor_cli.errors import UsageError
+
+REGEX_PREFIX = "re:"
+
+
+def check_patterns(patterns: Sequence[str], flag: str) -> None:
+    """UsageError for an empty pattern or a `re:` pattern that is not a valid regular expression."""
+    for pattern in patterns:
+        if not pattern.strip():
+            raise UsageError(f"{flag} got an empty pattern; pass a glob such as '*.mlp.down_proj' or 're:.*down_proj$'")
+        if pattern.startswith(REGEX_PREFIX):
+            try:
+                re.compile(pattern.removeprefix(REGEX_PREFIX))
+            except re.error as exc:
+                raise UsageError(
+                    f"{flag} {pattern!r} is not a valid regular expression ({exc}); fix the pattern"
+                ) from exc
+
+
+def matches(pattern: str, name: str) -> bool:
+    """Whether `pattern` (glob, or `re:` regex matched at the start) matches the full module `name`."""
+    if pattern.startswith(REGEX_PREFIX):
+        return re.match(pattern.removeprefix(REGEX_PREFIX), name) is not None
+    return fnmatchcase(name, pattern)
+
+
+def excluded_layers(names: Sequence[str], ignore: Sequence[str], targets: Sequence[str]) -> dict[str, str]:
+    """{full name: reason} of the linears (full module `names`) left dense by `targets` (when given) and `ignore`.
+
+    Raises UsageError naming the first pattern that matches none of `names`, or when nothing is left to prune.
+    """
+    for flag, patterns in (("--targets", targets), ("--ignore", ignore)):
+        for pattern in patterns:
+            if not any(matches(pattern, name) for name in names):
+                example = names[0] if names else "model.layers.0.mlp.down_proj"
+                raise UsageError(
+                    f"{flag} {pattern!r} matches no linear layer of the decoder blocks; patterns are globs or "
+                    f"re: regexes on full module names such as {example}"
+                )
+    excluded: dict[str, str] = {}
+    for name in names:
+        if targets and not any(matches(pattern, name) for pattern in targets):
+            excluded[name] = "not matched by --targets"
+            continue
+        hit = next((pattern for pattern in ignore if matches(pattern, name)), None)
+        if hit is not None:
+            excluded[name] = f"matched --ignore {hit}"
+    if names and len(excluded) == len(names):
+        raise UsageError(
+            f"--ignore/--targets leave none of the {len(names)} linear layers to prune; loosen the patterns"
+        )
+    return excluded
