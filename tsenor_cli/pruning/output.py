@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,11 @@ def _replace_dir(tmp: Path, output: Path) -> None:
         tmp.rename(output)
 
 
-def write_checkpoint(model: Any, tokenizer: Any, output: Path, report: PruneReport, sparsity: dict[str, Any]) -> None:
-    """save_pretrained (safetensors, sharded) + tokenizer + reports into a temp sibling, then rename."""
+def write_model_folder(
+    model: Any, tokenizer: Any, output: Path, sparsity: dict[str, Any], files: Mapping[str, str | bytes]
+) -> None:
+    """save_pretrained (safetensors, sharded) + tokenizer + `files` ({name: content}) into a temp
+    sibling of `output`, then rename it into place (so `output` is never half-written)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
     try:
@@ -74,9 +78,22 @@ def write_checkpoint(model: Any, tokenizer: Any, output: Path, report: PruneRepo
         setattr(model.config, SPARSITY_KEY, sparsity)
         model.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE)
         tokenizer.save_pretrained(tmp)
-        (tmp / REPORT_JSON).write_text(json.dumps(report.to_dict(), indent=2))
-        (tmp / REPORT_MD).write_text(report.to_markdown())
+        for name, content in files.items():
+            if isinstance(content, bytes):
+                (tmp / name).write_bytes(content)
+            else:
+                (tmp / name).write_text(content)
+        for path in tmp.rglob("*"):
+            # save_pretrained writes the safetensors through a private temp file (mode 0600); a checkpoint
+            # is meant to be shared, so every file gets the usual 0644.
+            path.chmod(0o755 if path.is_dir() else 0o644)
         _replace_dir(tmp, output)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_checkpoint(model: Any, tokenizer: Any, output: Path, report: PruneReport, sparsity: dict[str, Any]) -> None:
+    """The pruned checkpoint with its reports (tsenor_report.json / .md), written atomically."""
+    files = {REPORT_JSON: json.dumps(report.to_dict(), indent=2), REPORT_MD: report.to_markdown()}
+    write_model_folder(model, tokenizer, output, sparsity, files)
