@@ -112,3 +112,16 @@ def test_cli_on_a_cpu_says_it_needs_cuda_and_writes_nothing(tmp_path: Path, monk
     message = str(result.exception)
     assert "needs a CUDA GPU" in message and "\n" not in message
     assert not markdown.exists()
+
+
+def test_timed_linear_has_the_gradients_of_f_linear() -> None:
+    """The autograd function the MLP block is timed with computes dX = dY·W and dW = dYᵀ·X (dense here)."""
+    from tsenor_cli.bench.speedup import _Linear
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(_Linear.apply(x, weight, weight.detach(), weight.detach()), [x, weight], dy)
+    want = torch.autograd.grad(torch.nn.functional.linear(x, weight), [x, weight], dy)
+    assert all(torch.allclose(g, w) for g, w in zip(got, want, strict=True))

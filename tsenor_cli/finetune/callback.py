@@ -15,6 +15,7 @@ shards, which this callback does not handle.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -85,11 +86,14 @@ class MaskCallback(TrainerCallback):
 
 
 class CurveCallback(TrainerCallback):
-    """Perplexity every `eval_every` steps into the log history, progress lines, and a hook after saves.
+    """Perplexity every `eval_every` steps into the log history, step times, progress lines, and a hook
+    after saves.
 
     evaluate() → {dataset: ppl} must leave the model in training mode; it runs on the main process
-    only, after the step (the final step is left to the caller's after-training evaluation). after_save(step) runs
-    once a checkpoint is written (tests use it to simulate an interruption).
+    only, after the step (the final step is left to the caller's after-training evaluation).
+    step_seconds: wall time of each optimizer step run by this process, from its first micro-batch's
+    forward to the end of the optimizer step (batch loading, evaluation and checkpoints excluded).
+    after_save(step) runs once a checkpoint is written (tests use it to simulate an interruption).
     """
 
     def __init__(
@@ -103,8 +107,16 @@ class CurveCallback(TrainerCallback):
         self.eval_every = eval_every
         self.progress = progress
         self.after_save = after_save
+        self.step_seconds: list[float] = []
+        self._step_start = 0.0
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._step_start = time.perf_counter()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self.step_seconds.append(time.perf_counter() - self._step_start)
         step = state.global_step
         due = self.eval_every > 0 and step % self.eval_every == 0 and step < state.max_steps
         if due and self.evaluate is not None and state.is_world_process_zero:

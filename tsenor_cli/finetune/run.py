@@ -18,6 +18,7 @@ import hashlib
 import io
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -141,6 +142,8 @@ class FinetuneReport:
 
     eval_before / eval_after: `EvalReport.to_json()` (None when nothing was evaluated).
     tokens: tokens trained on (steps × windows per step × seqlen); epochs: passes over the windows.
+    seconds_per_step: median wall time of the optimizer steps this process ran (forward, backward,
+    optimizer; without evaluation, checkpoints and batch loading).
     """
 
     settings: dict[str, Any]
@@ -341,24 +344,20 @@ def finetune(
     if main and cfg.save_every and state is None:
         _save_state(state_dir, cfg, eval_before)
 
+    curve = CurveCallback(ppl_now if wants_eval else None, cfg.eval_every, say, after_save)
     trainer = Trainer(
         model=model,
         args=args,
         train_dataset=WindowDataset(text.windows),
         data_collator=default_data_collator,
-        callbacks=[
-            MaskCallback(fixed),
-            CurveCallback(ppl_now if wants_eval else None, cfg.eval_every, say, after_save),
-        ],
+        callbacks=[MaskCallback(fixed), curve],
     )
     trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout; CurveCallback reports instead
     checkpoint = get_last_checkpoint(str(state_dir)) if cfg.resume and state_dir.is_dir() else None
     resumed = int(Path(checkpoint).name.split("-")[-1]) if checkpoint else None
     if resumed is not None:
         say(f"resuming after step {resumed}/{cfg.max_steps} from {checkpoint}")
-    train_start = time.perf_counter()
     trainer.train(resume_from_checkpoint=checkpoint)
-    train_seconds = time.perf_counter() - train_start
     nonzero = fixed.nonzero_pruned()
     if nonzero:
         raise RuntimeError(f"{nonzero} pruned weights became non-zero despite the mask; this is a bug in tsenor")
@@ -398,7 +397,7 @@ def finetune(
         eval_after=eval_after,
         pruned_nonzero=nonzero,
         seconds=time.perf_counter() - start,
-        seconds_per_step=train_seconds / max(1, steps - (resumed or 0)),
+        seconds_per_step=statistics.median(curve.step_seconds) if curve.step_seconds else 0.0,
         resumed_from_step=resumed,
         output=str(cfg.output),
         command=cfg.command,
