@@ -14,7 +14,7 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 TSENOR_PAPER ?= $(abspath ../shared/paper/tsenor.tex)
 PYTEST_ARGS ?=
 
-.PHONY: install test quality bench demo results clean model
+.PHONY: install test quality bench bench-gpu demo results clean model
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ quality: install
 bench: install
 	$(TSENOR) bench solver --time-methods flow,tsenor,tsenor-reference,exact,two_approx,bi_nm --repeats 3 \
 	  --output docs/bench-solver.json --markdown docs/benchmarks.md
+
+# The GPU benchmarks (needs a CUDA GPU with 2:4 sparse tensor cores; refuses to run on a CPU, exit 2).
+bench-gpu: install
+	$(TSENOR) bench speedup --output docs/bench-speedup.json --markdown docs/benchmarks-speedup.md
 
 demo: install
 	bash scripts/demo.sh

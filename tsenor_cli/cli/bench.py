@@ -114,3 +114,44 @@ def bench_solver(
     if markdown is not None:
         atomic.write_text(markdown, _BENCH_HEADER + table)
     typer.echo(result.to_json() if json_out else table)
+
+
+def _int_list(text: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as exc:
+        raise UsageError(f"{option} {text!r} must be a comma list of integers, e.g. 4096,16384") from exc
+
+
+@bench_app.command("speedup")
+def bench_speedup(
+    models: str = typer.Option("llama-3.2-1b,llama-3.1-8b", help="Model shapes (comma list)."),
+    tokens: str = typer.Option("4096,16384", help="Tokens per matmul (batch × sequence), comma list."),
+    backends: str = typer.Option("cutlass,cusparselt", help="Semi-structured sparse backends (comma list)."),
+    warmup: int = typer.Option(10, min=0, help="Untimed calls before timing."),
+    repeats: int = typer.Option(30, min=1, help="Timed spans; the median is reported."),
+    inner: int = typer.Option(5, min=1, help="Calls per timed span."),
+    quick: bool = typer.Option(False, "--quick", help="One model, 4096 tokens, few repeats (smoke test)."),
+    output: Path | None = typer.Option(None, help="Write the JSON result here."),
+    markdown: Path | None = typer.Option(None, help="Write the Markdown tables here (docs/benchmarks-speedup.md)."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+) -> None:
+    """Forward/backward matmul speedups of ordinary and transposable 2:4 over dense (CUDA only)."""
+    from tsenor_cli.bench.speedup import SpeedupConfig, require_cuda, run_speedup, to_markdown
+
+    cfg = SpeedupConfig(
+        models=("llama-3.2-1b",) if quick else tuple(x.strip() for x in models.split(",") if x.strip()),
+        tokens=(4096,) if quick else _int_list(tokens, "--tokens"),
+        backends=tuple(x.strip() for x in backends.split(",") if x.strip()),
+        warmup=min(warmup, 3) if quick else warmup,
+        repeats=min(repeats, 5) if quick else repeats,
+        inner=inner,
+    )
+    require_cuda()
+    result = run_speedup(cfg, progress=lambda m: typer.echo(f"[bench] {m}", err=True))
+    table = to_markdown(result)
+    if output is not None:
+        atomic.write_text(output, result.to_json() + "\n")
+    if markdown is not None:
+        atomic.write_text(markdown, table)
+    typer.echo(result.to_json() if json_out else table)

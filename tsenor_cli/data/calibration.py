@@ -68,7 +68,8 @@ def _check_stream(stream: torch.Tensor, seqlen: int, what: str) -> None:
         )
 
 
-def _separator(tokenizer: object) -> int:
+def document_separator(tokenizer: object) -> int:
+    """The token that ends each document in a packed stream: EOS, else SEP, else BOS."""
     for attr in ("eos_token_id", "sep_token_id", "bos_token_id"):
         value = getattr(tokenizer, attr, None)
         if isinstance(value, int):
@@ -78,7 +79,8 @@ def _separator(tokenizer: object) -> int:
     )
 
 
-def _shuffled(docs: tuple[str, ...], seed: int) -> tuple[str, ...]:
+def shuffled_documents(docs: tuple[str, ...], seed: int) -> tuple[str, ...]:
+    """`docs` in the order of ``random.Random(seed).shuffle`` (the same seed, the same order)."""
     order = list(range(len(docs)))
     random.Random(seed).shuffle(order)
     return tuple(docs[i] for i in order)
@@ -87,7 +89,7 @@ def _shuffled(docs: tuple[str, ...], seed: int) -> tuple[str, ...]:
 def _document_windows(
     tokenizer: object, docs: tuple[str, ...], nsamples: int, seqlen: int, seed: int, what: str
 ) -> torch.Tensor:
-    stream = sources.encode_documents(tokenizer, _shuffled(docs, seed), _separator(tokenizer))  # (N,)
+    stream = sources.encode_documents(tokenizer, shuffled_documents(docs, seed), document_separator(tokenizer))  # (N,)
     _check_stream(stream, seqlen, what)
     return random_windows(stream, nsamples, seqlen, torch.Generator().manual_seed(seed))
 

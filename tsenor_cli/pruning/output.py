@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +52,26 @@ def check_not_input(output: Path, source: str) -> None:
         raise UsageError(f"--output {output} would overwrite the input checkpoint {src}; choose another directory")
 
 
-def write_checkpoint(model: Any, tokenizer: Any, output: Path, report: PruneReport, sparsity: dict[str, Any]) -> None:
-    """save_pretrained (safetensors, sharded) + tokenizer + reports, built in a temp sibling and renamed
-    into place (replacing an existing `output`: prepare_output allowed it)."""
+def write_model_folder(
+    model: Any, tokenizer: Any, output: Path, sparsity: dict[str, Any], files: Mapping[str, str | bytes]
+) -> None:
+    """save_pretrained (safetensors, sharded) + tokenizer + `files` ({name: content}), built in a temp
+    sibling and renamed into place (replacing an existing `output`: prepare_output allowed it).
+
+    `atomic.atomic_dir` gives every file 0644 and every folder 0755 (save_pretrained writes its
+    safetensors through a private 0600 temp file; a checkpoint is meant to be shared)."""
     with atomic.atomic_dir(output, replace=True) as tmp:
         setattr(model.config, SPARSITY_KEY, sparsity)
         model.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE)
         tokenizer.save_pretrained(tmp)
-        (tmp / PRUNE_FILE).write_text(json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8")
-        (tmp / PRUNE_MARKDOWN).write_text(report.to_markdown(), encoding="utf-8")
+        for name, content in files.items():
+            if isinstance(content, bytes):
+                (tmp / name).write_bytes(content)
+            else:
+                (tmp / name).write_text(content, encoding="utf-8")
+
+
+def write_checkpoint(model: Any, tokenizer: Any, output: Path, report: PruneReport, sparsity: dict[str, Any]) -> None:
+    """The pruned checkpoint with its reports (tsenor_report.json / .md), written atomically."""
+    files = {PRUNE_FILE: json.dumps(report.to_json(), indent=2) + "\n", PRUNE_MARKDOWN: report.to_markdown()}
+    write_model_folder(model, tokenizer, output, sparsity, files)

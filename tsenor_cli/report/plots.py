@@ -8,14 +8,17 @@
   (Appendix B.2.3 reports the same quantity), averaged over each decoder block's pruned linears, one
   panel per pattern and one line per run in it (same colours and line styles), so a grid of forty runs
   stays readable.
+- `plot_training_loss` / `plot_perplexity_vs_steps`: `tsenor finetune`'s curves against optimizer
+  steps, one line per run (scripts/finetune_study.py draws two runs on one plot).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -182,3 +185,65 @@ def plot_reconstruction_error(runs: Sequence[Run], path: Path) -> bool:
     fig.suptitle("Relative reconstruction error ‖X(Ŵ−W)ᵀ‖²/‖XWᵀ‖² per block, mean over its pruned linears")
     fig.savefig(path, format="png", dpi=120)
     return True
+
+
+def _step_panels(
+    curves: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]],
+    out: Path | BinaryIO,
+    ylabel: str,
+    title: str,
+    *,
+    log_y: bool,
+) -> bool:
+    """One panel per key of the inner mappings (a dataset), one line per outer key (a run); False
+    (nothing written) when no line has a point."""
+    panels = sorted({key for run in curves.values() for key, points in run.items() if points})
+    if not panels:
+        return False
+    colours = _colours(curves)
+    fig = Figure(figsize=(4.6 * len(panels) + 1.6, 3.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, panel in zip(axes, panels, strict=True):
+        for label, run in curves.items():
+            points = sorted(run.get(panel, ()))
+            if points:
+                marker = "." if len(points) <= 60 else None
+                ax.plot(
+                    [s for s, _ in points], [v for _, v in points], color=colours[label], marker=marker, label=label
+                )
+        if log_y:
+            _log_y(ax)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel.format(panel=panel))
+        ax.set_title(panel)
+        ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize="small")
+    fig.suptitle(title)
+    fig.savefig(out, format="png", dpi=120)
+    return True
+
+
+def plot_training_loss(curves: Mapping[str, Sequence[tuple[int, float]]], out: Path | BinaryIO) -> bool:
+    """Training loss against optimizer step, one line per run: {run: [(step, loss), ...]}."""
+    return _step_panels(
+        {run: {"training loss": points} for run, points in curves.items()},
+        out,
+        "loss (nats/token)",
+        "Fine-tuning loss with the sparsity mask fixed",
+        log_y=False,  # a loss spans less than a decade: a linear axis keeps its labels
+    )
+
+
+def plot_perplexity_vs_steps(
+    curves: Mapping[str, Mapping[str, Sequence[tuple[int, float]]]], out: Path | BinaryIO
+) -> bool:
+    """Perplexity against optimizer step: {run: {dataset: [(step, ppl), ...]}}, one panel per dataset
+    (step 0 is the pruned checkpoint before fine-tuning)."""
+    names = dict(PPL_COLUMNS)
+    renamed = {run: {names.get(d, d): pts for d, pts in per.items()} for run, per in curves.items()}
+    return _step_panels(
+        renamed, out, "{panel} perplexity", "Perplexity during fine-tuning with the mask fixed", log_y=True
+    )

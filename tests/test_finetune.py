@@ -1,0 +1,359 @@
+"""`tsenor finetune`: the transposable mask stays fixed while a tiny pruned LLaMA trains (Trainer + callback)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_tiny import LOCAL_CTX, make_tiny_llama
+from safetensors.torch import load_file, save_file
+from torch import nn
+from typer.testing import CliRunner
+
+from tsenor_cli.cli import app
+from tsenor_cli.errors import TsenorError
+from tsenor_cli.finetune.callback import FixedMask
+from tsenor_cli.finetune.run import FinetuneConfig, finetune
+from tsenor_cli.pruning.api import prune_model
+from tsenor_cli.pruning.config import PruneConfig
+from tsenor_cli.pruning.resume import RESUME_DIRNAME
+from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.verify import verify_checkpoint
+from tsenor_cli.settings import RunContext
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat. "
+
+
+@pytest.fixture(scope="module")
+def pruned(tmp_path_factory: pytest.TempPathFactory, data_ctx: RunContext) -> Path:
+    """A tiny random LLaMA pruned to transposable 8:16 by magnitude (calibration text from the data folder
+    only feeds the block inputs, which magnitude ignores)."""
+    root = tmp_path_factory.mktemp("finetune")
+    src = make_tiny_llama(root / "src")
+    cfg = PruneConfig(
+        model=str(src),
+        layer=LayerPruneConfig(SparsityPattern.from_nm(8, 16, transposable=True), solver="exact"),
+        method="magnitude",
+        calib_data="wikitext2",
+        nsamples=2,
+        seqlen=16,
+        output=root / "pruned",
+    )
+    prune_model(cfg, data_ctx)
+    return root / "pruned"
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "repeat.txt"
+    path.write_text(TEXT * 60)  # ~1k tokens: a few dozen 32-token windows of the same sentence
+    return path
+
+
+def _invoke(args: list[str]) -> object:
+    """Run the CLI as the console script does: known errors become their exit code."""
+    result = CliRunner().invoke(app, args)
+    if isinstance(result.exception, TsenorError):
+        result.exit_code = result.exception.exit_code  # what main() would exit with
+    return result
+
+
+def _config(pruned: Path, output: Path, text_file: Path, **overrides: object) -> FinetuneConfig:
+    values: dict[str, object] = {
+        "run_dir": pruned,
+        "output": output,
+        "data": str(text_file),
+        "seqlen": 32,
+        "max_steps": 4,
+        "lr": 1e-2,  # large, so every kept weight moves in a few steps
+        "batch_size": 2,
+        "ppl_datasets": (),
+        "save_every": 0,
+    }
+    values.update(overrides)
+    return FinetuneConfig(**values)  # type: ignore[arg-type]
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+def _weights_hash(path: Path) -> str:
+    tensors = _weights(path)
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _pruned_modules(path: Path) -> list[str]:
+    return list(json.loads((path / "config.json").read_text())["tsenor_sparsity"]["pruned_modules"])
+
+
+def _check_mask_kept(pruned: Path, out: Path) -> None:
+    """Every pruned weight is exactly 0 after training, and (nearly) every kept weight moved."""
+    before, after = _weights(pruned), _weights(out)
+    modules = _pruned_modules(pruned)
+    assert len(modules) == 14
+    for module in modules:
+        name = f"{module}.weight"
+        zero = before[name] == 0  # (out, in) the mask the run recorded
+        assert 0.45 < float(zero.float().mean()) < 0.55  # 8:16
+        assert int(after[name][zero].count_nonzero()) == 0, module
+        moved = float((after[name][~zero] != before[name][~zero]).float().mean())
+        assert moved > 0.9, (module, moved)
+    assert verify_checkpoint(out).ok
+
+
+def test_fixed_mask_zeroes_gradients_and_weights() -> None:
+    """The hooks alone keep Adam from moving pruned weights; without them a step moves them (control)."""
+    torch.manual_seed(0)
+    for attached in (False, True):
+        model = nn.Sequential(nn.Linear(16, 16, bias=False))
+        with torch.no_grad():
+            model[0].weight[:, ::2] = 0.0
+        pruned = model[0].weight.detach() == 0  # (16, 16)
+        fixed = FixedMask(model, {"0": pruned.clone()})
+        if attached:
+            fixed.attach()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.0)
+        model(torch.randn(8, 16)).pow(2).sum().backward()
+        grad = model[0].weight.grad
+        assert grad is not None
+        assert (int(grad[pruned].count_nonzero()) == 0) == attached
+        optimizer.step()
+        assert (fixed.nonzero_pruned() == 0) == attached
+        fixed.apply()
+        assert fixed.nonzero_pruned() == 0 and int(model[0].weight[~pruned].count_nonzero()) == int((~pruned).sum())
+        fixed.detach()
+
+
+@pytest.mark.realdata
+def test_finetune_cli_keeps_the_mask_and_lowers_the_loss(pruned: Path, text_file: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "ft"
+    args = ["finetune", str(pruned), "--output", str(out), "--data", str(text_file), "--seqlen", "32"]
+    args += ["--max-steps", "6", "--lr", "1e-2", "--batch-size", "2", "--ppl", "wikitext2", "--max-windows", "1"]
+    args += ["--eval-every", "2", "--save-every", "3", "--json"]
+    result = _invoke(args)
+    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ft"]  # no temp or state leftovers
+    _check_mask_kept(pruned, out)
+    report = json.loads((out / "finetune.json").read_text())
+    assert report["steps"] == 6 and report["tokens"] == 6 * 2 * 32 and report["pruned_nonzero"] == 0
+    losses = [loss for _, loss in report["loss_curve"]]
+    assert [step for step, _ in report["loss_curve"]] == [1, 2, 3, 4, 5, 6]
+    assert losses[-1] < losses[0] - 2.0  # nats: one repeated sentence, the model learns it
+    assert [step for step, _ in report["ppl_curve"]["wikitext2"]] == [0, 2, 4, 6]
+    assert report["ppl_curve"]["wikitext2"][0][1] == report["ppl_before"]["wikitext2"]
+    assert report["ppl_curve"]["wikitext2"][-1][1] == report["ppl_after"]["wikitext2"]
+    assert (
+        json.loads((out / "eval.json").read_text())["perplexity"]["wikitext2"]["ppl"]
+        == report["ppl_after"]["wikitext2"]
+    )
+    assert (out / "tsenor_report.json").read_bytes() == (pruned / "tsenor_report.json").read_bytes()
+    source_meta = json.loads((pruned / "config.json").read_text())["tsenor_sparsity"]
+    assert json.loads((out / "config.json").read_text())["tsenor_sparsity"] == source_meta
+    for png in ("finetune_loss.png", "finetune_ppl.png"):
+        assert (out / png).read_bytes().startswith(b"\x89PNG")
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.float32
+    verified = _invoke(["verify", str(out)])
+    assert verified.exit_code == 0 and "satisfy 8:16" in verified.output  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("overrides", [{"bf16": True}, {"grad_accum": 2}], ids=["bf16", "grad_accum2"])
+def test_mask_holds_under_bf16_and_gradient_accumulation(
+    pruned: Path, text_file: Path, tmp_path: Path, overrides: dict[str, object]
+) -> None:
+    report = finetune(_config(pruned, tmp_path / "ft", text_file, **overrides), LOCAL_CTX)
+    _check_mask_kept(pruned, tmp_path / "ft")
+    assert report.steps == 4 and report.pruned_nonzero == 0
+    assert report.tokens == 4 * 2 * int(overrides.get("grad_accum", 1)) * 32  # type: ignore[call-overload]
+
+
+@pytest.mark.realdata
+def test_resume_after_an_interruption_equals_an_uninterrupted_run(
+    pruned: Path, text_file: Path, tmp_path: Path, data_ctx: RunContext
+) -> None:
+    def cfg(output: Path, resume: bool) -> FinetuneConfig:
+        return _config(
+            pruned,
+            output,
+            text_file,
+            max_steps=4,
+            save_every=2,
+            resume=resume,
+            ppl_datasets=("wikitext2",),
+            max_windows=1,
+            eval_every=2,  # the step-2 perplexity is evaluated before the kill and must survive it
+        )
+
+    full = finetune(cfg(tmp_path / "full", resume=False), data_ctx)
+
+    class Killed(RuntimeError):
+        pass
+
+    def kill_at_two(step: int) -> None:
+        if step == 2:
+            raise Killed
+
+    out = tmp_path / "resumed"
+    with pytest.raises(Killed):
+        finetune(cfg(out, resume=True), data_ctx, after_save=kill_at_two)
+    assert sorted(p.name for p in out.iterdir()) == [RESUME_DIRNAME]
+    assert (out / RESUME_DIRNAME / "checkpoint-2" / "model.safetensors").is_file()
+    # Without --resume the half-done folder is refused, not silently overwritten.
+    refused = _invoke(["finetune", str(pruned), "--output", str(out), "--ppl", "none", "--max-steps", "1"])
+    assert refused.exit_code == 4 and "--resume" in str(refused.exception)  # type: ignore[attr-defined]
+    messages: list[str] = []
+    resumed = finetune(cfg(out, resume=True), data_ctx, progress=messages.append)
+    assert resumed.resumed_from_step == 2
+    assert any("resuming after step 2/4" in m for m in messages)
+    assert not any(m.startswith("step 1/4") for m in messages)  # steps 1-2 were not redone
+    assert not (out / RESUME_DIRNAME).exists()
+    # Bit-identical on CPU: Trainer restores the optimizer, scheduler, RNG and data order.
+    assert _weights_hash(out) == _weights_hash(tmp_path / "full")
+    assert resumed.loss_curve == full.loss_curve and resumed.ppl_curve == full.ppl_curve
+    assert resumed.ppl("before") == full.ppl("before") and [s for s, _ in resumed.ppl_curve["wikitext2"]] == [0, 2, 4]
+
+
+@pytest.mark.realdata
+def test_bad_run_dirs_get_one_line_errors_and_nothing_written(pruned: Path, text_file: Path, tmp_path: Path) -> None:
+    dense = make_tiny_llama(tmp_path / "dense")
+    no_report = tmp_path / "no_report"
+    shutil.copytree(pruned, no_report)
+    (no_report / "tsenor_report.json").unlink()
+    tampered = tmp_path / "tampered"
+    shutil.copytree(pruned, tampered)
+    tensors = load_file(str(tampered / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name][0, :16] = 0.5  # a full row of one 16×16 tile: 16 kept > N = 8
+    save_file(tensors, str(tampered / "model.safetensors"), metadata={"format": "pt"})
+    mismatched = tmp_path / "mismatched"
+    shutil.copytree(pruned, mismatched)
+    report = json.loads((mismatched / "tsenor_report.json").read_text())
+    report["pattern"]["n"] = 4  # the report says 4:16, config.json and the zeros say 8:16
+    (mismatched / "tsenor_report.json").write_text(json.dumps(report))
+    cases = {
+        "dense": (dense, 2, "dense checkpoint"),
+        "no_report": (no_report, 3, "records no sparsity pattern"),
+        "tampered": (tampered, 6, "contradict the recorded 8:16 (transposable) pattern"),
+        "mismatched": (mismatched, 6, "record different patterns"),
+        "missing": (tmp_path / "missing", 3, "does not exist"),
+    }
+    for label, (run_dir, code, words) in cases.items():
+        out = tmp_path / f"out_{label}"
+        result = _invoke(["finetune", str(run_dir), "--output", str(out), "--data", str(text_file), "--ppl", "none"])
+        message = str(result.exception)  # type: ignore[attr-defined]
+        assert result.exit_code == code, (label, result.output)  # type: ignore[attr-defined]
+        assert words in message and "\n" not in message and "; " in message, (label, message)
+        assert not out.exists(), label
+    assert "model.layers.1.mlp.up_proj" in str(
+        _invoke(["finetune", str(tampered), "-o", str(tmp_path / "x")]).exception
+    )  # type: ignore[attr-defined]
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.realdata
+def test_c4_training_documents_are_not_the_c4_evaluation_documents(
+    smollm2_path: Path, data_dir: Path, data_ctx: RunContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Offline, `eval --ppl c4` reads documents 0-499 of the C4 sample; training must read none of them."""
+    from transformers import AutoTokenizer
+
+    from tsenor_cli.data import sources
+    from tsenor_cli.data.eval_text import eval_token_stream
+    from tsenor_cli.finetune.data import training_windows
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    encoded: list[str] = []
+    real_encode = sources.encode
+
+    def spy(tok: object, text: str) -> torch.Tensor:
+        encoded.append(text)
+        return real_encode(tok, text)
+
+    monkeypatch.setattr(sources, "encode", spy)
+    eval_token_stream("c4", tokenizer, data_ctx, seqlen=64)
+    (eval_text,) = encoded
+    train = training_windows("c4", tokenizer, seqlen=64, windows=10**6, seed=0, ctx=data_ctx)
+    assert train.documents is not None and len(train.documents) == 500  # all of them: far fewer tokens than asked
+    assert train.windows.shape == (int(train.windows.numel()) // 64, 64) and train.windows.shape[0] > 1000
+    assert not any(doc in eval_text for doc in train.documents)
+    # The same test finds the evaluation documents: every document of the sample is in exactly one half.
+    everything = sources.read_text_records(data_dir / sources.C4_SAMPLE)
+    in_eval = [doc in eval_text for doc in everything]
+    assert sum(in_eval) == sources.C4_EVAL_DOCS and set(everything) - set(train.documents) == {
+        doc for doc, hit in zip(everything, in_eval, strict=True) if hit
+    }
+
+
+def test_training_windows_are_consecutive_pieces_of_the_document_stream(smollm2_path: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from tsenor_cli.data.calibration import document_separator, shuffled_documents
+    from tsenor_cli.data.sources import encode_documents
+    from tsenor_cli.finetune.data import training_windows
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    docs = [f"Document number {i} says {'something ' * (i % 7 + 1)}." for i in range(200)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    stream = encode_documents(tokenizer, shuffled_documents(tuple(docs), 3), document_separator(tokenizer))
+    text = training_windows(str(path), tokenizer, seqlen=16, windows=5, seed=3, ctx=LOCAL_CTX)
+    assert torch.equal(text.windows, stream[:80].view(5, 16))  # only the documents the 5 windows need were read
+    assert text.documents is not None and 0 < len(text.documents) < len(docs)
+    everything = training_windows(str(path), tokenizer, seqlen=16, windows=10**6, seed=3, ctx=LOCAL_CTX)
+    assert torch.equal(everything.windows.flatten(), stream[: everything.windows.numel()])
+    assert everything.windows.numel() > stream.numel() - 16
+    with pytest.raises(TsenorError, match="fewer than one window"):
+        training_windows(str(path), tokenizer, seqlen=10**6, windows=1, seed=3, ctx=LOCAL_CTX)
+
+
+def test_study_markdown_has_one_row_per_run_with_before_and_after() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune_study", SCRIPTS / "finetune_study.py")
+    assert spec is not None and spec.loader is not None
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    settings = {"max_steps": 200, "batch_size": 4, "grad_accum": 1, "seqlen": 512, "lr": 2e-5, "scheduler": "linear"}
+    settings |= {"warmup": 20, "max_grad_norm": 1.0, "seed": 0, "bf16": False, "device": "cpu", "max_windows": 8}
+    settings |= {"eval_every": 20}
+
+    def record(pattern: str, kind: str, before: float, after: float) -> dict[str, object]:
+        return {
+            "settings": settings,
+            "data": "offline C4 documents 500-999",
+            "versions": {"torch": "2.13"},
+            "pattern": {"pattern": pattern, "kind": kind},
+            "steps": 200,
+            "tokens": 409600,
+            "epochs": 1.67,
+            "seconds_per_step": 3.25,
+            "loss_curve": [[1, 4.5], [200, 3.25]],
+            "ppl_before": {"wikitext2": before},
+            "ppl_after": {"wikitext2": after},
+        }
+
+    text = study.render_markdown(
+        {"transposable": record("16:32", "transposable", 45.1, 30.5), "ordinary": record("16:32", "nm", 36.0, 27.25)},
+        "scripts/finetune_study.py --run a=b",
+    )
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0].startswith("| run | pattern | steps | tokens | passes | s/step | loss first → last | WT2 before")
+    assert (
+        rows[1] == "| transposable | 16:32 transposable | 200 | 409600 | 1.67 | 3.25 | 4.500 → 3.250 | 45.10 → 30.50 |"
+    )
+    assert rows[2].endswith("| 36.00 → 27.25 |") and len(rows) == 3
+    assert "(first 8 windows), every 20 steps" in text and "finetune_ppl_vs_steps.png" in text

@@ -1,0 +1,430 @@
+"""`tsenor bench speedup`: what 2:4 sparsity buys a linear layer on a GPU, dense vs ordinary vs transposable.
+
+A linear layer's training step runs three matmuls on W (out, in) and tokens X (T, in):
+Y = X·Wᵀ (forward), dX = dY·W (input gradient) and dW = dYᵀ·X (weight gradient). Sparse tensor cores
+take one 2:4-sparse operand whose groups of 4 run along the reduction dimension:
+
+- ordinary 2:4 (groups along W's rows) serves Y = X·Wᵀ only; Wᵀ is not 2:4, so dX stays dense;
+- transposable 2:4 (every 4×4 tile keeps 2 per row and per column, our solver's `exhaustive` mask) makes
+  Wᵀ 2:4 as well, so dX = dY·W runs on the sparse copy of Wᵀ;
+- dW = dYᵀ·X has no sparse operand: every variant runs the same dense GEMM.
+
+Sparse operands are torch's semi-structured tensors (`to_sparse_semi_structured` builds them; here the
+backend classes' `from_dense` are called directly to time CUTLASS and cuSPARSELt side by side). A
+transposable weight is one tensor holding W's compressed form (packed/meta) and Wᵀ's (packed_t/meta_t),
+which is what `.t()` of a semi-structured tensor switches to. Times are CUDA-event medians after
+warm-up, in bf16. Everything needing CUDA happens inside `run_speedup`; the shape tables, masks and
+the Markdown rendering import and run on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tsenor_cli import __version__
+from tsenor_cli.errors import UsageError
+from tsenor_cli.solver import nm_mask, transposable_nm_mask
+
+Progress = Callable[[str], None]
+
+VARIANTS = ("dense", "ordinary", "transposable")
+VARIANT_LABELS = {"dense": "dense", "ordinary": "ordinary 2:4", "transposable": "transposable 2:4"}
+BACKENDS = ("cutlass", "cusparselt")
+OPS = ("Y=XWᵀ", "dX=dY·W", "dW=dYᵀX", "MLP fwd", "MLP fwd+bwd")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The linear shapes of one decoder block: hidden, intermediate and key/value widths."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    kv: int
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """{layer: (out_features, in_features)}, one entry per distinct shape of the block."""
+        return {
+            "q_proj/o_proj": (self.hidden, self.hidden),
+            "k_proj/v_proj": (self.kv, self.hidden),
+            "gate_proj/up_proj": (self.intermediate, self.hidden),
+            "down_proj": (self.hidden, self.intermediate),
+        }
+
+
+# From the models' config.json: 32 heads of 64 (1B) / 128 (8B), 8 key/value heads.
+MODELS: dict[str, ModelShape] = {
+    "llama-3.2-1b": ModelShape("llama-3.2-1b", hidden=2048, intermediate=8192, kv=512),
+    "llama-3.1-8b": ModelShape("llama-3.1-8b", hidden=4096, intermediate=14336, kv=1024),
+}
+
+
+def two_four_masks(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """weight (out, in) → {"ordinary": 2:4 along rows, "transposable": 2:4 along rows and columns}, (out, in) bool.
+
+    Ordinary keeps the 2 largest |w| of every 4 consecutive inputs; transposable is the optimal
+    transposable 2:4 mask of |w| (enumeration of the 90 patterns per 4×4 tile).
+    """
+    scores = weight.abs().float()
+    return {
+        "ordinary": nm_mask(scores, 2, 4),
+        "transposable": transposable_nm_mask(scores, 2, 4, method="exhaustive"),
+    }
+
+
+def is_two_four(mask: torch.Tensor) -> bool:
+    """mask (R, C) bool: exactly 2 kept in every group of 4 consecutive entries of every row."""
+    rows, cols = mask.shape
+    return bool((mask.reshape(rows, cols // 4, 4).sum(2) == 2).all())
+
+
+@dataclass(frozen=True)
+class SpeedupConfig:
+    models: tuple[str, ...] = tuple(MODELS)
+    tokens: tuple[int, ...] = (4096, 16384)
+    backends: tuple[str, ...] = BACKENDS
+    warmup: int = 10
+    repeats: int = 30
+    inner: int = 5  # calls per timed repeat, so one event pair spans enough work
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.models if m not in MODELS]
+        if unknown:
+            raise UsageError(f"unknown model shape(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+        bad = [b for b in self.backends if b not in BACKENDS]
+        if bad or not self.backends:
+            raise UsageError(f"--backends must name some of {', '.join(BACKENDS)}, got {', '.join(self.backends)}")
+        if not self.tokens or any(t < 64 or t % 64 for t in self.tokens):
+            raise UsageError(f"--tokens must be multiples of 64 (the sparse kernels' tile), got {self.tokens}")
+        if min(self.warmup, self.repeats - 1, self.inner - 1) < 0:
+            raise UsageError("--warmup must be >= 0 and --repeats, --inner >= 1")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One measured operation. ms: median milliseconds per call; None when the backend failed (`error`).
+
+    rel_error: ‖sparse result − dense result with the masked W‖ / ‖dense result‖, the check that the
+    sparse kernel computed the same product (None for dense rows).
+    """
+
+    model: str
+    layer: str
+    shape: tuple[int, int]
+    tokens: int
+    op: str
+    variant: str
+    backend: str
+    ms: float | None
+    rel_error: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SpeedupResult:
+    config: dict[str, Any]
+    timings: tuple[Timing, ...]
+    environment: dict[str, str]
+    date: str
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "config": self.config,
+                "environment": self.environment,
+                "date": self.date,
+                "notes": list(self.notes),
+                "timings": [asdict(t) for t in self.timings],
+            },
+            indent=2,
+        )
+
+
+def environment() -> dict[str, str]:
+    """The versions and device the numbers belong to (CUDA fields only when a GPU is present)."""
+    env = {
+        "tsenor": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda": str(torch.version.cuda),
+    }
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        env["device"] = torch.cuda.get_device_name()
+        env["compute_capability"] = f"{major}.{minor}"
+        env["cusparselt"] = (
+            str(torch.backends.cusparselt.version()) if torch.backends.cusparselt.is_available() else "no"
+        )
+    return env
+
+
+def _semi_structured(weight: torch.Tensor, backend: str, *, with_transpose: bool) -> Any:
+    """weight (out, in) bf16 CUDA, 2:4 along rows (and columns when with_transpose) → a semi-structured
+    tensor holding W's compressed form and, with_transpose, Wᵀ's as packed_t/meta_t."""
+    from torch.sparse import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
+
+    cls = SparseSemiStructuredTensorCUTLASS if backend == "cutlass" else SparseSemiStructuredTensorCUSPARSELT
+    forward = cls.from_dense(weight.contiguous())
+    if not with_transpose:
+        return forward
+    backward = cls.from_dense(weight.t().contiguous())
+    return cls(
+        weight.shape,
+        packed=forward.packed,
+        meta=forward.meta,
+        packed_t=backward.packed,
+        meta_t=backward.meta,
+        compressed_swizzled_bitmask=None,
+    )
+
+
+class _Linear(torch.autograd.Function):
+    """Y = X·Wᵀ with `forward_weight`, dX = dY·W with `backward_weight` (each dense or semi-structured),
+    dW = dYᵀ·X dense: one linear layer of a sparse training step."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, forward_weight: Any, backward_weight: Any
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.backward_weight = backward_weight
+        return F.linear(x, forward_weight)  # (T, out)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        (x,) = ctx.saved_tensors
+        return dy @ ctx.backward_weight, dy.t() @ x, None, None  # (T, in), (out, in)
+
+
+def _time(fn: Callable[[], object], cfg: SpeedupConfig) -> float:
+    """Median milliseconds per call of `fn` over cfg.repeats CUDA-event spans of cfg.inner calls."""
+    for _ in range(cfg.warmup):
+        fn()
+    spans = []
+    for _ in range(cfg.repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(cfg.inner):
+            fn()
+        end.record()
+        end.synchronize()
+        spans.append(start.elapsed_time(end) / cfg.inner)
+    return statistics.median(spans)
+
+
+def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
+
+
+def _layer_timings(
+    model: str, layer: str, shape: tuple[int, int], tokens: int, cfg: SpeedupConfig, gen: torch.Generator
+) -> list[Timing]:
+    """The three matmuls of one linear layer: dense, then each backend × (ordinary, transposable)."""
+    out_features, in_features = shape
+    device = torch.device("cuda")
+    weight = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)  # (out, in)
+    x = torch.randn(tokens, in_features, generator=gen, device=device, dtype=torch.bfloat16)  # (T, in)
+    dy = torch.randn(tokens, out_features, generator=gen, device=device, dtype=torch.bfloat16)  # (T, out)
+    masks = two_four_masks(weight)
+    rows: list[Timing] = []
+
+    def row(op: str, variant: str, backend: str, ms: float | None, **extra: Any) -> None:
+        rows.append(Timing(model, layer, shape, tokens, op, variant, backend, ms, **extra))
+
+    row("Y=XWᵀ", "dense", "cublas", _time(lambda: F.linear(x, weight), cfg))
+    row("dX=dY·W", "dense", "cublas", _time(lambda: dy @ weight, cfg))
+    row("dW=dYᵀX", "dense", "cublas", _time(lambda: dy.t() @ x, cfg))
+    for backend in cfg.backends:
+        for variant in ("ordinary", "transposable"):
+            pruned = weight * masks[variant]
+            ops = ("Y=XWᵀ", "dX=dY·W") if variant == "transposable" else ("Y=XWᵀ",)
+            try:
+                sparse = _semi_structured(pruned, backend, with_transpose=variant == "transposable")
+                error = _rel_error(F.linear(x, sparse), F.linear(x, pruned))
+                row("Y=XWᵀ", variant, backend, _time(partial(F.linear, x, sparse), cfg), rel_error=error)
+                if variant == "transposable":
+                    error = _rel_error(dy @ sparse, dy @ pruned)
+                    row("dX=dY·W", variant, backend, _time(partial(torch.matmul, dy, sparse), cfg), rel_error=error)
+            except (RuntimeError, NotImplementedError, ValueError) as exc:
+                # Recorded in the table, not hidden: e.g. cuSPARSELt missing from this torch build.
+                done = {r.op for r in rows if r.variant == variant and r.backend == backend}
+                for op in ops:
+                    if op not in done:
+                        row(op, variant, backend, None, error=f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+    return rows
+
+
+def _mlp_timings(model: ModelShape, tokens: int, cfg: SpeedupConfig, gen: torch.Generator) -> list[Timing]:
+    """A LLaMA MLP block, down(silu(gate(X)) · up(X)), forward and forward+backward, per variant and backend."""
+    device = torch.device("cuda")
+    shapes = {"gate": (model.intermediate, model.hidden), "up": (model.intermediate, model.hidden)}
+    shapes["down"] = (model.hidden, model.intermediate)
+    dense = {
+        name: torch.randn(s, generator=gen, device=device, dtype=torch.bfloat16) * 0.02 for name, s in shapes.items()
+    }
+    x = torch.randn(tokens, model.hidden, generator=gen, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, model.hidden, generator=gen, device=device, dtype=torch.bfloat16)
+    label = f"MLP {model.hidden}→{model.intermediate}→{model.hidden}"
+    rows: list[Timing] = []
+
+    def block(weights: dict[str, torch.Tensor], fwd: dict[str, Any], bwd: dict[str, Any]) -> torch.Tensor:
+        def lin(name: str, inp: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = _Linear.apply(inp, weights[name], fwd[name], bwd[name])
+            return out
+
+        return lin("down", F.silu(lin("gate", x)) * lin("up", x))  # (T, hidden)
+
+    def record(op: str, variant: str, backend: str, ms: float | None, error: str | None = None) -> None:
+        shape = (model.hidden, model.intermediate)
+        rows.append(Timing(model.name, label, shape, tokens, op, variant, backend, ms, error=error))
+
+    def measure(
+        variant: str, backend: str, weights: dict[str, torch.Tensor], fwd: dict[str, Any], bwd: dict[str, Any]
+    ) -> None:
+        params = {k: w.detach().requires_grad_(True) for k, w in weights.items()}
+
+        def forward() -> None:
+            with torch.no_grad():
+                block(params, fwd, bwd)
+
+        def train_step() -> None:
+            # autograd.grad, not backward(): no accumulation into .grad, so only the block's own work is timed.
+            torch.autograd.grad(block(params, fwd, bwd), [x, *params.values()], grad_outputs=dy)
+
+        record("MLP fwd", variant, backend, _time(forward, cfg))
+        record("MLP fwd+bwd", variant, backend, _time(train_step, cfg))
+
+    measure("dense", "cublas", dense, dense, dense)
+    for variant in ("ordinary", "transposable"):
+        pruned = {name: w * two_four_masks(w)[variant] for name, w in dense.items()}
+        for backend in cfg.backends:
+            try:
+                sparse = {
+                    n: _semi_structured(w, backend, with_transpose=variant == "transposable") for n, w in pruned.items()
+                }
+                measure(variant, backend, pruned, sparse, sparse if variant == "transposable" else pruned)
+            except (RuntimeError, NotImplementedError, ValueError) as exc:
+                done = {r.op for r in rows if r.variant == variant and r.backend == backend}
+                for op in ("MLP fwd", "MLP fwd+bwd"):
+                    if op not in done:
+                        record(op, variant, backend, None, f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+    return rows
+
+
+def require_cuda() -> None:
+    """UsageError unless a CUDA GPU with sparse tensor cores (compute capability 8.0+) is present."""
+    if not torch.cuda.is_available():
+        raise UsageError(
+            "tsenor bench speedup needs a CUDA GPU (2:4 sparse tensor cores); run it on a CUDA machine (make bench-gpu)"
+        )
+    major, _ = torch.cuda.get_device_capability()
+    if major < 8:
+        raise UsageError(
+            f"tsenor bench speedup needs compute capability 8.0+ for 2:4 sparse tensor cores, "
+            f"this GPU has {major}.x; run it on an A100/H100-class GPU"
+        )
+
+
+def run_speedup(cfg: SpeedupConfig, progress: Progress | None = None) -> SpeedupResult:
+    """Time every linear shape of cfg.models at cfg.tokens, and their MLP blocks (CUDA only)."""
+    require_cuda()
+    gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
+    timings: list[Timing] = []
+    for name in cfg.models:
+        model = MODELS[name]
+        for tokens in cfg.tokens:
+            for layer, shape in model.linears().items():
+                if progress is not None:
+                    progress(f"{name} {layer} {shape[0]}×{shape[1]}, {tokens} tokens")
+                timings += _layer_timings(name, layer, shape, tokens, cfg, gen)
+            if progress is not None:
+                progress(f"{name} MLP block, {tokens} tokens")
+            timings += _mlp_timings(model, tokens, cfg, gen)
+            torch.cuda.empty_cache()
+    return SpeedupResult(
+        config=asdict(cfg),
+        timings=tuple(timings),
+        environment=environment(),
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+
+
+def _cell(dense_ms: float | None, timing: Timing | None) -> str:
+    if timing is None:
+        return "—"
+    if timing.ms is None:
+        return "failed"
+    if dense_ms is None:
+        return f"{timing.ms:.3f} ms"
+    return f"{dense_ms / timing.ms:.2f}×"
+
+
+def to_markdown(result: SpeedupResult) -> str:
+    """One table per model: rows = (layer, tokens, op), columns = dense ms and each variant's speedup."""
+    env = result.environment
+    backends = tuple(result.config["backends"])
+    by_key = {(t.model, t.layer, t.tokens, t.op, t.variant, t.backend): t for t in result.timings}
+    lines = [
+        "# 2:4 sparse matmul speedups: dense vs ordinary vs transposable",
+        "",
+        "Written by `tsenor bench speedup` (`make bench-gpu`); every number below comes from that run.",
+        "",
+        f"- device: {env.get('device', '?')} (compute capability {env.get('compute_capability', '?')}); "
+        f"torch {env['torch']}, CUDA {env['cuda']}, cuSPARSELt {env.get('cusparselt', '?')}; {result.date}",
+        f"- bf16, random weights and activations; CUDA-event median of {result.config['repeats']} spans of "
+        f"{result.config['inner']} calls after {result.config['warmup']} warm-up calls",
+        "- speedup = dense time / sparse time (>1 is faster). Ordinary 2:4 can only make Y = X·Wᵀ sparse: "
+        "its Wᵀ is not 2:4, so dX = dY·W stays dense (1.00× by construction, not measured). "
+        "Transposable 2:4 also runs dX = dY·W on the sparse Wᵀ (packed_t/meta_t). dW = dYᵀ·X has no "
+        "sparse operand: the same dense GEMM in every variant.",
+        "- MLP block: gate/up/down linears with SiLU, forward (no grad) and forward+backward (dX and the "
+        "three dW), through the same kernels.",
+        "- **M > 4 has no tensor-core path today**: sparse tensor cores (Ampere, Hopper) take 2:4 only, so "
+        "16:32 (transposable or not) buys accuracy, not speed, on current GPUs; only 2:4 is timed here.",
+        "",
+    ]
+    failures = [t for t in result.timings if t.error]
+    for model in result.config["models"]:
+        head = ["layer (out×in)", "tokens", "op", "dense"]
+        for backend in backends:
+            head += [f"ordinary ({backend})", f"transposable ({backend})"]
+        lines += [f"## {model}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        keys = dict.fromkeys((t.layer, t.shape, t.tokens) for t in result.timings if t.model == model)
+        for layer, shape, tokens in keys:
+            for op in OPS:
+                dense = by_key.get((model, layer, tokens, op, "dense", "cublas"))
+                if dense is None:
+                    continue
+                cells = [f"{layer} ({shape[0]}×{shape[1]})", str(tokens), op, _cell(None, dense)]
+                for backend in backends:
+                    for variant in ("ordinary", "transposable"):
+                        timing = by_key.get((model, layer, tokens, op, variant, backend))
+                        if timing is None and op in ("dW=dYᵀX", "dX=dY·W"):
+                            cells.append("= dense")
+                        else:
+                            cells.append(_cell(dense.ms, timing))
+                lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    if failures:
+        lines += ["## Failed measurements", ""]
+        lines += [f"- {t.model} {t.layer} {t.tokens} {t.op} {t.variant} ({t.backend}): {t.error}" for t in failures]
+        lines.append("")
+    checked = [t.rel_error for t in result.timings if t.rel_error is not None]
+    if checked:
+        lines.append(
+            f"Every sparse product was checked against the dense product with the same masked weight: "
+            f"largest relative difference {max(checked):.2e} (bf16 rounding)."
+        )
+    return "\n".join(lines) + "\n"

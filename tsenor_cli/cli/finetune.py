@@ -1,0 +1,98 @@
+"""`tsenor finetune RUN_DIR --output DIR`: continue training a pruned checkpoint with its mask fixed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from tsenor_cli.cli import DATA_DIR_HELP, OFFLINE_HELP, app, command_line, run_context
+from tsenor_cli.cli.evaluate import parse_limit, parse_list, parse_ppl_datasets
+from tsenor_cli.errors import InputNotFoundError
+from tsenor_cli.finetune.data import NAMED_DATA
+from tsenor_cli.finetune.run import FinetuneConfig, FinetuneReport
+
+
+def _check_data(data: str) -> None:
+    if data not in NAMED_DATA and not Path(data).expanduser().is_file():
+        raise InputNotFoundError(
+            f"--data {data} is not a readable file nor one of {', '.join(NAMED_DATA)}; "
+            "pass c4, wikitext2, ptb or an existing .txt/.jsonl/.json.gz/.parquet file"
+        )
+
+
+def summary(report: FinetuneReport) -> str:
+    """A few human lines: what was trained, the loss and the perplexity before → after."""
+    lines = [
+        f"fine-tuned {report.run_dir} ({report.pattern['pattern']} {report.pattern['kind']}, mask fixed): "
+        f"{report.steps} steps, {report.tokens} tokens ({report.epochs:.2f} passes over {report.windows} windows), "
+        f"{report.seconds_per_step:.2f} s/step",
+        f"data: {report.data}",
+    ]
+    if report.loss_curve:
+        first, last = report.loss_curve[0], report.loss_curve[-1]
+        lines.append(f"loss: {first[1]:.4f} (step {first[0]}) → {last[1]:.4f} (step {last[0]})")
+    before, after = report.ppl("before"), report.ppl("after")
+    lines.extend(f"{name} ppl: {before.get(name, float('nan')):.3f} → {after[name]:.3f}" for name in after)
+    lines.append(f"wrote {report.output} in {report.seconds:.1f} s")
+    return "\n".join(lines)
+
+
+@app.command("finetune")
+def finetune_cmd(
+    ctx: typer.Context,
+    run_dir: Path = typer.Argument(..., help="Checkpoint folder written by tsenor prune (its --output)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Folder for the fine-tuned checkpoint."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing non-empty --output."),
+    data: str = typer.Option("c4", "--data", help="Training text: c4, wikitext2, ptb or a text/jsonl file."),
+    seqlen: int = typer.Option(512, "--seqlen", min=2, help="Tokens per training window."),
+    max_steps: int = typer.Option(200, "--max-steps", min=1, help="Optimizer steps."),
+    lr: float = typer.Option(2e-5, "--lr", help="Peak learning rate (AdamW, linear decay to 0)."),
+    batch_size: int = typer.Option(4, "--batch-size", min=1, help="Windows per micro-batch (per process)."),
+    grad_accum: int = typer.Option(1, "--grad-accum", min=1, help="Micro-batches per optimizer step."),
+    warmup: int = typer.Option(0, "--warmup", min=0, help="Linear warm-up steps."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the document order, data order and Trainer."),
+    bf16: bool = typer.Option(False, "--bf16", help="bf16 autocast (weights stay fp32 while training)."),
+    ppl: str = typer.Option("wikitext2", "--ppl", help="Perplexity datasets before/after (comma list) or none."),
+    max_windows: int | None = typer.Option(None, "--max-windows", min=1, help="Perplexity windows per dataset."),
+    tasks: str | None = typer.Option(None, "--tasks", help="Zero-shot tasks before/after (comma list)."),
+    limit: str | None = typer.Option(None, "--limit", help="Zero-shot documents per task (count or fraction)."),
+    eval_every: int = typer.Option(0, "--eval-every", min=0, help="Perplexity every K steps (0: before/after)."),
+    save_every: int = typer.Option(100, "--save-every", min=0, help="Checkpoint for --resume every K steps."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last checkpoint."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda (several GPUs: launch with torchrun)."),
+    as_json: bool = typer.Option(False, "--json", help="Print finetune.json instead of the summary."),
+    data_dir: Path | None = typer.Option(None, "--data-dir", help=DATA_DIR_HELP),
+    offline: bool = typer.Option(False, "--offline", help=OFFLINE_HELP),
+) -> None:
+    """Fine-tune a pruned checkpoint with its sparsity pattern fixed; verify passes on the result."""
+    _check_data(data)
+    run_ctx = run_context(ctx, data_dir, offline)
+    cfg = FinetuneConfig(
+        run_dir=run_dir.expanduser(),
+        output=output.expanduser(),
+        data=data,
+        seqlen=seqlen,
+        max_steps=max_steps,
+        lr=lr,
+        batch_size=batch_size,
+        grad_accum=grad_accum,
+        warmup=warmup,
+        seed=seed,
+        bf16=bf16,
+        ppl_datasets=parse_ppl_datasets(ppl),
+        max_windows=max_windows,
+        tasks=parse_list(tasks, "--tasks"),
+        limit=parse_limit(limit),
+        eval_every=eval_every,
+        save_every=save_every,
+        device=device,
+        force=force,
+        resume=resume,
+        command=command_line(),
+    )
+    from tsenor_cli.finetune.run import finetune
+
+    report = finetune(cfg, run_ctx, progress=lambda message: typer.echo(message, err=True))
+    typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else summary(report))

@@ -1,0 +1,443 @@
+"""`finetune(cfg, data_dir) -> FinetuneReport`: continue training a pruned checkpoint, its mask fixed.
+
+Built on transformers' `Trainer`, so `torchrun` / `accelerate launch` give data parallelism without
+code of ours (evaluation and writing run on the main process only). The model trains in fp32 (with
+`bf16`, under bf16 autocast: fp32 master weights) and is saved in the dtype of the input checkpoint.
+
+Output folder (written atomically at the end, like `tsenor prune`'s): the checkpoint (safetensors,
+config.json with `tsenor_sparsity` unchanged, tokenizer), the prune's tsenor_report.json/.md
+unchanged, finetune.json (`FinetuneReport.to_dict()`), eval.json (the evaluation after fine-tuning,
+for `tsenor report`), finetune_loss.png and finetune_ppl.png. While the run goes, OUTPUT/.tsenor-resume/
+holds finetune_state.json (settings hash, evaluation before fine-tuning) and Trainer's latest
+checkpoint-N/ (every `save_every` steps), which `resume` continues from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
+from tsenor_cli.errors import UsageError
+from tsenor_cli.finetune.callback import PPL_LOG_PREFIX, CurveCallback, FixedMask, MaskCallback
+from tsenor_cli.finetune.data import WindowDataset, training_windows
+from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsity
+from tsenor_cli.pruning.output import check_not_input, prepare_output, write_model_folder
+from tsenor_cli.pruning.report import versions
+from tsenor_cli.pruning.resume import RESUME_DIRNAME
+from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, ContextRecord
+from tsenor_cli.settings import RunContext
+
+Progress = Callable[[str], None]
+
+FINETUNE_JSON = "finetune.json"
+EVAL_JSON = "eval.json"
+LOSS_PNG = "finetune_loss.png"
+PPL_PNG = "finetune_ppl.png"
+STATE_FILE = "finetune_state.json"
+STATE_VERSION = 1
+# Trainer's defaults, recorded in the report because they decide the result.
+SCHEDULER = "linear"
+MAX_GRAD_NORM = 1.0
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """One fine-tuning run. data: c4 | wikitext2 | ptb | a text file; seqlen: training window length.
+
+    Each optimizer step sees batch_size × grad_accum windows per process. eval_every K > 0 adds the
+    perplexity of `ppl_datasets` every K steps to the curve (0: before and after only). save_every K > 0
+    writes Trainer's checkpoint every K steps into OUTPUT/.tsenor-resume/ (0: never; then `resume`
+    has nothing to continue from). device: cpu or cuda (Trainer's; under torchrun, each rank's GPU).
+    """
+
+    run_dir: Path
+    output: Path
+    data: str = "c4"
+    seqlen: int = 512
+    max_steps: int = 200
+    lr: float = 2e-5
+    batch_size: int = 4
+    grad_accum: int = 1
+    warmup: int = 0
+    seed: int = 0
+    bf16: bool = False
+    ppl_datasets: tuple[DatasetName, ...] = ("wikitext2",)
+    max_windows: int | None = None
+    tasks: tuple[str, ...] = ()
+    limit: int | float | None = None
+    eval_every: int = 0
+    save_every: int = 100
+    device: str = "cpu"
+    force: bool = False
+    resume: bool = False
+    command: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.seqlen < 2:
+            raise UsageError(f"--seqlen {self.seqlen} must be at least 2")
+        for option, value in (
+            ("--max-steps", self.max_steps),
+            ("--batch-size", self.batch_size),
+            ("--grad-accum", self.grad_accum),
+        ):
+            if value < 1:
+                raise UsageError(f"{option} {value} must be at least 1")
+        for option, value in (("--warmup", self.warmup), ("--eval-every", self.eval_every)):
+            if value < 0:
+                raise UsageError(f"{option} {value} must be >= 0")
+        if self.save_every < 0:
+            raise UsageError(f"--save-every {self.save_every} must be >= 0 (0: no checkpoints)")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise UsageError(f"--lr {self.lr} must be a positive number, e.g. 2e-5")
+        if self.warmup > self.max_steps:
+            raise UsageError(f"--warmup {self.warmup} exceeds --max-steps {self.max_steps}; pass fewer warm-up steps")
+        unknown = [d for d in self.ppl_datasets if d not in DATASET_NAMES]
+        if unknown:
+            raise UsageError(f"unknown --ppl dataset(s) {', '.join(unknown)}; use {','.join(DATASET_NAMES)} or none")
+        if self.eval_every and not self.ppl_datasets:
+            raise UsageError("--eval-every needs perplexity datasets; pass --ppl wikitext2 or drop --eval-every")
+        if self.max_windows is not None and self.max_windows < 1:
+            raise UsageError(f"--max-windows {self.max_windows} must be positive")
+        if self.device not in ("cpu", "cuda"):
+            raise UsageError(
+                f"--device {self.device!r}: use cpu or cuda (pick GPUs with CUDA_VISIBLE_DEVICES, or torchrun)"
+            )
+
+    def result_fields(self) -> dict[str, Any]:
+        """What decides the fine-tuned weights and the recorded curves (what a resumed run must share)."""
+        return {
+            "run_dir": str(self.run_dir.resolve()),
+            "data": self.data,
+            "seqlen": self.seqlen,
+            "max_steps": self.max_steps,
+            "lr": self.lr,
+            "batch_size": self.batch_size,
+            "grad_accum": self.grad_accum,
+            "warmup": self.warmup,
+            "seed": self.seed,
+            "bf16": self.bf16,
+            "ppl_datasets": list(self.ppl_datasets),
+            "max_windows": self.max_windows,
+            "tasks": list(self.tasks),
+            "limit": self.limit,
+            "eval_every": self.eval_every,
+        }
+
+    def result_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.result_fields(), sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class FinetuneReport:
+    """What finetune.json records. Curves are [step, value] pairs; step 0 is the pruned checkpoint.
+
+    eval_before / eval_after: `EvalReport.to_json()` (None when nothing was evaluated).
+    tokens: tokens trained on (steps × windows per step × seqlen); epochs: passes over the windows.
+    seconds_per_step: median wall time of the optimizer steps this process ran (forward, backward,
+    optimizer; without evaluation, checkpoints and batch loading).
+    """
+
+    settings: dict[str, Any]
+    run_dir: str
+    pattern: dict[str, Any]
+    data: str
+    data_source: dict[str, Any]
+    windows: int
+    steps: int
+    tokens: int
+    epochs: float
+    world_size: int
+    loss_curve: list[tuple[int, float]]
+    ppl_curve: dict[str, list[tuple[int, float]]]
+    eval_before: dict[str, Any] | None
+    eval_after: dict[str, Any] | None
+    pruned_nonzero: int
+    seconds: float
+    seconds_per_step: float
+    resumed_from_step: int | None
+    output: str
+    command: str | None
+    context: dict[str, Any] | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+
+    def ppl(self, when: str) -> dict[str, float]:
+        """{dataset: ppl} of eval_before ("before") or eval_after ("after")."""
+        record = self.eval_before if when == "before" else self.eval_after
+        return {name: entry["ppl"] for name, entry in (record or {}).get("perplexity", {}).items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        body = asdict(self)
+        body["ppl_before"], body["ppl_after"] = self.ppl("before"), self.ppl("after")
+        return body
+
+
+def _quiet(_msg: str) -> None:
+    return None
+
+
+def _checkpoint_dtype(run_dir: Path) -> torch.dtype:
+    """The dtype the run's weights are stored in (config.json `dtype`, `torch_dtype` before transformers 5)."""
+    from tsenor_cli.models.loading import parse_dtype
+
+    config = json.loads((run_dir / "config.json").read_text())
+    return parse_dtype(str(config.get("dtype") or config.get("torch_dtype") or "float32")) or torch.float32
+
+
+def _load_state(state_dir: Path, cfg: FinetuneConfig) -> dict[str, Any] | None:
+    """The saved finetune state of an interrupted run, None when there is none."""
+    path = state_dir / STATE_FILE
+    if not path.is_file():
+        if state_dir.is_dir() and any(state_dir.iterdir()):
+            raise UsageError(
+                f"{state_dir} holds another command's resume state; pass --force without --resume to start over"
+            )
+        return None
+    state = json.loads(path.read_text())
+    if state.get("version") != STATE_VERSION or state.get("config_hash") != cfg.result_hash():
+        raise UsageError(
+            f"the resume state in {state_dir} was made with different settings; rerun with the same flags to "
+            "continue it, or pass --force without --resume to start over"
+        )
+    return dict(state)
+
+
+def _save_state(state_dir: Path, cfg: FinetuneConfig, eval_before: dict[str, Any] | None) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    payload = {"version": STATE_VERSION, "config_hash": cfg.result_hash(), "eval_before": eval_before}
+    tmp = state_dir / f"{STATE_FILE}.tmp"
+    tmp.write_text(json.dumps(payload, indent=1))
+    tmp.replace(state_dir / STATE_FILE)
+
+
+def _training_args(cfg: FinetuneConfig, state_dir: Path) -> Any:
+    from transformers import TrainingArguments
+
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda requested but no CUDA device is available; use --device cpu")
+    return TrainingArguments(
+        output_dir=str(state_dir),
+        max_steps=cfg.max_steps,
+        per_device_train_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.grad_accum,
+        learning_rate=cfg.lr,
+        warmup_steps=cfg.warmup,
+        lr_scheduler_type=SCHEDULER,
+        weight_decay=0.0,
+        max_grad_norm=MAX_GRAD_NORM,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        bf16=cfg.bf16,
+        use_cpu=cfg.device == "cpu",
+        logging_strategy="steps",
+        logging_steps=1,
+        save_strategy="steps" if cfg.save_every else "no",
+        save_steps=cfg.save_every or 1,
+        save_total_limit=1,
+        # Every step gets batch_size full windows, so steps × windows × seqlen is the exact token count.
+        dataloader_drop_last=True,
+        remove_unused_columns=False,
+        report_to="none",
+        disable_tqdm=True,
+    )
+
+
+def _curves(
+    history: list[dict[str, Any]], before: dict[str, float], after: dict[str, float], steps: int
+) -> tuple[list[tuple[int, float]], dict[str, list[tuple[int, float]]]]:
+    """Trainer's log history → (loss curve, {dataset: ppl curve}) with the before/after points added."""
+    loss = [(int(e["step"]), float(e["loss"])) for e in history if "loss" in e]
+    ppl: dict[str, list[tuple[int, float]]] = {name: [(0, value)] for name, value in before.items()}
+    for entry in history:
+        for key, value in entry.items():
+            if key.startswith(PPL_LOG_PREFIX):
+                ppl.setdefault(key.removeprefix(PPL_LOG_PREFIX), []).append((int(entry["step"]), float(value)))
+    for name, value in after.items():
+        ppl.setdefault(name, []).append((steps, value))
+    return loss, ppl
+
+
+def _png(draw: Callable[[io.BytesIO], bool]) -> bytes | None:
+    buffer = io.BytesIO()
+    return buffer.getvalue() if draw(buffer) else None
+
+
+def finetune(
+    cfg: FinetuneConfig,
+    ctx: RunContext,
+    progress: Progress | None = None,
+    *,
+    after_save: Callable[[int], None] | None = None,
+) -> FinetuneReport:
+    """Fine-tune `cfg.run_dir` with its pruned weights held at 0 and write `cfg.output`.
+
+    ctx: where training text, evaluation data and hub models may come from (settings.RunContext).
+    after_save(step) runs after each Trainer checkpoint (tests use it to simulate a kill). Every input
+    the user can fix raises a `TsenorError` before anything is written.
+    """
+    from transformers import PrinterCallback, Trainer, default_data_collator
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
+    from tsenor_cli.models.loading import load_model
+
+    say = progress or _quiet
+    start = time.perf_counter()
+    sparsity = read_run_sparsity(cfg.run_dir)
+    prepare_output(cfg.output, force=cfg.force, resume=cfg.resume)
+    check_not_input(cfg.output, str(cfg.run_dir))
+    state_dir = cfg.output / RESUME_DIRNAME
+    state = _load_state(state_dir, cfg) if cfg.resume else None
+    if cfg.tasks:
+        from tsenor_cli.evaluation.zeroshot import validate_tasks
+
+        validate_tasks(cfg.tasks)
+    saved_dtype = _checkpoint_dtype(cfg.run_dir)
+    loaded = load_model(str(cfg.run_dir), ctx, dtype=torch.float32, device="cpu", progress=say)
+    if loaded.max_positions is not None and cfg.seqlen > loaded.max_positions:
+        raise UsageError(
+            f"--seqlen {cfg.seqlen} exceeds the model's max_position_embeddings {loaded.max_positions}; "
+            f"pass --seqlen {loaded.max_positions} or less"
+        )
+    masks = pruned_masks(loaded.model, sparsity)
+    args = _training_args(cfg, state_dir)
+    per_step = cfg.batch_size * cfg.grad_accum * args.world_size
+    text = training_windows(
+        cfg.data,
+        loaded.tokenizer,
+        seqlen=cfg.seqlen,
+        windows=cfg.max_steps * per_step,
+        seed=cfg.seed,
+        ctx=ctx,
+    )
+    available = int(text.windows.shape[0])
+    if available < cfg.batch_size * args.world_size:
+        raise UsageError(
+            f"--data {cfg.data} fills only {available} windows of {cfg.seqlen} tokens, fewer than one batch "
+            f"({cfg.batch_size} per process); pass more text, a smaller --seqlen or a smaller --batch-size"
+        )
+    say(f"training data: {text.description}")
+    model = loaded.model.to(args.device)
+    fixed = FixedMask(model, masks)
+    main = args.process_index == 0
+    eval_cfg = EvalConfig(ppl_datasets=cfg.ppl_datasets, tasks=cfg.tasks, limit=cfg.limit, max_windows=cfg.max_windows)
+    curve_cfg = EvalConfig(ppl_datasets=cfg.ppl_datasets, max_windows=cfg.max_windows)
+    wants_eval = bool(cfg.ppl_datasets or cfg.tasks)
+
+    def ppl_now() -> dict[str, float]:
+        report = evaluate_model(loaded, curve_cfg, ctx)
+        model.train()  # evaluate_model leaves the model in eval mode
+        return {name: entry.ppl for name, entry in report.perplexity.items()}
+
+    eval_before: dict[str, Any] | None = state.get("eval_before") if state is not None else None
+    if eval_before is None and wants_eval and main:
+        say("evaluating the pruned checkpoint before fine-tuning")
+        eval_before = evaluate_model(loaded, eval_cfg, ctx, progress=say).to_json()
+    if main and cfg.save_every and state is None:
+        _save_state(state_dir, cfg, eval_before)
+
+    curve = CurveCallback(ppl_now if wants_eval else None, cfg.eval_every, say, after_save)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=WindowDataset(text.windows),
+        data_collator=default_data_collator,
+        callbacks=[MaskCallback(fixed), curve],
+    )
+    trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout; CurveCallback reports instead
+    checkpoint = get_last_checkpoint(str(state_dir)) if cfg.resume and state_dir.is_dir() else None
+    resumed = int(Path(checkpoint).name.split("-")[-1]) if checkpoint else None
+    if resumed is not None:
+        say(f"resuming after step {resumed}/{cfg.max_steps} from {checkpoint}")
+    trainer.train(resume_from_checkpoint=checkpoint)
+    nonzero = fixed.nonzero_pruned()
+    if nonzero:
+        raise RuntimeError(f"{nonzero} pruned weights became non-zero despite the mask; this is a bug in tsenor")
+    steps = int(trainer.state.global_step)
+    eval_after = None
+    if wants_eval and main:
+        say("evaluating after fine-tuning")
+        eval_after = evaluate_model(loaded, eval_cfg, ctx, progress=say).to_json()
+    loss, ppl = _curves(
+        trainer.state.log_history,
+        {k: v["ppl"] for k, v in (eval_before or {}).get("perplexity", {}).items()},
+        {k: v["ppl"] for k, v in (eval_after or {}).get("perplexity", {}).items()},
+        steps,
+    )
+    report = FinetuneReport(
+        settings={
+            **cfg.result_fields(),
+            "device": str(args.device),
+            "optimizer": str(args.optim),
+            "scheduler": SCHEDULER,
+            "max_grad_norm": MAX_GRAD_NORM,
+            "weight_decay": 0.0,
+            "save_every": cfg.save_every,
+            "saved_dtype": str(saved_dtype).removeprefix("torch."),
+        },
+        run_dir=str(cfg.run_dir),
+        pattern={k: v for k, v in sparsity.meta.items() if not k.endswith("_modules")},
+        data=text.description,
+        data_source=text.source.to_json(),
+        windows=available,
+        steps=steps,
+        tokens=steps * per_step * cfg.seqlen,
+        epochs=steps * per_step / available,
+        world_size=int(args.world_size),
+        loss_curve=loss,
+        ppl_curve=ppl,
+        eval_before=eval_before,
+        eval_after=eval_after,
+        pruned_nonzero=nonzero,
+        seconds=time.perf_counter() - start,
+        seconds_per_step=statistics.median(curve.step_seconds) if curve.step_seconds else 0.0,
+        resumed_from_step=resumed,
+        output=str(cfg.output),
+        command=cfg.command,
+        context=asdict(ContextRecord.of(ctx)),
+        versions=versions(),
+    )
+    if main:
+        _write_output(cfg, sparsity, loaded, report, saved_dtype, say)
+    return report
+
+
+def _write_output(
+    cfg: FinetuneConfig,
+    sparsity: RunSparsity,
+    loaded: Any,
+    report: FinetuneReport,
+    saved_dtype: torch.dtype,
+    say: Progress,
+) -> None:
+    """The checkpoint in its original dtype, the prune's reports, finetune.json, eval.json and the plots."""
+    from tsenor_cli.report.plots import plot_perplexity_vs_steps, plot_training_loss
+
+    label = cfg.output.name
+    files: dict[str, str | bytes] = {
+        PRUNE_FILE: (cfg.run_dir / PRUNE_FILE).read_bytes(),
+        FINETUNE_JSON: json.dumps(report.to_dict(), indent=2) + "\n",
+    }
+    if (cfg.run_dir / PRUNE_MARKDOWN).is_file():
+        files[PRUNE_MARKDOWN] = (cfg.run_dir / PRUNE_MARKDOWN).read_bytes()
+    if report.eval_after is not None:
+        files[EVAL_JSON] = json.dumps(report.eval_after, indent=2) + "\n"
+    for name, png in (
+        (LOSS_PNG, _png(lambda out: plot_training_loss({label: report.loss_curve}, out))),
+        (PPL_PNG, _png(lambda out: plot_perplexity_vs_steps({label: report.ppl_curve}, out))),
+    ):
+        if png is not None:
+            files[name] = png
+    say(f"writing {cfg.output}")
+    loaded.model.to(saved_dtype)
+    write_model_folder(loaded.model, loaded.tokenizer, cfg.output, sparsity.meta, files)
