@@ -41,7 +41,7 @@ quality: install
 
 bench: install
 	$(TSENOR) bench solver --time-methods flow,tsenor,tsenor-reference,exact,two_approx,bi_nm --repeats 3 \
-	  --output docs/bench-solver.json --markdown docs/benchmarks.md
+	  --output docs/bench-solver.json --markdown docs/benchmarks.md --force
 
 # The GPU benchmarks (needs a CUDA GPU with 2:4 sparse tensor cores; refuses to run on a CPU, exit 2).
 bench-gpu: install

@@ -17,7 +17,6 @@ import platform
 import resource
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,12 +27,12 @@ from safetensors import safe_open
 
 from tsenor_cli import __version__
 from tsenor_cli.nm import NMPattern
+from tsenor_cli.progress import Progress, sink
 from tsenor_cli.solver import METHODS, SolveResult, from_blocks, resolve_method, solve, to_blocks
 
 ScoreKind = Literal["abs", "sq"]
 SCORE_KINDS: tuple[ScoreKind, ...] = ("abs", "sq")
 _SCORE_LABEL = {"abs": "|W|", "sq": "W²"}
-Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -337,7 +336,8 @@ def machine_info(device: str) -> dict[str, str]:
     return info
 
 
-def run_bench(cfg: BenchConfig, progress: Progress) -> BenchResult:
+def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult:
+    progress = sink(progress)
     quality = run_quality(cfg, progress)
     timing, warm = run_timing(cfg, progress)
     large = run_large(cfg, progress)

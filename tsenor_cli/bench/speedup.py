@@ -33,9 +33,8 @@ import torch.nn.functional as F
 
 from tsenor_cli import __version__
 from tsenor_cli.errors import UsageError
+from tsenor_cli.progress import Progress, sink
 from tsenor_cli.solver import nm_mask, transposable_nm_mask
-
-Progress = Callable[[str], None]
 
 VARIANTS = ("dense", "ordinary", "transposable")
 VARIANT_LABELS = {"dense": "dense", "ordinary": "ordinary 2:4", "transposable": "transposable 2:4"}
@@ -346,11 +345,9 @@ def run_speedup(cfg: SpeedupConfig, progress: Progress | None = None) -> Speedup
         model = MODELS[name]
         for tokens in cfg.tokens:
             for layer, shape in model.linears().items():
-                if progress is not None:
-                    progress(f"{name} {layer} {shape[0]}×{shape[1]}, {tokens} tokens")
+                sink(progress)(f"{name} {layer} {shape[0]}×{shape[1]}, {tokens} tokens")
                 timings += _layer_timings(name, layer, shape, tokens, cfg, gen)
-            if progress is not None:
-                progress(f"{name} MLP block, {tokens} tokens")
+            sink(progress)(f"{name} MLP block, {tokens} tokens")
             timings += _mlp_timings(model, tokens, cfg, gen)
             torch.cuda.empty_cache()
     return SpeedupResult(

@@ -8,6 +8,7 @@ become one line on stderr and their exit code; tracebacks only with ``--debug`` 
 
 from __future__ import annotations
 
+import logging
 import shlex
 import sys
 from collections.abc import Sequence
@@ -18,18 +19,16 @@ import typer
 
 from tsenor_cli import __version__, settings
 from tsenor_cli.errors import TsenorError
+from tsenor_cli.progress import logger, setup_logging
 from tsenor_cli.settings import RunContext
 
 app = typer.Typer(
     name="tsenor",
-    help="Prune LLaMA-family models to transposable N:M sparsity with the TSENOR mask solver.",
+    help="Prune decoder language models to transposable N:M sparsity with the TSENOR mask solver.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-DATA_DIR_HELP = "Offline data folder (layout of shared/data); every dataset is read from it. Default: $TSENOR_DATA_DIR."
-OFFLINE_HELP = "Never contact the HF hub (hub model ids from the local HF cache only). Default: HF_HUB_OFFLINE."
 
 
 @dataclass
@@ -50,11 +49,16 @@ def _root(
     ctx: typer.Context,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks (default: $TSENOR_DEBUG)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also log inner detail (ADMM iterations)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Log warnings only (no progress lines)."),
 ) -> None:
-    """Prune LLaMA-family models to transposable N:M sparsity with the TSENOR mask solver."""
+    """Prune decoder language models to transposable N:M sparsity with the TSENOR mask solver."""
     if ctx.obj is None:  # invoked without `main` (tests, or app() embedded elsewhere)
         ctx.obj = CliState(debug=settings.debug_default())
     ctx.obj.debug = ctx.obj.debug or debug
+    if verbose and quiet:
+        raise typer.BadParameter("pass at most one of --verbose and --quiet")
+    logger.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
 
 
 def run_context(ctx: typer.Context, data_dir: Path | None, offline: bool) -> RunContext:
@@ -104,7 +108,8 @@ def main() -> None:
     """
     state = CliState(debug=settings.debug_default())
     try:
-        app(obj=state)
+        with setup_logging():
+            app(obj=state)
     except TsenorError as exc:
         if state.debug:
             raise

@@ -8,6 +8,7 @@ import typer
 
 from tsenor_cli import atomic
 from tsenor_cli.cli import app, run_context
+from tsenor_cli.cli.options import DEVICE, DeviceOpt, ForceOpt, JsonOpt
 from tsenor_cli.errors import InputNotFoundError, OutputExistsError, UsageError
 from tsenor_cli.nm import NMPattern, parse_nm
 
@@ -56,13 +57,13 @@ def bench_solver(
     large_size: int = typer.Option(
         8192, min=0, help="Side of the matrix for the default solver's time and peak memory (0: skip)."
     ),
-    device: str = typer.Option("cpu", help="cpu or cuda[:i]."),
+    device: DeviceOpt = DEVICE,
     seed: int = typer.Option(0, help="Seed for tile sampling and noise."),
     quick: bool = typer.Option(False, "--quick", help="A small, fast run (CI smoke test)."),
     output: Path | None = typer.Option(None, help="Write the JSON result here."),
     markdown: Path | None = typer.Option(None, help="Write the Markdown tables here (e.g. docs/benchmarks.md)."),
-    force: bool = typer.Option(True, "--force/--no-force", help="Overwrite existing output files."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Quality of every mask method against `exact` on real tiles, and speed ratios on one matrix."""
     import torch
@@ -77,7 +78,7 @@ def bench_solver(
             raise OutputExistsError(f"{path} exists; pass --force to overwrite it")
     if is_embedded(model):
         cache_dir = run_context(ctx, None, offline=False).cache_dir
-        model_dir = materialize(model, cache_dir, progress=lambda m: typer.echo(m, err=True))
+        model_dir = materialize(model, cache_dir)
     else:
         model_dir = Path(model)
         if not model_dir.is_dir():
@@ -107,7 +108,7 @@ def bench_solver(
     for pat in cfg.time_patterns:
         if time_size % pat.m or (large_size and large_size % pat.m):
             raise UsageError(f"--time-size/--large-size must be multiples of M={pat.m} for pattern {pat}")
-    result = run_bench(cfg, progress=lambda m: typer.echo(f"[bench] {m}", err=True))
+    result = run_bench(cfg)
     table = to_markdown(result)
     if output is not None:
         atomic.write_text(output, result.to_json() + "\n")
@@ -134,7 +135,7 @@ def bench_speedup(
     quick: bool = typer.Option(False, "--quick", help="One model, 4096 tokens, few repeats (smoke test)."),
     output: Path | None = typer.Option(None, help="Write the JSON result here."),
     markdown: Path | None = typer.Option(None, help="Write the Markdown tables here (docs/benchmarks-speedup.md)."),
-    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    json_out: JsonOpt = False,
 ) -> None:
     """Forward/backward matmul speedups of ordinary and transposable 2:4 over dense (CUDA only)."""
     from tsenor_cli.bench.speedup import SpeedupConfig, require_cuda, run_speedup, to_markdown
@@ -148,7 +149,7 @@ def bench_speedup(
         inner=inner,
     )
     require_cuda()
-    result = run_speedup(cfg, progress=lambda m: typer.echo(f"[bench] {m}", err=True))
+    result = run_speedup(cfg)
     table = to_markdown(result)
     if output is not None:
         atomic.write_text(output, result.to_json() + "\n")

@@ -4,17 +4,34 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import cast
 
 import typer
 
 from tsenor_cli import atomic
-from tsenor_cli.cli import DATA_DIR_HELP, OFFLINE_HELP, app, command_line, run_context
+from tsenor_cli.cli import app, command_line, run_context
+from tsenor_cli.cli.options import (
+    DEVICE,
+    DTYPE,
+    PPL,
+    DataDirOpt,
+    DeviceOpt,
+    DtypeOpt,
+    ForceOpt,
+    JsonOpt,
+    LimitOpt,
+    MaxWindowsOpt,
+    OfflineOpt,
+    OutputDirOpt,
+    PplOpt,
+    TasksOpt,
+    TrustRemoteCodeOpt,
+)
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import OutputExistsError, UsageError
 from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
 from tsenor_cli.models.loading import load_model, parse_dtype
+from tsenor_cli.progress import logger
 from tsenor_cli.runfiles import EVAL_FILE, EvalReport
 
 
@@ -89,21 +106,21 @@ def format_table(report: EvalReport) -> str:
 def eval_cmd(
     ctx: typer.Context,
     model: str = typer.Option(..., "--model", help="Embedded name (smollm2-135m), local checkpoint dir, or hub id."),
-    ppl: str = typer.Option(",".join(DATASET_NAMES), "--ppl", help="Perplexity datasets (comma list) or 'none'."),
-    tasks: str | None = typer.Option(None, "--tasks", help="Zero-shot tasks (comma list), e.g. piqa,arc_easy."),
+    ppl: PplOpt = PPL,
+    tasks: TasksOpt = None,
     num_fewshot: int = typer.Option(0, "--num-fewshot", min=0, help="Few-shot examples for zero-shot tasks."),
-    limit: str | None = typer.Option(None, "--limit", help="Zero-shot documents per task (count or fraction)."),
+    limit: LimitOpt = None,
     batch_size: str = typer.Option("auto", "--batch-size", help="Batch size (integer or 'auto')."),
     seqlen: int | None = typer.Option(None, "--seqlen", help="Perplexity window (default 2048, capped by the model)."),
-    max_windows: int | None = typer.Option(None, "--max-windows", help="Evaluate only the first N windows."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16."),
-    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow custom model code."),
-    output: Path | None = typer.Option(None, "--output", "-o", help="Directory to write eval.json into."),
-    force: bool = typer.Option(False, "--force", help="Overwrite an existing eval.json."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
-    data_dir: Path | None = typer.Option(None, "--data-dir", help=DATA_DIR_HELP),
-    offline: bool = typer.Option(False, "--offline", help=OFFLINE_HELP),
+    max_windows: MaxWindowsOpt = None,
+    dtype: DtypeOpt = DTYPE,
+    device: DeviceOpt = DEVICE,
+    trust_remote_code: TrustRemoteCodeOpt = False,
+    output: OutputDirOpt = None,
+    force: ForceOpt = False,
+    as_json: JsonOpt = False,
+    data_dir: DataDirOpt = None,
+    offline: OfflineOpt = False,
 ) -> None:
     """Evaluate a model: perplexity (SparseGPT protocol) and optional lm-eval zero-shot tasks."""
     # Validate every option before the (slow) model load, so a typo fails at once.
@@ -130,17 +147,12 @@ def eval_cmd(
     if cfg.tasks:
         _check_zeroshot_available()
 
-    def progress(message: str) -> None:
-        typer.echo(message, err=True)
-
-    loaded = load_model(
-        model, run_ctx, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code, progress=progress
-    )
-    report = evaluate_model(loaded, cfg, run_ctx, progress=progress)
+    loaded = load_model(model, run_ctx, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
+    report = evaluate_model(loaded, cfg, run_ctx)
     payload = report.to_json()
     if target is not None:
         atomic.write_json(target, payload)
-        progress(f"wrote {target}")
+        logger.info("wrote %s", target)
     if as_json:
         typer.echo(json.dumps(payload, indent=2))
     else:

@@ -7,9 +7,23 @@ from pathlib import Path
 
 import typer
 
-from tsenor_cli.cli import DATA_DIR_HELP, OFFLINE_HELP, app, command_line, run_context
+from tsenor_cli.cli import app, command_line, run_context
 from tsenor_cli.cli.evaluate import parse_limit, parse_list, parse_ppl_datasets
-from tsenor_cli.errors import InputNotFoundError
+from tsenor_cli.cli.options import (
+    DEVICE,
+    PPL,
+    DataDirOpt,
+    DeviceOpt,
+    ForceOpt,
+    JsonOpt,
+    LimitOpt,
+    MaxWindowsOpt,
+    OfflineOpt,
+    OutputDirOpt,
+    PplOpt,
+    TasksOpt,
+)
+from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.finetune.data import NAMED_DATA
 from tsenor_cli.finetune.run import FinetuneConfig, FinetuneReport
 
@@ -43,8 +57,8 @@ def summary(report: FinetuneReport) -> str:
 def finetune_cmd(
     ctx: typer.Context,
     run_dir: Path = typer.Argument(..., help="Checkpoint folder written by tsenor prune (its --output)."),
-    output: Path = typer.Option(..., "--output", "-o", help="Folder for the fine-tuned checkpoint."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing non-empty --output."),
+    output: OutputDirOpt = None,
+    force: ForceOpt = False,
     data: str = typer.Option("c4", "--data", help="Training text: c4, wikitext2, ptb or a text/jsonl file."),
     seqlen: int = typer.Option(512, "--seqlen", min=2, help="Tokens per training window."),
     max_steps: int = typer.Option(200, "--max-steps", min=1, help="Optimizer steps."),
@@ -54,19 +68,21 @@ def finetune_cmd(
     warmup: int = typer.Option(0, "--warmup", min=0, help="Linear warm-up steps."),
     seed: int = typer.Option(0, "--seed", help="Seed of the document order, data order and Trainer."),
     bf16: bool = typer.Option(False, "--bf16", help="bf16 autocast (weights stay fp32 while training)."),
-    ppl: str = typer.Option("wikitext2", "--ppl", help="Perplexity datasets before/after (comma list) or none."),
-    max_windows: int | None = typer.Option(None, "--max-windows", min=1, help="Perplexity windows per dataset."),
-    tasks: str | None = typer.Option(None, "--tasks", help="Zero-shot tasks before/after (comma list)."),
-    limit: str | None = typer.Option(None, "--limit", help="Zero-shot documents per task (count or fraction)."),
+    ppl: PplOpt = PPL,
+    max_windows: MaxWindowsOpt = None,
+    tasks: TasksOpt = None,
+    limit: LimitOpt = None,
     eval_every: int = typer.Option(0, "--eval-every", min=0, help="Perplexity every K steps (0: before/after)."),
     save_every: int = typer.Option(100, "--save-every", min=0, help="Checkpoint for --resume every K steps."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last checkpoint."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda (several GPUs: launch with torchrun)."),
-    as_json: bool = typer.Option(False, "--json", help="Print finetune.json instead of the summary."),
-    data_dir: Path | None = typer.Option(None, "--data-dir", help=DATA_DIR_HELP),
-    offline: bool = typer.Option(False, "--offline", help=OFFLINE_HELP),
+    device: DeviceOpt = DEVICE,
+    as_json: JsonOpt = False,
+    data_dir: DataDirOpt = None,
+    offline: OfflineOpt = False,
 ) -> None:
     """Fine-tune a pruned checkpoint with its sparsity pattern fixed; verify passes on the result."""
+    if output is None:
+        raise UsageError("--output is required; pass the folder for the fine-tuned checkpoint")
     _check_data(data)
     run_ctx = run_context(ctx, data_dir, offline)
     cfg = FinetuneConfig(
@@ -94,5 +110,5 @@ def finetune_cmd(
     )
     from tsenor_cli.finetune.run import finetune
 
-    report = finetune(cfg, run_ctx, progress=lambda message: typer.echo(message, err=True))
+    report = finetune(cfg, run_ctx)
     typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else summary(report))

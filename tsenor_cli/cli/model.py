@@ -18,7 +18,7 @@ def materialize_cmd(
 ) -> None:
     """Convert an embedded model to a safetensors checkpoint in the cache (once) and print its path."""
     cache_dir = run_context(ctx, None, offline=False).cache_dir
-    path = materialize(name, cache_dir, progress=lambda msg: typer.echo(msg, err=True))
+    path = materialize(name, cache_dir)
     typer.echo(str(path))
 
 

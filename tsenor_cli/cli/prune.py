@@ -9,9 +9,24 @@ from typing import Any
 
 import typer
 import yaml
-from typer._click.core import ParameterSource
 
-from tsenor_cli.cli import DATA_DIR_HELP, OFFLINE_HELP, app, command_line, run_context
+from tsenor_cli.cli import app, command_line, run_context
+from tsenor_cli.cli.options import (
+    DEVICE,
+    DTYPE,
+    PPL,
+    DataDirOpt,
+    DeviceOpt,
+    DtypeOpt,
+    ForceOpt,
+    JsonOpt,
+    MaxWindowsOpt,
+    OfflineOpt,
+    OutputDirOpt,
+    PplOpt,
+    TasksOpt,
+    TrustRemoteCodeOpt,
+)
 from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.nm import parse_nm
 from tsenor_cli.pruning.config import PruneConfig
@@ -93,13 +108,22 @@ def _pattern_list(path: Path, key: str, value: Any) -> list[str]:
     )
 
 
+def _given_on_command_line(ctx: typer.Context, name: str) -> bool:
+    """Whether option `name` was typed on the command line (not its default, nor the environment).
+
+    Compared by the enum member's name: the enum lives in typer's vendored click, which is not public.
+    """
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
+
+
 def merge_config(ctx: typer.Context, given: dict[str, Any], config: Path | None) -> dict[str, Any]:
     """Values from --config, overridden by flags given explicitly on the command line."""
     if config is None:
         return given
     merged = dict(given)
     for key, value in load_config_file(config).items():
-        if ctx.get_parameter_source(key) != ParameterSource.COMMANDLINE:
+        if not _given_on_command_line(ctx, key):
             merged[key] = value
     return merged
 
@@ -177,9 +201,9 @@ def prune_cmd(
     nsamples: int = typer.Option(128, "--nsamples", min=1, help="Calibration sequences."),
     seqlen: int = typer.Option(2048, "--seqlen", min=1, help="Calibration sequence length (capped by the model)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the calibration sampling."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16."),
-    device: str = typer.Option("cpu", "--device", help="Compute device for one block at a time: cpu, cuda, cuda:N."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow custom model code."),
+    dtype: DtypeOpt = DTYPE,
+    device: DeviceOpt = DEVICE,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     sequential: bool = typer.Option(
         True,
         "--sequential/--no-sequential",
@@ -195,18 +219,18 @@ def prune_cmd(
     targets: list[str] | None = typer.Option(
         None, "--targets", help="Prune only matching linears (repeatable): glob on full names or 're:REGEX'."
     ),
-    output: str | None = typer.Option(None, "--output", "-o", help="Directory for the pruned checkpoint."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing non-empty --output."),
+    output: OutputDirOpt = None,
+    force: ForceOpt = False,
     resume: bool = typer.Option(False, "--resume", help="Save state after each block; continue an interrupted run."),
     config: Path | None = typer.Option(None, "--config", help="YAML recipe; explicit flags override its values."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (layers, shapes, memory); write nothing."),
     run_eval: bool = typer.Option(False, "--eval", help="Evaluate the pruned checkpoint afterwards (eval.json)."),
-    ppl: str = typer.Option("wikitext2", "--ppl", help="With --eval: perplexity datasets (comma list) or none."),
-    tasks: str | None = typer.Option(None, "--tasks", help="With --eval: zero-shot tasks (comma list)."),
-    max_windows: int | None = typer.Option(None, "--max-windows", min=1, help="With --eval: perplexity windows."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
-    data_dir: Path | None = typer.Option(None, "--data-dir", help=DATA_DIR_HELP),
-    offline: bool = typer.Option(False, "--offline", help=OFFLINE_HELP),
+    ppl: PplOpt = PPL,
+    tasks: TasksOpt = None,
+    max_windows: MaxWindowsOpt = None,
+    as_json: JsonOpt = False,
+    data_dir: DataDirOpt = None,
+    offline: OfflineOpt = False,
 ) -> None:
     """Prune a model to (transposable) N:M or unstructured sparsity, layer by layer."""
     given = {
@@ -246,13 +270,10 @@ def prune_cmd(
             command=command,
         )
 
-    def progress(message: str) -> None:
-        typer.echo(message, err=True)
-
     if dry_run:
         from tsenor_cli.pruning.api import plan_model
 
-        plan = plan_model(cfg, run_ctx, progress=progress)
+        plan = plan_model(cfg, run_ctx)
         if as_json:
             typer.echo(json.dumps(plan.to_dict(), indent=2))
             return
@@ -283,7 +304,7 @@ def prune_cmd(
 
     from tsenor_cli.pruning.api import prune_model
 
-    report = prune_model(cfg, run_ctx, progress=progress)
+    report = prune_model(cfg, run_ctx)
     payload: dict[str, Any] = {"prune": report.to_json()}
     if eval_cfg is not None and cfg.output is not None:
         from tsenor_cli import atomic
@@ -292,10 +313,8 @@ def prune_cmd(
         from tsenor_cli.models.loading import load_model, parse_dtype
         from tsenor_cli.runfiles import EVAL_FILE
 
-        loaded = load_model(
-            str(cfg.output), run_ctx, dtype=parse_dtype(cfg.dtype), device=cfg.device, progress=progress
-        )
-        evaluation = evaluate_model(loaded, eval_cfg, run_ctx, progress=progress)
+        loaded = load_model(str(cfg.output), run_ctx, dtype=parse_dtype(cfg.dtype), device=cfg.device)
+        evaluation = evaluate_model(loaded, eval_cfg, run_ctx)
         atomic.write_json(cfg.output / EVAL_FILE, evaluation.to_json())
         payload["eval"] = evaluation.to_json()
         if not as_json:

@@ -9,6 +9,8 @@ from pathlib import Path
 import typer
 
 from tsenor_cli.cli import app
+from tsenor_cli.cli.options import ForceOpt, OutputDirOpt
+from tsenor_cli.errors import UsageError
 from tsenor_cli.report import load_run, write_report
 
 
@@ -22,11 +24,16 @@ def report_cmd(
     run_dirs: list[Path] = typer.Argument(
         ..., help="Run directories, each with eval.json (and tsenor_report.json when pruned)."
     ),
-    output: Path = typer.Option(..., "--output", "-o", help="Directory for table.md/.csv/.json and PNG plots."),
+    output: OutputDirOpt = None,
     fmt: ReportFormat = typer.Option(ReportFormat.markdown, "--format", help="What to print on stdout."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing --output directory."),
+    force: ForceOpt = False,
 ) -> None:
-    """Merge runs into one table (perplexity + zero-shot, as the paper's Table 2) and plot them."""
+    """Merge runs into one table (perplexity + zero-shot, as the paper's Table 2) and plot them.
+
+    --output receives table.md/.csv/.json and the PNG plots.
+    """
+    if output is None:
+        raise UsageError("--output is required; pass the folder for table.md/.csv/.json and the plots")
     runs = [load_run(path) for path in run_dirs]
     result = write_report(runs, output, force=force)
     for note in result.skipped:

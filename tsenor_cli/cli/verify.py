@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from tsenor_cli.cli import app
+from tsenor_cli.cli.options import JsonOpt
 from tsenor_cli.errors import VerificationError
 from tsenor_cli.pruning.verify import verify_checkpoint
 
@@ -15,7 +16,7 @@ from tsenor_cli.pruning.verify import verify_checkpoint
 @app.command("verify")
 def verify_cmd(
     directory: Path = typer.Argument(..., help="Checkpoint directory written by tsenor prune."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+    as_json: JsonOpt = False,
 ) -> None:
     """Check each M×M tile keeps at most N per row and column (exactly N where weights were non-zero)."""
     report = verify_checkpoint(directory)

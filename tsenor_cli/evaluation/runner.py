@@ -16,6 +16,7 @@ from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import UsageError
 from tsenor_cli.evaluation.perplexity import perplexity
 from tsenor_cli.models.loading import LoadedModel
+from tsenor_cli.progress import sink
 from tsenor_cli.provenance import tsenor_versions
 from tsenor_cli.runfiles import ContextRecord, EvalReport, PerplexityRecord, ZeroShotResult
 from tsenor_cli.settings import RunContext
@@ -100,8 +101,7 @@ def evaluate_model(
     for name in cfg.ppl_datasets:
         t0 = time.perf_counter()
         text = eval_token_stream(name, loaded.tokenizer, ctx, seqlen=seqlen)
-        if progress is not None:
-            progress(f"{name}: {text.tokens} tokens ({text.description})")
+        sink(progress)(f"{name}: {text.tokens} tokens ({text.description})")
         report_step = _window_progress(name, progress)
         result = perplexity(
             loaded.model,
@@ -122,8 +122,7 @@ def evaluate_model(
             data_source=text.source,
             seconds=time.perf_counter() - t0,
         )
-        if progress is not None:
-            progress(f"{name}: ppl {result.ppl:.3f} over {result.windows} windows of {seqlen}")
+        sink(progress)(f"{name}: ppl {result.ppl:.3f} over {result.windows} windows of {seqlen}")
     zeroshot = None
     if cfg.tasks:
         zeroshot = _run_zeroshot(loaded, cfg, ctx, progress)

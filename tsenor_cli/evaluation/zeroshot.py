@@ -24,6 +24,7 @@ from typing import Any
 from tsenor_cli.data.sources import data_folder, file_source
 from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.evaluation.tasks.converters import TASK_FILES, resolve_files
+from tsenor_cli.progress import sink
 from tsenor_cli.runfiles import DataSource, TaskScore, TaskSource, ZeroShotResult
 from tsenor_cli.settings import RunContext
 
@@ -154,8 +155,7 @@ def run_zeroshot(
     else:
         manager = TaskManager()
         where = "lm-eval hub tasks"
-    if progress is not None:
-        progress(f"zero-shot: {', '.join(names)} ({where}, limit={limit}, batch size {size})")
+    sink(progress)(f"zero-shot: {', '.join(names)} ({where}, limit={limit}, batch size {size})")
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=size)
     try:
@@ -205,8 +205,7 @@ def run_zeroshot(
                 version=str(results["versions"][name]),
             )
         )
-        if progress is not None:
-            progress(f"zero-shot: {name} acc={acc:.4f} (n={scores[-1].n_samples})")
+        sink(progress)(f"zero-shot: {name} acc={acc:.4f} (n={scores[-1].n_samples})")
     return ZeroShotResult(
         tasks=tuple(scores),
         average=average_acc(scores),

@@ -32,13 +32,12 @@ from tsenor_cli.errors import UsageError
 from tsenor_cli.finetune.callback import PPL_LOG_PREFIX, CurveCallback, FixedMask, MaskCallback
 from tsenor_cli.finetune.data import WindowDataset, training_windows
 from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsity
+from tsenor_cli.progress import Progress, sink
 from tsenor_cli.pruning.output import check_not_input, prepare_output, write_model_folder
 from tsenor_cli.pruning.report import versions
 from tsenor_cli.pruning.resume import RESUME_DIRNAME
 from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, ContextRecord
 from tsenor_cli.settings import RunContext
-
-Progress = Callable[[str], None]
 
 FINETUNE_JSON = "finetune.json"
 EVAL_JSON = "eval.json"
@@ -182,10 +181,6 @@ class FinetuneReport:
         return body
 
 
-def _quiet(_msg: str) -> None:
-    return None
-
-
 def _checkpoint_dtype(run_dir: Path) -> torch.dtype:
     """The dtype the run's weights are stored in (config.json `dtype`, `torch_dtype` before transformers 5)."""
     from tsenor_cli.models.loading import parse_dtype
@@ -291,7 +286,7 @@ def finetune(
     from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
     from tsenor_cli.models.loading import load_model
 
-    say = progress or _quiet
+    say = sink(progress)
     start = time.perf_counter()
     sparsity = read_run_sparsity(cfg.run_dir)
     prepare_output(cfg.output, force=cfg.force, resume=cfg.resume)

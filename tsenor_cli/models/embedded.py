@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tsenor_cli import atomic
 from tsenor_cli.errors import InputNotFoundError
+from tsenor_cli.progress import sink
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,7 @@ def materialize(name: str, cache_dir: Path, *, progress: Callable[[str], None] |
         return target
     spec = EMBEDDED_MODELS[name]
     gguf = _gguf_path(spec)
-    if progress is not None:
-        progress(f"converting {gguf.name} to a safetensors checkpoint in {target} (once)")
+    sink(progress)(f"converting {gguf.name} to a safetensors checkpoint in {target} (once)")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

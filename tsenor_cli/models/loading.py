@@ -19,6 +19,7 @@ import torch
 from tsenor_cli.errors import IncompatibleModelError, InputNotFoundError, UsageError
 from tsenor_cli.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, is_embedded, materialize
 from tsenor_cli.models.structure import ModelStructure, discover_structure
+from tsenor_cli.progress import sink
 from tsenor_cli.settings import RunContext
 
 DTYPES: dict[str, torch.dtype] = {
@@ -165,8 +166,7 @@ def load_model(
             raise InputNotFoundError(f"cannot read the config of {source}: {exc}") from exc
         raise _hub_error(name, ctx) from exc
     discover_structure(meta_model(config, trust_remote_code=trust_remote_code))
-    if progress is not None:
-        progress(f"loading {name} ({config.model_type}, {torch_dtype}) on {torch_device}")
+    sink(progress)(f"loading {name} ({config.model_type}, {torch_dtype}) on {torch_device}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **hub)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **hub)

@@ -17,10 +17,9 @@ mask of the last W, on which ~10 conjugate-gradient steps minimize the reconstru
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
+from tsenor_cli.progress import bar, logger
 from tsenor_cli.pruning.masks import choose_mask, keep_better_tiles
 from tsenor_cli.pruning.stats import InputStats, damped_gram
 from tsenor_cli.pruning.types import LayerPruneConfig, MaskSolveInfo, PruneOutcome
@@ -107,9 +106,11 @@ def prune(
     weight: torch.Tensor,
     stats: InputStats | None,
     cfg: LayerPruneConfig,
-    progress: Callable[[str], None] | None = None,
 ) -> PruneOutcome:
-    """weight: (out, in) → `PruneOutcome` from ADMM + CG; `iterations` counts ADMM steps."""
+    """weight: (out, in) → `PruneOutcome` from ADMM + CG; `iterations` counts ADMM steps.
+
+    The ADMM loop shows a bar on a terminal and logs its ρ/support-change lines at DEBUG (progress.py).
+    """
     if stats is None:
         raise ValueError("alps needs the Gram matrix of the layer inputs; collect statistics with gram=True")
     gram = stats.require_gram().to(weight.device)
@@ -138,8 +139,10 @@ def prune(
     inner = inner_solver_options(
         cfg.solver, cfg.alps_inner_sweeps, cfg.alps_inner_iterations, b_hat.device, cfg.pattern.m
     )
+    steps = bar(total=cfg.alps_max_iter, desc="ADMM", unit="it", leave=False)
     for t in range(cfg.alps_max_iter):
         iterations = t + 1
+        steps.update()
         w_t = (y - v + rho * d) @ inv  # Ĥ + ρI is symmetric, so right-multiplying solves the row systems
         z = w_t + v / rho
         mask, result, _, kept = _project(z, cfg, result, mask, seconds, inner)
@@ -151,11 +154,12 @@ def prune(
             checked_mask = mask
             rho = min(rho * (1.3 if change > 0.1 else 1.2 if change > 0.005 else 1.1), RHO_MAX)
             inv = inverse(rho)
-            if progress is not None:
-                progress(f"ADMM iter {t + 1}: rho {rho:.3g}, support change {change:.2e}")
+            steps.set_postfix_str(f"rho {rho:.3g}, support change {change:.2e}", refresh=False)
+            logger.debug("ADMM iter %d: rho %.3g, support change %.2e", t + 1, rho, change)
             if t >= cfg.alps_switch_iter and change < cfg.alps_stop_change:
                 break
 
+    steps.close()
     final_mask, final_result, block_obj, kept = _project(w_t, cfg, result, mask, seconds)
     safeguarded += kept
     refined = conjugate_gradient(h_hat, y, final_mask, w_t * final_mask, cfg.alps_cg_iters)

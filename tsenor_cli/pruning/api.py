@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tsenor_cli.errors import UsageError
+from tsenor_cli.progress import Progress, bar, sink
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.engine import (
     BlockInputs,
@@ -37,12 +38,6 @@ from tsenor_cli.settings import RunContext
 if TYPE_CHECKING:
     from tsenor_cli.models.loading import LoadedModel
     from tsenor_cli.models.structure import ModelStructure
-
-Progress = Callable[[str], None]
-
-
-def _quiet(_msg: str) -> None:
-    return None
 
 
 def _dtype_and_device(cfg: PruneConfig) -> tuple[torch.dtype, torch.device]:
@@ -119,7 +114,7 @@ def prune_model(
     """
     from tsenor_cli.models.loading import load_model
 
-    say = progress or _quiet
+    say = sink(progress)
     start = time.perf_counter()
     spec = get_pruner(cfg.method)
     if cfg.output is None:
@@ -167,7 +162,7 @@ def prune_model(
         hidden, calls = inputs.hidden, inputs.calls  # hidden (S, T, H)
 
     buffer = torch.empty_like(hidden)
-    for index in range(first, len(blocks)):
+    for index in bar(range(first, len(blocks)), total=len(blocks) - first, desc="blocks", unit="block"):
         say(f"block {index + 1}/{len(blocks)}")
         block = blocks[index]
         block.to(device)

@@ -29,11 +29,11 @@ from torch import nn
 
 from tsenor_cli.errors import IncompatibleModelError
 from tsenor_cli.models.structure import ModelStructure
+from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.registry import PrunerSpec
 from tsenor_cli.pruning.stats import InputStats, reconstruction_error
 from tsenor_cli.pruning.types import LayerPruneConfig, LayerRecord, SparsityPattern
 
-Progress = Callable[[str], None]
 HIDDEN_KEYWORD = "hidden_states"
 
 
@@ -511,10 +511,7 @@ def _prune_linear(
     dense = linear.weight.data.to(torch.float32).clone()  # (out, in)
     _sync(device)
     start = time.perf_counter()
-    if spec.iterative:
-        outcome = spec.prune(dense, stats, layer_cfg, lambda msg: progress(f"  {slot.full_name}: {msg}"))
-    else:
-        outcome = spec.prune(dense, stats, layer_cfg)
+    outcome = spec.prune(dense, stats, layer_cfg)
     _sync(device)
     seconds = time.perf_counter() - start
     linear.weight.data.copy_(outcome.weight.to(linear.weight.dtype))

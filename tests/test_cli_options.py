@@ -1,0 +1,63 @@
+"""The options several commands share are one definition (cli/options.py): same flag, default and help."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import click
+import typer
+from typer.testing import CliRunner
+
+from tsenor_cli.cli import app
+from tsenor_cli.progress import logger
+
+SHARED = ("--device", "--dtype", "--output", "--force", "--json", "--ppl", "--max-windows", "--data-dir", "--offline")
+PACKAGE = Path(__file__).resolve().parents[1] / "tsenor_cli"
+
+
+def _commands(group: click.Group, prefix: str = "") -> dict[str, click.Command]:
+    found: dict[str, click.Command] = {}
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            found.update(_commands(command, f"{prefix}{name} "))
+        else:
+            found[f"{prefix}{name}"] = command
+    return found
+
+
+def test_shared_options_have_one_default_and_help_everywhere() -> None:
+    commands = _commands(typer.main.get_command(app))  # type: ignore[arg-type]
+    seen: dict[str, dict[str, tuple[object, str | None]]] = defaultdict(dict)
+    for name, command in commands.items():
+        for param in command.params:
+            for flag in getattr(param, "opts", []):
+                if flag in SHARED:
+                    seen[flag][name] = (param.default, getattr(param, "help", None))
+    # bench writes JSON/Markdown *files* with --output FILE: a different option that keeps the name.
+    seen["--output"] = {k: v for k, v in seen["--output"].items() if not k.startswith("bench ")}
+    for flag in SHARED:
+        assert len(seen[flag]) >= 2, f"{flag} is taken by {sorted(seen[flag])}: not shared"
+        values = set(seen[flag].values())
+        assert len(values) == 1, f"{flag} differs between commands: {seen[flag]}"
+
+
+def test_no_command_imports_typer_private_modules() -> None:
+    offenders = [
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if re.search(r"^\s*(from|import) typer\._", path.read_text(encoding="utf-8"), re.M)
+    ]
+    assert offenders == []
+
+
+def test_verbose_and_quiet_set_the_log_level(tmp_path: Path) -> None:
+    runner = CliRunner()
+    for flags, level in ((["-v"], logging.DEBUG), (["-q"], logging.WARNING), ([], logging.INFO)):
+        result = runner.invoke(app, [*flags, "model", "list"])
+        assert result.exit_code == 0, result.output
+        assert logger.level == level
+    result = runner.invoke(app, ["-v", "-q", "model", "list"])
+    assert result.exit_code == 2 and "at most one of --verbose and --quiet" in result.output

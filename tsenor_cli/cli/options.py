@@ -1,0 +1,57 @@
+"""Options that several commands take, defined once as `Annotated` aliases (as the `hf` CLI does).
+
+A command declares ``device: DeviceOpt = DEVICE``: the flag, its help and its default come from here,
+so `prune`, `eval`, `finetune` and `bench` cannot drift apart (tests/test_cli_options.py checks every
+command that takes one of these has the same default and help).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tsenor_cli.data.sources import DATASET_NAMES
+
+DEVICE = "cpu"
+DTYPE = "auto"
+# The paper's perplexity protocol evaluates all three datasets (SparseGPT's WikiText2, PTB, C4).
+PPL = ",".join(DATASET_NAMES)
+
+DeviceOpt = Annotated[
+    str, typer.Option("--device", help="Compute device: cpu, cuda or cuda:N (prune: one block at a time on it).")
+]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16.")]
+OutputDirOpt = Annotated[
+    Path | None, typer.Option("--output", "-o", help="Output folder; an existing non-empty one needs --force.")
+]
+ForceOpt = Annotated[
+    bool, typer.Option("--force", help="Replace existing output (prune: only a folder holding a tsenor run).")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+PplOpt = Annotated[
+    str, typer.Option("--ppl", help=f"Perplexity datasets, a comma list of {','.join(DATASET_NAMES)}, or none.")
+]
+MaxWindowsOpt = Annotated[
+    int | None, typer.Option("--max-windows", min=1, help="Perplexity: only the first N windows of each dataset.")
+]
+TasksOpt = Annotated[str | None, typer.Option("--tasks", help="Zero-shot tasks (comma list), e.g. piqa,arc_easy.")]
+LimitOpt = Annotated[str | None, typer.Option("--limit", help="Zero-shot documents per task (count or fraction).")]
+TrustRemoteCodeOpt = Annotated[
+    bool, typer.Option("--trust-remote-code", help="Allow the checkpoint's own model code (off by default).")
+]
+DataDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--data-dir",
+        help="Offline data folder (layout of shared/data); every dataset is read from it. Default: $TSENOR_DATA_DIR.",
+    ),
+]
+OfflineOpt = Annotated[
+    bool,
+    typer.Option(
+        "--offline",
+        help="Never contact the HF hub (hub model ids from the local HF cache only). Default: HF_HUB_OFFLINE.",
+    ),
+]
