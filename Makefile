@@ -41,11 +41,11 @@ quality: install
 
 bench: install
 	$(TSENOR) bench solver --time-methods flow,tsenor,tsenor-reference,exact,two_approx,bi_nm --repeats 3 \
-	  --output docs/bench-solver.json --markdown docs/benchmarks.md --force
+	  --output docs/measurements/bench-solver.json --markdown docs/measurements/benchmarks.md --force
 
 # The GPU benchmarks (needs a CUDA GPU with 2:4 sparse tensor cores; refuses to run on a CPU, exit 2).
 bench-gpu: install
-	$(TSENOR) bench speedup --output docs/bench-speedup.json --markdown docs/benchmarks-speedup.md
+	$(TSENOR) bench speedup --output docs/bench-speedup.json --markdown docs/measurements/benchmarks-speedup.md
 
 demo: install
 	bash scripts/demo.sh

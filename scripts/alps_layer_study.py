@@ -3,7 +3,7 @@
 Usage: .venv/bin/python scripts/alps_layer_study.py [--block 5] [--linear mlp.gate_proj] [--threads 1]
 Runs the dense model on 64×512 offline C4 calibration tokens up to `--block`, collects the layer's Gram
 matrix, then prunes it with ALPS at transposable 16:32 and at ordinary 16:32, printing a Markdown table
-(docs/solver.md quotes it). On CPU the default solver (`auto`) is the exact `flow`, so every ADMM
+(docs/design/solver.md quotes it). On CPU the default solver (`auto`) is the exact `flow`, so every ADMM
 projection is exact; the cheaper inner projections of `tsenor` (`alps_inner_sweeps`,
 `alps_inner_iterations`) apply where it runs (`auto` on CUDA, where `scripts/bench_cuda.py layers` times them).
 """

@@ -1,4 +1,4 @@
-"""How many dual rounds the exact `flow` solver should run, and what a warm start saves (docs/solver.md).
+"""How many dual rounds the exact `flow` solver should run, and what a warm start saves (docs/design/solver.md).
 
 Usage: .venv/bin/python scripts/flow_study.py [--size 2048] [--threads 1] [--repeats 3]
 On a (size, size) matrix of real SmolLM2 tiles (the benchmark's `real_matrix`, |W|), prints per N:M

@@ -1,4 +1,4 @@
-"""Parameter sweep behind the `tsenor` defaults (docs/solver.md): error vs `exact` and time.
+"""Parameter sweep behind the `tsenor` defaults (docs/design/solver.md): error vs `exact` and time.
 
 Usage: .venv/bin/python scripts/tune_tsenor.py [--tiles 600] [--threads 1] > table.md
 Tiles come from every decoder linear of the embedded SmolLM2 (the benchmark's sampler), |W| scores.

@@ -7,29 +7,18 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-import click
 import typer
 from typer.testing import CliRunner
 
-from tsenor_cli.cli import app
+from tsenor_cli.cli import app, reference
 from tsenor_cli.progress import logger
 
 SHARED = ("--device", "--dtype", "--output", "--force", "--json", "--ppl", "--max-windows", "--data-dir", "--offline")
 PACKAGE = Path(__file__).resolve().parents[1] / "tsenor_cli"
 
 
-def _commands(group: click.Group, prefix: str = "") -> dict[str, click.Command]:
-    found: dict[str, click.Command] = {}
-    for name, command in group.commands.items():
-        if isinstance(command, click.Group):
-            found.update(_commands(command, f"{prefix}{name} "))
-        else:
-            found[f"{prefix}{name}"] = command
-    return found
-
-
 def test_shared_options_have_one_default_and_help_everywhere() -> None:
-    commands = _commands(typer.main.get_command(app))  # type: ignore[arg-type]
+    commands = {name.removeprefix("tsenor "): cmd for name, cmd in reference.commands(typer.main.get_command(app))}
     seen: dict[str, dict[str, tuple[object, str | None]]] = defaultdict(dict)
     for name, command in commands.items():
         for param in command.params:
@@ -61,3 +50,8 @@ def test_verbose_and_quiet_set_the_log_level(tmp_path: Path) -> None:
         assert logger.level == level
     result = runner.invoke(app, ["-v", "-q", "model", "list"])
     assert result.exit_code == 2 and "at most one of --verbose and --quiet" in result.output
+
+
+def test_the_cli_reference_page_is_current() -> None:
+    """docs/reference/cli.md is generated from the commands; regenerate with python -m tsenor_cli.cli.reference."""
+    assert reference.PAGE.read_text(encoding="utf-8") == reference.render()

@@ -77,7 +77,7 @@ def test_prune_cli_end_to_end(tiny: Path, tmp_path: Path, data_dir: Path) -> Non
     assert report["totals"]["layers_pruned"] == 14 and report["settings"]["seed"] == 0
     assert all(0.0 < layer["recon_error"] < 1.0 and layer["gap"] == 0.0 for layer in report["layers"])
     assert "rel. error" in (out / "tsenor_report.md").read_text()
-    # `tsenor report` reads the same file (docs/report-format.md).
+    # `tsenor report` reads the same file (docs/reference/run-files.md).
     from tsenor_cli.runfiles import PruneReport
 
     parsed = PruneReport.from_json(report)

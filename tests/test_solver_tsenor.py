@@ -114,7 +114,7 @@ def test_warm_start_without_sinkhorn_keeps_the_potentials() -> None:
 
 # Mean relative error against `exact` on random tiles, measured on CPU over seeds 0-4 of 48 tiles each,
 # torch.rand and torch.rand**3 scores, 4:8 to 16:32: at most 4.6e-5 (8:32, cubed); the bound has 4× margin
-# and stays well below the paper's algorithm (~1e-3, docs/solver.md).
+# and stays well below the paper's algorithm (~1e-3, docs/design/solver.md).
 RANDOM_TILE_MEAN_ERROR = 2e-4
 
 

@@ -170,7 +170,7 @@ def test_rte_jsonl_and_parquet_give_the_same_docs(data_dir: Path) -> None:
     by_idx = {d["idx"]: d for d in jsonl}
     assert sorted(by_idx) == sorted(d["idx"] for d in parquet)
     assert all(by_idx[d["idx"]]["label"] == d["label"] for d in parquet)
-    # SuperGLUE's copy drops the double quotes around titles in 6 of the 277 pairs (docs/zeroshot.md).
+    # SuperGLUE's copy drops the double quotes around titles in 6 of the 277 pairs (docs/guide/zeroshot.md).
     assert sum(by_idx[d["idx"]] != d for d in parquet) == 6
 
 

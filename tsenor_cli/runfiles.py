@@ -1,7 +1,7 @@
 """The run files, defined once: ``tsenor_report.json`` (`PruneReport`) and ``eval.json`` (`EvalReport`).
 
 `tsenor prune` and `tsenor eval` write these dataclasses with ``to_json()``; `tsenor report` reads them
-back with ``from_json()``, so every field has one name and one type (docs/report-format.md shows them).
+back with ``from_json()``, so every field has one name and one type (docs/reference/run-files.md shows them).
 Each file carries ``schema_version``; ``to_json()`` always writes the current format
 (`SCHEMA_VERSION`), and the dataclasses' ``schema_version`` says which version a record was read from.
 A file without the field is version 1, as written before the field existed; it still loads:
@@ -321,7 +321,7 @@ class PruneReport:
     def to_json(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
-            # The summary `tsenor report` reads first (docs/report-format.md).
+            # The summary `tsenor report` reads first (docs/reference/run-files.md).
             "method": self.method,
             "pattern": _flat_json(self.pattern) if self.pattern is not None else None,
             "sparsity": self.sparsity,

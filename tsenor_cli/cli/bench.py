@@ -20,7 +20,7 @@ _BENCH_HEADER = """# Solver benchmarks
 Written by `make bench` (`tsenor bench solver`); every number below comes from that run. Quality is
 measured on tiles sampled from every linear layer of every decoder block of the real checkpoint;
 speed on one matrix assembled from real tiles, all methods in the same process, so compare the
-ratios, not the absolute seconds (the CI machines are shared 2-core VMs). `docs/solver.md` explains
+ratios, not the absolute seconds (the CI machines are shared 2-core VMs). `docs/design/solver.md` explains
 the methods and how the defaults were chosen.
 
 """
@@ -61,7 +61,9 @@ def bench_solver(
     seed: int = typer.Option(0, help="Seed for tile sampling and noise."),
     quick: bool = typer.Option(False, "--quick", help="A small, fast run (CI smoke test)."),
     output: Path | None = typer.Option(None, help="Write the JSON result here."),
-    markdown: Path | None = typer.Option(None, help="Write the Markdown tables here (e.g. docs/benchmarks.md)."),
+    markdown: Path | None = typer.Option(
+        None, help="Write the Markdown tables here (e.g. docs/measurements/benchmarks.md)."
+    ),
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -134,7 +136,9 @@ def bench_speedup(
     inner: int = typer.Option(5, min=1, help="Calls per timed span."),
     quick: bool = typer.Option(False, "--quick", help="One model, 4096 tokens, few repeats (smoke test)."),
     output: Path | None = typer.Option(None, help="Write the JSON result here."),
-    markdown: Path | None = typer.Option(None, help="Write the Markdown tables here (docs/benchmarks-speedup.md)."),
+    markdown: Path | None = typer.Option(
+        None, help="Write the Markdown tables here (docs/measurements/benchmarks-speedup.md)."
+    ),
     json_out: JsonOpt = False,
 ) -> None:
     """Forward/backward matmul speedups of ordinary and transposable 2:4 over dense (CUDA only)."""

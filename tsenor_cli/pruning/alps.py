@@ -36,7 +36,7 @@ def inner_solver_options(solver: str, sweeps: int, iterations: int, device: torc
     The ADMM only needs each intermediate mask to be good and no worse than the previous one per tile
     (Assumption 1, enforced by the safeguard), not optimal or certified tightly. Where `tsenor` runs
     (asked for, or `auto` on CUDA) a few cycle-cancelling sweeps from the warm-started mask and the
-    bound at the potentials suffice (docs/solver.md measures the effect). `flow` (`auto` on the CPU)
+    bound at the potentials suffice (docs/design/solver.md measures the effect). `flow` (`auto` on the CPU)
     solves exactly and a warm solve costs about as little as the cheap one, so every projection is
     exact there. Other solvers run with their defaults.
     """

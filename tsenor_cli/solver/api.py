@@ -31,7 +31,7 @@ def _block_objective(blocks: torch.Tensor, mask: torch.Tensor, chunk_elements: i
     """blocks: (B, M, M), mask: (B, M, M) bool → (B,) float64 sum of the kept scores per block.
 
     In slices of about `chunk_elements` scores: a float64 copy of the whole matrix would be twice its
-    size, the largest allocation of a solve on a big matrix (docs/benchmarks.md, large matrix).
+    size, the largest allocation of a solve on a big matrix (docs/measurements/benchmarks.md, large matrix).
     """
     B, M, _ = blocks.shape
     step = max(1, chunk_elements // (M * M))

@@ -28,7 +28,7 @@ INTEGRALITY_TOL = 1e-6
 # Relative mismatch allowed between the primal objective and the dual certificate of a block.
 CERTIFICATE_RTOL = 1e-6
 # Dual simplex time grows faster than linearly in the LP size: measured on 512 SmolLM2 tiles at 16:32,
-# 16-block chunks took 3.0 s against 9.3 s for 512-block chunks (2-core CPU, see docs/solver-baselines.md).
+# 16-block chunks took 3.0 s against 9.3 s for 512-block chunks (2-core CPU, see docs/design/solver-baselines.md).
 DEFAULT_CHUNK_VARIABLES = 1 << 14
 
 

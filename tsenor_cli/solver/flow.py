@@ -12,7 +12,7 @@ faster than the entropic pipeline on CPUs. On 2-core CPUs the torch pipeline (Si
 cancelling) is hundreds of small tensor operations whose cost is dispatch, not arithmetic; a compiled
 per-tile loop has none of that, and the paths it needs are few once the potentials are close (a round
 of exact dual coordinate descent from v = 0, or a previous solve's potentials and mask for a warm
-start). Measured in docs/solver.md; `auto` picks this solver on the CPU.
+start). Measured in docs/design/solver.md; `auto` picks this solver on the CPU.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from tsenor_cli.solver.types import BlockSolution, DualState
 # A warm-started tile whose row selection leaves more than this × M kept entries to move runs one round
 # of coordinate descent from the handed-in potentials and selects afresh. ALPS's scores change far more
 # between ADMM iterations than 1% noise: its middle iterations leave 10-30 entries to move per 32×32
-# tile from the previous state, more than a round leaves. `scripts/flow_study.py` (docs/solver.md).
+# tile from the previous state, more than a round leaves. `scripts/flow_study.py` (docs/design/solver.md).
 RETRY_EXCESS_PER_M = 0.25
 # Mask-fixed centring sweeps of a warm start (solver/_flow_jit.py `_center`): on 2048² real tiles with
 # 1% noise, 2 sweeps leave 0.6 (8:16) and 2.2 (16:32) paths per tile where the previous potentials alone
-# leave 2.6 and 7.5; a third saves little at 1% noise and costs ALPS, whose stale tiles retry (docs/solver.md).
+# leave 2.6 and 7.5; a third saves little at 1% noise and costs ALPS, whose stale tiles retry (docs/design/solver.md).
 WARM_CENTRING_SWEEPS = 2
 # Scores per kernel call: bounds the float64 potentials and the mask buffers the kernel fills (in host
 # memory whatever the input's device) to a fixed size on large matrices.
@@ -73,7 +73,7 @@ def exact_flow(
     removes most of the remaining excess from a cold start (v = 0); a warm start from a previous
     solve's potentials often needs none. A tile whose row selection leaves more than `retry_excess`
     entries to move (None: never) runs one more round first: ALPS's scores change too much between
-    iterations for its previous potentials alone (docs/solver.md). With `init_mask` (a warm start),
+    iterations for its previous potentials alone (docs/design/solver.md). With `init_mask` (a warm start),
     `sweeps` of mask-fixed centring move the potentials off the previous solve's tight arcs and every
     row of the previous mask that still satisfies complementary slackness is kept, so only the tiles
     and rows that the new scores really changed need paths. Runs on as many threads as torch uses.
@@ -145,7 +145,7 @@ def flow(
     A warm start reuses the previous column potentials (in score units; the kernel divides them by the
     new per-tile max) and, when the state has one, the previous mask: after a few mask-fixed centring
     sweeps of the potentials, every row of it that still satisfies complementary slackness is kept,
-    so a tile the new scores did not change needs no path (docs/solver.md, warm start).
+    so a tile the new scores did not change needs no path (docs/design/solver.md, warm start).
     """
     if dual_rounds is not None and dual_rounds < 0:
         raise ValueError(f"dual_rounds must be >= 0, got {dual_rounds}")

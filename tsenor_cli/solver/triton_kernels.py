@@ -2,7 +2,7 @@
 
 One program owns one M×M tile and keeps it in registers, so each step is one launch that reads the
 scores once, instead of the torch path's several launches per iteration, each streaming the whole
-(B, M, M) batch (the cost on a GPU; docs/benchmarks-cuda.md):
+(B, M, M) batch (the cost on a GPU; docs/measurements/benchmarks-cuda.md):
 
 - `capped_sinkhorn_fused`: Algorithm 1 in potential form, every stage and iteration in one launch;
   the semantics of `tsenor.capped_sinkhorn` with one tile per chunk (each tile stops on its own

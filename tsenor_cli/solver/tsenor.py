@@ -306,7 +306,7 @@ def _topn(scores: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 Rounding = Literal["auto", "greedy", "rowcol"]
 # "auto" rounds by greedy from this many blocks up: its M² sequential steps cost the same for 1 block
 # or 4096, so below this size the two `topk` of "rowcol" (plus a longer repair) are faster
-# (SparseGPT's (rows, M) slabs: 48 blocks of 32×32 solve in 85 ms instead of 125 ms; docs/solver.md).
+# (SparseGPT's (rows, M) slabs: 48 blocks of 32×32 solve in 85 ms instead of 125 ms; docs/design/solver.md).
 _GREEDY_FROM_BLOCKS = 1024
 Bound = Literal["coordinate", "potentials"]
 Sinkhorn = Literal["auto", "torch", "triton"]
@@ -342,7 +342,7 @@ def _round(reduced: torch.Tensor, w: torch.Tensor, n: int, rounding: Rounding) -
     """
     if rounding == "auto":
         # On CUDA each of the greedy's M² steps is a few kernel launches: rowcol is faster at any size
-        # (8192², docs/benchmarks-cuda.md).
+        # (8192², docs/measurements/benchmarks-cuda.md).
         big = reduced.shape[0] >= _GREEDY_FROM_BLOCKS and not reduced.is_cuda
         rounding = "greedy" if big else "rowcol"
     if rounding == "greedy":
@@ -390,7 +390,7 @@ def tsenor(
 ) -> BlockSolution:
     """blocks: (B, M, M) non-negative → mask (B, M, M) bool, exactly n per row and column.
 
-    Options (defaults chosen by measurement on SmolLM2 tiles, see docs/solver.md): `tau`, the final
+    Options (defaults chosen by measurement on SmolLM2 tiles, see docs/design/solver.md): `tau`, the final
     inverse temperature on max-normalized scores; `stages`, ε-scaling stages ending at `tau`;
     `iterations`, the Sinkhorn budget per stage; `tol`, the row-marginal tolerance for early stop;
     `rounding`, see `_round` ("auto": greedy from 1024 blocks up on CPU, else rowcol); `sweeps`, the

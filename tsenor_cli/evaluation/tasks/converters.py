@@ -4,7 +4,7 @@ Each `*_docs` function is pure (records in, docs out) and produces exactly the f
 lm-eval 0.4 task YAML reads (same names, same types), so our YAMLs keep the official
 doc_to_text / doc_to_choice / doc_to_target. The `load_*` functions are lm-eval `custom_dataset`
 hooks: lm-eval calls them with the task metadata as keyword arguments, and `run_zeroshot` puts the
-data folder in that metadata as ``data_dir``. Differences from the hub data: docs/zeroshot.md.
+data folder in that metadata as ``data_dir``. Differences from the hub data: docs/guide/zeroshot.md.
 """
 
 from __future__ import annotations
