@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import typer
 
+from tsenor_cli.atomic import write_json_atomic
 from tsenor_cli.cli import app
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import OutputExistsError, UsageError
@@ -64,22 +63,6 @@ def parse_limit(text: str | None) -> int | float | None:
         return float(text)
     except ValueError as exc:
         raise UsageError(f"--limit {text!r} must be a document count or a fraction in (0, 1]") from exc
-
-
-def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    """Write JSON to a temp sibling, then rename it over `path` (never a half-written file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(payload, handle, indent=2)
-            handle.write("\n")
-        tmp.chmod(0o644)
-        tmp.replace(path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def format_table(report: EvalReport) -> str:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import shlex
 import sys
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -59,24 +61,43 @@ def load_config_file(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise UsageError(f"--config {path} must hold a mapping of option: value; fix the file")
+    return validate_recipe(data, f"--config {path}")
+
+
+def validate_recipe(data: Mapping[Any, Any], where: str) -> dict[str, Any]:
+    """Check a recipe mapping {option: value} against `CONFIG_KEYS` → {key: value} with `-` spelled `_`.
+
+    `where` starts every error message (e.g. "--config recipe.yaml" or "sweep.yaml base"), so one
+    validator serves `tsenor prune --config` and the sweep files' `base` and `axes`. Ints are accepted
+    where a float is wanted; bools are never accepted as ints.
+    """
     values: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
         if key not in CONFIG_KEYS:
-            raise UsageError(f"--config {path}: unknown key {raw_key!r}; known keys: {', '.join(CONFIG_KEYS)}")
+            raise UsageError(f"{where}: unknown key {raw_key!r}; known keys: {', '.join(CONFIG_KEYS)}")
         want = CONFIG_KEYS[key]
         if key == "nm" and not isinstance(value, str):
             raise UsageError(
-                f'--config {path}: nm must be a quoted string like "16:32" '
+                f'{where}: nm must be a quoted string like "16:32" '
                 "(unquoted YAML reads 16:32 as a base-60 number)"
             )
         ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
         if not ok:
-            raise UsageError(f"--config {path}: {key} must be a {want.__name__}, got {value!r}")
+            raise UsageError(f"{where}: {key} must be a {want.__name__}, got {value!r}")
         values[key] = value
     return values
+
+
+def recipe_defaults() -> dict[str, Any]:
+    """The value `tsenor prune` uses for each recipe key left unset: the defaults of its flags.
+
+    Read from `prune_cmd`'s signature so the flags stay the one definition of the defaults.
+    """
+    params = inspect.signature(prune_cmd).parameters
+    return {key: params[key].default.default for key in CONFIG_KEYS}
 
 
 def merge_config(ctx: typer.Context, given: dict[str, Any], config: Path | None) -> dict[str, Any]:
@@ -246,7 +267,8 @@ def prune_cmd(
     report = prune_model(cfg, progress=progress)
     payload: dict[str, Any] = {"prune": report.to_dict()}
     if eval_cfg is not None and cfg.output is not None:
-        from tsenor_cli.cli.evaluate import EVAL_FILE, format_table, write_json_atomic
+        from tsenor_cli.atomic import write_json_atomic
+        from tsenor_cli.cli.evaluate import EVAL_FILE, format_table
         from tsenor_cli.evaluation.runner import evaluate_model
         from tsenor_cli.models.loading import load_model, parse_dtype
 
