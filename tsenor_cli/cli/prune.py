@@ -79,8 +79,7 @@ def validate_recipe(data: Mapping[Any, Any], where: str) -> dict[str, Any]:
         want = CONFIG_KEYS[key]
         if key == "nm" and not isinstance(value, str):
             raise UsageError(
-                f'{where}: nm must be a quoted string like "16:32" '
-                "(unquoted YAML reads 16:32 as a base-60 number)"
+                f'{where}: nm must be a quoted string like "16:32" (unquoted YAML reads 16:32 as a base-60 number)'
             )
         ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
         if want is float and isinstance(value, int) and not isinstance(value, bool):
