@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from tsenor_cli.cli import app
+from tsenor_cli.errors import UsageError
 from tsenor_cli.report import load_run, write_report
 
 
@@ -17,17 +18,35 @@ class ReportFormat(StrEnum):
     json = "json"
 
 
+def _expand_sweeps(paths: list[Path]) -> list[Path]:
+    """Each sweep folder (not itself a run) → its finished run directories, in the sweep's order."""
+    from tsenor_cli.sweep.status import EVAL_FILE, collect, is_sweep_dir
+
+    expanded: list[Path] = []
+    for path in paths:
+        if (path / EVAL_FILE).is_file() or not is_sweep_dir(path):
+            expanded.append(path)
+            continue
+        done = [view.run_dir for view in collect(path) if view.state == "done"]
+        if not done:
+            raise UsageError(f"sweep folder {path} has no finished run yet; see tsenor sweep status {path}")
+        expanded += done
+    return expanded
+
+
 @app.command("report")
 def report_cmd(
     run_dirs: list[Path] = typer.Argument(
-        ..., help="Run directories, each with eval.json (and tsenor_report.json when pruned)."
+        ...,
+        help="Run directories, each with eval.json (and tsenor_report.json when pruned), or sweep folders "
+        "(the --output of tsenor sweep: their finished runs).",
     ),
     output: Path = typer.Option(..., "--output", "-o", help="Directory for table.md/.csv/.json and PNG plots."),
     fmt: ReportFormat = typer.Option(ReportFormat.markdown, "--format", help="What to print on stdout."),
     force: bool = typer.Option(False, "--force", help="Replace an existing --output directory."),
 ) -> None:
     """Merge runs into one table (perplexity + zero-shot, as the paper's Table 2) and plot them."""
-    runs = [load_run(path) for path in run_dirs]
+    runs = [load_run(path) for path in _expand_sweeps(run_dirs)]
     result = write_report(runs, output, force=force)
     for note in result.skipped:
         typer.echo(f"skipped {note}", err=True)

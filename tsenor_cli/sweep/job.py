@@ -118,11 +118,12 @@ class ChildWatch:
         proc = self.proc
         if proc is None or proc.returncode is not None:
             return
+        proc.send_signal(signal.SIGTERM)
         try:
-            proc.send_signal(signal.SIGTERM)
-            os.waitpid(proc.pid, 0)
+            _, wait_status = os.waitpid(proc.pid, 0)
         except ChildProcessError:
-            pass  # already reaped by the run's own wait
+            return  # reaped by the run's own wait meanwhile
+        proc.returncode = os.waitstatus_to_exitcode(wait_status)
 
 
 def _ignore_scheduler_signals() -> None:

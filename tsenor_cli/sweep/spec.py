@@ -58,7 +58,7 @@ SLURM_KEYS: dict[str, tuple[type, ...]] = {
 # Without --time submitit would ask for 5 minutes; an hour fits a SmolLM2 run with evaluation.
 DEFAULT_TIME_MIN = 60
 DENSE_NAME = "dense"
-_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.+-]+")
 
 
 def _is_type(value: Any, types: tuple[type, ...]) -> bool:
@@ -75,7 +75,7 @@ def _type_names(types: tuple[type, ...]) -> str:
 def name_part(value: Any) -> str:
     """A recipe value as part of a directory name: `16:32` → `16x32`, `True` → `true`, lists joined by `+`.
 
-    Characters other than letters, digits and `._+-` become `-` (a model path `/a/b` → `a-b`).
+    Characters other than letters, digits and `_.+-` become `-` (a model path `/a/b` → `a-b`).
     """
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -442,4 +442,4 @@ def check_recipes(spec: SweepSpec, runs: Sequence[RunSpec]) -> None:
         try:
             build_config({**defaults, **run.recipe_dict()}, force=False, resume=True, command="tsenor sweep")
         except TsenorError as exc:
-            raise type(exc)(f"{spec.source} run {run.name}: {exc}") from exc
+            raise type(exc)(f"{spec.source} run {run.name!r}: {exc}") from exc
