@@ -23,7 +23,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -261,7 +261,7 @@ def collect(directory: Path, queue: Mapping[str, str] | None = None) -> list[Run
     return views
 
 
-def is_complete(run_dir: Path, covered_by: Any, *, dense: bool) -> bool:
+def is_complete(run_dir: Path, covered_by: Callable[[Mapping[str, Any]], bool], *, dense: bool) -> bool:
     """eval.json covers what the sweep asks for (`EvalSpec.covered_by`) and, for a pruned run, the
     prune report is there: the run needs nothing more."""
     eval_path = run_dir / EVAL_FILE
@@ -269,8 +269,4 @@ def is_complete(run_dir: Path, covered_by: Any, *, dense: bool) -> bool:
         return False
     if not dense and not (run_dir / PRUNE_REPORTS[0]).is_file():
         return False
-    return bool(covered_by(json.loads(eval_path.read_text())))
-
-
-def job_ids(views: Iterable[RunView]) -> set[str]:
-    return {v.job_id for v in views if v.job_id is not None}
+    return covered_by(json.loads(eval_path.read_text()))
