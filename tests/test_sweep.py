@@ -334,7 +334,7 @@ def test_a_step_stopped_by_sigterm_leaves_the_run_pending(tmp_path: Path) -> Non
         run_job(job, job_id="5_0")
     status = read_status(job.run_dir)
     assert status is not None and status.state == "pending" and status.job_id == "5_0"
-    assert status.note == "interrupted by SIGTERM during prune; the resume state is kept"
+    assert status.note == "interrupted by SIGTERM during prune; the prune's resume state is kept"
     assert resolve("r", job.run_dir, complete=False, queue={"5_0": "PENDING"}).state == "pending"
 
 

@@ -204,3 +204,15 @@ def test_a_failing_point_is_failed_with_its_error_and_the_others_finish(
     assert bad["state"] == "failed" and bad["error"] == str(direct.exception)
     assert good["state"] == "done" and (out / "runs" / good["name"] / "eval.json").is_file()
     assert bad["job_id"] != good["job_id"] and bad["job_id"].split("_")[0] == good["job_id"].split("_")[0]
+
+
+def test_an_array_sbatch_refuses_is_one_line_and_leaves_nothing(tiny: Path, tmp_path: Path) -> None:
+    sweep = _write(tmp_path / "s.yaml", {"base": {"model": str(tiny), "nm": "2:4", **FAST}, "eval": EVAL})
+    out = tmp_path / "out"
+    before = subprocess.run(["squeue", "--noheader"], capture_output=True, text=True, check=True).stdout
+    result = _invoke(["sweep", str(sweep), "--output", str(out), "--executor", "slurm", "--partition", "nosuch"])
+    assert result.exit_code == 2
+    message = str(result.exception)
+    assert message.startswith("sbatch refused the job array: ") and "partition" in message and "\n" not in message
+    assert not out.exists()
+    assert subprocess.run(["squeue", "--noheader"], capture_output=True, text=True, check=True).stdout == before

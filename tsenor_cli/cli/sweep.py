@@ -105,13 +105,15 @@ def sweep_run(
 ) -> None:
     """Prune and evaluate every point of a grid; finished runs are skipped, interrupted ones resume."""
     from tsenor_cli.sweep.executors import (
+        SUBMITIT_DIR,
         SweepFailedError,
         check_slurm,
         plan_sweep,
         prepare,
-        remove_created,
+        record_sweep,
         run_local,
         submit_slurm,
+        undo_prepare,
         wait_for,
     )
     from tsenor_cli.sweep.spec import load_sweep
@@ -162,16 +164,19 @@ def sweep_run(
         return
     if executor is Executor.slurm:
         check_slurm()
-    created = prepare(sweep_file, directory, todo)
+    fresh, had_submitit = not directory.exists(), (directory / SUBMITIT_DIR).exists()
+    created = prepare(directory, todo, sweep_file)
     if executor is Executor.local:
+        record_sweep(sweep_file, directory)
         outcome = run_local(todo, echo)
         failed = [name for name, state in outcome.items() if state == "failed"]
     else:
         try:
             submit_slurm(todo, directory, options, echo)
         except UsageError:
-            remove_created(created)
+            undo_prepare(directory, created, fresh=fresh, had_submitit=had_submitit)
             raise
+        record_sweep(sweep_file, directory)
         if not wait:
             echo(f"follow it with: tsenor sweep status {output}")
             return

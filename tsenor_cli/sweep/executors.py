@@ -155,10 +155,9 @@ def plan_sweep(
     return planned
 
 
-def prepare(sweep_file: Path, directory: Path, todo: Sequence[PlannedRun]) -> list[Path]:
-    """Write DIRECTORY/sweep.yaml and each run's recipe.yaml → the run directories created here."""
+def prepare(directory: Path, todo: Sequence[PlannedRun], sweep_file: Path) -> list[Path]:
+    """Write each run's recipe.yaml (the run prunes with --config it) → the run directories created here."""
     created = [p.job.run_dir for p in todo if not p.job.run_dir.exists()]
-    write_text_atomic(directory / SWEEP_FILE, sweep_file.read_text())
     for planned in todo:
         planned.job.run_dir.mkdir(parents=True, exist_ok=True)
         if not planned.spec.dense:
@@ -166,6 +165,11 @@ def prepare(sweep_file: Path, directory: Path, todo: Sequence[PlannedRun]) -> li
             recipe = yaml.safe_dump(planned.spec.recipe_dict(), sort_keys=False)
             write_text_atomic(planned.job.run_dir / RECIPE_FILE, header + recipe)
     return created
+
+
+def record_sweep(sweep_file: Path, directory: Path) -> None:
+    """DIRECTORY/sweep.yaml: a copy of the sweep file, which `tsenor sweep status` and `tsenor report` read."""
+    write_text_atomic(directory / SWEEP_FILE, sweep_file.read_text())
 
 
 def run_local(todo: Sequence[PlannedRun], echo: Callable[[str], None]) -> dict[str, str]:
@@ -253,7 +257,11 @@ def wait_for(
         time.sleep(poll_s)
 
 
-def remove_created(paths: Sequence[Path]) -> None:
-    """Undo `prepare` for the directories it created (sbatch refused the array)."""
-    for path in paths:
+def undo_prepare(directory: Path, created: Sequence[Path], *, fresh: bool, had_submitit: bool) -> None:
+    """Remove what `prepare` and a refused submission left (sbatch refused the array): the whole folder
+    when this sweep created it, else the run directories and the submitit folder it created."""
+    if fresh:
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    for path in [*created, *([] if had_submitit else [directory / SUBMITIT_DIR])]:
         shutil.rmtree(path, ignore_errors=True)

@@ -183,10 +183,14 @@ def _set_status(job: RunJob, **changes: Any) -> RunStatus:
     return status
 
 
+def _what_is_kept(step: str | None) -> str:
+    return "the evaluation starts again" if step == "eval" else "the prune's resume state is kept"
+
+
 def mark_interrupted(job: RunJob, reason: str, step: str | None) -> None:
     """status pending, with why: the run is neither done nor failed and continues when run again."""
     during = f" during {step}" if step else ""
-    _set_status(job, state="pending", note=f"interrupted by {reason}{during}; the resume state is kept")
+    _set_status(job, state="pending", note=f"interrupted by {reason}{during}; {_what_is_kept(step)}")
 
 
 def run_job(job: RunJob, *, job_id: str | None = None, watch: ChildWatch | None = None) -> str:
@@ -246,8 +250,8 @@ def run_job(job: RunJob, *, job_id: str | None = None, watch: ChildWatch | None 
         if watch.stopped_by is not None:
             mark_interrupted(job, watch.stopped_by, step)
             raise RunInterrupted(
-                f"run {job.name} was stopped by {watch.stopped_by} during {step}; its resume state is kept: "
-                "run the sweep again to continue it"
+                f"run {job.name} was stopped by {watch.stopped_by} during {step}; run the sweep again to "
+                f"continue it ({_what_is_kept(step)})"
             )
         if not (job.run_dir / EVAL_FILE).is_file():
             raise AssertionError(f"tsenor eval exited 0 without writing {job.run_dir / EVAL_FILE}")
