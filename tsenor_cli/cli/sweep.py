@@ -40,6 +40,10 @@ class Executor(StrEnum):
     slurm = "slurm"
 
 
+def _runs(n: int) -> str:
+    return f"{n} run" if n == 1 else f"{n} runs"
+
+
 def _elapsed(seconds: float | None) -> str:
     if seconds is None:
         return "-"
@@ -66,7 +70,7 @@ def _status_table(views: list[RunView]) -> str:
             f"{v.name:<{width}}  {v.state:<8} {v.job_id or '-':<12} {_elapsed(v.elapsed_s):>8}  {_clip(last, 90)}"
         )
     counts = {s: sum(v.state == s for v in views) for s in ("done", "running", "pending", "failed")}
-    lines.append(f"{len(views)} runs: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    lines.append(f"{_runs(len(views))}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
     return "\n".join(lines)
 
 
@@ -148,7 +152,7 @@ def sweep_run(
     def echo(message: str) -> None:
         typer.echo(message, err=True)
 
-    summary = f"{len(planned)} runs: {done} done, {len(todo)} to run" + (
+    summary = f"{_runs(len(planned))}: {done} done, {len(todo)} to run" + (
         f", {busy} already queued or running" if busy else ""
     )
     if dry_run:
@@ -187,7 +191,7 @@ def sweep_run(
     typer.echo(_status_table(collect(directory, slurm_queue())))
     if failed:
         raise SweepFailedError(
-            f"{len(failed)} of {len(todo)} runs failed ({', '.join(failed)}); their errors are above and in "
+            f"{len(failed)} of {_runs(len(todo))} failed ({', '.join(failed)}); their errors are above and in "
             "DIR/runs/NAME/log.txt; fix them and run the sweep again (finished runs are skipped)"
         )
 
