@@ -30,7 +30,8 @@ class _RunByDefault(TyperGroup):
 sweep_app = typer.Typer(
     cls=_RunByDefault,
     no_args_is_help=True,
-    help="Run a grid of prune + eval runs (locally or as a SLURM job array) and follow it.",
+    help="Run a grid of prune + eval runs (locally or as a SLURM job array) and follow it. "
+    "`tsenor sweep SWEEP.yaml -o DIR` is short for `tsenor sweep run SWEEP.yaml -o DIR`.",
 )
 app.add_typer(sweep_app, name="sweep")
 
@@ -100,7 +101,7 @@ def sweep_run(
     partition: str | None = typer.Option(None, "--partition", help="SLURM partition."),
     account: str | None = typer.Option(None, "--account", help="SLURM account."),
     qos: str | None = typer.Option(None, "--qos", help="SLURM quality of service."),
-    time_limit: str | None = typer.Option(None, "--time", help="Time limit per run: minutes or [D-]HH:MM:SS."),
+    time_limit: str | None = typer.Option(None, "--time", help="Time limit per run: minutes or [D-]HH:MM:SS (default 60 min)."),
     gpus_per_task: int | None = typer.Option(None, "--gpus-per-task", help="GPUs per run."),
     cpus_per_task: int | None = typer.Option(None, "--cpus-per-task", help="CPUs per run."),
     mem: str | None = typer.Option(None, "--mem", help="Memory per run, e.g. 32G."),

@@ -128,9 +128,7 @@ def _check_recipe(run: RunSpec, run_dir: Path) -> None:
         )
 
 
-def plan_sweep(
-    spec: SweepSpec, directory: Path, *, queue: Mapping[str, str] | None, python: str | None = None
-) -> list[PlannedRun]:
+def plan_sweep(spec: SweepSpec, directory: Path, *, queue: Mapping[str, str] | None) -> list[PlannedRun]:
     """Each run of the sweep under DIRECTORY/runs/NAME, with its state; writes nothing."""
     runs_dir = directory / RUNS_DIR
     env = job_environment()
@@ -141,7 +139,7 @@ def plan_sweep(
         job = RunJob(
             name=run.name,
             run_dir=run_dir,
-            python=python or sys.executable,
+            python=sys.executable,
             cwd=Path.cwd(),
             eval_args=_eval_args(spec, run),
             dense=run.dense,

@@ -194,10 +194,10 @@ class SlurmOptions:
     setup: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for key in ("gpus_per_task", "cpus_per_task", "array_parallelism"):
+        for key, least in (("gpus_per_task", 0), ("cpus_per_task", 1), ("array_parallelism", 1)):
             value = getattr(self, key)
-            if value is not None and value < (0 if key == "gpus_per_task" else 1):
-                raise UsageError(f"slurm {key} must be positive, got {value}")
+            if value is not None and value < least:
+                raise UsageError(f"slurm {key} must be at least {least}, got {value}")
 
     def executor_parameters(self, job_name: str) -> dict[str, Any]:
         """Keyword arguments of submitit's `SlurmExecutor.update_parameters`."""
