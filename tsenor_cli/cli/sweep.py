@@ -101,7 +101,9 @@ def sweep_run(
     partition: str | None = typer.Option(None, "--partition", help="SLURM partition."),
     account: str | None = typer.Option(None, "--account", help="SLURM account."),
     qos: str | None = typer.Option(None, "--qos", help="SLURM quality of service."),
-    time_limit: str | None = typer.Option(None, "--time", help="Time limit per run: minutes or [D-]HH:MM:SS (default 60 min)."),
+    time_limit: str | None = typer.Option(
+        None, "--time", help="Time limit per run: minutes or [D-]HH:MM:SS (default 60 min)."
+    ),
     gpus_per_task: int | None = typer.Option(None, "--gpus-per-task", help="GPUs per run."),
     cpus_per_task: int | None = typer.Option(None, "--cpus-per-task", help="CPUs per run."),
     mem: str | None = typer.Option(None, "--mem", help="Memory per run, e.g. 32G."),
