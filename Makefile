@@ -50,10 +50,11 @@ bench-gpu: install
 demo: install
 	bash scripts/demo.sh
 
-# The Table-2 grid on smollm2-135m (hours; resumable: finished runs are skipped), then the target checks.
+# The Table-2 grid on smollm2-135m (hours; resumable: runs whose eval.json is there are skipped), the
+# table and plots, then the target checks. On a cluster: add --executor slurm --wait (see README).
 results: install
-	$(PY) scripts/results_grid.py --max-windows 8 --limit 100 \
-	  --tasks piqa,arc_easy,arc_challenge,hellaswag,winogrande,rte,openbookqa,boolq
+	$(TSENOR) sweep configs/sweeps/table2.yaml --output docs/results
+	$(TSENOR) report docs/results --output docs/results/report --force
 	$(PY) scripts/results_targets.py
 	$(PY) scripts/paper_ratios.py --paper $(TSENOR_PAPER)
 	$(PY) scripts/pattern_cost.py --output docs/results/pattern_cost.md

@@ -1,4 +1,4 @@
-"""Check the pruning-engine targets on the runs of scripts/results_grid.py (docs/results.md).
+"""Check the pruning-engine targets on the runs of `make results` (configs/sweeps/table2.yaml, docs/results.md).
 
 Usage: .venv/bin/python scripts/results_targets.py [--results docs/results]
 Reads RESULTS/runs/NAME/{eval.json,tsenor_report.json} and writes RESULTS/targets.md (also printed).

@@ -1,5 +1,5 @@
 """`make demo`'s script end to end on a tiny model (the real run is too long for CI; README shows it),
-and the results-grid script's bookkeeping."""
+and the bookkeeping of `make results`' target and claims checks."""
 
 from __future__ import annotations
 
@@ -60,17 +60,6 @@ def _load_script(name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def test_results_grid_names_and_order() -> None:
-    grid = _load_script("results_grid")
-    runs = grid.default_runs(["alps", "wanda"], ["16:32", "2:4"], ["t", "o"])
-    names = [r.name for r in runs]
-    assert names[:3] == ["dense", "alps-16x32-t", "wanda-16x32-t"]
-    assert names[-1] == "wanda-2x4-o"
-    assert grid.Run.parse("sparsegpt-8x16-o") == grid.Run("sparsegpt", "8:16", False)
-    with pytest.raises(SystemExit, match="bad run name"):
-        grid.Run.parse("alps-16:32")
 
 
 def test_results_targets_report_missing_runs_as_not_run(tmp_path: Path) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -74,37 +76,46 @@ def load_config_file(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise UsageError(f"--config {path} must hold a mapping of option: value; fix the file")
+    return validate_recipe(data, f"--config {path}")
+
+
+def validate_recipe(data: Mapping[Any, Any], where: str) -> dict[str, Any]:
+    """Check a recipe mapping {option: value} against `CONFIG_KEYS` → {key: value} with `-` spelled `_`.
+
+    `where` starts every error message (e.g. "--config recipe.yaml" or "sweep.yaml base"), so one
+    validator serves `tsenor prune --config` and the sweep files' `base` and `axes`. Ints are accepted
+    where a float is wanted; bools are never accepted as ints.
+    """
     values: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
         if key not in CONFIG_KEYS:
-            raise UsageError(f"--config {path}: unknown key {raw_key!r}; known keys: {', '.join(CONFIG_KEYS)}")
+            raise UsageError(f"{where}: unknown key {raw_key!r}; known keys: {', '.join(CONFIG_KEYS)}")
         want = CONFIG_KEYS[key]
         if key == "nm" and not isinstance(value, str):
             raise UsageError(
-                f'--config {path}: nm must be a quoted string like "16:32" '
-                "(unquoted YAML reads 16:32 as a base-60 number)"
+                f'{where}: nm must be a quoted string like "16:32" (unquoted YAML reads 16:32 as a base-60 number)'
             )
         if want is list:
-            values[key] = _pattern_list(path, key, value)
+            values[key] = _pattern_list(where, key, value)
             continue
         ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
         if want is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
         if not ok:
-            raise UsageError(f"--config {path}: {key} must be a {want.__name__}, got {value!r}")
+            raise UsageError(f"{where}: {key} must be a {want.__name__}, got {value!r}")
         values[key] = value
     return values
 
 
-def _pattern_list(path: Path, key: str, value: Any) -> list[str]:
+def _pattern_list(where: str, key: str, value: Any) -> list[str]:
     """A recipe's ignore/targets: one pattern string or a list of them."""
     if isinstance(value, str):
         return [value]
     if isinstance(value, list) and all(isinstance(item, str) for item in value):
         return list(value)
     raise UsageError(
-        f"--config {path}: {key} must be a pattern string or a list of them (e.g. ['*.mlp.down_proj']), got {value!r}"
+        f"{where}: {key} must be a pattern string or a list of them (e.g. ['*.mlp.down_proj']), got {value!r}"
     )
 
 
@@ -115,6 +126,17 @@ def _given_on_command_line(ctx: typer.Context, name: str) -> bool:
     """
     source = ctx.get_parameter_source(name)
     return source is not None and source.name == "COMMANDLINE"
+
+
+def recipe_defaults() -> dict[str, Any]:
+    """The value `tsenor prune` uses for each recipe key left unset: the defaults of its flags.
+
+    Read from `prune_cmd`'s signature so the flags stay the one definition of the defaults (a plain
+    default for the shared `Annotated` options of cli/options.py, a typer.Option's for the others).
+    """
+    params = inspect.signature(prune_cmd).parameters
+    defaults = {key: params[key].default for key in CONFIG_KEYS}
+    return {key: getattr(value, "default", value) for key, value in defaults.items()}
 
 
 def merge_config(ctx: typer.Context, given: dict[str, Any], config: Path | None) -> dict[str, Any]:

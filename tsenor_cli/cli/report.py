@@ -19,10 +19,28 @@ class ReportFormat(StrEnum):
     json = "json"
 
 
+def _expand_sweeps(paths: list[Path]) -> list[Path]:
+    """Each sweep folder (not itself a run) → its finished run directories, in the sweep's order."""
+    from tsenor_cli.sweep.status import EVAL_FILE, collect, is_sweep_dir
+
+    expanded: list[Path] = []
+    for path in paths:
+        if (path / EVAL_FILE).is_file() or not is_sweep_dir(path):
+            expanded.append(path)
+            continue
+        done = [view.run_dir for view in collect(path) if view.state == "done"]
+        if not done:
+            raise UsageError(f"sweep folder {path} has no finished run yet; see tsenor sweep status {path}")
+        expanded += done
+    return expanded
+
+
 @app.command("report")
 def report_cmd(
     run_dirs: list[Path] = typer.Argument(
-        ..., help="Run directories, each with eval.json (and tsenor_report.json when pruned)."
+        ...,
+        help="Run directories, each with eval.json (and tsenor_report.json when pruned), or sweep folders "
+        "(the --output of tsenor sweep: their finished runs).",
     ),
     output: OutputDirOpt = None,
     fmt: ReportFormat = typer.Option(ReportFormat.markdown, "--format", help="What to print on stdout."),
@@ -34,7 +52,7 @@ def report_cmd(
     """
     if output is None:
         raise UsageError("--output is required; pass the folder for table.md/.csv/.json and the plots")
-    runs = [load_run(path) for path in run_dirs]
+    runs = [load_run(path) for path in _expand_sweeps(run_dirs)]
     result = write_report(runs, output, force=force)
     for note in result.skipped:
         typer.echo(f"skipped {note}", err=True)

@@ -7,9 +7,9 @@ the one asked for (`SolveResult.requested`).
 - M = 4: `exhaustive`, optimal by enumeration of at most 90 masks and faster than any iteration.
 - CUDA: `tsenor`, the paper's entropic pipeline with fused Triton kernels: 0.012 s (8:16) and 0.026 s
   (16:32) on a 2048² matrix on an H100 (docs/measurements/benchmarks-cuda.md), 0.06 s / 0.12 s at 8192²
-  (docs/design/solver.md), mean error vs the optimum 0.0007% / 0.0019%, certified gap near 0.016%. `flow` has no GPU kernel:
-  it would copy the tiles to the host and solve them on its CPU cores, where 2 cores take 0.24 s at
-  2048² 8:16, 20× the GPU's `tsenor` (not measured on a GPU host's CPU).
+  (docs/design/solver.md), mean error vs the optimum 0.0007% / 0.0019%, certified gap near 0.016%.
+  `flow` has no GPU kernel: it would copy the tiles to the host and solve them on its CPU cores, where
+  2 cores take 0.24 s at 2048² 8:16, 20× the GPU's `tsenor` (not measured on a GPU host's CPU).
 - anywhere else (the CPU): `flow`, exact and faster there: 0.24 s (8:16) and 0.36 s (16:32) at 2048²
   on 2 cores against 1.1 s and 1.4 s for the entropic pipeline (`make bench` runs of 2026-11-23,
   docs/design/solver.md).

@@ -1,0 +1,218 @@
+"""`tsenor sweep --executor slurm` against a real SLURM (scripts/slurm_setup.sh; .ci/run starts one).
+
+Tiny 4-block models so that a task can be caught mid-prune. Skipped, with the reason, when no SLURM
+controller answers here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from helpers_tiny import make_tiny_llama
+from typer.testing import CliRunner
+
+from tsenor_cli.cli import app
+from tsenor_cli.errors import TsenorError
+from tsenor_cli.sweep.spec import name_part
+
+
+def _no_slurm_reason() -> str | None:
+    missing = [cmd for cmd in ("sbatch", "srun", "squeue", "sinfo", "scontrol", "scancel") if shutil.which(cmd) is None]
+    if missing:
+        return f"{', '.join(missing)} not found (start one with: sudo bash scripts/slurm_setup.sh)"
+    try:
+        proc = subprocess.run(["sinfo", "--noheader"], capture_output=True, text=True, timeout=20, check=False)
+    except subprocess.TimeoutExpired:
+        return "sinfo did not answer within 20 s"
+    if proc.returncode != 0:
+        return "the SLURM controller does not answer: " + (proc.stderr.strip().splitlines() or ["?"])[-1]
+    return None
+
+
+_REASON = _no_slurm_reason()
+if _REASON is not None:
+    pytest.skip(f"no SLURM here: {_REASON}", allow_module_level=True)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.realdata]
+
+TIMEOUT_S = 600
+FAST = {"nsamples": 2, "seqlen": 32, "calib_data": "wikitext2"}
+EVAL = {"ppl": ["wikitext2"], "max_windows": 1, "seqlen": 64}
+
+
+def _invoke(args: list[str]) -> Any:
+    result = CliRunner().invoke(app, args)
+    if isinstance(result.exception, TsenorError):
+        result.exit_code = result.exception.exit_code
+    return result
+
+
+def _write(path: Path, data: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _ppl(run_dir: Path) -> dict[str, float]:
+    return {k: v["ppl"] for k, v in json.loads((run_dir / "eval.json").read_text())["perplexity"].items()}
+
+
+def _status(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "status.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def grid(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 points: magnitude (seconds) and ALPS (tens of seconds a run, so it can be caught mid-prune)."""
+    return _write(
+        tmp_path_factory.mktemp("grid") / "grid.yaml",
+        {
+            "name": "{method}-{nm}",
+            "base": {"model": str(tiny), **FAST},
+            "axes": {"method": ["magnitude", "alps"], "nm": ["2:4", "4:8"]},
+            "eval": EVAL,
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def local_sweep(grid: Path, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("local") / "sweep"
+    result = _invoke(["sweep", str(grid), "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _requeued_and_settled(job: str) -> bool:
+    """Pending again, and its previous attempt's batch script has ended (no BatchHost): releasing the
+    hold earlier lets that attempt's exit be recorded against the new one, which then ends at once."""
+    fields = subprocess.run(
+        ["scontrol", "show", "job", "--oneliner", job], capture_output=True, text=True, timeout=30, check=False
+    ).stdout.split()
+    return (
+        "JobState=PENDING" in fields
+        and "Reason=BeginTime" in fields
+        and not any(f.startswith("BatchHost=") for f in fields)
+    )
+
+
+def _interrupt_mid_prune(out: Path, errors: list[str]) -> None:
+    """Stop each ALPS task once its first block is saved: alps-2x4 by `scontrol requeue` (preemption),
+    alps-4x8 by submitit's time-limit signal (USR2: checkpoint, then it requeues itself). SLURM holds a
+    requeued batch job for about two minutes; once the old attempt is gone `starttime=now` ends the wait."""
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        interrupted = {}
+        for name, how in (("alps-2x4", ["scontrol", "requeue"]), ("alps-4x8", ["scancel", "--signal=USR2"])):
+            run_dir = out / "runs" / name
+            state = run_dir / "model" / ".tsenor-resume" / "state.json"
+            while not (state.is_file() and _status(run_dir).get("job_id")):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} never reached its first saved block")
+                time.sleep(0.05)
+            job = _status(run_dir)["job_id"]
+            subprocess.run([*how, job], check=True, capture_output=True, timeout=30)
+            interrupted[name] = job
+        for name, job in interrupted.items():
+            while not _requeued_and_settled(job):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} ({job}) was not requeued")
+                time.sleep(0.2)
+            subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True, timeout=30)
+    except (OSError, subprocess.SubprocessError, TimeoutError) as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+
+
+def test_job_array_equals_local_and_requeued_tasks_end_identical(grid: Path, local_sweep: Path, tmp_path: Path) -> None:
+    out = tmp_path / "slurm"
+    errors: list[str] = []
+    interrupter = threading.Thread(target=_interrupt_mid_prune, args=(out, errors), daemon=True)
+    interrupter.start()
+    slurm = ["--executor", "slurm", "--array-parallelism", "2", "--time", "10", "--wait"]
+    result = _invoke(["sweep", str(grid), "--output", str(out), *slurm])
+    interrupter.join(timeout=60)
+    assert not errors, errors
+    assert result.exit_code == 0, result.output
+
+    scripts = list((out / ".submitit").glob("*_submission.sh"))
+    assert len(scripts) == 1 and "#SBATCH --array=0-3%2" in scripts[0].read_text()  # one array, 2 at a time
+    views = {v["name"]: v for v in json.loads(_invoke(["sweep", "status", str(out), "--json"]).output)}
+    assert set(views) == {"magnitude-2x4", "magnitude-4x8", "alps-2x4", "alps-4x8"}
+    array = {str(v["job_id"]).split("_")[0] for v in views.values()}
+    assert len(array) == 1 and all(v["state"] == "done" for v in views.values())
+
+    for name in views:
+        got, want = out / "runs" / name, local_sweep / "runs" / name
+        assert _sha256(got / "model" / "model.safetensors") == _sha256(want / "model" / "model.safetensors"), name
+        assert _ppl(got) == _ppl(want), name
+    for name, checkpointed in (("alps-2x4", False), ("alps-4x8", True)):
+        run_dir = out / "runs" / name
+        resumed = json.loads((run_dir / "tsenor_report.json").read_text())["resumed_from_block"]
+        assert resumed is not None and 1 <= resumed < 4, name  # stopped mid-prune, continued at the next block
+        assert _status(run_dir)["attempt"] == 2
+        log = (run_dir / "log.txt").read_text()
+        assert "attempt 1" in log and "attempt 2" in log and f"resuming after block {resumed}/4" in log
+        # USR2 went through SweepTask.checkpoint and submitit's own requeue; the plain requeue did not.
+        submitit_log = (out / ".submitit" / f"{views[name]['job_id']}_0_log.out").read_text()
+        assert ("Calling checkpoint method." in submitit_log) is checkpointed, name
+        assert ("Requeued job" in submitit_log) is checkpointed, name
+
+    merged = _invoke(["report", str(out), "--output", str(tmp_path / "report"), "--format", "json"])
+    assert merged.exit_code == 0, merged.output
+    rows = {row["run"]: row for row in json.loads(merged.stdout)["rows"]}
+    assert set(rows) == set(views)
+    assert all(rows[name]["ppl_wikitext2"] == _ppl(local_sweep / "runs" / name)["wikitext2"] for name in rows)
+
+
+def test_a_failing_point_is_failed_with_its_error_and_the_others_finish(
+    tiny: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    missing = tmp_path / "no-such-model"
+    sweep = _write(
+        tmp_path / "s.yaml",
+        {
+            "name": "{model}",
+            "base": {"method": "magnitude", "nm": "2:4", **FAST},
+            "axes": {"model": [str(missing), str(tiny)]},
+            "eval": EVAL,
+        },
+    )
+    out = tmp_path / "out"
+    result = _invoke(["sweep", str(sweep), "--output", str(out), "--executor", "slurm", "--wait"])
+    assert result.exit_code == 1 and "1 of 2 runs failed" in str(result.exception)
+    views = {v["name"]: v for v in json.loads(_invoke(["sweep", "status", str(out), "--json"]).output)}
+    bad, good = views[name_part(str(missing))], views[name_part(str(tiny))]
+    direct = _invoke(["prune", "--model", str(missing), "--nm", "2:4", "--output", str(tmp_path / "x")])
+    assert bad["state"] == "failed" and bad["error"] == str(direct.exception)
+    assert good["state"] == "done" and (out / "runs" / good["name"] / "eval.json").is_file()
+    assert bad["job_id"] != good["job_id"] and bad["job_id"].split("_")[0] == good["job_id"].split("_")[0]
+
+
+def test_an_array_sbatch_refuses_is_one_line_and_leaves_nothing(tiny: Path, tmp_path: Path) -> None:
+    sweep = _write(tmp_path / "s.yaml", {"base": {"model": str(tiny), "nm": "2:4", **FAST}, "eval": EVAL})
+    out = tmp_path / "out"
+    before = subprocess.run(["squeue", "--noheader"], capture_output=True, text=True, check=True).stdout
+    result = _invoke(["sweep", str(sweep), "--output", str(out), "--executor", "slurm", "--partition", "nosuch"])
+    assert result.exit_code == 2
+    message = str(result.exception)
+    assert message.startswith("sbatch refused the job array: ") and "partition" in message and "\n" not in message
+    assert not out.exists()
+    assert subprocess.run(["squeue", "--noheader"], capture_output=True, text=True, check=True).stdout == before

@@ -1,0 +1,270 @@
+"""Launch the runs of a sweep: the plan (what each run directory holds), then either executor.
+
+- local: the runs one after another in this process (each run's prune and eval in subprocesses);
+  finished runs are skipped and interrupted ones resume.
+- slurm: one job array through submitit, at most `array_parallelism` tasks at a time; each task is a
+  `SweepTask`, requeued on the time-limit or preemption signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from tsenor_cli import settings
+from tsenor_cli.atomic import write_text
+from tsenor_cli.errors import TsenorError, UsageError
+from tsenor_cli.settings import RunContext
+from tsenor_cli.sweep.job import RunJob, SweepTask, run_job
+from tsenor_cli.sweep.spec import RunSpec, SlurmOptions, SweepSpec
+from tsenor_cli.sweep.status import (
+    EVAL_FILE,
+    MODEL_DIR,
+    PRUNE_REPORTS,
+    RECIPE_FILE,
+    RUNS_DIR,
+    SWEEP_FILE,
+    RunView,
+    Submission,
+    collect,
+    is_complete,
+    resolve,
+    write_submission,
+)
+
+SUBMITIT_DIR = ".submitit"
+POLL_SECONDS = 3.0
+
+
+class SweepFailedError(TsenorError):
+    """Some runs of a sweep failed (exit 1); the others finished."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """A run of the sweep with its job, its current state and what its directory holds."""
+
+    spec: RunSpec
+    job: RunJob
+    view: RunView
+    on_disk: str
+
+    def launchable(self, queue: Mapping[str, str] | None) -> bool:
+        """Not done and not waiting or running in SLURM or in another local sweep."""
+        if self.view.state == "failed":
+            return True
+        if self.view.state != "pending":
+            return False
+        return not (queue is not None and self.view.job_id is not None and self.view.job_id in queue)
+
+
+def job_environment(ctx: RunContext) -> tuple[tuple[str, str], ...]:
+    """The sweep's run context as the variables a run's subprocesses read (settings.py): an sbatch with
+    --export=NONE, or a node whose shell profile differs, would otherwise run without the offline data
+    or in online mode."""
+    env: list[tuple[str, str]] = []
+    if ctx.data_dir is not None:
+        env.append((settings.DATA_DIR_ENV, str(ctx.data_dir.resolve())))
+    env.append((settings.CACHE_DIR_ENV, str(ctx.cache_dir.resolve())))
+    if ctx.offline:
+        env += [("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1")]
+    if ctx.debug:
+        env.append((settings.DEBUG_ENV, "1"))
+    return tuple(env)
+
+
+def _eval_args(spec: SweepSpec, run: RunSpec) -> tuple[str, ...]:
+    """`tsenor eval` flags: the sweep's eval settings and the recipe's load options (dtype, device)."""
+    recipe = run.recipe_dict()
+    args = list(spec.eval.eval_args())
+    for key in ("dtype", "device"):
+        if key in recipe:
+            args += [f"--{key}", str(recipe[key])]
+    if recipe.get("trust_remote_code"):
+        args.append("--trust-remote-code")
+    return tuple(args)
+
+
+def _on_disk(run_dir: Path, dense: bool) -> str:
+    """A few words on what a run directory holds, for --dry-run."""
+    if (run_dir / EVAL_FILE).is_file():
+        return "evaluated"
+    if (run_dir / MODEL_DIR / PRUNE_REPORTS[0]).is_file():
+        return "pruned, not evaluated"
+    state = run_dir / MODEL_DIR / ".tsenor-resume" / "state.json"
+    if state.is_file():
+        return f"resume state after {json.loads(state.read_text()).get('next_block', '?')} block(s)"
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        return "started"
+    return "-"
+
+
+def _check_recipe(run: RunSpec, run_dir: Path) -> None:
+    """A run directory made from another recipe would be resumed or skipped wrongly: refuse it."""
+    from tsenor_cli.cli.prune import validate_recipe
+
+    path = run_dir / RECIPE_FILE
+    if run.dense or not path.is_file():
+        return
+    old = validate_recipe(yaml.safe_load(path.read_text()) or {}, str(path))
+    new = run.recipe_dict()
+    if old != new:
+        key = next(k for k in sorted({*old, *new}) if old.get(k) != new.get(k))
+        raise UsageError(
+            f"{run_dir} was made with another recipe ({key}: {old.get(key)!r} there, {new.get(key)!r} now); "
+            "use another --output or delete that run directory"
+        )
+
+
+def plan_sweep(
+    spec: SweepSpec, directory: Path, ctx: RunContext, *, queue: Mapping[str, str] | None
+) -> list[PlannedRun]:
+    """Each run of the sweep under DIRECTORY/runs/NAME, with its state; writes nothing.
+
+    ctx: the sweep's run context, handed to every run's prune and eval (`job_environment`)."""
+    runs_dir = directory / RUNS_DIR
+    env = job_environment(ctx)
+    planned = []
+    for run in spec.runs():
+        run_dir = runs_dir / run.name
+        _check_recipe(run, run_dir)
+        job = RunJob(
+            name=run.name,
+            run_dir=run_dir,
+            python=sys.executable,
+            cwd=Path.cwd(),
+            eval_args=_eval_args(spec, run),
+            dense=run.dense,
+            model=str(run.recipe_dict().get("model", "")),
+            keep_checkpoint=spec.eval.keep_checkpoint,
+            environment=env,
+        )
+        complete = is_complete(run_dir, spec.eval.covered_by, dense=run.dense)
+        view = resolve(run.name, run_dir, complete=complete, queue=queue)
+        planned.append(PlannedRun(run, job, view, _on_disk(run_dir, run.dense)))
+    return planned
+
+
+def prepare(directory: Path, todo: Sequence[PlannedRun], sweep_file: Path) -> list[Path]:
+    """Write each run's recipe.yaml (the run prunes with --config it) → the run directories created here."""
+    created = [p.job.run_dir for p in todo if not p.job.run_dir.exists()]
+    for planned in todo:
+        planned.job.run_dir.mkdir(parents=True, exist_ok=True)
+        if not planned.spec.dense:
+            header = f"# Written by tsenor sweep from {sweep_file}; the run prunes with --config this file.\n"
+            recipe = yaml.safe_dump(planned.spec.recipe_dict(), sort_keys=False)
+            write_text(planned.job.run_dir / RECIPE_FILE, header + recipe)
+    return created
+
+
+def record_sweep(sweep_file: Path, directory: Path) -> None:
+    """DIRECTORY/sweep.yaml: a copy of the sweep file, which `tsenor sweep status` and `tsenor report` read."""
+    write_text(directory / SWEEP_FILE, sweep_file.read_text())
+
+
+def run_local(todo: Sequence[PlannedRun], echo: Callable[[str], None]) -> dict[str, str]:
+    """Run each in turn → {name: "done" | "failed"}; a signal stops the loop (`RunInterrupted`)."""
+    outcome = {}
+    for i, planned in enumerate(todo, 1):
+        job = planned.job
+        echo(f"[{i}/{len(todo)}] {job.name}: {'evaluating' if job.dense else 'pruning and evaluating'} ({job.run_dir})")
+        start = time.perf_counter()
+        outcome[job.name] = run_job(job)
+        echo(f"[{i}/{len(todo)}] {job.name}: {outcome[job.name]} in {time.perf_counter() - start:.0f} s")
+    return outcome
+
+
+def check_slurm() -> None:
+    """UsageError unless sbatch exists and the controller answers."""
+    missing = [cmd for cmd in ("sbatch", "srun", "squeue", "sinfo") if shutil.which(cmd) is None]
+    if missing:
+        raise UsageError(
+            f"--executor slurm: {', '.join(missing)} not found, so no SLURM is reachable here; "
+            "run on a cluster login node or use --executor local"
+        )
+    try:
+        proc = subprocess.run(
+            ["sinfo", "--noheader", "--format=%P"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise UsageError("--executor slurm: the SLURM controller did not answer sinfo within 30 s") from exc
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+        raise UsageError(f"--executor slurm: the SLURM controller does not answer ({why}); check `sinfo`")
+
+
+def submit_slurm(
+    todo: Sequence[PlannedRun], directory: Path, options: SlurmOptions, echo: Callable[[str], None]
+) -> str:
+    """Submit the runs as one job array → its job id; each run gets submission.json."""
+    import submitit
+
+    python = todo[0].job.python
+    executor = submitit.SlurmExecutor(folder=directory / SUBMITIT_DIR, python=shlex.quote(python))
+    executor.update_parameters(**options.executor_parameters(job_name=f"tsenor-sweep-{directory.name}"))
+    # Before sbatch: a task that starts at once then records a later start than its submission.
+    submitted_at = time.time()
+    refusal = io.StringIO()
+    try:
+        # submitit prints sbatch's stderr itself before raising; it belongs in the one error line.
+        with contextlib.redirect_stderr(refusal), executor.batch():
+            jobs = [executor.submit(SweepTask(p.job)) for p in todo]
+    except submitit.core.utils.FailedJobError as exc:
+        lines = [line.strip() for line in (str(exc) or refusal.getvalue()).splitlines() if line.strip()]
+        raise UsageError(
+            f"sbatch refused the job array: {lines[-1] if lines else 'no message'}; check the slurm options"
+        ) from exc
+    for planned, job in zip(todo, jobs, strict=True):
+        write_submission(planned.job.run_dir, Submission(job_id=str(job.job_id), submitted_at=submitted_at))
+    array_id = str(jobs[0].job_id).split("_")[0]
+    parallel = options.array_parallelism
+    echo(
+        f"submitted job {'array ' if len(jobs) > 1 else ''}{array_id}: {len(jobs)} run(s)"
+        + (f", at most {parallel} at a time" if parallel and len(jobs) > 1 else "")
+        + f", {options.time_min} min each; logs in {directory / SUBMITIT_DIR} and each run's log.txt"
+    )
+    return array_id
+
+
+def wait_for(
+    directory: Path,
+    names: Sequence[str],
+    echo: Callable[[str], None],
+    queue: Callable[[], Mapping[str, str] | None],
+    poll_s: float = POLL_SECONDS,
+) -> list[RunView]:
+    """Poll until every named run is done or failed → their views; prints each state change."""
+    seen: dict[str, str] = {}
+    wanted = set(names)
+    while True:
+        views = [v for v in collect(directory, queue()) if v.name in wanted]
+        for view in views:
+            if seen.get(view.name) != view.state:
+                seen[view.name] = view.state
+                echo(f"{view.name}: {view.state}" + (f" ({view.error})" if view.error else ""))
+        if all(v.state in ("done", "failed") for v in views):
+            return views
+        time.sleep(poll_s)
+
+
+def undo_prepare(directory: Path, created: Sequence[Path], *, fresh: bool, had_submitit: bool) -> None:
+    """Remove what `prepare` and a refused submission left (sbatch refused the array): the whole folder
+    when this sweep created it, else the run directories and the submitit folder it created."""
+    if fresh:
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    for path in [*created, *([] if had_submitit else [directory / SUBMITIT_DIR])]:
+        shutil.rmtree(path, ignore_errors=True)
