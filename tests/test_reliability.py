@@ -208,3 +208,53 @@ def test_verify_input_errors(tiny: Path, tmp_path: Path, capsys: pytest.CaptureF
     assert code == 2 and "is a file" in error_line(err)
     code, err = run_cli(["verify", str(tmp_path)], capsys)
     assert code == 3 and "has no config.json" in error_line(err)
+
+
+# ---- item 7: broken checkpoints -----------------------------------------------------------------------------
+
+
+def copy_checkpoint(src: Path, dst: Path, *, skip: tuple[str, ...] = ()) -> Path:
+    dst.mkdir(parents=True)
+    for file in src.iterdir():
+        if file.is_file() and not file.name.startswith(skip):
+            (dst / file.name).write_bytes(file.read_bytes())
+    return dst
+
+
+def test_truncated_safetensors_is_one_line(
+    tiny: Path, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = copy_checkpoint(tiny, tmp_path / "broken")
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    out = tmp_path / "out"
+    code, err = run_cli(prune_args(broken, calib_file, out, "--sparsity", "0.5"), capsys)
+    assert code == 7
+    assert f"{weights} is truncated or corrupt" in error_line(err)
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_missing_tokenizer_files_is_one_line(
+    tiny: Path, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    no_tokenizer = copy_checkpoint(tiny, tmp_path / "no-tok", skip=("tokenizer",))
+    code, err = run_cli(prune_args(no_tokenizer, calib_file, tmp_path / "out", "--sparsity", "0.5"), capsys)
+    assert code == 3
+    assert f"cannot load the tokenizer of {no_tokenizer}" in error_line(err)
+
+
+# ---- item 8: --skip-incompatible with nothing left ------------------------------------------------------
+
+
+def test_skip_incompatible_with_no_compatible_layer_is_refused(
+    tiny: Path, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    code, err = run_cli(prune_args(tiny, calib_file, out, "--nm", "16:33", "--skip-incompatible"), capsys)
+    assert code == 5
+    assert "none of the 14 linear layers can take 16:33" in error_line(err)
+    assert not out.exists() or not any(out.iterdir())
+    # one compatible layer is enough to run (the others stay dense, as before)
+    fine = tmp_path / "fine"
+    code, err = run_cli(prune_args(tiny, calib_file, fine, "--nm", "32:64", "--skip-incompatible"), capsys)
+    assert code == 0, err

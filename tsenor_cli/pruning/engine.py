@@ -149,7 +149,8 @@ def incompatible_slots(slots: Sequence[LinearSlot], pattern: SparsityPattern) ->
 
 
 def check_compatibility(slots: Sequence[LinearSlot], pattern: SparsityPattern, *, skip: bool) -> dict[str, str]:
-    """The incompatible linears (to skip), or IncompatibleModelError listing them when `skip` is False."""
+    """The incompatible linears (to skip), or IncompatibleModelError listing them when `skip` is False, or
+    when none of `slots` could be pruned."""
     bad = incompatible_slots(slots, pattern)
     if bad and not skip:
         listed = "; ".join(f"{name}: {why}" for name, why in list(bad.items())[:6])
@@ -157,6 +158,13 @@ def check_compatibility(slots: Sequence[LinearSlot], pattern: SparsityPattern, *
         raise IncompatibleModelError(
             f"{len(bad)} linear layer(s) cannot take {pattern.label}: {listed}{more}; "
             "choose an M that divides these dimensions or pass --skip-incompatible (or --ignore) to leave them dense"
+        )
+    if bad and len(bad) == len(slots):
+        # Skipping everything would write an unpruned copy labelled with a pattern it does not have.
+        name, why = next(iter(bad.items()))
+        raise IncompatibleModelError(
+            f"none of the {len(bad)} linear layers can take {pattern.label} (e.g. {name}: {why}), "
+            "so nothing would be pruned; choose an M that divides the layer dimensions"
         )
     return bad
 
