@@ -258,3 +258,55 @@ def test_skip_incompatible_with_no_compatible_layer_is_refused(
     fine = tmp_path / "fine"
     code, err = run_cli(prune_args(tiny, calib_file, fine, "--nm", "32:64", "--skip-incompatible"), capsys)
     assert code == 0, err
+
+
+# ---- item 6: everything checkable without the model is checked before loading it ----------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--eval", "--tasks", "typo"], "unknown zero-shot task(s) typo"),
+        (["--eval", "--ppl", "wikitext3"], "unknown --ppl dataset(s) wikitext3"),
+        (["--eval", "--ppl", "none"], "evaluates nothing"),
+        (["--tasks", "piqa"], "--tasks applies with --eval only"),
+    ],
+)
+def test_prune_checks_eval_options_before_loading(
+    extra: list[str], expected: str, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The model does not exist: an error about it would mean the options were checked too late.
+    out = tmp_path / "out"
+    code, err = run_cli(prune_args(tmp_path / "no-model", calib_file, out, "--nm", "2:4", *extra), capsys)
+    assert code == 2
+    assert expected in error_line(err)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("empty.txt", "", "holds no text"),
+        ("numbers.jsonl", '{"text": 5}\n', "has no string `text` field"),
+        ("garbage.jsonl", "not json\n", "is not valid JSON"),
+    ],
+)
+def test_calibration_file_contents_are_checked_before_loading(
+    name: str, content: str, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calib = tmp_path / name
+    calib.write_text(content)
+    code, err = run_cli(prune_args(tmp_path / "no-model", calib, tmp_path / "out", "--nm", "2:4"), capsys)
+    assert code == 2
+    assert expected in error_line(err)
+
+
+def test_named_data_without_a_source_is_refused_before_loading(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("TSENOR_DATA_DIR", raising=False)
+    argv = ["prune", "--model", str(tmp_path / "no-model"), "--nm", "2:4", "--offline", "--output", str(tmp_path / "o")]
+    code, err = run_cli(argv, capsys)
+    assert code == 3 and "no data for c4" in error_line(err)
+    code, err = run_cli(["eval", "--model", str(tmp_path / "no-model"), "--ppl", "ptb", "--offline"], capsys)
+    assert code == 3 and "no data for ptb" in error_line(err)
