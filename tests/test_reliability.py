@@ -310,3 +310,26 @@ def test_named_data_without_a_source_is_refused_before_loading(
     assert code == 3 and "no data for c4" in error_line(err)
     code, err = run_cli(["eval", "--model", str(tmp_path / "no-model"), "--ppl", "ptb", "--offline"], capsys)
     assert code == 3 and "no data for ptb" in error_line(err)
+
+
+# ---- item 11: smaller ones --------------------------------------------------------------------------------
+
+
+def test_mistyped_relative_path_is_not_called_a_hub_failure(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tiny.parent)
+    code, err = run_cli(["eval", "--model", f"{tiny.name}/typo", "--ppl", "wikitext2", "--offline"], capsys)
+    assert code == 3
+    line = error_line(err)
+    assert f"model directory {tiny.name}/typo does not exist" in line and "local HF cache" not in line
+
+
+def test_capped_seqlen_is_announced(
+    tiny: Path, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = prune_args(tiny, calib_file, tmp_path / "out", "--sparsity", "0.5")
+    argv[argv.index("--seqlen") + 1] = "4096"
+    code, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert "--seqlen 4096 is longer than the model's 512 positions; calibrating with 512" in err

@@ -85,7 +85,16 @@ def _looks_like_path(name: str) -> bool:
 
 
 def _hub_error(name: str, ctx: RunContext) -> InputNotFoundError:
-    """The error for a hub id that did not load: not cached under the offline policy, or not downloadable."""
+    """The error for a hub id that did not load: not cached under the offline policy, or not downloadable.
+
+    "dir/name" is also how a relative path looks: when "dir" is a local folder, the path was likely mistyped.
+    """
+    first = name.split("/", 1)[0]
+    if "/" in name and Path(first).expanduser().is_dir():
+        return InputNotFoundError(
+            f"model directory {name} does not exist (and no hub model {name} could be loaded); "
+            f"check the path, e.g. ls {first}"
+        )
     if ctx.offline:
         return InputNotFoundError(
             f"{name} is not in the local HF cache and the hub is off (--offline or HF_HUB_OFFLINE); pass a "

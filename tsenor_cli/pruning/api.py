@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tsenor_cli.errors import UsageError
-from tsenor_cli.progress import Progress, bar, sink
+from tsenor_cli.progress import Progress, bar, logger, sink
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.engine import (
     BlockInputs,
@@ -142,6 +142,10 @@ def prune_model(
     if ignored:
         say(f"leaving {len(ignored)} linear(s) dense (--ignore/--targets)")
     seqlen = min(cfg.seqlen, loaded.max_positions or cfg.seqlen)
+    if seqlen < cfg.seqlen:
+        logger.warning(
+            "--seqlen %d is longer than the model's %d positions; calibrating with %d", cfg.seqlen, seqlen, seqlen
+        )
     config_hash = cfg.result_hash()
 
     records: list[LayerRecord] = []
