@@ -333,3 +333,50 @@ def test_capped_seqlen_is_announced(
     code, err = run_cli(argv, capsys)
     assert code == 0, err
     assert "--seqlen 4096 is longer than the model's 512 positions; calibrating with 512" in err
+
+
+# ---- the earlier cases of the table ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "expected"),
+    [
+        ("bad --nm", 2, "N:M pattern 3:2 needs 1 <= N < M"),
+        ("missing model", 3, "does not exist; pass an existing local checkpoint directory"),
+        ("hub id offline", 3, "is not in the local HF cache and the hub is off"),
+        ("existing output", 4, "already exists and is not empty; pass --force"),
+        ("output is a file", 4, "is a file; choose a directory path"),
+        ("output equals input", 2, "would overwrite the input checkpoint"),
+    ],
+)
+def test_earlier_input_errors(
+    case: str,
+    code: int,
+    expected: str,
+    tiny: Path,
+    calib_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    model, out, extra = tiny, tmp_path / "out", ["--nm", "2:4"]
+    if case == "bad --nm":
+        extra = ["--nm", "3:2"]
+    elif case == "missing model":
+        model = tmp_path / "missing"
+    elif case == "hub id offline":
+        model = Path("someorg/somemodel")
+        extra += ["--offline"]
+    elif case == "existing output":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    elif case == "output is a file":
+        out.write_text("mine")
+    elif case == "output equals input":
+        out, extra = tiny, [*extra, "--force"]
+    before = sorted(p.name for p in out.iterdir()) if out.is_dir() else None
+    got, err = run_cli(prune_args(model, calib_file, out, *extra), capsys)
+    assert got == code
+    assert expected in error_line(err)
+    assert (sorted(p.name for p in out.iterdir()) if out.is_dir() else None) == before  # nothing written
