@@ -41,3 +41,9 @@ class VerificationError(TsenorError):
     """A checkpoint whose weights violate the recorded sparsity pattern (exit 6)."""
 
     exit_code = 6
+
+
+class BadInputError(TsenorError, ValueError):
+    """An input whose contents are unusable: non-finite weights, a truncated or corrupt weight file (exit 7)."""
+
+    exit_code = 7

@@ -100,21 +100,62 @@ def _register_commands() -> None:
 _register_commands()
 
 
-def main() -> None:
-    """Console-script (and ``python -m tsenor_cli``) entry: run the app, turning known errors into one
-    line and an exit code.
+DEBUG_HINT = "run with TSENOR_DEBUG=1 for the traceback"
 
-    Click handles its own usage errors (exit 2) in standalone mode; our errors propagate to here.
+
+def one_line(text: str) -> str:
+    """`text` with its lines joined by spaces: an error is always one line on stderr."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _usage_line(exc: typer.TyperException) -> str:
+    """A click usage error (bad value, missing option, unknown flag) as `error:` text naming the fix."""
+    ctx = getattr(exc, "ctx", None)  # click's UsageError carries the context of the command it hit
+    where = f"{ctx.command_path} --help" if ctx is not None else "tsenor --help"
+    return f"{one_line(exc.format_message()).rstrip('.')}; see {where}"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console-script (and ``python -m tsenor_cli``) entry: run the app on `argv` (default sys.argv[1:]),
+    every failure one ``error: ...`` line on stderr and an exit code (errors.py; README "Errors").
+
+    The app runs outside click's standalone mode so that click's own usage errors (range checks,
+    missing or unknown options) come here too and print like ours instead of click's usage box.
     """
     state = CliState(debug=settings.debug_default())
     try:
         with setup_logging():
-            app(obj=state)
+            code = app(args=list(argv) if argv is not None else None, obj=state, standalone_mode=False)
     except TsenorError as exc:
         if state.debug:
             raise
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {one_line(str(exc))}", err=True)
         sys.exit(exc.exit_code)
+    except typer.TyperException as exc:  # click's usage errors (exit 2)
+        if state.debug:
+            raise
+        message = exc.format_message()
+        if not message.strip() or "\n" in message:
+            # no_args_is_help: a bare command group's "error" is its help, which rich has printed already
+            # (the message is then empty) or which is the message itself.
+            typer.echo(message, err=True, nl=False)
+        else:
+            typer.echo(f"error: {_usage_line(exc)}", err=True)
+        sys.exit(exc.exit_code)
+    except typer.Abort as exc:  # click turns Ctrl-C (and EOF at a prompt) into Abort
+        if isinstance(exc.__context__, KeyboardInterrupt):
+            typer.echo("interrupted", err=True)
+            sys.exit(130)
+        typer.echo("error: aborted", err=True)
+        sys.exit(1)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    except Exception as exc:
+        # Anything else is a bug or an input no check knew about: still one line, the traceback on demand.
+        if state.debug:
+            raise
+        typer.echo(f"error: unexpected {type(exc).__name__}: {one_line(str(exc))}; {DEBUG_HINT}", err=True)
+        sys.exit(1)
+    if isinstance(code, int) and code:  # typer.Exit(code) returns its code outside standalone mode
+        sys.exit(code)

@@ -27,12 +27,13 @@ from tsenor_cli.cli.options import (
     TasksOpt,
     TrustRemoteCodeOpt,
 )
-from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
+from tsenor_cli.data.sources import DATASET_NAMES, DatasetName, data_folder
 from tsenor_cli.errors import OutputExistsError, UsageError
 from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
 from tsenor_cli.models.loading import load_model, parse_dtype
 from tsenor_cli.progress import logger
 from tsenor_cli.runfiles import EVAL_FILE, EvalReport
+from tsenor_cli.settings import RunContext
 
 
 def parse_list(text: str | None, option: str) -> tuple[str, ...]:
@@ -53,6 +54,23 @@ def parse_ppl_datasets(text: str | None) -> tuple[DatasetName, ...]:
             f"unknown --ppl dataset(s) {', '.join(unknown)}; use a subset of {','.join(DATASET_NAMES)} or none"
         )
     return cast(tuple[DatasetName, ...], items)
+
+
+def parse_tasks(text: str | None) -> tuple[str, ...]:
+    """--tasks "a,b" → ("a", "b"), refusing unknown or repeated names (before any model is loaded)."""
+    tasks = parse_list(text, "--tasks")
+    if not tasks:
+        return ()
+    _check_zeroshot_available()
+    from tsenor_cli.evaluation.zeroshot import validate_tasks
+
+    return validate_tasks(tasks)
+
+
+def check_data_sources(cfg: EvalConfig, ctx: RunContext) -> None:
+    """Refuse perplexity datasets with no source under `ctx` (hub off, no data folder) before loading a model."""
+    for name in cfg.ppl_datasets:
+        data_folder(ctx, name)
 
 
 def parse_batch_size(text: str) -> int | str:
@@ -126,7 +144,7 @@ def eval_cmd(
     # Validate every option before the (slow) model load, so a typo fails at once.
     cfg = EvalConfig(
         ppl_datasets=parse_ppl_datasets(ppl),
-        tasks=parse_list(tasks, "--tasks"),
+        tasks=parse_tasks(tasks),
         num_fewshot=num_fewshot,
         limit=parse_limit(limit),
         batch_size=parse_batch_size(batch_size),
@@ -137,6 +155,7 @@ def eval_cmd(
     run_ctx = run_context(ctx, data_dir, offline)
     if not cfg.ppl_datasets and not cfg.tasks:
         raise UsageError("nothing to evaluate: --ppl none and no --tasks; pass --ppl wikitext2 or --tasks piqa")
+    check_data_sources(cfg, run_ctx)
     torch_dtype = parse_dtype(dtype)
     target = output / EVAL_FILE if output is not None else None
     if target is not None:
@@ -144,8 +163,6 @@ def eval_cmd(
             raise UsageError(f"--output {output} is a file; pass a directory")
         if target.exists() and not force:
             raise OutputExistsError(f"{target} already exists; pass --force to overwrite it or choose another --output")
-    if cfg.tasks:
-        _check_zeroshot_available()
 
     loaded = load_model(model, run_ctx, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
     report = evaluate_model(loaded, cfg, run_ctx)

@@ -29,6 +29,7 @@ from tsenor_cli.cli.options import (
     TasksOpt,
     TrustRemoteCodeOpt,
 )
+from tsenor_cli.data.sources import data_folder, read_text_records
 from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.nm import parse_nm
 from tsenor_cli.pruning.config import PruneConfig
@@ -172,6 +173,7 @@ def build_config(values: dict[str, Any], *, force: bool, resume: bool, command: 
                 f"--calib-data {calib} is not a readable file nor one of {', '.join(NAMED_CALIBRATION)}; "
                 "pass c4, wikitext2, ptb or an existing .txt/.jsonl/.json.gz/.parquet file"
             )
+        read_text_records(path)  # its contents too (format, `text` fields, not empty), before the model loads
     output = values.get("output")
     return PruneConfig(
         model=str(values["model"]),
@@ -282,15 +284,23 @@ def prune_cmd(
     if run_eval:
         if dry_run:
             raise UsageError("--eval cannot run with --dry-run (there is no checkpoint); drop one of them")
-        from tsenor_cli.cli.evaluate import parse_list, parse_ppl_datasets
+        from tsenor_cli.cli.evaluate import check_data_sources, parse_ppl_datasets, parse_tasks
         from tsenor_cli.evaluation.runner import EvalConfig
 
+        # Checked before pruning: a typo must not surface after hours of work.
         eval_cfg = EvalConfig(
             ppl_datasets=parse_ppl_datasets(ppl),
-            tasks=parse_list(tasks, "--tasks"),
+            tasks=parse_tasks(tasks),
             max_windows=max_windows,
             command=command,
         )
+        if not eval_cfg.ppl_datasets and not eval_cfg.tasks:
+            raise UsageError("--eval with --ppl none and no --tasks evaluates nothing; pass --ppl or --tasks")
+        check_data_sources(eval_cfg, run_ctx)
+    elif tasks is not None:
+        raise UsageError("--tasks applies with --eval only; add --eval or drop --tasks")
+    if not dry_run and cfg.calib_data in NAMED_CALIBRATION:
+        data_folder(run_ctx, cfg.calib_data)  # the hub off and no data folder: say so before loading
 
     if dry_run:
         from tsenor_cli.pruning.api import plan_model

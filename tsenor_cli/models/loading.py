@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
-from tsenor_cli.errors import IncompatibleModelError, InputNotFoundError, UsageError
+from tsenor_cli.errors import BadInputError, IncompatibleModelError, InputNotFoundError, UsageError
 from tsenor_cli.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, is_embedded, materialize
 from tsenor_cli.models.structure import ModelStructure, discover_structure
 from tsenor_cli.progress import sink
@@ -84,7 +85,16 @@ def _looks_like_path(name: str) -> bool:
 
 
 def _hub_error(name: str, ctx: RunContext) -> InputNotFoundError:
-    """The error for a hub id that did not load: not cached under the offline policy, or not downloadable."""
+    """The error for a hub id that did not load: not cached under the offline policy, or not downloadable.
+
+    "dir/name" is also how a relative path looks: when "dir" is a local folder, the path was likely mistyped.
+    """
+    first = name.split("/", 1)[0]
+    if "/" in name and Path(first).expanduser().is_dir():
+        return InputNotFoundError(
+            f"model directory {name} does not exist (and no hub model {name} could be loaded); "
+            f"check the path, e.g. ls {first}"
+        )
     if ctx.offline:
         return InputNotFoundError(
             f"{name} is not in the local HF cache and the hub is off (--offline or HF_HUB_OFFLINE); pass a "
@@ -120,6 +130,19 @@ def resolve_source(name: str, ctx: RunContext, *, progress: Callable[[str], None
             f"or use --model {DEFAULT_MODEL}"
         )
     return name, False
+
+
+def check_weight_files(folder: Path) -> None:
+    """Refuse a truncated or corrupt *.safetensors file of a local checkpoint by its header alone
+    (safetensors checks that the header's offsets cover the file), before any weight is read."""
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except SafetensorError as exc:
+            raise BadInputError(
+                f"{file} is truncated or corrupt ({exc}); re-download or re-copy the checkpoint"
+            ) from exc
 
 
 def meta_model(config: Any, *, trust_remote_code: bool = False) -> Any:
@@ -166,10 +189,22 @@ def load_model(
             raise InputNotFoundError(f"cannot read the config of {source}: {exc}") from exc
         raise _hub_error(name, ctx) from exc
     discover_structure(meta_model(config, trust_remote_code=trust_remote_code))
+    if is_local:
+        check_weight_files(Path(source))
     sink(progress)(f"loading {name} ({config.model_type}, {torch_dtype}) on {torch_device}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **hub)
+    except (OSError, ValueError) as exc:  # transformers raises ValueError when no tokenizer file is found
+        if is_local:
+            raise InputNotFoundError(
+                f"cannot load the tokenizer of {source} ({exc}); copy the tokenizer files of its base model "
+                "(tokenizer.json or tokenizer.model, tokenizer_config.json) into it"
+            ) from exc
+        raise _hub_error(name, ctx) from exc
+    try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **hub)
+    except SafetensorError as exc:
+        raise BadInputError(f"the weights of {name} are corrupt ({exc}); re-download or re-copy them") from exc
     except OSError as exc:
         if is_local:
             raise InputNotFoundError(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tsenor_cli.errors import UsageError
-from tsenor_cli.progress import Progress, bar, sink
+from tsenor_cli.progress import Progress, bar, logger, sink
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.engine import (
     BlockInputs,
@@ -26,6 +26,7 @@ from tsenor_cli.pruning.engine import (
     prune_block,
     run_block,
 )
+from tsenor_cli.pruning.finite import check_finite
 from tsenor_cli.pruning.output import check_not_input, prepare_output, write_checkpoint
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.report import versions
@@ -126,6 +127,12 @@ def prune_model(
     )
     check_not_input(cfg.output, loaded.source)
     model, structure = loaded.model, loaded.structure
+    # All weights at once, before calibration: a NaN in the last block should not cost a run to find.
+    check_finite(
+        model.named_parameters(),
+        where=f"model {cfg.model}",
+        fix="the checkpoint is corrupt; re-download or re-convert it (nothing was written)",
+    )
     slots = linear_slots(structure)
     ignored = excluded_layers([s.full_name for s in slots], cfg.ignore, cfg.targets)
     candidates = [s for s in slots if s.full_name not in ignored]
@@ -135,6 +142,10 @@ def prune_model(
     if ignored:
         say(f"leaving {len(ignored)} linear(s) dense (--ignore/--targets)")
     seqlen = min(cfg.seqlen, loaded.max_positions or cfg.seqlen)
+    if seqlen < cfg.seqlen:
+        logger.warning(
+            "--seqlen %d is longer than the model's %d positions; calibrating with %d", cfg.seqlen, seqlen, seqlen
+        )
     config_hash = cfg.result_hash()
 
     records: list[LayerRecord] = []

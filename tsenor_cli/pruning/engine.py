@@ -19,6 +19,7 @@ calibration shape serves every sample, and only the hidden states differ between
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tsenor_cli.errors import IncompatibleModelError
+from tsenor_cli.errors import BadInputError, IncompatibleModelError
 from tsenor_cli.models.structure import ModelStructure
 from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.registry import PrunerSpec
@@ -148,7 +149,8 @@ def incompatible_slots(slots: Sequence[LinearSlot], pattern: SparsityPattern) ->
 
 
 def check_compatibility(slots: Sequence[LinearSlot], pattern: SparsityPattern, *, skip: bool) -> dict[str, str]:
-    """The incompatible linears (to skip), or IncompatibleModelError listing them when `skip` is False."""
+    """The incompatible linears (to skip), or IncompatibleModelError listing them when `skip` is False, or
+    when none of `slots` could be pruned."""
     bad = incompatible_slots(slots, pattern)
     if bad and not skip:
         listed = "; ".join(f"{name}: {why}" for name, why in list(bad.items())[:6])
@@ -156,6 +158,13 @@ def check_compatibility(slots: Sequence[LinearSlot], pattern: SparsityPattern, *
         raise IncompatibleModelError(
             f"{len(bad)} linear layer(s) cannot take {pattern.label}: {listed}{more}; "
             "choose an M that divides these dimensions or pass --skip-incompatible (or --ignore) to leave them dense"
+        )
+    if bad and len(bad) == len(slots):
+        # Skipping everything would write an unpruned copy labelled with a pattern it does not have.
+        name, why = next(iter(bad.items()))
+        raise IncompatibleModelError(
+            f"none of the {len(bad)} linear layers can take {pattern.label} (e.g. {name}: {why}), "
+            "so nothing would be pruned; choose an M that divides the layer dimensions"
         )
     return bad
 
@@ -499,6 +508,14 @@ def prune_block(
     return [records[name] for name in (*observed.order, *never_ran)]
 
 
+def _non_finite_inputs(slot: LinearSlot, linear: nn.Linear) -> BadInputError:
+    # The weights were checked at load, so what is not finite are the inputs the block computed for it.
+    return BadInputError(
+        f"the calibration inputs of {slot.full_name} hold NaN/Inf (e.g. activations that overflow in "
+        f"{linear.weight.dtype}); try --dtype fp32 (nothing was written)"
+    )
+
+
 def _prune_linear(
     linear: nn.Linear,
     slot: LinearSlot,
@@ -509,6 +526,8 @@ def _prune_linear(
     progress: Progress,
 ) -> LayerRecord:
     dense = linear.weight.data.to(torch.float32).clone()  # (out, in)
+    if not bool(torch.isfinite(stats.sq_norms).all()):  # (in,): any NaN/Inf input reaches its column's sum
+        raise _non_finite_inputs(slot, linear)
     _sync(device)
     start = time.perf_counter()
     outcome = spec.prune(dense, stats, layer_cfg)
@@ -517,6 +536,8 @@ def _prune_linear(
     linear.weight.data.copy_(outcome.weight.to(linear.weight.dtype))
     stored = linear.weight.data.to(torch.float32)  # the error of what is saved, after the dtype cast
     error = reconstruction_error(dense, stored, stats.require_gram())
+    if not math.isfinite(error):
+        raise _non_finite_inputs(slot, linear)
     solve = outcome.solve
     record = LayerRecord(
         block=slot.block,

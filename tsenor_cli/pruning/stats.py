@@ -7,6 +7,8 @@ Sums are kept in float32 as in SparseGPT/ALPS; their scale does not matter (the 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -71,10 +73,13 @@ def reconstruction_error(w_dense: torch.Tensor, w_pruned: torch.Tensor, gram: to
     """Relative output error ‖X(Ŵ−W)ᵀ‖²/‖XWᵀ‖² = tr(ΔW H ΔWᵀ)/tr(W H Wᵀ).
 
     w_dense, w_pruned: (out, in); gram: (in, in) undamped XᵀX. Returns 0 for a layer whose dense
-    output is zero on the calibration data.
+    output is zero on the calibration data, and NaN when any input is not finite (never 0: a NaN must
+    not read as a perfect layer).
     """
     h = gram.to(torch.float32)
     delta = w_pruned.to(h) - w_dense.to(h)  # (out, in)
-    num = ((delta @ h) * delta).sum(dtype=torch.float64)
-    den = ((w_dense.to(h) @ h) * w_dense.to(h)).sum(dtype=torch.float64)
-    return float(num / den) if float(den) > 0 else 0.0
+    num = float(((delta @ h) * delta).sum(dtype=torch.float64))
+    den = float(((w_dense.to(h) @ h) * w_dense.to(h)).sum(dtype=torch.float64))
+    if not (math.isfinite(num) and math.isfinite(den)):
+        return math.nan
+    return num / den if den > 0 else 0.0

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tsenor_cli.errors import InputNotFoundError, VerificationError
+from tsenor_cli.errors import InputNotFoundError, UsageError, VerificationError
+from tsenor_cli.pruning.finite import check_finite
 from tsenor_cli.pruning.output import SPARSITY_KEY
 from tsenor_cli.solver import to_blocks
 
@@ -101,15 +102,28 @@ def check_weight(weight: torch.Tensor, meta: dict[str, Any]) -> tuple[int, int, 
 
 def verify_checkpoint(directory: Path) -> VerifyReport:
     """Read config.json's `tsenor_sparsity` and check every pruned weight; raises only on unusable input."""
+    if not directory.exists():
+        raise InputNotFoundError(f"{directory} does not exist; pass a checkpoint directory written by tsenor prune")
+    if not directory.is_dir():
+        raise UsageError(f"{directory} is a file; pass the checkpoint directory written by tsenor prune")
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise InputNotFoundError(f"{directory} has no config.json; pass a checkpoint directory written by tsenor prune")
     meta = json.loads(config_path.read_text()).get(SPARSITY_KEY)
     if not isinstance(meta, dict):
-        raise VerificationError(
-            f"{config_path} records no {SPARSITY_KEY}; this checkpoint was not written by tsenor prune"
+        # Not a failed verification (exit 6): there is nothing to verify against, the wrong folder was passed.
+        raise UsageError(
+            f"{directory} is not a tsenor checkpoint (its config.json records no {SPARSITY_KEY}); "
+            "pass a folder written by tsenor prune"
         )
     files = _weight_files(directory)
+    for path in sorted(set(files.values())):
+        with safe_open(str(path), framework="pt") as handle:
+            check_finite(
+                ((name, handle.get_tensor(name)) for name in handle.keys()),  # noqa: SIM118  (no __iter__)
+                where=str(path),
+                fix="the checkpoint is corrupt; re-run tsenor prune",
+            )
     checks: list[LayerCheck] = []
     for module in meta.get("pruned_modules", []):
         name = f"{module}.weight"

@@ -1,0 +1,382 @@
+"""Bad input is caught early and always reported as one `error:` line with its documented exit code.
+
+Each test is a row of the table in docs/reliability.md ("Input errors"). The CLI runs in-process through
+`main(argv)`, the console-script entry, so what is checked is exactly what a user sees on stderr.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_tiny import make_tiny_llama
+from safetensors.torch import load_file, save_file
+
+from tsenor_cli.cli import DEBUG_HINT, main
+from tsenor_cli.errors import BadInputError
+from tsenor_cli.pruning.finite import first_non_finite
+from tsenor_cli.pruning.stats import reconstruction_error
+
+QPROJ = "model.layers.0.self_attn.q_proj.weight"
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """(exit code, stderr) of `tsenor argv` run through the console-script entry."""
+    capsys.readouterr()
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    return code, capsys.readouterr().err
+
+
+def error_line(stderr: str) -> str:
+    """The single `error:` line of stderr (progress lines may precede it); fails unless there is exactly one."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr
+    assert stderr.rstrip().endswith(errors[0]), f"something follows the error line: {stderr}"
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def calib_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("calib") / "text.txt"
+    path.write_text(" ".join(f"Sentence number {i} about pruning tiles and weights." for i in range(200)))
+    return path
+
+
+def edited_copy(src: Path, dst: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """A copy of checkpoint `src` at `dst` whose tensors went through `edit` (in place)."""
+    dst.mkdir(parents=True)
+    for file in src.iterdir():
+        if file.name != "model.safetensors":
+            (dst / file.name).write_bytes(file.read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def with_bad_value(src: Path, dst: Path, name: str, index: tuple[int, int], value: float) -> Path:
+    """A copy of checkpoint `src` at `dst` with tensor `name`[index] set to `value`."""
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[name][index] = value
+
+    return edited_copy(src, dst, edit)
+
+
+def prune_args(model: Path, calib: Path, output: Path, *extra: str) -> list[str]:
+    return [
+        "prune",
+        "--model",
+        str(model),
+        "--method",
+        "magnitude",
+        "--calib-data",
+        str(calib),
+        "--nsamples",
+        "2",
+        "--seqlen",
+        "32",
+        "--output",
+        str(output),
+        *extra,
+    ]
+
+
+# ---- click's own usage errors: one line, exit 2 -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["prune", "--model", "m", "--nm", "2:4", "--nsamples", "0"], "Invalid value for '--nsamples'"),
+        (["prune", "--model", "m", "--bogus"], "No such option: --bogus"),
+        (["eval"], "Missing option '--model'"),
+        (["verify"], "Missing argument"),
+    ],
+)
+def test_click_usage_errors_are_one_line(argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_cli(argv, capsys)
+    assert code == 2
+    line = error_line(err)
+    assert expected in line and "--help" in line
+    assert "╭" not in err and "Usage:" not in err  # no usage box
+
+
+def test_unexpected_exception_is_one_line_with_the_debug_hint(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import tsenor_cli.cli.verify as verify_cli
+
+    def broken(_directory: Path) -> None:
+        raise RuntimeError("first line\nsecond line")
+
+    monkeypatch.setattr(verify_cli, "verify_checkpoint", broken)
+    code, err = run_cli(["verify", str(tmp_path)], capsys)
+    assert code == 1
+    line = error_line(err)
+    assert line == f"error: unexpected RuntimeError: first line second line; {DEBUG_HINT}"
+    assert "Traceback" not in err
+
+
+# ---- item 1: NaN/Inf weights ------------------------------------------------------------------------------
+
+
+def test_first_non_finite_finds_the_first_bad_entry_in_row_major_order() -> None:
+    t = torch.zeros(4, 6)
+    assert first_non_finite(t) is None
+    t[3, 5] = math.nan
+    t[2, 1] = -math.inf
+    index, value, count = first_non_finite(t)  # type: ignore[misc]
+    assert index == (2, 1) and value == -math.inf and count == 2
+
+
+def test_reconstruction_error_never_hides_a_nan() -> None:
+    w = torch.ones(2, 3)
+    gram = torch.eye(3)
+    assert reconstruction_error(w, torch.zeros(2, 3), gram) == pytest.approx(1.0)  # all of it pruned
+    bad = w.clone()
+    bad[1, 2] = math.nan
+    assert math.isnan(reconstruction_error(bad, torch.zeros(2, 3), gram))
+    assert math.isnan(reconstruction_error(w, bad, gram))
+    assert reconstruction_error(w, w, torch.zeros(3, 3)) == 0.0  # dead inputs: a zero output, not a NaN
+
+
+@pytest.mark.parametrize(
+    ("pattern", "value"),
+    [(["--sparsity", "0.5"], math.nan), (["--nm", "2:4"], math.nan), (["--nm", "2:4", "--no-transposable"], math.inf)],
+)
+def test_prune_refuses_non_finite_weights_and_writes_nothing(
+    pattern: list[str], value: float, tiny: Path, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = with_bad_value(tiny, tmp_path / "bad", QPROJ, (3, 5), value)
+    out = tmp_path / "out"
+    code, err = run_cli(prune_args(bad, calib_file, out, *pattern), capsys)
+    assert code == BadInputError.exit_code == 7
+    line = error_line(err)
+    assert QPROJ in line and "[3, 5]" in line and str(value) in line
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_non_finite_calibration_inputs_name_the_layer(
+    tiny: Path, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A finite but huge norm weight overflows the activations of the linears after it to Inf.
+    bad = edited_copy(tiny, tmp_path / "bad", lambda t: t["model.layers.0.input_layernorm.weight"].fill_(3e38))
+    code, err = run_cli(prune_args(bad, calib_file, tmp_path / "out", "--nm", "2:4"), capsys)
+    assert code == 7
+    line = error_line(err)
+    assert "calibration inputs of model.layers.0.self_attn" in line and "NaN/Inf" in line
+
+
+def test_verify_refuses_non_finite_weights(
+    tiny: Path, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    assert run_cli(prune_args(tiny, calib_file, out, "--sparsity", "0.5"), capsys)[0] == 0
+    assert run_cli(["verify", str(out)], capsys)[0] == 0
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors[name][7, 2] = math.inf
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    code, err = run_cli(["verify", str(out)], capsys)
+    assert code == 7
+    line = error_line(err)
+    assert name in line and "[7, 2]" in line and "inf" in line
+
+
+# ---- item 11: verify's inputs -----------------------------------------------------------------------------
+
+
+def test_verify_input_errors(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_cli(["verify", str(tiny)], capsys)
+    assert code == 2 and "is not a tsenor checkpoint" in error_line(err)
+    code, err = run_cli(["verify", str(tmp_path / "missing")], capsys)
+    assert code == 3 and "does not exist" in error_line(err)
+    code, err = run_cli(["verify", str(tiny / "config.json")], capsys)
+    assert code == 2 and "is a file" in error_line(err)
+    code, err = run_cli(["verify", str(tmp_path)], capsys)
+    assert code == 3 and "has no config.json" in error_line(err)
+
+
+# ---- item 7: broken checkpoints -----------------------------------------------------------------------------
+
+
+def copy_checkpoint(src: Path, dst: Path, *, skip: tuple[str, ...] = ()) -> Path:
+    dst.mkdir(parents=True)
+    for file in src.iterdir():
+        if file.is_file() and not file.name.startswith(skip):
+            (dst / file.name).write_bytes(file.read_bytes())
+    return dst
+
+
+def test_truncated_safetensors_is_one_line(
+    tiny: Path, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = copy_checkpoint(tiny, tmp_path / "broken")
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    out = tmp_path / "out"
+    code, err = run_cli(prune_args(broken, calib_file, out, "--sparsity", "0.5"), capsys)
+    assert code == 7
+    assert f"{weights} is truncated or corrupt" in error_line(err)
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_missing_tokenizer_files_is_one_line(
+    tiny: Path, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    no_tokenizer = copy_checkpoint(tiny, tmp_path / "no-tok", skip=("tokenizer",))
+    code, err = run_cli(prune_args(no_tokenizer, calib_file, tmp_path / "out", "--sparsity", "0.5"), capsys)
+    assert code == 3
+    assert f"cannot load the tokenizer of {no_tokenizer}" in error_line(err)
+
+
+# ---- item 8: --skip-incompatible with nothing left ------------------------------------------------------
+
+
+def test_skip_incompatible_with_no_compatible_layer_is_refused(
+    tiny: Path, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    code, err = run_cli(prune_args(tiny, calib_file, out, "--nm", "16:33", "--skip-incompatible"), capsys)
+    assert code == 5
+    assert "none of the 14 linear layers can take 16:33" in error_line(err)
+    assert not out.exists() or not any(out.iterdir())
+    # one compatible layer is enough to run (the others stay dense, as before)
+    fine = tmp_path / "fine"
+    code, err = run_cli(prune_args(tiny, calib_file, fine, "--nm", "32:64", "--skip-incompatible"), capsys)
+    assert code == 0, err
+
+
+# ---- item 6: everything checkable without the model is checked before loading it ----------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--eval", "--tasks", "typo"], "unknown zero-shot task(s) typo"),
+        (["--eval", "--ppl", "wikitext3"], "unknown --ppl dataset(s) wikitext3"),
+        (["--eval", "--ppl", "none"], "evaluates nothing"),
+        (["--tasks", "piqa"], "--tasks applies with --eval only"),
+    ],
+)
+def test_prune_checks_eval_options_before_loading(
+    extra: list[str], expected: str, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The model does not exist: an error about it would mean the options were checked too late.
+    out = tmp_path / "out"
+    code, err = run_cli(prune_args(tmp_path / "no-model", calib_file, out, "--nm", "2:4", *extra), capsys)
+    assert code == 2
+    assert expected in error_line(err)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("empty.txt", "", "holds no text"),
+        ("numbers.jsonl", '{"text": 5}\n', "has no string `text` field"),
+        ("garbage.jsonl", "not json\n", "is not valid JSON"),
+    ],
+)
+def test_calibration_file_contents_are_checked_before_loading(
+    name: str, content: str, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calib = tmp_path / name
+    calib.write_text(content)
+    code, err = run_cli(prune_args(tmp_path / "no-model", calib, tmp_path / "out", "--nm", "2:4"), capsys)
+    assert code == 2
+    assert expected in error_line(err)
+
+
+def test_named_data_without_a_source_is_refused_before_loading(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("TSENOR_DATA_DIR", raising=False)
+    argv = ["prune", "--model", str(tmp_path / "no-model"), "--nm", "2:4", "--offline", "--output", str(tmp_path / "o")]
+    code, err = run_cli(argv, capsys)
+    assert code == 3 and "no data for c4" in error_line(err)
+    code, err = run_cli(["eval", "--model", str(tmp_path / "no-model"), "--ppl", "ptb", "--offline"], capsys)
+    assert code == 3 and "no data for ptb" in error_line(err)
+
+
+# ---- item 11: smaller ones --------------------------------------------------------------------------------
+
+
+def test_mistyped_relative_path_is_not_called_a_hub_failure(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tiny.parent)
+    code, err = run_cli(["eval", "--model", f"{tiny.name}/typo", "--ppl", "wikitext2", "--offline"], capsys)
+    assert code == 3
+    line = error_line(err)
+    assert f"model directory {tiny.name}/typo does not exist" in line and "local HF cache" not in line
+
+
+def test_capped_seqlen_is_announced(
+    tiny: Path, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = prune_args(tiny, calib_file, tmp_path / "out", "--sparsity", "0.5")
+    argv[argv.index("--seqlen") + 1] = "4096"
+    code, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert "--seqlen 4096 is longer than the model's 512 positions; calibrating with 512" in err
+
+
+# ---- the earlier cases of the table ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "expected"),
+    [
+        ("bad --nm", 2, "N:M pattern 3:2 needs 1 <= N < M"),
+        ("missing model", 3, "does not exist; pass an existing local checkpoint directory"),
+        ("hub id offline", 3, "is not in the local HF cache and the hub is off"),
+        ("existing output", 4, "already exists and is not empty; pass --force"),
+        ("output is a file", 4, "is a file; choose a directory path"),
+        ("output equals input", 2, "would overwrite the input checkpoint"),
+    ],
+)
+def test_earlier_input_errors(
+    case: str,
+    code: int,
+    expected: str,
+    tiny: Path,
+    calib_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    model, out, extra = tiny, tmp_path / "out", ["--nm", "2:4"]
+    if case == "bad --nm":
+        extra = ["--nm", "3:2"]
+    elif case == "missing model":
+        model = tmp_path / "missing"
+    elif case == "hub id offline":
+        model = Path("someorg/somemodel")
+        extra += ["--offline"]
+    elif case == "existing output":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    elif case == "output is a file":
+        out.write_text("mine")
+    elif case == "output equals input":
+        out, extra = tiny, [*extra, "--force"]
+    before = sorted(p.name for p in out.iterdir()) if out.is_dir() else None
+    got, err = run_cli(prune_args(model, calib_file, out, *extra), capsys)
+    assert got == code
+    assert expected in error_line(err)
+    assert (sorted(p.name for p in out.iterdir()) if out.is_dir() else None) == before  # nothing written
