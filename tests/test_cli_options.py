@@ -55,3 +55,12 @@ def test_verbose_and_quiet_set_the_log_level(tmp_path: Path) -> None:
 def test_the_cli_reference_page_is_current() -> None:
     """docs/reference/cli.md is generated from the commands; regenerate with python -m tsenor_cli.cli.reference."""
     assert reference.PAGE.read_text(encoding="utf-8") == reference.render()
+
+
+def test_help_shows_flags_without_placeholders_and_marks_required_options() -> None:
+    runner = CliRunner()
+    for name, _command in reference.commands(typer.main.get_command(app)):
+        result = runner.invoke(app, [*name.split()[1:], "--help"])
+        assert result.exit_code == 0, result.output
+        assert "<bool>" not in result.output, name
+    assert "[required]" in runner.invoke(app, ["eval", "--help"]).output  # --model

@@ -28,6 +28,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain click help: flags without a `<bool>` metavar, required options marked, no box drawing.
+    rich_markup_mode=None,
 )
 
 

@@ -12,7 +12,9 @@ from tsenor_cli.cli.options import DEVICE, DeviceOpt, ForceOpt, JsonOpt
 from tsenor_cli.errors import InputNotFoundError, OutputExistsError, UsageError
 from tsenor_cli.nm import NMPattern, parse_nm
 
-bench_app = typer.Typer(help="Benchmarks (speed and quality ratios measured in one run).", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks (speed and quality ratios measured in one run).", no_args_is_help=True, rich_markup_mode=None
+)
 app.add_typer(bench_app, name="bench")
 
 _BENCH_HEADER = """# Solver benchmarks

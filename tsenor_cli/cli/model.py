@@ -7,7 +7,7 @@ import typer
 from tsenor_cli.cli import app, run_context
 from tsenor_cli.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, materialize
 
-model_app = typer.Typer(help="Manage the embedded default model.", no_args_is_help=True)
+model_app = typer.Typer(help="Manage the embedded default model.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(model_app, name="model")
 
 

@@ -209,7 +209,9 @@ def _human_bytes(n: int) -> str:
 @app.command("prune")
 def prune_cmd(
     ctx: typer.Context,
-    model: str | None = typer.Option(None, "--model", help="Embedded name (smollm2-135m), checkpoint dir or hub id."),
+    model: str | None = typer.Option(
+        None, "--model", help="Required (here or in --config): embedded name (smollm2-135m), checkpoint dir or hub id."
+    ),
     nm: str | None = typer.Option(
         None, "--nm", help="N:M pattern, e.g. 16:32 (transposable unless --no-transposable)."
     ),

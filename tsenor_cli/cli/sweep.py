@@ -29,6 +29,7 @@ class _RunByDefault(TyperGroup):
 
 
 sweep_app = typer.Typer(
+    rich_markup_mode=None,
     cls=_RunByDefault,
     no_args_is_help=True,
     help="Run a grid of prune + eval runs (locally or as a SLURM job array) and follow it. "
