@@ -17,7 +17,7 @@ from pathlib import Path
 import typer
 
 from tsenor_cli import __version__, settings
-from tsenor_cli.errors import TsenorError
+from tsenor_cli.errors import EXIT_SIGINT, Interrupted, TsenorError
 from tsenor_cli.settings import RunContext
 
 app = typer.Typer(
@@ -108,8 +108,9 @@ def main() -> None:
     except TsenorError as exc:
         if state.debug:
             raise
-        typer.echo(f"error: {exc}", err=True)
+        # An interruption is not an error in the input: its line says what was saved, unprefixed.
+        typer.echo(str(exc) if isinstance(exc, Interrupted) else f"error: {exc}", err=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_SIGINT)

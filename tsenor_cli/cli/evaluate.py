@@ -12,7 +12,7 @@ import typer
 from tsenor_cli import atomic
 from tsenor_cli.cli import DATA_DIR_HELP, OFFLINE_HELP, app, command_line, run_context
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
-from tsenor_cli.errors import OutputExistsError, UsageError
+from tsenor_cli.errors import EXIT_SIGINT, Interrupted, OutputExistsError, UsageError
 from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
 from tsenor_cli.models.loading import load_model, parse_dtype
 from tsenor_cli.runfiles import EVAL_FILE, EvalReport
@@ -133,10 +133,14 @@ def eval_cmd(
     def progress(message: str) -> None:
         typer.echo(message, err=True)
 
-    loaded = load_model(
-        model, run_ctx, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code, progress=progress
-    )
-    report = evaluate_model(loaded, cfg, run_ctx, progress=progress)
+    try:
+        loaded = load_model(
+            model, run_ctx, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code, progress=progress
+        )
+        report = evaluate_model(loaded, cfg, run_ctx, progress=progress)
+    except KeyboardInterrupt:
+        # eval.json is written only once every metric is in, so nothing is left half-done.
+        raise Interrupted("interrupted while evaluating; nothing was written", EXIT_SIGINT) from None
     payload = report.to_json()
     if target is not None:
         atomic.write_json(target, payload)

@@ -12,7 +12,7 @@ import yaml
 from typer._click.core import ParameterSource
 
 from tsenor_cli.cli import DATA_DIR_HELP, OFFLINE_HELP, app, command_line, run_context
-from tsenor_cli.errors import InputNotFoundError, UsageError
+from tsenor_cli.errors import EXIT_SIGINT, InputNotFoundError, Interrupted, UsageError
 from tsenor_cli.nm import parse_nm
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.registry import PRUNERS
@@ -197,7 +197,12 @@ def prune_cmd(
     ),
     output: str | None = typer.Option(None, "--output", "-o", help="Directory for the pruned checkpoint."),
     force: bool = typer.Option(False, "--force", help="Replace an existing non-empty --output."),
-    resume: bool = typer.Option(False, "--resume", help="Save state after each block; continue an interrupted run."),
+    resume: bool = typer.Option(
+        True,
+        "--resume/--no-resume-state",
+        help="Save a resume state after each block and continue an interrupted run of the same settings "
+        "(default; --resume is accepted). --no-resume-state saves none.",
+    ),
     config: Path | None = typer.Option(None, "--config", help="YAML recipe; explicit flags override its values."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (layers, shapes, memory); write nothing."),
     run_eval: bool = typer.Option(False, "--eval", help="Evaluate the pruned checkpoint afterwards (eval.json)."),
@@ -281,9 +286,11 @@ def prune_cmd(
             )
         return
 
+    from tsenor_cli.interrupt import stop_on_signals
     from tsenor_cli.pruning.api import prune_model
 
-    report = prune_model(cfg, run_ctx, progress=progress)
+    with stop_on_signals() as stop:
+        report = prune_model(cfg, run_ctx, progress=progress, stop=stop)
     payload: dict[str, Any] = {"prune": report.to_json()}
     if eval_cfg is not None and cfg.output is not None:
         from tsenor_cli import atomic
@@ -292,10 +299,17 @@ def prune_cmd(
         from tsenor_cli.models.loading import load_model, parse_dtype
         from tsenor_cli.runfiles import EVAL_FILE
 
-        loaded = load_model(
-            str(cfg.output), run_ctx, dtype=parse_dtype(cfg.dtype), device=cfg.device, progress=progress
-        )
-        evaluation = evaluate_model(loaded, eval_cfg, run_ctx, progress=progress)
+        try:
+            loaded = load_model(
+                str(cfg.output), run_ctx, dtype=parse_dtype(cfg.dtype), device=cfg.device, progress=progress
+            )
+            evaluation = evaluate_model(loaded, eval_cfg, run_ctx, progress=progress)
+        except KeyboardInterrupt:
+            raise Interrupted(
+                f"interrupted while evaluating; the checkpoint {cfg.output} is complete but has no {EVAL_FILE}: "
+                f"run `tsenor eval --model {cfg.output} --output {cfg.output}`",
+                EXIT_SIGINT,
+            ) from None
         atomic.write_json(cfg.output / EVAL_FILE, evaluation.to_json())
         payload["eval"] = evaluation.to_json()
         if not as_json:
