@@ -143,31 +143,34 @@ def prune_model(
     if cfg.output is None:
         raise UsageError("--output is required to prune; pass --output DIR (or --dry-run to only print the plan)")
     output = output_path(cfg.output)
-    check_output_location(output)
-    plan = plan_model(cfg, ctx, progress=say)
-    check_not_input(output, plan.source)
-    with output_lock(output):
-        for line in atomic.recover(output):
-            say(line)
-        store = prepare_output(
-            output, force=cfg.force, resume=cfg.resume, continue_hint="drop --no-resume-state to continue it"
-        )
-        state = _open_state(store, cfg, plan.blocks, say) if cfg.resume else None
-        to_write = max(0, plan.resume_bytes - store.size()) if cfg.resume else 0
-        check_free_space(output, plan.checkpoint_bytes, to_write)
-        point = _RunPoint(blocks=plan.blocks, done=state.next_block if state is not None else 0)
-        try:
-            return _prune(cfg, ctx, output, store if cfg.resume else None, state, point, say, start, after_block, stop)
-        except KeyboardInterrupt:
-            raise point.interrupted(output, saving=cfg.resume, signal_name=stop.name if stop else None) from None
+    point = _RunPoint()
+    try:
+        check_output_location(output)
+        plan = plan_model(cfg, ctx, progress=say)
+        check_not_input(output, plan.source)
+        with output_lock(output):
+            for line in atomic.recover(output):
+                say(line)
+            store = prepare_output(
+                output, force=cfg.force, resume=cfg.resume, continue_hint="drop --no-resume-state to continue it"
+            )
+            state = _open_state(store, cfg, plan.blocks, say) if cfg.resume else None
+            to_write = max(0, plan.resume_bytes - store.size()) if cfg.resume else 0
+            check_free_space(output, plan.checkpoint_bytes, to_write)
+            point.blocks, point.done = plan.blocks, state.next_block if state is not None else 0
+            saving = store if cfg.resume else None
+            return _prune(cfg, ctx, output, saving, state, point, say, start, after_block, stop)
+    except KeyboardInterrupt:
+        raise point.interrupted(output, saving=cfg.resume, signal_name=stop.name if stop else None) from None
 
 
 @dataclass
 class _RunPoint:
-    """Where a run is, for the line an interruption prints: blocks done (`done`; with a resume state,
-    committed to it), the 0-based block being pruned (`current`), or the final write (`writing`)."""
+    """Where a run is, for the line an interruption prints: the model's block count (0 until the output
+    is checked and locked), blocks done (`done`; with a resume state, committed to it), the 0-based block
+    being pruned (`current`), or the final write (`writing`)."""
 
-    blocks: int
+    blocks: int = 0
     done: int = 0
     current: int | None = None
     writing: bool = False
@@ -176,6 +179,9 @@ class _RunPoint:
         """The `Interrupted` error for a stop here: by `signal_name` (exit 75) or by Ctrl-C (None, exit 130)."""
         total = self.blocks
         verb = f"stopped by {signal_name}" if signal_name is not None else "interrupted"
+        code = EXIT_RESUMABLE if signal_name is not None else EXIT_SIGINT
+        if not total:
+            return Interrupted(f"{verb} before pruning began; nothing was written", code)
         if self.writing:
             where = f"while writing {output}"
         elif self.current is not None:
@@ -190,7 +196,7 @@ class _RunPoint:
             saved = f"the resume state holds blocks 1-{self.done}: rerun the same command to continue"
         else:
             saved = "no block was finished: rerunning the same command starts over"
-        return Interrupted(f"{verb} {where}; {saved}", EXIT_RESUMABLE if signal_name is not None else EXIT_SIGINT)
+        return Interrupted(f"{verb} {where}; {saved}", code)
 
 
 def _open_state(store: ResumeStore, cfg: PruneConfig, blocks: int, say: Progress) -> ResumeState | None:

@@ -83,8 +83,10 @@ def output_lock(output: Path) -> Iterator[None]:
         os.pwrite(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode(), 0)
         yield
     finally:
-        path.unlink(missing_ok=True)
-        os.close(fd)
+        try:
+            path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)  # releases the lock, whatever happened to the file
 
 
 def _existing_ancestor(path: Path) -> Path:
