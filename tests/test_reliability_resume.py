@@ -362,12 +362,62 @@ def test_ctrl_c_and_stop_signals_say_what_was_saved(
     assert not unsaved.exists()
 
 
-def test_a_second_stop_signal_stops_at_once() -> None:
+def test_ctrl_c_before_pruning_during_the_write_and_during_prune_eval(
+    tiny: Path,
+    calib: Path,
+    reference: Path,
+    data_ctx: RunContext,
+    data_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tsenor_cli.evaluation import runner
+    from tsenor_cli.pruning import api
+
+    def ctrl_c(*_args: object, **_kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    out = tmp_path / "out"
+    with monkeypatch.context() as patch, pytest.raises(Interrupted) as early:
+        patch.setattr(api, "plan_model", ctrl_c)
+        prune_model(_cfg(tiny, calib, out), data_ctx)
+    assert (str(early.value), early.value.exit_code) == ("interrupted before pruning began; nothing was written", 130)
+    assert list(tmp_path.iterdir()) == []
+
+    with monkeypatch.context() as patch, pytest.raises(Interrupted) as writing:
+        patch.setattr(api, "write_checkpoint", ctrl_c)
+        prune_model(_cfg(tiny, calib, out), data_ctx)
+    assert str(writing.value) == (
+        f"interrupted while writing {out}; every block is saved in the resume state: "
+        "rerun the same command to write the checkpoint"
+    )
+    assert prune_model(_cfg(tiny, calib, out), data_ctx).resumed_from_block == BLOCKS
+    _assert_same_as(out, reference)
+
+    evaluated = tmp_path / "evaluated"
+    monkeypatch.setattr(runner, "evaluate_model", ctrl_c)
+    args = [*_args(tiny, calib, evaluated), "--data-dir", str(data_dir), "--eval", "--max-windows", "1"]
+    result = _invoke(args)
+    assert result.exit_code == EXIT_SIGINT  # type: ignore[attr-defined]
+    assert str(result.exception).startswith(  # type: ignore[attr-defined]
+        f"interrupted while evaluating; the checkpoint {evaluated} is complete but has no eval.json"
+    )
+    assert (evaluated / PRUNE_FILE).is_file() and not (evaluated / "eval.json").exists()
+
+
+def test_stop_signals_are_recorded_and_a_second_one_stops_at_once() -> None:
     stop = StopRequest()
     stop.request("SIGTERM")
     assert stop.requested and stop.name == "SIGTERM"
     with pytest.raises(KeyboardInterrupt):
         stop.request("SIGTERM")
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+    with stop_on_signals() as stop:
+        signal.raise_signal(signal.SIGUSR1)  # SLURM's early warning (--signal=USR1@300)
+        assert stop.name == "SIGUSR1"
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGUSR2)
+    assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
 def test_ctrl_c_during_eval_is_one_line_and_writes_nothing(
