@@ -384,6 +384,14 @@ def test_ctrl_c_before_pruning_during_the_write_and_during_prune_eval(
     assert (str(early.value), early.value.exit_code) == ("interrupted before pruning began; nothing was written", 130)
     assert list(tmp_path.iterdir()) == []
 
+    with monkeypatch.context() as patch, pytest.raises(Interrupted) as first_block:
+        patch.setattr(api, "prune_block", ctrl_c)
+        prune_model(_cfg(tiny, calib, out), data_ctx)
+    assert str(first_block.value) == (
+        f"interrupted at block 1/{BLOCKS}; no block was finished: rerunning the same command starts over"
+    )
+    assert list(tmp_path.iterdir()) == []
+
     with monkeypatch.context() as patch, pytest.raises(Interrupted) as writing:
         patch.setattr(api, "write_checkpoint", ctrl_c)
         prune_model(_cfg(tiny, calib, out), data_ctx)
