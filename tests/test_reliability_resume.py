@@ -281,7 +281,7 @@ def test_rerunning_the_same_command_continues_an_interrupted_run(
     assert (out / RESUME_DIRNAME / STATE_FILE).is_file()
     result = _invoke(args)
     assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
-    assert f"blocks 1-1 of {BLOCKS} are done" in result.stderr  # type: ignore[attr-defined]
+    assert f"resuming after block 1/{BLOCKS} from {out / RESUME_DIRNAME}" in result.stderr  # type: ignore[attr-defined]
     assert json.loads((out / PRUNE_FILE).read_text())["resumed_from_block"] == 1
     _assert_same_as(out, reference)
 
@@ -508,13 +508,14 @@ def test_real_kill_int_and_term_then_resume_equals_an_uninterrupted_run(
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=60)
     assert lock_path(out).exists()  # the file stays; its lock died with the process
+    killed_at = json.loads((out / RESUME_DIRNAME / STATE_FILE).read_text())["next_block"]
 
-    ctrl_c = _spawn(args, env)  # takes the lock at once and continues after block 1
-    _wait_for_block(out, 2, ctrl_c)
+    ctrl_c = _spawn(args, env)  # takes the lock at once and continues where the killed run stopped
+    _wait_for_block(out, killed_at + 1, ctrl_c)
     ctrl_c.send_signal(signal.SIGINT)
     _, err = ctrl_c.communicate(timeout=300)
     assert ctrl_c.returncode == EXIT_SIGINT, err
-    assert "continuing the interrupted run" in err
+    assert f"resuming after block {killed_at}/{blocks}" in err
     saved = json.loads((out / RESUME_DIRNAME / STATE_FILE).read_text())["next_block"]
     assert err.strip().splitlines()[-1] == (
         f"interrupted at block {saved + 1}/{blocks}; the resume state holds blocks 1-{saved}: "

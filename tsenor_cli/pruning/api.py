@@ -210,7 +210,7 @@ def _open_state(store: ResumeStore, cfg: PruneConfig, blocks: int, say: Progress
         store.discard()
         return None
     if state is not None:
-        say(f"continuing the interrupted run in {store.root.parent}: blocks 1-{state.next_block} of {blocks} are done")
+        say(f"resuming after block {state.next_block}/{blocks} from {store.root} (an interrupted run, same settings)")
     return state
 
 
@@ -257,7 +257,6 @@ def _prune(
         if first < len(blocks):
             hidden = store.load_hidden(state, device)
             calls = capture_block_calls(structure, int(hidden.shape[1]))
-        say(f"resuming after block {first}/{len(blocks)} from {store.root}")
     else:
         from tsenor_cli.data.calibration import calibration_batches
 
