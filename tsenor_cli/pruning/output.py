@@ -13,7 +13,6 @@ import fcntl
 import json
 import os
 import shutil
-import socket
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -80,7 +79,7 @@ def output_lock(output: Path) -> Iterator[None]:
         # The holder's identity goes into the locked file itself (not an atomic replacement, which
         # would be a different, unlocked file).
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode(), 0)
+        os.pwrite(fd, f"{os.getpid()}@{os.uname().nodename}\n".encode(), 0)
         yield
     finally:
         try:
