@@ -15,6 +15,7 @@ from tsenor_cli.cli import DATA_DIR_HELP, OFFLINE_HELP, app, command_line, run_c
 from tsenor_cli.errors import EXIT_SIGINT, InputNotFoundError, Interrupted, UsageError
 from tsenor_cli.nm import parse_nm
 from tsenor_cli.pruning.config import PruneConfig
+from tsenor_cli.pruning.output import human_bytes
 from tsenor_cli.pruning.registry import PRUNERS
 from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
 from tsenor_cli.solver import METHODS
@@ -149,15 +150,6 @@ def build_config(values: dict[str, Any], *, force: bool, resume: bool, command: 
     )
 
 
-def _human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024:
-            return f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
-
-
 @app.command("prune")
 def prune_cmd(
     ctx: typer.Context,
@@ -275,8 +267,8 @@ def prune_cmd(
                 verdict = "ignored: " + plan.ignored[slot.full_name]
             typer.echo(f"{slot.full_name:<44} {shape:>13}  {verdict}")
         typer.echo(
-            f"estimated memory: CPU {_human_bytes(plan.cpu_bytes)} (model), "
-            f"{plan.device} {_human_bytes(plan.device_bytes)} (one block, activations, statistics, workspace)"
+            f"estimated memory: CPU {human_bytes(plan.cpu_bytes)} (model), "
+            f"{plan.device} {human_bytes(plan.device_bytes)} (one block, activations, statistics, workspace)"
         )
         if plan.incompatible and not cfg.skip_incompatible:
             typer.echo(

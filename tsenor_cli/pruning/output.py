@@ -131,7 +131,8 @@ def free_bytes(output: Path) -> int:
     return shutil.disk_usage(_existing_ancestor(output_path(output))).free
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """`n` bytes for a person: "1.5 GiB"."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024:
             return f"{n:.1f} {unit}"
@@ -147,11 +148,11 @@ def check_free_space(output: Path, checkpoint_bytes: int, resume_bytes: int) -> 
     """
     need, free = checkpoint_bytes + resume_bytes, free_bytes(output)
     if need > free:
-        saving = f"; --no-resume-state saves {_human(resume_bytes)}" if resume_bytes else ""
+        saving = f"; --no-resume-state saves {human_bytes(resume_bytes)}" if resume_bytes else ""
         raise OutputUnwritableError(
-            f"not enough free space for --output {output}: the run writes about {_human(need)} "
-            f"(checkpoint {_human(checkpoint_bytes)}, resume state {_human(resume_bytes)}), "
-            f"{_human(free)} are free; free some space or choose another --output{saving}"
+            f"not enough free space for --output {output}: the run writes about {human_bytes(need)} "
+            f"(checkpoint {human_bytes(checkpoint_bytes)}, resume state {human_bytes(resume_bytes)}), "
+            f"{human_bytes(free)} are free; free some space or choose another --output{saving}"
         )
 
 
