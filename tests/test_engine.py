@@ -237,9 +237,10 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny: Path, tmp_path: P
     with pytest.raises(Killed):
         prune_model(cfg(out, resume=True), data_ctx, after_block=kill_after_first)
     assert sorted(p.name for p in out.iterdir()) == [RESUME_DIRNAME]
-    # Without --resume the half-done folder is refused, not silently overwritten.
-    refused = _invoke(["prune", "--model", str(tiny), "--method", "sparsegpt", *FAST, "--output", str(out)])
-    assert refused.exit_code == 4 and "--resume" in str(refused.exception)  # type: ignore[attr-defined]
+    # With --no-resume-state the half-done folder is refused, not silently overwritten.
+    args = ["prune", "--model", str(tiny), "--method", "sparsegpt", *FAST, "--output", str(out)]
+    refused = _invoke([*args, "--no-resume-state"])
+    assert refused.exit_code == 4 and "--force" in str(refused.exception)  # type: ignore[attr-defined]
     messages: list[str] = []
     report = prune_model(cfg(out, resume=True), data_ctx, progress=messages.append)
     assert report.resumed_from_block == 1

@@ -344,9 +344,10 @@ def test_capped_seqlen_is_announced(
         ("bad --nm", 2, "N:M pattern 3:2 needs 1 <= N < M"),
         ("missing model", 3, "does not exist; pass an existing local checkpoint directory"),
         ("hub id offline", 3, "is not in the local HF cache and the hub is off"),
-        ("existing output", 4, "already exists and is not empty; pass --force"),
+        ("existing output", 4, "holds files that are not a tsenor run (notes.txt)"),
         ("output is a file", 4, "is a file; choose a directory path"),
         ("output equals input", 2, "would overwrite the input checkpoint"),
+        ("output inside input", 2, "is inside the input checkpoint"),
     ],
 )
 def test_earlier_input_errors(
@@ -375,6 +376,8 @@ def test_earlier_input_errors(
         out.write_text("mine")
     elif case == "output equals input":
         out, extra = tiny, [*extra, "--force"]
+    elif case == "output inside input":
+        out = tiny / "pruned"
     before = sorted(p.name for p in out.iterdir()) if out.is_dir() else None
     got, err = run_cli(prune_args(model, calib_file, out, *extra), capsys)
     assert got == code

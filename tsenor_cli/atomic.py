@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -33,15 +34,16 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _temp_name(path: Path) -> str:
-    return f".{path.name}.tmp-{os.getpid()}-"
+def temp_prefix(path: Path, kind: str = "tmp") -> str:
+    """The name prefix of this process's temporaries of `path` (``.NAME.tmp-<pid>-``), which `recover` removes."""
+    return f".{path.name}.{kind}-{os.getpid()}-"
 
 
 @contextmanager
 def _temp_file(path: Path) -> Iterator[Path]:
     """A temporary file next to `path`; on exit without error it replaces `path` (fsynced, mode 0644)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=_temp_name(path), dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=temp_prefix(path), dir=path.parent)
     os.close(fd)
     tmp = Path(name)
     try:
@@ -106,14 +108,14 @@ def atomic_dir(path: Path, *, replace: bool = False) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=_temp_name(path), dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(path), dir=path.parent))
     try:
         yield tmp
         _finish_tree(tmp)
         if path.exists():
             if not replace:
                 return
-            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-{os.getpid()}-", dir=path.parent))
+            old = Path(tempfile.mkdtemp(prefix=temp_prefix(path, "old"), dir=path.parent))
             path.replace(old / path.name)
             tmp.replace(path)
             shutil.rmtree(old)
@@ -123,3 +125,43 @@ def atomic_dir(path: Path, *, replace: bool = False) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _leftovers(path: Path) -> list[tuple[str, Path]]:
+    """(kind, entry) of the temporaries of writers of `path`: kind "tmp" for ``.NAME.tmp-<pid>-…`` (a new
+    file or folder being built), "old" for ``.NAME.old-<pid>-…`` (an old folder moved aside); newest first."""
+    if not path.parent.is_dir():
+        return []
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(tmp|old)-[0-9]+-[A-Za-z0-9_]+")
+    found = [(m.group(1), entry) for entry in path.parent.iterdir() if (m := pattern.fullmatch(entry.name))]
+    return sorted(found, key=lambda item: item[1].lstat().st_mtime, reverse=True)
+
+
+def recover(path: Path) -> list[str]:
+    """Clean up after writers of `path` that were killed; one line per thing done.
+
+    Call it only while no other process writes `path` (the caller holds a lock on it): every temporary
+    found is then a dead writer's. A kill inside ``atomic_dir(replace=True)`` between moving the old
+    folder aside and renaming the new one in leaves `path` missing and the old folder at
+    ``.NAME.old-<pid>-…/NAME``: it is moved back, so `path` is the old folder as if the write had not
+    started. Then every temporary of `path` (unfinished new folders and files, moved-aside old ones) is
+    deleted.
+    """
+    path = Path(path)
+    done: list[str] = []
+    leftovers = _leftovers(path)
+    if not path.exists() and not path.is_symlink():
+        for kind, entry in leftovers:
+            moved_aside = entry / path.name
+            if kind == "old" and moved_aside.exists():
+                moved_aside.replace(path)
+                _fsync_dir(path.parent)
+                done.append(f"restored {path} from an interrupted replacement ({entry.name})")
+                break
+    for _kind, entry in leftovers:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+        done.append(f"removed {entry.name}, left by an interrupted write of {path.name}")
+    return done

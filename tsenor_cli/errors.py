@@ -47,3 +47,36 @@ class BadInputError(TsenorError, ValueError):
     """An input whose contents are unusable: non-finite weights, a truncated or corrupt weight file (exit 7)."""
 
     exit_code = 7
+
+
+class OutputBusyError(TsenorError):
+    """An --output folder locked by another running tsenor process (exit 4)."""
+
+    exit_code = 4
+
+
+class OutputUnwritableError(TsenorError):
+    """An --output location that cannot be created or written, or lacks the space for the run (exit 4)."""
+
+    exit_code = 4
+
+
+class ResumeStateError(TsenorError):
+    """A resume state that is damaged or belongs to other settings; --force starts over (exit 4)."""
+
+    exit_code = 4
+
+
+EXIT_RESUMABLE = 75  # sysexits EX_TEMPFAIL: stopped by SIGTERM/SIGUSR1/SIGUSR2; the same command continues
+EXIT_SIGINT = 130  # the shell's code for a run stopped by Ctrl-C (128 + SIGINT)
+
+
+class Interrupted(TsenorError):
+    """A run stopped by a signal; the message says what was saved and how to continue.
+
+    exit_code: EXIT_RESUMABLE after SIGTERM/SIGUSR1/SIGUSR2 (a scheduler's stop), EXIT_SIGINT after Ctrl-C.
+    """
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -18,7 +18,7 @@ from pathlib import Path
 import typer
 
 from tsenor_cli import __version__, settings
-from tsenor_cli.errors import TsenorError
+from tsenor_cli.errors import EXIT_SIGINT, Interrupted, TsenorError
 from tsenor_cli.progress import logger, setup_logging
 from tsenor_cli.settings import RunContext
 
@@ -131,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except TsenorError as exc:
         if state.debug:
             raise
-        typer.echo(f"error: {one_line(str(exc))}", err=True)
+        # An interruption is not an error in the input: its line says what was saved, unprefixed.
+        typer.echo(str(exc) if isinstance(exc, Interrupted) else f"error: {one_line(str(exc))}", err=True)
         sys.exit(exc.exit_code)
     except typer.TyperException as exc:  # click's usage errors (exit 2)
         if state.debug:
@@ -152,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_SIGINT)
     except Exception as exc:
         # Anything else is a bug or an input no check knew about: still one line, the traceback on demand.
         if state.debug:

@@ -28,7 +28,7 @@ from tsenor_cli.cli.options import (
     TrustRemoteCodeOpt,
 )
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName, data_folder
-from tsenor_cli.errors import OutputExistsError, UsageError
+from tsenor_cli.errors import EXIT_SIGINT, Interrupted, OutputExistsError, UsageError
 from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
 from tsenor_cli.models.loading import load_model, parse_dtype
 from tsenor_cli.progress import logger
@@ -164,8 +164,12 @@ def eval_cmd(
         if target.exists() and not force:
             raise OutputExistsError(f"{target} already exists; pass --force to overwrite it or choose another --output")
 
-    loaded = load_model(model, run_ctx, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
-    report = evaluate_model(loaded, cfg, run_ctx)
+    try:
+        loaded = load_model(model, run_ctx, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
+        report = evaluate_model(loaded, cfg, run_ctx)
+    except KeyboardInterrupt:
+        # eval.json is written only once every metric is in, so nothing is left half-done.
+        raise Interrupted("interrupted while evaluating; nothing was written", EXIT_SIGINT) from None
     payload = report.to_json()
     if target is not None:
         atomic.write_json(target, payload)

@@ -30,9 +30,10 @@ from tsenor_cli.cli.options import (
     TrustRemoteCodeOpt,
 )
 from tsenor_cli.data.sources import data_folder, read_text_records
-from tsenor_cli.errors import InputNotFoundError, UsageError
+from tsenor_cli.errors import EXIT_SIGINT, InputNotFoundError, Interrupted, UsageError
 from tsenor_cli.nm import parse_nm
 from tsenor_cli.pruning.config import PruneConfig
+from tsenor_cli.pruning.output import human_bytes
 from tsenor_cli.pruning.registry import PRUNERS
 from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
 from tsenor_cli.solver import METHODS
@@ -197,15 +198,6 @@ def build_config(values: dict[str, Any], *, force: bool, resume: bool, command: 
     )
 
 
-def _human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024:
-            return f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
-
-
 @app.command("prune")
 def prune_cmd(
     ctx: typer.Context,
@@ -247,7 +239,12 @@ def prune_cmd(
     ),
     output: OutputDirOpt = None,
     force: ForceOpt = False,
-    resume: bool = typer.Option(False, "--resume", help="Save state after each block; continue an interrupted run."),
+    resume: bool = typer.Option(
+        True,
+        "--resume/--no-resume-state",
+        help="Save a resume state after each block and continue an interrupted run of the same settings "
+        "(default; --resume is accepted). --no-resume-state saves none.",
+    ),
     config: Path | None = typer.Option(None, "--config", help="YAML recipe; explicit flags override its values."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (layers, shapes, memory); write nothing."),
     run_eval: bool = typer.Option(False, "--eval", help="Evaluate the pruned checkpoint afterwards (eval.json)."),
@@ -325,8 +322,8 @@ def prune_cmd(
                 verdict = "ignored: " + plan.ignored[slot.full_name]
             typer.echo(f"{slot.full_name:<44} {shape:>13}  {verdict}")
         typer.echo(
-            f"estimated memory: CPU {_human_bytes(plan.cpu_bytes)} (model), "
-            f"{plan.device} {_human_bytes(plan.device_bytes)} (one block, activations, statistics, workspace)"
+            f"estimated memory: CPU {human_bytes(plan.cpu_bytes)} (model), "
+            f"{plan.device} {human_bytes(plan.device_bytes)} (one block, activations, statistics, workspace)"
         )
         if plan.incompatible and not cfg.skip_incompatible:
             typer.echo(
@@ -336,9 +333,11 @@ def prune_cmd(
             )
         return
 
+    from tsenor_cli.interrupt import stop_on_signals
     from tsenor_cli.pruning.api import prune_model
 
-    report = prune_model(cfg, run_ctx)
+    with stop_on_signals() as stop:
+        report = prune_model(cfg, run_ctx, stop=stop)
     payload: dict[str, Any] = {"prune": report.to_json()}
     if eval_cfg is not None and cfg.output is not None:
         from tsenor_cli import atomic
@@ -347,8 +346,15 @@ def prune_cmd(
         from tsenor_cli.models.loading import load_model, parse_dtype
         from tsenor_cli.runfiles import EVAL_FILE
 
-        loaded = load_model(str(cfg.output), run_ctx, dtype=parse_dtype(cfg.dtype), device=cfg.device)
-        evaluation = evaluate_model(loaded, eval_cfg, run_ctx)
+        try:
+            loaded = load_model(str(cfg.output), run_ctx, dtype=parse_dtype(cfg.dtype), device=cfg.device)
+            evaluation = evaluate_model(loaded, eval_cfg, run_ctx)
+        except KeyboardInterrupt:
+            raise Interrupted(
+                f"interrupted while evaluating; the checkpoint {cfg.output} is complete but has no {EVAL_FILE}: "
+                f"run `tsenor eval --model {cfg.output} --output {cfg.output}`",
+                EXIT_SIGINT,
+            ) from None
         atomic.write_json(cfg.output / EVAL_FILE, evaluation.to_json())
         payload["eval"] = evaluation.to_json()
         if not as_json:

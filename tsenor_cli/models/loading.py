@@ -84,7 +84,7 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith("/") or "\\" in name
 
 
-def _hub_error(name: str, ctx: RunContext) -> InputNotFoundError:
+def hub_error(name: str, ctx: RunContext) -> InputNotFoundError:
     """The error for a hub id that did not load: not cached under the offline policy, or not downloadable.
 
     "dir/name" is also how a relative path looks: when "dir" is a local folder, the path was likely mistyped.
@@ -187,7 +187,7 @@ def load_model(
     except OSError as exc:
         if is_local:
             raise InputNotFoundError(f"cannot read the config of {source}: {exc}") from exc
-        raise _hub_error(name, ctx) from exc
+        raise hub_error(name, ctx) from exc
     discover_structure(meta_model(config, trust_remote_code=trust_remote_code))
     if is_local:
         check_weight_files(Path(source))
@@ -200,7 +200,7 @@ def load_model(
                 f"cannot load the tokenizer of {source} ({exc}); copy the tokenizer files of its base model "
                 "(tokenizer.json or tokenizer.model, tokenizer_config.json) into it"
             ) from exc
-        raise _hub_error(name, ctx) from exc
+        raise hub_error(name, ctx) from exc
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **hub)
     except SafetensorError as exc:
@@ -211,7 +211,7 @@ def load_model(
                 f"cannot load the checkpoint in {source} ({exc}); "
                 "it needs config.json, *.safetensors and tokenizer files"
             ) from exc
-        raise _hub_error(name, ctx) from exc
+        raise hub_error(name, ctx) from exc
     model = model.to(torch_device)  # type: ignore[arg-type]
     model.eval()
     structure = discover_structure(model)

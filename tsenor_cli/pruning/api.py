@@ -8,11 +8,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tsenor_cli.errors import UsageError
+from tsenor_cli import atomic
+from tsenor_cli.errors import EXIT_RESUMABLE, EXIT_SIGINT, Interrupted, ResumeStateError, UsageError
+from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.progress import Progress, bar, logger, sink
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.engine import (
@@ -27,13 +30,21 @@ from tsenor_cli.pruning.engine import (
     run_block,
 )
 from tsenor_cli.pruning.finite import check_finite
-from tsenor_cli.pruning.output import check_not_input, prepare_output, write_checkpoint
+from tsenor_cli.pruning.output import (
+    check_free_space,
+    check_not_input,
+    check_output_location,
+    output_lock,
+    output_path,
+    prepare_output,
+    write_checkpoint,
+)
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.report import versions
-from tsenor_cli.pruning.resume import records_from_state
+from tsenor_cli.pruning.resume import ResumeState, ResumeStore
 from tsenor_cli.pruning.selection import excluded_layers
 from tsenor_cli.pruning.types import LayerRecord
-from tsenor_cli.runfiles import ContextRecord, DataSource, PatternInfo, PruneReport
+from tsenor_cli.runfiles import ContextRecord, PatternInfo, PruneReport
 from tsenor_cli.settings import RunContext
 
 if TYPE_CHECKING:
@@ -107,25 +118,118 @@ def prune_model(
     progress: Progress | None = None,
     *,
     after_block: Callable[[int], None] | None = None,
+    stop: StopRequest | None = None,
 ) -> PruneReport:
     """Prune `cfg.model` block by block and write the checkpoint + reports to `cfg.output`.
 
+    Before any weights are read: the output location is checked (writable, not the input, room for
+    the checkpoint and resume state). Then, holding the output's lock until the checkpoint is in
+    place: a killed run's leftovers are recovered, the folder's contents checked (`prepare_output`),
+    and with `cfg.resume` an interrupted run of the same settings is continued; its state is saved
+    after every block (pruning/resume.py) and goes away with the final swap.
+
+    stop: polled before each block; once set (the CLI sets it on SIGTERM/SIGUSR1/SIGUSR2,
+    tsenor_cli.interrupt) the run raises `Interrupted` (exit 75) with its resume state saved.
+    KeyboardInterrupt (Ctrl-C) becomes `Interrupted` (exit 130) saying what was saved.
     after_block(i) runs once block i is done and its resume state is saved (tests use it to simulate a
     kill). Raises a `TsenorError` subclass for every input the user can fix, before any output exists.
     """
-    from tsenor_cli.models.loading import load_model
-
     say = sink(progress)
     start = time.perf_counter()
-    spec = get_pruner(cfg.method)
     if cfg.output is None:
         raise UsageError("--output is required to prune; pass --output DIR (or --dry-run to only print the plan)")
-    store = prepare_output(cfg.output, force=cfg.force, resume=cfg.resume)
+    output = output_path(cfg.output)
+    point = _RunPoint()
+    try:
+        check_output_location(output)
+        plan = plan_model(cfg, ctx, progress=say)
+        check_not_input(output, plan.source)
+        with output_lock(output):
+            for line in atomic.recover(output):
+                say(line)
+            store = prepare_output(
+                output, force=cfg.force, resume=cfg.resume, continue_hint="drop --no-resume-state to continue it"
+            )
+            state = _open_state(store, cfg, plan.blocks, say) if cfg.resume else None
+            to_write = max(0, plan.resume_bytes - store.size()) if cfg.resume else 0
+            check_free_space(output, plan.checkpoint_bytes, to_write)
+            point.blocks, point.done = plan.blocks, state.next_block if state is not None else 0
+            saving = store if cfg.resume else None
+            return _prune(cfg, ctx, output, saving, state, point, say, start, after_block, stop)
+    except KeyboardInterrupt:
+        raise point.interrupted(output, saving=cfg.resume, signal_name=stop.name if stop else None) from None
+
+
+@dataclass
+class _RunPoint:
+    """Where a run is, for the line an interruption prints: the model's block count (0 until the output
+    is checked and locked), blocks done (`done`; with a resume state, committed to it), the 0-based block
+    being pruned (`current`), or the final write (`writing`)."""
+
+    blocks: int = 0
+    done: int = 0
+    current: int | None = None
+    writing: bool = False
+
+    def interrupted(self, output: Path, *, saving: bool, signal_name: str | None) -> Interrupted:
+        """The `Interrupted` error for a stop here: by `signal_name` (exit 75) or by Ctrl-C (None, exit 130)."""
+        total = self.blocks
+        verb = f"stopped by {signal_name}" if signal_name is not None else "interrupted"
+        code = EXIT_RESUMABLE if signal_name is not None else EXIT_SIGINT
+        if not total:
+            return Interrupted(f"{verb} before pruning began; nothing was written", code)
+        if self.writing:
+            where = f"while writing {output}"
+        elif self.current is not None:
+            where = f"at block {self.current + 1}/{total}"
+        else:
+            where = f"after block {self.done}/{total}" if self.done else "before block 1"
+        if not saving:
+            saved = "nothing was saved (--no-resume-state): rerunning starts over"
+        elif self.done == total:
+            saved = "every block is saved in the resume state: rerun the same command to write the checkpoint"
+        elif self.done:
+            saved = f"the resume state holds blocks 1-{self.done}: rerun the same command to continue"
+        else:
+            saved = "no block was finished: rerunning the same command starts over"
+        return Interrupted(f"{verb} {where}; {saved}", code)
+
+
+def _open_state(store: ResumeStore, cfg: PruneConfig, blocks: int, say: Progress) -> ResumeState | None:
+    """The state of an interrupted run to continue; a damaged or foreign one is discarded with --force."""
+    try:
+        state = store.load(cfg.result_hash(), blocks)
+    except ResumeStateError as exc:
+        if not cfg.force:
+            raise
+        say(f"--force: discarding {store.root} ({str(exc).split('; ')[0]})")
+        store.discard()
+        return None
+    if state is not None:
+        say(f"resuming after block {state.next_block}/{blocks} from {store.root} (an interrupted run, same settings)")
+    return state
+
+
+def _prune(
+    cfg: PruneConfig,
+    ctx: RunContext,
+    output: Path,
+    store: ResumeStore | None,
+    state: ResumeState | None,
+    point: _RunPoint,
+    say: Progress,
+    start: float,
+    after_block: Callable[[int], None] | None,
+    stop: StopRequest | None,
+) -> PruneReport:
+    """The run itself, under the output lock: load, prune block by block (saving state), write."""
+    from tsenor_cli.models.loading import load_model
+
+    spec = get_pruner(cfg.method)
     dtype, device = _dtype_and_device(cfg)
     loaded = load_model(
         cfg.model, ctx, dtype=dtype, device="cpu", trust_remote_code=cfg.trust_remote_code, progress=say
     )
-    check_not_input(cfg.output, loaded.source)
     model, structure = loaded.model, loaded.structure
     # All weights at once, before calibration: a NaN in the last block should not cost a run to find.
     check_finite(
@@ -150,16 +254,15 @@ def prune_model(
 
     records: list[LayerRecord] = []
     first = 0
-    if store is not None and store.exists():
-        state = store.load_state(config_hash)
-        first = int(state["next_block"])
-        store.restore_blocks(blocks, first)
-        hidden = store.load_hidden(device)
-        calls = capture_block_calls(structure, int(hidden.shape[1]))
-        records = records_from_state(state)
-        calibration = str(state["calibration"])
-        calibration_source = DataSource.from_json(state["calibration_source"], f"{store.state_path}")
-        say(f"resuming after block {first}/{len(blocks)} from {store.root}")
+    hidden: torch.Tensor | None = None  # (S, T, H) the input of the next block
+    if state is not None and store is not None:
+        first = state.next_block
+        store.restore_blocks(blocks, state)
+        records = list(state.records)
+        calibration, calibration_source = state.calibration, state.calibration_source
+        if first < len(blocks):
+            hidden = store.load_hidden(state, device)
+            calls = capture_block_calls(structure, int(hidden.shape[1]))
     else:
         from tsenor_cli.data.calibration import calibration_batches
 
@@ -170,10 +273,14 @@ def prune_model(
         calibration_source = calib.source
         say(f"calibration: {calibration}, {tuple(calib.input_ids.shape)} tokens")
         inputs = capture_block_inputs(structure, calib.input_ids, device)
-        hidden, calls = inputs.hidden, inputs.calls  # hidden (S, T, H)
+        hidden, calls = inputs.hidden, inputs.calls
 
-    buffer = torch.empty_like(hidden)
+    buffer = torch.empty_like(hidden) if hidden is not None else None
     for index in bar(range(first, len(blocks)), total=len(blocks) - first, desc="blocks", unit="block"):
+        if stop is not None and stop.requested:
+            raise point.interrupted(output, saving=store is not None, signal_name=stop.name)
+        assert hidden is not None and buffer is not None  # set whenever a block is left to prune
+        point.current = index
         say(f"block {index + 1}/{len(blocks)}")
         block = blocks[index]
         block.to(device)
@@ -197,8 +304,19 @@ def prune_model(
         hidden, buffer = buffer, hidden
         block.to("cpu")
         if store is not None:
-            extra = {"calibration": calibration, "calibration_source": calibration_source.to_json()}
-            store.save_block(index, block, hidden, records, config_hash, extra)
+            last = index == len(blocks) - 1
+            state = store.save_block(
+                index,
+                block,
+                None if last else hidden,
+                state,
+                records,
+                config_hash,
+                calibration,
+                calibration_source,
+                len(blocks),
+            )
+        point.done, point.current = index + 1, None
         if after_block is not None:
             after_block(index)
 
@@ -226,14 +344,19 @@ def prune_model(
         linear_params=linear_params,
         linear_nonzero=linear_nonzero,
     )
-    say(f"writing {cfg.output}")
-    write_checkpoint(model, loaded.tokenizer, cfg.output, report, sparsity_metadata(cfg, records, solver))
+    say(f"writing {output}")
+    point.writing = True
+    write_checkpoint(model, loaded.tokenizer, output, report, sparsity_metadata(cfg, records, solver))
     return report
 
 
 @dataclass(frozen=True)
 class PrunePlan:
-    """What a run would do, without loading weights: layers, compatibility and a memory estimate (bytes)."""
+    """What a run would do, without loading weights: layers, compatibility, memory and disk estimates (bytes).
+
+    checkpoint_bytes: the pruned checkpoint's weights; resume_bytes: the most the resume state holds at
+    once (every block's parameters and two (S, T, H) hidden-state files while one replaces the other).
+    """
 
     model: str
     method: str
@@ -250,6 +373,9 @@ class PrunePlan:
     device_bytes: int
     device: str
     dtype: str
+    blocks: int
+    checkpoint_bytes: int
+    resume_bytes: int
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -275,6 +401,9 @@ class PrunePlan:
             "params": self.params,
             "estimated_cpu_bytes": self.cpu_bytes,
             "estimated_device_bytes": self.device_bytes,
+            "estimated_checkpoint_bytes": self.checkpoint_bytes,
+            "estimated_resume_state_bytes": self.resume_bytes,
+            "blocks": self.blocks,
             "device": self.device,
             "dtype": self.dtype,
         }
@@ -289,16 +418,18 @@ def plan_model(cfg: PruneConfig, ctx: RunContext, progress: Progress | None = No
     """
     from transformers import AutoConfig
 
-    from tsenor_cli.models.loading import meta_model, resolve_source
+    from tsenor_cli.models.loading import hub_error, meta_model, resolve_source
     from tsenor_cli.models.structure import discover_structure
 
     dtype, device = _dtype_and_device(cfg)
-    source, _ = resolve_source(cfg.model, ctx, progress=progress)
+    source, is_local = resolve_source(cfg.model, ctx, progress=progress)
     try:
         config = AutoConfig.from_pretrained(
             source, trust_remote_code=cfg.trust_remote_code, local_files_only=ctx.offline
         )
     except OSError as exc:
+        if not is_local:  # the same line as load_model's for a hub id that cannot be had
+            raise hub_error(cfg.model, ctx) from exc
         from tsenor_cli.errors import InputNotFoundError
 
         raise InputNotFoundError(
@@ -314,7 +445,7 @@ def plan_model(cfg: PruneConfig, ctx: RunContext, progress: Progress | None = No
     seqlen = min(cfg.seqlen, int(max_pos)) if max_pos else cfg.seqlen
     width = torch.finfo(dtype).bits // 8
     params = sum(p.numel() for p in model.parameters())
-    block_params = max(sum(p.numel() for p in b.parameters()) for b in structure.blocks)
+    per_block = [sum(p.numel() for p in b.parameters()) for b in structure.blocks]
     hidden = int(config.hidden_size)
     activations = 2 * cfg.nsamples * seqlen * hidden * width  # block inputs and outputs
     gram = 4 * max(sum(s.in_features**2 for s in candidates if s.block == index) for index in range(len(structure)))
@@ -336,7 +467,10 @@ def plan_model(cfg: PruneConfig, ctx: RunContext, progress: Progress | None = No
         nsamples=cfg.nsamples,
         params=params,
         cpu_bytes=params * width,
-        device_bytes=block_params * width + activations + gram + work,
+        device_bytes=max(per_block) * width + activations + gram + work,
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
+        blocks=len(structure),
+        checkpoint_bytes=params * width,
+        resume_bytes=sum(per_block) * width + activations,
     )

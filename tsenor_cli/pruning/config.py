@@ -27,6 +27,9 @@ class PruneConfig:
     ignore / targets: patterns on full module names (globs, or `re:` regexes) of the linears to leave
     dense / to restrict pruning to (`tsenor_cli.pruning.selection`); empty targets means all.
     command: the command line, recorded in the report.
+    resume: save a resume state after each block and continue an interrupted run of the same
+    settings found in `output` (pruning/resume.py); False saves none. force: replace a tsenor run
+    in `output`, and discard a resume state that is damaged or from other settings.
     """
 
     model: str
@@ -45,7 +48,7 @@ class PruneConfig:
     targets: tuple[str, ...] = ()
     output: Path | None = None
     force: bool = False
-    resume: bool = False
+    resume: bool = True
     command: str | None = None
 
     def __post_init__(self) -> None:

@@ -1,55 +1,216 @@
-"""The output folder: refused when it exists (unless --force / --resume), written atomically at the end."""
+"""The output folder: checked and locked before any work, replaced atomically at the very end.
+
+Before a model is loaded: the location must be creatable and writable (`check_output_location`) with
+room for the checkpoint and the resume state (`check_free_space`). For the whole run, including the
+final swap, an exclusive lock (`output_lock`) keeps a second run off the same folder; under it the
+leftovers of a killed run are recovered (`atomic.recover`) and what the folder holds is checked
+(`prepare_output`): ``--force`` replaces only a tsenor run or an empty folder.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from tsenor_cli import atomic
-from tsenor_cli.errors import OutputExistsError, UsageError
+from tsenor_cli.errors import OutputBusyError, OutputExistsError, OutputUnwritableError, UsageError
 from tsenor_cli.pruning.resume import RESUME_DIRNAME, ResumeStore
 from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, PruneReport
 
 SPARSITY_KEY = "tsenor_sparsity"
 MAX_SHARD_SIZE = "2GB"
+# What marks a folder as a tsenor run that --force may replace: a finished run's report (prune and
+# finetune both write it) or an interrupted run's resume state.
+RUN_MARKERS = (PRUNE_FILE, RESUME_DIRNAME)
 
 
-def prepare_output(output: Path, *, force: bool, resume: bool) -> ResumeStore | None:
-    """Check `output` before any work; returns the resume store when --resume is set.
+def output_path(output: Path) -> Path:
+    """`output` absolute with symlinks resolved: "." and "x/.." get a name and a parent, and every spelling
+    of one folder gets the same lock."""
+    return Path(output).expanduser().resolve()
 
-    Allowed: a missing or empty folder; with --resume, a folder holding only a resume state; with
-    --force, anything (replaced at the very end, never earlier).
+
+def lock_path(output: Path) -> Path:
+    """The lock file of `output`: ``.NAME.lock`` beside it, so it outlives the swap of the folder itself."""
+    output = output_path(output)
+    return output.parent / f".{output.name}.lock"
+
+
+@contextmanager
+def output_lock(output: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `output` for the block; OutputBusyError when another process holds it.
+
+    An OS lock (flock) on ``.NAME.lock`` beside the folder: the kernel drops it when the holder exits or
+    is killed, so no stale lock outlives a run. The holder writes "pid@host" into the file for the
+    error line. On exit the file is removed while still locked; a process that opened it just before
+    then holds a lock on a deleted file, so each acquirer checks that the path still names the file it
+    locked and retries otherwise.
     """
-    if output.exists():
-        if not output.is_dir():
-            raise OutputExistsError(f"--output {output} is a file; choose a directory path for the checkpoint")
-        entries = {p.name for p in output.iterdir()}
-        if entries == {RESUME_DIRNAME}:
-            if not resume and not force:
-                raise OutputExistsError(
-                    f"{output} holds an interrupted run; pass --resume to continue it or --force to start over"
-                )
-            if not resume:
-                shutil.rmtree(output / RESUME_DIRNAME)
-        elif entries and not force:
-            raise OutputExistsError(
-                f"output directory {output} already exists and is not empty; pass --force to replace it "
+    path = lock_path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "unknown"
+            os.close(fd)
+            pid, _, host = holder.partition("@")
+            where = f"pid {pid} on {host}" if host else f"pid {pid}"
+            raise OutputBusyError(
+                f"--output {output} is in use by another tsenor run ({where}); wait for it to finish "
                 "or choose another --output"
+            ) from None
+        try:
+            same = path.stat().st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        # The holder's identity goes into the locked file itself (not an atomic replacement, which
+        # would be a different, unlocked file).
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}@{os.uname().nodename}\n".encode(), 0)
+        yield
+    finally:
+        try:
+            path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)  # releases the lock, whatever happened to the file
+
+
+def _existing_ancestor(path: Path) -> Path:
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate
+    return Path(path.anchor)
+
+
+def check_output_location(output: Path) -> None:
+    """Refuse an --output that cannot be created or written, before any work, leaving nothing behind.
+
+    The folder's parent (or, when missing, its nearest existing ancestor) must be a folder where files
+    can be created: the checkpoint is built beside the output and renamed into place, and the lock file
+    lives there. That is probed by creating and removing a temporary (named as `atomic.recover` cleans
+    up), which also catches what permission bits do not show (read-only or pseudo file systems). An
+    existing output folder must be writable too: the resume state goes into it.
+    """
+    output = output_path(output)
+    if output.exists() and not output.is_dir():
+        raise OutputExistsError(f"--output {output} is a file; choose a directory path for the checkpoint")
+    base = _existing_ancestor(output.parent)
+    if not base.is_dir():
+        raise OutputUnwritableError(f"--output {output} cannot be created: {base} is a file; choose another --output")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=atomic.temp_prefix(output), dir=base)
+    except OSError as exc:
+        raise OutputUnwritableError(
+            f"--output {output} is not writable: cannot create files in {base} ({exc.strerror or exc}); "
+            "choose an --output in a writable folder"
+        ) from exc
+    os.close(fd)
+    Path(probe).unlink()
+    if output.is_dir() and not os.access(output, os.W_OK | os.X_OK):
+        raise OutputUnwritableError(
+            f"--output {output} is not writable (the resume state goes into it); make it writable "
+            "or choose another --output"
+        )
+
+
+def free_bytes(output: Path) -> int:
+    """Free bytes on the file system that holds (or will hold) `output`."""
+    return shutil.disk_usage(_existing_ancestor(output_path(output))).free
+
+
+def human_bytes(n: float) -> str:
+    """`n` bytes for a person: "1.5 GiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def check_free_space(output: Path, checkpoint_bytes: int, resume_bytes: int) -> None:
+    """OutputUnwritableError unless the file system of `output` has room for the run's writes.
+
+    checkpoint_bytes: the checkpoint (built beside the old folder, which stays until the swap);
+    resume_bytes: what the resume state still has to write (0 without one).
+    """
+    need, free = checkpoint_bytes + resume_bytes, free_bytes(output)
+    if need > free:
+        saving = f"; --no-resume-state saves {human_bytes(resume_bytes)}" if resume_bytes else ""
+        raise OutputUnwritableError(
+            f"not enough free space for --output {output}: the run writes about {human_bytes(need)} "
+            f"(checkpoint {human_bytes(checkpoint_bytes)}, resume state {human_bytes(resume_bytes)}), "
+            f"{human_bytes(free)} are free; free some space or choose another --output{saving}"
+        )
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(sorted(names)[:4])
+    return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def prepare_output(
+    output: Path, *, force: bool, resume: bool, continue_hint: str = "pass --resume to continue it"
+) -> ResumeStore:
+    """Check what `output` holds before any work; returns its resume store (whose state the caller
+    continues, refuses or discards). continue_hint: how the command's user continues a resume state.
+
+    Allowed: a missing or empty folder; a folder holding a resume state when `resume` (continue it) or
+    `force` (its state is deleted now when not `resume`); a tsenor run (a report or a resume state,
+    `RUN_MARKERS`) with `force`, replaced at the very end, never earlier. A folder without a marker is
+    refused even with `force`: it is not tsenor's to delete.
+    """
+    output = output_path(output)
+    store = ResumeStore(output)
+    if not output.exists():
+        return store
+    if not output.is_dir():
+        raise OutputExistsError(f"--output {output} is a file; choose a directory path for the checkpoint")
+    entries = [p.name for p in output.iterdir()]
+    if not entries:
+        return store
+    if not any(marker in entries for marker in RUN_MARKERS):
+        raise OutputExistsError(
+            f"--output {output} holds files that are not a tsenor run ({_listing(entries)}); "
+            "--force replaces only a tsenor run or an empty folder: choose another --output"
+        )
+    if store.exists() and not resume:
+        if not force:
+            raise OutputExistsError(
+                f"{output} holds an interrupted run; {continue_hint}, or pass --force to start over"
             )
-    return ResumeStore(output) if resume else None
+        store.discard()
+    elif not force and entries != [RESUME_DIRNAME]:
+        raise OutputExistsError(
+            f"output directory {output} already holds a tsenor run; pass --force to replace it "
+            "or choose another --output"
+        )
+    return store
 
 
 def check_not_input(output: Path, source: str) -> None:
-    """The input checkpoint is never touched: refuse an output that is (or contains) it."""
+    """The input checkpoint is never touched: refuse an output that is, contains or lies inside it (a
+    checkpoint written into its input folder would change what that folder holds)."""
     src = Path(source)
     if not src.exists():
         return
     out, src = output.resolve(), src.resolve()
     if out == src or out in src.parents:
         raise UsageError(f"--output {output} would overwrite the input checkpoint {src}; choose another directory")
+    if src in out.parents:
+        raise UsageError(f"--output {output} is inside the input checkpoint {src}; choose a directory outside it")
 
 
 def write_model_folder(

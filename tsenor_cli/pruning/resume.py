@@ -1,85 +1,240 @@
-"""Resume state of an interrupted run, kept in OUTPUT/.tsenor-resume/ (safetensors + JSON only).
+"""Resume state of a pruning run, kept in OUTPUT/.tsenor-resume/ (safetensors + JSON only).
 
-After every block: the block's pruned parameters (block_NNNN.safetensors), the hidden states that enter
-the next block (hidden.safetensors) and state.json (config hash, next block, layer records). state.json
-is written last and atomically, so a kill at any moment leaves either the previous or the new state.
+After block i is pruned the store writes, each file atomically (tsenor_cli.atomic):
+
+1. ``block_<i>.safetensors``: the block's pruned parameters;
+2. ``hidden_<i>.safetensors``: the hidden states (S, T, H) leaving it, the input of block i+1 (not
+   written after the last block, which nothing reads);
+3. ``state.json``: the commit point. It names the next block, the hidden-states file to read and the
+   size of every file it relies on, plus the layer records and the calibration source;
+4. the previous ``hidden_<i-1>.safetensors`` is deleted.
+
+Files are named by block and never rewritten with other contents, so a kill at any point leaves the
+state.json of step 3 before or after, and every file that one names complete: resuming never reads a
+block's own output as its input. What a kill leaves unnamed (a new file before its state.json, the
+previous hidden states before step 4, a temporary) is deleted when the state is next opened. A
+state.json that cannot be read or names a missing or wrongly sized file is damaged: one line
+(`ResumeStateError`), never a traceback.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+import re
+import shutil
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
 from tsenor_cli import atomic
-from tsenor_cli.errors import UsageError
+from tsenor_cli.errors import ResumeStateError
 from tsenor_cli.pruning.types import LayerRecord
+from tsenor_cli.runfiles import DataSource
 
 RESUME_DIRNAME = ".tsenor-resume"
-# 2: the state also records where the calibration data came from (calibration_source).
-STATE_VERSION = 2
+STATE_FILE = "state.json"
+# 3: files named by block (block_<i>, hidden_<i>) and listed with their sizes in state.json.
+STATE_VERSION = 3
+# What this store writes in its folder: its files and their atomic temporaries (.NAME.tmp-<pid>-…).
+_OWN_FILE = re.compile(r"\.?(state\.json|(block|hidden)_[0-9]{4}\.safetensors)(\.tmp-[0-9]+-[A-Za-z0-9_]+)?")
+
+
+def block_file(index: int) -> str:
+    return f"block_{index:04d}.safetensors"
+
+
+def hidden_file(index: int) -> str:
+    return f"hidden_{index:04d}.safetensors"
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """A saved state: blocks 0..next_block-1 are done.
+
+    hidden: the file holding the (S, T, H) input of block next_block, None once every block is done.
+    files: {file name: size in bytes} of every file the state relies on.
+    """
+
+    next_block: int
+    blocks: int
+    hidden: str | None
+    files: dict[str, int]
+    records: list[LayerRecord]
+    calibration: str
+    calibration_source: DataSource
 
 
 class ResumeStore:
-    """The resume folder of one output directory."""
+    """The resume folder of one output directory; `save_block` after each block, `load` to continue."""
 
     def __init__(self, output: Path) -> None:
-        self.root = output / RESUME_DIRNAME
+        self.root = Path(output) / RESUME_DIRNAME
 
     @property
     def state_path(self) -> Path:
-        return self.root / "state.json"
+        return self.root / STATE_FILE
 
     def exists(self) -> bool:
-        return self.state_path.is_file()
+        return self.root.is_dir()
 
-    def load_state(self, config_hash: str) -> dict[str, Any]:
-        """The saved state; UsageError when it belongs to a run with different settings."""
-        state = json.loads(self.state_path.read_text())
-        if state.get("version") != STATE_VERSION or state.get("config_hash") != config_hash:
-            raise UsageError(
-                f"the resume state in {self.root} was made with different settings; rerun with the same "
-                "flags to continue it, or pass --force without --resume to start over"
+    def size(self) -> int:
+        """Bytes the folder takes now (0 when it does not exist)."""
+        if not self.root.is_dir():
+            return 0
+        return sum(entry.stat().st_size for entry in self.root.iterdir() if entry.is_file())
+
+    def discard(self) -> None:
+        """Delete the folder and everything in it."""
+        if self.root.is_dir():
+            shutil.rmtree(self.root)
+
+    def _damaged(self, why: str) -> ResumeStateError:
+        return ResumeStateError(
+            f"the resume state in {self.root} is damaged ({why}); pass --force to start over, or delete {self.root}"
+        )
+
+    def load(self, config_hash: str, blocks: int) -> ResumeState | None:
+        """The committed state, None when there is none; removes what a kill left unnamed.
+
+        ResumeStateError when the state is damaged, belongs to other settings or another tsenor
+        version, or when the folder holds files this store never writes (another command's state).
+        `blocks`: the model's block count, which a state must match.
+        """
+        if not self.root.is_dir():
+            return None
+        foreign = sorted(entry.name for entry in self.root.iterdir() if not _OWN_FILE.fullmatch(entry.name))
+        if foreign:
+            raise ResumeStateError(
+                f"{self.root} holds files tsenor prune does not write ({', '.join(foreign[:4])}), "
+                "e.g. another command's resume state; pass --force to start over"
             )
+        if not self.state_path.is_file():
+            # Killed before the first block's state.json: nothing was committed.
+            self.discard()
+            return None
+        state = self._read(config_hash, blocks)
+        for entry in self.root.iterdir():
+            if entry.name != STATE_FILE and entry.name not in state.files:
+                entry.unlink()
+        return state
+
+    def _read(self, config_hash: str, blocks: int) -> ResumeState:
+        try:
+            raw = json.loads(self.state_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise self._damaged(f"{STATE_FILE} is unreadable: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise self._damaged(f"{STATE_FILE} is not a JSON object")
+        if raw.get("version") != STATE_VERSION:
+            raise ResumeStateError(
+                f"the resume state in {self.root} was written by another tsenor version (state version "
+                f"{raw.get('version')!r}, this one reads {STATE_VERSION}); pass --force to start over"
+            )
+        if raw.get("config_hash") != config_hash:
+            raise ResumeStateError(
+                f"the resume state in {self.root} was made with different settings; rerun with the same "
+                "flags to continue it, or pass --force to start over"
+            )
+        try:
+            state = ResumeState(
+                next_block=int(raw["next_block"]),
+                blocks=int(raw["blocks"]),
+                hidden=None if raw["hidden"] is None else str(raw["hidden"]),
+                files={str(name): int(size) for name, size in dict(raw["files"]).items()},
+                records=[LayerRecord(**record) for record in raw["records"]],
+                calibration=str(raw["calibration"]),
+                calibration_source=DataSource.from_json(raw["calibration_source"], str(self.state_path)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise self._damaged(f"{STATE_FILE} lacks or mistypes {exc}") from exc
+        if state.blocks != blocks:
+            raise ResumeStateError(
+                f"the resume state in {self.root} is for a model with {state.blocks} blocks, not {blocks}; "
+                "pass --force to start over"
+            )
+        expected = {block_file(i) for i in range(state.next_block)}
+        if state.hidden is not None:
+            expected.add(state.hidden)
+        if not 1 <= state.next_block <= blocks or (state.hidden is None) != (state.next_block == blocks):
+            raise self._damaged(f"next block {state.next_block} of {blocks} with hidden states {state.hidden}")
+        if set(state.files) != expected:
+            raise self._damaged(f"{STATE_FILE} lists {sorted(state.files)}, not the files of its blocks")
+        for name, size in state.files.items():
+            path = self.root / name
+            if not path.is_file():
+                raise self._damaged(f"{name} is missing")
+            if path.stat().st_size != size:
+                raise self._damaged(f"{name} has {path.stat().st_size} bytes, {STATE_FILE} says {size}")
         return state
 
     def save_block(
         self,
         index: int,
         block: nn.Module,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | None,
+        previous: ResumeState | None,
         records: list[LayerRecord],
         config_hash: str,
-        extra: dict[str, Any],
-    ) -> None:
-        """Record that blocks 0..index are done: hidden (S, T, H) is the input of block index+1."""
+        calibration: str,
+        calibration_source: DataSource,
+        blocks: int,
+    ) -> ResumeState:
+        """Commit that blocks 0..index are done (the order of the module docstring); returns the new state.
+
+        hidden: (S, T, H) the input of block index+1, None after the last block. previous: the state
+        committed after block index-1 (None for the first block of a fresh run).
+        """
         self.root.mkdir(parents=True, exist_ok=True)
-        atomic.save_safetensors(dict(block.state_dict()), self.root / f"block_{index:04d}.safetensors")
-        atomic.save_safetensors({"hidden": hidden}, self.root / "hidden.safetensors")
-        state = {
+        files = dict(previous.files) if previous is not None else {}
+        old_hidden = previous.hidden if previous is not None else None
+        if old_hidden is not None:
+            del files[old_hidden]
+        name = block_file(index)
+        atomic.save_safetensors(dict(block.state_dict()), self.root / name)
+        files[name] = (self.root / name).stat().st_size
+        new_hidden = None
+        if hidden is not None:
+            new_hidden = hidden_file(index)
+            atomic.save_safetensors({"hidden": hidden}, self.root / new_hidden)
+            files[new_hidden] = (self.root / new_hidden).stat().st_size
+        state = ResumeState(index + 1, blocks, new_hidden, files, list(records), calibration, calibration_source)
+        payload = {
             "version": STATE_VERSION,
             "config_hash": config_hash,
-            "next_block": index + 1,
+            "next_block": state.next_block,
+            "blocks": blocks,
+            "hidden": new_hidden,
+            "files": files,
             "records": [asdict(r) for r in records],
-            **extra,
+            "calibration": calibration,
+            "calibration_source": calibration_source.to_json(),
         }
-        atomic.write_json(self.state_path, state, indent=1)
+        atomic.write_json(self.state_path, payload, indent=1)
+        if old_hidden is not None:
+            (self.root / old_hidden).unlink(missing_ok=True)
+        return state
 
-    def restore_blocks(self, blocks: nn.ModuleList, next_block: int) -> None:
+    def restore_blocks(self, blocks: nn.ModuleList, state: ResumeState) -> None:
         """Load the saved pruned parameters of blocks 0..next_block-1 into `blocks` (on the CPU)."""
-        for index in range(next_block):
-            params = load_file(str(self.root / f"block_{index:04d}.safetensors"))
-            blocks[index].load_state_dict(params, strict=True)
+        for index in range(state.next_block):
+            name = block_file(index)
+            try:
+                blocks[index].load_state_dict(load_file(str(self.root / name)), strict=True)
+            except (SafetensorError, OSError, RuntimeError) as exc:
+                raise self._damaged(f"{name} does not load into block {index}: {exc}") from exc
 
-    def load_hidden(self, device: torch.device) -> torch.Tensor:
-        """(S, T, H) hidden states entering the next block, on `device`."""
-        return load_file(str(self.root / "hidden.safetensors"))["hidden"].to(device)
-
-
-def records_from_state(state: dict[str, Any]) -> list[LayerRecord]:
-    return [LayerRecord(**r) for r in state["records"]]
+    def load_hidden(self, state: ResumeState, device: torch.device) -> torch.Tensor:
+        """(S, T, H) hidden states entering block `state.next_block`, on `device`."""
+        if state.hidden is None:
+            raise ValueError("every block is done; there are no hidden states to continue from")
+        try:
+            hidden = load_file(str(self.root / state.hidden))["hidden"]
+        except (SafetensorError, OSError, KeyError) as exc:
+            raise self._damaged(f"{state.hidden} does not load: {exc}") from exc
+        if hidden.dim() != 3:
+            raise self._damaged(f"{state.hidden} holds a tensor of shape {tuple(hidden.shape)}, not (S, T, H)")
+        return hidden.to(device)

@@ -1,0 +1,237 @@
+"""The output folder (docs/reliability.md): the lock, what --force may replace, the location checked
+before any model is loaded, and the temporaries of killed runs recovered or removed."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+from helpers_faults import Killed, KillSwitch
+from helpers_tiny import make_tiny_llama
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from tsenor_cli import atomic
+from tsenor_cli.cli import app
+from tsenor_cli.errors import OutputBusyError, TsenorError
+from tsenor_cli.pruning import output as output_module
+from tsenor_cli.pruning.api import plan_model
+from tsenor_cli.pruning.config import PruneConfig
+from tsenor_cli.pruning.output import lock_path, output_lock
+from tsenor_cli.pruning.resume import RESUME_DIRNAME
+from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.runfiles import PRUNE_FILE
+from tsenor_cli.settings import RunContext
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["--method", "wanda", "--nm", "2:4", "--solver", "exhaustive", "--nsamples", "2", "--seqlen", "16"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "src")
+
+
+@pytest.fixture(scope="module")
+def calib(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_bytes((data_dir / "wikitext-2-raw" / "wiki.valid.raw").read_bytes()[:20_000])
+    return path
+
+
+def _prune(model: Path | str, calib: Path, output: Path, *extra: str) -> object:
+    args = ["prune", "--model", str(model), *FAST, "--calib-data", str(calib), "--output", str(output), *extra]
+    result = CliRunner().invoke(app, args)
+    if isinstance(result.exception, TsenorError):
+        result.exit_code = result.exception.exit_code  # what main() would exit with
+    return result
+
+
+def _line(result: object) -> str:
+    """The one line main() prints for a known error."""
+    text = str(result.exception)  # type: ignore[attr-defined]
+    assert "\n" not in text
+    return text
+
+
+# ---------------------------------------------------------------- the lock
+
+
+def test_a_second_run_gets_the_lock_error_and_a_killed_holder_leaves_no_stale_lock(
+    tiny: Path, calib: Path, tmp_path: Path
+) -> None:
+    """A real second process holds the lock: the prune is refused naming its pid, writing nothing;
+    once the holder is SIGKILLed the same prune runs."""
+    out = tmp_path / "out"
+    holder = subprocess.Popen(
+        [
+            sys.executable, "-c",
+            "import sys, time; from pathlib import Path; from tsenor_cli.pruning.output import output_lock\n"
+            "with output_lock(Path(sys.argv[1])):\n    print('locked', flush=True); time.sleep(600)",
+            str(out),
+        ],
+        cwd=REPO, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        refused = _prune(tiny, calib, out)
+        assert refused.exit_code == 4  # type: ignore[attr-defined]
+        assert _line(refused).startswith(f"--output {out} is in use by another tsenor run (pid {holder.pid} on ")
+        assert not out.exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+    assert lock_path(out).exists()  # left by the killed holder; its lock died with it
+    result = _prune(tiny, calib, out)
+    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the lock file is gone after the run
+
+
+def test_the_lock_is_exclusive_and_reacquired_after_release(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with output_lock(out):
+        with pytest.raises(OutputBusyError, match=r"pid [0-9]+ on "), output_lock(out / ".." / "out"):
+            pass  # another spelling of the same folder gets the same lock
+        assert lock_path(out).read_text().startswith(f"{os.getpid()}@")
+    assert not lock_path(out).exists()
+    with output_lock(out):
+        pass
+
+
+# ---------------------------------------------------------------- what --force may replace
+
+
+def test_force_replaces_only_a_tsenor_run_or_an_empty_folder(tiny: Path, calib: Path, tmp_path: Path) -> None:
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    (foreign / "data").mkdir()
+    refused = _prune(tiny, calib, foreign, "--force")
+    assert refused.exit_code == 4  # type: ignore[attr-defined]
+    assert "holds files that are not a tsenor run (data, notes.txt)" in _line(refused)
+    assert sorted(p.name for p in foreign.iterdir()) == ["data", "notes.txt"]
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _prune(tiny, calib, empty).exit_code == 0  # type: ignore[attr-defined]
+    (empty / "extra.txt").write_text("written into the run folder later")
+    again = _prune(tiny, calib, empty)
+    assert again.exit_code == 4 and "already holds a tsenor run; pass --force" in _line(again)  # type: ignore[attr-defined]
+    replaced = _prune(tiny, calib, empty, "--force")
+    assert replaced.exit_code == 0, replaced.output  # type: ignore[attr-defined]
+    assert (empty / PRUNE_FILE).is_file() and not (empty / "extra.txt").exists()  # the whole run was replaced
+
+
+# ---------------------------------------------------------------- the location, before any model is loaded
+
+
+def test_an_unusable_output_location_fails_before_the_model_is_read(calib: Path, tmp_path: Path) -> None:
+    """The model named here does not exist: the output's error coming first shows it is checked first."""
+    missing_model = tmp_path / "no-such-model"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    cases = {
+        blocker / "out": f"--output {blocker}/out cannot be created: {blocker} is a file",
+        Path("/proc/tsenor-out"): "--output /proc/tsenor-out is not writable: cannot create files in /proc",
+        blocker: f"--output {blocker} is a file",
+    }
+    for output, start in cases.items():
+        result = _prune(missing_model, calib, output)
+        assert result.exit_code == 4, (output, result.output)  # type: ignore[attr-defined]
+        assert _line(result).startswith(start), _line(result)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no probe, no lock left behind
+
+
+def test_not_enough_space_fails_before_the_model_is_loaded(
+    tiny: Path, calib: Path, tmp_path: Path, data_ctx: RunContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = PruneConfig(
+        model=str(tiny),
+        layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)),
+        calib_data=str(calib),
+        nsamples=2,
+        seqlen=16,
+    )
+    plan = plan_model(cfg, data_ctx)
+    # The checkpoint estimate is the model's own parameter count at fp32, tied embeddings counted once.
+    params = sum(t.numel() for t in load_file(str(tiny / "model.safetensors")).values())
+    assert plan.checkpoint_bytes == 4 * params
+    hidden = json.loads((tiny / "config.json").read_text())["hidden_size"]
+    block_bytes = plan.resume_bytes - 2 * 2 * 16 * hidden * 4  # two (2, 16, hidden) fp32 hidden-state files
+    assert 0 < block_bytes < plan.checkpoint_bytes
+
+    usage = namedtuple("usage", "total used free")
+    free = plan.checkpoint_bytes + plan.resume_bytes - 1
+    monkeypatch.setattr(output_module.shutil, "disk_usage", lambda _path: usage(10 * free, 9 * free, free))
+
+    def never(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the model was loaded before the free space was checked")
+
+    monkeypatch.setattr("tsenor_cli.models.loading.load_model", never)
+    out = tmp_path / "out"
+    short = _prune(tiny, calib, out)
+    assert short.exit_code == 4  # type: ignore[attr-defined]
+    assert _line(short).startswith(f"not enough free space for --output {out}: the run writes about ")
+    assert "--no-resume-state saves" in _line(short)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    # without the resume state the checkpoint fits: the check passes and the (stubbed) load is reached
+    fits = _prune(tiny, calib, out, "--no-resume-state")
+    assert isinstance(fits.exception, AssertionError)  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- temporaries of killed runs
+
+
+def test_stale_temporaries_of_the_output_are_removed_at_the_next_run(tiny: Path, calib: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (tmp_path / ".out.tmp-999999-abcd1234").mkdir()
+    (tmp_path / ".out.tmp-999999-abcd1234" / "model.safetensors").write_bytes(b"\0" * 1000)
+    (tmp_path / ".out.tmp-999999-efgh5678").write_bytes(b"half a file")
+    (tmp_path / ".out.old-999999-ijkl9012").mkdir()
+    (tmp_path / ".other.tmp-999999-abcd1234").mkdir()  # another output's: not touched
+    result = _prune(tiny, calib, out)
+    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    assert "removed .out.tmp-999999-abcd1234, left by an interrupted write of out" in result.stderr  # type: ignore[attr-defined]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-999999-abcd1234", "out"]
+
+
+def test_folder_swap_killed_at_every_step_recovers_old_or_new(tmp_path: Path) -> None:
+    """atomic_dir(replace=True) killed before each of its file-system changes: `recover` leaves the old
+    folder or the new one, whole, and no temporary."""
+    at, restored = 1, []
+    while True:
+        root = tmp_path / f"k{at}"
+        out = root / "out"
+        out.mkdir(parents=True)
+        (out / "old.txt").write_text("old")
+        (out / RESUME_DIRNAME).mkdir()
+        (out / RESUME_DIRNAME / "state.json").write_text("{}")
+        switch = KillSwitch(root, at=at)
+        with switch.armed(), contextlib.suppress(Killed), atomic.atomic_dir(out, replace=True) as tmp:
+            (tmp / "new.txt").write_text("new")
+        restored += [line for line in atomic.recover(out) if line.startswith("restored")]
+        assert sorted(p.name for p in root.iterdir()) == ["out"]
+        assert sorted(p.name for p in out.iterdir()) in (["new.txt"], [RESUME_DIRNAME, "old.txt"])
+        if not switch.dead:
+            assert (out / "new.txt").read_text() == "new"
+            break
+        at += 1
+    assert at > 3  # moving aside, moving in and deleting the old folder were each interrupted
+    assert len(restored) == 1  # the kill between moving the old folder aside and the new one in
+
+
+def test_recover_touches_only_the_temporaries_of_its_output(tmp_path: Path) -> None:
+    for name in (".out.tmp-1-abc", ".out.old-2-def", ".out.lock", ".out.tmp-x-abc", ".outer.tmp-1-abc", "out.tmp-1-a"):
+        (tmp_path / name).mkdir()
+    done = atomic.recover(tmp_path / "out")
+    assert len(done) == 2
+    kept = [".out.lock", ".out.tmp-x-abc", ".outer.tmp-1-abc", "out.tmp-1-a"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == kept
