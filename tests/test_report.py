@@ -329,11 +329,12 @@ def test_every_published_run_directory_is_covered() -> None:
 
 @pytest.mark.parametrize("relative", RESULT_FILES, ids=str)
 def test_published_run_files_load_and_keep_their_numbers(relative: Path) -> None:
-    """Every run file under docs/results (all v1) loads; the numbers `tsenor report` uses are the file's."""
+    """Every run file under docs/results (v1, and v2 from 2026-11-24 on) loads; the numbers `tsenor report`
+    uses are the file's."""
     obj = read_json(REPO_ROOT / relative)
     if relative.name == EVAL_FILE:
         record = EvalReport.from_json(obj, str(relative))
-        assert record.schema_version == 1
+        assert record.schema_version == obj.get("schema_version", 1)
         assert {k: v.ppl for k, v in record.perplexity.items()} == {k: v["ppl"] for k, v in obj["perplexity"].items()}
         if obj["zeroshot"] is not None:
             assert record.zeroshot is not None
@@ -344,7 +345,7 @@ def test_published_run_files_load_and_keep_their_numbers(relative: Path) -> None
         assert EvalReport.from_json(record.to_json()) == replace(record, schema_version=SCHEMA_VERSION)
     else:
         prune = PruneReport.from_json(obj, str(relative))
-        assert prune.schema_version == 1 and prune.method == obj["method"]
+        assert prune.schema_version == obj.get("schema_version", 1) and prune.method == obj["method"]
         assert [layer.recon_error for layer in prune.layers] == [layer["recon_error"] for layer in obj["layers"]]
         assert prune.totals()["mean_recon_error"] == pytest.approx(obj["totals"]["mean_recon_error"], rel=1e-12)
         assert PruneReport.from_json(prune.to_json()) == replace(prune, schema_version=SCHEMA_VERSION)
