@@ -247,3 +247,22 @@ def test_retry_round_for_far_off_potentials() -> None:
     retried = exact_flow(w, 16, col=col, rounds=0, retry_excess=16)
     torch.testing.assert_close((w * retried.mask).sum((1, 2)), (w * plain.mask).sum((1, 2)))
     assert int(retried.paths.sum()) < int(plain.paths.sum())
+
+
+def test_a_solve_leaves_torch_thread_count_as_it_was() -> None:
+    """numba's OpenMP pool, started by the first parallel kernel of a process, sets the OpenMP thread
+    count for the whole process; torch's must stay what it was, or float results would depend on
+    whether a solve ran earlier (a resumed prune would differ from an uninterrupted one). A fresh
+    process, since this one's pool may already run."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; torch.set_num_threads(1)\n"
+        "from tsenor_cli.solver.flow import exact_flow\n"
+        "exact_flow(torch.rand(4, 8, 8), 4)\n"
+        "print(torch.get_num_threads())"
+    )
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"

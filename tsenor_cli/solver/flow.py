@@ -106,9 +106,15 @@ def exact_flow(
     bound = np.empty(B)
     paths = np.zeros(B, dtype=np.int64)
     most = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # set at import from the machine
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), most)))
+    threads = torch.get_num_threads()
+    numba.set_num_threads(max(1, min(threads, most)))
     retry = B * M * M if retry_excess is None else retry_excess  # above any excess: never
     _flow_jit.solve_tiles(w, n, u, v, mask, init_mask is not None, rounds, sweeps, retry, scale, bound, paths)
+    # The first parallel kernel starts numba's OpenMP pool, which sets the process's OpenMP thread
+    # count, torch's too, to all of the machine's threads. Put torch's back: float results must not
+    # depend on whether a solve ran earlier in the process (a resumed prune would differ from an
+    # uninterrupted one in the blocks it computes before its first solve).
+    torch.set_num_threads(threads)
     device = blocks.device
     return FlowResult(
         mask=torch.from_numpy(mask).to(device),
