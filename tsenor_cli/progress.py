@@ -4,7 +4,7 @@ The library reports to the ``tsenor`` logger: INFO for one line per step a user 
 loaded, block i/L, each layer's error), DEBUG for the inner detail (ALPS's ADMM iterations). Its
 block and ADMM loops are wrapped in `bar`, a tqdm bar with ``disable=None``: drawn when stderr is a
 terminal, silent otherwise, so a batch job's log holds only the plain lines. The CLI attaches the
-handler (`setup_logging`) and prints log lines above the bars (`tqdm.contrib.logging`).
+handler (`configure_logging`), which prints log lines above the bars (`tqdm.write`).
 
 Library calls that take a ``progress`` callable send their status lines there instead, for callers
 that route them elsewhere; `sink` turns the ``None`` default into the logger.
@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 logger = logging.getLogger("tsenor")
 
@@ -39,16 +37,26 @@ def bar(
     return tqdm(iterable, total=total, desc=desc, unit=unit, leave=leave, disable=None, dynamic_ncols=True)
 
 
-@contextmanager
-def setup_logging(level: int = logging.INFO) -> Iterator[None]:
-    """Plain ``%(message)s`` lines of the ``tsenor`` logger on stderr, printed above any tqdm bar."""
-    handler = logging.StreamHandler(sys.stderr)
+class _BarSafeHandler(logging.StreamHandler):
+    """Writes each record through `tqdm.write`, so a line never lands in the middle of a drawn bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except (OSError, ValueError):  # a closed or broken stream, as logging.StreamHandler handles it
+            self.handleError(record)
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """Plain ``%(message)s`` lines of the ``tsenor`` logger on the current stderr, at `level`.
+
+    Called by the CLI's root callback for every command, so it binds the stderr of that invocation
+    (a test runner's captured stream too) and replaces the handler of any earlier invocation.
+    """
+    for handler in [h for h in logger.handlers if isinstance(h, _BarSafeHandler)]:
+        logger.removeHandler(handler)
+    handler = _BarSafeHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False
-    try:
-        with logging_redirect_tqdm(loggers=[logger]):
-            yield
-    finally:
-        logger.removeHandler(handler)

@@ -19,7 +19,7 @@ import typer
 
 from tsenor_cli import __version__, settings
 from tsenor_cli.errors import EXIT_SIGINT, Interrupted, TsenorError
-from tsenor_cli.progress import logger, setup_logging
+from tsenor_cli.progress import configure_logging
 from tsenor_cli.settings import RunContext
 
 app = typer.Typer(
@@ -60,7 +60,7 @@ def _root(
     ctx.obj.debug = ctx.obj.debug or debug
     if verbose and quiet:
         raise typer.BadParameter("pass at most one of --verbose and --quiet")
-    logger.setLevel(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
+    configure_logging(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
 
 
 def run_context(ctx: typer.Context, data_dir: Path | None, offline: bool) -> RunContext:
@@ -126,8 +126,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """
     state = CliState(debug=settings.debug_default())
     try:
-        with setup_logging():
-            code = app(args=list(argv) if argv is not None else None, obj=state, standalone_mode=False)
+        code = app(args=list(argv) if argv is not None else None, obj=state, standalone_mode=False)
     except TsenorError as exc:
         if state.debug:
             raise

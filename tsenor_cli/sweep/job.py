@@ -21,7 +21,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -205,7 +204,7 @@ def run_job(job: RunJob, *, job_id: str | None = None, watch: ChildWatch | None 
         state="running",
         attempt=(previous.attempt if previous else 0) + 1,
         job_id=job_id,
-        host=socket.gethostname(),
+        host=os.uname().nodename,
         pid=os.getpid(),
         started_at=time.time(),
     )

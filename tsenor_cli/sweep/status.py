@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -216,7 +215,7 @@ def resolve(
             f"job {status.job_id} ended without finishing (time limit, scancel or node failure); see log.txt",
             elapsed,
         )
-    local_host = status.host == socket.gethostname()
+    local_host = status.host == os.uname().nodename
     if status.state == "running" and local_host and status.pid is not None and _process_alive(status.pid):
         return view("running", spent=elapsed)
     # A local run that stopped part-way: the next `tsenor sweep` continues it.
