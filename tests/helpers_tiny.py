@@ -94,23 +94,10 @@ def random_causal_lm(
     return model.eval()
 
 
-def make_tiny_llama(
-    path: Path,
-    *,
-    model_type: str = "llama",
-    hidden_size: int = 64,
-    intermediate_size: int = 128,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    vocab_size: int | None = None,
-    max_position_embeddings: int = 512,
-    tie_word_embeddings: bool = True,
-    seed: int = 0,
-    **config_overrides: Any,
-) -> Path:
-    """Save a random `model_type` causal LM (any of ARCHITECTURES) of the given size to `path`.
+def make_tiny_llama(path: Path, *, vocab_size: int | None = None, **model_options: Any) -> Path:
+    """Save `random_causal_lm(vocab_size=..., **model_options)` to `path`, with the SmolLM2 tokenizer files.
 
+    model_options: random_causal_lm's (model_type, sizes, seed, config overrides).
     vocab_size defaults to the SmolLM2 tokenizer's (49152) so the copied tokenizer is consistent.
     """
     from transformers import AutoConfig
@@ -118,19 +105,7 @@ def make_tiny_llama(
     tok_src = smollm2_dir()
     if vocab_size is None:
         vocab_size = int(AutoConfig.from_pretrained(tok_src).vocab_size)
-    model = random_causal_lm(
-        model_type,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        seed=seed,
-        **config_overrides,
-    )
+    model = random_causal_lm(vocab_size=vocab_size, **model_options)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

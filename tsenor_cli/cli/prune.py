@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import typer
-import yaml
 
 from tsenor_cli.cli import app, command_line, run_context
 from tsenor_cli.cli.options import (
@@ -37,6 +36,7 @@ from tsenor_cli.pruning.output import human_bytes
 from tsenor_cli.pruning.registry import PRUNERS
 from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
 from tsenor_cli.solver import METHODS
+from tsenor_cli.yamlfile import read_yaml
 
 NAMED_CALIBRATION = ("c4", "wikitext2", "ptb")
 # --method choices, straight from the registry (typer shows an Enum's values as the choices).
@@ -66,14 +66,7 @@ CONFIG_KEYS: dict[str, type] = {
 
 def load_config_file(path: Path) -> dict[str, Any]:
     """Read a YAML recipe into {option: value}, refusing unknown keys and wrongly typed values."""
-    if not path.is_file():
-        raise InputNotFoundError(
-            f"--config {path} does not exist; pass a YAML file such as configs/smollm2-alps-16x32.yaml"
-        )
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise UsageError(f"--config {path} is not valid YAML ({exc}); fix the file") from exc
+    data = read_yaml(path, f"--config {path}", "configs/smollm2-alps-16x32.yaml")
     if data is None:
         return {}
     if not isinstance(data, dict):

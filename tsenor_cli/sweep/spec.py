@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from tsenor_cli.errors import InputNotFoundError, TsenorError, UsageError
+from tsenor_cli.errors import TsenorError, UsageError
+from tsenor_cli.yamlfile import read_yaml
 
 TOP_KEYS = ("base", "axes", "eval", "name", "slurm")
 # eval key → the types its value may have (a list's items are checked separately).
@@ -283,14 +282,7 @@ def load_sweep(path: Path, *, check_runs: bool = True) -> SweepSpec:
     """Read and validate a sweep file. check_runs: also build each run's prune configuration as
     `tsenor prune` would (unknown method or solver, nm and sparsity both set, a missing calibration
     file), which imports the pruning code; `tsenor sweep status` reads its own copy without it."""
-    if not path.is_file():
-        raise InputNotFoundError(
-            f"sweep file {path} does not exist; pass a YAML file such as configs/sweeps/table2.yaml"
-        )
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise UsageError(f"{path} is not valid YAML ({exc}); fix the file") from exc
+    data = read_yaml(path, f"sweep file {path}", "configs/sweeps/table2.yaml")
     spec = parse_sweep(data, str(path))
     runs = spec.runs()
     if check_runs:
