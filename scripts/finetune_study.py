@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from tsenor_cli.cli.evaluate import parse_ppl_datasets
-from tsenor_cli.finetune.run import FINETUNE_JSON, FinetuneConfig, finetune
+from tsenor_cli.finetune.run import FinetuneConfig, finetune
 from tsenor_cli.report.plots import plot_perplexity_vs_steps, plot_training_loss
 from tsenor_cli.report.table import PPL_COLUMNS
+from tsenor_cli.runfiles import FINETUNE_FILE
 from tsenor_cli.settings import RunContext
 
 STUDY_MD = "finetune_study.md"
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     records: dict[str, dict[str, Any]] = {}
     for label, run_dir in pairs:
         output = args.work / label
-        if not (output / FINETUNE_JSON).is_file():
+        if not (output / FINETUNE_FILE).is_file():
             cfg = FinetuneConfig(
                 run_dir=Path(run_dir),
                 output=output,
@@ -138,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(prefix, message, flush=True)
 
             finetune(cfg, RunContext.from_environment(), progress=say)
-        records[label] = json.loads((output / FINETUNE_JSON).read_text())
+        records[label] = json.loads((output / FINETUNE_FILE).read_text())
         (args.docs / "runs" / label).mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(output / FINETUNE_JSON, args.docs / "runs" / label / FINETUNE_JSON)
+        shutil.copyfile(output / FINETUNE_FILE, args.docs / "runs" / label / FINETUNE_FILE)
     plot_perplexity_vs_steps(
         {
             label: {d: [(int(s), float(v)) for s, v in pts] for d, pts in r["ppl_curve"].items()}

@@ -24,6 +24,7 @@ from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.resume import RESUME_DIRNAME
 from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
 from tsenor_cli.pruning.verify import verify_checkpoint
+from tsenor_cli.runfiles import SCHEMA_VERSION, FinetuneReport, SchemaError
 from tsenor_cli.settings import RunContext
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -148,6 +149,9 @@ def test_finetune_cli_keeps_the_mask_and_lowers_the_loss(pruned: Path, text_file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ft"]  # no temp or state leftovers
     _check_mask_kept(pruned, out)
     report = json.loads((out / "finetune.json").read_text())
+    assert report["schema_version"] == SCHEMA_VERSION
+    read_back = FinetuneReport.from_json(report)  # the schema reads what finetune wrote, unchanged
+    assert read_back.to_json() == report and read_back.loss_curve[0][0] == 1
     assert report["steps"] == 6 and report["tokens"] == 6 * 2 * 32 and report["pruned_nonzero"] == 0
     losses = [loss for _, loss in report["loss_curve"]]
     assert [step for step, _ in report["loss_curve"]] == [1, 2, 3, 4, 5, 6]
@@ -265,6 +269,18 @@ def test_bad_run_dirs_get_one_line_errors_and_nothing_written(pruned: Path, text
 
 
 @pytest.mark.realdata
+def test_a_finetune_into_an_output_in_use_is_refused(pruned: Path, text_file: Path, tmp_path: Path) -> None:
+    """finetune takes the same output lock as prune: a second writer gets one line, exit 4, nothing written."""
+    from tsenor_cli.pruning.output import output_lock
+
+    out = tmp_path / "ft"
+    args = ["finetune", str(pruned), "--output", str(out), "--data", str(text_file), "--seqlen", "32"]
+    with output_lock(out):  # another run holds it
+        busy = _invoke([*args, "--max-steps", "1", "--batch-size", "2", "--ppl", "none"])
+    assert busy.exit_code == 4 and "is in use by another tsenor run" in str(busy.exception)  # type: ignore[attr-defined]
+    assert not out.exists()
+
+
 def test_c4_training_documents_are_not_the_c4_evaluation_documents(
     smollm2_path: Path, data_dir: Path, data_ctx: RunContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -357,3 +373,36 @@ def test_study_markdown_has_one_row_per_run_with_before_and_after() -> None:
     )
     assert rows[2].endswith("| 36.00 → 27.25 |") and len(rows) == 3
     assert "(first 8 windows), every 20 steps" in text and "finetune_ppl_vs_steps.png" in text
+
+
+def test_finetune_file_schema_errors_name_the_field() -> None:
+    """A finetune.json with a broken curve or a missing field is one SchemaError line naming it."""
+    good = {
+        "schema_version": SCHEMA_VERSION,
+        "settings": {},
+        "run_dir": "r",
+        "pattern": {},
+        "data": "c4",
+        "data_source": {},
+        "windows": 1,
+        "steps": 1,
+        "tokens": 8,
+        "epochs": 1.0,
+        "world_size": 1,
+        "loss_curve": [[1, 2.5]],
+        "ppl_curve": {"wikitext2": [[0, 9]]},
+        "eval_before": None,
+        "eval_after": None,
+        "pruned_nonzero": 0,
+        "seconds": 1.0,
+        "seconds_per_step": 1.0,
+        "resumed_from_step": None,
+        "output": "o",
+        "command": None,
+    }
+    report = FinetuneReport.from_json(good)
+    assert report.ppl_curve == {"wikitext2": [(0, 9.0)]} and report.schema_version == SCHEMA_VERSION
+    with pytest.raises(SchemaError, match="loss_curve: expected a list of"):
+        FinetuneReport.from_json({**good, "loss_curve": [[1]]})
+    with pytest.raises(SchemaError, match="missing field 'steps'"):
+        FinetuneReport.from_json({k: v for k, v in good.items() if k != "steps"})

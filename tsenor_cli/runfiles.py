@@ -1,7 +1,8 @@
-"""The run files, defined once: ``tsenor_report.json`` (`PruneReport`) and ``eval.json`` (`EvalReport`).
+"""The run files, defined once: ``tsenor_report.json`` (`PruneReport`), ``eval.json`` (`EvalReport`) and
+``finetune.json`` (`FinetuneReport`).
 
-`tsenor prune` and `tsenor eval` write these dataclasses with ``to_json()``; `tsenor report` reads them
-back with ``from_json()``, so every field has one name and one type (docs/reference/run-files.md shows them).
+`tsenor prune`, `tsenor eval` and `tsenor finetune` write these dataclasses with ``to_json()``; `tsenor report`
+reads them back with ``from_json()``, so every field has one name and one type (docs/reference/run-files.md).
 Each file carries ``schema_version``; ``to_json()`` always writes the current format
 (`SCHEMA_VERSION`), and the dataclasses' ``schema_version`` says which version a record was read from.
 A file without the field is version 1, as written before the field existed; it still loads:
@@ -26,7 +27,7 @@ import types
 import typing
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin, get_type_hints
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 2
 EVAL_FILE = "eval.json"
 PRUNE_FILE = "tsenor_report.json"
+FINETUNE_FILE = "finetune.json"
 MAX_LISTED_IGNORED = 12  # more ignored layers than this are counted by reason in the report summary
 PRUNE_MARKDOWN = "tsenor_report.md"
 LAYER_STATUSES = ("pruned", "skipped", "ignored")
@@ -593,6 +595,84 @@ class EvalReport:
                 context=_optional(obj, "context", ContextRecord.from_json, where),
             )
         )
+
+
+@dataclass(frozen=True)
+class FinetuneReport:
+    """``finetune.json`` (`tsenor finetune`). Curves are [step, value] pairs; step 0 is the pruned checkpoint.
+
+    eval_before / eval_after: `EvalReport.to_json()` (None when nothing was evaluated).
+    tokens: tokens trained on (steps × windows per step × seqlen); epochs: passes over the windows.
+    seconds_per_step: median wall time of the optimizer steps this process ran (forward, backward,
+    optimizer; without evaluation, checkpoints and batch loading). pruned_nonzero: weights outside the
+    mask that are nonzero after training (0 unless the mask was broken).
+    """
+
+    settings: dict[str, Any]
+    run_dir: str
+    pattern: dict[str, Any]
+    data: str
+    data_source: dict[str, Any]
+    windows: int
+    steps: int
+    tokens: int
+    epochs: float
+    world_size: int
+    loss_curve: list[tuple[int, float]]
+    ppl_curve: dict[str, list[tuple[int, float]]]
+    eval_before: dict[str, Any] | None
+    eval_after: dict[str, Any] | None
+    pruned_nonzero: int
+    seconds: float
+    seconds_per_step: float
+    resumed_from_step: int | None
+    output: str
+    command: str | None
+    context: dict[str, Any] | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def ppl(self, when: Literal["before", "after"]) -> dict[str, float]:
+        """{dataset: ppl} of eval_before ("before") or eval_after ("after")."""
+        record = self.eval_before if when == "before" else self.eval_after
+        return {name: entry["ppl"] for name, entry in (record or {}).get("perplexity", {}).items()}
+
+    def to_json(self) -> dict[str, Any]:
+        """The file's object; ppl_before / ppl_after are derived from the evaluations (not read back)."""
+        body = {k: v for k, v in _flat_json(self).items() if k != "schema_version"}
+        body["loss_curve"] = [[step, value] for step, value in self.loss_curve]
+        body["ppl_curve"] = {name: [[s, v] for s, v in curve] for name, curve in self.ppl_curve.items()}
+        return {
+            "schema_version": SCHEMA_VERSION,
+            **body,
+            "ppl_before": self.ppl("before"),
+            "ppl_after": self.ppl("after"),
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = FINETUNE_FILE) -> FinetuneReport:
+        obj = _object(obj, where)
+        version = _version(obj, where)
+        raw_ppl = _field(obj, "ppl_curve", dict, where)
+        return cls(
+            **_read(
+                cls,
+                obj,
+                where,
+                schema_version=version,
+                loss_curve=_curve(_field(obj, "loss_curve", list, where), f"{where}: loss_curve"),
+                ppl_curve={str(k): _curve(v, f"{where}: ppl_curve.{k}") for k, v in raw_ppl.items()},
+            )
+        )
+
+
+def _curve(value: Any, where: str) -> list[tuple[int, float]]:
+    """[[step, value], ...] → [(step, value), ...]; anything else is a SchemaError."""
+    if not isinstance(value, list) or not all(
+        isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and isinstance(p[1], int | float) for p in value
+    ):
+        raise SchemaError(f"{where}: expected a list of [step, value] pairs")
+    return [(int(step), float(v)) for step, v in value]
 
 
 # ---------------------------------------------------------------- run directories

@@ -25,7 +25,8 @@ from tsenor_cli.cli.options import (
 )
 from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.finetune.data import NAMED_DATA
-from tsenor_cli.finetune.run import FinetuneConfig, FinetuneReport
+from tsenor_cli.finetune.run import FinetuneConfig
+from tsenor_cli.runfiles import FinetuneReport
 
 
 def _check_data(data: str) -> None:
@@ -111,4 +112,4 @@ def finetune_cmd(
     from tsenor_cli.finetune.run import finetune
 
     report = finetune(cfg, run_ctx)
-    typer.echo(json.dumps(report.to_dict(), indent=2) if as_json else summary(report))
+    typer.echo(json.dumps(report.to_json(), indent=2) if as_json else summary(report))

@@ -5,6 +5,7 @@
 callback (callback.py) on packed windows of the calibration text (data.py).
 """
 
-from tsenor_cli.finetune.run import FinetuneConfig, FinetuneReport, finetune
+from tsenor_cli.finetune.run import FinetuneConfig, finetune
+from tsenor_cli.runfiles import FinetuneReport
 
 __all__ = ["FinetuneConfig", "FinetuneReport", "finetune"]

@@ -6,7 +6,7 @@ code of ours (evaluation and writing run on the main process only). The model tr
 
 Output folder (written atomically at the end, like `tsenor prune`'s): the checkpoint (safetensors,
 config.json with `tsenor_sparsity` unchanged, tokenizer), the prune's tsenor_report.json/.md
-unchanged, finetune.json (`FinetuneReport.to_dict()`), eval.json (the evaluation after fine-tuning,
+unchanged, finetune.json (`runfiles.FinetuneReport`), eval.json (the evaluation after fine-tuning,
 for `tsenor report`), finetune_loss.png and finetune_ppl.png. While the run goes, OUTPUT/.tsenor-resume/
 holds finetune_state.json (settings hash, evaluation before fine-tuning) and Trainer's latest
 checkpoint-N/ (every `save_every` steps), which `resume` continues from.
@@ -14,6 +14,7 @@ checkpoint-N/ (every `save_every` steps), which `resume` continues from.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -21,26 +22,31 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tsenor_cli import atomic
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import UsageError
 from tsenor_cli.finetune.callback import PPL_LOG_PREFIX, CurveCallback, FixedMask, MaskCallback
 from tsenor_cli.finetune.data import WindowDataset, training_windows
 from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsity
 from tsenor_cli.progress import Progress, sink
-from tsenor_cli.pruning.output import check_not_input, prepare_output, write_model_folder
+from tsenor_cli.pruning.output import (
+    check_not_input,
+    check_output_location,
+    output_lock,
+    prepare_output,
+    write_model_folder,
+)
 from tsenor_cli.pruning.report import versions
 from tsenor_cli.pruning.resume import RESUME_DIRNAME
-from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, ContextRecord
+from tsenor_cli.runfiles import EVAL_FILE, FINETUNE_FILE, PRUNE_FILE, PRUNE_MARKDOWN, ContextRecord, FinetuneReport
 from tsenor_cli.settings import RunContext
 
-FINETUNE_JSON = "finetune.json"
-EVAL_JSON = "eval.json"
 LOSS_PNG = "finetune_loss.png"
 PPL_PNG = "finetune_ppl.png"
 STATE_FILE = "finetune_state.json"
@@ -135,50 +141,6 @@ class FinetuneConfig:
 
     def result_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.result_fields(), sort_keys=True).encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class FinetuneReport:
-    """What finetune.json records. Curves are [step, value] pairs; step 0 is the pruned checkpoint.
-
-    eval_before / eval_after: `EvalReport.to_json()` (None when nothing was evaluated).
-    tokens: tokens trained on (steps × windows per step × seqlen); epochs: passes over the windows.
-    seconds_per_step: median wall time of the optimizer steps this process ran (forward, backward,
-    optimizer; without evaluation, checkpoints and batch loading).
-    """
-
-    settings: dict[str, Any]
-    run_dir: str
-    pattern: dict[str, Any]
-    data: str
-    data_source: dict[str, Any]
-    windows: int
-    steps: int
-    tokens: int
-    epochs: float
-    world_size: int
-    loss_curve: list[tuple[int, float]]
-    ppl_curve: dict[str, list[tuple[int, float]]]
-    eval_before: dict[str, Any] | None
-    eval_after: dict[str, Any] | None
-    pruned_nonzero: int
-    seconds: float
-    seconds_per_step: float
-    resumed_from_step: int | None
-    output: str
-    command: str | None
-    context: dict[str, Any] | None = None
-    versions: dict[str, str] = field(default_factory=dict)
-
-    def ppl(self, when: str) -> dict[str, float]:
-        """{dataset: ppl} of eval_before ("before") or eval_after ("after")."""
-        record = self.eval_before if when == "before" else self.eval_after
-        return {name: entry["ppl"] for name, entry in (record or {}).get("perplexity", {}).items()}
-
-    def to_dict(self) -> dict[str, Any]:
-        body = asdict(self)
-        body["ppl_before"], body["ppl_after"] = self.ppl("before"), self.ppl("after")
-        return body
 
 
 def _checkpoint_dtype(run_dir: Path) -> torch.dtype:
@@ -280,18 +242,41 @@ def finetune(
     after_save(step) runs after each Trainer checkpoint (tests use it to simulate a kill). Every input
     the user can fix raises a `TsenorError` before anything is written.
     """
+    say = sink(progress)
+    start = time.perf_counter()
+    sparsity = read_run_sparsity(cfg.run_dir)
+    check_output_location(cfg.output)
+    check_not_input(cfg.output, str(cfg.run_dir))
+    state_dir = cfg.output / RESUME_DIRNAME
+    args = _training_args(cfg, state_dir)
+    main = args.process_index == 0
+    # One writer per output folder, as for prune (docs/reliability.md): the main process holds the lock
+    # from the folder check to the final swap; the other ranks of a torchrun/accelerate launch write nothing.
+    with output_lock(cfg.output) if main else contextlib.nullcontext():
+        if main:
+            for line in atomic.recover(cfg.output):
+                say(line)
+        prepare_output(cfg.output, force=cfg.force, resume=cfg.resume)
+        return _train(cfg, ctx, args, sparsity, state_dir, say, start, after_save)
+
+
+def _train(
+    cfg: FinetuneConfig,
+    ctx: RunContext,
+    args: Any,
+    sparsity: RunSparsity,
+    state_dir: Path,
+    say: Progress,
+    start: float,
+    after_save: Callable[[int], None] | None,
+) -> FinetuneReport:
+    """`finetune` past its output checks, under the output lock: load, train, evaluate, write."""
     from transformers import PrinterCallback, Trainer, default_data_collator
     from transformers.trainer_utils import get_last_checkpoint
 
     from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
     from tsenor_cli.models.loading import load_model
 
-    say = sink(progress)
-    start = time.perf_counter()
-    sparsity = read_run_sparsity(cfg.run_dir)
-    prepare_output(cfg.output, force=cfg.force, resume=cfg.resume)
-    check_not_input(cfg.output, str(cfg.run_dir))
-    state_dir = cfg.output / RESUME_DIRNAME
     state = _load_state(state_dir, cfg) if cfg.resume else None
     if cfg.tasks:
         from tsenor_cli.evaluation.zeroshot import validate_tasks
@@ -305,7 +290,6 @@ def finetune(
             f"pass --seqlen {loaded.max_positions} or less"
         )
     masks = pruned_masks(loaded.model, sparsity)
-    args = _training_args(cfg, state_dir)
     per_step = cfg.batch_size * cfg.grad_accum * args.world_size
     text = training_windows(
         cfg.data,
@@ -421,12 +405,12 @@ def _write_output(
     label = cfg.output.name
     files: dict[str, str | bytes] = {
         PRUNE_FILE: (cfg.run_dir / PRUNE_FILE).read_bytes(),
-        FINETUNE_JSON: json.dumps(report.to_dict(), indent=2) + "\n",
+        FINETUNE_FILE: json.dumps(report.to_json(), indent=2) + "\n",
     }
     if (cfg.run_dir / PRUNE_MARKDOWN).is_file():
         files[PRUNE_MARKDOWN] = (cfg.run_dir / PRUNE_MARKDOWN).read_bytes()
     if report.eval_after is not None:
-        files[EVAL_JSON] = json.dumps(report.eval_after, indent=2) + "\n"
+        files[EVAL_FILE] = json.dumps(report.eval_after, indent=2) + "\n"
     for name, png in (
         (LOSS_PNG, _png(lambda out: plot_training_loss({label: report.loss_curve}, out))),
         (PPL_PNG, _png(lambda out: plot_perplexity_vs_steps({label: report.ppl_curve}, out))),
