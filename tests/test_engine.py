@@ -263,8 +263,12 @@ def test_dry_run_writes_nothing(tiny: Path, tmp_path: Path) -> None:
     assert len(plan["layers"]) == 14 and plan["incompatible"] == 0
     assert plan["estimated_device_bytes"] > 0
     assert not out.exists()
+    # A dry run fails where the run would (exit 5), after printing the plan that shows why.
     bad = _invoke(["prune", "--model", str(tiny), "--nm", "24:48", "--dry-run"])
-    assert bad.exit_code == 0 and "NO:" in bad.output  # type: ignore[attr-defined]
+    assert bad.exit_code == 5 and "NO:" in bad.output  # type: ignore[attr-defined]
+    assert "cannot take 24:48" in str(bad.exception)  # type: ignore[attr-defined]
+    skipped = _invoke(["prune", "--model", str(tiny), "--nm", "24:48", "--skip-incompatible", "--dry-run", "--json"])
+    assert skipped.exit_code == 5 and "nothing would be pruned" in str(skipped.exception)  # type: ignore[attr-defined]
 
 
 def test_config_file_values_are_overridden_by_flags(tiny: Path, tmp_path: Path) -> None:

@@ -301,6 +301,26 @@ def test_calibration_file_contents_are_checked_before_loading(
     assert expected in error_line(err)
 
 
+def test_calibration_too_short_for_seqlen_is_refused_before_the_weights_load(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Whether the text fills --seqlen needs the tokenizer, not the weights: the error comes first."""
+    from transformers import AutoModelForCausalLM
+
+    def no_weights(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the weights were read before the calibration text was checked")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
+    short = tmp_path / "short.txt"
+    short.write_text("A few words only.")
+    out = tmp_path / "new" / "deeper" / "out"
+    code, err = run_cli(prune_args(tiny, short, out, "--nm", "2:4"), capsys)
+    assert code == 2
+    assert "need more than --seqlen 32" in error_line(err)
+    # The folders made to hold the output's lock are gone again: the failed run left nothing.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]
+
+
 def test_named_data_without_a_source_is_refused_before_loading(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -122,9 +122,13 @@ def test_force_replaces_only_a_tsenor_run_or_an_empty_folder(tiny: Path, calib: 
     empty = tmp_path / "empty"
     empty.mkdir()
     assert _prune(tiny, calib, empty).exit_code == 0  # type: ignore[attr-defined]
-    (empty / "extra.txt").write_text("written into the run folder later")
-    again = _prune(tiny, calib, empty)
-    assert again.exit_code == 4 and "already holds a tsenor run; pass --force" in _line(again)  # type: ignore[attr-defined]
+    report = (empty / "tsenor_report.json").read_bytes()
+    same = _prune(tiny, calib, empty)  # the same command again: finished already, nothing rewritten
+    assert same.exit_code == 0 and "already holds this run" in same.stderr  # type: ignore[attr-defined]
+    assert (empty / "tsenor_report.json").read_bytes() == report
+    other = _prune(tiny, calib, empty, "--seed", "1")  # other settings: the finished run is not replaced
+    assert other.exit_code == 4 and "already holds a tsenor run; pass --force" in _line(other)  # type: ignore[attr-defined]
+    assert (empty / "tsenor_report.json").read_bytes() == report
     replaced = _prune(tiny, calib, empty, "--force")
     assert replaced.exit_code == 0, replaced.output  # type: ignore[attr-defined]
     assert (empty / PRUNE_FILE).is_file() and not (empty / "extra.txt").exists()  # the whole run was replaced

@@ -26,7 +26,6 @@ from tsenor_cli.errors import (
     EXIT_RESUMABLE,
     EXIT_SIGINT,
     Interrupted,
-    OutputExistsError,
     ResumeStateError,
     TsenorError,
 )
@@ -225,9 +224,13 @@ def test_prune_killed_before_every_file_change_resumes_to_the_same_checkpoint(
         killed_before.append(switch.ops[-1])
         if (out / PRUNE_FILE).is_file():
             # Killed after the swap: the checkpoint is complete. A rerun removes the old folder moved
-            # aside and refuses to overwrite the finished run.
-            with pytest.raises(OutputExistsError, match="already holds a tsenor run"):
-                prune_model(_cfg(tiny, calib, out), data_ctx)
+            # aside and, the run being finished with the same settings, writes nothing and succeeds.
+            before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+            messages: list[str] = []
+            prune_model(_cfg(tiny, calib, out), data_ctx, progress=messages.append)
+            assert any("already holds this run" in m for m in messages)
+            assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+            assert not [p for p in out.parent.iterdir() if p.name.startswith(".out.old-")]
         else:
             prune_model(_cfg(tiny, calib, out), data_ctx)
         _assert_same_as(out, reference)

@@ -155,7 +155,8 @@ def test_targets_from_a_recipe_and_errors_before_any_output(tiny: Path, tmp_path
 def test_ignoring_incompatible_layers_replaces_skip_incompatible(tmp_path: Path) -> None:
     odd = make_tiny_llama(tmp_path / "odd", intermediate_size=80, num_layers=1)  # MLP dims 16:32 cannot tile
     base = ["prune", "--model", str(odd), "--nm", "16:32", "--dry-run"]
-    assert "NO: " in _invoke(base).output  # type: ignore[attr-defined]
+    stops = _invoke(base)
+    assert stops.exit_code == 5 and "NO: " in stops.output  # type: ignore[attr-defined]
     result = _invoke([*base, "--ignore", "*.mlp.*"])
     assert result.exit_code == 0 and "NO: " not in result.output  # type: ignore[attr-defined]
     assert "ignored: matched --ignore *.mlp.*" in result.output  # type: ignore[attr-defined]

@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -38,6 +38,9 @@ from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
 from tsenor_cli.solver import METHODS
 from tsenor_cli.yamlfile import read_yaml
 
+if TYPE_CHECKING:
+    from tsenor_cli.pruning.api import PrunePlan
+
 NAMED_CALIBRATION = ("c4", "wikitext2", "ptb")
 # --method choices, straight from the registry (typer shows an Enum's values as the choices).
 MethodChoice = StrEnum("MethodChoice", {name: name for name in PRUNERS})  # type: ignore[misc]
@@ -62,6 +65,15 @@ CONFIG_KEYS: dict[str, type] = {
     "targets": list,
     "output": str,
 }
+
+
+def _plan_verdict(plan: PrunePlan, cfg: PruneConfig) -> None:
+    """After the plan is printed: the run's own compatibility error (its exit code too) when the run would
+    stop on an incompatible layer or have nothing to prune, so a dry run fails where the run would."""
+    from tsenor_cli.pruning.engine import check_compatibility
+
+    candidates = [s for s in plan.slots if s.full_name not in plan.ignored]
+    check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
@@ -300,6 +312,7 @@ def prune_cmd(
         plan = plan_model(cfg, run_ctx)
         if as_json:
             typer.echo(json.dumps(plan.to_dict(), indent=2))
+            _plan_verdict(plan, cfg)
             return
         typer.echo(
             f"plan: {cfg.method} {cfg.pattern.label} ({cfg.pattern.kind}) on {plan.model} "
@@ -318,12 +331,7 @@ def prune_cmd(
             f"estimated memory: CPU {human_bytes(plan.cpu_bytes)} (model), "
             f"{plan.device} {human_bytes(plan.device_bytes)} (one block, activations, statistics, workspace)"
         )
-        if plan.incompatible and not cfg.skip_incompatible:
-            typer.echo(
-                f"{len(plan.incompatible)} incompatible layer(s): the run would stop; "
-                "pass --skip-incompatible to leave them dense",
-                err=True,
-            )
+        _plan_verdict(plan, cfg)
         return
 
     from tsenor_cli.interrupt import stop_on_signals

@@ -169,8 +169,12 @@ def load_model(
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
     progress: Callable[[str], None] | None = None,
+    before_weights: Callable[[Any, Any], None] | None = None,
 ) -> LoadedModel:
     """Load `name` as a causal LM in eval mode on `device` (default dtype: bf16 on CUDA, fp32 on CPU).
+
+    before_weights(config, tokenizer) runs once both are loaded and before the weights are read, so a
+    check that needs only them (e.g. that the calibration text fills its windows) fails in seconds.
 
     Raises InputNotFoundError for a missing folder or an unreachable (or, offline, uncached) hub id, and
     IncompatibleModelError for a model without a decoder block list of nn.Linear-holding blocks
@@ -201,6 +205,8 @@ def load_model(
                 "(tokenizer.json or tokenizer.model, tokenizer_config.json) into it"
             ) from exc
         raise hub_error(name, ctx) from exc
+    if before_weights is not None:
+        before_weights(config, tokenizer)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **hub)
     except SafetensorError as exc:

@@ -34,6 +34,7 @@ from tsenor_cli.pruning.output import (
     check_free_space,
     check_not_input,
     check_output_location,
+    finished_run,
     output_lock,
     output_path,
     prepare_output,
@@ -147,6 +148,10 @@ def prune_model(
         with output_lock(output):
             for line in atomic.recover(output):
                 say(line)
+            done = None if cfg.force else finished_run(output, cfg.result_hash())
+            if done is not None:
+                say(f"{output} already holds this run, finished with the same settings; nothing to do")
+                return done
             store = prepare_output(
                 output, force=cfg.force, resume=cfg.resume, continue_hint="drop --no-resume-state to continue it"
             )
@@ -223,12 +228,30 @@ def _prune(
     stop: StopRequest | None,
 ) -> PruneReport:
     """The run itself, under the output lock: load, prune block by block (saving state), write."""
+    from tsenor_cli.data.calibration import CalibrationData, calibration_batches
     from tsenor_cli.models.loading import load_model
 
     spec = get_pruner(cfg.method)
     dtype, device = _dtype_and_device(cfg)
+    fresh: list[CalibrationData] = []
+
+    def calibrate(config: Any, tokenizer: Any) -> None:
+        # Before the weights load: calibration text too short for --nsamples × --seqlen is found in
+        # seconds, not after minutes of reading a large checkpoint.
+        max_pos = getattr(config, "max_position_embeddings", None)
+        seqlen = min(cfg.seqlen, int(max_pos)) if max_pos else cfg.seqlen
+        fresh.append(
+            calibration_batches(cfg.calib_data, tokenizer, ctx, nsamples=cfg.nsamples, seqlen=seqlen, seed=cfg.seed)
+        )
+
     loaded = load_model(
-        cfg.model, ctx, dtype=dtype, device="cpu", trust_remote_code=cfg.trust_remote_code, progress=say
+        cfg.model,
+        ctx,
+        dtype=dtype,
+        device="cpu",
+        trust_remote_code=cfg.trust_remote_code,
+        progress=say,
+        before_weights=calibrate if state is None else None,
     )
     model, structure = loaded.model, loaded.structure
     # All weights at once, before calibration: a NaN in the last block should not cost a run to find.
@@ -264,11 +287,7 @@ def _prune(
             hidden = store.load_hidden(state, device)
             calls = capture_block_calls(structure, int(hidden.shape[1]))
     else:
-        from tsenor_cli.data.calibration import calibration_batches
-
-        calib = calibration_batches(
-            cfg.calib_data, loaded.tokenizer, ctx, nsamples=cfg.nsamples, seqlen=seqlen, seed=cfg.seed
-        )
+        (calib,) = fresh
         calibration = str(calib.source_description)
         calibration_source = calib.source
         say(f"calibration: {calibration}, {tuple(calib.input_ids.shape)} tokens")
@@ -321,7 +340,13 @@ def _prune(
             after_block(index)
 
     solver = cfg.solver_that_runs(device)
-    settings_dict = {**cfg.result_fields(), "device": str(device), "seqlen": seqlen, "solver": solver}
+    settings_dict = {
+        **cfg.result_fields(),
+        "result_hash": cfg.result_hash(),  # what a rerun of the same command compares (output.finished_run)
+        "device": str(device),
+        "seqlen": seqlen,
+        "solver": solver,
+    }
     p = cfg.pattern
     model_params, model_nonzero = nonzero_counts(list(model.parameters()))
     linear_params, linear_nonzero = nonzero_counts(_linear_weights(structure))

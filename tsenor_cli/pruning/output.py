@@ -22,7 +22,7 @@ from typing import Any
 from tsenor_cli import atomic
 from tsenor_cli.errors import OutputBusyError, OutputExistsError, OutputUnwritableError, UsageError
 from tsenor_cli.pruning.resume import RESUME_DIRNAME, ResumeStore
-from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, PruneReport
+from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, PruneReport, read_json
 
 SPARSITY_KEY = "tsenor_sparsity"
 MAX_SHARD_SIZE = "2GB"
@@ -52,11 +52,18 @@ def output_lock(output: Path) -> Iterator[None]:
     error line. On exit the file is removed while still locked; a process that opened it just before
     then holds a lock on a deleted file, so each acquirer checks that the path still names the file it
     locked and retries otherwise.
+
+    Folders created here to hold the lock (a new --output a/b/OUT) are removed again, when empty, if
+    the run leaves no `output` behind: a failed first run leaves the file system as it found it.
     """
     path = lock_path(output)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    created = [p for p in (path.parent, *path.parent.parents) if not p.exists()]  # deepest first
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:  # another run's cleanup removed the empty parent just now
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -86,6 +93,17 @@ def output_lock(output: Path) -> Iterator[None]:
             path.unlink(missing_ok=True)
         finally:
             os.close(fd)  # releases the lock, whatever happened to the file
+        if not output.exists():
+            _remove_empty(created)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """rmdir each folder, deepest first, stopping at the first that is not empty (another run's)."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -159,6 +177,20 @@ def check_free_space(output: Path, checkpoint_bytes: int, resume_bytes: int) -> 
 def _listing(names: list[str]) -> str:
     shown = ", ".join(sorted(names)[:4])
     return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def finished_run(output: Path, result_hash: str) -> PruneReport | None:
+    """The report of a finished run in `output` whose settings hash is `result_hash`, else None.
+
+    Rerunning a command whose run already finished (a batch job requeued after it was killed past the
+    final swap, or a sweep restarted) is then a no-op that exits 0, instead of an "output exists" error.
+    A folder with a resume state is not finished; a report without the hash (older tsenor) is not taken.
+    """
+    report_path = output / PRUNE_FILE
+    if not report_path.is_file() or (output / RESUME_DIRNAME).exists():
+        return None
+    report = PruneReport.from_json(read_json(report_path), str(report_path))
+    return report if report.settings.get("result_hash") == result_hash else None
 
 
 def prepare_output(
