@@ -168,4 +168,4 @@ def test_bench_prune_cpu_smoke(tmp_path: Path, smollm2_path: Path) -> None:
         assert run["projected_whole_seconds"] > run["seconds"]  # 16 blocks from 1, labelled a projection
     assert runs["transposable"]["solver"] == "flow" and runs["ordinary"]["solver"] is None
     text = md.read_text()
-    assert "<!-- tsenor bench prune: llama-3.2-1b/1-of-16/scale-32/cpu -->" in text and "**Projection**" in text
+    assert "<!-- tsenor bench prune: llama-3.2-1b/1-of-16/scale-32/cpu/alps -->" in text and "**Projection**" in text

@@ -51,7 +51,8 @@ MARK = "<!-- tsenor bench prune: {key} -->"
 class E2EConfig:
     """model: a name in configs/models or a path to a config JSON; blocks: build only the first `blocks`
     decoder blocks (None: all); scale_down: divide the widths (`scale_shape`, 1: the published shape; for
-    CPU smoke runs); pattern kinds: "transposable" and/or "ordinary" N:M."""
+    CPU smoke runs); pattern kinds: "transposable" and/or "ordinary" N:M; tokenizer: a folder with the
+    SmolLM2 tokenizer files (None: the embedded model's, materialized), for machines without the package."""
 
     model: str
     methods: tuple[str, ...] = METHODS
@@ -67,6 +68,7 @@ class E2EConfig:
     solver: str = "auto"
     seed: int = 0
     resume_state: bool = True
+    tokenizer: Path | None = None
     reference_runs: Path = REFERENCE_RUNS
 
 
@@ -279,7 +281,12 @@ def run_e2e(cfg: E2EConfig, ctx: RunContext, work_dir: Path | None = None, say: 
     dtype = parse_dtype(cfg.dtype) or default_dtype(device)
     config, layers = shape_config(cfg.model, cfg.blocks, cfg.scale_down)
     built_blocks = int(config.num_hidden_layers)
-    tokenizer = AutoTokenizer.from_pretrained(materialize("smollm2-135m", ctx.cache_dir))
+    if cfg.tokenizer is not None and not (cfg.tokenizer / "tokenizer.json").is_file():
+        raise InputNotFoundError(
+            f"--tokenizer {cfg.tokenizer} holds no tokenizer.json; pass a folder with the SmolLM2 tokenizer files"
+        )
+    tokenizer_dir = cfg.tokenizer if cfg.tokenizer is not None else materialize("smollm2-135m", ctx.cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     if len(tokenizer) > int(config.vocab_size):
         raise BadInputError(
             f"the SmolLM2 tokenizer has {len(tokenizer)} ids, more than the {config.vocab_size} of {cfg.model}; "
@@ -300,7 +307,7 @@ def run_e2e(cfg: E2EConfig, ctx: RunContext, work_dir: Path | None = None, say: 
         "params": full_params,
         "params_built": built_params,
         "dtype": str(dtype).removeprefix("torch."),
-        "tokenizer": f"embedded SmolLM2 ({len(tokenizer)} ids, used unchanged as ids < {config.vocab_size})",
+        "tokenizer": f"SmolLM2's ({len(tokenizer)} ids, used unchanged as ids < {config.vocab_size})",
     }
     say(f"{cfg.model}: {built_blocks}/{layers} blocks, {built_params / 1e9:.3f}B of {full_params / 1e9:.3f}B params")
     say(f"calibration tokens: {shape['tokenizer']}")
@@ -457,10 +464,11 @@ def to_markdown(result: E2EResult) -> str:
 
 
 def section_key(result: E2EResult) -> str:
-    """What one section of the Markdown file is for: the shape, blocks and device."""
+    """What one section of the Markdown file is for: the shape, blocks, device and methods."""
     env, shape = result.environment, result.shape
     scaled = f"/scale-{shape['scale_down']}" if shape["scale_down"] > 1 else ""
-    return f"{shape['model']}/{shape['blocks_built']}-of-{shape['layers']}{scaled}/{env['device']}"
+    methods = ",".join(result.config["methods"])
+    return f"{shape['model']}/{shape['blocks_built']}-of-{shape['layers']}{scaled}/{env['device']}/{methods}"
 
 
 def merge_section(existing: str, key: str, table: str) -> str:

@@ -167,7 +167,7 @@ def bench_speedup(
 _E2E_HEADER = """# End-to-end pruning benchmarks at LLaMA shapes
 
 Written by `tsenor bench prune --markdown` (`make bench-gpu-e2e`); each section below is one run of the
-benchmark, replaced when the same shape, block count and device run again. See
+benchmark, replaced when the same shape, block count, device and methods run again. See
 `tsenor_cli/bench/prune.py` for what is measured and how the projections are made.
 
 """
@@ -198,6 +198,9 @@ def bench_prune(
     resume_state: bool = typer.Option(
         True, "--resume-state/--no-resume-state", help="Save the resume state after each block, as `tsenor prune` does."
     ),
+    tokenizer: Path | None = typer.Option(
+        None, help="A folder with SmolLM2's tokenizer files (default: the embedded model's), e.g. on a GPU machine."
+    ),
     work_dir: Path | None = typer.Option(
         None,
         help="Folder for the model config and the checkpoints (each removed once verified); default: a temp folder.",
@@ -207,7 +210,7 @@ def bench_prune(
     markdown: Path | None = typer.Option(
         None,
         help="Put the tables into this Markdown file (docs/measurements/benchmarks-e2e.md), replacing the section "
-        "of the same shape, blocks and device.",
+        "of the same shape, blocks, device and methods.",
     ),
     force: ForceOpt = False,
     json_out: JsonOpt = False,
@@ -238,6 +241,7 @@ def bench_prune(
         solver=solver,
         seed=seed,
         resume_state=resume_state,
+        tokenizer=tokenizer,
     )
     result = run_e2e(cfg, run_context(ctx, data_dir, offline=False), work_dir, say=logger.info)
     table = to_markdown(result)
