@@ -307,7 +307,7 @@ def run_e2e(cfg: E2EConfig, ctx: RunContext, work_dir: Path | None = None, say: 
         "params": full_params,
         "params_built": built_params,
         "dtype": str(dtype).removeprefix("torch."),
-        "tokenizer": f"SmolLM2's ({len(tokenizer)} ids, used unchanged as ids < {config.vocab_size})",
+        "tokenizer": f"SmolLM2's tokenizer, {len(tokenizer)} ids used unchanged as ids < {config.vocab_size}",
     }
     say(f"{cfg.model}: {built_blocks}/{layers} blocks, {built_params / 1e9:.3f}B of {full_params / 1e9:.3f}B params")
     say(f"calibration tokens: {shape['tokenizer']}")
@@ -415,7 +415,7 @@ def to_markdown(result: E2EResult) -> str:
         "| method | pattern | solver | "
         + " | ".join(PHASES)
         + " | other | total s | peak GiB | dry-run est. GiB | peak / est. | verified |",
-        "|" + "---|" * (len(PHASES) + 10),
+        "|" + "---|" * (len(PHASES) + 9),
     ]
     for run in result.runs:
         ratio = "n/a" if run.peak_over_estimate is None else f"{run.peak_over_estimate:.2f}"
