@@ -19,6 +19,7 @@ from tsenor_cli.bench.prune import (
     merge_section,
     scale_shape,
     shape_config,
+    transposable_ratios,
 )
 from tsenor_cli.cli import app
 from tsenor_cli.errors import InputNotFoundError, UsageError
@@ -87,6 +88,13 @@ def test_alps_projection_without_reference_runs_leaves_it_unset() -> None:
     _alps_projection(result, {"model.layers.0.mlp.up_proj": {"updates": 1.0}}, {"model.layers.0.mlp.up_proj": 4}, {})
     assert result.alps_seconds_per_iteration == 0.25
     assert result.seconds_at_reference_iterations is None
+
+
+def test_transposable_ratios_pair_the_kinds_of_each_method() -> None:
+    t_run, o_run, lone = _run(13.0), _run(10.0), _run(5.0)
+    o_run.kind, lone.method = "ordinary", "wanda"
+    t_run.seconds_at_reference_iterations, o_run.seconds_at_reference_iterations = 26.0, 20.0
+    assert transposable_ratios([t_run, o_run, lone]) == {"alps": (1.3, 1.3)}
 
 
 def test_whole_model_projection_hand_worked() -> None:
@@ -169,3 +177,7 @@ def test_bench_prune_cpu_smoke(tmp_path: Path, smollm2_path: Path) -> None:
     assert runs["transposable"]["solver"] == "flow" and runs["ordinary"]["solver"] is None
     text = md.read_text()
     assert "<!-- tsenor bench prune: llama-3.2-1b/1-of-16/scale-32/cpu/alps -->" in text and "**Projection**" in text
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    header = next(line for line in rows if line.startswith("| method | pattern | solver |"))
+    table = rows[rows.index(header) : rows.index(header) + 2 + len(runs)]
+    assert len({line.count("|") for line in table}) == 1, table  # header, rule and rows line up

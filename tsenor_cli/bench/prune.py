@@ -445,6 +445,12 @@ def to_markdown(result: E2EResult) -> str:
                 f"{'–' if spi is None else f'{spi:.4f}'} | {'–' if ref is None else f'{ref:.1f}'} | "
                 f"{run.seconds:.1f} | {_s(run.seconds_at_reference_iterations)} |"
             )
+    ratios = transposable_ratios(result.runs)
+    if ratios:
+        lines += ["", "Transposable / ordinary wall time (same run of the benchmark):", ""]
+        lines += ["| method | measured | at SmolLM2 iterations |", "|---|---|---|"]
+        for method, (measured, at_ref) in ratios.items():
+            lines.append(f"| {method} | {measured:.2f} | {'–' if at_ref is None else f'{at_ref:.2f}'} |")
     if not whole:
         lines += [
             "",
@@ -461,6 +467,21 @@ def to_markdown(result: E2EResult) -> str:
                 f"{_s(run.projected_whole_seconds_at_reference_iterations)} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def transposable_ratios(runs: list[RunResult]) -> dict[str, tuple[float, float | None]]:
+    """{method: (transposable seconds / ordinary seconds, the same at SmolLM2's ALPS iterations or None)}
+    for the methods that ran both kinds."""
+    by_key = {(run.method, run.kind): run for run in runs}
+    ratios: dict[str, tuple[float, float | None]] = {}
+    for method in dict.fromkeys(run.method for run in runs):
+        t_run, o_run = by_key.get((method, "transposable")), by_key.get((method, "ordinary"))
+        if t_run is None or o_run is None:
+            continue
+        t_ref, o_ref = t_run.seconds_at_reference_iterations, o_run.seconds_at_reference_iterations
+        at_ref = t_ref / o_ref if t_ref is not None and o_ref is not None else None
+        ratios[method] = (t_run.seconds / o_run.seconds, at_ref)
+    return ratios
 
 
 def section_key(result: E2EResult) -> str:
