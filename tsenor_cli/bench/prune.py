@@ -22,6 +22,7 @@ everything else scaled by layers / blocks, and labelled a projection.
 
 from __future__ import annotations
 
+import gc
 import json
 import resource
 import shutil
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
+from tsenor_cli.progress import Progress, sink
 from tsenor_cli.pruning.phases import PHASES
 from tsenor_cli.settings import RunContext
 
@@ -163,6 +165,9 @@ def build_random_model(config: Any, device: torch.device, dtype: torch.dtype, se
     fp32 copy), in eval mode on the CPU where `prune_model` expects it."""
     from transformers import AutoModelForCausalLM
 
+    gc.collect()  # the previous run's model and activations, before this one is measured
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -255,7 +260,9 @@ def _whole_model(seconds: float, phases: dict[str, float], params_ratio: float, 
     return fixed + save * params_ratio + (seconds - fixed - save) * blocks_ratio
 
 
-def run_e2e(cfg: E2EConfig, ctx: RunContext, work_dir: Path | None = None, say: Any = None) -> E2EResult:
+def run_e2e(
+    cfg: E2EConfig, ctx: RunContext, work_dir: Path | None = None, progress: Progress | None = None
+) -> E2EResult:
     """Build the shape, and for each method × kind run `prune_model` on a fresh copy of the random model
     with the phases recorded; verify each checkpoint. work_dir: where the model folder and outputs go
     (a temporary folder when None, removed at the end)."""
@@ -270,7 +277,7 @@ def run_e2e(cfg: E2EConfig, ctx: RunContext, work_dir: Path | None = None, say: 
     from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
     from tsenor_cli.pruning.verify import verify_checkpoint
 
-    say = say or (lambda _line: None)
+    say = sink(progress)
     unknown = [x for x in cfg.methods if x not in METHODS]
     if unknown:
         raise UsageError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")

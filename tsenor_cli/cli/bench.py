@@ -243,7 +243,7 @@ def bench_prune(
         resume_state=resume_state,
         tokenizer=tokenizer,
     )
-    result = run_e2e(cfg, run_context(ctx, data_dir, offline=False), work_dir, say=logger.info)
+    result = run_e2e(cfg, run_context(ctx, data_dir, offline=False), work_dir, progress=logger.info)
     table = to_markdown(result)
     if output is not None:
         atomic.write_text(output, result.to_json() + "\n")
