@@ -14,7 +14,8 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 TSENOR_PAPER ?= $(abspath ../shared/paper/tsenor.tex)
 PYTEST_ARGS ?=
 
-.PHONY: install test quality bench bench-gpu demo results clean model
+.PHONY: install test quality bench bench-gpu bench-gpu-e2e bench-gpu-e2e-1b-alps bench-gpu-e2e-1b-sparsegpt \
+	bench-gpu-e2e-1b-wanda bench-gpu-e2e-8b bench-gpu-solver bench-gpu-speedup demo results clean model
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,8 +44,44 @@ bench: install
 	$(TSENOR) bench solver --time-methods flow,tsenor,tsenor-reference,exact,two_approx,bi_nm --repeats 3 \
 	  --output docs/measurements/bench-solver.json --markdown docs/measurements/benchmarks.md --force
 
-# The GPU benchmarks (needs a CUDA GPU with 2:4 sparse tensor cores; refuses to run on a CPU, exit 2).
-bench-gpu: install
+# The GPU benchmarks (need a CUDA GPU; each refuses a CPU, exit 2). `bench-gpu` runs them all, about
+# 25 minutes on one H100; each target below is one command that stays under 10 minutes there.
+# On a GPU machine without network (no venv), use its Python and carried inputs (docs/measurements/benchmarks-e2e.md):
+#   make bench-gpu GPU_DEPS= PY=python3 TSENOR="python3 -m tsenor_cli" E2E_ARGS="--tokenizer .gpu/tokenizer"
+GPU_DEPS ?= install
+E2E_ARGS ?=
+E2E = $(TSENOR) bench prune --device cuda --markdown docs/measurements/benchmarks-e2e.md --force $(E2E_ARGS)
+# The solver's tile pool is made from the real SmolLM2 (here, on the CPU); the GPU run reads it.
+POOL ?= .gpu/pool.safetensors
+
+bench-gpu: bench-gpu-e2e bench-gpu-solver bench-gpu-speedup
+
+bench-gpu-e2e: bench-gpu-e2e-1b-alps bench-gpu-e2e-1b-sparsegpt bench-gpu-e2e-1b-wanda bench-gpu-e2e-8b
+
+# LLaMA-3.2-1B whole (16 blocks), 128 × 2048 calibration, transposable and ordinary 16:32.
+bench-gpu-e2e-1b-alps: $(GPU_DEPS)
+	$(E2E) --model llama-3.2-1b --methods alps --output docs/measurements/bench-e2e-llama-3.2-1b-alps.json
+
+bench-gpu-e2e-1b-sparsegpt: $(GPU_DEPS)
+	$(E2E) --model llama-3.2-1b --methods sparsegpt --output docs/measurements/bench-e2e-llama-3.2-1b-sparsegpt.json
+
+bench-gpu-e2e-1b-wanda: $(GPU_DEPS)
+	$(E2E) --model llama-3.2-1b --methods wanda --output docs/measurements/bench-e2e-llama-3.2-1b-wanda.json
+
+# LLaMA-3.1-8B: 2 whole blocks measured, the 32-block run projected (labelled a projection).
+bench-gpu-e2e-8b: $(GPU_DEPS)
+	$(E2E) --model llama-3.1-8b --blocks 2 --methods alps --output docs/measurements/bench-e2e-llama-3.1-8b-alps.json
+
+# The mask solver at 8192² (and 2048²) against the paper's Table 1, and one layer of each method.
+bench-gpu-solver: $(GPU_DEPS)
+	test -f $(POOL) || $(PY) scripts/bench_cuda.py pool --output $(POOL)
+	$(PY) scripts/bench_cuda.py run --pool $(POOL) --json docs/measurements/bench-cuda.json
+	$(PY) scripts/bench_cuda.py layers --json docs/measurements/bench-cuda-layers.json
+	$(PY) scripts/bench_cuda.py render --json docs/measurements/bench-cuda.json \
+	  --layers docs/measurements/bench-cuda-layers.json --markdown docs/measurements/benchmarks-cuda.md
+
+# 2:4 sparse matmul speedups (needs 2:4 sparse tensor cores).
+bench-gpu-speedup: $(GPU_DEPS)
 	$(TSENOR) bench speedup --output docs/bench-speedup.json --markdown docs/measurements/benchmarks-speedup.md
 
 demo: install

@@ -8,7 +8,7 @@ import typer
 
 from tsenor_cli import atomic
 from tsenor_cli.cli import app, run_context
-from tsenor_cli.cli.options import DEVICE, DeviceOpt, ForceOpt, JsonOpt
+from tsenor_cli.cli.options import DEVICE, DTYPE, DataDirOpt, DeviceOpt, DtypeOpt, ForceOpt, JsonOpt
 from tsenor_cli.errors import InputNotFoundError, OutputExistsError, UsageError
 from tsenor_cli.nm import NMPattern, parse_nm
 
@@ -161,4 +161,93 @@ def bench_speedup(
         atomic.write_text(output, result.to_json() + "\n")
     if markdown is not None:
         atomic.write_text(markdown, table)
+    typer.echo(result.to_json() if json_out else table)
+
+
+_E2E_HEADER = """# End-to-end pruning benchmarks at LLaMA shapes
+
+Written by `tsenor bench prune --markdown` (`make bench-gpu-e2e`); each section below is one run of the
+benchmark, replaced when the same shape, block count, device and methods run again. See
+`tsenor_cli/bench/prune.py` for what is measured and how the projections are made.
+
+"""
+
+
+@bench_app.command("prune")
+def bench_prune(
+    ctx: typer.Context,
+    model: str = typer.Option(
+        "llama-3.2-1b",
+        help="A model shape in configs/models (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b) or a config .json.",
+    ),
+    methods: str = typer.Option("alps,sparsegpt,wanda", help="Pruning methods (comma list)."),
+    kinds: str = typer.Option("transposable,ordinary", help="Pattern kinds (comma list): transposable, ordinary."),
+    nm: str = typer.Option("16:32", help="The N:M pattern."),
+    nsamples: int = typer.Option(128, min=1, help="Calibration samples."),
+    seqlen: int = typer.Option(2048, min=1, help="Tokens per calibration sample."),
+    blocks: int | None = typer.Option(
+        None, min=1, help="Build only the first K decoder blocks and project the whole model (labelled a projection)."
+    ),
+    scale_down: int = typer.Option(
+        1, min=1, help="Divide hidden, intermediate and head counts by this (CPU smoke runs; 1: the published shape)."
+    ),
+    device: DeviceOpt = DEVICE,
+    dtype: DtypeOpt = DTYPE,
+    solver: str = typer.Option("auto", help="Transposable mask solver."),
+    seed: int = typer.Option(0, help="Seed of the random weights and of the calibration windows."),
+    resume_state: bool = typer.Option(
+        True, "--resume-state/--no-resume-state", help="Save the resume state after each block, as `tsenor prune` does."
+    ),
+    tokenizer: Path | None = typer.Option(
+        None, help="A folder with SmolLM2's tokenizer files (default: the embedded model's), e.g. on a GPU machine."
+    ),
+    work_dir: Path | None = typer.Option(
+        None,
+        help="Folder for the model config and the checkpoints (each removed once verified); default: a temp folder.",
+    ),
+    data_dir: DataDirOpt = None,
+    output: Path | None = typer.Option(None, help="Write the JSON result here."),
+    markdown: Path | None = typer.Option(
+        None,
+        help="Put the tables into this Markdown file (docs/measurements/benchmarks-e2e.md), replacing the section "
+        "of the same shape, blocks, device and methods.",
+    ),
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Prune a LLaMA-shaped model with random weights end to end: seconds and peak memory per phase."""
+    import torch
+
+    from tsenor_cli.bench.prune import E2EConfig, merge_section, run_e2e, section_key, to_markdown
+    from tsenor_cli.progress import logger
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device} was asked for but CUDA is not available; use --device cpu")
+    if output is not None and output.exists() and not force:
+        raise OutputExistsError(f"{output} exists; pass --force to overwrite it")
+    pattern = parse_nm(nm)
+    cfg = E2EConfig(
+        model=model,
+        methods=tuple(x.strip() for x in methods.split(",") if x.strip()),
+        kinds=tuple(x.strip() for x in kinds.split(",") if x.strip()),
+        n=pattern.n,
+        m=pattern.m,
+        nsamples=nsamples,
+        seqlen=seqlen,
+        blocks=blocks,
+        scale_down=scale_down,
+        device=device,
+        dtype=dtype,
+        solver=solver,
+        seed=seed,
+        resume_state=resume_state,
+        tokenizer=tokenizer,
+    )
+    result = run_e2e(cfg, run_context(ctx, data_dir, offline=False), work_dir, progress=logger.info)
+    table = to_markdown(result)
+    if output is not None:
+        atomic.write_text(output, result.to_json() + "\n")
+    if markdown is not None:
+        existing = markdown.read_text() if markdown.exists() else _E2E_HEADER
+        atomic.write_text(markdown, merge_section(existing, section_key(result), table))
     typer.echo(result.to_json() if json_out else table)

@@ -21,6 +21,7 @@ import torch
 
 from tsenor_cli.progress import bar, logger
 from tsenor_cli.pruning.masks import choose_mask, keep_better_tiles
+from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.stats import InputStats, damped_gram
 from tsenor_cli.pruning.types import LayerPruneConfig, MaskSolveInfo, PruneOutcome
 from tsenor_cli.solver import SolveResult, resolve_method
@@ -113,11 +114,12 @@ def prune(
     """
     if stats is None:
         raise ValueError("alps needs the Gram matrix of the layer inputs; collect statistics with gram=True")
-    gram = stats.require_gram().to(weight.device)
-    h = damped_gram(gram, cfg.percdamp)  # (in, in)
-    scale = h.diagonal().sqrt()  # (in,) D
-    h_hat = h / scale[:, None] / scale[None, :]  # (in, in) unit diagonal
-    evals, evecs = torch.linalg.eigh(h_hat.double())  # Λ (in,), Q (in, in)
+    with phase("factorize"):
+        gram = stats.require_gram().to(weight.device)
+        h = damped_gram(gram, cfg.percdamp)  # (in, in)
+        scale = h.diagonal().sqrt()  # (in,) D
+        h_hat = h / scale[:, None] / scale[None, :]  # (in, in) unit diagonal
+        evals, evecs = torch.linalg.eigh(h_hat.double())  # Λ (in,), Q (in, in)
 
     def inverse(rho: float) -> torch.Tensor:
         """(Ĥ + ρI)⁻¹ (in, in) float32 from the one eigendecomposition."""
@@ -162,7 +164,8 @@ def prune(
     steps.close()
     final_mask, final_result, block_obj, kept = _project(w_t, cfg, result, mask, seconds)
     safeguarded += kept
-    refined = conjugate_gradient(h_hat, y, final_mask, w_t * final_mask, cfg.alps_cg_iters)
+    with phase("cg"):
+        refined = conjugate_gradient(h_hat, y, final_mask, w_t * final_mask, cfg.alps_cg_iters)
     new_weight = refined / scale[None, :]
     info = None
     if final_result is not None and block_obj is not None:

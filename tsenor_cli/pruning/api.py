@@ -40,6 +40,7 @@ from tsenor_cli.pruning.output import (
     prepare_output,
     write_checkpoint,
 )
+from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.report import versions
 from tsenor_cli.pruning.resume import ResumeState, ResumeStore
@@ -120,6 +121,7 @@ def prune_model(
     *,
     after_block: Callable[[int], None] | None = None,
     stop: StopRequest | None = None,
+    built: LoadedModel | None = None,
 ) -> PruneReport:
     """Prune `cfg.model` block by block and write the checkpoint + reports to `cfg.output`.
 
@@ -133,7 +135,10 @@ def prune_model(
     tsenor_cli.interrupt) the run raises `Interrupted` (exit 75) with its resume state saved.
     KeyboardInterrupt (Ctrl-C) becomes `Interrupted` (exit 130) saying what was saved.
     after_block(i) runs once block i is done and its resume state is saved (tests use it to simulate a
-    kill). Raises a `TsenorError` subclass for every input the user can fix, before any output exists.
+    kill). built: a model already in memory to prune instead of loading `cfg.model` (`tsenor bench
+    prune`: random weights at a published shape); `cfg.model` must then be a folder with its config.json
+    and tokenizer, which the plan and the checkpoint use. Raises a `TsenorError` subclass for every
+    input the user can fix, before any output exists.
     """
     say = sink(progress)
     start = time.perf_counter()
@@ -160,7 +165,7 @@ def prune_model(
             check_free_space(output, plan.checkpoint_bytes, to_write)
             point.blocks, point.done = plan.blocks, state.next_block if state is not None else 0
             saving = store if cfg.resume else None
-            return _prune(cfg, ctx, output, saving, state, point, say, start, after_block, stop)
+            return _prune(cfg, ctx, output, saving, state, point, say, start, after_block, stop, built)
     except KeyboardInterrupt:
         raise point.interrupted(output, saving=cfg.resume, signal_name=stop.name if stop else None) from None
 
@@ -226,8 +231,9 @@ def _prune(
     start: float,
     after_block: Callable[[int], None] | None,
     stop: StopRequest | None,
+    built: LoadedModel | None,
 ) -> PruneReport:
-    """The run itself, under the output lock: load, prune block by block (saving state), write."""
+    """The run itself, under the output lock: load (unless `built`), prune block by block (saving state), write."""
     from tsenor_cli.data.calibration import CalibrationData, calibration_batches
     from tsenor_cli.models.loading import load_model
 
@@ -240,19 +246,27 @@ def _prune(
         # seconds, not after minutes of reading a large checkpoint.
         max_pos = getattr(config, "max_position_embeddings", None)
         seqlen = min(cfg.seqlen, int(max_pos)) if max_pos else cfg.seqlen
-        fresh.append(
-            calibration_batches(cfg.calib_data, tokenizer, ctx, nsamples=cfg.nsamples, seqlen=seqlen, seed=cfg.seed)
-        )
+        with phase("calibration"):
+            fresh.append(
+                calibration_batches(
+                    cfg.calib_data, tokenizer, ctx, nsamples=cfg.nsamples, seqlen=seqlen, seed=cfg.seed
+                )
+            )
 
-    loaded = load_model(
-        cfg.model,
-        ctx,
-        dtype=dtype,
-        device="cpu",
-        trust_remote_code=cfg.trust_remote_code,
-        progress=say,
-        before_weights=calibrate if state is None else None,
-    )
+    if built is not None:
+        loaded = built
+        if state is None:
+            calibrate(built.model.config, built.tokenizer)
+    else:
+        loaded = load_model(
+            cfg.model,
+            ctx,
+            dtype=dtype,
+            device="cpu",
+            trust_remote_code=cfg.trust_remote_code,
+            progress=say,
+            before_weights=calibrate if state is None else None,
+        )
     model, structure = loaded.model, loaded.structure
     # All weights at once, before calibration: a NaN in the last block should not cost a run to find.
     check_finite(
@@ -291,7 +305,8 @@ def _prune(
         calibration = str(calib.source_description)
         calibration_source = calib.source
         say(f"calibration: {calibration}, {tuple(calib.input_ids.shape)} tokens")
-        inputs = capture_block_inputs(structure, calib.input_ids, device)
+        with phase("capture"):
+            inputs = capture_block_inputs(structure, calib.input_ids, device)
         hidden, calls = inputs.hidden, inputs.calls
 
     buffer = torch.empty_like(hidden) if hidden is not None else None
@@ -319,22 +334,24 @@ def _prune(
             progress=say,
             ignored=ignored,
         )
-        run_block(block, hidden, call, buffer)  # the next block sees the pruned outputs
+        with phase("rerun"):
+            run_block(block, hidden, call, buffer)  # the next block sees the pruned outputs
         hidden, buffer = buffer, hidden
         block.to("cpu")
         if store is not None:
             last = index == len(blocks) - 1
-            state = store.save_block(
-                index,
-                block,
-                None if last else hidden,
-                state,
-                records,
-                config_hash,
-                calibration,
-                calibration_source,
-                len(blocks),
-            )
+            with phase("save"):
+                state = store.save_block(
+                    index,
+                    block,
+                    None if last else hidden,
+                    state,
+                    records,
+                    config_hash,
+                    calibration,
+                    calibration_source,
+                    len(blocks),
+                )
         point.done, point.current = index + 1, None
         if after_block is not None:
             after_block(index)
@@ -371,7 +388,8 @@ def _prune(
     )
     say(f"writing {output}")
     point.writing = True
-    write_checkpoint(model, loaded.tokenizer, output, report, sparsity_metadata(cfg, records, solver))
+    with phase("save"):
+        write_checkpoint(model, loaded.tokenizer, output, report, sparsity_metadata(cfg, records, solver))
     return report
 
 

@@ -31,6 +31,7 @@ from torch import nn
 from tsenor_cli.errors import BadInputError, IncompatibleModelError
 from tsenor_cli.models.structure import ModelStructure
 from tsenor_cli.progress import Progress
+from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.registry import PrunerSpec
 from tsenor_cli.pruning.stats import InputStats, reconstruction_error
 from tsenor_cli.pruning.types import LayerPruneConfig, LayerRecord, SparsityPattern
@@ -485,7 +486,8 @@ def prune_block(
     ignored = ignored or {}
     linears = structure.block_linears(index, block)
     by_local = {slot.local_name: slot for slot in slots if slot.block == index}
-    observed = linear_groups(block, linears, call, inputs[:1])
+    with phase("statistics"):
+        observed = linear_groups(block, linears, call, inputs[:1])
     records: dict[str, LayerRecord] = {}
     for name, slot in by_local.items():
         for status, reasons in (("ignored", ignored), ("skipped", skipped)):
@@ -501,7 +503,8 @@ def prune_block(
         if not active:
             continue
         group_linears = {name: linears[name] for name in active}
-        stats = group_input_stats(block, group_linears, inputs, call, device, stop_early=stop_early)
+        with phase("statistics"):
+            stats = group_input_stats(block, group_linears, inputs, call, device, stop_early=stop_early)
         for name in active:
             records[name] = _prune_linear(linears[name], by_local[name], stats[name], spec, layer_cfg, device, progress)
     never_ran = [name for name in by_local if name not in observed.order]
@@ -530,7 +533,8 @@ def _prune_linear(
         raise _non_finite_inputs(slot, linear)
     _sync(device)
     start = time.perf_counter()
-    outcome = spec.prune(dense, stats, layer_cfg)
+    with phase("updates", layer=slot.full_name):
+        outcome = spec.prune(dense, stats, layer_cfg)
     _sync(device)
     seconds = time.perf_counter() - start
     linear.weight.data.copy_(outcome.weight.to(linear.weight.dtype))

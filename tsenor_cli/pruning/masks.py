@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 
+from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.types import MaskSolveInfo, SparsityPattern
 from tsenor_cli.solver import SolveResult, from_blocks, nm_mask, solve, to_blocks, unstructured_mask
 
@@ -38,14 +39,15 @@ def choose_mask(
     unstructured_scope picks the comparison group of unstructured sparsity: each output row (Wanda)
     or the whole matrix (magnitude, ALPS). solver_options go to the transposable solver.
     """
-    if pattern.kind == "transposable":
-        result = solve(scores, pattern.n, pattern.m, method=solver, init=init, **(solver_options or {}))
-        return MaskChoice(result.mask, result)
-    if pattern.kind == "nm":
-        return MaskChoice(nm_mask(scores, pattern.n, pattern.m), None)
-    if pattern.kind == "unstructured":
-        per_row = unstructured_scope == "row"
-        return MaskChoice(unstructured_mask(scores, pattern.sparsity, per_row=per_row), None)
+    with phase("mask solver"):
+        if pattern.kind == "transposable":
+            result = solve(scores, pattern.n, pattern.m, method=solver, init=init, **(solver_options or {}))
+            return MaskChoice(result.mask, result)
+        if pattern.kind == "nm":
+            return MaskChoice(nm_mask(scores, pattern.n, pattern.m), None)
+        if pattern.kind == "unstructured":
+            per_row = unstructured_scope == "row"
+            return MaskChoice(unstructured_mask(scores, pattern.sparsity, per_row=per_row), None)
     raise ValueError(f"unknown pattern kind {pattern.kind!r}")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from tsenor_cli.pruning.masks import choose_mask, solve_info
+from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.stats import InputStats, damped_gram
 from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome
 
@@ -33,7 +34,8 @@ def prune(weight: torch.Tensor, stats: InputStats | None, cfg: LayerPruneConfig)
     w = weight.to(torch.float32).clone()  # (out, in)
     cols = w.shape[1]
     w[:, gram.diagonal() == 0] = 0.0  # inputs that never fire: their weights cannot matter
-    hinv = _inverse_cholesky_upper(damped_gram(gram, cfg.percdamp))  # (in, in) upper
+    with phase("factorize"):
+        hinv = _inverse_cholesky_upper(damped_gram(gram, cfg.percdamp))  # (in, in) upper
     grouped = pattern.kind in ("transposable", "nm")
     blocksize = cfg.blocksize
     if grouped and blocksize % pattern.m:

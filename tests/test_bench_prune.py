@@ -1,0 +1,183 @@
+"""`tsenor bench prune`: the phase recorder, the projections (hand-worked), the shipped LLaMA shapes,
+and a CPU smoke run of the whole benchmark through the CLI on a scaled-down LLaMA-3.2-1B shape."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+import tsenor_cli.pruning.phases as phases_module
+from tsenor_cli.bench.prune import (
+    RunResult,
+    _alps_projection,
+    _whole_model,
+    merge_section,
+    scale_shape,
+    shape_config,
+    transposable_ratios,
+)
+from tsenor_cli.cli import app
+from tsenor_cli.errors import InputNotFoundError, UsageError
+from tsenor_cli.pruning.phases import PHASES, phase, record_phases
+
+
+def _clock(monkeypatch: pytest.MonkeyPatch, times: list[float]) -> None:
+    """Make the phase recorder read `times` from its clock, one per reading (the real clock untouched)."""
+    ticks: Iterator[float] = iter(times)
+    monkeypatch.setattr(phases_module, "time", SimpleNamespace(perf_counter=lambda: next(ticks)))
+
+
+def test_phases_are_exclusive_of_nested_phases(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    with record_phases(torch.device("cpu")) as recorder:
+        # updates 0→10 holds the mask solver 1→3 and CG 4→4.5: updates' own time is 10 − 2 − 0.5.
+        _clock(monkeypatch, [0.0, 1.0, 3.0, 4.0, 4.5, 10.0, 20.0, 21.0])
+        with phase("updates", layer="model.layers.0.mlp.up_proj"):
+            with phase("mask solver"):
+                pass
+            with phase("cg"):
+                pass
+        with phase("rerun"):  # no layer: counted in the totals only
+            pass
+    assert recorder.seconds == {"mask solver": 2.0, "cg": 0.5, "updates": 7.5, "rerun": 1.0}
+    assert recorder.layers == {"model.layers.0.mlp.up_proj": {"mask solver": 2.0, "cg": 0.5, "updates": 7.5}}
+    assert recorder.peak is None and recorder.peaks == {}  # no device peaks off CUDA
+
+
+def test_phase_outside_a_recording_records_nothing() -> None:
+    import torch
+
+    with record_phases(torch.device("cpu")) as recorder:
+        pass
+    with phase("updates"):
+        pass
+    assert recorder.seconds == {}
+    assert phases_module._ACTIVE.get() is None
+
+
+def _run(seconds: float) -> RunResult:
+    return RunResult("alps", "transposable", "16:32", "flow", seconds, {}, 0.0, None, {}, 1, None, True)
+
+
+def test_alps_projection_hand_worked() -> None:
+    # Layer a: 10 iterations in 1 s (0.1 s/it); layer b: 20 in 4 s (0.2 s/it). SmolLM2: 30 each.
+    # At 30 iterations: 3 s + 6 s instead of 5 s, so 12 s becomes 16 s.
+    result = _run(12.0)
+    layer_phases = {
+        "model.layers.0.self_attn.q_proj": {"updates": 0.6, "mask solver": 0.4, "cg": 9.0},
+        "model.layers.0.mlp.down_proj": {"updates": 3.0, "mask solver": 1.0, "factorize": 9.0},
+    }
+    iterations = {"model.layers.0.self_attn.q_proj": 10, "model.layers.0.mlp.down_proj": 20}
+    ref = {"self_attn.q_proj": 30.0, "mlp.down_proj": 30.0}
+    _alps_projection(result, layer_phases, iterations, ref)
+    assert result.alps_iterations_mean == 15.0
+    assert result.alps_seconds_per_iteration == pytest.approx(5.0 / 30)
+    assert result.reference_iterations_mean == 30.0
+    assert result.seconds_at_reference_iterations == pytest.approx(16.0)
+    assert [layer["reference_iterations"] for layer in result.alps_layers] == [30.0, 30.0]
+
+
+def test_alps_projection_without_reference_runs_leaves_it_unset() -> None:
+    result = _run(12.0)
+    _alps_projection(result, {"model.layers.0.mlp.up_proj": {"updates": 1.0}}, {"model.layers.0.mlp.up_proj": 4}, {})
+    assert result.alps_seconds_per_iteration == 0.25
+    assert result.seconds_at_reference_iterations is None
+
+
+def test_transposable_ratios_pair_the_kinds_of_each_method() -> None:
+    t_run, o_run, lone = _run(13.0), _run(10.0), _run(5.0)
+    o_run.kind, lone.method = "ordinary", "wanda"
+    t_run.seconds_at_reference_iterations, o_run.seconds_at_reference_iterations = 26.0, 20.0
+    assert transposable_ratios([t_run, o_run, lone]) == {"alps": (1.3, 1.3)}
+
+
+def test_whole_model_projection_hand_worked() -> None:
+    # 2 of 16 blocks in 30 s: calibration 2 + capture 1 once; save 3 s × 1.5 params; the other 24 s × 8.
+    phases = {"calibration": 2.0, "capture": 1.0, "save": 3.0, "updates": 20.0}
+    assert _whole_model(30.0, phases, params_ratio=1.5, blocks_ratio=8.0) == pytest.approx(3.0 + 4.5 + 24.0 * 8)
+
+
+def test_merge_section_replaces_its_own_and_keeps_the_others() -> None:
+    head = "# title\n\n"
+    one = merge_section(head, "a/cpu", "table A1\n")
+    two = merge_section(one, "b/cuda", "table B\n")
+    three = merge_section(two, "a/cpu", "table A2\n")
+    assert three.startswith(head)
+    assert "table A2\n" in three and "table A1" not in three and "table B\n" in three
+    assert three.index("table A2") < three.index("table B")  # replaced in place
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "layers", "tied"),
+    # The published parameter counts of the three checkpoints.
+    [
+        ("llama-3.2-1b", 1_235_814_400, 16, True),
+        ("llama-3.2-3b", 3_212_749_824, 28, True),
+        ("llama-3.1-8b", 8_030_261_248, 32, False),
+    ],
+)
+def test_shipped_shapes_have_the_published_sizes(name: str, params: int, layers: int, tied: bool) -> None:
+    from tsenor_cli.models.loading import meta_model
+
+    config, published_layers = shape_config(name, None)
+    assert published_layers == layers and config.num_key_value_heads == 8 and config.vocab_size == 128256
+    assert config.tie_word_embeddings is tied
+    assert config.rope_parameters["rope_type"] == "llama3" and config.rope_parameters["rope_theta"] == 500000.0
+    assert sum(p.numel() for p in meta_model(config).parameters()) == params
+
+
+def test_scale_shape_divides_widths_and_keeps_head_dim() -> None:
+    raw = json.loads(Path("configs/models/llama-3.2-1b.json").read_text())
+    small = scale_shape(raw, 16)
+    assert (small["hidden_size"], small["intermediate_size"]) == (128, 512)
+    assert (small["num_attention_heads"], small["num_key_value_heads"], small["head_dim"]) == (2, 1, 64)
+    assert small["vocab_size"] == raw["vocab_size"] and small["num_hidden_layers"] == 16
+    with pytest.raises(UsageError, match="does not divide"):
+        scale_shape(raw, 3)
+
+
+def test_bad_model_and_blocks_are_usage_errors() -> None:
+    with pytest.raises(InputNotFoundError, match=r"llama-3\.2-1b"):
+        shape_config("llama-9", None)
+    with pytest.raises(UsageError, match="between 1 and 16"):
+        shape_config("llama-3.2-1b", 17)
+
+
+@pytest.mark.realdata
+@pytest.mark.realmodel
+def test_bench_prune_cpu_smoke(tmp_path: Path, smollm2_path: Path) -> None:
+    out, md = tmp_path / "e2e.json", tmp_path / "e2e.md"
+    args = ["bench", "prune", "--model", "llama-3.2-1b", "--blocks", "1", "--scale-down", "32"]
+    args += ["--nsamples", "2", "--seqlen", "32", "--methods", "alps", "--output", str(out), "--markdown", str(md)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["shape"]["blocks_built"] == 1 and data["shape"]["layers"] == 16 and data["shape"]["hidden"] == 64
+    assert "SmolLM2" in data["shape"]["tokenizer"]
+    runs = {run["kind"]: run for run in data["runs"]}
+    assert set(runs) == {"transposable", "ordinary"}
+    for run in runs.values():
+        assert run["verified"], run
+        assert run["seconds"] > 0 and set(run["phases"]) == set(PHASES)
+        # Every phase the pipeline has ran (calibration … save); ALPS's whole update loop is in there.
+        assert all(run["phases"][name] > 0 for name in PHASES), run["phases"]
+        assert sum(run["phases"].values()) + run["other_seconds"] == pytest.approx(run["seconds"])
+        assert run["estimate_bytes"] > 0 and run["peak_bytes"] is None  # no CUDA here
+        layers = run["alps_layers"]
+        assert len(layers) == 7 and all(layer["iterations"] >= 1 for layer in layers)
+        assert all(layer["reference_iterations"] > 1 for layer in layers)  # read from docs/results/runs
+        assert run["seconds_at_reference_iterations"] > 0
+        assert run["projected_whole_seconds"] > run["seconds"]  # 16 blocks from 1, labelled a projection
+    assert runs["transposable"]["solver"] == "flow" and runs["ordinary"]["solver"] is None
+    text = md.read_text()
+    assert "<!-- tsenor bench prune: llama-3.2-1b/1-of-16/scale-32/cpu/alps -->" in text and "**Projection**" in text
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    header = next(line for line in rows if line.startswith("| method | pattern | solver |"))
+    table = rows[rows.index(header) : rows.index(header) + 2 + len(runs)]
+    assert len({line.count("|") for line in table}) == 1, table  # header, rule and rows line up

@@ -1,0 +1,512 @@
+"""`tsenor bench prune`: the whole prune pipeline at LLaMA shapes, timed and measured phase by phase.
+
+There is no hub here, so the model is built from a published shape (`configs/models/NAME.json`, a
+transformers config) with seeded random weights: initialized on the compute device in the run's dtype
+(no fp32 copy), then moved to the CPU, where `tsenor prune` keeps a model while one block at a time
+works on the device. The calibration text is real (the project's C4 reader) and tokenized with the
+embedded SmolLM2 tokenizer; its ids (< 49152) index the LLaMA vocabulary (128256) unchanged, so they
+are valid inputs, though not the tokens a LLaMA tokenizer would give. Each run is `prune_model` itself
+(calibration, capture, block by block with the resume state, checkpoint write), with the phases of
+`pruning/phases.py` recorded, and the checkpoint is verified afterwards.
+
+ALPS stops when its support stops changing, which depends on the weights: random weights may stop
+earlier or later than real ones. So every ALPS layer's iterations and its loop seconds (updates + mask
+solver) are kept, and the run is also given at the iterations measured on the real SmolLM2
+(`docs/results/runs/alps-16x32-{t,o}`): each layer's loop time scaled by (the mean SmolLM2 iterations of
+its linear, e.g. mlp.down_proj) / (its own iterations).
+
+With `blocks` < the model's layers only the first blocks are built; the whole model is projected as
+fixed costs (calibration text, block-0 capture) + the checkpoint write scaled by the parameter count +
+everything else scaled by layers / blocks, and labelled a projection.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
+from tsenor_cli.progress import Progress, sink
+from tsenor_cli.pruning.phases import PHASES
+from tsenor_cli.settings import RunContext
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+REFERENCE_RUNS = Path(__file__).resolve().parents[2] / "docs" / "results" / "runs"
+METHODS = ("alps", "sparsegpt", "wanda")
+# The phases that happen once per run whatever the number of blocks.
+FIXED_PHASES = ("calibration", "capture")
+MARK = "<!-- tsenor bench prune: {key} -->"
+
+
+@dataclass(frozen=True)
+class E2EConfig:
+    """model: a name in configs/models or a path to a config JSON; blocks: build only the first `blocks`
+    decoder blocks (None: all); scale_down: divide the widths (`scale_shape`, 1: the published shape; for
+    CPU smoke runs); pattern kinds: "transposable" and/or "ordinary" N:M; tokenizer: a folder with the
+    SmolLM2 tokenizer files (None: the embedded model's, materialized), for machines without the package."""
+
+    model: str
+    methods: tuple[str, ...] = METHODS
+    kinds: tuple[str, ...] = ("transposable", "ordinary")
+    n: int = 16
+    m: int = 32
+    nsamples: int = 128
+    seqlen: int = 2048
+    blocks: int | None = None
+    scale_down: int = 1
+    device: str = "cpu"
+    dtype: str | None = None
+    solver: str = "auto"
+    seed: int = 0
+    resume_state: bool = True
+    tokenizer: Path | None = None
+    reference_runs: Path = REFERENCE_RUNS
+
+
+@dataclass
+class RunResult:
+    """One prune run: seconds per phase (exclusive; `other` is the rest of `seconds`), peaks in bytes
+    (None off CUDA), ALPS layers (name, iterations, loop seconds), projections (None where they do not apply)."""
+
+    method: str
+    kind: str
+    pattern: str
+    solver: str | None
+    seconds: float
+    phases: dict[str, float]
+    other_seconds: float
+    peak_bytes: int | None
+    phase_peak_bytes: dict[str, int]
+    estimate_bytes: int
+    peak_over_estimate: float | None
+    verified: bool
+    alps_layers: list[dict[str, Any]] = field(default_factory=list)
+    alps_iterations_mean: float | None = None
+    alps_seconds_per_iteration: float | None = None
+    reference_iterations_mean: float | None = None
+    seconds_at_reference_iterations: float | None = None
+    projected_whole_seconds: float | None = None
+    projected_whole_seconds_at_reference_iterations: float | None = None
+
+
+@dataclass
+class E2EResult:
+    config: dict[str, Any]
+    environment: dict[str, Any]
+    shape: dict[str, Any]
+    runs: list[RunResult]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, default=str)
+
+
+def config_path(model: str) -> Path:
+    """The config JSON of `model`: a path, or a name in configs/models."""
+    path = Path(model).expanduser()
+    if path.suffix == ".json":
+        if not path.is_file():
+            raise InputNotFoundError(f"model config {path} not found; pass a transformers config JSON")
+        return path
+    named = CONFIG_DIR / f"{model}.json"
+    if not named.is_file():
+        known = sorted(p.stem for p in CONFIG_DIR.glob("*.json")) if CONFIG_DIR.is_dir() else []
+        raise InputNotFoundError(
+            f"no model shape {model!r} in {CONFIG_DIR}; "
+            f"use one of {', '.join(known) or '(none)'} or a config .json path"
+        )
+    return named
+
+
+def scale_shape(raw: dict[str, Any], factor: int) -> dict[str, Any]:
+    """The config dict with hidden, intermediate and attention-head counts divided by `factor` (head_dim,
+    vocabulary and layers kept; key/value heads down to at least 1), for a small run of the same kind."""
+    if factor == 1:
+        return raw
+    scaled = dict(raw)
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads"):
+        if raw[key] % factor:
+            raise UsageError(f"--scale-down {factor} does not divide {key}={raw[key]}; use a power of two such as 16")
+        scaled[key] = raw[key] // factor
+    kv = max(1, int(raw.get("num_key_value_heads", raw["num_attention_heads"])) // factor)
+    if scaled["num_attention_heads"] % kv:
+        raise UsageError(f"--scale-down {factor} leaves {scaled['num_attention_heads']} heads for {kv} KV heads")
+    scaled["num_key_value_heads"] = kv
+    scaled.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
+    return scaled
+
+
+def shape_config(model: str, blocks: int | None, scale_down: int = 1) -> tuple[Any, int]:
+    """(transformers config with `blocks` decoder layers and widths / `scale_down`, the published layer count)."""
+    from transformers import AutoConfig
+
+    raw = scale_shape(json.loads(config_path(model).read_text()), scale_down)
+    config = AutoConfig.for_model(**raw)
+    layers = int(config.num_hidden_layers)
+    if blocks is not None:
+        if not 1 <= blocks <= layers:
+            raise UsageError(f"--blocks {blocks} must be between 1 and {layers} (the layers of {model})")
+        config.num_hidden_layers = blocks
+    return config, layers
+
+
+def build_random_model(config: Any, device: torch.device, dtype: torch.dtype, seed: int) -> Any:
+    """The causal LM of `config` with seeded random weights, initialized on `device` in `dtype` (no
+    fp32 copy), in eval mode on the CPU where `prune_model` expects it."""
+    from transformers import AutoModelForCausalLM
+
+    gc.collect()  # the previous run's model and activations, before this one is measured
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = model.to("cpu")
+    model.eval()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return model
+
+
+def reference_iterations(runs: Path, transposable: bool, n: int, m: int) -> dict[str, float]:
+    """{linear name inside its block (e.g. "mlp.down_proj"): mean ALPS iterations on the real SmolLM2}
+    from the published run `alps-{n}x{m}-{t|o}` under `runs`; {} when that run is not there."""
+    from tsenor_cli.runfiles import PRUNE_FILE, PruneReport
+
+    path = runs / f"alps-{n}x{m}-{'t' if transposable else 'o'}" / PRUNE_FILE
+    if not path.is_file():
+        return {}
+    report = PruneReport.from_json(json.loads(path.read_text()), where=str(path))
+    per_name: dict[str, list[int]] = defaultdict(list)
+    for layer in report.layers:
+        if layer.status == "pruned" and layer.iterations:
+            per_name[_local_name(layer.name)].append(layer.iterations)
+    return {name: statistics.fmean(its) for name, its in per_name.items()}
+
+
+def _local_name(full_name: str) -> str:
+    """ "model.layers.3.mlp.down_proj" → "mlp.down_proj": the part after the block index."""
+    parts = full_name.split(".")
+    digits = [i for i, part in enumerate(parts) if part.isdigit()]
+    return ".".join(parts[digits[0] + 1 :]) if digits else full_name
+
+
+def _rss_high_water() -> int:
+    """The process's resident-set high-water mark in bytes (Linux reports KiB)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    import platform
+
+    import transformers
+
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": str(device),
+        "cpu_threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def _alps_projection(
+    result: RunResult, layer_phases: dict[str, dict[str, float]], iterations: dict[str, int], ref: dict[str, float]
+) -> None:
+    """Fill result's ALPS fields: per layer iterations and loop seconds (updates + mask solver), the
+    cost per iteration, and the run's seconds with each layer's loop at the SmolLM2 iterations."""
+    loop_total = projected_loop = 0.0
+    its_total = 0
+    for name, its in iterations.items():
+        phases = layer_phases.get(name, {})
+        loop = phases.get("updates", 0.0) + phases.get("mask solver", 0.0)
+        ref_its = ref.get(_local_name(name))
+        result.alps_layers.append(
+            {"name": name, "iterations": its, "loop_seconds": loop, "reference_iterations": ref_its}
+        )
+        loop_total += loop
+        its_total += its
+        if ref_its is not None and its:
+            projected_loop += loop / its * ref_its
+    if not its_total:
+        return
+    result.alps_iterations_mean = its_total / len(iterations)
+    result.alps_seconds_per_iteration = loop_total / its_total
+    if ref and all(_local_name(name) in ref for name in iterations):
+        result.reference_iterations_mean = statistics.fmean(ref[_local_name(name)] for name in iterations)
+        result.seconds_at_reference_iterations = result.seconds - loop_total + projected_loop
+
+
+def _whole_model(seconds: float, phases: dict[str, float], params_ratio: float, blocks_ratio: float) -> float:
+    """The whole model's seconds from a run on its first blocks: fixed phases once, the checkpoint write
+    by parameters, the rest by blocks."""
+    fixed = sum(phases.get(name, 0.0) for name in FIXED_PHASES)
+    save = phases.get("save", 0.0)
+    return fixed + save * params_ratio + (seconds - fixed - save) * blocks_ratio
+
+
+def run_e2e(
+    cfg: E2EConfig, ctx: RunContext, work_dir: Path | None = None, progress: Progress | None = None
+) -> E2EResult:
+    """Build the shape, and for each method × kind run `prune_model` on a fresh copy of the random model
+    with the phases recorded; verify each checkpoint. work_dir: where the model folder and outputs go
+    (a temporary folder when None, removed at the end)."""
+    from transformers import AutoTokenizer
+
+    from tsenor_cli.models.embedded import materialize
+    from tsenor_cli.models.loading import LoadedModel, default_dtype, meta_model, parse_dtype, resolve_device
+    from tsenor_cli.models.structure import discover_structure
+    from tsenor_cli.pruning.api import plan_model, prune_model
+    from tsenor_cli.pruning.config import PruneConfig
+    from tsenor_cli.pruning.phases import record_phases
+    from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+    from tsenor_cli.pruning.verify import verify_checkpoint
+
+    say = sink(progress)
+    unknown = [x for x in cfg.methods if x not in METHODS]
+    if unknown:
+        raise UsageError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    bad_kinds = [x for x in cfg.kinds if x not in ("transposable", "ordinary")]
+    if bad_kinds:
+        raise UsageError(f"--kinds: unknown {', '.join(bad_kinds)}; choose from transposable, ordinary")
+    device = resolve_device(cfg.device)
+    dtype = parse_dtype(cfg.dtype) or default_dtype(device)
+    config, layers = shape_config(cfg.model, cfg.blocks, cfg.scale_down)
+    built_blocks = int(config.num_hidden_layers)
+    if cfg.tokenizer is not None and not (cfg.tokenizer / "tokenizer.json").is_file():
+        raise InputNotFoundError(
+            f"--tokenizer {cfg.tokenizer} holds no tokenizer.json; pass a folder with the SmolLM2 tokenizer files"
+        )
+    tokenizer_dir = cfg.tokenizer if cfg.tokenizer is not None else materialize("smollm2-135m", ctx.cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if len(tokenizer) > int(config.vocab_size):
+        raise BadInputError(
+            f"the SmolLM2 tokenizer has {len(tokenizer)} ids, more than the {config.vocab_size} of {cfg.model}; "
+            "pass a model shape whose vocabulary is at least that large"
+        )
+    full_config, _ = shape_config(cfg.model, None, cfg.scale_down)
+    full_params = sum(p.numel() for p in meta_model(full_config).parameters())
+    built_params = sum(p.numel() for p in meta_model(config).parameters())
+    shape = {
+        "model": cfg.model,
+        "config": str(config_path(cfg.model)),
+        "layers": layers,
+        "blocks_built": built_blocks,
+        "scale_down": cfg.scale_down,
+        "hidden": int(config.hidden_size),
+        "intermediate": int(config.intermediate_size),
+        "vocab": int(config.vocab_size),
+        "params": full_params,
+        "params_built": built_params,
+        "dtype": str(dtype).removeprefix("torch."),
+        "tokenizer": f"SmolLM2's tokenizer, {len(tokenizer)} ids used unchanged as ids < {config.vocab_size}",
+    }
+    say(f"{cfg.model}: {built_blocks}/{layers} blocks, {built_params / 1e9:.3f}B of {full_params / 1e9:.3f}B params")
+    say(f"calibration tokens: {shape['tokenizer']}")
+    own_dir = work_dir is None
+    root = Path(tempfile.mkdtemp(prefix="tsenor-bench-prune-")) if work_dir is None else work_dir
+    try:
+        folder = root / "model"
+        config.save_pretrained(folder)  # the plan and the checkpoint read the shape from here
+        tokenizer.save_pretrained(folder)
+        runs = []
+        for method in cfg.methods:
+            for kind in cfg.kinds:
+                pattern = SparsityPattern.from_nm(cfg.n, cfg.m, transposable=kind == "transposable")
+                prune_cfg = PruneConfig(
+                    model=str(folder),
+                    layer=LayerPruneConfig(pattern=pattern, solver=cfg.solver),
+                    method=method,
+                    nsamples=cfg.nsamples,
+                    seqlen=cfg.seqlen,
+                    seed=cfg.seed,
+                    dtype=str(dtype).removeprefix("torch."),
+                    device=str(device),
+                    output=root / f"out-{method}-{kind}",
+                    force=True,
+                    resume=cfg.resume_state,
+                    command="tsenor bench prune",
+                )
+                say(f"{method} {kind} {pattern.label}: building the random model")
+                model = build_random_model(config, device, dtype, cfg.seed)
+                loaded = LoadedModel(model, tokenizer, cfg.model, str(folder), discover_structure(model))
+                plan = plan_model(prune_cfg, ctx)
+                with record_phases(device) as recorder:
+                    start = time.perf_counter()
+                    report = prune_model(prune_cfg, ctx, say, built=loaded)
+                    seconds = time.perf_counter() - start
+                del model, loaded
+                assert prune_cfg.output is not None
+                verified = verify_checkpoint(prune_cfg.output).ok
+                shutil.rmtree(prune_cfg.output)
+                phases = {name: recorder.seconds.get(name, 0.0) for name in PHASES}
+                peak = recorder.peak if device.type == "cuda" else None
+                result = RunResult(
+                    method=method,
+                    kind=kind,
+                    pattern=pattern.label,
+                    solver=prune_cfg.solver_that_runs(device),
+                    seconds=seconds,
+                    phases=phases,
+                    other_seconds=seconds - sum(phases.values()),
+                    peak_bytes=peak,
+                    phase_peak_bytes=dict(recorder.peaks),
+                    estimate_bytes=plan.device_bytes,
+                    peak_over_estimate=peak / plan.device_bytes if peak is not None else None,
+                    verified=verified,
+                )
+                if method == "alps":
+                    iterations = {r.name: r.iterations for r in report.layers if r.status == "pruned"}
+                    ref = reference_iterations(cfg.reference_runs, kind == "transposable", cfg.n, cfg.m)
+                    _alps_projection(result, recorder.layers, iterations, ref)
+                if built_blocks < layers:
+                    params_ratio, blocks_ratio = full_params / built_params, layers / built_blocks
+                    result.projected_whole_seconds = _whole_model(seconds, phases, params_ratio, blocks_ratio)
+                    if result.seconds_at_reference_iterations is not None:
+                        at_ref = result.seconds_at_reference_iterations
+                        result.projected_whole_seconds_at_reference_iterations = _whole_model(
+                            at_ref, phases, params_ratio, blocks_ratio
+                        )
+                say(f"{method} {kind}: {seconds:.1f}s, verified {verified}")
+                runs.append(result)
+    finally:
+        if own_dir:
+            shutil.rmtree(root, ignore_errors=True)
+    env = environment(device)
+    env["cpu_rss_high_water_bytes"] = _rss_high_water()
+    config_dict = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+    return E2EResult(config=config_dict, environment=env, shape=shape, runs=runs)
+
+
+def _gib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 2**30:.3g}"
+
+
+def _s(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1f}"
+
+
+def to_markdown(result: E2EResult) -> str:
+    """The run's tables: phases and memory per run, then ALPS iterations and the projections."""
+    env, shape = result.environment, result.shape
+    device = env.get("gpu", env["device"])
+    whole = shape["blocks_built"] == shape["layers"]
+    cfg = result.config
+    scaled = (
+        f", widths / {shape['scale_down']} (a smoke run, not the published shape)" if shape["scale_down"] > 1 else ""
+    )
+    lines = [
+        f"### {shape['model']} on {device} ({shape['dtype']}, "
+        f"{'all' if whole else shape['blocks_built']} of {shape['layers']} blocks{scaled})",
+        "",
+        f"{cfg['nsamples']} × {cfg['seqlen']} C4 calibration tokens ({shape['tokenizer']}); random weights "
+        f"(seed {cfg['seed']}); torch {env['torch']}, transformers {env['transformers']}, {env['date']}. "
+        f"Peak device memory: torch.cuda.max_memory_allocated (n/a off CUDA; this process's CPU RSS high-water "
+        f"was {_gib(env['cpu_rss_high_water_bytes'])} GiB).",
+        "",
+        "| method | pattern | solver | "
+        + " | ".join(PHASES)
+        + " | other | total s | peak GiB | dry-run est. GiB | peak / est. | verified |",
+        "|" + "---|" * (len(PHASES) + 9),
+    ]
+    for run in result.runs:
+        ratio = "n/a" if run.peak_over_estimate is None else f"{run.peak_over_estimate:.2f}"
+        lines.append(
+            f"| {run.method} | {run.kind} {run.pattern} | {run.solver or '–'} | "
+            + " | ".join(f"{run.phases[name]:.2f}" for name in PHASES)
+            + f" | {run.other_seconds:.2f} | {run.seconds:.1f} | {_gib(run.peak_bytes)} | "
+            f"{_gib(run.estimate_bytes)} | {ratio} | {'yes' if run.verified else 'NO'} |"
+        )
+    alps = [run for run in result.runs if run.alps_iterations_mean is not None]
+    if alps:
+        lines += [
+            "",
+            "ALPS: mean iterations per layer on these random weights, loop seconds per iteration (updates + "
+            "mask solver), and the run at the mean iterations of the same linear on the real SmolLM2 "
+            "(docs/results/runs):",
+            "",
+            "| pattern | iterations (random) | s / iteration | iterations (SmolLM2) | measured s "
+            "| s at SmolLM2 iterations |",
+            "|---|---|---|---|---|---|",
+        ]
+        for run in alps:
+            spi = run.alps_seconds_per_iteration
+            ref = run.reference_iterations_mean
+            lines.append(
+                f"| {run.kind} {run.pattern} | {run.alps_iterations_mean:.1f} | "
+                f"{'–' if spi is None else f'{spi:.4f}'} | {'–' if ref is None else f'{ref:.1f}'} | "
+                f"{run.seconds:.1f} | {_s(run.seconds_at_reference_iterations)} |"
+            )
+    ratios = transposable_ratios(result.runs)
+    if ratios:
+        lines += ["", "Transposable / ordinary wall time (same run of the benchmark):", ""]
+        lines += ["| method | measured | at SmolLM2 iterations |", "|---|---|---|"]
+        for method, (measured, at_ref) in ratios.items():
+            lines.append(f"| {method} | {measured:.2f} | {'–' if at_ref is None else f'{at_ref:.2f}'} |")
+    if not whole:
+        lines += [
+            "",
+            f"**Projection** to all {shape['layers']} blocks (not measured): calibration + capture once, the "
+            f"checkpoint write × {shape['params']}/{shape['params_built']} parameters, the rest × "
+            f"{shape['layers']}/{shape['blocks_built']} blocks.",
+            "",
+            "| method | pattern | projected whole-model s | projected at SmolLM2 iterations s |",
+            "|---|---|---|---|",
+        ]
+        for run in result.runs:
+            lines.append(
+                f"| {run.method} | {run.kind} {run.pattern} | {_s(run.projected_whole_seconds)} | "
+                f"{_s(run.projected_whole_seconds_at_reference_iterations)} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def transposable_ratios(runs: list[RunResult]) -> dict[str, tuple[float, float | None]]:
+    """{method: (transposable seconds / ordinary seconds, the same at SmolLM2's ALPS iterations or None)}
+    for the methods that ran both kinds."""
+    by_key = {(run.method, run.kind): run for run in runs}
+    ratios: dict[str, tuple[float, float | None]] = {}
+    for method in dict.fromkeys(run.method for run in runs):
+        t_run, o_run = by_key.get((method, "transposable")), by_key.get((method, "ordinary"))
+        if t_run is None or o_run is None:
+            continue
+        t_ref, o_ref = t_run.seconds_at_reference_iterations, o_run.seconds_at_reference_iterations
+        at_ref = t_ref / o_ref if t_ref is not None and o_ref is not None else None
+        ratios[method] = (t_run.seconds / o_run.seconds, at_ref)
+    return ratios
+
+
+def section_key(result: E2EResult) -> str:
+    """What one section of the Markdown file is for: the shape, blocks, device and methods."""
+    env, shape = result.environment, result.shape
+    scaled = f"/scale-{shape['scale_down']}" if shape["scale_down"] > 1 else ""
+    methods = ",".join(result.config["methods"])
+    return f"{shape['model']}/{shape['blocks_built']}-of-{shape['layers']}{scaled}/{env['device']}/{methods}"
+
+
+def merge_section(existing: str, key: str, table: str) -> str:
+    """`existing` Markdown with the section marked for `key` replaced by `table` (appended when absent);
+    sections of other shapes and devices, and text before the first section, are kept."""
+    mark = MARK.format(key=key)
+    begin, end = f"{mark}\n", f"<!-- end {key} -->\n"
+    block = f"{begin}{table}{end}"
+    if begin in existing and end in existing:
+        head, rest = existing.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        return head + block + tail
+    return existing + ("\n" if existing and not existing.endswith("\n\n") else "") + block
