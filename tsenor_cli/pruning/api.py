@@ -410,11 +410,12 @@ class MemoryEstimate:
     """Peak device memory of one rank (bytes), by what holds it.
 
     block: the largest decoder block's parameters; activations: this rank's calibration hidden states
-    entering and leaving the block, (S_r, T, H) twice, or one sample's with --offload-activations;
-    statistics: the input statistics (XᵀX and column norms) of a block's linears taken as one group,
-    plus in a distributed run the per-rank partial sums gathered to an owner and their sum; workspace:
-    the method's buffers for the largest linear (weights, mask, ADMM/OBS state, damped H and its
-    factorization).
+    entering and leaving the block, (S_r, T, H) twice, or one sample's with --offload-activations, plus
+    in a distributed run the group's linear inputs kept for the ordered sums (S_r, T, in) (on the CPU
+    with --offload-activations); statistics: the input statistics (XᵀX and column norms) of a block's
+    linears taken as one group, in a distributed run twice (the sums in flight to the next rank) plus one
+    linear's being added; workspace: the method's buffers for the largest linear (weights, mask,
+    ADMM/OBS state, damped H and its factorization).
     """
 
     rank: int
@@ -450,6 +451,7 @@ def estimate_device_memory(
     iterative: bool,
     world_size: int = 1,
     offload_activations: bool = False,
+    sequential: bool = True,
 ) -> list[MemoryEstimate]:
     """One `MemoryEstimate` per rank. block_params: parameter count of each block; candidates: the linears
     to prune (at least one); width: bytes per element of the model's dtype (statistics are float32)."""
@@ -457,11 +459,14 @@ def estimate_device_memory(
 
     blocks = len(block_params)
     stats_size = [sum(s.in_features**2 + s.in_features for s in candidates if s.block == i) for i in range(blocks)]
-    largest_in = max(s.in_features**2 + s.in_features for s in candidates)
     statistics = 4 * max(stats_size)
+    kept_features = 0  # per token, the linear inputs a distributed rank keeps for one group
     if world_size > 1:
-        # The partials stay while each owner holds world_size gathered copies of one linear's and their sum.
-        statistics = 2 * statistics + 4 * (world_size + 1) * largest_in
+        statistics = 2 * statistics + 4 * max(s.in_features**2 + s.in_features for s in candidates)
+        per_block = [sum(s.in_features for s in candidates if s.block == i) for i in range(blocks)]
+        # One group's linears read one input (LLaMA's q,k,v; gate,up); without --sequential the block is
+        # one group and every linear's input counts (an upper bound: shared inputs are kept once).
+        kept_features = max(s.in_features for s in candidates) if sequential else max(per_block)
     biggest = max(candidates, key=lambda s: s.out_features * s.in_features)
     workspace = 4 * biggest.out_features * biggest.in_features * (8 if iterative else 3)
     if needs_gram:
@@ -470,6 +475,8 @@ def estimate_device_memory(
     for rank, (start, stop) in enumerate(shard_bounds(nsamples, world_size)):
         rows = 1 if offload_activations else stop - start
         activations = 2 * rows * seqlen * hidden_size * width  # block inputs and outputs
+        if not offload_activations:
+            activations += (stop - start) * seqlen * kept_features * width
         estimates.append(MemoryEstimate(rank, max(block_params) * width, activations, statistics, workspace))
     return estimates
 
@@ -593,6 +600,7 @@ def plan_model(
         iterative=spec.iterative,
         world_size=world_size if world_size is not None else ctx.distributed.world_size,
         offload_activations=cfg.offload_activations,
+        sequential=cfg.sequential,
     )
     return PrunePlan(
         model=cfg.model,

@@ -198,38 +198,51 @@ class Team:
 
     # ------------------------------------------------------------------ statistics and weights
 
-    def reduce_to_owners(self, stats: Mapping[str, InputStats], owners: Mapping[str, int]) -> dict[str, InputStats]:
-        """{name: this rank's partial statistics} → {name: the whole calibration's statistics} for the
-        linears this rank owns.
+    def ordered_statistics(
+        self, kept: Mapping[str, Sequence[torch.Tensor]], in_features: Mapping[str, int], owners: Mapping[str, int]
+    ) -> dict[str, InputStats]:
+        """kept: {name: this rank's inputs of the linear, one per sample in order} → {name: the statistics of
+        the whole calibration} for the linears this rank owns.
 
-        Each linear's partial sums (column norms, Gram, token count) are gathered to its owner and added
-        in rank order: the result does not depend on which rank finished first. Alone: `stats` as is.
+        The sums run along the ranks in sample order: rank 0 adds its samples from zero and sends the sums
+        to rank 1, which adds its own and passes them on; the last rank sends them to the owner. Each
+        rank adds its inputs exactly as one process would (`InputStats.add`, sample after sample, from the
+        sums of the samples before), so the statistics are bit for bit those of a single-process run,
+        whatever the world size and timing. The forwards ran in parallel before; here the linears of a
+        group pipeline through the ranks (rank 0 starts the next linear while rank 1 adds the first).
         """
-        if not self.distributed:
-            return dict(stats)
         import torch.distributed as dist
 
+        last = self.world_size - 1
         owned: dict[str, InputStats] = {}
-        for name, part in stats.items():  # the same order on every rank: the group's order
-            owner = owners[name]
-            flat = torch.cat([part.sq_norms.reshape(-1), part.require_gram().reshape(-1)]).to(self.comm_device)
-            tokens = torch.tensor([part.tokens], dtype=torch.int64, device=self.comm_device)
-            mine = self.rank == owner
-            parts = [torch.empty_like(flat) for _ in range(self.world_size)] if mine else None
-            counts = [torch.empty_like(tokens) for _ in range(self.world_size)] if mine else None
-            dist.gather(flat, parts, dst=owner)
-            dist.gather(tokens, counts, dst=owner)
-            if parts is None or counts is None:
-                continue
-            total = parts[0].clone()
-            for other in parts[1:]:
-                total += other
-            whole = InputStats(part.in_features, gram=True, device=part.sq_norms.device)
-            n = part.in_features
-            whole.sq_norms.copy_(total[:n])
-            whole.require_gram().copy_(total[n:].reshape(n, n))
-            whole.tokens = int(sum(int(c.item()) for c in counts))
-            owned[name] = whole
+        pending: list[Any] = []  # sends in flight and the owners' receives of finished sums
+        finals: dict[str, torch.Tensor] = {}
+        for name, inputs in kept.items():  # the same order on every rank: the group's order
+            n, owner = in_features[name], owners[name]
+            stats = InputStats(n, gram=True, device=self.device)
+            if self.rank > 0:
+                received = torch.empty(_packed_size(n), device=self.comm_device)
+                dist.recv(received, src=self.rank - 1)
+                _unpack(received, stats)
+            for x in inputs:
+                stats.add(x)
+            if self.rank < last:
+                packed = _pack(stats).to(self.comm_device)
+                pending.append((dist.isend(packed, dst=self.rank + 1), packed))
+            if self.rank == last and owner != last:
+                packed = _pack(stats).to(self.comm_device)
+                pending.append((dist.isend(packed, dst=owner), packed))
+            elif self.rank == owner == last:
+                owned[name] = stats
+            elif self.rank == owner:
+                finals[name] = torch.empty(_packed_size(n), device=self.comm_device)
+                pending.append((dist.irecv(finals[name], src=last), finals[name]))
+        for handle, _buffer in pending:
+            handle.wait()
+        for name, packed in finals.items():
+            stats = InputStats(in_features[name], gram=True, device=self.device)
+            _unpack(packed, stats)
+            owned[name] = stats
         return owned
 
     def broadcast_weights(self, linears: Mapping[str, nn.Linear], owners: Mapping[str, int]) -> None:
@@ -296,6 +309,26 @@ class Team:
             import torch.distributed as dist
 
             dist.barrier()
+
+
+def _packed_size(n: int) -> int:
+    """Float32 elements of packed statistics of a linear with n inputs: norms, Gram, the token count."""
+    return n + n * n + 2
+
+
+def _pack(stats: InputStats) -> torch.Tensor:
+    """stats → (n + n² + 2,) float32: column sums, Gram, and the int64 token count's bits (exact)."""
+    tokens = torch.tensor([stats.tokens], dtype=torch.int64, device=stats.sq_norms.device).view(torch.float32)
+    return torch.cat([stats.sq_norms, stats.require_gram().reshape(-1), tokens])
+
+
+def _unpack(packed: torch.Tensor, stats: InputStats) -> None:
+    """The inverse of `_pack`, into `stats` (overwritten)."""
+    n = stats.in_features
+    packed = packed.to(stats.sq_norms.device)
+    stats.sq_norms.copy_(packed[:n])
+    stats.require_gram().copy_(packed[n : n + n * n].reshape(n, n))
+    stats.tokens = int(packed[n + n * n :].contiguous().view(torch.int64).item())
 
 
 def _one_line(text: str) -> str:

@@ -425,11 +425,55 @@ def group_input_stats(
     computation up to there is the same). stop_early=False runs the whole block.
     """
     stats = {name: InputStats(linear.in_features, gram=True, device=device) for name, linear in linears.items()}
+    _each_linear_input(block, linears, inputs, call, device, stop_early, lambda name, x: stats[name].add(x))
+    return stats
+
+
+@torch.no_grad()
+def group_inputs(
+    block: nn.Module,
+    linears: dict[str, nn.Linear],
+    inputs: torch.Tensor,
+    call: BlockCall,
+    device: torch.device,
+    *,
+    keep: torch.device,
+) -> dict[str, list[torch.Tensor]]:
+    """inputs: (S, T, H) → {name: the input (1, T, in) of linears[name] for each sample, in sample order}.
+
+    What `group_input_stats` would add up, kept (on `keep`) so that a distributed run can add them in the
+    single process's order once the sums of the samples before them arrive (distributed.py). Linears
+    that read the same tensor share one copy. Each forward stops once the group's linears have run, so
+    nothing later in the block can change a kept input in place.
+    """
+    kept: dict[str, list[torch.Tensor]] = {name: [] for name in linears}
+    last: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the last input seen, its kept copy)
+
+    def sink(name: str, x: torch.Tensor) -> None:
+        if not last or last[0][0] is not x:
+            last[:] = [(x, x.to(keep))]
+        kept[name].append(last[0][1])
+
+    _each_linear_input(block, linears, inputs, call, device, True, sink)
+    return kept
+
+
+def _each_linear_input(
+    block: nn.Module,
+    linears: dict[str, nn.Linear],
+    inputs: torch.Tensor,
+    call: BlockCall,
+    device: torch.device,
+    stop_early: bool,
+    sink: Callable[[str, torch.Tensor], None],
+) -> None:
+    """Call sink(name, input) for each linear of `linears` as it runs, sample after sample (see
+    `group_input_stats` for `stop_early`)."""
     pending: set[str] = set()  # the linears not yet called for the current sample
 
     def make_hook(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
         def hook(_module: nn.Module, args: tuple[Any, ...], _output: Any) -> None:
-            stats[name].add(args[0])
+            sink(name, args[0])
             pending.discard(name)
             if stop_early and not pending:
                 raise _GroupSeen
@@ -451,7 +495,6 @@ def group_input_stats(
     finally:
         for handle in handles:
             handle.remove()
-    return stats
 
 
 def _sync(device: torch.device) -> None:
@@ -495,7 +538,8 @@ def prune_block(
     come from one forward of the dense block on the first sample (`linear_groups`). stop_early: cut each
     statistics pass at the group's linears (see `group_input_stats`); False runs the whole block per
     group, same results. team: the ranks of a distributed run (distributed.py): per group every rank
-    collects statistics on its shard, each linear's owner receives their sum, prunes and broadcasts the
+    runs its shard, the statistics are summed rank after rank in sample order (`Team.ordered_statistics`,
+    what one process computes, bit for bit) to each linear's owner, which prunes it and broadcasts the
     weight; None or a team of one is this process alone. Records come in pruning order, then any linear
     that never runs.
     """
@@ -524,9 +568,14 @@ def prune_block(
         group_linears = {name: linears[name] for name in active}
         owners = team.owners([[(n, by_local[n].out_features, by_local[n].in_features) for n in active]])
         with team.agreed():
-            partial = group_input_stats(block, group_linears, inputs, call, device, stop_early=stop_early)
-        stats = team.reduce_to_owners(partial, owners)
-        del partial
+            if team.distributed:
+                kept = group_inputs(block, group_linears, inputs, call, device, keep=inputs.device)
+            else:
+                stats = group_input_stats(block, group_linears, inputs, call, device, stop_early=stop_early)
+        if team.distributed:
+            in_features = {name: by_local[name].in_features for name in active}
+            stats = team.ordered_statistics(kept, in_features, owners)
+            del kept
         mine: dict[str, LayerRecord] = {}
         with team.agreed():
             for name in active:
