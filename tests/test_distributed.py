@@ -94,13 +94,13 @@ def _run_job(job: dict[str, Any], rank: int, ctx: RunContext) -> Any:
             raise KeyboardInterrupt
 
     if fail_on == rank:
-        engine._prune_linear = failing  # type: ignore[assignment]
+        engine._prune_linear = failing
     try:
         api.prune_model(job["cfg"], ctx, after_block=stop_after_first if job.get("stop_after_first") else None)
     except TsenorError as exc:
         return {"type": type(exc).__name__, "message": str(exc), "exit_code": exc.exit_code}
     finally:
-        engine._prune_linear = original  # type: ignore[assignment]
+        engine._prune_linear = original
     return "ok"
 
 
