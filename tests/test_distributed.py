@@ -314,3 +314,22 @@ def test_dry_run_memory_components_match_the_tensors_of_a_run(
     assert alone[0].activations == 2 * inputs.hidden.nbytes
     offloaded = api.plan_model(dataclasses.replace(cfg, offload_activations=True), data_ctx).device_memory[0]
     assert offloaded.activations == 2 * inputs.hidden[:1].nbytes
+
+
+def test_scaling_script_times_both_runs_and_compares_their_checkpoints(
+    models: dict[str, Path], calib: Path, data_ctx: RunContext, tmp_path: Path
+) -> None:
+    """scripts/distributed_scaling.py on a tiny model (the SmolLM2 measurement is in docs/design/distributed.md)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("distributed_scaling", REPO / "scripts" / "distributed_scaling.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    prune = ["--model", str(models["qwen2"]), "--method", "sparsegpt", "--nm", "8:16", "--nsamples", "4"]
+    prune += ["--seqlen", "32", "--calib-data", str(calib), "--data-dir", str(data_ctx.data_dir), "--offline"]
+    result = script.main(["--out", str(tmp_path), "--nproc", "2", "--threads", "2", "--", *prune])
+    assert result["same_masks"] and result["same_weights"]
+    assert result["single_seconds"] > 0 and result["distributed_seconds"] > 0 and result["speedup"] > 0
+    assert (result["nproc"], result["threads"]) == (2, 2)
+    assert json.loads((tmp_path / "scaling.json").read_text()) == result

@@ -79,6 +79,12 @@ def triton_interpret() -> bool:
     return os.environ.get(TRITON_INTERPRET_ENV) == "1"
 
 
+def child_environment(overrides: Mapping[str, str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a subprocess: this one's (`environ`, default os.environ) with `overrides`
+    (e.g. the thread counts of a scaling measurement)."""
+    return {**_environ(environ), **overrides}
+
+
 @dataclass(frozen=True)
 class DistributedContext:
     """This process's place in a run split over several processes (docs/design/distributed.md).
