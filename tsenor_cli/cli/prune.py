@@ -364,6 +364,11 @@ def prune_cmd(
         return
 
     if nproc > 1:
+        if cfg.nsamples < nproc:  # checked here too, so the line comes once and not from every process
+            raise UsageError(
+                f"--nsamples {cfg.nsamples} is fewer than --nproc {nproc}; pass at least one calibration "
+                "sample per process"
+            )
         _launch(ctx, nproc)
         return
 
