@@ -9,6 +9,11 @@ from __future__ import annotations
 DEBUG_HINT = "run with TSENOR_DEBUG=1 for the traceback"
 
 
+def one_line(text: str) -> str:
+    """`text` with its lines joined by spaces: an error is always one line on stderr."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
 class TsenorError(Exception):
     """Base class of the errors a user can fix; `exit_code` is what the CLI exits with."""
 

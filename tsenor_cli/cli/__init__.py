@@ -18,7 +18,7 @@ from pathlib import Path
 import typer
 
 from tsenor_cli import __version__, settings
-from tsenor_cli.errors import DEBUG_HINT, EXIT_SIGINT, Interrupted, PeerError, TsenorError
+from tsenor_cli.errors import DEBUG_HINT, EXIT_SIGINT, Interrupted, PeerError, TsenorError, one_line
 from tsenor_cli.progress import configure_logging
 from tsenor_cli.settings import RunContext
 
@@ -101,11 +101,6 @@ def _register_commands() -> None:
 
 
 _register_commands()
-
-
-def one_line(text: str) -> str:
-    """`text` with its lines joined by spaces: an error is always one line on stderr."""
-    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def _usage_line(exc: typer.TyperException) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tsenor_cli.errors import DEBUG_HINT, PeerError, TsenorError
+from tsenor_cli.errors import DEBUG_HINT, PeerError, TsenorError, one_line
 from tsenor_cli.pruning.stats import InputStats
 from tsenor_cli.settings import DistributedContext
 
@@ -304,12 +304,6 @@ class Team:
                         whole[start + j] = rows[rank].cpu()
         return whole
 
-    def barrier(self) -> None:
-        if self.distributed:
-            import torch.distributed as dist
-
-            dist.barrier()
-
 
 def _packed_size(n: int) -> int:
     """Float32 elements of packed statistics of a linear with n inputs: norms, Gram, the token count."""
@@ -331,16 +325,12 @@ def _unpack(packed: torch.Tensor, stats: InputStats) -> None:
     stats.tokens = int(packed[n + n * n :].contiguous().view(torch.int64).item())
 
 
-def _one_line(text: str) -> str:
-    return " ".join(line.strip() for line in text.splitlines() if line.strip())
-
-
 def _describe(error: Exception, rank: int) -> _Failure:
     """The line and exit code that every rank reports for `error` raised on `rank`."""
     where = f"rank {rank}: " if rank else ""
     if isinstance(error, TsenorError):
-        return _Failure(rank, where + _one_line(str(error)), error.exit_code)
-    message = f"unexpected {type(error).__name__}: {_one_line(str(error))}; {DEBUG_HINT}"
+        return _Failure(rank, where + one_line(str(error)), error.exit_code)
+    message = f"unexpected {type(error).__name__}: {one_line(str(error))}; {DEBUG_HINT}"
     return _Failure(rank, where + message, UNEXPECTED_EXIT)
 
 
