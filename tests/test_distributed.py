@@ -21,7 +21,7 @@ import torch
 from helpers_tiny import make_tiny_llama
 from safetensors.torch import load_file
 
-from tsenor_cli.errors import BadInputError, PeerError, TsenorError
+from tsenor_cli.errors import DEBUG_HINT, BadInputError, PeerError, TsenorError
 from tsenor_cli.pruning import api, engine
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.distributed import assign_owners, shard_bounds, torchrun_command, without_option
@@ -87,6 +87,8 @@ def _run_job(job: dict[str, Any], rank: int, ctx: RunContext) -> Any:
     original = engine._prune_linear
 
     def failing(*args: Any, **kwargs: Any) -> Any:
+        if job.get("unexpected"):
+            raise RuntimeError(f"injected bug on rank {rank}")
         raise BadInputError(f"injected failure on rank {rank}; nothing to fix")
 
     def stop_after_first(index: int) -> None:
@@ -211,6 +213,7 @@ def test_resumed_distributed_run_equals_an_uninterrupted_one_and_failures_stop_e
         {"name": "stopped", "cfg": resumed, "stop_after_first": True},
         {"name": "resumed", "cfg": resumed},
         *({"name": f"fail{rank}", "cfg": failed[rank], "fail_on": rank} for rank in range(WORLD)),
+        {"name": "bug", "cfg": failed[1], "fail_on": 1, "unexpected": True},
     ]
     outcomes = _spawn(tmp_path, jobs, data_ctx)
     assert [o["full"] for o in outcomes] == ["ok"] * WORLD
@@ -229,6 +232,10 @@ def test_resumed_distributed_run_equals_an_uninterrupted_one_and_failures_stop_e
         assert seen[1]["type"] == PeerError.__name__
         assert seen[0]["type"] == (BadInputError.__name__ if rank == 0 else PeerError.__name__)
         assert not (tmp_path / f"failed{rank}").exists()  # nothing written
+    # Any other exception: the CLI's "unexpected" line, exit 1, on every rank.
+    bug = [o["bug"] for o in outcomes]
+    assert [b["exit_code"] for b in bug] == [1, 1] and [b["type"] for b in bug] == ["PeerError"] * 2
+    assert bug[0]["message"] == f"rank 1: unexpected RuntimeError: injected bug on rank 1; {DEBUG_HINT}"
 
 
 def test_offloaded_activations_give_the_same_checkpoint(
