@@ -172,6 +172,30 @@ def test_torchrun_command_is_the_same_arguments_less_nproc() -> None:
     assert command[6:] == ["tsenor_cli", "prune", "--model", "m", "--nm", "2:4", "--output", "o"]
 
 
+def test_cli_nproc_checks_and_the_per_rank_dry_run(
+    models: dict[str, Path], data_ctx: RunContext, tmp_path: Path
+) -> None:
+    from typer.testing import CliRunner
+
+    from tsenor_cli.cli import app
+
+    base = ["prune", "--model", str(models["llama"]), "--nm", "8:16", "--seqlen", "32", "--calib-data", "wikitext2"]
+    base += ["--data-dir", str(data_ctx.data_dir), "--offline"]
+    runner = CliRunner()
+    plan = runner.invoke(app, [*base, "--nsamples", "5", "--dry-run", "--nproc", "2"])
+    assert plan.exit_code == 0, plan.output
+    ranks = [line.split(":")[0].strip() for line in plan.output.splitlines() if line.startswith("  rank ")]
+    assert ranks == ["rank 0", "rank 1"] and "peak per process" in plan.output
+    few = runner.invoke(app, [*base, "--nsamples", "1", "--nproc", "2", "--output", str(tmp_path / "o")])
+    assert isinstance(few.exception, TsenorError) and "--nsamples 1 is fewer than --nproc 2" in str(few.exception)
+    torchrun_env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    nested = runner.invoke(app, [*base, "--nsamples", "4", "--nproc", "2", "--output", "o"], env=torchrun_env)
+    assert isinstance(nested.exception, TsenorError) and "inside a torchrun process (rank 1 of 2)" in str(
+        nested.exception
+    )
+    assert not (tmp_path / "o").exists()
+
+
 # ---------------------------------------------------------------- against one process
 
 
