@@ -257,9 +257,11 @@ def _prune(
     """The run itself, under the output lock (held by rank 0): load, prune block by block (rank 0 saving
     the state), write (rank 0).
 
-    Each rank holds the whole model on the CPU and its shard of the calibration samples; the phases a
-    benchmark times are marked: input capture, per block the statistics / solver and updates / block
-    re-run (inside `prune_block` and `run_block`), the resume state, the final save.
+    Each rank holds the whole model on the CPU and its shard of the calibration samples. The phases, each
+    one call here or in `prune_block` (for a benchmark to time): block input capture
+    (`capture_block_inputs`), per group the statistics (`group_input_stats` / `group_inputs` and
+    `Team.ordered_statistics`) and the method (`_prune_linear`: mask solver, ADMM/OBS updates, CG),
+    the block re-run (`run_block`), the resume state (`save_block`), the final save (`write_checkpoint`).
     """
     from tsenor_cli.models.loading import load_model
 
