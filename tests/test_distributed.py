@@ -164,6 +164,19 @@ def test_owners_balance_each_group_by_cost_largest_first() -> None:
     assert set(assign_owners(groups, 1).values()) == {0}
 
 
+def test_the_rank_comes_from_torchruns_environment_only_through_settings() -> None:
+    from tsenor_cli.errors import UsageError
+    from tsenor_cli.settings import distributed_default
+
+    assert distributed_default({}) == DistributedContext(0, 1, 0)
+    assert distributed_default({"RANK": "1", "WORLD_SIZE": "2"}) == DistributedContext(1, 2, 1)
+    assert distributed_default({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == DistributedContext(3, 4, 1)
+    assert RunContext.from_environment(environ={"RANK": "1", "WORLD_SIZE": "2"}).distributed.rank == 1
+    for bad in ({"RANK": "2", "WORLD_SIZE": "2"}, {"RANK": "x", "WORLD_SIZE": "2"}, {"WORLD_SIZE": "0"}):
+        with pytest.raises(UsageError):
+            distributed_default(bad)
+
+
 def test_torchrun_command_is_the_same_arguments_less_nproc() -> None:
     args = ["prune", "--model", "m", "--nproc", "2", "--nm", "2:4", "--nproc=3", "--output", "o"]
     assert without_option(args, "--nproc") == ["prune", "--model", "m", "--nm", "2:4", "--output", "o"]
