@@ -79,6 +79,17 @@ def triton_interpret() -> bool:
     return os.environ.get(TRITON_INTERPRET_ENV) == "1"
 
 
+OMP_THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def default_worker_threads(nproc: int) -> None:
+    """What torchrun does before starting `nproc` > 1 processes that inherit this environment: one
+    intra-op thread each unless $OMP_NUM_THREADS says otherwise (K processes of all cores would
+    oversubscribe the CPU)."""
+    if nproc > 1:
+        os.environ.setdefault(OMP_THREADS_ENV, "1")
+
+
 def child_environment(overrides: Mapping[str, str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment for a subprocess: this one's (`environ`, default os.environ) with `overrides`
     (e.g. the thread counts of a scaling measurement)."""

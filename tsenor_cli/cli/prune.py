@@ -409,18 +409,11 @@ def prune_cmd(
 
 
 def _launch(ctx: typer.Context, nproc: int) -> None:
-    """Run this same command in `nproc` processes through torchrun and exit with its status.
-
-    Each process prints nothing of its own errors but rank 0's line (cli.main), so the user sees one
-    `error:` line; torchrun's own summary of a failed worker follows on stderr.
-    """
-    import subprocess
-    import sys
-
+    """Run this same command in `nproc` processes (torchrun's launcher) and exit with its status: 0, or
+    the failing rank's exit code after rank 0's `error:` line."""
     from tsenor_cli.cli import launch_arguments
-    from tsenor_cli.pruning.distributed import torchrun_command
+    from tsenor_cli.pruning.distributed import launch
 
-    command = torchrun_command(sys.executable, launch_arguments(ctx), nproc)
-    code = subprocess.run(command, check=False).returncode
+    code = launch(launch_arguments(ctx), nproc)
     if code:
         raise typer.Exit(code)

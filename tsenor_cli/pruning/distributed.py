@@ -88,19 +88,48 @@ def without_option(args: Sequence[str], option: str) -> list[str]:
     return kept
 
 
-def torchrun_command(python: str, args: Sequence[str], nproc: int) -> list[str]:
-    """The command that runs ``python -m tsenor_cli ARGS`` in `nproc` processes on this node through
-    torchrun (its module form, so no console script needs to be on PATH); `args` less --nproc."""
-    return [
-        python,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",  # a rendezvous on a free local port: one node, no master address to give
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "tsenor_cli",
-        *without_option(args, "--nproc"),
-    ]
+def launch(args: Sequence[str], nproc: int) -> int:
+    """Run ``python -m tsenor_cli ARGS`` (less --nproc) in `nproc` processes on this node with torch's
+    elastic launcher, what torchrun runs (a c10d rendezvous on a free local port, no restarts).
+
+    Returns 0, or the exit code of the lowest failing rank: the ranks of a failed run all exit with the
+    failing rank's code (`Team.agreed`), and rank 0 has printed its line. A rank killed by a signal
+    printed nothing: PeerError with exit code 128 + the signal.
+    """
+    import logging
+    import sys
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from tsenor_cli.settings import default_worker_threads
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"tsenor-{uuid.uuid4().hex}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+    )
+    default_worker_threads(nproc)
+    # The launcher logs each failed worker; the ranks print the run's one error line already.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    try:
+        elastic_launch(config, sys.executable)("-m", "tsenor_cli", *without_option(args, "--nproc"))
+    except ChildFailedError as exc:
+        rank = min(exc.failures)
+        code = exc.failures[rank].exitcode
+        if code > 0:
+            return code
+        raise PeerError(
+            f"process {rank} of {nproc} was killed by signal {-code} (e.g. out of memory); rerunning the same "
+            "command continues from the last saved block",
+            128 - code,
+        ) from None
+    return 0
 
 
 @dataclass(frozen=True)
