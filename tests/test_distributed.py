@@ -21,10 +21,19 @@ import torch
 from helpers_tiny import make_tiny_llama
 from safetensors.torch import load_file
 
-from tsenor_cli.errors import DEBUG_HINT, BadInputError, OutputExistsError, PeerError, TsenorError
+from tsenor_cli.errors import (
+    DEBUG_HINT,
+    EXIT_RESUMABLE,
+    BadInputError,
+    OutputExistsError,
+    PeerError,
+    TsenorError,
+)
+from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.pruning import api, engine
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.distributed import assign_owners, shard_bounds, without_option
+from tsenor_cli.pruning.resume import RESUME_DIRNAME, STATE_FILE
 from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
 from tsenor_cli.runfiles import PRUNE_FILE
 from tsenor_cli.settings import DistributedContext, RunContext
@@ -95,10 +104,19 @@ def _run_job(job: dict[str, Any], rank: int, ctx: RunContext) -> Any:
         if index == 0:
             raise KeyboardInterrupt
 
+    stop = StopRequest()
+
+    def signal_rank_1_after_first(index: int) -> None:
+        if index == 0 and rank == 1:
+            stop.request("SIGTERM")
+
+    after = stop_after_first if job.get("stop_after_first") else None
+    if job.get("signal_rank_1"):
+        after = signal_rank_1_after_first
     if fail_on == rank:
         engine._prune_linear = failing
     try:
-        api.prune_model(job["cfg"], ctx, after_block=stop_after_first if job.get("stop_after_first") else None)
+        api.prune_model(job["cfg"], ctx, after_block=after, stop=stop)
     except TsenorError as exc:
         return {"type": type(exc).__name__, "message": str(exc), "exit_code": exc.exit_code}
     finally:
@@ -248,6 +266,11 @@ def test_resumed_distributed_run_equals_an_uninterrupted_one_and_failures_stop_e
         {"name": "resumed", "cfg": resumed},
         *({"name": f"fail{rank}", "cfg": failed[rank], "fail_on": rank} for rank in range(WORLD)),
         {"name": "bug", "cfg": failed[1], "fail_on": 1, "unexpected": True},
+        {
+            "name": "signal",
+            "cfg": _cfg(model, calib, tmp_path / "signalled", "sparsegpt", True, resume=True),
+            "signal_rank_1": True,
+        },
     ]
     outcomes = _spawn(tmp_path, jobs, data_ctx)
     assert [o["full"] for o in outcomes] == ["ok"] * WORLD
@@ -266,6 +289,11 @@ def test_resumed_distributed_run_equals_an_uninterrupted_one_and_failures_stop_e
         assert seen[1]["type"] == PeerError.__name__
         assert seen[0]["type"] == (BadInputError.__name__ if rank == 0 else PeerError.__name__)
         assert not (tmp_path / f"failed{rank}").exists()  # nothing written
+    # SIGTERM reached rank 1 only, after block 1: both ranks stop before block 2, exit 75, state saved.
+    signalled = [o["signal"] for o in outcomes]
+    assert [s["exit_code"] for s in signalled] == [EXIT_RESUMABLE] * WORLD, signalled
+    assert signalled[0]["message"].startswith("stopped by SIGTERM after block 1/2")
+    assert (tmp_path / "signalled" / RESUME_DIRNAME / STATE_FILE).is_file()
     # Any other exception: the CLI's "unexpected" line, exit 1, on every rank.
     bug = [o["bug"] for o in outcomes]
     assert [b["exit_code"] for b in bug] == [1, 1] and [b["type"] for b in bug] == ["PeerError"] * 2

@@ -325,8 +325,10 @@ def _prune(
 
     buffer = torch.empty_like(hidden) if hidden is not None else None
     for index in bar(range(first, len(blocks)), total=len(blocks) - first, desc="blocks", unit="block"):
-        if stop is not None and team.any(stop.requested):
-            raise point.interrupted(output, saving=store is not None, signal_name=stop.name)
+        # The ranks stop together, at the same block, even when the signal reached only some of them.
+        signal_name = team.first_set(stop.name) if stop is not None else None
+        if signal_name is not None:
+            raise point.interrupted(output, saving=store is not None, signal_name=signal_name)
         assert hidden is not None and buffer is not None  # set whenever a block is left to prune
         point.current = index
         say(f"block {index + 1}/{len(blocks)}")

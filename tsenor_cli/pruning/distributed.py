@@ -215,15 +215,16 @@ class Team:
             raise error
         raise PeerError(failure.message, failure.exit_code) from error
 
-    def any(self, flag: bool) -> bool:
-        """Whether `flag` is set on any rank (e.g. a stop request that reached only some of them)."""
+    def first_set(self, value: str | None) -> str | None:
+        """The `value` of the lowest rank where it is not None (e.g. the signal that asked some ranks to
+        stop), on every rank; None when it is None everywhere."""
         if not self.distributed:
-            return flag
+            return value
         import torch.distributed as dist
 
-        value = torch.tensor([int(flag)], device=self.comm_device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, value)
+        return next((item for item in everyone if item is not None), None)
 
     # ------------------------------------------------------------------ statistics and weights
 
