@@ -6,6 +6,13 @@ with `TSENOR_DEBUG=1`.
 
 from __future__ import annotations
 
+DEBUG_HINT = "run with TSENOR_DEBUG=1 for the traceback"
+
+
+def one_line(text: str) -> str:
+    """`text` with its lines joined by spaces: an error is always one line on stderr."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
 
 class TsenorError(Exception):
     """Base class of the errors a user can fix; `exit_code` is what the CLI exits with."""
@@ -76,6 +83,15 @@ class Interrupted(TsenorError):
 
     exit_code: EXIT_RESUMABLE after SIGTERM/SIGUSR1/SIGUSR2 (a scheduler's stop), EXIT_SIGINT after Ctrl-C.
     """
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class PeerError(TsenorError):
+    """Raised on the ranks of a distributed run when one rank failed: carries that rank's line and exit
+    code, so every rank stops with the same code and rank 0 alone prints the line (the others are quiet)."""
 
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)

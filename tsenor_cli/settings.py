@@ -12,6 +12,9 @@ decided by the context alone, never by trying one and falling back to another:
 - otherwise with ``offline`` → an error: the hub is forbidden and there is no data folder.
 
 ``offline`` also decides how a hub model id loads: from the local HF cache only.
+
+A process started by ``torchrun`` learns its place in the run from RANK, WORLD_SIZE and LOCAL_RANK;
+they are read here too (`distributed_default`) and travel in `RunContext.distributed`.
 """
 
 from __future__ import annotations
@@ -21,12 +24,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from tsenor_cli.errors import UsageError
+
 DATA_DIR_ENV = "TSENOR_DATA_DIR"
 CACHE_DIR_ENV = "TSENOR_CACHE_DIR"
 DEBUG_ENV = "TSENOR_DEBUG"
 # The HF libraries' own "stay offline" switches; any of them set makes offline the default.
 HUB_OFFLINE_ENVS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 TRITON_INTERPRET_ENV = "TRITON_INTERPRET"
+# What torchrun (torch.distributed.run) sets in each process it starts.
+RANK_ENV, WORLD_SIZE_ENV, LOCAL_RANK_ENV = "RANK", "WORLD_SIZE", "LOCAL_RANK"
 
 _FALSE = ("", "0", "false", "False", "no")
 
@@ -72,6 +79,72 @@ def triton_interpret() -> bool:
     return os.environ.get(TRITON_INTERPRET_ENV) == "1"
 
 
+OMP_THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def default_worker_threads(nproc: int) -> None:
+    """What torchrun does before starting `nproc` > 1 processes that inherit this environment: one
+    intra-op thread each unless $OMP_NUM_THREADS says otherwise (K processes of all cores would
+    oversubscribe the CPU)."""
+    if nproc > 1:
+        os.environ.setdefault(OMP_THREADS_ENV, "1")
+
+
+def child_environment(overrides: Mapping[str, str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a subprocess: this one's (`environ`, default os.environ) with `overrides`
+    (e.g. the thread counts of a scaling measurement)."""
+    return {**_environ(environ), **overrides}
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """This process's place in a run split over several processes (docs/design/distributed.md).
+
+    rank: 0..world_size-1, rank 0 writes every file; world_size: the processes pruning one model
+    together (1: this process alone); local_rank: the rank on this node, which picks its CUDA device.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size or self.local_rank < 0:
+            raise ValueError(
+                f"rank {self.rank}, local rank {self.local_rank} of world size {self.world_size} is not a valid place"
+            )
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    value = env.get(name, "")
+    if not value:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"${name}={value!r} is not an integer; torchrun sets it, do not set it by hand") from None
+
+
+def distributed_default(environ: Mapping[str, str] | None = None) -> DistributedContext:
+    """$RANK, $WORLD_SIZE and $LOCAL_RANK as torchrun sets them; a single process when unset."""
+    env = _environ(environ)
+    world = _env_int(env, WORLD_SIZE_ENV, 1)
+    rank = _env_int(env, RANK_ENV, 0)
+    local = _env_int(env, LOCAL_RANK_ENV, rank)
+    try:
+        return DistributedContext(rank=rank, world_size=world, local_rank=local)
+    except ValueError as exc:
+        raise UsageError(f"the torchrun environment is inconsistent: {exc}; start the run with torchrun") from None
+
+
 @dataclass(frozen=True)
 class RunContext:
     """The external inputs of one run (the rule for data sources is in this module's docstring).
@@ -80,12 +153,14 @@ class RunContext:
     offline: never contact the HF hub (hub model ids load from the local HF cache only).
     cache_dir: where embedded models are materialized.
     debug: show full tracebacks.
+    distributed: this process's rank among the processes of one run (torchrun), a single one by default.
     """
 
     data_dir: Path | None
     offline: bool
     cache_dir: Path
     debug: bool = False
+    distributed: DistributedContext = DistributedContext()
 
     @classmethod
     def from_environment(
@@ -104,4 +179,5 @@ class RunContext:
             offline=offline if offline is not None else offline_default(environ),
             cache_dir=Path(cache_dir).expanduser() if cache_dir is not None else cache_dir_default(environ),
             debug=debug if debug is not None else debug_default(environ),
+            distributed=distributed_default(environ),
         )

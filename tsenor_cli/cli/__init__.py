@@ -18,7 +18,7 @@ from pathlib import Path
 import typer
 
 from tsenor_cli import __version__, settings
-from tsenor_cli.errors import EXIT_SIGINT, Interrupted, TsenorError
+from tsenor_cli.errors import DEBUG_HINT, EXIT_SIGINT, Interrupted, PeerError, TsenorError, one_line
 from tsenor_cli.progress import configure_logging
 from tsenor_cli.settings import RunContext
 
@@ -38,6 +38,7 @@ class CliState:
     """What the root options decide for one invocation; `main` owns it to format errors."""
 
     debug: bool
+    argv: list[str] | None = None  # the arguments after the program name, when `main` was given them
 
 
 def _version(value: bool) -> None:
@@ -102,19 +103,27 @@ def _register_commands() -> None:
 _register_commands()
 
 
-DEBUG_HINT = "run with TSENOR_DEBUG=1 for the traceback"
-
-
-def one_line(text: str) -> str:
-    """`text` with its lines joined by spaces: an error is always one line on stderr."""
-    return " ".join(line.strip() for line in text.splitlines() if line.strip())
-
-
 def _usage_line(exc: typer.TyperException) -> str:
     """A click usage error (bad value, missing option, unknown flag) as `error:` text naming the fix."""
     ctx = getattr(exc, "ctx", None)  # click's UsageError carries the context of the command it hit
     where = f"{ctx.command_path} --help" if ctx is not None else "tsenor --help"
     return f"{one_line(exc.format_message()).rstrip('.')}; see {where}"
+
+
+def _is_root_process() -> bool:
+    """Whether this process is rank 0 of a torchrun run, or no such run's."""
+    try:
+        return settings.distributed_default().is_root
+    except TsenorError:
+        return True
+
+
+def launch_arguments(ctx: typer.Context) -> list[str]:
+    """The arguments this invocation was given after the program name (to start it again elsewhere)."""
+    state = ctx.find_root().obj
+    if isinstance(state, CliState) and state.argv is not None:
+        return list(state.argv)
+    return sys.argv[1:]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -124,12 +133,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     The app runs outside click's standalone mode so that click's own usage errors (range checks,
     missing or unknown options) come here too and print like ours instead of click's usage box.
     """
-    state = CliState(debug=settings.debug_default())
+    args = list(argv) if argv is not None else sys.argv[1:]
+    state = CliState(debug=settings.debug_default(), argv=args)
     try:
-        code = app(args=list(argv) if argv is not None else None, obj=state, standalone_mode=False)
+        code = app(args=args, obj=state, standalone_mode=False)
     except TsenorError as exc:
         if state.debug:
             raise
+        if isinstance(exc, PeerError) and not _is_root_process():
+            sys.exit(exc.exit_code)  # rank 0 prints the failing rank's line; one line for the whole run
         # An interruption is not an error in the input: its line says what was saved, unprefixed.
         typer.echo(str(exc) if isinstance(exc, Interrupted) else f"error: {one_line(str(exc))}", err=True)
         sys.exit(exc.exit_code)

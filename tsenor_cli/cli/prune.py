@@ -64,6 +64,7 @@ CONFIG_KEYS: dict[str, type] = {
     "ignore": list,
     "targets": list,
     "output": str,
+    "offload_activations": bool,
 }
 
 
@@ -200,6 +201,7 @@ def build_config(values: dict[str, Any], *, force: bool, resume: bool, command: 
         force=force,
         resume=resume,
         command=command,
+        offload_activations=bool(values.get("offload_activations", False)),
     )
 
 
@@ -250,6 +252,19 @@ def prune_cmd(
         help="Save a resume state after each block and continue an interrupted run of the same settings "
         "(default; --resume is accepted). --no-resume-state saves none.",
     ),
+    offload_activations: bool = typer.Option(
+        False,
+        "--offload-activations",
+        help="Keep the calibration activations on the CPU and move one sample at a time to the device "
+        "(same result, device memory for one block and one sample).",
+    ),
+    nproc: int = typer.Option(
+        1,
+        "--nproc",
+        min=1,
+        help="Prune with this many processes on this node (torchrun; one GPU each with --device cuda, "
+        "gloo on the CPU); with --dry-run, estimate the memory of each.",
+    ),
     config: Path | None = typer.Option(None, "--config", help="YAML recipe; explicit flags override its values."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (layers, shapes, memory); write nothing."),
     run_eval: bool = typer.Option(False, "--eval", help="Evaluate the pruned checkpoint afterwards (eval.json)."),
@@ -280,8 +295,14 @@ def prune_cmd(
         "ignore": ignore or [],
         "targets": targets or [],
         "output": output,
+        "offload_activations": offload_activations,
     }
     run_ctx = run_context(ctx, data_dir, offline)
+    if nproc > 1 and run_ctx.distributed.distributed:
+        raise UsageError(
+            f"--nproc {nproc} given inside a torchrun process (rank {run_ctx.distributed.rank} of "
+            f"{run_ctx.distributed.world_size}); drop --nproc, torchrun already started the processes"
+        )
     command = command_line()
     cfg = build_config(merge_config(ctx, given, config), force=force, resume=resume, command=command)
     eval_cfg = None
@@ -309,7 +330,7 @@ def prune_cmd(
     if dry_run:
         from tsenor_cli.pruning.api import plan_model
 
-        plan = plan_model(cfg, run_ctx)
+        plan = plan_model(cfg, run_ctx, world_size=max(nproc, run_ctx.distributed.world_size))
         if as_json:
             typer.echo(json.dumps(plan.to_dict(), indent=2))
             _plan_verdict(plan, cfg)
@@ -328,10 +349,28 @@ def prune_cmd(
                 verdict = "ignored: " + plan.ignored[slot.full_name]
             typer.echo(f"{slot.full_name:<44} {shape:>13}  {verdict}")
         typer.echo(
-            f"estimated memory: CPU {human_bytes(plan.cpu_bytes)} (model), "
-            f"{plan.device} {human_bytes(plan.device_bytes)} (one block, activations, statistics, workspace)"
+            f"estimated memory: CPU {human_bytes(plan.cpu_bytes)} (model"
+            + (", in each process)" if len(plan.device_memory) > 1 else ")")
+            + f", {plan.device} {human_bytes(plan.device_bytes)} peak"
+            + (" per process" if len(plan.device_memory) > 1 else "")
+            + (", activations offloaded" if cfg.offload_activations else "")
         )
+        for estimate in plan.device_memory:
+            typer.echo(
+                f"  rank {estimate.rank}: {human_bytes(estimate.total)} = block {human_bytes(estimate.block)} "
+                f"+ activations {human_bytes(estimate.activations)} + statistics {human_bytes(estimate.statistics)} "
+                f"+ workspace {human_bytes(estimate.workspace)}"
+            )
         _plan_verdict(plan, cfg)
+        return
+
+    if nproc > 1:
+        if cfg.nsamples < nproc:  # checked here too, so the line comes once and not from every process
+            raise UsageError(
+                f"--nsamples {cfg.nsamples} is fewer than --nproc {nproc}; pass at least one calibration "
+                "sample per process"
+            )
+        _launch(ctx, nproc)
         return
 
     from tsenor_cli.interrupt import stop_on_signals
@@ -339,6 +378,8 @@ def prune_cmd(
 
     with stop_on_signals() as stop:
         report = prune_model(cfg, run_ctx, stop=stop)
+    if not run_ctx.distributed.is_root:
+        return  # rank 0 reports (and evaluates) for the run
     payload: dict[str, Any] = {"prune": report.to_json()}
     if eval_cfg is not None and cfg.output is not None:
         from tsenor_cli import atomic
@@ -366,3 +407,14 @@ def prune_cmd(
     totals = report.totals()
     typer.echo(report.to_markdown().split("\n| layer")[0].rstrip())
     typer.echo(f"wrote {cfg.output} ({totals['layers_pruned']} layers pruned in {report.seconds:.1f} s)")
+
+
+def _launch(ctx: typer.Context, nproc: int) -> None:
+    """Run this same command in `nproc` processes (torchrun's launcher) and exit with its status: 0, or
+    the failing rank's exit code after rank 0's `error:` line."""
+    from tsenor_cli.cli import launch_arguments
+    from tsenor_cli.pruning.distributed import launch
+
+    code = launch(launch_arguments(ctx), nproc)
+    if code:
+        raise typer.Exit(code)

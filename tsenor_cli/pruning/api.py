@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from tsenor_cli.errors import EXIT_RESUMABLE, EXIT_SIGINT, Interrupted, ResumeSt
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.progress import Progress, bar, logger, sink
 from tsenor_cli.pruning.config import PruneConfig
+from tsenor_cli.pruning.distributed import Team, joined
 from tsenor_cli.pruning.engine import (
     BlockInputs,
     LinearSlot,
@@ -54,10 +56,14 @@ if TYPE_CHECKING:
     from tsenor_cli.models.structure import ModelStructure
 
 
-def _dtype_and_device(cfg: PruneConfig) -> tuple[torch.dtype, torch.device]:
+def _dtype_and_device(cfg: PruneConfig, ctx: RunContext | None = None) -> tuple[torch.dtype, torch.device]:
+    """The run's dtype and this rank's device: in a distributed run `--device cuda` means the GPU of the
+    rank's LOCAL_RANK (one GPU per process)."""
     from tsenor_cli.models.loading import default_dtype, parse_dtype, resolve_device
 
     device = resolve_device(cfg.device)
+    if ctx is not None and ctx.distributed.distributed and device.type == "cuda" and device.index is None:
+        device = resolve_device(f"cuda:{ctx.distributed.local_rank}")
     dtype = parse_dtype(cfg.dtype)
     return (dtype if dtype is not None else default_dtype(device)), device
 
@@ -140,34 +146,63 @@ def prune_model(
     and tokenizer, which the plan and the checkpoint use. Raises a `TsenorError` subclass for every
     input the user can fix, before any output exists.
     """
-    say = sink(progress)
     start = time.perf_counter()
     if cfg.output is None:
         raise UsageError("--output is required to prune; pass --output DIR (or --dry-run to only print the plan)")
+    place = ctx.distributed
+    if cfg.nsamples < place.world_size:
+        raise UsageError(
+            f"--nsamples {cfg.nsamples} is fewer than the {place.world_size} processes of the run; "
+            "pass at least one calibration sample per process"
+        )
+    # In a distributed run rank 0 speaks for all: the other ranks' lines would repeat its own.
+    say = sink(progress) if place.is_root else _silent
     output = output_path(cfg.output)
     point = _RunPoint()
+    _, device = _dtype_and_device(cfg, ctx)
     try:
-        check_output_location(output)
-        plan = plan_model(cfg, ctx, progress=say)
-        check_not_input(output, plan.source)
-        with output_lock(output):
-            for line in atomic.recover(output):
-                say(line)
-            done = None if cfg.force else finished_run(output, cfg.result_hash())
-            if done is not None:
-                say(f"{output} already holds this run, finished with the same settings; nothing to do")
-                return done
-            store = prepare_output(
-                output, force=cfg.force, resume=cfg.resume, continue_hint="drop --no-resume-state to continue it"
-            )
-            state = _open_state(store, cfg, plan.blocks, say) if cfg.resume else None
-            to_write = max(0, plan.resume_bytes - store.size()) if cfg.resume else 0
-            check_free_space(output, plan.checkpoint_bytes, to_write)
-            point.blocks, point.done = plan.blocks, state.next_block if state is not None else 0
-            saving = store if cfg.resume else None
-            return _prune(cfg, ctx, output, saving, state, point, say, start, after_block, stop, built)
+        with joined(place, device) as team:
+            with team.agreed():
+                if team.is_root:
+                    check_output_location(output)
+                plan = plan_model(cfg, ctx, progress=say)
+                check_not_input(output, plan.source)
+            # Only rank 0 touches the output folder: it alone holds the lock and writes every file.
+            with output_lock(output) if team.is_root else contextlib.nullcontext():
+                state: ResumeState | None = None
+                done: PruneReport | None = None
+                with team.agreed():
+                    if team.is_root:
+                        for line in atomic.recover(output):
+                            say(line)
+                        done = None if cfg.force else finished_run(output, cfg.result_hash())
+                done = team.broadcast_object(done)
+                if done is not None:
+                    say(f"{output} already holds this run, finished with the same settings; nothing to do")
+                    return done
+                with team.agreed():
+                    if team.is_root:
+                        store = prepare_output(
+                            output,
+                            force=cfg.force,
+                            resume=cfg.resume,
+                            continue_hint="drop --no-resume-state to continue it",
+                        )
+                        state = _open_state(store, cfg, plan.blocks, say) if cfg.resume else None
+                        to_write = max(0, plan.resume_bytes - store.size()) if cfg.resume else 0
+                        check_free_space(output, plan.checkpoint_bytes, to_write)
+                    else:
+                        store = ResumeStore(output)
+                state = team.broadcast_object(state)
+                point.blocks, point.done = plan.blocks, state.next_block if state is not None else 0
+                saving = store if cfg.resume else None
+                return _prune(cfg, ctx, output, saving, state, point, say, start, after_block, stop, team, built)
     except KeyboardInterrupt:
         raise point.interrupted(output, saving=cfg.resume, signal_name=stop.name if stop else None) from None
+
+
+def _silent(_message: str) -> None:
+    """The progress sink of ranks other than 0."""
 
 
 @dataclass
@@ -231,14 +266,27 @@ def _prune(
     start: float,
     after_block: Callable[[int], None] | None,
     stop: StopRequest | None,
+    team: Team,
     built: LoadedModel | None,
 ) -> PruneReport:
-    """The run itself, under the output lock: load (unless `built`), prune block by block (saving state), write."""
+    """The run itself, under the output lock (held by rank 0): load (unless `built`), prune block by
+    block (rank 0 saving the state), write (rank 0).
+
+    Each rank holds the whole model on the CPU and its shard of the calibration samples. The phases, each
+    one call here or in `prune_block`, are marked with `phases.phase` for `tsenor bench prune`: block
+    input capture (`capture_block_inputs`), per group the statistics (`group_input_stats` /
+    `group_inputs` and `Team.ordered_statistics`) and the method (`_prune_linear`: mask solver,
+    ADMM/OBS updates, CG), the block re-run (`run_block`), the resume state (`save_block`), the final
+    save (`write_checkpoint`).
+    """
     from tsenor_cli.data.calibration import CalibrationData, calibration_batches
     from tsenor_cli.models.loading import load_model
 
     spec = get_pruner(cfg.method)
-    dtype, device = _dtype_and_device(cfg)
+    dtype, device = _dtype_and_device(cfg, ctx)
+    # Where the calibration activations live between blocks: the device, or the CPU with
+    # --offload-activations, each sample then streamed to the device when the block needs it.
+    storage = torch.device("cpu") if cfg.offload_activations else device
     fresh: list[CalibrationData] = []
 
     def calibrate(config: Any, tokenizer: Any) -> None:
@@ -248,36 +296,35 @@ def _prune(
         seqlen = min(cfg.seqlen, int(max_pos)) if max_pos else cfg.seqlen
         with phase("calibration"):
             fresh.append(
-                calibration_batches(
-                    cfg.calib_data, tokenizer, ctx, nsamples=cfg.nsamples, seqlen=seqlen, seed=cfg.seed
-                )
+                calibration_batches(cfg.calib_data, tokenizer, ctx, nsamples=cfg.nsamples, seqlen=seqlen, seed=cfg.seed)
             )
 
-    if built is not None:
-        loaded = built
-        if state is None:
-            calibrate(built.model.config, built.tokenizer)
-    else:
-        loaded = load_model(
-            cfg.model,
-            ctx,
-            dtype=dtype,
-            device="cpu",
-            trust_remote_code=cfg.trust_remote_code,
-            progress=say,
-            before_weights=calibrate if state is None else None,
+    with team.agreed():
+        if built is not None:
+            loaded = built
+            if state is None:
+                calibrate(built.model.config, built.tokenizer)
+        else:
+            loaded = load_model(
+                cfg.model,
+                ctx,
+                dtype=dtype,
+                device="cpu",
+                trust_remote_code=cfg.trust_remote_code,
+                progress=say,
+                before_weights=calibrate if state is None else None,
+            )
+        model, structure = loaded.model, loaded.structure
+        # All weights at once, before calibration: a NaN in the last block should not cost a run to find.
+        check_finite(
+            model.named_parameters(),
+            where=f"model {cfg.model}",
+            fix="the checkpoint is corrupt; re-download or re-convert it (nothing was written)",
         )
-    model, structure = loaded.model, loaded.structure
-    # All weights at once, before calibration: a NaN in the last block should not cost a run to find.
-    check_finite(
-        model.named_parameters(),
-        where=f"model {cfg.model}",
-        fix="the checkpoint is corrupt; re-download or re-convert it (nothing was written)",
-    )
-    slots = linear_slots(structure)
-    ignored = excluded_layers([s.full_name for s in slots], cfg.ignore, cfg.targets)
-    candidates = [s for s in slots if s.full_name not in ignored]
-    skipped = check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)
+        slots = linear_slots(structure)
+        ignored = excluded_layers([s.full_name for s in slots], cfg.ignore, cfg.targets)
+        candidates = [s for s in slots if s.full_name not in ignored]
+        skipped = check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)
     blocks = structure.blocks
     say(f"{structure.model_type}: {len(blocks)} blocks in {structure.blocks_name}, {len(slots)} linears")
     if ignored:
@@ -291,28 +338,34 @@ def _prune(
 
     records: list[LayerRecord] = []
     first = 0
-    hidden: torch.Tensor | None = None  # (S, T, H) the input of the next block
-    if state is not None and store is not None:
-        first = state.next_block
-        store.restore_blocks(blocks, state)
-        records = list(state.records)
-        calibration, calibration_source = state.calibration, state.calibration_source
-        if first < len(blocks):
-            hidden = store.load_hidden(state, device)
-            calls = capture_block_calls(structure, int(hidden.shape[1]))
-    else:
-        (calib,) = fresh
-        calibration = str(calib.source_description)
-        calibration_source = calib.source
-        say(f"calibration: {calibration}, {tuple(calib.input_ids.shape)} tokens")
-        with phase("capture"):
-            inputs = capture_block_inputs(structure, calib.input_ids, device)
-        hidden, calls = inputs.hidden, inputs.calls
+    hidden: torch.Tensor | None = None  # (S_r, T, H) this rank's shard of the input of the next block
+    shard = team.shard(cfg.nsamples)
+    with team.agreed():
+        if state is not None and store is not None:
+            first = state.next_block
+            store.restore_blocks(blocks, state)
+            records = list(state.records)
+            calibration, calibration_source = state.calibration, state.calibration_source
+            if first < len(blocks):
+                hidden = store.load_hidden(state, storage, rows=shard if team.distributed else None)
+                calls = capture_block_calls(structure, int(hidden.shape[1]))
+        else:
+            (calib,) = fresh
+            calibration = str(calib.source_description)
+            calibration_source = calib.source
+            say(f"calibration: {calibration}, {tuple(calib.input_ids.shape)} tokens")
+            if team.distributed:
+                say(f"{team.world_size} processes, {shard.stop - shard.start} samples on rank 0")
+            with phase("capture"):
+                inputs = capture_block_inputs(structure, calib.input_ids[shard], storage)
+            hidden, calls = inputs.hidden, inputs.calls
 
     buffer = torch.empty_like(hidden) if hidden is not None else None
     for index in bar(range(first, len(blocks)), total=len(blocks) - first, desc="blocks", unit="block"):
-        if stop is not None and stop.requested:
-            raise point.interrupted(output, saving=store is not None, signal_name=stop.name)
+        # The ranks stop together, at the same block, even when the signal reached only some of them.
+        signal_name = team.first_set(stop.name) if stop is not None else None
+        if signal_name is not None:
+            raise point.interrupted(output, saving=store is not None, signal_name=signal_name)
         assert hidden is not None and buffer is not None  # set whenever a block is left to prune
         point.current = index
         say(f"block {index + 1}/{len(blocks)}")
@@ -333,25 +386,29 @@ def _prune(
             device=device,
             progress=say,
             ignored=ignored,
+            team=team,
         )
-        with phase("rerun"):
-            run_block(block, hidden, call, buffer)  # the next block sees the pruned outputs
+        with phase("rerun"), team.agreed():
+            run_block(block, hidden, call, buffer, device)  # the next block sees the pruned outputs
         hidden, buffer = buffer, hidden
         block.to("cpu")
         if store is not None:
             last = index == len(blocks) - 1
             with phase("save"):
-                state = store.save_block(
-                    index,
-                    block,
-                    None if last else hidden,
-                    state,
-                    records,
-                    config_hash,
-                    calibration,
-                    calibration_source,
-                    len(blocks),
-                )
+                whole = None if last else team.gather_samples(hidden, cfg.nsamples)
+                with team.agreed():
+                    if team.is_root:
+                        state = store.save_block(
+                            index,
+                            block,
+                            whole,
+                            state,
+                            records,
+                            config_hash,
+                            calibration,
+                            calibration_source,
+                            len(blocks),
+                        )
         point.done, point.current = index + 1, None
         if after_block is not None:
             after_block(index)
@@ -364,6 +421,8 @@ def _prune(
         "seqlen": seqlen,
         "solver": solver,
     }
+    if team.distributed:
+        settings_dict["processes"] = team.world_size
     p = cfg.pattern
     model_params, model_nonzero = nonzero_counts(list(model.parameters()))
     linear_params, linear_nonzero = nonzero_counts(_linear_weights(structure))
@@ -388,9 +447,86 @@ def _prune(
     )
     say(f"writing {output}")
     point.writing = True
-    with phase("save"):
-        write_checkpoint(model, loaded.tokenizer, output, report, sparsity_metadata(cfg, records, solver))
+    with phase("save"), team.agreed():
+        if team.is_root:
+            write_checkpoint(model, loaded.tokenizer, output, report, sparsity_metadata(cfg, records, solver))
     return report
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak device memory of one rank (bytes), by what holds it.
+
+    block: the largest decoder block's parameters; activations: this rank's calibration hidden states
+    entering and leaving the block, (S_r, T, H) twice, or one sample's with --offload-activations, plus
+    in a distributed run the group's linear inputs kept for the ordered sums (S_r, T, in) (on the CPU
+    with --offload-activations); statistics: the input statistics (XᵀX and column norms) of a block's
+    linears taken as one group, in a distributed run twice (the sums in flight to the next rank) plus one
+    linear's being added; workspace: the method's buffers for the largest linear (weights, mask,
+    ADMM/OBS state, damped H and its factorization).
+    """
+
+    rank: int
+    block: int
+    activations: int
+    statistics: int
+    workspace: int
+
+    @property
+    def total(self) -> int:
+        return self.block + self.activations + self.statistics + self.workspace
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "rank": self.rank,
+            "block": self.block,
+            "activations": self.activations,
+            "statistics": self.statistics,
+            "workspace": self.workspace,
+            "total": self.total,
+        }
+
+
+def estimate_device_memory(
+    block_params: Sequence[int],
+    candidates: Sequence[LinearSlot],
+    *,
+    nsamples: int,
+    seqlen: int,
+    hidden_size: int,
+    width: int,
+    needs_gram: bool,
+    iterative: bool,
+    world_size: int = 1,
+    offload_activations: bool = False,
+    sequential: bool = True,
+) -> list[MemoryEstimate]:
+    """One `MemoryEstimate` per rank. block_params: parameter count of each block; candidates: the linears
+    to prune (at least one); width: bytes per element of the model's dtype (statistics are float32)."""
+    from tsenor_cli.pruning.distributed import shard_bounds
+
+    blocks = len(block_params)
+    stats_size = [sum(s.in_features**2 + s.in_features for s in candidates if s.block == i) for i in range(blocks)]
+    statistics = 4 * max(stats_size)
+    kept_features = 0  # per token, the linear inputs a distributed rank keeps for one group
+    if world_size > 1:
+        statistics = 2 * statistics + 4 * max(s.in_features**2 + s.in_features for s in candidates)
+        per_block = [sum(s.in_features for s in candidates if s.block == i) for i in range(blocks)]
+        # One group's linears read one input (LLaMA's q,k,v; gate,up); without --sequential the block is
+        # one group and every linear's input counts (an upper bound: shared inputs are kept once).
+        kept_features = max(s.in_features for s in candidates) if sequential else max(per_block)
+    biggest = max(candidates, key=lambda s: s.out_features * s.in_features)
+    workspace = 4 * biggest.out_features * biggest.in_features * (8 if iterative else 3)
+    if needs_gram:
+        workspace += 3 * 8 * biggest.in_features**2  # damped/normalized H, its inverse or eigenvectors
+    estimates = []
+    for rank, (start, stop) in enumerate(shard_bounds(nsamples, world_size)):
+        rows = 1 if offload_activations else stop - start
+        activations = 2 * rows * seqlen * hidden_size * width  # block inputs and outputs
+        if not offload_activations:
+            activations += (stop - start) * seqlen * kept_features * width
+        estimates.append(MemoryEstimate(rank, max(block_params) * width, activations, statistics, workspace))
+    return estimates
 
 
 @dataclass(frozen=True)
@@ -399,6 +535,8 @@ class PrunePlan:
 
     checkpoint_bytes: the pruned checkpoint's weights; resume_bytes: the most the resume state holds at
     once (every block's parameters and two (S, T, H) hidden-state files while one replaces the other).
+    device_memory: the peak device memory of each rank (one for a single process); device_bytes: the
+    largest of them.
     """
 
     model: str
@@ -413,12 +551,16 @@ class PrunePlan:
     nsamples: int
     params: int
     cpu_bytes: int
-    device_bytes: int
+    device_memory: tuple[MemoryEstimate, ...]
     device: str
     dtype: str
     blocks: int
     checkpoint_bytes: int
     resume_bytes: int
+
+    @property
+    def device_bytes(self) -> int:
+        return max(estimate.total for estimate in self.device_memory)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -444,6 +586,7 @@ class PrunePlan:
             "params": self.params,
             "estimated_cpu_bytes": self.cpu_bytes,
             "estimated_device_bytes": self.device_bytes,
+            "estimated_device_bytes_per_rank": [estimate.to_dict() for estimate in self.device_memory],
             "estimated_checkpoint_bytes": self.checkpoint_bytes,
             "estimated_resume_state_bytes": self.resume_bytes,
             "blocks": self.blocks,
@@ -452,19 +595,22 @@ class PrunePlan:
         }
 
 
-def plan_model(cfg: PruneConfig, ctx: RunContext, progress: Progress | None = None) -> PrunePlan:
+def plan_model(
+    cfg: PruneConfig, ctx: RunContext, progress: Progress | None = None, *, world_size: int | None = None
+) -> PrunePlan:
     """The dry-run plan, from the model built on the meta device (no weights read, nothing written).
 
     The structure and the linears come from the same discovery as a run. The sequential groups need a
     real forward (`engine.linear_groups`), so the Gram-matrix estimate takes all of a block's pruned
-    linears at once: exact without --sequential, an upper bound with it.
+    linears at once: exact without --sequential, an upper bound with it. world_size: the processes
+    the device memory is estimated for (default: this run's, `ctx.distributed`).
     """
     from transformers import AutoConfig
 
     from tsenor_cli.models.loading import hub_error, meta_model, resolve_source
     from tsenor_cli.models.structure import discover_structure
 
-    dtype, device = _dtype_and_device(cfg)
+    dtype, device = _dtype_and_device(cfg, ctx)
     source, is_local = resolve_source(cfg.model, ctx, progress=progress)
     try:
         config = AutoConfig.from_pretrained(
@@ -490,13 +636,20 @@ def plan_model(cfg: PruneConfig, ctx: RunContext, progress: Progress | None = No
     params = sum(p.numel() for p in model.parameters())
     per_block = [sum(p.numel() for p in b.parameters()) for b in structure.blocks]
     hidden = int(config.hidden_size)
-    activations = 2 * cfg.nsamples * seqlen * hidden * width  # block inputs and outputs
-    gram = 4 * max(sum(s.in_features**2 for s in candidates if s.block == index) for index in range(len(structure)))
     spec = get_pruner(cfg.method)
-    biggest = max(candidates, key=lambda s: s.out_features * s.in_features)
-    work = 4 * biggest.out_features * biggest.in_features * (8 if spec.iterative else 3)
-    if spec.needs_gram:
-        work += 3 * 8 * biggest.in_features**2  # damped/normalized H, its inverse or eigenvectors
+    memory = estimate_device_memory(
+        per_block,
+        candidates,
+        nsamples=cfg.nsamples,
+        seqlen=seqlen,
+        hidden_size=hidden,
+        width=width,
+        needs_gram=spec.needs_gram,
+        iterative=spec.iterative,
+        world_size=world_size if world_size is not None else ctx.distributed.world_size,
+        offload_activations=cfg.offload_activations,
+        sequential=cfg.sequential,
+    )
     return PrunePlan(
         model=cfg.model,
         method=cfg.method,
@@ -510,10 +663,10 @@ def plan_model(cfg: PruneConfig, ctx: RunContext, progress: Progress | None = No
         nsamples=cfg.nsamples,
         params=params,
         cpu_bytes=params * width,
-        device_bytes=max(per_block) * width + activations + gram + work,
+        device_memory=tuple(memory),
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         blocks=len(structure),
         checkpoint_bytes=params * width,
-        resume_bytes=sum(per_block) * width + activations,
+        resume_bytes=sum(per_block) * width + 2 * cfg.nsamples * seqlen * hidden * width,
     )

@@ -27,6 +27,8 @@ class PruneConfig:
     ignore / targets: patterns on full module names (globs, or `re:` regexes) of the linears to leave
     dense / to restrict pruning to (`tsenor_cli.pruning.selection`); empty targets means all.
     command: the command line, recorded in the report.
+    offload_activations: keep the calibration activations on the CPU between blocks and move one sample
+    at a time to the device (same result, less device memory); not a result field.
     resume: save a resume state after each block and continue an interrupted run of the same
     settings found in `output` (pruning/resume.py); False saves none. force: replace a tsenor run
     in `output`, and discard a resume state that is damaged or from other settings.
@@ -50,6 +52,7 @@ class PruneConfig:
     force: bool = False
     resume: bool = True
     command: str | None = None
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
         get_pruner(self.method)

@@ -31,6 +31,7 @@ from torch import nn
 from tsenor_cli.errors import BadInputError, IncompatibleModelError
 from tsenor_cli.models.structure import ModelStructure
 from tsenor_cli.progress import Progress
+from tsenor_cli.pruning.distributed import Team
 from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.registry import PrunerSpec
 from tsenor_cli.pruning.stats import InputStats, reconstruction_error
@@ -339,13 +340,22 @@ def _block_output(block: nn.Module, call: BlockCall, hidden: torch.Tensor) -> to
 
 
 @torch.no_grad()
-def run_block(block: nn.Module, inputs: torch.Tensor, call: BlockCall, out: torch.Tensor | None) -> None:
+def run_block(
+    block: nn.Module,
+    inputs: torch.Tensor,
+    call: BlockCall,
+    out: torch.Tensor | None,
+    device: torch.device | None = None,
+) -> None:
     """inputs: (S, T, H) → the block's outputs written into `out` (S, T, H), or discarded when None.
 
     One sample per call: the recorded arguments (masks, rotary) are for batch 1, and peak memory stays small.
+    device: where the block computes; `inputs` and `out` may live elsewhere (the CPU with
+    --offload-activations), each sample then travels to `device` and back (None: where `inputs` are).
     """
     for j in range(inputs.shape[0]):
-        hidden = _block_output(block, call, inputs[j : j + 1])
+        sample = inputs[j : j + 1] if device is None else inputs[j : j + 1].to(device)
+        hidden = _block_output(block, call, sample)
         if out is not None:
             out[j : j + 1] = hidden
 
@@ -409,16 +419,62 @@ def group_input_stats(
     """inputs: (S, T, H) → {name: statistics (with XᵀX) of the inputs (S·T, in) of linears[name]}.
 
     `linears` are the group's linears to prune, all inside `block`, each called once per block forward.
+    The block and the statistics are on `device`; `inputs` may be on the CPU (--offload-activations),
+    one sample at a time is moved to `device`.
     With `stop_early` a sample's forward is abandoned once each of them has been called: the rest of the
     block cannot change what they saw, so the statistics are bit-for-bit those of a full pass (the
     computation up to there is the same). stop_early=False runs the whole block.
     """
     stats = {name: InputStats(linear.in_features, gram=True, device=device) for name, linear in linears.items()}
+    _each_linear_input(block, linears, inputs, call, device, stop_early, lambda name, x: stats[name].add(x))
+    return stats
+
+
+@torch.no_grad()
+def group_inputs(
+    block: nn.Module,
+    linears: dict[str, nn.Linear],
+    inputs: torch.Tensor,
+    call: BlockCall,
+    device: torch.device,
+    *,
+    keep: torch.device,
+) -> dict[str, list[torch.Tensor]]:
+    """inputs: (S, T, H) → {name: the input (1, T, in) of linears[name] for each sample, in sample order}.
+
+    What `group_input_stats` would add up, kept (on `keep`) so that a distributed run can add them in the
+    single process's order once the sums of the samples before them arrive (distributed.py). Linears
+    that read the same tensor share one copy. Each forward stops once the group's linears have run, so
+    nothing later in the block can change a kept input in place.
+    """
+    kept: dict[str, list[torch.Tensor]] = {name: [] for name in linears}
+    last: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the last input seen, its kept copy)
+
+    def sink(name: str, x: torch.Tensor) -> None:
+        if not last or last[0][0] is not x:
+            last[:] = [(x, x.to(keep))]
+        kept[name].append(last[0][1])
+
+    _each_linear_input(block, linears, inputs, call, device, True, sink)
+    return kept
+
+
+def _each_linear_input(
+    block: nn.Module,
+    linears: dict[str, nn.Linear],
+    inputs: torch.Tensor,
+    call: BlockCall,
+    device: torch.device,
+    stop_early: bool,
+    sink: Callable[[str, torch.Tensor], None],
+) -> None:
+    """Call sink(name, input) for each linear of `linears` as it runs, sample after sample (see
+    `group_input_stats` for `stop_early`)."""
     pending: set[str] = set()  # the linears not yet called for the current sample
 
     def make_hook(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
         def hook(_module: nn.Module, args: tuple[Any, ...], _output: Any) -> None:
-            stats[name].add(args[0])
+            sink(name, args[0])
             pending.discard(name)
             if stop_early and not pending:
                 raise _GroupSeen
@@ -430,7 +486,7 @@ def group_input_stats(
         for j in range(inputs.shape[0]):  # one sample per call, as in run_block (the arguments are for batch 1)
             pending.update(linears)
             try:
-                _block_output(block, call, inputs[j : j + 1])
+                _block_output(block, call, inputs[j : j + 1].to(device))
             except _GroupSeen:
                 pass
             else:
@@ -440,7 +496,6 @@ def group_input_stats(
     finally:
         for handle in handles:
             handle.remove()
-    return stats
 
 
 def _sync(device: torch.device) -> None:
@@ -474,41 +529,78 @@ def prune_block(
     progress: Progress,
     ignored: Mapping[str, str] | None = None,
     stop_early: bool = True,
+    team: Team | None = None,
 ) -> list[LayerRecord]:
     """Prune the linears of one block (already on `device`, `call` too) in place; one record per linear.
 
-    inputs: (S, T, H) the block's calibration inputs. skipped / ignored: {full name: reason} of linears
+    inputs: (S, T, H) the block's calibration inputs (this rank's shard in a distributed run; on the CPU
+    with --offload-activations, else on `device`). skipped / ignored: {full name: reason} of linears
     left dense because their shape cannot take the pattern / because the user excluded them. The groups
     come from one forward of the dense block on the first sample (`linear_groups`). stop_early: cut each
     statistics pass at the group's linears (see `group_input_stats`); False runs the whole block per
-    group, same results. Records come in pruning order, then any linear that never runs.
+    group, same results. team: the ranks of a distributed run (distributed.py): per group every rank
+    runs its shard, the statistics are summed rank after rank in sample order (`Team.ordered_statistics`,
+    what one process computes, bit for bit) to each linear's owner, which prunes it and broadcasts the
+    weight; None or a team of one is this process alone. Records come in pruning order, then any linear
+    that never runs.
     """
+    team = team if team is not None else Team.solo(device)
     ignored = ignored or {}
     linears = structure.block_linears(index, block)
     by_local = {slot.local_name: slot for slot in slots if slot.block == index}
-    with phase("statistics"):
-        observed = linear_groups(block, linears, call, inputs[:1])
     records: dict[str, LayerRecord] = {}
-    for name, slot in by_local.items():
-        for status, reasons in (("ignored", ignored), ("skipped", skipped)):
-            if slot.full_name in reasons:
-                reason = reasons[slot.full_name]
-                records[name] = LayerRecord(index, slot.full_name, slot.out_features, slot.in_features, status, reason)
-                break
-        else:
-            _check_runs_once(slot, observed.calls[name])
+    with team.agreed():
+        with phase("statistics"):
+            observed = linear_groups(block, linears, call, inputs[:1].to(device))
+        for name, slot in by_local.items():
+            for status, reasons in (("ignored", ignored), ("skipped", skipped)):
+                if slot.full_name in reasons:
+                    reason = reasons[slot.full_name]
+                    records[name] = LayerRecord(
+                        index, slot.full_name, slot.out_features, slot.in_features, status, reason
+                    )
+                    break
+            else:
+                _check_runs_once(slot, observed.calls[name])
     groups = observed.groups if sequential else (observed.order,)
     for group in groups:
         active = [name for name in group if name not in records]
         if not active:
             continue
         group_linears = {name: linears[name] for name in active}
+        owners = team.owners([[(n, by_local[n].out_features, by_local[n].in_features) for n in active]])
         with phase("statistics"):
-            stats = group_input_stats(block, group_linears, inputs, call, device, stop_early=stop_early)
+            with team.agreed():
+                if team.distributed:
+                    kept = group_inputs(block, group_linears, inputs, call, device, keep=inputs.device)
+                else:
+                    stats = group_input_stats(block, group_linears, inputs, call, device, stop_early=stop_early)
+            if team.distributed:
+                in_features = {name: by_local[name].in_features for name in active}
+                stats = team.ordered_statistics(kept, in_features, owners)
+                del kept
+        mine: dict[str, LayerRecord] = {}
+        with team.agreed():
+            for name in active:
+                if owners[name] == team.rank:
+                    mine[name] = _prune_linear(
+                        linears[name], by_local[name], stats.pop(name), spec, layer_cfg, device, progress
+                    )
+        team.broadcast_weights(group_linears, owners)
+        pruned = team.gather_objects(mine)
         for name in active:
-            records[name] = _prune_linear(linears[name], by_local[name], stats[name], spec, layer_cfg, device, progress)
+            records[name] = pruned[name]
+            if owners[name] != team.rank:
+                progress(record_line(pruned[name], spec) + f" (rank {owners[name]})")
     never_ran = [name for name in by_local if name not in observed.order]
     return [records[name] for name in (*observed.order, *never_ran)]
+
+
+def record_line(record: LayerRecord, spec: PrunerSpec) -> str:
+    """The progress line of one pruned linear."""
+    gap = f", gap {record.gap:.2e}" if record.gap is not None else ""
+    its = f", {record.iterations} ADMM iters" if spec.iterative else ""
+    return f"  {record.name}: rel. error {record.recon_error:.4f}{gap}{its}, {record.seconds:.1f}s"
 
 
 def _non_finite_inputs(slot: LinearSlot, linear: nn.Linear) -> BadInputError:
@@ -560,7 +652,5 @@ def _prune_linear(
         iterations=outcome.iterations,
         safeguard_tiles=outcome.safeguard_tiles,
     )
-    gap = f", gap {solve.gap:.2e}" if solve else ""
-    its = f", {outcome.iterations} ADMM iters" if spec.iterative else ""
-    progress(f"  {slot.full_name}: rel. error {error:.4f}{gap}{its}, {seconds:.1f}s")
+    progress(record_line(record, spec))
     return record

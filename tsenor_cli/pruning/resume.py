@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import nn
 
@@ -227,12 +227,17 @@ class ResumeStore:
             except (SafetensorError, OSError, RuntimeError) as exc:
                 raise self._damaged(f"{name} does not load into block {index}: {exc}") from exc
 
-    def load_hidden(self, state: ResumeState, device: torch.device) -> torch.Tensor:
-        """(S, T, H) hidden states entering block `state.next_block`, on `device`."""
+    def load_hidden(self, state: ResumeState, device: torch.device, rows: slice | None = None) -> torch.Tensor:
+        """(S, T, H) hidden states entering block `state.next_block`, on `device`; rows: only these samples
+        (a rank's shard in a distributed run), read without loading the others."""
         if state.hidden is None:
             raise ValueError("every block is done; there are no hidden states to continue from")
         try:
-            hidden = load_file(str(self.root / state.hidden))["hidden"]
+            if rows is None:
+                hidden = load_file(str(self.root / state.hidden))["hidden"]
+            else:
+                with safe_open(str(self.root / state.hidden), framework="pt") as handle:
+                    hidden = handle.get_slice("hidden")[rows]
         except (SafetensorError, OSError, KeyError) as exc:
             raise self._damaged(f"{state.hidden} does not load: {exc}") from exc
         if hidden.dim() != 3:
