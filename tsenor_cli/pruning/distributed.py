@@ -149,6 +149,7 @@ class Team:
     """
 
     def __init__(self, place: DistributedContext, device: torch.device) -> None:
+        self.place = place
         self.rank = place.rank
         self.world_size = place.world_size
         self.device = device
@@ -161,11 +162,11 @@ class Team:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        return self.place.distributed
 
     @property
     def is_root(self) -> bool:
-        return self.rank == 0
+        return self.place.is_root
 
     def shard(self, nsamples: int) -> slice:
         """This rank's rows of the (nsamples, ...) calibration tensors."""
