@@ -264,10 +264,8 @@ def test_kill_inside_the_final_swap_is_recovered(
 # ---------------------------------------------------------------- resume by default, from the CLI
 
 
-def test_rerunning_the_same_command_continues_an_interrupted_run(
-    tiny: Path, calib: Path, reference: Path, data_ctx: RunContext, data_dir: Path, tmp_path: Path
-) -> None:
-    out = tmp_path / "out"
+def _killed_after_first_block(tiny: Path, calib: Path, out: Path, data_ctx: RunContext) -> None:
+    """A prune into `out` killed (simulated) once block 1's resume state is saved."""
 
     def kill_after_first(index: int) -> None:
         if index == 0:
@@ -275,6 +273,13 @@ def test_rerunning_the_same_command_continues_an_interrupted_run(
 
     with pytest.raises(Killed):
         prune_model(_cfg(tiny, calib, out), data_ctx, after_block=kill_after_first)
+
+
+def test_rerunning_the_same_command_continues_an_interrupted_run(
+    tiny: Path, calib: Path, reference: Path, data_ctx: RunContext, data_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    _killed_after_first_block(tiny, calib, out, data_ctx)
     assert sorted(p.name for p in out.iterdir()) == [RESUME_DIRNAME]
     args = [*_args(tiny, calib, out), "--data-dir", str(data_dir)]
     off = _invoke([*args, "--no-resume-state"])  # refused, the state kept
@@ -293,13 +298,7 @@ def test_force_starts_over_from_a_damaged_or_foreign_state(
     tiny: Path, calib: Path, reference: Path, data_ctx: RunContext, data_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
-
-    def kill_after_first(index: int) -> None:
-        if index == 0:
-            raise Killed
-
-    with pytest.raises(Killed):
-        prune_model(_cfg(tiny, calib, out), data_ctx, after_block=kill_after_first)
+    _killed_after_first_block(tiny, calib, out, data_ctx)
     (out / RESUME_DIRNAME / STATE_FILE).write_text("{")
     args = [*_args(tiny, calib, out), "--data-dir", str(data_dir)]
     damaged = _invoke(args)
