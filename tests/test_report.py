@@ -20,12 +20,14 @@ from tsenor_cli.errors import InputNotFoundError, OutputExistsError, UsageError
 from tsenor_cli.report import build_table, load_run, write_report
 from tsenor_cli.runfiles import (
     EVAL_FILE,
+    FINETUNE_FILE,
     PRUNE_FILE,
     SCHEMA_VERSION,
     ContextRecord,
     DataFile,
     DataSource,
     EvalReport,
+    FinetuneReport,
     LayerRecord,
     PatternInfo,
     PerplexityRecord,
@@ -317,14 +319,16 @@ def test_version_1_files_still_load() -> None:
 RESULT_FILES = sorted(
     p.relative_to(REPO_ROOT)
     for p in (REPO_ROOT / "docs" / "results").rglob("*.json")
-    if p.name in (EVAL_FILE, PRUNE_FILE)
+    if p.name in (EVAL_FILE, PRUNE_FILE, FINETUNE_FILE)
 )
 
 
 def test_every_published_run_directory_is_covered() -> None:
-    """The parametrized test below really sees every run directory's eval.json (the glob is not empty)."""
+    """The parametrized test below really sees every run directory: a pruned or dense run by its eval.json,
+    a fine-tuning run (docs/results/finetune) by its finetune.json; the glob is not empty."""
     run_dirs = {d.relative_to(REPO_ROOT) for d in (REPO_ROOT / "docs" / "results").glob("**/runs/*") if d.is_dir()}
-    assert run_dirs and {p.parent for p in RESULT_FILES if p.name == EVAL_FILE} == run_dirs
+    covered = {p.parent for p in RESULT_FILES if p.name in (EVAL_FILE, FINETUNE_FILE)}
+    assert run_dirs and any(p.name == FINETUNE_FILE for p in RESULT_FILES) and covered == run_dirs
 
 
 @pytest.mark.parametrize("relative", RESULT_FILES, ids=str)
@@ -343,6 +347,12 @@ def test_published_run_files_load_and_keep_their_numbers(relative: Path) -> None
             }
         # written back, it is a current-version file with the same content
         assert EvalReport.from_json(record.to_json()) == replace(record, schema_version=SCHEMA_VERSION)
+    elif relative.name == FINETUNE_FILE:
+        finetune = FinetuneReport.from_json(obj, str(relative))
+        assert finetune.schema_version == obj.get("schema_version", 1) and finetune.steps == obj["steps"]
+        assert finetune.ppl("before") == obj["ppl_before"] and finetune.ppl("after") == obj["ppl_after"]
+        assert finetune.loss_curve == [(step, loss) for step, loss in obj["loss_curve"]]
+        assert FinetuneReport.from_json(finetune.to_json()) == replace(finetune, schema_version=SCHEMA_VERSION)
     else:
         prune = PruneReport.from_json(obj, str(relative))
         assert prune.schema_version == obj.get("schema_version", 1) and prune.method == obj["method"]
