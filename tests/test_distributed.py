@@ -32,7 +32,7 @@ from tsenor_cli.errors import (
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.pruning import api, engine
 from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.distributed import assign_owners, shard_bounds, without_option
+from tsenor_cli.pruning.distributed import assign_owners, shard_bounds, shared_input_classes, without_option
 from tsenor_cli.pruning.resume import RESUME_DIRNAME, STATE_FILE
 from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
 from tsenor_cli.runfiles import PRUNE_FILE
@@ -157,6 +157,13 @@ def test_shards_are_contiguous_balanced_and_cover_every_sample() -> None:
             assert max(sizes) - min(sizes) <= 1
 
 
+def test_linears_that_keep_the_same_tensors_share_one_chain_of_sums() -> None:
+    x0, x1, y0, y1 = (torch.zeros(1) for _ in range(4))
+    z0 = torch.zeros(1)  # equal values, another tensor: kept apart
+    kept = {"q": [x0, x1], "k": [x0, x1], "o": [y0, y1], "v": [x0, x1], "up": [z0, x1], "empty": [], "none": []}
+    assert shared_input_classes(kept) == [["q", "k", "v"], ["o"], ["up"], ["empty"], ["none"]]
+
+
 def test_owners_balance_each_group_by_cost_largest_first() -> None:
     # LLaMA-like block, hidden 64, intermediate 256: cost = in³ + out·in.
     groups = [
@@ -250,7 +257,8 @@ def test_two_processes_give_the_checkpoint_of_one_bit_for_bit(
         pruned = _pruned_weights(tmp_path / "dist" / name)
         assert pruned.keys() == _pruned_weights(tmp_path / "single" / name).keys() and len(pruned) == 14
         report = json.loads((tmp_path / "dist" / name / PRUNE_FILE).read_text())
-        assert report["settings"]["processes"] == WORLD
+        # The workers run 1 thread each (_worker): recorded in the settings.
+        assert report["settings"]["processes"] == WORLD and report["settings"]["threads"] == 1
 
 
 def test_resumed_distributed_run_equals_an_uninterrupted_one_and_failures_stop_every_rank(
@@ -375,11 +383,14 @@ def test_dry_run_memory_components_match_the_tensors_of_a_run(
         assert shared_once < every_linear
     inputs = engine.capture_block_inputs(structure, ids, cpu)
     stats = engine.group_input_stats(block, linears, inputs.hidden, inputs.calls[0], cpu)
+    # The estimate counts one Gram per linear; q/k/v and gate/up share one (an upper bound).
     one_rank = sum(s.sq_norms.nbytes + s.require_gram().nbytes for s in stats.values())
     largest = max(s.sq_norms.nbytes + s.require_gram().nbytes for s in stats.values())
     assert plan.device_memory[0].statistics == 2 * one_rank + largest
     alone = api.plan_model(cfg, data_ctx, world_size=1).device_memory
     assert len(alone) == 1 and alone[0].statistics == one_rank
+    shared = sum({id(s): s.sq_norms.nbytes + s.require_gram().nbytes for s in stats.values()}.values())
+    assert len({id(s) for s in stats.values()}) == 4 and shared < one_rank  # [q,k,v] [o] [gate,up] [down]
     assert alone[0].activations == 2 * inputs.hidden.nbytes
     offloaded = api.plan_model(dataclasses.replace(cfg, offload_activations=True), data_ctx).device_memory[0]
     assert offloaded.activations == 2 * inputs.hidden[:1].nbytes
@@ -398,9 +409,9 @@ def test_scaling_script_times_both_runs_and_compares_their_checkpoints(
     prune = ["--model", str(models["qwen2"]), "--method", "sparsegpt", "--nm", "8:16", "--nsamples", "4"]
     prune += ["--seqlen", "32", "--calib-data", str(calib), "--data-dir", str(data_ctx.data_dir), "--offline"]
     result = script.main(["--out", str(tmp_path), "--nproc", "2", "--threads", "2", "--", *prune])
-    # 2 threads against 1 per process: the matmuls may round differently (they did here), so only
-    # the masks are expected to agree; bit-identity needs the same thread count (the tests above).
-    assert result["same_masks"] and isinstance(result["same_weights"], bool)
+    # 2 threads against 1 per process: the same bytes, since the factorizations that rounded by the
+    # thread count run on one thread (pruning/linalg.py; the weights differed here before).
+    assert result["same_masks"] and result["same_weights"]
     assert result["single_seconds"] > 0 and result["distributed_seconds"] > 0 and result["speedup"] > 0
     assert (result["nproc"], result["threads"]) == (2, 2)
     assert json.loads((tmp_path / "scaling.json").read_text()) == result

@@ -176,6 +176,8 @@ def test_statistics_passes_stop_early_with_identical_results(tiny: Path) -> None
                 assert torch.equal(early[name].require_gram(), full[name].require_gram())
                 assert torch.equal(early[name].sq_norms, full[name].sq_norms)
                 assert early[name].tokens == full[name].tokens == samples * 16
+                # q/k/v and gate/up read one tensor: one shared InputStats, added to once per sample
+                assert early[name] is early[group[0]]
     finally:
         for handle in handles:
             handle.remove()

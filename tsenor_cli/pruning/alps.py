@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from tsenor_cli.progress import bar, logger
+from tsenor_cli.pruning.linalg import symmetric_eigh
 from tsenor_cli.pruning.masks import choose_mask, keep_better_tiles
 from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.stats import InputStats, damped_gram
@@ -119,7 +120,7 @@ def prune(
         h = damped_gram(gram, cfg.percdamp)  # (in, in)
         scale = h.diagonal().sqrt()  # (in,) D
         h_hat = h / scale[:, None] / scale[None, :]  # (in, in) unit diagonal
-        evals, evecs = torch.linalg.eigh(h_hat.double())  # Λ (in,), Q (in, in)
+        evals, evecs = symmetric_eigh(h_hat.double())  # Λ (in,), Q (in, in); thread-count independent
 
     def inverse(rho: float) -> torch.Tensor:
         """(Ĥ + ρI)⁻¹ (in, in) float32 from the one eigendecomposition."""

@@ -420,6 +420,8 @@ def _prune(
         "device": str(device),
         "seqlen": seqlen,
         "solver": solver,
+        # Provenance: the result does not depend on it (docs/reliability.md), the timings do.
+        "threads": torch.get_num_threads(),
     }
     if team.distributed:
         settings_dict["processes"] = team.world_size

@@ -241,39 +241,46 @@ class Team:
         sums of the samples before), so the statistics are bit for bit those of a single-process run,
         whatever the world size and timing. The forwards ran in parallel before; here the linears of a
         group pipeline through the ranks (rank 0 starts the next linear while rank 1 adds the first).
+        Linears whose kept inputs are the same tensors (`group_inputs` keeps one copy for q/k/v, and one
+        for gate/up) share one chain of sums, sent to each of their owners, as one process shares one
+        `InputStats` among them (`engine.group_input_stats`).
         """
         import torch.distributed as dist
 
         last = self.world_size - 1
         owned: dict[str, InputStats] = {}
         pending: list[Any] = []  # sends in flight and the owners' receives of finished sums
-        finals: dict[str, torch.Tensor] = {}
-        for name, inputs in kept.items():  # the same order on every rank: the group's order
-            n, owner = in_features[name], owners[name]
+        finals: list[tuple[list[str], torch.Tensor]] = []  # (the names this rank owns, their sums in flight)
+        for names in shared_input_classes(kept):  # the same classes in the same order on every rank
+            n = in_features[names[0]]
             stats = InputStats(n, gram=True, device=self.device)
             if self.rank > 0:
                 received = torch.empty(_packed_size(n), device=self.comm_device)
                 dist.recv(received, src=self.rank - 1)
                 _unpack(received, stats)
-            for x in inputs:
+            for x in kept[names[0]]:
                 stats.add(x)
             if self.rank < last:
                 packed = _pack(stats).to(self.comm_device)
                 pending.append((dist.isend(packed, dst=self.rank + 1), packed))
-            if self.rank == last and owner != last:
+            receivers = dict.fromkeys(owners[name] for name in names)  # distinct owners, in order
+            mine = [name for name in names if owners[name] == self.rank]
+            if self.rank == last:
                 packed = _pack(stats).to(self.comm_device)
-                pending.append((dist.isend(packed, dst=owner), packed))
-            elif self.rank == owner == last:
-                owned[name] = stats
-            elif self.rank == owner:
-                finals[name] = torch.empty(_packed_size(n), device=self.comm_device)
-                pending.append((dist.irecv(finals[name], src=last), finals[name]))
+                for owner in receivers:
+                    if owner != last:
+                        pending.append((dist.isend(packed, dst=owner), packed))
+                owned.update(dict.fromkeys(mine, stats))
+            elif mine:
+                buffer = torch.empty(_packed_size(n), device=self.comm_device)
+                pending.append((dist.irecv(buffer, src=last), buffer))
+                finals.append((mine, buffer))
         for handle, _buffer in pending:
             handle.wait()
-        for name, packed in finals.items():
-            stats = InputStats(in_features[name], gram=True, device=self.device)
+        for mine, packed in finals:
+            stats = InputStats(in_features[mine[0]], gram=True, device=self.device)
             _unpack(packed, stats)
-            owned[name] = stats
+            owned.update(dict.fromkeys(mine, stats))
         return owned
 
     def broadcast_weights(self, linears: Mapping[str, nn.Linear], owners: Mapping[str, int]) -> None:
@@ -334,6 +341,21 @@ class Team:
                     if start + j < stop:
                         whole[start + j] = rows[rank].cpu()
         return whole
+
+
+def shared_input_classes(kept: Mapping[str, Sequence[torch.Tensor]]) -> list[list[str]]:
+    """{name: kept inputs} → the names in classes of linears whose inputs are the very same tensors,
+    in the order of `kept` (a linear with no inputs is its own class)."""
+    classes: list[list[str]] = []
+    for name, inputs in kept.items():
+        for names in classes:
+            other = kept[names[0]]
+            if inputs and len(other) == len(inputs) and all(a is b for a, b in zip(other, inputs, strict=True)):
+                names.append(name)
+                break
+        else:
+            classes.append([name])
+    return classes
 
 
 def _packed_size(n: int) -> int:

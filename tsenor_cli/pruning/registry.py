@@ -23,7 +23,10 @@ class PruneFn(Protocol):
 @dataclass(frozen=True)
 class PrunerSpec:
     """name: the --method value; needs_gram: whether `prune` reads XᵀX (else only ‖X_j‖ or nothing);
-    needs_data: whether calibration data changes the result; iterative: reports ADMM iterations."""
+    needs_data: whether calibration data changes the result; iterative: reports ADMM iterations.
+
+    `prune(weight, stats, cfg)` must not modify `stats`: linears that read one input share one
+    `InputStats` (`engine.group_input_stats`, `Team.ordered_statistics`)."""
 
     name: str
     description: str

@@ -11,18 +11,13 @@ from __future__ import annotations
 
 import torch
 
+from tsenor_cli.pruning.linalg import inverse_cholesky_upper
 from tsenor_cli.pruning.masks import choose_mask, solve_info
 from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.stats import InputStats, damped_gram
 from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome
 
 NEEDS_GRAM = True
-
-
-def _inverse_cholesky_upper(h: torch.Tensor) -> torch.Tensor:
-    """h: (in, in) SPD → U (in, in) upper triangular with UᵀU = h⁻¹ (SparseGPT's `Hinv`)."""
-    lower = torch.linalg.cholesky(h)
-    return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
 
 
 def prune(weight: torch.Tensor, stats: InputStats | None, cfg: LayerPruneConfig) -> PruneOutcome:
@@ -35,7 +30,7 @@ def prune(weight: torch.Tensor, stats: InputStats | None, cfg: LayerPruneConfig)
     cols = w.shape[1]
     w[:, gram.diagonal() == 0] = 0.0  # inputs that never fire: their weights cannot matter
     with phase("factorize"):
-        hinv = _inverse_cholesky_upper(damped_gram(gram, cfg.percdamp))  # (in, in) upper
+        hinv = inverse_cholesky_upper(damped_gram(gram, cfg.percdamp))  # (in, in) upper
     grouped = pattern.kind in ("transposable", "nm")
     blocksize = cfg.blocksize
     if grouped and blocksize % pattern.m:
