@@ -263,13 +263,12 @@ class Team:
             if self.rank < last:
                 packed = _pack(stats).to(self.comm_device)
                 pending.append((dist.isend(packed, dst=self.rank + 1), packed))
-            receivers = dict.fromkeys(owners[name] for name in names)  # distinct owners, in order
             mine = [name for name in names if owners[name] == self.rank]
             if self.rank == last:
-                packed = _pack(stats).to(self.comm_device)
-                for owner in receivers:
-                    if owner != last:
-                        pending.append((dist.isend(packed, dst=owner), packed))
+                others = [owner for owner in dict.fromkeys(owners[name] for name in names) if owner != last]
+                if others:  # packed only when the sums leave this rank
+                    packed = _pack(stats).to(self.comm_device)
+                    pending.extend((dist.isend(packed, dst=owner), packed) for owner in others)
                 owned.update(dict.fromkeys(mine, stats))
             elif mine:
                 buffer = torch.empty(_packed_size(n), device=self.comm_device)
