@@ -42,14 +42,63 @@ def _fmt(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}"
 
 
-def render_markdown(runs: dict[str, dict[str, Any]], command: str) -> str:
-    """{label: finetune.json content} → the study's Markdown (settings from the first run; all share them)."""
+def _ce(record: dict[str, Any]) -> list[list[float]]:
+    """The cross-entropy curve: ce_curve when a teacher was distilled from, else the loss itself."""
+    return list(record.get("ce_curve") or record["loss_curve"])
+
+
+def _objective(settings: dict[str, Any]) -> str:
+    teacher = settings.get("teacher")
+    if not teacher:
+        return "loss: cross-entropy (no teacher)"
+    return (
+        f"loss: distillation from the dense {teacher} (weight {settings['distill_weight']:g}, "
+        f"temperature {settings['distill_temperature']:g}; `tsenor finetune --teacher`)"
+    )
+
+
+def _dense_rows(runs: dict[str, dict[str, Any]], dense: dict[str, float], datasets: list[str]) -> list[str]:
+    """Per run and dataset: the share of the perplexity increase over dense that fine-tuning removed,
+    (before − after) / (before − dense); and with two runs, the ratio of the first to the second."""
+    names = dict(PPL_COLUMNS)
+    shown = [d for d in datasets if d in dense]
+    head = ["run", *(f"{names.get(d, d)}: dense, before → after, removed" for d in shown)]
+    lines = ["", "Against the dense model (its own evaluation, same windows):", ""]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, r in runs.items():
+        cells = [label]
+        for d in shown:
+            before, after = r["ppl_before"].get(d), r["ppl_after"].get(d)
+            if before is None or after is None or before == dense[d]:
+                cells.append("—")
+                continue
+            removed = (before - after) / (before - dense[d])
+            cells.append(f"{dense[d]:.2f}, {before:.2f} → {after:.2f}, {100 * removed:.1f}%")
+        lines.append("| " + " | ".join(cells) + " |")
+    if len(runs) == 2:
+        (a, ra), (b, rb) = runs.items()
+        both = [d for d in datasets if all(d in r[k] for r in (ra, rb) for k in ("ppl_before", "ppl_after"))]
+        ratios = [
+            f"{names.get(d, d)} {ra['ppl_before'][d] / rb['ppl_before'][d]:.3f}× → "
+            f"{ra['ppl_after'][d] / rb['ppl_after'][d]:.3f}×"
+            for d in both
+        ]
+        lines += ["", f"Perplexity ratio {a}/{b}, before → after: " + "; ".join(ratios) + "."]
+    return lines
+
+
+def render_markdown(runs: dict[str, dict[str, Any]], command: str, dense: dict[str, float] | None = None) -> str:
+    """{label: finetune.json content} → the study's Markdown (settings from the first run; all share them).
+
+    dense: {dataset: ppl} of the dense model under the same evaluation, for the share of the increase
+    removed and the ratio between two runs (None: left out).
+    """
     first = next(iter(runs.values()))
     s = first["settings"]
     datasets = list(dict.fromkeys(d for r in runs.values() for d in (*r["ppl_before"], *r["ppl_after"])))
     names = dict(PPL_COLUMNS)
     windows = "" if s["max_windows"] is None else f" (first {s['max_windows']} windows)"
-    head = ["run", "pattern", "steps", "tokens", "passes", "s/step", "loss first → last"]
+    head = ["run", "pattern", "steps", "tokens", "passes", "s/step", "cross-entropy first → last"]
     head += [f"{names.get(d, d)} before → after" for d in datasets]
     lines = [
         "# Fine-tuning with the sparsity mask fixed",
@@ -60,6 +109,7 @@ def render_markdown(runs: dict[str, dict[str, Any]], command: str) -> str:
         f"- budget: {s['max_steps']} steps × {s['batch_size']} windows × {s['grad_accum']} accumulation × "
         f"{s['seqlen']} tokens; AdamW lr {s['lr']:g}, {s['scheduler']} decay, warm-up {s['warmup']}, "
         f"clip {s['max_grad_norm']}, seed {s['seed']}, {'bf16 autocast' if s['bf16'] else 'fp32'} on {s['device']}",
+        f"- {_objective(s)}",
         f"- data: {first['data']}",
         f"- perplexity: {', '.join(names.get(d, d) for d in datasets)}{windows}, every "
         f"{s['eval_every'] or s['max_steps']} steps; step 0 is the pruned checkpoint",
@@ -69,7 +119,7 @@ def render_markdown(runs: dict[str, dict[str, Any]], command: str) -> str:
         "|" + "---|" * len(head),
     ]
     for label, r in runs.items():
-        loss = r["loss_curve"]
+        ce = _ce(r)
         cells = [
             label,
             f"{r['pattern']['pattern']} {r['pattern']['kind']}",
@@ -77,11 +127,13 @@ def render_markdown(runs: dict[str, dict[str, Any]], command: str) -> str:
             str(r["tokens"]),
             f"{r['epochs']:.2f}",
             f"{r['seconds_per_step']:.2f}",
-            f"{loss[0][1]:.3f} → {loss[-1][1]:.3f}" if loss else "—",
+            f"{ce[0][1]:.3f} → {ce[-1][1]:.3f}" if ce else "—",
         ]
         cells += [f"{_fmt(r['ppl_before'].get(d))} → {_fmt(r['ppl_after'].get(d))}" for d in datasets]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"![perplexity against steps]({PPL_PNG})", "", f"![training loss]({LOSS_PNG})", ""]
+    if dense is not None:
+        lines += _dense_rows(runs, dense, datasets)
+    lines += ["", f"![perplexity against steps]({PPL_PNG})", "", f"![training cross-entropy]({LOSS_PNG})", ""]
     return "\n".join(lines)
 
 
@@ -104,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--teacher", default=None, help="distil every run from this dense model (finetune --teacher)")
+    parser.add_argument("--dense", type=Path, default=None, help="the dense model's eval.json (same --ppl windows)")
     args = parser.parse_args(argv)
     pairs = [item.split("=", 1) for item in args.run]
     if any(len(p) != 2 or not p[0] for p in pairs) or len({p[0] for p in pairs}) != len(pairs):
@@ -130,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 eval_every=args.eval_every,
                 save_every=args.save_every,
                 device=args.device,
+                teacher=args.teacher,
                 resume=True,
                 command=command,
             )
@@ -150,9 +205,12 @@ def main(argv: list[str] | None = None) -> int:
         args.docs / PPL_PNG,
     )
     plot_training_loss(
-        {label: [(int(s), float(v)) for s, v in r["loss_curve"]] for label, r in records.items()}, args.docs / LOSS_PNG
+        {label: [(int(s), float(v)) for s, v in _ce(r)] for label, r in records.items()}, args.docs / LOSS_PNG
     )
-    (args.docs / STUDY_MD).write_text(render_markdown(records, command))
+    dense = None
+    if args.dense is not None:
+        dense = {name: float(entry["ppl"]) for name, entry in json.loads(args.dense.read_text())["perplexity"].items()}
+    (args.docs / STUDY_MD).write_text(render_markdown(records, command, dense))
     print(f"wrote {args.docs / STUDY_MD}")
     return 0
 

@@ -362,17 +362,28 @@ def test_study_markdown_has_one_row_per_run_with_before_and_after() -> None:
             "ppl_after": {"wikitext2": after},
         }
 
-    text = study.render_markdown(
-        {"transposable": record("16:32", "transposable", 45.1, 30.5), "ordinary": record("16:32", "nm", 36.0, 27.25)},
-        "scripts/finetune_study.py --run a=b",
-    )
+    runs = {"transposable": record("16:32", "transposable", 45.1, 30.5), "ordinary": record("16:32", "nm", 36.0, 27.25)}
+    text = study.render_markdown(runs, "scripts/finetune_study.py --run a=b")
     rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
-    assert rows[0].startswith("| run | pattern | steps | tokens | passes | s/step | loss first → last | WT2 before")
+    head = "| run | pattern | steps | tokens | passes | s/step | cross-entropy first → last | WT2 before"
+    assert rows[0].startswith(head)
     assert (
         rows[1] == "| transposable | 16:32 transposable | 200 | 409600 | 1.67 | 3.25 | 4.500 → 3.250 | 45.10 → 30.50 |"
     )
     assert rows[2].endswith("| 36.00 → 27.25 |") and len(rows) == 3
     assert "(first 8 windows), every 20 steps" in text and "finetune_ppl_vs_steps.png" in text
+    assert "loss: cross-entropy (no teacher)" in text and "dense" not in text
+    # With a teacher the table shows the cross-entropy part, not the distillation loss; with the dense
+    # model's perplexity, the share of the increase removed (by hand: (45.1 − 30.5) / (45.1 − 20) = 58.2%).
+    settings |= {"teacher": "smollm2-135m", "distill_weight": 1.0, "distill_temperature": 1.0}
+    for r in runs.values():
+        r["ce_curve"] = [[1, 4.25], [200, 3.5]]
+    text = study.render_markdown(runs, "cmd", dense={"wikitext2": 20.0})
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert "| 4.250 → 3.500 |" in rows[1] and "distillation from the dense smollm2-135m (weight 1" in text
+    assert rows[-2] == "| transposable | 20.00, 45.10 → 30.50, 58.2% |"
+    assert rows[-1] == "| ordinary | 20.00, 36.00 → 27.25, 54.7% |"
+    assert "Perplexity ratio transposable/ordinary, before → after: WT2 1.253× → 1.119×." in text
 
 
 def test_finetune_file_schema_errors_name_the_field() -> None:
@@ -406,3 +417,95 @@ def test_finetune_file_schema_errors_name_the_field() -> None:
         FinetuneReport.from_json({**good, "loss_curve": [[1]]})
     with pytest.raises(SchemaError, match="missing field 'steps'"):
         FinetuneReport.from_json({k: v for k, v in good.items() if k != "steps"})
+
+
+# ---------------------------------------------------------------- distillation (--teacher)
+
+
+def test_distillation_loss_by_hand() -> None:
+    """Hand-worked values: KL with temperature, the cross-entropy part, the mix, and 0 for identical logits."""
+    from tsenor_cli.finetune.distill import distillation_loss
+
+    student = torch.tensor([[[0.0, 0.0, 0.0], [9.0, 9.0, 9.0]]])  # (1, 2, 3); the last position has no target
+    teacher = torch.tensor([[[2.0 * torch.log(torch.tensor(3.0)), 0.0, 0.0], [0.0, 5.0, 1.0]]])
+    ids = torch.tensor([[0, 1]])  # position 0 predicts token 1
+    # At τ = 2 the teacher's first row is softmax(log 3, 0, 0) = (3/5, 1/5, 1/5), the student's uniform.
+    p = torch.tensor([0.6, 0.2, 0.2])
+    kl = float((p * (p / (1 / 3)).log()).sum())
+    loss = distillation_loss(student, teacher, ids, weight=1.0, temperature=2.0)
+    assert float(loss.kl) == pytest.approx(4.0 * kl, rel=1e-5)  # τ² · KL
+    assert float(loss.ce) == pytest.approx(float(torch.log(torch.tensor(3.0))), rel=1e-6)
+    assert float(loss.total) == pytest.approx(float(loss.kl), rel=1e-6)
+    mixed = distillation_loss(student, teacher, ids, weight=0.25, temperature=2.0)
+    assert float(mixed.total) == pytest.approx(0.25 * 4.0 * kl + 0.75 * float(loss.ce), rel=1e-5)
+    logits = torch.randn(2, 5, 7, dtype=torch.bfloat16)
+    same = distillation_loss(logits, logits.clone(), torch.randint(0, 7, (2, 5)), weight=1.0, temperature=1.0)
+    assert same.total.dtype == torch.float32 and float(same.total) == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def teacher(pruned: Path, text_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A teacher that knows the training text: `pruned` fine-tuned on it without a teacher (the random
+    tiny model itself predicts nearly uniform logits, so its distance to any student is tiny)."""
+    out = tmp_path_factory.mktemp("teacher") / "ft"
+    finetune(_config(pruned, out, text_file, max_steps=6), LOCAL_CTX)
+    return out
+
+
+def test_distilling_keeps_the_mask_and_learns_from_the_teacher_alone(
+    pruned: Path, teacher: Path, text_file: Path, tmp_path: Path
+) -> None:
+    """With --distill-weight 1 the labels are never used, yet the student's cross-entropy on the text the
+    teacher learned falls: what it learns comes from the teacher's distributions."""
+    out = tmp_path / "ft"
+    report = finetune(_config(pruned, out, text_file, teacher=str(teacher), max_steps=6), LOCAL_CTX)
+    _check_mask_kept(pruned, out)
+    assert report.settings["teacher"] == str(teacher) and report.settings["distill_weight"] == 1.0
+    assert [s for s, _ in report.ce_curve] == [s for s, _ in report.loss_curve] == [1, 2, 3, 4, 5, 6]
+    kl, ce = [v for _, v in report.loss_curve], [v for _, v in report.ce_curve]
+    assert kl[-1] < 0.5 * kl[0] and ce[-1] < ce[0] - 0.5, (kl, ce)  # measured: KL 0.096 → 0.020, CE 11.0 → 10.1
+    assert FinetuneReport.from_json(report.to_json()).ce_curve == report.ce_curve
+    plain = finetune(_config(pruned, tmp_path / "plain", text_file, max_steps=6), LOCAL_CTX)  # same windows
+    assert plain.ce_curve == [] and report.ce_curve[0][1] == pytest.approx(plain.loss_curve[0][1], rel=1e-5)
+
+
+def test_distillation_loss_is_the_same_with_gradient_accumulation(
+    pruned: Path, teacher: Path, text_file: Path, tmp_path: Path
+) -> None:
+    """2 windows in one micro-batch and 2 micro-batches of 1 see the same windows at step 1: same loss."""
+    one = finetune(_config(pruned, tmp_path / "a", text_file, teacher=str(teacher), max_steps=1), LOCAL_CTX)
+    two = finetune(
+        _config(pruned, tmp_path / "b", text_file, teacher=str(teacher), max_steps=1, batch_size=1, grad_accum=2),
+        LOCAL_CTX,
+    )
+    assert two.loss_curve[0][1] == pytest.approx(one.loss_curve[0][1], rel=1e-5)
+    assert two.ce_curve[0][1] == pytest.approx(one.ce_curve[0][1], rel=1e-5)
+
+
+def test_bad_teacher_settings_get_one_line_errors_and_nothing_written(
+    pruned: Path, text_file: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    other_vocab = make_tiny_llama(tmp_path / "other_vocab", vocab_size=50000)
+    other_tokenizer = tmp_path / "other_tokenizer"
+    shutil.copytree(pruned.parent / "src", other_tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(other_tokenizer)
+    tokenizer.add_tokens(["<tsenor-extra>"])  # same logits count, one id means something else
+    tokenizer.save_pretrained(other_tokenizer)
+    base = ["finetune", str(pruned), "--data", str(text_file), "--seqlen", "32", "--ppl", "none", "--max-steps", "1"]
+    cases = {
+        "logits": (["--teacher", str(other_vocab)], 2, "50000 output logits"),
+        "tokenizer": (["--teacher", str(other_tokenizer)], 2, "different tokenizer"),
+        "missing": (["--teacher", str(tmp_path / "nowhere")], 3, "does not exist"),
+        "weight_without_teacher": (["--distill-weight", "0.5"], 2, "need --teacher"),
+        "weight_zero": (["--teacher", str(pruned.parent / "src"), "--distill-weight", "0"], 2, "must be in (0, 1]"),
+        "temperature": (["--teacher", str(pruned.parent / "src"), "--distill-temperature", "-1"], 2, "positive"),
+    }
+    for label, (extra, code, words) in cases.items():
+        out = tmp_path / f"out_{label}"
+        result = _invoke([*base, "--output", str(out), *extra])
+        message = str(result.exception)  # type: ignore[attr-defined]
+        assert result.exit_code == code, (label, result.output)  # type: ignore[attr-defined]
+        assert words in message and "\n" not in message and "; " in message, (label, message)
+        assert not out.exists(), label

@@ -602,6 +602,9 @@ class FinetuneReport:
     """``finetune.json`` (`tsenor finetune`). Curves are [step, value] pairs; step 0 is the pruned checkpoint.
 
     eval_before / eval_after: `EvalReport.to_json()` (None when nothing was evaluated).
+    loss_curve: the training objective per step; with a teacher (`--teacher`) that is the
+    distillation loss, and ce_curve holds the cross-entropy part (empty without a teacher, where
+    loss_curve is the cross-entropy).
     tokens: tokens trained on (steps × windows per step × seqlen); epochs: passes over the windows.
     seconds_per_step: median wall time of the optimizer steps this process ran (forward, backward,
     optimizer; without evaluation, checkpoints and batch loading). pruned_nonzero: weights outside the
@@ -630,6 +633,7 @@ class FinetuneReport:
     command: str | None
     context: dict[str, Any] | None = None
     versions: dict[str, str] = field(default_factory=dict)
+    ce_curve: list[tuple[int, float]] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     def ppl(self, when: Literal["before", "after"]) -> dict[str, float]:
@@ -641,6 +645,7 @@ class FinetuneReport:
         """The file's object; ppl_before / ppl_after are derived from the evaluations (not read back)."""
         body = {k: v for k, v in _flat_json(self).items() if k != "schema_version"}
         body["loss_curve"] = [[step, value] for step, value in self.loss_curve]
+        body["ce_curve"] = [[step, value] for step, value in self.ce_curve]
         body["ppl_curve"] = {name: [[s, v] for s, v in curve] for name, curve in self.ppl_curve.items()}
         return {
             "schema_version": SCHEMA_VERSION,
@@ -661,6 +666,7 @@ class FinetuneReport:
                 where,
                 schema_version=version,
                 loss_curve=_curve(_field(obj, "loss_curve", list, where), f"{where}: loss_curve"),
+                ce_curve=_curve(obj.get("ce_curve", []), f"{where}: ce_curve"),
                 ppl_curve={str(k): _curve(v, f"{where}: ppl_curve.{k}") for k, v in raw_ppl.items()},
             )
         )

@@ -45,9 +45,11 @@ def summary(report: FinetuneReport) -> str:
         f"{report.seconds_per_step:.2f} s/step",
         f"data: {report.data}",
     ]
-    if report.loss_curve:
-        first, last = report.loss_curve[0], report.loss_curve[-1]
-        lines.append(f"loss: {first[1]:.4f} (step {first[0]}) → {last[1]:.4f} (step {last[0]})")
+    teacher = report.settings.get("teacher")
+    for name, curve in (("distillation loss" if teacher else "loss", report.loss_curve), ("ce", report.ce_curve)):
+        if curve:
+            first, last = curve[0], curve[-1]
+            lines.append(f"{name}: {first[1]:.4f} (step {first[0]}) → {last[1]:.4f} (step {last[0]})")
     before, after = report.ppl("before"), report.ppl("after")
     lines.extend(f"{name} ppl: {before.get(name, float('nan')):.3f} → {after[name]:.3f}" for name in after)
     lines.append(f"wrote {report.output} in {report.seconds:.1f} s")
@@ -76,6 +78,15 @@ def finetune_cmd(
     eval_every: int = typer.Option(0, "--eval-every", min=0, help="Perplexity every K steps (0: before/after)."),
     save_every: int = typer.Option(100, "--save-every", min=0, help="Checkpoint for --resume every K steps."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last checkpoint."),
+    teacher: str | None = typer.Option(
+        None, "--teacher", help="Distil from this dense model (the one pruned): hub id, folder or embedded name."
+    ),
+    distill_weight: float = typer.Option(
+        1.0, "--distill-weight", help="Share of the distillation loss; the rest is cross-entropy (needs --teacher)."
+    ),
+    distill_temperature: float = typer.Option(
+        1.0, "--distill-temperature", help="Softmax temperature of the distillation loss (needs --teacher)."
+    ),
     device: DeviceOpt = DEVICE,
     as_json: JsonOpt = False,
     data_dir: DataDirOpt = None,
@@ -105,6 +116,9 @@ def finetune_cmd(
         eval_every=eval_every,
         save_every=save_every,
         device=device,
+        teacher=teacher,
+        distill_weight=distill_weight,
+        distill_temperature=distill_temperature,
         force=force,
         resume=resume,
         command=command_line(),

@@ -133,8 +133,9 @@ class CurveCallback(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         if logs and "loss" in logs and state.is_world_process_zero:
+            ce = f" (ce {logs['ce']:.4f})" if "ce" in logs else ""  # DistillTrainer's cross-entropy part
             self.progress(
-                f"step {state.global_step}/{state.max_steps}: loss {logs['loss']:.4f}, "
+                f"step {state.global_step}/{state.max_steps}: loss {logs['loss']:.4f}{ce}, "
                 f"lr {logs.get('learning_rate', float('nan')):.3g}"
             )
 

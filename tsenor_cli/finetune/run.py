@@ -33,6 +33,7 @@ from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import UsageError
 from tsenor_cli.finetune.callback import PPL_LOG_PREFIX, CurveCallback, FixedMask, MaskCallback
 from tsenor_cli.finetune.data import WindowDataset, training_windows
+from tsenor_cli.finetune.distill import DistillTrainer, check_teacher
 from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsity
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.pruning.output import (
@@ -84,6 +85,9 @@ class FinetuneConfig:
     eval_every: int = 0
     save_every: int = 100
     device: str = "cpu"
+    teacher: str | None = None
+    distill_weight: float = 1.0
+    distill_temperature: float = 1.0
     force: bool = False
     resume: bool = False
     command: str | None = None
@@ -114,6 +118,15 @@ class FinetuneConfig:
             raise UsageError("--eval-every needs perplexity datasets; pass --ppl wikitext2 or drop --eval-every")
         if self.max_windows is not None and self.max_windows < 1:
             raise UsageError(f"--max-windows {self.max_windows} must be positive")
+        if not 0.0 < self.distill_weight <= 1.0:
+            raise UsageError(
+                f"--distill-weight {self.distill_weight} must be in (0, 1] (1: distillation only; "
+                "drop --teacher for plain fine-tuning)"
+            )
+        if not (self.distill_temperature > 0 and math.isfinite(self.distill_temperature)):
+            raise UsageError(f"--distill-temperature {self.distill_temperature} must be positive; pass e.g. 1 or 2")
+        if self.teacher is None and (self.distill_weight != 1.0 or self.distill_temperature != 1.0):
+            raise UsageError("--distill-weight/--distill-temperature need --teacher; pass the dense model")
         if self.device not in ("cpu", "cuda"):
             raise UsageError(
                 f"--device {self.device!r}: use cpu or cuda (pick GPUs with CUDA_VISIBLE_DEVICES, or torchrun)"
@@ -137,6 +150,9 @@ class FinetuneConfig:
             "tasks": list(self.tasks),
             "limit": self.limit,
             "eval_every": self.eval_every,
+            "teacher": self.teacher,
+            "distill_weight": self.distill_weight,
+            "distill_temperature": self.distill_temperature,
         }
 
     def result_hash(self) -> str:
@@ -175,6 +191,18 @@ def _save_state(state_dir: Path, cfg: FinetuneConfig, eval_before: dict[str, Any
     tmp = state_dir / f"{STATE_FILE}.tmp"
     tmp.write_text(json.dumps(payload, indent=1))
     tmp.replace(state_dir / STATE_FILE)
+
+
+def _load_teacher(cfg: FinetuneConfig, ctx: RunContext, student: Any, device: Any, say: Progress) -> Any:
+    """The frozen dense teacher of `--teacher` on the training device (bf16 under --bf16, else fp32)."""
+    from tsenor_cli.models.loading import load_model
+
+    assert cfg.teacher is not None
+    say(f"loading the teacher {cfg.teacher}")
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    teacher = load_model(cfg.teacher, ctx, dtype=dtype, device=device, progress=say)
+    check_teacher(student, teacher, cfg.teacher)
+    return teacher.model
 
 
 def _training_args(cfg: FinetuneConfig, state_dir: Path) -> Any:
@@ -306,6 +334,7 @@ def _train(
             f"({cfg.batch_size} per process); pass more text, a smaller --seqlen or a smaller --batch-size"
         )
     say(f"training data: {text.description}")
+    teacher = _load_teacher(cfg, ctx, loaded, args.device, say) if cfg.teacher is not None else None
     model = loaded.model.to(args.device)
     fixed = FixedMask(model, masks)
     main = args.process_index == 0
@@ -326,13 +355,19 @@ def _train(
         _save_state(state_dir, cfg, eval_before)
 
     curve = CurveCallback(ppl_now if wants_eval else None, cfg.eval_every, say, after_save)
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=WindowDataset(text.windows),
-        data_collator=default_data_collator,
-        callbacks=[MaskCallback(fixed), curve],
-    )
+    common: dict[str, Any] = {
+        "model": model,
+        "args": args,
+        "train_dataset": WindowDataset(text.windows),
+        "data_collator": default_data_collator,
+        "callbacks": [MaskCallback(fixed), curve],
+    }
+    if teacher is None:
+        trainer = Trainer(**common)
+    else:
+        trainer = DistillTrainer(
+            **common, teacher=teacher, weight=cfg.distill_weight, temperature=cfg.distill_temperature
+        )
     trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout; CurveCallback reports instead
     checkpoint = get_last_checkpoint(str(state_dir)) if cfg.resume and state_dir.is_dir() else None
     resumed = int(Path(checkpoint).name.split("-")[-1]) if checkpoint else None
@@ -347,6 +382,7 @@ def _train(
     if wants_eval and main:
         say("evaluating after fine-tuning")
         eval_after = evaluate_model(loaded, eval_cfg, ctx, progress=say).to_json()
+    ce = [(int(e["step"]), float(e["ce"])) for e in trainer.state.log_history if "ce" in e]
     loss, ppl = _curves(
         trainer.state.log_history,
         {k: v["ppl"] for k, v in (eval_before or {}).get("perplexity", {}).items()},
@@ -374,6 +410,7 @@ def _train(
         epochs=steps * per_step / available,
         world_size=int(args.world_size),
         loss_curve=loss,
+        ce_curve=ce,
         ppl_curve=ppl,
         eval_before=eval_before,
         eval_after=eval_after,
