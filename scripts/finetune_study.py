@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--teacher", default=None, help="distil every run from this dense model (finetune --teacher)")
+    parser.add_argument("--distill-weight", type=float, default=1.0, help="with --teacher: the distillation share")
     parser.add_argument("--dense", type=Path, default=None, help="the dense model's eval.json (same --ppl windows)")
     args = parser.parse_args(argv)
     pairs = [item.split("=", 1) for item in args.run]
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 save_every=args.save_every,
                 device=args.device,
                 teacher=args.teacher,
+                distill_weight=args.distill_weight,
                 resume=True,
                 command=command,
             )
