@@ -442,3 +442,42 @@ def test_real_smollm2_block_with_two_processes_equals_one(
     assert json.loads(outcome) == {"d": "ok"}
     assert _sha(tmp_path / "single" / "model.safetensors") == _sha(tmp_path / "dist" / "model.safetensors")
     assert len(_pruned_weights(tmp_path / "dist")) == 7
+
+
+@pytest.mark.parametrize(
+    ("exits", "expected"),
+    [
+        ({0: -15, 1: 4}, 4),  # rank 1 exited first; torchrun's SIGTERM reached rank 0 while it shut down
+        ({0: 4, 1: -15}, 4),
+        ({0: 4, 1: 4}, 4),
+        ({1: -9}, 128 + 9),  # only signals: the run was killed (out of memory, preemption)
+    ],
+    ids=["signal-on-rank-0", "signal-on-rank-1", "both-exited", "killed"],
+)
+def test_launch_returns_the_agreed_exit_code_whatever_order_the_ranks_exit_in(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, exits: dict[int, int], expected: int
+) -> None:
+    """The code a rank exited with beats a signal torchrun sent while it shut down (seen in CI as 143)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from torch.distributed.launcher import api as launcher_api
+
+    from tsenor_cli.pruning.distributed import launch
+
+    failures = {
+        rank: ProcessFailure(rank, 1000 + rank, code, str(tmp_path / f"error{rank}.json"))
+        for rank, code in exits.items()
+    }
+
+    def failing_launch(config: object, entrypoint: object) -> Any:
+        def run(*args: str) -> None:
+            raise ChildFailedError("tsenor_cli", failures)
+
+        return run
+
+    monkeypatch.setattr(launcher_api, "elastic_launch", failing_launch)
+    if expected > 128:
+        with pytest.raises(PeerError, match="killed by signal 9") as raised:
+            launch(["prune"], 2)
+        assert raised.value.exit_code == expected
+    else:
+        assert launch(["prune"], 2) == expected

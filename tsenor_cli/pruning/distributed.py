@@ -92,9 +92,9 @@ def launch(args: Sequence[str], nproc: int) -> int:
     """Run ``python -m tsenor_cli ARGS`` (less --nproc) in `nproc` processes on this node with torch's
     elastic launcher, what torchrun runs (a c10d rendezvous on a free local port, no restarts).
 
-    Returns 0, or the exit code of the lowest failing rank: the ranks of a failed run all exit with the
-    failing rank's code (`Team.agreed`), and rank 0 has printed its line. A rank killed by a signal
-    printed nothing: PeerError with exit code 128 + the signal.
+    Returns 0, or the exit code of the lowest rank that exited by itself: the ranks of a failed run all
+    exit with the failing rank's code (`Team.agreed`), and rank 0 has printed its line. When every failed
+    rank was killed by a signal, none printed anything: PeerError with exit code 128 + the signal.
     """
     import logging
     import sys
@@ -120,10 +120,15 @@ def launch(args: Sequence[str], nproc: int) -> int:
     try:
         elastic_launch(config, sys.executable)("-m", "tsenor_cli", *without_option(args, "--nproc"))
     except ChildFailedError as exc:
+        # The ranks of a failed run all exit with the agreed code, but the first to exit makes torchrun
+        # SIGTERM the rest: a rank still shutting down shows as killed (-15) although it agreed too. So
+        # any rank's own exit code wins over a signal; only a run where every failed rank was killed by
+        # a signal (out of memory, preemption) reports one.
+        exited = sorted(rank for rank, failure in exc.failures.items() if failure.exitcode > 0)
+        if exited:
+            return exc.failures[exited[0]].exitcode
         rank = min(exc.failures)
         code = exc.failures[rank].exitcode
-        if code > 0:
-            return code
         raise PeerError(
             f"process {rank} of {nproc} was killed by signal {-code} (e.g. out of memory); rerunning the same "
             "command continues from the last saved block",
