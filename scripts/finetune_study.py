@@ -30,7 +30,7 @@ from tsenor_cli.cli.evaluate import parse_ppl_datasets
 from tsenor_cli.finetune.run import FinetuneConfig, finetune
 from tsenor_cli.report.plots import plot_perplexity_vs_steps, plot_training_loss
 from tsenor_cli.report.table import PPL_COLUMNS
-from tsenor_cli.runfiles import FINETUNE_FILE
+from tsenor_cli.runfiles import FINETUNE_FILE, EvalReport
 from tsenor_cli.settings import RunContext
 
 STUDY_MD = "finetune_study.md"
@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     dense = None
     if args.dense is not None:
-        dense = {name: float(entry["ppl"]) for name, entry in json.loads(args.dense.read_text())["perplexity"].items()}
+        report = EvalReport.from_json(json.loads(args.dense.read_text()), str(args.dense))
+        dense = {name: entry.ppl for name, entry in report.perplexity.items()}
     (args.docs / STUDY_MD).write_text(render_markdown(records, command, dense))
     print(f"wrote {args.docs / STUDY_MD}")
     return 0

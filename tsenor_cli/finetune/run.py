@@ -193,15 +193,13 @@ def _save_state(state_dir: Path, cfg: FinetuneConfig, eval_before: dict[str, Any
     tmp.replace(state_dir / STATE_FILE)
 
 
-def _load_teacher(cfg: FinetuneConfig, ctx: RunContext, student: Any, device: Any, say: Progress) -> Any:
-    """The frozen dense teacher of `--teacher` on the training device (bf16 under --bf16, else fp32)."""
+def _load_teacher(name: str, bf16: bool, ctx: RunContext, student: Any, device: Any, say: Progress) -> Any:
+    """The frozen dense teacher `name` (`--teacher`) on the training device (bf16 under --bf16, else fp32)."""
     from tsenor_cli.models.loading import load_model
 
-    assert cfg.teacher is not None
-    say(f"loading the teacher {cfg.teacher}")
-    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    teacher = load_model(cfg.teacher, ctx, dtype=dtype, device=device, progress=say)
-    check_teacher(student, teacher, cfg.teacher)
+    say(f"loading the teacher {name}")
+    teacher = load_model(name, ctx, dtype=torch.bfloat16 if bf16 else torch.float32, device=device, progress=say)
+    check_teacher(student, teacher, name)
     return teacher.model
 
 
@@ -237,11 +235,16 @@ def _training_args(cfg: FinetuneConfig, state_dir: Path) -> Any:
     )
 
 
+Curve = list[tuple[int, float]]
+
+
 def _curves(
     history: list[dict[str, Any]], before: dict[str, float], after: dict[str, float], steps: int
-) -> tuple[list[tuple[int, float]], dict[str, list[tuple[int, float]]]]:
-    """Trainer's log history → (loss curve, {dataset: ppl curve}) with the before/after points added."""
+) -> tuple[Curve, Curve, dict[str, Curve]]:
+    """Trainer's log history → (loss curve, cross-entropy curve (DistillTrainer's `ce`; empty without a
+    teacher), {dataset: ppl curve}) with the before/after perplexities added."""
     loss = [(int(e["step"]), float(e["loss"])) for e in history if "loss" in e]
+    ce = [(int(e["step"]), float(e["ce"])) for e in history if "ce" in e]
     ppl: dict[str, list[tuple[int, float]]] = {name: [(0, value)] for name, value in before.items()}
     for entry in history:
         for key, value in entry.items():
@@ -249,7 +252,7 @@ def _curves(
                 ppl.setdefault(key.removeprefix(PPL_LOG_PREFIX), []).append((int(entry["step"]), float(value)))
     for name, value in after.items():
         ppl.setdefault(name, []).append((steps, value))
-    return loss, ppl
+    return loss, ce, ppl
 
 
 def _png(draw: Callable[[io.BytesIO], bool]) -> bytes | None:
@@ -334,7 +337,9 @@ def _train(
             f"({cfg.batch_size} per process); pass more text, a smaller --seqlen or a smaller --batch-size"
         )
     say(f"training data: {text.description}")
-    teacher = _load_teacher(cfg, ctx, loaded, args.device, say) if cfg.teacher is not None else None
+    teacher = None
+    if cfg.teacher is not None:
+        teacher = _load_teacher(cfg.teacher, cfg.bf16, ctx, loaded, args.device, say)
     model = loaded.model.to(args.device)
     fixed = FixedMask(model, masks)
     main = args.process_index == 0
@@ -382,8 +387,7 @@ def _train(
     if wants_eval and main:
         say("evaluating after fine-tuning")
         eval_after = evaluate_model(loaded, eval_cfg, ctx, progress=say).to_json()
-    ce = [(int(e["step"]), float(e["ce"])) for e in trainer.state.log_history if "ce" in e]
-    loss, ppl = _curves(
+    loss, ce, ppl = _curves(
         trainer.state.log_history,
         {k: v["ppl"] for k, v in (eval_before or {}).get("perplexity", {}).items()},
         {k: v["ppl"] for k, v in (eval_after or {}).get("perplexity", {}).items()},
