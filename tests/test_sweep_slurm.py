@@ -114,23 +114,37 @@ def _requeued_and_settled(job: str) -> bool:
     )
 
 
+def _mid_prune_job(run_dir: Path) -> str | None:
+    """The SLURM job of a run that has committed a block and has blocks left to prune, else None."""
+    state = run_dir / "model" / ".tsenor-resume" / "state.json"
+    try:
+        committed = json.loads(state.read_text())
+    except (OSError, json.JSONDecodeError):  # not written yet, or replaced while read
+        return None
+    job = _status(run_dir).get("job_id")
+    return str(job) if job and committed["next_block"] < committed["blocks"] else None
+
+
 def _interrupt_mid_prune(out: Path, errors: list[str]) -> None:
     """Stop each ALPS task once its first block is saved: alps-2x4 by `scontrol requeue` (preemption),
     alps-4x8 by submitit's time-limit signal (USR2: checkpoint, then it requeues itself). SLURM holds a
-    requeued batch job for about two minutes; once the old attempt is gone `starttime=now` ends the wait."""
+    requeued batch job for about two minutes; once the old attempt is gone `starttime=now` ends the wait.
+
+    Both runs are watched in one loop: the two tasks run side by side, and waiting for one before
+    looking at the other once let alps-4x8 finish its last block first (CI, 2026-11-24)."""
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        interrupted = {}
-        for name, how in (("alps-2x4", ["scontrol", "requeue"]), ("alps-4x8", ["scancel", "--signal=USR2"])):
-            run_dir = out / "runs" / name
-            state = run_dir / "model" / ".tsenor-resume" / "state.json"
-            while not (state.is_file() and _status(run_dir).get("job_id")):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name} never reached its first saved block")
-                time.sleep(0.05)
-            job = _status(run_dir)["job_id"]
-            subprocess.run([*how, job], check=True, capture_output=True, timeout=30)
-            interrupted[name] = job
+        how = {"alps-2x4": ["scontrol", "requeue"], "alps-4x8": ["scancel", "--signal=USR2"]}
+        interrupted: dict[str, str] = {}
+        while len(interrupted) < len(how):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{sorted(set(how) - set(interrupted))} never reached a saved block mid-prune")
+            for name, command in how.items():
+                job = None if name in interrupted else _mid_prune_job(out / "runs" / name)
+                if job is not None:
+                    subprocess.run([*command, job], check=True, capture_output=True, timeout=30)
+                    interrupted[name] = job
+            time.sleep(0.05)
         for name, job in interrupted.items():
             while not _requeued_and_settled(job):
                 if time.monotonic() > deadline:
