@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from tsenor_cli.cli import app
 from tsenor_cli.errors import TsenorError
 from tsenor_cli.finetune.callback import FixedMask
-from tsenor_cli.finetune.run import FinetuneConfig, finetune
+from tsenor_cli.finetune.run import FinetuneConfig, finetune, last_complete_checkpoint
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.resume import RESUME_DIRNAME
@@ -216,6 +216,11 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(
         finetune(cfg(out, resume=True), data_ctx, after_save=kill_at_two)
     assert sorted(p.name for p in out.iterdir()) == [RESUME_DIRNAME]
     assert (out / RESUME_DIRNAME / "checkpoint-2" / "model.safetensors").is_file()
+    # A later checkpoint the kill (or a full disk) cut short while Trainer wrote it: passed over.
+    cut = out / RESUME_DIRNAME / "checkpoint-4"
+    cut.mkdir()
+    (cut / "config.json").write_text((out / RESUME_DIRNAME / "checkpoint-2" / "config.json").read_text())
+    (cut / "trainer_state.json").write_text('{"global_step": 4, "log_hist')
     # Without --resume the half-done folder is refused, not silently overwritten.
     refused = _invoke(["finetune", str(pruned), "--output", str(out), "--ppl", "none", "--max-steps", "1"])
     assert refused.exit_code == 4 and "--resume" in str(refused.exception)  # type: ignore[attr-defined]
@@ -223,12 +228,35 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(
     resumed = finetune(cfg(out, resume=True), data_ctx, progress=messages.append)
     assert resumed.resumed_from_step == 2
     assert any("resuming after step 2/4" in m for m in messages)
+    assert any(m.startswith(f"passing over {cut}: it was not written to the end") for m in messages)
     assert not any(m.startswith("step 1/4") for m in messages)  # steps 1-2 were not redone
     assert not (out / RESUME_DIRNAME).exists()
     # Bit-identical on CPU: Trainer restores the optimizer, scheduler, RNG and data order.
     assert _weights_hash(out) == _weights_hash(tmp_path / "full")
     assert resumed.loss_curve == full.loss_curve and resumed.ppl_curve == full.ppl_curve
     assert resumed.ppl("before") == full.ppl("before") and [s for s, _ in resumed.ppl_curve["wikitext2"]] == [0, 2, 4]
+
+
+def test_resume_takes_the_newest_checkpoint_written_to_the_end(tmp_path: Path) -> None:
+    def checkpoint(step: int, state: str | None) -> Path:
+        path = tmp_path / f"checkpoint-{step}"
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"weights")
+        if state is not None:
+            (path / "trainer_state.json").write_text(state)
+        return path
+
+    said: list[str] = []
+    assert last_complete_checkpoint(tmp_path, said.append) is None  # nothing saved yet
+    checkpoint(2, json.dumps({"global_step": 2}))
+    whole = checkpoint(10, json.dumps({"global_step": 10}))
+    checkpoint(12, None)  # stopped before trainer_state.json
+    checkpoint(14, '{"global_step": 14, "log_hi')  # stopped while writing it
+    checkpoint(16, json.dumps({"global_step": 4}))  # another step's state copied in: not this checkpoint's
+    (tmp_path / "checkpoint-x").mkdir()
+    (tmp_path / "checkpoint-20").write_text("a file, not a checkpoint")
+    assert last_complete_checkpoint(tmp_path, said.append) == whole  # 10 > 2 numerically, not as text
+    assert [m.split(":")[0] for m in said] == [f"passing over {tmp_path / f'checkpoint-{n}'}" for n in (16, 14, 12)]
 
 
 @pytest.mark.realdata

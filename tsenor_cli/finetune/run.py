@@ -193,6 +193,30 @@ def _save_state(state_dir: Path, cfg: FinetuneConfig, eval_before: dict[str, Any
     tmp.replace(state_dir / STATE_FILE)
 
 
+def last_complete_checkpoint(state_dir: Path, say: Progress) -> Path | None:
+    """The newest Trainer checkpoint (state_dir/checkpoint-N) that was written to the end, or None.
+
+    Trainer writes a checkpoint's files in place, trainer_state.json last (`Trainer._save_checkpoint`), and
+    deletes the older one only after that (save_total_limit=1). A kill or a full disk while it writes
+    leaves a newer checkpoint-N without a whole trainer_state.json; resuming from it would fail, so it is
+    passed over (and written again when the run gets there). Seen: a full disk at step 150 of the study.
+    """
+    found: list[tuple[int, Path]] = []
+    for path in state_dir.glob("checkpoint-*"):
+        suffix = path.name.removeprefix("checkpoint-")
+        if path.is_dir() and suffix.isdigit():
+            found.append((int(suffix), path))
+    for step, path in sorted(found, reverse=True):
+        try:
+            written = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            written = None
+        if isinstance(written, dict) and written.get("global_step") == step:
+            return path
+        say(f"passing over {path}: it was not written to the end (stopped while saving)")
+    return None
+
+
 def _load_teacher(name: str, bf16: bool, ctx: RunContext, student: Any, device: Any, say: Progress) -> Any:
     """The frozen dense teacher `name` (`--teacher`) on the training device (bf16 under --bf16, else fp32)."""
     from tsenor_cli.models.loading import load_model
@@ -303,7 +327,6 @@ def _train(
 ) -> FinetuneReport:
     """`finetune` past its output checks, under the output lock: load, train, evaluate, write."""
     from transformers import PrinterCallback, Trainer, default_data_collator
-    from transformers.trainer_utils import get_last_checkpoint
 
     from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
     from tsenor_cli.models.loading import load_model
@@ -374,11 +397,11 @@ def _train(
             **common, teacher=teacher, weight=cfg.distill_weight, temperature=cfg.distill_temperature
         )
     trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout; CurveCallback reports instead
-    checkpoint = get_last_checkpoint(str(state_dir)) if cfg.resume and state_dir.is_dir() else None
-    resumed = int(Path(checkpoint).name.split("-")[-1]) if checkpoint else None
+    checkpoint = last_complete_checkpoint(state_dir, say) if cfg.resume and state_dir.is_dir() else None
+    resumed = int(checkpoint.name.removeprefix("checkpoint-")) if checkpoint is not None else None
     if resumed is not None:
         say(f"resuming after step {resumed}/{cfg.max_steps} from {checkpoint}")
-    trainer.train(resume_from_checkpoint=checkpoint)
+    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
     nonzero = fixed.nonzero_pruned()
     if nonzero:
         raise RuntimeError(f"{nonzero} pruned weights became non-zero despite the mask; this is a bug in tsenor")
