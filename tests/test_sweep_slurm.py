@@ -45,6 +45,8 @@ if _REASON is not None:
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.realdata]
 
 TIMEOUT_S = 600
+# Seconds between a requeued task's release and its kill: more than the 1 s of slurmd's credential clock.
+RELEASE_AFTER_S = 2
 FAST = {"nsamples": 2, "seqlen": 32, "calib_data": "wikitext2"}
 EVAL = {"ppl": ["wikitext2"], "max_windows": 1, "seqlen": 64}
 
@@ -135,7 +137,10 @@ def _mid_prune_job(run_dir: Path) -> str | None:
 def _interrupt_mid_prune(out: Path, errors: list[str]) -> None:
     """Stop each ALPS task once its first block is saved: alps-2x4 by `scontrol requeue` (preemption),
     alps-4x8 by submitit's time-limit signal (USR2: checkpoint, then it requeues itself). SLURM holds a
-    requeued batch job for about two minutes; once the old attempt is gone `starttime=now` ends the wait.
+    requeued batch job for about two minutes; once the old attempt is gone `starttime=now+RELEASE_AFTER_S`
+    ends the wait. Not `now`: slurmd revokes a killed job's credential with a time in whole seconds, and
+    refuses to launch the job again within that second. CI once saw it ("Job 155 already killed, do not
+    launch batch job" in slurmd.log, killed and relaunched at 19:36:27) and the task ended unfinished.
 
     Both runs are watched in one loop: the two tasks run side by side, and waiting for one before
     looking at the other once let alps-4x8 finish its last block first (CI, 2026-11-24)."""
@@ -157,7 +162,8 @@ def _interrupt_mid_prune(out: Path, errors: list[str]) -> None:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{name} ({job}) was not requeued")
                 time.sleep(0.2)
-            subprocess.run(["scontrol", "update", f"jobid={job}", "starttime=now"], check=True, timeout=30)
+            release = f"starttime=now+{RELEASE_AFTER_S}"
+            subprocess.run(["scontrol", "update", f"jobid={job}", release], check=True, timeout=30)
     except (OSError, subprocess.SubprocessError, TimeoutError) as exc:
         errors.append(f"{type(exc).__name__}: {exc}")
 
