@@ -22,7 +22,9 @@ from typer.testing import CliRunner
 
 from tsenor_cli.cli import app
 from tsenor_cli.errors import TsenorError
+from tsenor_cli.pruning.resume import RESUME_DIRNAME, STATE_FILE
 from tsenor_cli.sweep.spec import name_part
+from tsenor_cli.sweep.status import MODEL_DIR
 
 
 def _no_slurm_reason() -> str | None:
@@ -125,7 +127,7 @@ def _requeued_and_settled(job: str) -> bool:
 
 def _mid_prune_job(run_dir: Path) -> str | None:
     """The SLURM job of a run that has committed a block and has blocks left to prune, else None."""
-    state = run_dir / "model" / ".tsenor-resume" / "state.json"
+    state = run_dir / MODEL_DIR / RESUME_DIRNAME / STATE_FILE
     try:
         committed = json.loads(state.read_text())
     except (OSError, json.JSONDecodeError):  # not written yet, or replaced while read

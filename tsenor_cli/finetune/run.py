@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tsenor_cli import atomic
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
@@ -193,6 +195,12 @@ def _save_state(state_dir: Path, cfg: FinetuneConfig, eval_before: dict[str, Any
     tmp.replace(state_dir / STATE_FILE)
 
 
+def checkpoint_step(path: Path) -> int | None:
+    """N for a Trainer checkpoint folder `checkpoint-N` (transformers' PREFIX_CHECKPOINT_DIR), else None."""
+    number = path.name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
+    return int(number) if number != path.name and number.isdigit() and path.is_dir() else None
+
+
 def last_complete_checkpoint(state_dir: Path, say: Progress) -> Path | None:
     """The newest Trainer checkpoint (state_dir/checkpoint-N) that was written to the end, or None.
 
@@ -201,14 +209,10 @@ def last_complete_checkpoint(state_dir: Path, say: Progress) -> Path | None:
     leaves a newer checkpoint-N without a whole trainer_state.json; resuming from it would fail, so it is
     passed over (and written again when the run gets there). Seen: a full disk at step 150 of the study.
     """
-    found: list[tuple[int, Path]] = []
-    for path in state_dir.glob("checkpoint-*"):
-        suffix = path.name.removeprefix("checkpoint-")
-        if path.is_dir() and suffix.isdigit():
-            found.append((int(suffix), path))
+    found = [(step, path) for path in state_dir.iterdir() if (step := checkpoint_step(path)) is not None]
     for step, path in sorted(found, reverse=True):
         try:
-            written = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+            written = json.loads((path / TRAINER_STATE_NAME).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             written = None
         if isinstance(written, dict) and written.get("global_step") == step:
@@ -398,7 +402,7 @@ def _train(
         )
     trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout; CurveCallback reports instead
     checkpoint = last_complete_checkpoint(state_dir, say) if cfg.resume and state_dir.is_dir() else None
-    resumed = int(checkpoint.name.removeprefix("checkpoint-")) if checkpoint is not None else None
+    resumed = checkpoint_step(checkpoint) if checkpoint is not None else None
     if resumed is not None:
         say(f"resuming after step {resumed}/{cfg.max_steps} from {checkpoint}")
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
