@@ -36,7 +36,7 @@ from tsenor_cli.errors import InputNotFoundError, UsageError
 if TYPE_CHECKING:
     from tsenor_cli.settings import RunContext
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 EVAL_FILE = "eval.json"
 PRUNE_FILE = "tsenor_report.json"
 FINETUNE_FILE = "finetune.json"
@@ -222,8 +222,14 @@ class PatternInfo:
 class LayerRecord:
     """One prunable linear of the model, as the report shows it.
 
-    name: full module name ("model.layers.3.mlp.down_proj"); status "pruned", "skipped" (with reason:
-    the pattern does not fit) or "ignored" (with reason: left dense by choice).
+    name: full module name ("model.layers.3.mlp.down_proj"), or for a matrix that is not an nn.Linear
+    the parameter's ("model.layers.3.mlp.experts.gate_up_proj", with ``[e]`` for expert e of a stack);
+    status "pruned", "skipped" (with reason: the pattern does not fit) or "ignored" (with reason: left
+    dense by choice or by a rule: routers, gates, weights that are not matmul weights); a pruned record's
+    reason notes how its statistics were gathered when that is not the default.
+    param: the parameter that holds the matrix (v3; None in older files: ``name + ".weight"``); expert:
+    its index in a stack of experts; tokens: the calibration tokens routed to that expert; transposed:
+    the parameter stores (in, out) matrices.
     recon_error: ‖X(Ŵ−W)ᵀ‖²/‖XWᵀ‖² on the calibration inputs the layer saw; gap: the solver's certified
     relative gap (transposable only); seconds: wall time of the method on this layer.
     """
@@ -244,6 +250,10 @@ class LayerRecord:
     seconds: float = 0.0
     iterations: int = 0
     safeguard_tiles: int = 0
+    param: str | None = None
+    expert: int | None = None
+    tokens: int | None = None
+    transposed: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return _flat_json(self)

@@ -65,6 +65,8 @@ CONFIG_KEYS: dict[str, type] = {
     "targets": list,
     "output": str,
     "offload_activations": bool,
+    "moe_calibration": str,
+    "moe_min_tokens": int,
 }
 
 
@@ -73,7 +75,7 @@ def _plan_verdict(plan: PrunePlan, cfg: PruneConfig) -> None:
     stop on an incompatible layer or have nothing to prune, so a dry run fails where the run would."""
     from tsenor_cli.pruning.engine import check_compatibility
 
-    candidates = [s for s in plan.slots if s.full_name not in plan.ignored]
+    candidates = [s for s in plan.slots if s.full_name not in plan.ignored and not s.param and s.out_features > 1]
     check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)
 
 
@@ -202,6 +204,8 @@ def build_config(values: dict[str, Any], *, force: bool, resume: bool, command: 
         resume=resume,
         command=command,
         offload_activations=bool(values.get("offload_activations", False)),
+        moe_calibration=str(values.get("moe_calibration") or "routed"),
+        moe_min_tokens=None if values.get("moe_min_tokens") is None else int(values["moe_min_tokens"]),
     )
 
 
@@ -258,6 +262,19 @@ def prune_cmd(
         help="Keep the calibration activations on the CPU and move one sample at a time to the device "
         "(same result, device memory for one block and one sample).",
     ),
+    moe_calibration: str = typer.Option(
+        "routed",
+        "--moe-calibration",
+        help="Statistics of expert matrices: 'routed' (the tokens the router sends each expert) or 'all' "
+        "(every calibration token through every expert, for the statistics only).",
+    ),
+    moe_min_tokens: int | None = typer.Option(
+        None,
+        "--moe-min-tokens",
+        min=1,
+        help="With routed statistics, an expert that received fewer tokens takes every-token statistics "
+        "(default: its input dimension); the report names each such expert.",
+    ),
     nproc: int = typer.Option(
         1,
         "--nproc",
@@ -296,6 +313,8 @@ def prune_cmd(
         "targets": targets or [],
         "output": output,
         "offload_activations": offload_activations,
+        "moe_calibration": moe_calibration,
+        "moe_min_tokens": moe_min_tokens,
     }
     run_ctx = run_context(ctx, data_dir, offline)
     if nproc > 1 and run_ctx.distributed.distributed:

@@ -23,15 +23,19 @@ from tsenor_cli.pruning.distributed import Team, joined
 from tsenor_cli.pruning.engine import (
     BlockInputs,
     LinearSlot,
+    MoeOptions,
     capture_block_calls,
     capture_block_inputs,
     check_compatibility,
     incompatible_slots,
     linear_slots,
+    observe_blocks,
+    observed_slots,
     prune_block,
     run_block,
 )
 from tsenor_cli.pruning.finite import check_finite
+from tsenor_cli.pruning.observe import BlockObservation
 from tsenor_cli.pruning.output import (
     check_free_space,
     check_not_input,
@@ -46,7 +50,7 @@ from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.report import versions
 from tsenor_cli.pruning.resume import ResumeState, ResumeStore
-from tsenor_cli.pruning.selection import excluded_layers
+from tsenor_cli.pruning.selection import excluded_layers, matches
 from tsenor_cli.pruning.types import LayerRecord
 from tsenor_cli.runfiles import ContextRecord, PatternInfo, PruneReport
 from tsenor_cli.settings import RunContext
@@ -104,6 +108,19 @@ def sparsity_metadata(cfg: PruneConfig, records: list[LayerRecord], solver: str 
         "solver": solver,
         "solver_requested": cfg.layer.solver if p.transposable else None,
         "pruned_modules": [r.name for r in records if r.status == "pruned"],
+        # Where each pruned matrix lives in the model's own parameters (`tsenor verify` reads them back
+        # through transformers' loading, whatever key layout save_pretrained gave the files).
+        "pruned_weights": [
+            {
+                "name": r.name,
+                "param": r.param or f"{r.name}.weight",
+                "expert": r.expert,
+                "transposed": r.transposed,
+                "shape": [r.out_features, r.in_features],
+            }
+            for r in records
+            if r.status == "pruned"
+        ],
         "skipped_modules": [r.name for r in records if r.status == "skipped"],
         "ignored_modules": [r.name for r in records if r.status == "ignored"],
         "tsenor_version": __version__,
@@ -116,8 +133,68 @@ def nonzero_counts(parameters: Sequence[torch.Tensor]) -> tuple[int, int]:
     return sum(p.numel() for p in unique), sum(int(torch.count_nonzero(p)) for p in unique)
 
 
-def _linear_weights(structure: ModelStructure) -> list[torch.Tensor]:
-    return [linear.weight for index in range(len(structure)) for linear in structure.block_linears(index).values()]
+def decoder_matrices(structure: ModelStructure) -> list[torch.Tensor]:
+    """Every parameter of two or more dimensions of the decoder blocks: the weights the report accounts for."""
+    return [p for block in structure.blocks for p in block.parameters() if p.dim() >= 2]
+
+
+def _observed_plan(
+    structure: ModelStructure,
+    static: Sequence[LinearSlot],
+    observed: dict[int, BlockObservation],
+    cfg: PruneConfig,
+    say: Progress,
+) -> tuple[list[LinearSlot], dict[str, str], dict[str, str], dict[int, list[LayerRecord]]]:
+    """The run's weight matrices once the blocks' forwards were watched: (slots, ignored, skipped, the
+    records of block parameters that are not matmul weights, per block).
+
+    Slots of watched blocks take their orientation, experts and role from the watch; routers and gates are
+    left dense unless a --targets pattern names them; other patterns and the compatibility check as for
+    nn.Linear layers. A kind of weight left dense by a rule is said once on stderr.
+    """
+    slots: list[LinearSlot] = []
+    unused: dict[int, list[LayerRecord]] = {}
+    for index in range(len(structure)):
+        if index not in observed:
+            slots += [s for s in static if s.block == index]
+            continue
+        watched = observed[index]
+        seen = {s.param_name: s for s in observed_slots(structure, index, watched)}
+        # nn.Linear layers that never ran keep their slot: prune_block names them in its error.
+        kept = list(seen.values()) + [
+            s for s in static if s.block == index and s.param_name not in seen and not s.param
+        ]
+        slots += kept
+        block = structure.blocks[index]
+        in_slots = {s.param_name for s in kept}
+        for name, why in watched.unused.items():
+            if name not in in_slots:
+                shape = tuple(block.get_parameter(name).shape)
+                full = structure.full_name(index, name)
+                unused.setdefault(index, []).append(
+                    LayerRecord(index, full, int(shape[-2]), int(shape[-1]), "ignored", why, param=full)
+                )
+    names = [s.full_name for s in slots]
+    ignored = excluded_layers(names, cfg.ignore, cfg.targets)
+    targeted = {n for n in names if any(matches(p, n) for p in cfg.targets)}
+    ruled: dict[str, int] = {}
+    for slot in slots:
+        if slot.role != "weight" and slot.full_name not in targeted:
+            ignored[slot.full_name] = f"{slot.role}, left dense (--targets {slot.full_name} prunes it)"
+            ruled[slot.role] = ruled.get(slot.role, 0) + 1
+    for role, count in ruled.items():
+        logger.warning(
+            "leaving %d %s(s) dense: routing decisions are fragile (--targets names one to prune it)", count, role
+        )
+    if unused:
+        count = sum(len(v) for v in unused.values())
+        logger.warning(
+            "%d decoder weight(s) are not matmul weights of their block's forward and stay dense (see the report)",
+            count,
+        )
+    candidates = [s for s in slots if s.full_name not in ignored]
+    skipped = check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)
+    return slots, ignored, skipped, unused
 
 
 def prune_model(
@@ -323,12 +400,13 @@ def _prune(
         )
         slots = linear_slots(structure)
         ignored = excluded_layers([s.full_name for s in slots], cfg.ignore, cfg.targets)
-        candidates = [s for s in slots if s.full_name not in ignored]
-        skipped = check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)
+        # The nn.Linear layers are checked now, before calibration; the other matrices once the forward
+        # has shown their orientation and role (`_observed_plan`).
+        # A one-output layer is a gate (observe.py), left dense then whatever its shape.
+        linear_only = [s for s in slots if not s.param and s.full_name not in ignored and s.out_features > 1]
+        if linear_only:
+            check_compatibility(linear_only, cfg.pattern, skip=cfg.skip_incompatible)
     blocks = structure.blocks
-    say(f"{structure.model_type}: {len(blocks)} blocks in {structure.blocks_name}, {len(slots)} linears")
-    if ignored:
-        say(f"leaving {len(ignored)} linear(s) dense (--ignore/--targets)")
     seqlen = min(cfg.seqlen, loaded.max_positions or cfg.seqlen)
     if seqlen < cfg.seqlen:
         logger.warning(
@@ -360,6 +438,17 @@ def _prune(
                 inputs = capture_block_inputs(structure, calib.input_ids[shard], storage)
             hidden, calls = inputs.hidden, inputs.calls
 
+    observed: dict[int, BlockObservation] = {}
+    if hidden is not None:
+        with phase("capture"), team.agreed():
+            observed = observe_blocks(structure, hidden[:1], calls, first, device)
+    with team.agreed():
+        slots, ignored, skipped, unused = _observed_plan(structure, slots, observed, cfg, say)
+    matrices = sum(s.matrices for s in slots)
+    say(f"{structure.model_type}: {len(blocks)} blocks in {structure.blocks_name}, {matrices} weight matrices")
+    if ignored:
+        say(f"leaving {len(ignored)} weight(s) dense (--ignore/--targets, routers and gates)")
+    moe = MoeOptions(cfg.moe_calibration, cfg.moe_min_tokens)
     buffer = torch.empty_like(hidden) if hidden is not None else None
     for index in bar(range(first, len(blocks)), total=len(blocks) - first, desc="blocks", unit="block"):
         # The ranks stop together, at the same block, even when the signal reached only some of them.
@@ -387,7 +476,9 @@ def _prune(
             progress=say,
             ignored=ignored,
             team=team,
+            moe=moe,
         )
+        records += unused.get(index, [])
         with phase("rerun"), team.agreed():
             run_block(block, hidden, call, buffer, device)  # the next block sees the pruned outputs
         hidden, buffer = buffer, hidden
@@ -427,7 +518,7 @@ def _prune(
         settings_dict["processes"] = team.world_size
     p = cfg.pattern
     model_params, model_nonzero = nonzero_counts(list(model.parameters()))
-    linear_params, linear_nonzero = nonzero_counts(_linear_weights(structure))
+    linear_params, linear_nonzero = nonzero_counts(decoder_matrices(structure))
     report = PruneReport(
         method=cfg.method,
         pattern=PatternInfo(p.n, p.m, p.transposable) if p.kind in ("transposable", "nm") else None,
@@ -631,7 +722,9 @@ def plan_model(
     slots = linear_slots(structure)
     ignored = excluded_layers([s.full_name for s in slots], cfg.ignore, cfg.targets)
     candidates = [s for s in slots if s.full_name not in ignored]
-    bad = incompatible_slots(candidates, cfg.pattern)
+    # Only nn.Linear layers can be checked before the forward is watched: the orientation and role (router,
+    # gate: left dense whatever their shape) of other matrices are found at run time (engine.observed_slots).
+    bad = incompatible_slots([c for c in candidates if not c.param and c.out_features > 1], cfg.pattern)
     max_pos = getattr(config, "max_position_embeddings", None)
     seqlen = min(cfg.seqlen, int(max_pos)) if max_pos else cfg.seqlen
     width = torch.finfo(dtype).bits // 8

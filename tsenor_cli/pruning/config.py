@@ -17,6 +17,9 @@ if TYPE_CHECKING:
     import torch
 
 
+MOE_CALIBRATIONS = ("routed", "all")
+
+
 @dataclass(frozen=True)
 class PruneConfig:
     """Everything `prune_model` needs.
@@ -29,6 +32,7 @@ class PruneConfig:
     command: the command line, recorded in the report.
     offload_activations: keep the calibration activations on the CPU between blocks and move one sample
     at a time to the device (same result, less device memory); not a result field.
+    moe_calibration / moe_min_tokens: how expert matrices get their statistics (engine.MoeOptions).
     resume: save a resume state after each block and continue an interrupted run of the same
     settings found in `output` (pruning/resume.py); False saves none. force: replace a tsenor run
     in `output`, and discard a resume state that is damaged or from other settings.
@@ -53,6 +57,8 @@ class PruneConfig:
     resume: bool = True
     command: str | None = None
     offload_activations: bool = False
+    moe_calibration: str = "routed"
+    moe_min_tokens: int | None = None
 
     def __post_init__(self) -> None:
         get_pruner(self.method)
@@ -64,6 +70,13 @@ class PruneConfig:
             raise UsageError(f"--nsamples {self.nsamples} must be >= 1; the paper uses 128")
         if self.seqlen < 1:
             raise UsageError(f"--seqlen {self.seqlen} must be >= 1; the paper uses 2048")
+        if self.moe_calibration not in MOE_CALIBRATIONS:
+            raise UsageError(
+                f"--moe-calibration {self.moe_calibration!r} is not one of {', '.join(MOE_CALIBRATIONS)}; "
+                "use routed (default) or all"
+            )
+        if self.moe_min_tokens is not None and self.moe_min_tokens < 1:
+            raise UsageError(f"--moe-min-tokens {self.moe_min_tokens} must be >= 1 (default: the input dimension)")
         check_patterns(self.ignore, "--ignore")
         check_patterns(self.targets, "--targets")
 
@@ -101,6 +114,8 @@ class PruneConfig:
             "skip_incompatible": self.skip_incompatible,
             "ignore": list(self.ignore),
             "targets": list(self.targets),
+            "moe_calibration": self.moe_calibration,
+            "moe_min_tokens": self.moe_min_tokens,
         }
 
     def result_hash(self) -> str:

@@ -19,6 +19,7 @@ calibration shape serves every sample, and only the hidden states differ between
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -32,9 +33,10 @@ from tsenor_cli.errors import BadInputError, IncompatibleModelError
 from tsenor_cli.models.structure import ModelStructure
 from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.distributed import Team
+from tsenor_cli.pruning.observe import BlockObservation, Unit, Use, every_token, matrices, observe_block, watching
 from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.registry import PrunerSpec
-from tsenor_cli.pruning.stats import InputStats, reconstruction_error
+from tsenor_cli.pruning.stats import ExpertStats, InputStats, reconstruction_error
 from tsenor_cli.pruning.types import LayerPruneConfig, LayerRecord, SparsityPattern
 
 HIDDEN_KEYWORD = "hidden_states"
@@ -42,13 +44,45 @@ HIDDEN_KEYWORD = "hidden_states"
 
 @dataclass(frozen=True)
 class LinearSlot:
-    """A prunable linear: its block index, dotted name inside the block, full module name and shape."""
+    """A weight matrix of a decoder block, or a stack of expert matrices held in one parameter.
+
+    local_name: the nn.Linear's module name inside the block ("self_attn.q_proj"), or for a parameter
+    that is not a module's ``weight`` its dotted name ("mlp.experts.gate_up_proj"); full_name: the same
+    in the whole model. out_features/in_features: of one matrix in nn.Linear's (out, in) orientation.
+    param: the parameter's name relative to the block ("" means ``local_name + ".weight"``); experts: 0
+    for one matrix, else E stacked matrices; transposed: stored (in, out) (GPT-2's Conv1D, gpt-oss and
+    Llama-4 experts); role: "weight", or "router"/"gate" (left dense unless --targets names them).
+    Everything but the nn.Linear fields is found by watching the forward (`pruning/observe.py`).
+    """
 
     block: int
     local_name: str
     full_name: str
     out_features: int
     in_features: int
+    param: str = ""
+    experts: int = 0
+    transposed: bool = False
+    role: str = "weight"
+
+    @property
+    def param_name(self) -> str:
+        """The parameter's dotted name relative to the block."""
+        return self.param or f"{self.local_name}.weight"
+
+    @property
+    def matrices(self) -> int:
+        """How many matrices the slot holds (E for a stack of experts, else 1)."""
+        return max(self.experts, 1)
+
+    @property
+    def full_param(self) -> str:
+        """The parameter's name in the whole model ("model.layers.0.mlp.experts.gate_up_proj")."""
+        return self.full_name.removesuffix(self.local_name) + self.param_name
+
+    def record_name(self, expert: int | None) -> str:
+        """The report's name of one matrix: the full name, with ``[e]`` for expert e of a stack."""
+        return self.full_name if expert is None else f"{self.full_name}[{expert}]"
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,13 +164,57 @@ class _GroupSeen(Exception):
     """Raised by a statistics hook once every linear of the group has seen the current sample's input."""
 
 
+def local_name_of(param: str) -> str:
+    """The slot name of a block parameter: its module's name for a module's ``weight`` (as nn.Linear
+    layers are named), else the parameter's own dotted name."""
+    return param.removesuffix(".weight") if param.endswith(".weight") else param
+
+
+# Module types whose 2D+ weights are not matmul weights of the block's computation.
+_NOT_MATMUL = (nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
 def linear_slots(structure: ModelStructure) -> list[LinearSlot]:
-    """Every nn.Linear of every decoder block, in block order then module order, with full module names."""
+    """Every weight matrix of every decoder block, as found without running it: the nn.Linear layers
+    (block order, then module order) and every other parameter of two or more dimensions (fused expert
+    stacks (E, a, b) as E matrices of a×b, bare 2D parameters, GPT-2's Conv1D) but embeddings' and
+    convolutions'. The orientation of those others and their role (router, gate) are only known once the
+    forward has been watched (`observed_slots`); until then they read (out, in) = their stored shape.
+    """
     slots: list[LinearSlot] = []
     for index in range(len(structure)):
-        for local, linear in structure.block_linears(index).items():
+        linears = structure.block_linears(index)
+        for local, linear in linears.items():
             full = structure.full_name(index, local)
             slots.append(LinearSlot(index, local, full, int(linear.out_features), int(linear.in_features)))
+        skip = {f"{local}.weight" for local in linears}
+        for module_name, module in structure.blocks[index].named_modules():
+            if isinstance(module, _NOT_MATMUL):
+                skip.update(f"{module_name}.{p}" if module_name else p for p, _ in module.named_parameters())
+        for name, param in structure.blocks[index].named_parameters():
+            if param.dim() < 2 or name in skip:
+                continue
+            local = local_name_of(name)
+            out_features, in_features = (int(param.shape[-2]), int(param.shape[-1]))
+            experts = int(param.shape[0]) if param.dim() == 3 else 0
+            full = structure.full_name(index, local)
+            slots.append(LinearSlot(index, local, full, out_features, in_features, name, experts))
+    return slots
+
+
+def observed_slots(structure: ModelStructure, index: int, observation: BlockObservation) -> list[LinearSlot]:
+    """The weight matrices of block `index` as its forward used them (`observe.observe_block`), in order
+    of first use: orientation, experts and role from the observation."""
+    slots = []
+    for unit in observation.units.values():
+        local = local_name_of(unit.param)
+        g = unit.geometry
+        full = structure.full_name(index, local)
+        slots.append(
+            LinearSlot(
+                index, local, full, g.out_features, g.in_features, unit.param, g.experts, g.transposed, unit.role
+            )
+        )
     return slots
 
 
@@ -332,7 +410,7 @@ def capture_block_inputs(structure: ModelStructure, input_ids: torch.Tensor, dev
     return BlockInputs(torch.cat(captured, 0), calls)  # hidden (S, T, H)
 
 
-def _block_output(block: nn.Module, call: BlockCall, hidden: torch.Tensor) -> torch.Tensor:
+def block_output(block: nn.Module, call: BlockCall, hidden: torch.Tensor) -> torch.Tensor:
     """hidden: (B, T, H) → the block's output hidden states (B, T, H)."""
     args, kwargs = call.bind(hidden)
     result = block(*args, **kwargs)
@@ -355,12 +433,12 @@ def run_block(
     """
     for j in range(inputs.shape[0]):
         sample = inputs[j : j + 1] if device is None else inputs[j : j + 1].to(device)
-        hidden = _block_output(block, call, sample)
+        hidden = block_output(block, call, sample)
         if out is not None:
             out[j : j + 1] = hidden
 
 
-def _input_key(x: torch.Tensor) -> tuple[Any, ...]:
+def input_key(x: torch.Tensor) -> tuple[Any, ...]:
     """The identity of a tensor's view of memory: the same storage, offset, shape, strides and dtype."""
     return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
 
@@ -389,13 +467,13 @@ def linear_groups(
             if name not in keys:
                 seen.append(args[0])
                 first_call[name] = len(first_call)
-                keys[name] = _input_key(args[0])
+                keys[name] = input_key(args[0])
 
         return hook
 
     handles = [linear.register_forward_pre_hook(make_hook(name)) for name, linear in linears.items()]
     try:
-        _block_output(block, call, sample)
+        block_output(block, call, sample)
     finally:
         for handle in handles:
             handle.remove()
@@ -500,7 +578,7 @@ def _each_linear_input(
         for j in range(inputs.shape[0]):  # one sample per call, as in run_block (the arguments are for batch 1)
             pending.update(linears)
             try:
-                _block_output(block, call, inputs[j : j + 1].to(device))
+                block_output(block, call, inputs[j : j + 1].to(device))
             except _GroupSeen:
                 pass
             else:
@@ -518,13 +596,291 @@ def _sync(device: torch.device) -> None:
 
 
 def _check_runs_once(slot: LinearSlot, calls: int) -> None:
-    """A linear to prune must run exactly once per block forward: its statistics are its inputs."""
-    if calls == 1:
+    """A matrix to prune must run exactly once per block forward: its statistics are its inputs. A
+    stack of experts runs once per expert it routes to (or once for all of them), so only "never" counts."""
+    if calls == 1 or (slot.experts and calls > 1):
         return
     why = "never runs in its block's forward, so it has no calibration inputs"
     if calls > 1:
         why = f"runs {calls} times per forward of its block (shared weights)"
     raise IncompatibleModelError(f"{slot.full_name} {why}; pass --ignore {slot.full_name} to leave it dense")
+
+
+@dataclass(frozen=True)
+class MoeOptions:
+    """How the statistics of expert matrices are gathered.
+
+    calibration: "routed" (each expert's statistics from the tokens its router sends it in the dense
+    block's forward) or "all" (every calibration token through every expert, for the statistics only;
+    the block's output stays the routed one); min_tokens: under "routed", an expert that received fewer
+    tokens than this (None: its input dimension) takes its statistics from every token instead.
+    """
+
+    calibration: str = "routed"
+    min_tokens: int | None = None
+
+    def threshold(self, in_features: int) -> int:
+        return in_features if self.min_tokens is None else self.min_tokens
+
+
+@dataclass
+class StackInputs:
+    """The statistics of the E matrices of one stack. routed: from the tokens routed to each; every:
+    from every token, for the experts in `fallback` (all of them under --moe-calibration all), else None."""
+
+    routed: ExpertStats
+    every: ExpertStats | None
+    fallback: frozenset[int]
+
+    def expert(self, index: int) -> InputStats:
+        source = self.every if self.every is not None and index in self.fallback else self.routed
+        return source.expert(index)
+
+
+@torch.no_grad()
+def unit_input_stats(
+    block: nn.Module,
+    units: Mapping[str, Unit],
+    inputs: torch.Tensor,
+    call: BlockCall,
+    device: torch.device,
+    moe: MoeOptions,
+    *,
+    stop_early: bool = True,
+) -> dict[str, InputStats | StackInputs]:
+    """inputs: (S, T, H) → statistics of the inputs of each unit (parameters used as matmul weights, by
+    name), gathered by watching the block's forward (`observe.watching`), one sample at a time.
+
+    Single matrices get `InputStats` (what nn.Linear's hook path adds up, for Conv1D and bare 2D
+    parameters); stacks of experts `StackInputs`, each row added to the expert it was routed to, in one
+    batched pass per call (`ExpertStats.add`). Experts below `moe.threshold` tokens (or all, under
+    "all") then get every-token statistics from a second pass that re-calls the routing module with every
+    token sent to them (`observe.every_token`), stopped as soon as that call is done.
+    """
+    singles: dict[str, InputStats] = {}
+    routed: dict[str, ExpertStats] = {}
+    channel: list[str] = ["routed"]
+    every: dict[str, ExpertStats] = {}
+    pending: set[str] = set()
+    stacks = {name for name, unit in units.items() if unit.geometry.experts}
+    # Under "all", a stack whose forward routes (it has a routing module) learns only from the second pass.
+    routed_only = {n for n in stacks if not (moe.calibration == "all" and units[n].routing is not None)}
+
+    def on_use(use: Use) -> None:
+        unit = units.get(use.param)
+        if unit is None:
+            return
+        if channel[0] == "every":
+            if use.experts is not None and use.param in every:
+                every[use.param].add(use.rows, use.experts)
+            return
+        if use.experts is None:
+            if use.param not in singles:
+                singles[use.param] = InputStats(unit.geometry.in_features, gram=True, device=device)
+            singles[use.param].add(use.rows)
+        else:
+            if use.param not in routed:
+                g = unit.geometry
+                routed[use.param] = ExpertStats(g.experts, g.in_features, gram=True, device=device)
+            if use.param in routed_only or channel[0] == "routed":
+                routed[use.param].add(use.rows, use.experts)
+        pending.discard(use.param)
+        if stop_early and not stacks and not pending:
+            raise _GroupSeen
+
+    result: dict[str, InputStats | StackInputs] = {}
+    with watching(block, on_use):
+        for j in range(inputs.shape[0]):
+            pending.update(units)
+            with contextlib.suppress(_GroupSeen):
+                block_output(block, call, inputs[j : j + 1].to(device))
+        for name in units:
+            if name not in singles and name not in routed:
+                raise RuntimeError(f"{name} never ran in the block's forward")
+        result.update(singles)
+        for name in [n for n in units if n in stacks]:
+            unit = units[name]
+            g = unit.geometry
+            if unit.routing is None:  # every token reaches every expert already (Llama-4): nothing to add
+                result[name] = StackInputs(routed[name], None, frozenset())
+                continue
+            if moe.calibration == "all":
+                chosen = list(range(g.experts))
+            else:
+                chosen = [e for e in range(g.experts) if int(routed[name].tokens[e]) < moe.threshold(g.in_features)]
+            if chosen:
+                every[name] = ExpertStats(g.experts, g.in_features, gram=True, device=device)
+                channel[0] = "every"
+                try:
+                    _every_token_pass(block, unit, torch.tensor(chosen, device=device), inputs, call, device)
+                finally:
+                    channel[0] = "routed"
+            result[name] = StackInputs(routed[name], every.get(name), frozenset(chosen))
+    return result
+
+
+def _every_token_pass(
+    block: nn.Module, unit: Unit, experts: torch.Tensor, inputs: torch.Tensor, call: BlockCall, device: torch.device
+) -> None:
+    """Run each sample up to the routing module of `unit`, re-call it with every token sent to `experts`
+    (the caller's watch adds those inputs) and stop the forward there."""
+    assert unit.routing is not None
+
+    def stop() -> None:
+        raise _GroupSeen
+
+    with every_token(block, unit.routing, unit.geometry.experts, experts, after=stop):
+        for j in range(inputs.shape[0]):
+            with contextlib.suppress(_GroupSeen):
+                block_output(block, call, inputs[j : j + 1].to(device))
+
+
+def observe_blocks(
+    structure: ModelStructure, sample: torch.Tensor, calls: Sequence[BlockCall], first: int, device: torch.device
+) -> dict[int, BlockObservation]:
+    """sample: (1, T, H) the input of block `first` → {block: what its dense forward showed} for blocks
+    `first`.., each run on the dense output of the one before (`observe.observe_block`)."""
+    found: dict[int, BlockObservation] = {}
+    hidden = sample.to(device)
+    for index in range(first, len(structure)):
+        block = structure.blocks[index]
+        block.to(device)
+        call = calls[index].to(device)
+        found[index] = observe_block(block, functools.partial(block_output, block, call, hidden), input_key=input_key)
+        out = torch.empty_like(hidden)
+        run_block(block, hidden, call, out)
+        hidden = out
+        block.to("cpu")
+    return found
+
+
+def record_line(record: LayerRecord, spec: PrunerSpec) -> str:
+    """The progress line of one pruned linear."""
+    gap = f", gap {record.gap:.2e}" if record.gap is not None else ""
+    its = f", {record.iterations} ADMM iters" if spec.iterative else ""
+    return f"  {record.name}: rel. error {record.recon_error:.4f}{gap}{its}, {record.seconds:.1f}s"
+
+
+def _non_finite_inputs(slot: LinearSlot, weight: torch.Tensor) -> BadInputError:
+    # The weights were checked at load, so what is not finite are the inputs the block computed for it.
+    return BadInputError(
+        f"the calibration inputs of {slot.full_name} hold NaN/Inf (e.g. activations that overflow in "
+        f"{weight.dtype}); try --dtype fp32 (nothing was written)"
+    )
+
+
+def _prune_linear(
+    linear: nn.Linear,
+    slot: LinearSlot,
+    stats: InputStats,
+    spec: PrunerSpec,
+    layer_cfg: LayerPruneConfig,
+    device: torch.device,
+    progress: Progress,
+) -> LayerRecord:
+    return _prune_matrix(linear.weight.data, slot, None, stats, spec, layer_cfg, device, progress)
+
+
+def _prune_matrix(
+    weight: torch.Tensor,
+    slot: LinearSlot,
+    expert: int | None,
+    stats: InputStats,
+    spec: PrunerSpec,
+    layer_cfg: LayerPruneConfig,
+    device: torch.device,
+    progress: Progress,
+    *,
+    tokens: int | None = None,
+    note: str | None = None,
+) -> LayerRecord:
+    """Prune one (out, in) matrix in place. weight: a view in the stored dtype that writes through to the
+    parameter (an nn.Linear's weight, or one matrix of a stack, transposed for (in, out) layouts)."""
+    dense = weight.to(torch.float32).clone()  # (out, in)
+    if not bool(torch.isfinite(stats.sq_norms).all()):  # (in,): any NaN/Inf input reaches its column's sum
+        raise _non_finite_inputs(slot, weight)
+    _sync(device)
+    start = time.perf_counter()
+    name = slot.record_name(expert)
+    with phase("updates", layer=name):
+        outcome = spec.prune(dense, stats, layer_cfg)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    weight.copy_(outcome.weight.to(weight.dtype))
+    stored = weight.to(torch.float32)  # the error of what is saved, after the dtype cast
+    error = reconstruction_error(dense, stored, stats.require_gram())
+    if not math.isfinite(error):
+        raise _non_finite_inputs(slot, weight)
+    solve = outcome.solve
+    record = LayerRecord(
+        block=slot.block,
+        name=name,
+        out_features=slot.out_features,
+        in_features=slot.in_features,
+        status="pruned",
+        reason=note,
+        recon_error=error,
+        density=float(outcome.mask.float().mean()),
+        gap=solve.gap if solve else None,
+        solver_objective=solve.objective if solve else None,
+        solver_upper_bound=solve.upper_bound if solve else None,
+        solver_seconds=solve.seconds if solve else None,
+        solver_calls=solve.calls if solve else 0,
+        seconds=seconds,
+        iterations=outcome.iterations,
+        safeguard_tiles=outcome.safeguard_tiles,
+        param=slot.full_param,
+        expert=expert,
+        tokens=tokens,
+        transposed=slot.transposed,
+    )
+    progress(record_line(record, spec))
+    return record
+
+
+def _prune_unit(
+    block: nn.Module,
+    slot: LinearSlot,
+    unit: Unit,
+    stats: InputStats | StackInputs,
+    spec: PrunerSpec,
+    layer_cfg: LayerPruneConfig,
+    moe: MoeOptions,
+    device: torch.device,
+    progress: Progress,
+) -> list[LayerRecord]:
+    """Prune every matrix of a parameter used as matmul weights (one, or each expert of a stack with its
+    own statistics); the results go back into the parameter in its own layout."""
+    param = block.get_parameter(unit.param)
+    views = matrices(param.data, unit.geometry)  # (count, out, in), writes go to the parameter
+    if isinstance(stats, InputStats):
+        return [_prune_matrix(views[0], slot, None, stats, spec, layer_cfg, device, progress)]
+    records = []
+    threshold = moe.threshold(unit.geometry.in_features)
+    for expert in range(unit.geometry.experts):
+        tokens = int(stats.routed.tokens[expert])
+        note = None
+        if expert in stats.fallback and moe.calibration == "routed":
+            note = f"{tokens} routed tokens < {threshold}: statistics from every token"
+        elif expert in stats.fallback:
+            note = "statistics from every token (--moe-calibration all)"
+        elif unit.routing is None:
+            note = "the forward sends every token to every expert, scaled by its routing score"
+        records.append(
+            _prune_matrix(
+                views[expert],
+                slot,
+                expert,
+                stats.expert(expert),
+                spec,
+                layer_cfg,
+                device,
+                progress,
+                tokens=tokens,
+                note=note,
+            )
+        )
+    return records
 
 
 def prune_block(
@@ -544,45 +900,67 @@ def prune_block(
     ignored: Mapping[str, str] | None = None,
     stop_early: bool = True,
     team: Team | None = None,
+    moe: MoeOptions | None = None,
 ) -> list[LayerRecord]:
-    """Prune the linears of one block (already on `device`, `call` too) in place; one record per linear.
+    """Prune the weight matrices of one block (already on `device`, `call` too) in place; one record per
+    matrix (per expert for a stack).
 
     inputs: (S, T, H) the block's calibration inputs (this rank's shard in a distributed run; on the CPU
-    with --offload-activations, else on `device`). skipped / ignored: {full name: reason} of linears
-    left dense because their shape cannot take the pattern / because the user excluded them. The groups
-    come from one forward of the dense block on the first sample (`linear_groups`). stop_early: cut each
-    statistics pass at the group's linears (see `group_input_stats`); False runs the whole block per
+    with --offload-activations, else on `device`). skipped / ignored: {full name: reason} of slots left
+    dense because their shape cannot take the pattern / because the user or a rule (routers) excluded
+    them. The matrices and their groups come from one watched forward of the dense block on the first
+    sample (`observe.observe_block`). Groups of nn.Linear layers only take their statistics through
+    module hooks (`group_input_stats`), as before parameters were watched; groups with other matrices
+    (expert stacks, Conv1D, bare parameters) through the watch (`unit_input_stats`). stop_early: cut each
+    statistics pass at the group's matrices (see `group_input_stats`); False runs the whole block per
     group, same results. team: the ranks of a distributed run (distributed.py): per group every rank
     runs its shard, the statistics are summed rank after rank in sample order (`Team.ordered_statistics`,
     what one process computes, bit for bit) to each linear's owner, which prunes it and broadcasts the
-    weight; None or a team of one is this process alone. Records come in pruning order, then any linear
+    weight; None or a team of one is this process alone. Records come in pruning order, then any matrix
     that never runs.
     """
     team = team if team is not None else Team.solo(device)
+    moe = moe if moe is not None else MoeOptions()
     ignored = ignored or {}
     linears = structure.block_linears(index, block)
-    by_local = {slot.local_name: slot for slot in slots if slot.block == index}
-    records: dict[str, LayerRecord] = {}
+    by_param = {slot.param_name: slot for slot in slots if slot.block == index}
+    records: dict[str, list[LayerRecord]] = {}
     with team.agreed():
         with phase("statistics"):
-            observed = linear_groups(block, linears, call, inputs[:1].to(device))
-        for name, slot in by_local.items():
+            sample = inputs[:1].to(device)
+            observed = observe_block(block, lambda: block_output(block, call, sample), input_key=input_key)
+        for name, slot in by_param.items():
             for status, reasons in (("ignored", ignored), ("skipped", skipped)):
                 if slot.full_name in reasons:
-                    reason = reasons[slot.full_name]
-                    records[name] = LayerRecord(
-                        index, slot.full_name, slot.out_features, slot.in_features, status, reason
-                    )
+                    records[name] = _dense_records(slot, status, reasons[slot.full_name])
                     break
             else:
-                _check_runs_once(slot, observed.calls[name])
-    groups = observed.groups if sequential else (observed.order,)
+                unit = observed.units.get(name)
+                _check_runs_once(slot, unit.calls if unit is not None else 0)
+    order = tuple(name for name in observed.order if name in by_param)
+    groups = tuple(tuple(n for n in g if n in by_param) for g in observed.groups) if sequential else (order,)
     for group in groups:
         active = [name for name in group if name not in records]
         if not active:
             continue
-        group_linears = {name: linears[name] for name in active}
-        owners = team.owners([[(n, by_local[n].out_features, by_local[n].in_features) for n in active]])
+        as_linears = {by_param[n].local_name: n for n in active if by_param[n].local_name in linears}
+        if len(as_linears) < len(active):
+            if team.distributed:
+                raise IncompatibleModelError(
+                    f"{by_param[active[0]].full_name} is not an nn.Linear (an expert stack, Conv1D or bare "
+                    "parameter); --nproc prunes nn.Linear layers only: run with one process"
+                )
+            units = {n: observed.units[n] for n in active}
+            with phase("statistics"):
+                unit_stats = unit_input_stats(block, units, inputs, call, device, moe, stop_early=stop_early)
+            for name in active:
+                records[name] = _prune_unit(
+                    block, by_param[name], units[name], unit_stats.pop(name), spec, layer_cfg, moe, device, progress
+                )
+            continue
+        local = {by_param[n].local_name: by_param[n] for n in active}
+        group_linears = {name: linears[name] for name in local}
+        owners = team.owners([[(n, local[n].out_features, local[n].in_features) for n in local]])
         with phase("statistics"):
             with team.agreed():
                 if team.distributed:
@@ -590,81 +968,40 @@ def prune_block(
                 else:
                     stats = group_input_stats(block, group_linears, inputs, call, device, stop_early=stop_early)
             if team.distributed:
-                in_features = {name: by_local[name].in_features for name in active}
+                in_features = {name: local[name].in_features for name in local}
                 stats = team.ordered_statistics(kept, in_features, owners)
                 del kept
         mine: dict[str, LayerRecord] = {}
         with team.agreed():
-            for name in active:
+            for name in local:
                 if owners[name] == team.rank:
                     mine[name] = _prune_linear(
-                        linears[name], by_local[name], stats.pop(name), spec, layer_cfg, device, progress
+                        linears[name], local[name], stats.pop(name), spec, layer_cfg, device, progress
                     )
         team.broadcast_weights(group_linears, owners)
         pruned = team.gather_objects(mine)
-        for name in active:
-            records[name] = pruned[name]
+        for name in local:
+            records[local[name].param_name] = [pruned[name]]
             if owners[name] != team.rank:
                 progress(record_line(pruned[name], spec) + f" (rank {owners[name]})")
-    never_ran = [name for name in by_local if name not in observed.order]
-    return [records[name] for name in (*observed.order, *never_ran)]
+    never_ran = [name for name in by_param if name not in order]
+    return [record for name in (*order, *never_ran) for record in records[name]]
 
 
-def record_line(record: LayerRecord, spec: PrunerSpec) -> str:
-    """The progress line of one pruned linear."""
-    gap = f", gap {record.gap:.2e}" if record.gap is not None else ""
-    its = f", {record.iterations} ADMM iters" if spec.iterative else ""
-    return f"  {record.name}: rel. error {record.recon_error:.4f}{gap}{its}, {record.seconds:.1f}s"
-
-
-def _non_finite_inputs(slot: LinearSlot, linear: nn.Linear) -> BadInputError:
-    # The weights were checked at load, so what is not finite are the inputs the block computed for it.
-    return BadInputError(
-        f"the calibration inputs of {slot.full_name} hold NaN/Inf (e.g. activations that overflow in "
-        f"{linear.weight.dtype}); try --dtype fp32 (nothing was written)"
-    )
-
-
-def _prune_linear(
-    linear: nn.Linear,
-    slot: LinearSlot,
-    stats: InputStats,
-    spec: PrunerSpec,
-    layer_cfg: LayerPruneConfig,
-    device: torch.device,
-    progress: Progress,
-) -> LayerRecord:
-    dense = linear.weight.data.to(torch.float32).clone()  # (out, in)
-    if not bool(torch.isfinite(stats.sq_norms).all()):  # (in,): any NaN/Inf input reaches its column's sum
-        raise _non_finite_inputs(slot, linear)
-    _sync(device)
-    start = time.perf_counter()
-    with phase("updates", layer=slot.full_name):
-        outcome = spec.prune(dense, stats, layer_cfg)
-    _sync(device)
-    seconds = time.perf_counter() - start
-    linear.weight.data.copy_(outcome.weight.to(linear.weight.dtype))
-    stored = linear.weight.data.to(torch.float32)  # the error of what is saved, after the dtype cast
-    error = reconstruction_error(dense, stored, stats.require_gram())
-    if not math.isfinite(error):
-        raise _non_finite_inputs(slot, linear)
-    solve = outcome.solve
-    record = LayerRecord(
-        block=slot.block,
-        name=slot.full_name,
-        out_features=slot.out_features,
-        in_features=slot.in_features,
-        status="pruned",
-        recon_error=error,
-        density=float(outcome.mask.float().mean()),
-        gap=solve.gap if solve else None,
-        solver_objective=solve.objective if solve else None,
-        solver_upper_bound=solve.upper_bound if solve else None,
-        solver_seconds=solve.seconds if solve else None,
-        solver_calls=solve.calls if solve else 0,
-        seconds=seconds,
-        iterations=outcome.iterations,
-        safeguard_tiles=outcome.safeguard_tiles,
-    )
-    progress(record_line(record, spec))
-    return record
+def _dense_records(slot: LinearSlot, status: str, reason: str) -> list[LayerRecord]:
+    """The records of a slot left dense: one, or one per expert of a stack."""
+    experts: list[int | None] = list(range(slot.experts)) if slot.experts else [None]
+    return [
+        LayerRecord(
+            slot.block,
+            slot.record_name(expert),
+            slot.out_features,
+            slot.in_features,
+            status,
+            reason,
+            param=slot.full_param,
+            expert=expert,
+            transposed=slot.transposed,
+        )
+        for expert in experts
+    ]

@@ -83,3 +83,52 @@ def reconstruction_error(w_dense: torch.Tensor, w_pruned: torch.Tensor, gram: to
     if not (math.isfinite(num) and math.isfinite(den)):
         return math.nan
     return num / den if den > 0 else 0.0
+
+
+class ExpertStats:
+    """Running sums over the inputs of each of E stacked expert matrices.
+
+    sq_norms: (E, in) float32; gram: (E, in, in) float32 or None; tokens: (E,) long, the rows each expert
+    received that are not all zero (Llama-4 sends every token to every expert, scaled by its routing
+    score: a zero row is a token not routed there, and adds nothing to the sums).
+    """
+
+    def __init__(self, experts: int, in_features: int, *, gram: bool, device: torch.device | str) -> None:
+        self.in_features = in_features
+        self.sq_norms = torch.zeros(experts, in_features, dtype=torch.float32, device=device)
+        self.gram: torch.Tensor | None = (
+            torch.zeros(experts, in_features, in_features, dtype=torch.float32, device=device) if gram else None
+        )
+        self.tokens = torch.zeros(experts, dtype=torch.long, device=device)
+
+    def add(self, rows: torch.Tensor, experts: torch.Tensor) -> None:
+        """rows: (n, in) any float dtype; experts: (n,) long, the expert of each row."""
+        flat = rows.to(self.sq_norms.device, torch.float32)  # (n, in)
+        ids = experts.to(self.sq_norms.device)  # (n,)
+        if flat.shape[0] == 0:
+            return
+        self.sq_norms.index_add_(0, ids, flat.square())
+        self.tokens.index_add_(0, ids, (flat != 0).any(1).long())
+        if self.gram is None:
+            return
+        present, counts = torch.unique(ids, return_counts=True)  # (U,), (U,)
+        if present.numel() == 1:
+            self.gram[int(present)].addmm_(flat.T, flat)
+            return
+        # One batched XᵀX over the experts present: rows padded per expert into (U, max count, in).
+        order = torch.argsort(ids, stable=True)  # (n,) rows grouped by expert
+        slot = torch.searchsorted(present, ids[order])  # (n,) index of each sorted row's expert in `present`
+        starts = torch.cumsum(counts, 0) - counts  # (U,)
+        position = torch.arange(ids.numel(), device=ids.device) - starts[slot]  # (n,) row within its expert
+        padded = flat.new_zeros(present.numel(), int(counts.max()), self.in_features)  # (U, C, in)
+        padded[slot, position] = flat[order]
+        self.gram.index_add_(0, present, padded.transpose(1, 2) @ padded)  # (U, in, in)
+
+    def expert(self, index: int) -> InputStats:
+        """The statistics of expert `index` alone, as an `InputStats` sharing this object's memory."""
+        view = InputStats.__new__(InputStats)
+        view.in_features = self.in_features
+        view.sq_norms = self.sq_norms[index]
+        view.gram = self.gram[index] if self.gram is not None else None
+        view.tokens = int(self.tokens[index])
+        return view

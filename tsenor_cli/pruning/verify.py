@@ -74,6 +74,62 @@ def _weight_files(directory: Path) -> dict[str, Path]:
         return {name: single for name in handle.keys()}  # noqa: SIM118  (safe_open has no __iter__)
 
 
+class _Parameters:
+    """The model's parameters as tsenor pruned them, read from a checkpoint folder.
+
+    A parameter saved under its own name is read from its safetensors file. When save_pretrained wrote
+    another key layout (transformers 5 saves fused experts back in their original per-expert keys, and
+    renames some modules, e.g. PhiMoE's router), the model is loaded once with its own class, which
+    applies transformers' conversion mapping, and the parameters are taken from it: no renaming here.
+    """
+
+    def __init__(self, directory: Path, files: dict[str, Path]) -> None:
+        self.directory = directory
+        self.files = files
+        self.loaded: dict[str, torch.Tensor] | None = None
+
+    def tensor(self, name: str) -> torch.Tensor | None:
+        if name in self.files:
+            with safe_open(str(self.files[name]), framework="pt") as handle:
+                return handle.get_tensor(name)
+        if self.loaded is None:
+            self.loaded = _load_parameters(self.directory)
+        return self.loaded.get(name)
+
+    def matrix(self, entry: dict[str, Any]) -> torch.Tensor | None:
+        """The (out, in) matrix of one `pruned_weights` entry, or None when the checkpoint lacks it."""
+        tensor = self.tensor(str(entry["param"]))
+        if tensor is None:
+            return None
+        expert = entry.get("expert")
+        shape = entry.get("shape")
+        if shape is None:  # a module's weight, (out, in)
+            return tensor
+        out_features, in_features = int(shape[0]), int(shape[1])
+        stored = (in_features, out_features) if entry.get("transposed") else (out_features, in_features)
+        if tensor.numel() % (stored[0] * stored[1]):
+            return None
+        stack = tensor.reshape(-1, *stored)  # (count, a, b)
+        matrix = stack[int(expert) if expert is not None else 0]
+        return matrix.T if entry.get("transposed") else matrix
+
+
+def _load_parameters(directory: Path) -> dict[str, torch.Tensor]:
+    """{parameter name: tensor} of the checkpoint loaded with the class its config.json names."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    names = list(getattr(config, "architectures", None) or [])
+    cls = getattr(transformers, names[0], None) if names else None
+    if cls is None:
+        raise VerificationError(
+            f"{directory}/config.json names no transformers class in 'architectures' ({names or 'none'}) to read "
+            "its parameters back with; pass a checkpoint written by tsenor prune"
+        )
+    model = cls.from_pretrained(str(directory), dtype="auto", local_files_only=True)
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
 def check_weight(weight: torch.Tensor, meta: dict[str, Any]) -> tuple[int, int, int]:
     """weight: (out, in) → (groups, over, under) for the recorded pattern."""
     kept = weight != 0  # (out, in) bool
@@ -125,22 +181,30 @@ def verify_checkpoint(directory: Path) -> VerifyReport:
                 fix="the checkpoint is corrupt; re-run tsenor prune",
             )
     checks: list[LayerCheck] = []
-    for module in meta.get("pruned_modules", []):
-        name = f"{module}.weight"
-        if name not in files:
-            checks.append(LayerCheck(module, (0, 0), 0, 0, 0, 0.0, "weight missing from the safetensors files"))
+    entries = meta.get("pruned_weights")
+    if entries is None:  # written before v0.2: nn.Linear module names, keys "<module>.weight"
+        entries = [
+            {"param": f"{module}.weight", "expert": None, "transposed": False}
+            for module in meta.get("pruned_modules", [])
+        ]
+        labels = list(meta.get("pruned_modules", []))
+    else:
+        labels = [str(e["name"]) for e in entries]
+    params = _Parameters(directory, files)
+    for label, entry in zip(labels, entries, strict=True):
+        weight = params.matrix(entry)
+        if weight is None:
+            checks.append(LayerCheck(label, (0, 0), 0, 0, 0, 0.0, "weight missing from the checkpoint"))
             continue
-        with safe_open(str(files[name]), framework="pt") as handle:
-            weight = handle.get_tensor(name)
         rows, cols = weight.shape
         if meta["kind"] != "unstructured" and (
             cols % int(meta["m"]) or (meta["kind"] == "transposable" and rows % int(meta["m"]))
         ):
-            checks.append(LayerCheck(module, (rows, cols), 0, 0, 0, 0.0, f"shape not divisible by M={meta['m']}"))
+            checks.append(LayerCheck(label, (rows, cols), 0, 0, 0, 0.0, f"shape not divisible by M={meta['m']}"))
             continue
         groups, over, under = check_weight(weight, meta)
         density = float((weight != 0).float().mean())
-        checks.append(LayerCheck(module, (int(rows), int(cols)), groups, over, under, density))
+        checks.append(LayerCheck(label, (int(rows), int(cols)), groups, over, under, density))
     if not checks:
         raise VerificationError(f"{config_path} lists no pruned modules; nothing to verify")
     return VerifyReport(str(directory), meta, tuple(checks))
