@@ -117,7 +117,7 @@ def test_ignored_layers_stay_dense_and_are_reported(tiny: Path, calib: Path, tmp
     markdown = (out / "tsenor_report.md").read_text()
     assert f"- ignored (left dense): {', '.join(ignored)}" in markdown
     assert "| model.layers.0.mlp.down_proj | 64×128 | ignored: matched --ignore *.mlp.down_proj |" in markdown
-    assert "- density: model " in markdown and "decoder linears 0.6389" in markdown
+    assert "- density: model " in markdown and "decoder weight matrices 0.6389" in markdown
 
     meta = json.loads((out / "config.json").read_text())["tsenor_sparsity"]
     assert meta["ignored_modules"] == ignored and meta["skipped_modules"] == []
@@ -191,5 +191,5 @@ def test_many_ignored_layers_are_counted_by_reason_in_the_summary() -> None:
     assert len(layers) - 1 > MAX_LISTED_IGNORED
     markdown = report.to_markdown()
     assert "- ignored (left dense): 13 not matched by --targets; 1 matched --ignore *.o (each in the table)" in markdown
-    assert "- density: model 0.9000 (90 of 100 parameters nonzero), decoder linears 0.8333" in markdown
+    assert "- density: model 0.9000 (90 of 100 parameters nonzero), decoder weight matrices 0.8333" in markdown
     assert markdown.count("| ignored: ") == 14

@@ -422,7 +422,7 @@ class PruneReport:
         if t["model_density"] is not None and t["linear_density"] is not None:
             lines.append(
                 f"- density: model {t['model_density']:.4f} ({t['model_nonzero']:,} of {t['model_params']:,} "
-                f"parameters nonzero), decoder linears {t['linear_density']:.4f}"
+                f"parameters nonzero), decoder weight matrices {t['linear_density']:.4f}"
             )
         ignored = [r for r in self.layers if r.status == "ignored"]
         if len(ignored) <= MAX_LISTED_IGNORED:
