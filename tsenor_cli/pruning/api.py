@@ -280,7 +280,7 @@ def _prune(
     save (`write_checkpoint`).
     """
     from tsenor_cli.data.calibration import CalibrationData, calibration_batches
-    from tsenor_cli.models.loading import load_model
+    from tsenor_cli.models.loading import config_value, load_model
 
     spec = get_pruner(cfg.method)
     dtype, device = _dtype_and_device(cfg, ctx)
@@ -292,7 +292,7 @@ def _prune(
     def calibrate(config: Any, tokenizer: Any) -> None:
         # Before the weights load: calibration text too short for --nsamples × --seqlen is found in
         # seconds, not after minutes of reading a large checkpoint.
-        max_pos = getattr(config, "max_position_embeddings", None)
+        max_pos = config_value(config, "max_position_embeddings")
         seqlen = min(cfg.seqlen, int(max_pos)) if max_pos else cfg.seqlen
         with phase("calibration"):
             fresh.append(
@@ -313,6 +313,7 @@ def _prune(
                 trust_remote_code=cfg.trust_remote_code,
                 progress=say,
                 before_weights=calibrate if state is None else None,
+                check_tokenizer=True,
             )
         model, structure = loaded.model, loaded.structure
         # All weights at once, before calibration: a NaN in the last block should not cost a run to find.
@@ -329,6 +330,8 @@ def _prune(
     say(f"{structure.model_type}: {len(blocks)} blocks in {structure.blocks_name}, {len(slots)} linears")
     if ignored:
         say(f"leaving {len(ignored)} linear(s) dense (--ignore/--targets)")
+    if structure.outside:
+        say(f"left dense, outside the language model {structure.base_name}: {', '.join(structure.outside)}")
     seqlen = min(cfg.seqlen, loaded.max_positions or cfg.seqlen)
     if seqlen < cfg.seqlen:
         logger.warning(
@@ -451,7 +454,14 @@ def _prune(
     point.writing = True
     with phase("save"), team.agreed():
         if team.is_root:
-            write_checkpoint(model, loaded.tokenizer, output, report, sparsity_metadata(cfg, records, solver))
+            write_checkpoint(
+                model,
+                loaded.tokenizer,
+                output,
+                report,
+                sparsity_metadata(cfg, records, solver),
+                loaded.processor_files,
+            )
     return report
 
 
@@ -609,7 +619,7 @@ def plan_model(
     """
     from transformers import AutoConfig
 
-    from tsenor_cli.models.loading import hub_error, meta_model, resolve_source
+    from tsenor_cli.models.loading import config_value, hub_error, meta_model, resolve_source
     from tsenor_cli.models.structure import discover_structure
 
     dtype, device = _dtype_and_device(cfg, ctx)
@@ -632,12 +642,12 @@ def plan_model(
     ignored = excluded_layers([s.full_name for s in slots], cfg.ignore, cfg.targets)
     candidates = [s for s in slots if s.full_name not in ignored]
     bad = incompatible_slots(candidates, cfg.pattern)
-    max_pos = getattr(config, "max_position_embeddings", None)
+    max_pos = config_value(config, "max_position_embeddings")
     seqlen = min(cfg.seqlen, int(max_pos)) if max_pos else cfg.seqlen
     width = torch.finfo(dtype).bits // 8
     params = sum(p.numel() for p in model.parameters())
     per_block = [sum(p.numel() for p in b.parameters()) for b in structure.blocks]
-    hidden = int(config.hidden_size)
+    hidden = int(config_value(config, "hidden_size"))
     spec = get_pruner(cfg.method)
     memory = estimate_device_memory(
         per_block,
