@@ -6,6 +6,11 @@ builds the same kind of model in memory. `ARCHITECTURES` holds, per supported fa
 settings a tiny model needs (head_dim 16 where the family's default is large; sliding windows of 8
 tokens, shorter than the test sequences, where the family has them). Weights come from a seeded
 torch.Generator, so the same arguments give the same model.
+
+`MULTIMODAL` holds, per model type, a tiny config of a model whose language model is not the whole
+model (Gemma-3, LLaVA, Qwen2-VL, Qwen2.5-VL, Idefics3, SmolVLM, Mllama: a vision tower, a projector
+and a text decoder) or whose blocks are of several classes (Jamba, Mllama); `make_tiny_model` saves
+one with the SmolLM2 tokenizer files and a processor file.
 """
 
 from __future__ import annotations
@@ -38,6 +43,110 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "granite": {},  # embedding, residual, attention and logits multipliers
 }
 
+
+# The text decoder of every MULTIMODAL model: LLaMA-sized as above, the SmolLM2 vocabulary.
+TEXT: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 49152,
+    "max_position_embeddings": 512,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+}
+VISION: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "image_size": 32,
+    "patch_size": 16,
+}
+QWEN_VL_TEXT = {**TEXT, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}}
+QWEN_VL_VISION = {"depth": 1, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+QWEN_VL_TOKENS = {"image_token_id": 49150, "video_token_id": 49151, "vision_start_token_id": 49149}
+# model_type → the keyword arguments of its config (AutoConfig.for_model).
+MULTIMODAL: dict[str, dict[str, Any]] = {
+    "gemma3": {
+        "text_config": {
+            **TEXT,
+            "head_dim": 16,
+            "sliding_window": SLIDING_WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+        "vision_config": VISION,
+        "mm_tokens_per_image": 4,
+    },
+    "llava": {
+        "text_config": {"model_type": "llama", **TEXT},
+        "vision_config": {"model_type": "clip_vision_model", **VISION, "projection_dim": 32},
+        "image_token_index": 49151,
+    },
+    "qwen2_vl": {
+        "text_config": QWEN_VL_TEXT,
+        "vision_config": {**QWEN_VL_VISION, "embed_dim": 32, "hidden_size": 64},
+        **QWEN_VL_TOKENS,
+    },
+    "qwen2_5_vl": {
+        "text_config": QWEN_VL_TEXT,
+        "vision_config": {
+            **QWEN_VL_VISION,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "out_hidden_size": 64,
+            "fullatt_block_indexes": [0],
+        },
+        **QWEN_VL_TOKENS,
+    },
+    "idefics3": {
+        "text_config": {"model_type": "llama", **TEXT},
+        "vision_config": VISION,
+        "scale_factor": 2,
+        "image_token_id": 49151,
+    },
+    "smolvlm": {
+        "text_config": {"model_type": "llama", **TEXT},
+        "vision_config": VISION,
+        "scale_factor": 2,
+        "image_token_id": 49151,
+    },
+    # Three blocks: self-attention, cross-attention to the image (skipped on text), self-attention.
+    "mllama": {
+        "text_config": {**TEXT, "num_hidden_layers": 3, "cross_attention_layers": [1]},
+        "vision_config": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_global_layers": 1,
+            "attention_heads": 2,
+            "image_size": 32,
+            "patch_size": 16,
+            "vision_output_dim": 64,
+            "intermediate_layers_indices": [0],
+            "max_num_tiles": 1,
+            "supported_aspect_ratios": [[1, 1]],
+        },
+    },
+    # Block 0: Mamba mixer and a dense MLP; block 1: attention and a mixture of 4 experts.
+    "jamba": {
+        **TEXT,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_dt_rank": 16,
+    },
+}
+# A processor file for make_tiny_model to save beside the weights (its content only needs to survive).
+PROCESSOR_FILE = ("preprocessor_config.json", '{"do_resize": true, "size": {"height": 32, "width": 32}}\n')
 
 # For loading local or embedded models in tests: no data folder, the hub never contacted.
 LOCAL_CTX = RunContext(data_dir=None, offline=True, cache_dir=cache_dir_default())
@@ -82,7 +191,11 @@ def random_causal_lm(
         dtype="float32",
         **config_overrides,
     )
-    model = AutoModelForCausalLM.from_config(config)
+    return randomized(AutoModelForCausalLM.from_config(config), seed)
+
+
+def randomized(model: Any, seed: int) -> Any:
+    """`model` with seeded random weights, in eval mode."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -92,6 +205,36 @@ def random_causal_lm(
             else:
                 param.copy_(0.05 * torch.randn(param.shape, generator=gen))
     return model.eval()
+
+
+def random_model(model_type: str, *, seed: int = 0, **config_overrides: Any) -> Any:
+    """A random fp32 `MULTIMODAL[model_type]` model, whole: the image-text-to-text class where transformers
+    has one (Mllama's causal-LM class would be its text model alone), else the causal-LM class."""
+    from transformers import (
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+    )
+
+    config = AutoConfig.for_model(model_type, **{**MULTIMODAL[model_type], **config_overrides})
+    auto = AutoModelForImageTextToText if type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING else AutoModelForCausalLM
+    return randomized(auto.from_config(config, dtype=torch.float32), seed)
+
+
+def make_tiny_model(path: Path, model_type: str, *, seed: int = 0, **config_overrides: Any) -> Path:
+    """Save `random_model(model_type, ...)` to `path` with the SmolLM2 tokenizer files and `PROCESSOR_FILE`."""
+    model = random_model(model_type, seed=seed, **config_overrides)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    for fname in TOKENIZER_FILES:
+        src = smollm2_dir() / fname
+        if src.is_file():
+            shutil.copy2(src, path / fname)
+    name, content = PROCESSOR_FILE
+    (path / name).write_text(content, encoding="utf-8")
+    return path
 
 
 def make_tiny_llama(path: Path, *, vocab_size: int | None = None, **model_options: Any) -> Path:

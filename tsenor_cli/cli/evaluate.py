@@ -165,7 +165,9 @@ def eval_cmd(
             raise OutputExistsError(f"{target} already exists; pass --force to overwrite it or choose another --output")
 
     try:
-        loaded = load_model(model, run_ctx, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code)
+        loaded = load_model(
+            model, run_ctx, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code, check_tokenizer=True
+        )
         report = evaluate_model(loaded, cfg, run_ctx)
     except KeyboardInterrupt:
         # eval.json is written only once every metric is in, so nothing is left half-done.

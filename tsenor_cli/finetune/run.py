@@ -472,6 +472,7 @@ def _write_output(
 
     label = cfg.output.name
     files: dict[str, str | bytes] = {
+        **loaded.processor_files,
         PRUNE_FILE: (cfg.run_dir / PRUNE_FILE).read_bytes(),
         FINETUNE_FILE: json.dumps(report.to_json(), indent=2) + "\n",
     }

@@ -5,12 +5,16 @@ folder is a local checkpoint; a value that looks like a path but does not exist 
 that path; anything else is a hub id handed to ``from_pretrained``, whose failure (offline, no
 access, unknown id) becomes one InputNotFoundError with the fix. With the run context's offline policy
 a hub id loads from the local HF cache only (``local_files_only``), never from the network.
+
+A multimodal checkpoint (Gemma-3, LLaVA, Qwen2-VL, Idefics3, Mllama *ForConditionalGeneration) loads
+whole, with the class it was saved with (`auto_class`); the engine then works on its language model
+(models/structure.py), and the processor files (`PROCESSOR_FILES`) travel to the output unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from tsenor_cli.errors import BadInputError, IncompatibleModelError, InputNotFoundError, UsageError
 from tsenor_cli.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, is_embedded, materialize
 from tsenor_cli.models.structure import ModelStructure, discover_structure
-from tsenor_cli.progress import sink
+from tsenor_cli.progress import logger, sink
 from tsenor_cli.settings import RunContext
 
 DTYPES: dict[str, torch.dtype] = {
@@ -31,17 +35,28 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+# What a multimodal checkpoint's processor reads besides the tokenizer and that neither the model's nor
+# the tokenizer's save_pretrained writes (transformers' PROCESSOR_NAME, IMAGE_PROCESSOR_NAME,
+# VIDEO_PROCESSOR_NAME, LEGACY_PROCESSOR_CHAT_TEMPLATE_FILE); chat_template.jinja is the tokenizer's.
+PROCESSOR_FILES = (
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.json",
+)
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    """A causal LM in eval mode with its tokenizer and its decoder structure."""
+    """A causal LM (or a multimodal model around one) in eval mode with its tokenizer and its decoder
+    structure; processor_files: {name: content} of the source's `PROCESSOR_FILES`, for the output."""
 
     model: Any  # transformers PreTrainedModel
     tokenizer: Any  # transformers PreTrainedTokenizerBase
     name: str  # what the user passed
     source: str  # resolved local folder or hub id
     structure: ModelStructure
+    processor_files: Mapping[str, bytes] = field(default_factory=dict)
 
     @property
     def model_type(self) -> str:
@@ -49,8 +64,20 @@ class LoadedModel:
 
     @property
     def max_positions(self) -> int | None:
-        value = getattr(self.model.config, "max_position_embeddings", None)
+        value = config_value(self.model.config, "max_position_embeddings")
         return int(value) if value else None
+
+
+def config_value(config: Any, name: str) -> Any:
+    """`name` (hidden_size, max_position_embeddings, vocab_size, …) of the language model of `config`.
+
+    A multimodal config keeps them in its text config (transformers' ``get_text_config()``, which is
+    the config itself for a plain LM); the top config's own value is the fallback. None when neither has it.
+    """
+    getter = getattr(config, "get_text_config", None)
+    text = getter(decoder=True) if getter is not None else config
+    value = getattr(text, name, None)
+    return value if value is not None else getattr(config, name, None)
 
 
 def parse_dtype(text: str | None) -> torch.dtype | None:
@@ -145,20 +172,104 @@ def check_weight_files(folder: Path) -> None:
             ) from exc
 
 
-def meta_model(config: Any, *, trust_remote_code: bool = False) -> Any:
-    """The causal LM of a transformers `config` built on the meta device: its module tree and shapes, no weights.
+def auto_class(config: Any) -> Any:
+    """The transformers Auto class that builds `config`'s model whole, with its own class.
 
-    IncompatibleModelError when transformers has no causal-LM class for the config's model type.
+    AutoModelForCausalLM or AutoModelForImageTextToText: the one whose class for this config is the one
+    the checkpoint was saved with (``config.architectures``), else the first that has a class for it
+    (AutoModelForCausalLM would build Mllama's text-only MllamaForCausalLM, dropping the vision
+    tower that MllamaForConditionalGeneration keeps). A config neither knows (remote code) gets
+    AutoModelForCausalLM, as before.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+    )
 
+    saved = set(getattr(config, "architectures", None) or ())
+    known = [
+        (auto, mapping[type(config)])
+        for auto, mapping in (
+            (AutoModelForCausalLM, MODEL_FOR_CAUSAL_LM_MAPPING),
+            (AutoModelForImageTextToText, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING),
+        )
+        if type(config) in mapping
+    ]
+    for auto, model_class in known:
+        if getattr(model_class, "__name__", None) in saved:
+            return auto
+    return known[0][0] if known else AutoModelForCausalLM
+
+
+def meta_model(config: Any, *, trust_remote_code: bool = False) -> Any:
+    """The model of a transformers `config` (`auto_class`) built on the meta device: its module tree and
+    shapes, no weights.
+
+    IncompatibleModelError when transformers has neither a causal-LM nor an image-text-to-text class for
+    the config's model type.
+    """
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            return auto_class(config).from_config(config, trust_remote_code=trust_remote_code)
     except ValueError as exc:  # transformers' "Unrecognized configuration class ... for AutoModelForCausalLM"
         raise IncompatibleModelError(
-            f"model type {config.model_type!r} has no causal-LM class in transformers; pass a decoder LM checkpoint"
+            f"model type {config.model_type!r} has no causal-LM class in transformers (nor an image-text-to-text "
+            "one); pass a decoder LM checkpoint"
         ) from exc
+
+
+def embedding_rows(meta: Any) -> int | None:
+    """The rows of the token embedding of `meta` (a model from `meta_model`), else its text config's
+    vocab_size (Mllama's embedding has 8 rows more than vocab_size, for its image token)."""
+    getter = getattr(meta, "get_input_embeddings", None)
+    embedding = getter() if getter is not None else None
+    rows = getattr(embedding, "num_embeddings", None)
+    if rows is None:
+        rows = config_value(meta.config, "vocab_size")
+    return int(rows) if rows is not None else None
+
+
+def check_vocabulary(name: str, tokenizer: Any, rows: int | None) -> None:
+    """IncompatibleModelError when the tokenizer's ids reach past the `rows` of the token embedding:
+    the first such id in the text would stop the run with an IndexError."""
+    if rows is not None and len(tokenizer) > rows:
+        raise IncompatibleModelError(
+            f"the tokenizer of {name} has {len(tokenizer)} ids but its model's token embedding has {rows} rows; "
+            "pass a checkpoint whose tokenizer files belong to its model (copy the base model's tokenizer files)"
+        )
+
+
+def processor_files(source: str, is_local: bool, ctx: RunContext) -> dict[str, bytes]:
+    """{name: content} of the `PROCESSOR_FILES` the source has: read from a local folder, or fetched like
+    the model's own files for a hub id (from the cache only when offline).
+
+    A hub file that the offline cache does not hold cannot be told apart from one the model does not
+    have: a warning names them, the output then lacks them.
+    """
+    if is_local:
+        folder = Path(source)
+        return {name: (folder / name).read_bytes() for name in PROCESSOR_FILES if (folder / name).is_file()}
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    found: dict[str, bytes] = {}
+    unknown: list[str] = []
+    for name in PROCESSOR_FILES:
+        try:
+            found[name] = Path(hf_hub_download(source, name, local_files_only=ctx.offline)).read_bytes()
+        except LocalEntryNotFoundError:  # offline and not in the cache (a subclass of the next one)
+            unknown.append(name)
+        except EntryNotFoundError:  # the hub says the model has no such file
+            continue
+    if unknown:
+        logger.warning(
+            "%s: %s not in the local HF cache (offline); the output will lack them if the model has them",
+            source,
+            ", ".join(unknown),
+        )
+    return found
 
 
 def load_model(
@@ -170,17 +281,21 @@ def load_model(
     trust_remote_code: bool = False,
     progress: Callable[[str], None] | None = None,
     before_weights: Callable[[Any, Any], None] | None = None,
+    check_tokenizer: bool = False,
 ) -> LoadedModel:
-    """Load `name` as a causal LM in eval mode on `device` (default dtype: bf16 on CUDA, fp32 on CPU).
+    """Load `name` in eval mode on `device` (default dtype: bf16 on CUDA, fp32 on CPU) with its own class
+    (`auto_class`: a causal LM, or a multimodal model whose language model the structure describes).
 
     before_weights(config, tokenizer) runs once both are loaded and before the weights are read, so a
     check that needs only them (e.g. that the calibration text fills its windows) fails in seconds.
+    check_tokenizer: refuse, before the weights are read, a tokenizer with more ids than the model's
+    token embedding has rows (`check_vocabulary`), for the commands that feed it tokenized text.
 
     Raises InputNotFoundError for a missing folder or an unreachable (or, offline, uncached) hub id, and
     IncompatibleModelError for a model without a decoder block list of nn.Linear-holding blocks
     (checked on the model built from its config on the meta device, before the weights are read).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     torch_device = resolve_device(device)
     torch_dtype = dtype if dtype is not None else default_dtype(torch_device)
@@ -192,7 +307,8 @@ def load_model(
         if is_local:
             raise InputNotFoundError(f"cannot read the config of {source}: {exc}") from exc
         raise hub_error(name, ctx) from exc
-    discover_structure(meta_model(config, trust_remote_code=trust_remote_code))
+    meta = meta_model(config, trust_remote_code=trust_remote_code)
+    discover_structure(meta)
     if is_local:
         check_weight_files(Path(source))
     sink(progress)(f"loading {name} ({config.model_type}, {torch_dtype}) on {torch_device}")
@@ -205,10 +321,13 @@ def load_model(
                 "(tokenizer.json or tokenizer.model, tokenizer_config.json) into it"
             ) from exc
         raise hub_error(name, ctx) from exc
+    if check_tokenizer:
+        check_vocabulary(name, tokenizer, embedding_rows(meta))
     if before_weights is not None:
         before_weights(config, tokenizer)
+    files = processor_files(source, is_local, ctx)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, **hub)
+        model = auto_class(config).from_pretrained(source, dtype=torch_dtype, **hub)
     except SafetensorError as exc:
         raise BadInputError(f"the weights of {name} are corrupt ({exc}); re-download or re-copy them") from exc
     except OSError as exc:
@@ -218,7 +337,9 @@ def load_model(
                 "it needs config.json, *.safetensors and tokenizer files"
             ) from exc
         raise hub_error(name, ctx) from exc
-    model = model.to(torch_device)  # type: ignore[arg-type]
+    model = model.to(torch_device)
     model.eval()
     structure = discover_structure(model)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=source, structure=structure)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, name=name, source=source, structure=structure, processor_files=files
+    )

@@ -357,7 +357,7 @@ def _prune(
     save (`write_checkpoint`).
     """
     from tsenor_cli.data.calibration import CalibrationData, calibration_batches
-    from tsenor_cli.models.loading import load_model
+    from tsenor_cli.models.loading import config_value, load_model
 
     spec = get_pruner(cfg.method)
     dtype, device = _dtype_and_device(cfg, ctx)
@@ -369,7 +369,7 @@ def _prune(
     def calibrate(config: Any, tokenizer: Any) -> None:
         # Before the weights load: calibration text too short for --nsamples × --seqlen is found in
         # seconds, not after minutes of reading a large checkpoint.
-        max_pos = getattr(config, "max_position_embeddings", None)
+        max_pos = config_value(config, "max_position_embeddings")
         seqlen = min(cfg.seqlen, int(max_pos)) if max_pos else cfg.seqlen
         with phase("calibration"):
             fresh.append(
@@ -390,6 +390,7 @@ def _prune(
                 trust_remote_code=cfg.trust_remote_code,
                 progress=say,
                 before_weights=calibrate if state is None else None,
+                check_tokenizer=True,
             )
         model, structure = loaded.model, loaded.structure
         # All weights at once, before calibration: a NaN in the last block should not cost a run to find.
@@ -407,6 +408,8 @@ def _prune(
         if linear_only:
             check_compatibility(linear_only, cfg.pattern, skip=cfg.skip_incompatible)
     blocks = structure.blocks
+    if structure.outside:
+        say(f"left dense, outside the language model {structure.base_name}: {', '.join(structure.outside)}")
     seqlen = min(cfg.seqlen, loaded.max_positions or cfg.seqlen)
     if seqlen < cfg.seqlen:
         logger.warning(
@@ -542,7 +545,14 @@ def _prune(
     point.writing = True
     with phase("save"), team.agreed():
         if team.is_root:
-            write_checkpoint(model, loaded.tokenizer, output, report, sparsity_metadata(cfg, records, solver))
+            write_checkpoint(
+                model,
+                loaded.tokenizer,
+                output,
+                report,
+                sparsity_metadata(cfg, records, solver),
+                loaded.processor_files,
+            )
     return report
 
 
@@ -700,7 +710,7 @@ def plan_model(
     """
     from transformers import AutoConfig
 
-    from tsenor_cli.models.loading import hub_error, meta_model, resolve_source
+    from tsenor_cli.models.loading import config_value, hub_error, meta_model, resolve_source
     from tsenor_cli.models.structure import discover_structure
 
     dtype, device = _dtype_and_device(cfg, ctx)
@@ -725,12 +735,12 @@ def plan_model(
     # Only nn.Linear layers can be checked before the forward is watched: the orientation and role (router,
     # gate: left dense whatever their shape) of other matrices are found at run time (engine.observed_slots).
     bad = incompatible_slots([c for c in candidates if not c.param and c.out_features > 1], cfg.pattern)
-    max_pos = getattr(config, "max_position_embeddings", None)
+    max_pos = config_value(config, "max_position_embeddings")
     seqlen = min(cfg.seqlen, int(max_pos)) if max_pos else cfg.seqlen
     width = torch.finfo(dtype).bits // 8
     params = sum(p.numel() for p in model.parameters())
     per_block = [sum(p.numel() for p in b.parameters()) for b in structure.blocks]
-    hidden = int(config.hidden_size)
+    hidden = int(config_value(config, "hidden_size"))
     spec = get_pruner(cfg.method)
     memory = estimate_device_memory(
         per_block,

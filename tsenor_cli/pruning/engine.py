@@ -14,6 +14,10 @@ states swapped. Invariant (checked at capture): for a batch-1 input of length T,
 every block other than the hidden states (attention masks, sliding-window masks, rotary position
 embeddings, position ids, cache flags) depends only on T, not on the token values; so one record per
 calibration shape serves every sample, and only the hidden states differ between samples.
+
+A block the forward does not run on text (Mllama's cross-attention layers, skipped without image
+features) is recorded as such (`BlockCall.runs` False): its replay passes the hidden states on
+unchanged, as the model's forward does, and the run leaves its linears dense (`idle_records`).
 """
 
 from __future__ import annotations
@@ -91,11 +95,19 @@ class BlockCall:
 
     args: the positional arguments after the hidden states; kwargs: the keyword arguments;
     hidden_keyword: None when the hidden states are the first positional argument, else their keyword.
+    runs: False for a block the model's forward skips on this input (`BlockCall.idle`): no arguments,
+    and replaying it returns the hidden states unchanged.
     """
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     hidden_keyword: str | None = None
+    runs: bool = True
+
+    @staticmethod
+    def idle() -> BlockCall:
+        """The record of a block the model's forward did not run."""
+        return BlockCall((), {}, None, runs=False)
 
     @staticmethod
     def split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, BlockCall]:
@@ -119,7 +131,7 @@ class BlockCall:
 
     def to(self, device: torch.device) -> BlockCall:
         """The same call with its tensors on `device`."""
-        return BlockCall(_to_device(self.args, device), _to_device(self.kwargs, device), self.hidden_keyword)
+        return BlockCall(_to_device(self.args, device), _to_device(self.kwargs, device), self.hidden_keyword, self.runs)
 
 
 @dataclass(frozen=True, eq=False)
@@ -281,6 +293,8 @@ def _same(a: Any, b: Any) -> bool:
 
 def call_difference(a: BlockCall, b: BlockCall) -> str | None:
     """The first argument in which two calls of a block differ ("attention_mask", "positional argument 1"), or None."""
+    if a.runs != b.runs:
+        return "decision to run the block at all"
     if a.hidden_keyword != b.hidden_keyword:
         return "hidden-state argument"
     if len(a.args) != len(b.args):
@@ -315,7 +329,8 @@ def capture_block_calls(
     length only: see the module docstring). Each block's forward is swapped, for this one call, for a
     recorder that returns its input unchanged, so no block computes and the record costs the embedding
     and mask/rotary set-up; block 0's real output, computed once, shows the return type the model's
-    loop expects. Returns one BlockCall per block, on the model's device.
+    loop expects. Returns one BlockCall per block, on the model's device; a block the forward never
+    ran gets `BlockCall.idle()` (IncompatibleModelError when no block ran).
     """
     blocks = structure.blocks
     if tokens is None:
@@ -362,13 +377,12 @@ def capture_block_calls(
                 vars(block).pop("forward", None)
             else:
                 vars(block)["forward"] = before
-    if len(calls) != len(blocks):
-        missing = [index for index in range(len(blocks)) if index not in calls]
+    if not calls:
         raise IncompatibleModelError(
-            f"the forward of {type(structure.base).__name__} never ran blocks {missing} of {structure.blocks_name}; "
-            "tsenor needs every decoder block to run once"
+            f"the forward of {type(structure.base).__name__} never ran a block of {structure.blocks_name} on "
+            "text-only input; tsenor needs the decoder blocks to run on text"
         )
-    return tuple(calls[index] for index in range(len(blocks)))
+    return tuple(calls.get(index, BlockCall.idle()) for index in range(len(blocks)))
 
 
 @torch.no_grad()
@@ -376,7 +390,8 @@ def capture_block_inputs(structure: ModelStructure, input_ids: torch.Tensor, dev
     """input_ids: (S, T) long → hidden states (S, T, H) entering decoder block 0 (on `device`) and every
     block's other arguments (on the model's device).
 
-    The model's own forward runs up to block 0, whose pre-hook records its input and stops the forward,
+    The model's own forward runs up to block 0 (the first block that runs: blocks before it pass the
+    hidden states on unchanged), whose pre-hook records its input and stops the forward,
     so whatever the architecture does before the blocks (embedding scale etc.) is kept. The block
     arguments are recorded for a zeros probe and compared with those of the first sample: they must not
     depend on the token values (the module docstring's invariant), else IncompatibleModelError.
@@ -395,7 +410,8 @@ def capture_block_inputs(structure: ModelStructure, input_ids: torch.Tensor, dev
     def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         raise _Captured(*BlockCall.split(args, kwargs))
 
-    handle = structure.blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+    first_running = next(index for index, call in enumerate(calls) if call.runs)
+    handle = structure.blocks[first_running].register_forward_pre_hook(hook, with_kwargs=True)
     captured: list[torch.Tensor] = []
     try:
         for row in input_ids:  # one sample at a time keeps the CPU memory at one sequence
@@ -404,14 +420,18 @@ def capture_block_inputs(structure: ModelStructure, input_ids: torch.Tensor, dev
             except _Captured as caught:
                 captured.append(caught.hidden.to(device))
             else:
-                raise RuntimeError("decoder block 0 was never called; the structure does not match this model")
+                raise RuntimeError(
+                    f"decoder block {first_running} was never called; the structure does not match this model"
+                )
     finally:
         handle.remove()
     return BlockInputs(torch.cat(captured, 0), calls)  # hidden (S, T, H)
 
 
 def block_output(block: nn.Module, call: BlockCall, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden: (B, T, H) → the block's output hidden states (B, T, H)."""
+    """hidden: (B, T, H) → the block's output hidden states (B, T, H); `hidden` itself for an idle block."""
+    if not call.runs:
+        return hidden
     args, kwargs = call.bind(hidden)
     result = block(*args, **kwargs)
     return result[0] if isinstance(result, tuple) else result
@@ -743,6 +763,8 @@ def observe_blocks(
     found: dict[int, BlockObservation] = {}
     hidden = sample.to(device)
     for index in range(first, len(structure)):
+        if not calls[index].runs:  # an idle block (idle_records) passes its input on unchanged
+            continue
         block = structure.blocks[index]
         block.to(device)
         call = calls[index].to(device)
@@ -922,6 +944,8 @@ def prune_block(
     team = team if team is not None else Team.solo(device)
     moe = moe if moe is not None else MoeOptions()
     ignored = ignored or {}
+    if not call.runs:
+        return idle_records(index, structure, slots, ignored, progress)
     linears = structure.block_linears(index, block)
     by_param = {slot.param_name: slot for slot in slots if slot.block == index}
     records: dict[str, list[LayerRecord]] = {}
@@ -1004,4 +1028,27 @@ def _dense_records(slot: LinearSlot, status: str, reason: str) -> list[LayerReco
             transposed=slot.transposed,
         )
         for expert in experts
+    ]
+
+
+def idle_records(
+    index: int,
+    structure: ModelStructure,
+    slots: Sequence[LinearSlot],
+    ignored: Mapping[str, str],
+    progress: Progress,
+) -> list[LayerRecord]:
+    """The records of block `index`, which the model's forward does not run on text-only input
+    (`BlockCall.runs` False; Mllama's cross-attention layers): its linears have no calibration inputs
+    and stay dense, each "skipped" with the reason, or "ignored" when the user excluded it."""
+    kind = type(structure.blocks[index]).__name__
+    reason = f"its block ({kind}) never runs in the text-only forward, so it has no calibration inputs"
+    progress(f"  {structure.blocks_name}.{index} ({kind}) never runs on text: left dense")
+    return [
+        record
+        for slot in slots
+        if slot.block == index
+        for record in _dense_records(
+            slot, "ignored" if slot.full_name in ignored else "skipped", ignored.get(slot.full_name, reason)
+        )
     ]

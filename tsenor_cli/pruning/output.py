@@ -251,11 +251,16 @@ def write_model_folder(
     """save_pretrained (safetensors, sharded) + tokenizer + `files` ({name: content}), built in a temp
     sibling and renamed into place (replacing an existing `output`: prepare_output allowed it).
 
+    The tensors are saved under the model's own parameter names (``save_original_format=False``), the
+    names `tsenor_sparsity` lists and `tsenor verify` reads: transformers 5 would otherwise write some
+    families' legacy names (LLaVA, Gemma-3 and Mllama's ``language_model.model.layers…`` for the module
+    ``model.language_model.layers…``). It loads back with the same class either way; for the LLaMA-like
+    families the two are the same.
     `atomic.atomic_dir` gives every file 0644 and every folder 0755 (save_pretrained writes its
     safetensors through a private 0600 temp file; a checkpoint is meant to be shared)."""
     with atomic.atomic_dir(output, replace=True) as tmp:
         setattr(model.config, SPARSITY_KEY, sparsity)
-        model.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE)
+        model.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE, save_original_format=False)
         tokenizer.save_pretrained(tmp)
         for name, content in files.items():
             if isinstance(content, bytes):
@@ -264,7 +269,18 @@ def write_model_folder(
                 (tmp / name).write_text(content, encoding="utf-8")
 
 
-def write_checkpoint(model: Any, tokenizer: Any, output: Path, report: PruneReport, sparsity: dict[str, Any]) -> None:
-    """The pruned checkpoint with its reports (tsenor_report.json / .md), written atomically."""
-    files = {PRUNE_FILE: json.dumps(report.to_json(), indent=2) + "\n", PRUNE_MARKDOWN: report.to_markdown()}
+def write_checkpoint(
+    model: Any,
+    tokenizer: Any,
+    output: Path,
+    report: PruneReport,
+    sparsity: dict[str, Any],
+    processor_files: Mapping[str, bytes] | None = None,
+) -> None:
+    """The pruned checkpoint with its reports (tsenor_report.json / .md), written atomically.
+
+    processor_files: {name: content} of the source's processor files (`models.loading.PROCESSOR_FILES`:
+    a multimodal model's image processor and processor settings), copied unchanged."""
+    files: dict[str, str | bytes] = {**(processor_files or {})}
+    files |= {PRUNE_FILE: json.dumps(report.to_json(), indent=2) + "\n", PRUNE_MARKDOWN: report.to_markdown()}
     write_model_folder(model, tokenizer, output, sparsity, files)

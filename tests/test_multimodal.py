@@ -1,0 +1,435 @@
+"""Multimodal models and mixed block lists on tiny random checkpoints built offline (`helpers_tiny.MULTIMODAL`).
+
+Gemma-3, LLaVA, Qwen2-VL, Qwen2.5-VL, Idefics3, SmolVLM and Mllama (a vision tower, a projector and a
+text decoder) load whole with their own class; the engine finds their language model, calibrates it
+on text alone and prunes its blocks, while the vision tower and projector stay dense. Jamba (Mamba and
+attention blocks) and Mllama (self- and cross-attention blocks) keep blocks of several classes in one
+list; Mllama's cross-attention block, which its text-only forward skips, is left dense. For each: the
+replayed blocks give the whole model's logits, a 2-block SparseGPT 2:4 prune verifies, loads with the
+source's class and generates, and `tsenor eval --ppl` runs on it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers_tiny import (
+    LOCAL_CTX,
+    MULTIMODAL,
+    PROCESSOR_FILE,
+    blockwise_forward,
+    full_forward,
+    make_tiny_model,
+    random_model,
+)
+from safetensors.torch import load_file
+from torch import nn
+from typer.testing import CliRunner
+
+from tsenor_cli.cli import app
+from tsenor_cli.errors import IncompatibleModelError, TsenorError
+from tsenor_cli.models.loading import (
+    LoadedModel,
+    auto_class,
+    config_value,
+    embedding_rows,
+    load_model,
+    meta_model,
+    processor_files,
+)
+from tsenor_cli.models.structure import discover_structure
+from tsenor_cli.pruning.api import prune_model
+from tsenor_cli.pruning.config import PruneConfig
+from tsenor_cli.pruning.engine import BlockCall, capture_block_calls, capture_block_inputs, run_block
+from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.verify import verify_checkpoint
+from tsenor_cli.runfiles import PruneReport
+
+FAMILIES = sorted(MULTIMODAL)
+# model_type → (the language model, the modules outside it that stay dense), as dotted names in the model.
+LANGUAGE_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "gemma3": ("model.language_model", ("model.vision_tower", "model.multi_modal_projector")),
+    "llava": ("model.language_model", ("model.vision_tower", "model.multi_modal_projector")),
+    "qwen2_vl": ("model.language_model", ("model.visual",)),
+    "qwen2_5_vl": ("model.language_model", ("model.visual",)),
+    "idefics3": ("model.text_model", ("model.vision_model", "model.connector")),
+    "smolvlm": ("model.text_model", ("model.vision_model", "model.connector")),
+    "mllama": ("model.language_model", ("model.vision_model", "model.multi_modal_projector")),
+    "jamba": ("model", ()),
+}
+# The blocks each text-only forward skips: Mllama's cross-attention block (its config's cross_attention_layers).
+IDLE = {"mllama": {1}}
+# transformers' Jamba mixer multiplies by dt_proj.weight without calling dt_proj, so it never sees an input.
+IGNORE = {"jamba": ("*.mamba.dt_proj",)}
+SEQ_LEN = 24
+PATTERN = SparsityPattern.from_nm(2, 4, transposable=True)
+
+
+def _invoke(args: list[str]) -> Any:
+    """Run the CLI as the console script does: known errors become their exit code."""
+    result = CliRunner().invoke(app, args)
+    if isinstance(result.exception, TsenorError):
+        result.exit_code = result.exception.exit_code  # what main() would exit with
+    return result
+
+
+def _ids(batch: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, 1000, (batch, SEQ_LEN), generator=torch.Generator().manual_seed(seed))
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name.startswith(f"{prefix}.") for prefix in prefixes)
+
+
+class _Lazy(dict[str, Any]):
+    """A dict that builds a missing entry with `make(key)` on first use."""
+
+    def __init__(self, make: Any) -> None:
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key: str) -> Any:
+        self[key] = self.make(key)
+        return self[key]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Saved tiny checkpoints by family (SmolLM2 tokenizer, vocabulary 49152, a processor file)."""
+    root = tmp_path_factory.mktemp("multimodal")
+    return _Lazy(lambda family: make_tiny_model(root / family, family))
+
+
+@pytest.fixture(scope="module")
+def calibration_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    words = ["the", "image", "shows", "a", "model", "that", "reads", "every", "token", "and", "each", "block"]
+    gen = torch.Generator().manual_seed(0)
+    path.write_text(" ".join(words[int(i)] for i in torch.randint(0, len(words), (400,), generator=gen)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def pruned(
+    checkpoints: dict[str, Path], calibration_text: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, PruneReport]]:
+    """Per family: (the output folder, the report) of a SparseGPT 2:4 transposable prune of its checkpoint."""
+    root = tmp_path_factory.mktemp("pruned")
+
+    def prune(family: str) -> tuple[Path, PruneReport]:
+        cfg = PruneConfig(
+            model=str(checkpoints[family]),
+            layer=LayerPruneConfig(PATTERN),
+            method="sparsegpt",
+            calib_data=str(calibration_text),
+            nsamples=2,
+            seqlen=SEQ_LEN,
+            ignore=IGNORE.get(family, ()),
+            output=root / family,
+        )
+        return root / family, prune_model(cfg, LOCAL_CTX)
+
+    return _Lazy(prune)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_language_model_is_found(family: str, checkpoints: dict[str, Path]) -> None:
+    """The loaded class is the saved one; the blocks are the text decoder's, on the meta device as after
+    loading; every parameter is the language model's, the output head's, or in a module listed outside."""
+    loaded = load_model(str(checkpoints[family]), LOCAL_CTX)
+    model, structure = loaded.model, loaded.structure
+    assert type(model).__name__ == model.config.architectures[0]
+    name, outside = LANGUAGE_MODELS[family]
+    assert (structure.base_name, structure.outside) == (name, outside)
+    assert structure.base is model.get_submodule(name)
+    assert structure.blocks_name == f"{name}.layers"
+    assert len(structure) == config_value(model.config, "num_hidden_layers")
+    head = {id(p) for p in model.get_output_embeddings().parameters()}
+    for param_name, param in model.named_parameters():
+        assert _under(param_name, (name, *outside)) or id(param) in head, param_name
+    meta = discover_structure(meta_model(model.config))
+    assert (meta.base_name, meta.blocks_name, meta.outside, meta.linears) == (
+        name,
+        structure.blocks_name,
+        outside,
+        structure.linears,
+    )
+    if family != "jamba":  # a vision tower: its encoder layers are a block list too, never chosen
+        assert any(_under(n, outside) for n, m in model.named_modules() if isinstance(m, nn.ModuleList))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_blockwise_replay_reproduces_the_whole_model(family: str) -> None:
+    """The text-only replay of the language model's blocks gives the whole model's last hidden states and
+    logits; a skipped block is recorded as idle and replays as the identity the model's forward makes it."""
+    model = random_model(family)
+    ids = _ids(3, seed=1)
+    expected_hidden, expected_logits = full_forward(model, ids)
+    hidden, logits = blockwise_forward(model, ids)
+    torch.testing.assert_close(hidden, expected_hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
+    structure = discover_structure(model)
+    calls = capture_block_calls(structure, SEQ_LEN)
+    idle = IDLE.get(family, set())
+    assert {index for index, call in enumerate(calls) if not call.runs} == idle
+    kinds = {type(block).__name__ for block in structure.blocks}
+    assert len(kinds) == (2 if family in ("jamba", "mllama") else 1)  # mixed lists are taken whole
+    for index in idle:
+        sample = capture_block_inputs(structure, _ids(1, seed=2), torch.device("cpu")).hidden
+        out = torch.empty_like(sample)
+        run_block(structure.blocks[index], sample, calls[index], out)
+        assert torch.equal(out, sample)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_block_prune_verifies_loads_and_generates(
+    family: str, checkpoints: dict[str, Path], pruned: dict[str, tuple[Path, PruneReport]]
+) -> None:
+    from transformers import AutoTokenizer
+
+    source = checkpoints[family]
+    out, report = pruned[family]
+    structure = discover_structure(random_model(family))
+    idle = IDLE.get(family, set())
+    statuses = {record.name: record for record in report.layers}
+    expected = {structure.full_name(index, local) for index, names in enumerate(structure.linears) for local in names}
+    assert set(statuses) == expected
+    for name, record in statuses.items():
+        block = int(name.removeprefix(f"{structure.blocks_name}.").split(".")[0])
+        if block in idle:
+            assert record.status == "skipped" and "never runs in the text-only forward" in str(record.reason)
+        elif name.endswith(".dt_proj") and family in IGNORE:
+            assert record.status == "ignored"
+        else:
+            assert record.status == "pruned" and record.density == pytest.approx(0.5), name
+    verified = verify_checkpoint(out)
+    assert verified.ok and len(verified.layers) == sum(r.status == "pruned" for r in report.layers)
+
+    model = auto_class(json_config(out)).from_pretrained(out).eval()
+    dense = auto_class(json_config(source)).from_pretrained(source).eval()
+    assert type(model) is type(dense)
+    name, outside = LANGUAGE_MODELS[family]
+    before, after = dense.state_dict(), model.state_dict()
+    idle_prefixes = tuple(f"{structure.blocks_name}.{index}" for index in idle)
+    for key, tensor in before.items():
+        if _under(key, outside + idle_prefixes):  # vision tower, projector, skipped blocks: untouched
+            assert torch.equal(after[key], tensor), key
+    assert (out / PROCESSOR_FILE[0]).read_text() == PROCESSOR_FILE[1]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer("the image shows a model", return_tensors="pt").input_ids
+    with torch.no_grad():
+        generated = model.generate(prompt, max_new_tokens=3, do_sample=False)
+    assert generated.shape == (1, prompt.shape[1] + 3)
+    assert torch.equal(generated[:, : prompt.shape[1]], prompt)
+
+
+def json_config(folder: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
+@pytest.mark.realdata
+@pytest.mark.parametrize("family", FAMILIES)
+def test_perplexity_eval_runs_on_the_pruned_model(
+    family: str, pruned: dict[str, tuple[Path, PruneReport]], data_dir: Path, tmp_path: Path
+) -> None:
+    out, _ = pruned[family]
+    args = ["eval", "--model", str(out), "--ppl", "wikitext2", "--seqlen", "32", "--max-windows", "2"]
+    result = _invoke([*args, "--output", str(tmp_path), "--data-dir", str(data_dir), "--offline"])
+    assert result.exit_code == 0, result.output
+    record = json.loads((tmp_path / "eval.json").read_text())
+    assert record["model_type"] == family
+    ppl = record["perplexity"]["wikitext2"]
+    assert ppl["windows"] == 2 and ppl["tokens"] == 2 * 31
+    assert 1.0 < ppl["ppl"] < float("inf")
+
+
+@pytest.mark.parametrize("family", ["llava", "mllama"])
+def test_a_tokenizer_larger_than_the_vocabulary_is_one_line_exit_5(
+    family: str, tmp_path: Path, calibration_text: Path
+) -> None:
+    """The SmolLM2 tokenizer's 49152 ids against a 1024-row embedding: refused before any weight is read
+    by prune and by eval, nothing written. Mllama's embedding has 8 rows beyond its vocab_size (for its
+    image token): those rows count."""
+    text_config = {**MULTIMODAL[family]["text_config"], "vocab_size": 1024}
+    source = make_tiny_model(tmp_path / "src", family, text_config=text_config)
+    rows = 1024 + (8 if family == "mllama" else 0)
+    assert embedding_rows(meta_model(json_config(source))) == rows
+    out = tmp_path / "out"
+    prune = ["prune", "--model", str(source), "--method", "sparsegpt", "--nm", "2:4", "--nsamples", "2"]
+    prune += ["--seqlen", "16", "--calib-data", str(calibration_text), "--output", str(out)]
+    for args in (prune, ["eval", "--model", str(source), "--ppl", "wikitext2", "--output", str(out)]):
+        result = _invoke(args)
+        message = str(result.exception)
+        assert result.exit_code == 5 and isinstance(result.exception, IncompatibleModelError), result.output
+        assert f"has 49152 ids but its model's token embedding has {rows} rows" in message
+        assert "\n" not in message and "; " in message
+        assert not out.exists()
+
+
+def test_the_auto_class_is_the_one_the_checkpoint_was_saved_with() -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    def config(model_type: str, architecture: str | None) -> Any:
+        built = AutoConfig.for_model(model_type)
+        built.architectures = [architecture] if architecture else None
+        return built
+
+    # AutoModelForCausalLM builds MllamaForCausalLM (the text model alone) for an Mllama config.
+    assert auto_class(config("mllama", "MllamaForConditionalGeneration")) is AutoModelForImageTextToText
+    assert auto_class(config("mllama", "MllamaForCausalLM")) is AutoModelForCausalLM
+    assert auto_class(config("mllama", None)) is AutoModelForCausalLM  # unknown: the causal-LM class first
+    # Gemma-3's causal-LM class is its multimodal one; LLaVA has only an image-text-to-text class.
+    assert auto_class(config("gemma3", "Gemma3ForConditionalGeneration")) is AutoModelForCausalLM
+    assert auto_class(config("llava", None)) is AutoModelForImageTextToText
+    assert auto_class(config("llama", "LlamaForCausalLM")) is AutoModelForCausalLM
+
+
+def test_config_values_come_from_the_text_config() -> None:
+    from transformers import AutoConfig
+
+    gemma3 = AutoConfig.for_model("gemma3", **MULTIMODAL["gemma3"])
+    assert getattr(gemma3, "hidden_size", None) is None  # the top config has none
+    assert config_value(gemma3, "hidden_size") == 64
+    assert config_value(gemma3, "max_position_embeddings") == 512
+    assert config_value(gemma3, "mm_tokens_per_image") == 4  # only the top config has it
+    llama = AutoConfig.for_model("llama", hidden_size=96)
+    assert config_value(llama, "hidden_size") == 96
+    assert config_value(llama, "no_such_value") is None
+
+
+def test_dry_run_plans_the_language_model(checkpoints: dict[str, Path]) -> None:
+    result = _invoke(["prune", "--model", str(checkpoints["gemma3"]), "--nm", "2:4", "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert len(plan["layers"]) == 14 and plan["blocks"] == 2 and plan["incompatible"] == 0
+    assert all(layer["name"].startswith("model.language_model.layers.") for layer in plan["layers"])
+    assert plan["seqlen"] <= 512 and plan["estimated_device_bytes"] > 0
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.proj(hidden)
+
+
+class _VisionBlock(_Block):
+    pass
+
+
+class _GatedBlock(_Block):
+    """A block of another class that the text forward skips (as Mllama's cross-attention layers)."""
+
+
+class _Text(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([_Block(8), _GatedBlock(8), _Block(8)])
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            if not isinstance(layer, _GatedBlock):
+                hidden = layer(hidden)
+        return hidden
+
+
+class _Towers(nn.Module):
+    """A vision tower with more blocks than the text decoder, both of classes named in _no_split_modules."""
+
+    _no_split_modules = ("_Block", "_VisionBlock", "_GatedBlock")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vision = nn.ModuleList([_VisionBlock(8) for _ in range(5)])
+        self.text = _Text()
+        self.head = nn.Linear(8, 16)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.text.embed
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head
+
+
+def test_the_text_decoder_wins_over_a_larger_vision_tower_and_its_skipped_block_is_idle() -> None:
+    model = _Towers()
+    structure = discover_structure(model)
+    assert (structure.base_name, structure.blocks_name, structure.outside) == ("text", "text.layers", ("vision",))
+    assert structure.base is model.text and len(structure) == 3
+    calls = capture_block_calls(structure, 5)
+    assert [call.runs for call in calls] == [True, False, True]
+    ids = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(0))
+    replayed = capture_block_inputs(structure, ids, torch.device("cpu")).hidden
+    for index, block in enumerate(structure.blocks):  # the skipped block passes its input on unchanged
+        out = torch.empty_like(replayed)
+        run_block(block, replayed, calls[index], out)
+        replayed = out
+    with torch.no_grad():
+        torch.testing.assert_close(replayed, model.text(ids))
+        # Had the skipped block run, the output would differ: its replay is not the block's own output.
+        assert not torch.allclose(model.text.layers[1](replayed), replayed)
+    # Without the token embedding the largest list would be taken: the vision tower's.
+    model.get_input_embeddings = None  # type: ignore[assignment,method-assign]
+    assert discover_structure(model).blocks_name == "vision"
+
+
+def test_a_block_list_that_never_runs_on_text_is_refused_in_one_line() -> None:
+    model = _Text()
+    model.layers = nn.ModuleList([_GatedBlock(8), _GatedBlock(8)])
+    with pytest.raises(IncompatibleModelError, match=r"^the forward of _Text never ran a block of layers on text"):
+        capture_block_calls(discover_structure(model), 4)
+
+
+def test_an_idle_call_survives_the_move_to_a_device_and_differs_from_a_running_one() -> None:
+    idle = BlockCall.idle().to(torch.device("cpu"))
+    assert not idle.runs and idle.args == () and idle.kwargs == {}
+    from tsenor_cli.pruning.engine import call_difference
+
+    assert call_difference(idle, BlockCall((), {})) == "decision to run the block at all"
+    assert call_difference(idle, BlockCall.idle()) is None
+
+
+def test_processor_files_of_a_hub_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A hub id: each processor file is fetched as the model's own files are; one the model lacks is
+    skipped, one the offline cache lacks is named in a warning."""
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    (tmp_path / "preprocessor_config.json").write_text("{}")
+    asked: list[tuple[str, str, bool]] = []
+
+    def fake_download(repo_id: str, filename: str, *, local_files_only: bool) -> str:
+        asked.append((repo_id, filename, local_files_only))
+        if filename == "preprocessor_config.json":
+            return str(tmp_path / filename)
+        if filename == "processor_config.json":
+            raise LocalEntryNotFoundError("not cached")
+        raise EntryNotFoundError("no such file")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    warnings: list[str] = []
+    monkeypatch.setattr("tsenor_cli.models.loading.logger.warning", lambda *args: warnings.append(args[0] % args[1:]))
+    found = processor_files("org/model", False, LOCAL_CTX)
+    assert found == {"preprocessor_config.json": b"{}"}
+    assert {local for _, _, local in asked} == {True} and len(asked) == 4
+    assert len(warnings) == 1 and "processor_config.json not in the local HF cache" in warnings[0]
+
+
+def test_loaded_model_carries_the_processor_files(checkpoints: dict[str, Path]) -> None:
+    loaded: LoadedModel = load_model(str(checkpoints["llava"]), LOCAL_CTX)
+    assert dict(loaded.processor_files) == {PROCESSOR_FILE[0]: PROCESSOR_FILE[1].encode()}
+    assert loaded.max_positions == 512
+    saved = load_file(str(checkpoints["llava"] / "model.safetensors"))
+    # The source keeps transformers' legacy names; load_model maps them onto the module tree.
+    assert any(key.startswith("language_model.model.layers.") for key in saved)
+    assert loaded.structure.blocks_name == "model.language_model.layers"
