@@ -447,3 +447,30 @@ def test_local_sweep_runs_resumes_skips_and_reports(tmp_path: Path, data_dir: Pa
     rows = json.loads(merged.stdout)["rows"]
     assert [row["run"] for row in rows] == [good]
     assert rows[0]["ppl_wikitext2"] == _ppl(got)["wikitext2"]
+
+
+@pytest.mark.slow
+@pytest.mark.realdata
+def test_two_sweeps_on_one_folder_share_the_runs_and_never_run_one_twice(tmp_path: Path, data_dir: Path) -> None:
+    """Two real `tsenor sweep` processes on one folder: the second starts while the first runs its first
+    point. Each run is claimed with its directory's lock and looked at again under it, so every point is
+    pruned and evaluated exactly once (one attempt, one eval), and both sweeps end well."""
+    tiny = make_tiny_llama(tmp_path / "tiny", num_layers=2)
+    base = {"model": str(tiny), "nsamples": 2, "seqlen": 32, "calib_data": "wikitext2", "method": "magnitude"}
+    grid = {"base": base, "axes": {"nm": ["2:4", "4:8", "1:4"]}, "eval": {"ppl": ["wikitext2"], "max_windows": 1}}
+    sweep, out = _write(tmp_path / "s.yaml", grid), tmp_path / "sweep"
+    names = ["nm-2x4", "nm-4x8", "nm-1x4"]
+    command = [sys.executable, "-m", "tsenor_cli", "sweep", str(sweep), "--output", str(out)]
+    first = subprocess.Popen(command, stderr=subprocess.PIPE, env={**os.environ, "TSENOR_DATA_DIR": str(data_dir)})
+    _wait_for(out / "runs" / names[0] / "status.json", first)
+    second = subprocess.Popen(command, stderr=subprocess.PIPE, env={**os.environ, "TSENOR_DATA_DIR": str(data_dir)})
+    errors = [proc.communicate(timeout=600)[1].decode() for proc in (first, second)]
+    assert (first.returncode, second.returncode) == (0, 0), errors
+    for name in names:
+        status = read_status(out / "runs" / name)
+        assert status is not None and (status.state, status.attempt) == ("done", 1), (name, status, errors)
+        log = (out / "runs" / name / "log.txt").read_text()
+        assert log.count(f"=== {name}: attempt") == 1 and log.count(" -m tsenor_cli eval ") == 1, (name, log)
+    started = [line for text in errors for line in text.splitlines() if "pruning and evaluating" in line]
+    assert sorted(line.split()[1].rstrip(":") for line in started) == sorted(names), errors
+    assert not list((out / "runs").glob(".*.lock"))  # each run's lock file goes with its run

@@ -117,7 +117,8 @@ def sweep_run(
 ) -> None:
     """Prune and evaluate every point of a grid; finished runs are skipped, interrupted ones resume.
 
-    --output is the sweep folder; each run goes to DIR/runs/NAME.
+    --output is the sweep folder; each run goes to DIR/runs/NAME. Several sweeps may run on one folder at
+    once: each run is locked by the sweep that runs it, and the others pass over it.
     """
     if output is None:
         raise UsageError("--output is required; pass the sweep folder (each run goes to DIR/runs/NAME)")
@@ -186,8 +187,14 @@ def sweep_run(
     created = prepare(directory, todo, sweep_file)
     if executor is Executor.local:
         record_sweep(sweep_file, directory)
-        outcome = run_local(todo, echo)
+        outcome = run_local(todo, echo, spec.eval.covered_by)
         failed = [name for name, state in outcome.items() if state == "failed"]
+        elsewhere = [name for name, state in outcome.items() if state == "running"]
+        if elsewhere:
+            echo(
+                f"{_runs(len(elsewhere))} still running in another sweep ({', '.join(elsewhere)}); "
+                f"follow them with: tsenor sweep status {output}"
+            )
     else:
         try:
             submit_slurm(todo, directory, options, echo)

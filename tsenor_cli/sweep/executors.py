@@ -19,12 +19,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from tsenor_cli import settings
 from tsenor_cli.atomic import write_text
-from tsenor_cli.errors import TsenorError, UsageError
+from tsenor_cli.errors import OutputBusyError, TsenorError, UsageError
+from tsenor_cli.locks import folder_lock
 from tsenor_cli.settings import RunContext
 from tsenor_cli.sweep.job import RunJob, SweepTask, run_job
 from tsenor_cli.sweep.spec import RunSpec, SlurmOptions, SweepSpec
@@ -39,6 +41,7 @@ from tsenor_cli.sweep.status import (
     Submission,
     collect,
     is_complete,
+    read_status,
     resolve,
     write_submission,
 )
@@ -175,16 +178,60 @@ def record_sweep(sweep_file: Path, directory: Path) -> None:
     write_text(directory / SWEEP_FILE, sweep_file.read_text())
 
 
-def run_local(todo: Sequence[PlannedRun], echo: Callable[[str], None]) -> dict[str, str]:
-    """Run each in turn → {name: "done" | "failed"}; a signal stops the loop (`RunInterrupted`)."""
-    outcome = {}
+def run_local(
+    todo: Sequence[PlannedRun], echo: Callable[[str], None], covered_by: Callable[[Mapping[str, Any]], bool]
+) -> dict[str, str]:
+    """Run each in turn → {name: "done" | "failed" | "running"}; a signal stops the loop (`RunInterrupted`).
+
+    Several `tsenor sweep` processes may work on one folder at once: each run is claimed with the lock of
+    its directory (`locks.folder_lock`) and checked again under it (`_claim_and_run`), so no run is ever
+    run twice. A run another process holds is passed over and tried once more at the end; "running"
+    means it was still held then. covered_by: the sweep's `EvalSpec.covered_by` (when a run is done).
+    """
+    outcome: dict[str, str] = {}
+    held: list[PlannedRun] = []
     for i, planned in enumerate(todo, 1):
-        job = planned.job
-        echo(f"[{i}/{len(todo)}] {job.name}: {'evaluating' if job.dense else 'pruning and evaluating'} ({job.run_dir})")
-        start = time.perf_counter()
-        outcome[job.name] = run_job(job)
-        echo(f"[{i}/{len(todo)}] {job.name}: {outcome[job.name]} in {time.perf_counter() - start:.0f} s")
+        state = _claim_and_run(planned, f"[{i}/{len(todo)}]", echo, covered_by)
+        if state is None:
+            held.append(planned)
+        else:
+            outcome[planned.job.name] = state
+    for planned in held:  # the other process may have finished or died meanwhile
+        outcome[planned.job.name] = _claim_and_run(planned, "[again]", echo, covered_by) or "running"
     return outcome
+
+
+def _claim_and_run(
+    planned: PlannedRun, tag: str, echo: Callable[[str], None], covered_by: Callable[[Mapping[str, Any]], bool]
+) -> str | None:
+    """Run one planned run under its directory's lock → its state, or None when another process holds it.
+
+    Under the lock the run is looked at again: the plan was made when this sweep started, and another
+    sweep may have run it since (a later attempt in status.json): then it is done or failed there and
+    is not run again here. A run that other sweep left pending (interrupted) is continued.
+    """
+    job = planned.job
+
+    def busy(holder: str) -> OutputBusyError:
+        return OutputBusyError(holder)
+
+    try:
+        with folder_lock(job.run_dir, busy):
+            status = read_status(job.run_dir)
+            if is_complete(job.run_dir, covered_by, dense=job.dense):
+                echo(f"{tag} {job.name}: done by another sweep meanwhile; skipped")
+                return "done"
+            if status is not None and status.attempt > planned.view.attempt and status.state == "failed":
+                echo(f"{tag} {job.name}: failed in another sweep meanwhile ({status.error}); skipped")
+                return "failed"
+            echo(f"{tag} {job.name}: {'evaluating' if job.dense else 'pruning and evaluating'} ({job.run_dir})")
+            start = time.perf_counter()
+            state = run_job(job)
+            echo(f"{tag} {job.name}: {state} in {time.perf_counter() - start:.0f} s")
+            return state
+    except OutputBusyError as exc:
+        echo(f"{tag} {job.name}: running in another sweep ({exc}); passed over for now")
+        return None
 
 
 def check_slurm() -> None:
