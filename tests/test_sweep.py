@@ -244,6 +244,40 @@ def test_flags_override_the_sweep_files_slurm_options(tmp_path: Path) -> None:
     assert params["additional_parameters"] == {"constraint": "x", "qos": "high"}
 
 
+def test_another_sweep_file_into_a_sweep_folder_needs_force(tmp_path: Path) -> None:
+    """A folder keeps the sweep it was made from: another grid (base, axes, eval, name) is refused with one
+    line and exit 4, writing nothing, unless --force; comments and slurm options may change."""
+    grid = {"base": {"model": str(tmp_path / "no-model"), "nm": "2:4"}, "axes": {"seed": [0, 1]}}
+    first = _write(tmp_path / "a.yaml", {**grid, "slurm": {"time": 30}})
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sweep.yaml").write_text(first.read_text())
+    same = tmp_path / "again.yaml"
+    same.write_text("# rerun with more time\n" + yaml.safe_dump({**grid, "slurm": {"time": 90}}))
+    assert _invoke(["sweep", str(same), "--output", str(out), "--dry-run"]).exit_code == 0
+
+    other = _write(tmp_path / "b.yaml", {**grid, "axes": {"seed": [2]}})
+    for extra in ([], ["--dry-run"]):
+        refused = _invoke(["sweep", str(other), "--output", str(out), *extra])
+        assert refused.exit_code == 4, refused.output
+        assert str(refused.exception) == (
+            f"--output {out} holds another sweep: its sweep.yaml differs from {other} in axes; pass --force to "
+            "add this sweep's runs to it (sweep.yaml is replaced), or choose another --output"
+        )
+    assert (out / "sweep.yaml").read_text() == first.read_text() and not (out / "runs").exists()
+
+    # --force takes the folder over: the run is tried (and fails: there is no model) and sweep.yaml replaced.
+    forced = _invoke(["sweep", str(other), "--output", str(out), "--force"])
+    assert forced.exit_code == 1 and "1 of 1 run failed (seed-2)" in str(forced.exception)
+    assert (out / "sweep.yaml").read_text() == other.read_text()
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("not a sweep")
+    refused = _invoke(["sweep", str(other), "--output", str(notes), "--dry-run"])
+    assert refused.exit_code == 4 and "holds files that are not a sweep's (todo.txt)" in str(refused.exception)
+
+
 # --- run states ----------------------------------------------------------------------------------------
 
 

@@ -25,11 +25,11 @@ import yaml
 
 from tsenor_cli import settings
 from tsenor_cli.atomic import write_text
-from tsenor_cli.errors import OutputBusyError, TsenorError, UsageError
+from tsenor_cli.errors import OutputBusyError, OutputExistsError, TsenorError, UsageError
 from tsenor_cli.locks import folder_lock
 from tsenor_cli.settings import RunContext
 from tsenor_cli.sweep.job import RunJob, SweepTask, run_job
-from tsenor_cli.sweep.spec import RunSpec, SlurmOptions, SweepSpec
+from tsenor_cli.sweep.spec import TOP_KEYS, RunSpec, SlurmOptions, SweepSpec
 from tsenor_cli.sweep.status import (
     EVAL_FILE,
     MODEL_DIR,
@@ -41,6 +41,7 @@ from tsenor_cli.sweep.status import (
     Submission,
     collect,
     is_complete,
+    is_sweep_dir,
     read_status,
     resolve,
     write_submission,
@@ -159,6 +160,43 @@ def plan_sweep(
         view = resolve(run.name, run_dir, complete=complete, queue=queue)
         planned.append(PlannedRun(run, job, view, _on_disk(run_dir, run.dense)))
     return planned
+
+
+def check_sweep_folder(sweep_file: Path, directory: Path, *, force: bool) -> None:
+    """OutputExistsError (exit 4) unless `directory` is new, empty, or a folder of this same sweep; `force`
+    takes any folder over (its sweep.yaml is then replaced by `sweep_file`).
+
+    Same sweep: the recorded sweep.yaml holds the same base, axes, eval and name as `sweep_file` (its
+    comments and slurm options may differ: a sweep is rerun with a longer --time). A folder of runs
+    without sweep.yaml (made before `tsenor sweep`) is a sweep's too.
+    """
+    if force or not directory.is_dir():
+        return
+    recorded = directory / SWEEP_FILE
+    if recorded.is_file():
+        try:
+            old = yaml.safe_load(recorded.read_text()) or {}
+        except yaml.YAMLError:
+            old = None
+        new = yaml.safe_load(sweep_file.read_text()) or {}
+        if not isinstance(old, dict):
+            differ = ["its contents (not a sweep file)"]
+        else:
+            differ = [key for key in TOP_KEYS if key != "slurm" and old.get(key) != new.get(key)]
+        if differ:
+            raise OutputExistsError(
+                f"--output {directory} holds another sweep: its {SWEEP_FILE} differs from {sweep_file} in "
+                f"{', '.join(differ)}; pass --force to add this sweep's runs to it ({SWEEP_FILE} is replaced), "
+                "or choose another --output"
+            )
+        return
+    entries = sorted(p.name for p in directory.iterdir())
+    if entries and not is_sweep_dir(directory):
+        shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
+        raise OutputExistsError(
+            f"--output {directory} holds files that are not a sweep's ({shown}); pass --force to add the "
+            "sweep's runs to it, or choose another --output"
+        )
 
 
 def prepare(directory: Path, todo: Sequence[PlannedRun], sweep_file: Path) -> list[Path]:
