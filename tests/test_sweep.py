@@ -244,6 +244,40 @@ def test_flags_override_the_sweep_files_slurm_options(tmp_path: Path) -> None:
     assert params["additional_parameters"] == {"constraint": "x", "qos": "high"}
 
 
+def test_another_sweep_file_into_a_sweep_folder_needs_force(tmp_path: Path) -> None:
+    """A folder keeps the sweep it was made from: another grid (base, axes, eval, name) is refused with one
+    line and exit 4, writing nothing, unless --force; comments and slurm options may change."""
+    grid = {"base": {"model": str(tmp_path / "no-model"), "nm": "2:4"}, "axes": {"seed": [0, 1]}}
+    first = _write(tmp_path / "a.yaml", {**grid, "slurm": {"time": 30}})
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sweep.yaml").write_text(first.read_text())
+    same = tmp_path / "again.yaml"
+    same.write_text("# rerun with more time\n" + yaml.safe_dump({**grid, "slurm": {"time": 90}}))
+    assert _invoke(["sweep", str(same), "--output", str(out), "--dry-run"]).exit_code == 0
+
+    other = _write(tmp_path / "b.yaml", {**grid, "axes": {"seed": [2]}})
+    for extra in ([], ["--dry-run"]):
+        refused = _invoke(["sweep", str(other), "--output", str(out), *extra])
+        assert refused.exit_code == 4, refused.output
+        assert str(refused.exception) == (
+            f"--output {out} holds another sweep: its sweep.yaml differs from {other} in axes; pass --force to "
+            "add this sweep's runs to it (sweep.yaml is replaced), or choose another --output"
+        )
+    assert (out / "sweep.yaml").read_text() == first.read_text() and not (out / "runs").exists()
+
+    # --force takes the folder over: the run is tried (and fails: there is no model) and sweep.yaml replaced.
+    forced = _invoke(["sweep", str(other), "--output", str(out), "--force"])
+    assert forced.exit_code == 1 and "1 of 1 run failed (seed-2)" in str(forced.exception)
+    assert (out / "sweep.yaml").read_text() == other.read_text()
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("not a sweep")
+    refused = _invoke(["sweep", str(other), "--output", str(notes), "--dry-run"])
+    assert refused.exit_code == 4 and "holds files that are not a sweep's (todo.txt)" in str(refused.exception)
+
+
 # --- run states ----------------------------------------------------------------------------------------
 
 
@@ -447,3 +481,30 @@ def test_local_sweep_runs_resumes_skips_and_reports(tmp_path: Path, data_dir: Pa
     rows = json.loads(merged.stdout)["rows"]
     assert [row["run"] for row in rows] == [good]
     assert rows[0]["ppl_wikitext2"] == _ppl(got)["wikitext2"]
+
+
+@pytest.mark.slow
+@pytest.mark.realdata
+def test_two_sweeps_on_one_folder_share_the_runs_and_never_run_one_twice(tmp_path: Path, data_dir: Path) -> None:
+    """Two real `tsenor sweep` processes on one folder: the second starts while the first runs its first
+    point. Each run is claimed with its directory's lock and looked at again under it, so every point is
+    pruned and evaluated exactly once (one attempt, one eval), and both sweeps end well."""
+    tiny = make_tiny_llama(tmp_path / "tiny", num_layers=2)
+    base = {"model": str(tiny), "nsamples": 2, "seqlen": 32, "calib_data": "wikitext2", "method": "magnitude"}
+    grid = {"base": base, "axes": {"nm": ["2:4", "4:8", "1:4"]}, "eval": {"ppl": ["wikitext2"], "max_windows": 1}}
+    sweep, out = _write(tmp_path / "s.yaml", grid), tmp_path / "sweep"
+    names = ["nm-2x4", "nm-4x8", "nm-1x4"]
+    command = [sys.executable, "-m", "tsenor_cli", "sweep", str(sweep), "--output", str(out)]
+    first = subprocess.Popen(command, stderr=subprocess.PIPE, env={**os.environ, "TSENOR_DATA_DIR": str(data_dir)})
+    _wait_for(out / "runs" / names[0] / "status.json", first)
+    second = subprocess.Popen(command, stderr=subprocess.PIPE, env={**os.environ, "TSENOR_DATA_DIR": str(data_dir)})
+    errors = [proc.communicate(timeout=600)[1].decode() for proc in (first, second)]
+    assert (first.returncode, second.returncode) == (0, 0), errors
+    for name in names:
+        status = read_status(out / "runs" / name)
+        assert status is not None and (status.state, status.attempt) == ("done", 1), (name, status, errors)
+        log = (out / "runs" / name / "log.txt").read_text()
+        assert log.count(f"=== {name}: attempt") == 1 and log.count(" -m tsenor_cli eval ") == 1, (name, log)
+    started = [line for text in errors for line in text.splitlines() if "pruning and evaluating" in line]
+    assert sorted(line.split()[1].rstrip(":") for line in started) == sorted(names), errors
+    assert not list((out / "runs").glob(".*.lock"))  # each run's lock file goes with its run

@@ -24,10 +24,16 @@ DeviceOpt = Annotated[
 ]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16.")]
 OutputDirOpt = Annotated[
-    Path | None, typer.Option("--output", "-o", help="Output folder; an existing non-empty one needs --force.")
+    Path | None,
+    typer.Option("--output", "-o", help="Output folder; what tsenor wrote there before is replaced only with --force."),
 ]
 ForceOpt = Annotated[
-    bool, typer.Option("--force", help="Replace existing output (prune: only a folder holding a tsenor run).")
+    bool,
+    typer.Option(
+        "--force",
+        help="Replace existing output: prune, finetune: a tsenor run (never other files); eval: eval.json; "
+        "report: the folder; sweep: take over a folder made from another sweep file.",
+    ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
 PplOpt = Annotated[

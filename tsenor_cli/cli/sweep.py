@@ -12,7 +12,7 @@ import typer
 from typer.core import TyperGroup
 
 from tsenor_cli.cli import app, run_context
-from tsenor_cli.cli.options import DataDirOpt, JsonOpt, OfflineOpt, OutputDirOpt
+from tsenor_cli.cli.options import DataDirOpt, ForceOpt, JsonOpt, OfflineOpt, OutputDirOpt
 from tsenor_cli.errors import UsageError
 from tsenor_cli.sweep.spec import SlurmOptions, parse_time
 from tsenor_cli.sweep.status import RunView
@@ -98,6 +98,7 @@ def sweep_run(
     ctx: typer.Context,
     sweep_file: Path = typer.Argument(..., help="Sweep file (YAML): base, axes, eval, optional name and slurm."),
     output: OutputDirOpt = None,
+    force: ForceOpt = False,
     executor: Executor = typer.Option(Executor.local, "--executor", help="local (one after another) or slurm."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the runs and what exists already; write nothing."),
     wait: bool = typer.Option(False, "--wait", help="With slurm: block until every run is done or failed."),
@@ -117,7 +118,9 @@ def sweep_run(
 ) -> None:
     """Prune and evaluate every point of a grid; finished runs are skipped, interrupted ones resume.
 
-    --output is the sweep folder; each run goes to DIR/runs/NAME.
+    --output is the sweep folder; each run goes to DIR/runs/NAME. A folder made from another sweep file
+    (other base, axes, eval or name) is refused unless --force. Several sweeps may run on one folder at
+    once: each run is locked by the sweep that runs it, and the others pass over it.
     """
     if output is None:
         raise UsageError("--output is required; pass the sweep folder (each run goes to DIR/runs/NAME)")
@@ -126,6 +129,7 @@ def sweep_run(
         SUBMITIT_DIR,
         SweepFailedError,
         check_slurm,
+        check_sweep_folder,
         plan_sweep,
         prepare,
         record_sweep,
@@ -157,6 +161,7 @@ def sweep_run(
     if wait and executor is not Executor.slurm:
         raise UsageError("--wait applies to --executor slurm (the local executor always waits); drop it")
     directory = output.resolve()
+    check_sweep_folder(sweep_file, directory, force=force)
     queue = slurm_queue()
     planned = plan_sweep(spec, directory, run_ctx, queue=queue)
     todo = [p for p in planned if p.launchable(queue)]
@@ -186,8 +191,14 @@ def sweep_run(
     created = prepare(directory, todo, sweep_file)
     if executor is Executor.local:
         record_sweep(sweep_file, directory)
-        outcome = run_local(todo, echo)
+        outcome = run_local(todo, echo, spec.eval.covered_by)
         failed = [name for name, state in outcome.items() if state == "failed"]
+        elsewhere = [name for name, state in outcome.items() if state == "running"]
+        if elsewhere:
+            echo(
+                f"{_runs(len(elsewhere))} still running in another sweep ({', '.join(elsewhere)}); "
+                f"follow them with: tsenor sweep status {output}"
+            )
     else:
         try:
             submit_slurm(todo, directory, options, echo)

@@ -9,7 +9,6 @@ leftovers of a killed run are recovered (`atomic.recover`) and what the folder h
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ from typing import Any
 
 from tsenor_cli import atomic
 from tsenor_cli.errors import OutputBusyError, OutputExistsError, OutputUnwritableError, UsageError
+from tsenor_cli.locks import folder_lock
 from tsenor_cli.pruning.resume import RESUME_DIRNAME, ResumeStore
 from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, PruneReport, read_json
 
@@ -37,73 +37,21 @@ def output_path(output: Path) -> Path:
     return Path(output).expanduser().resolve()
 
 
-def lock_path(output: Path) -> Path:
-    """The lock file of `output`: ``.NAME.lock`` beside it, so it outlives the swap of the folder itself."""
-    output = output_path(output)
-    return output.parent / f".{output.name}.lock"
-
-
 @contextmanager
 def output_lock(output: Path) -> Iterator[None]:
     """Hold an exclusive lock on `output` for the block; OutputBusyError when another process holds it.
 
-    An OS lock (flock) on ``.NAME.lock`` beside the folder: the kernel drops it when the holder exits or
-    is killed, so no stale lock outlives a run. The holder writes "pid@host" into the file for the
-    error line. On exit the file is removed while still locked; a process that opened it just before
-    then holds a lock on a deleted file, so each acquirer checks that the path still names the file it
-    locked and retries otherwise.
+    `locks.folder_lock` (flock on ``.NAME.lock`` beside the folder, dropped by the kernel when its
+    holder dies; folders created for it removed again when the run leaves no `output`)."""
 
-    Folders created here to hold the lock (a new --output a/b/OUT) are removed again, when empty, if
-    the run leaves no `output` behind: a failed first run leaves the file system as it found it.
-    """
-    path = lock_path(output)
-    created = [p for p in (path.parent, *path.parent.parents) if not p.exists()]  # deepest first
-    while True:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except FileNotFoundError:  # another run's cleanup removed the empty parent just now
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "unknown"
-            os.close(fd)
-            pid, _, host = holder.partition("@")
-            where = f"pid {pid} on {host}" if host else f"pid {pid}"
-            raise OutputBusyError(
-                f"--output {output} is in use by another tsenor run ({where}); wait for it to finish "
-                "or choose another --output"
-            ) from None
-        try:
-            same = path.stat().st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
-    try:
-        # The holder's identity goes into the locked file itself (not an atomic replacement, which
-        # would be a different, unlocked file).
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}@{os.uname().nodename}\n".encode(), 0)
+    def busy(holder: str) -> OutputBusyError:
+        return OutputBusyError(
+            f"--output {output} is in use by another tsenor run ({holder}); wait for it to finish "
+            "or choose another --output"
+        )
+
+    with folder_lock(output, busy):
         yield
-    finally:
-        try:
-            path.unlink(missing_ok=True)
-        finally:
-            os.close(fd)  # releases the lock, whatever happened to the file
-        if not output.exists():
-            _remove_empty(created)
-
-
-def _remove_empty(folders: list[Path]) -> None:
-    """rmdir each folder, deepest first, stopping at the first that is not empty (another run's)."""
-    for folder in folders:
-        try:
-            folder.rmdir()
-        except OSError:
-            return
 
 
 def _existing_ancestor(path: Path) -> Path:

@@ -19,15 +19,17 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from tsenor_cli import settings
 from tsenor_cli.atomic import write_text
-from tsenor_cli.errors import TsenorError, UsageError
+from tsenor_cli.errors import OutputBusyError, OutputExistsError, TsenorError, UsageError
+from tsenor_cli.locks import folder_lock
 from tsenor_cli.settings import RunContext
 from tsenor_cli.sweep.job import RunJob, SweepTask, run_job
-from tsenor_cli.sweep.spec import RunSpec, SlurmOptions, SweepSpec
+from tsenor_cli.sweep.spec import TOP_KEYS, RunSpec, SlurmOptions, SweepSpec
 from tsenor_cli.sweep.status import (
     EVAL_FILE,
     MODEL_DIR,
@@ -39,6 +41,8 @@ from tsenor_cli.sweep.status import (
     Submission,
     collect,
     is_complete,
+    is_sweep_dir,
+    read_status,
     resolve,
     write_submission,
 )
@@ -158,6 +162,43 @@ def plan_sweep(
     return planned
 
 
+def check_sweep_folder(sweep_file: Path, directory: Path, *, force: bool) -> None:
+    """OutputExistsError (exit 4) unless `directory` is new, empty, or a folder of this same sweep; `force`
+    takes any folder over (its sweep.yaml is then replaced by `sweep_file`).
+
+    Same sweep: the recorded sweep.yaml holds the same base, axes, eval and name as `sweep_file` (its
+    comments and slurm options may differ: a sweep is rerun with a longer --time). A folder of runs
+    without sweep.yaml (made before `tsenor sweep`) is a sweep's too.
+    """
+    if force or not directory.is_dir():
+        return
+    recorded = directory / SWEEP_FILE
+    if recorded.is_file():
+        try:
+            old = yaml.safe_load(recorded.read_text()) or {}
+        except yaml.YAMLError:
+            old = None
+        new = yaml.safe_load(sweep_file.read_text()) or {}
+        if not isinstance(old, dict):
+            differ = ["its contents (not a sweep file)"]
+        else:
+            differ = [key for key in TOP_KEYS if key != "slurm" and old.get(key) != new.get(key)]
+        if differ:
+            raise OutputExistsError(
+                f"--output {directory} holds another sweep: its {SWEEP_FILE} differs from {sweep_file} in "
+                f"{', '.join(differ)}; pass --force to add this sweep's runs to it ({SWEEP_FILE} is replaced), "
+                "or choose another --output"
+            )
+        return
+    entries = sorted(p.name for p in directory.iterdir())
+    if entries and not is_sweep_dir(directory):
+        shown = ", ".join(entries[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
+        raise OutputExistsError(
+            f"--output {directory} holds files that are not a sweep's ({shown}); pass --force to add the "
+            "sweep's runs to it, or choose another --output"
+        )
+
+
 def prepare(directory: Path, todo: Sequence[PlannedRun], sweep_file: Path) -> list[Path]:
     """Write each run's recipe.yaml (the run prunes with --config it) → the run directories created here."""
     created = [p.job.run_dir for p in todo if not p.job.run_dir.exists()]
@@ -175,16 +216,60 @@ def record_sweep(sweep_file: Path, directory: Path) -> None:
     write_text(directory / SWEEP_FILE, sweep_file.read_text())
 
 
-def run_local(todo: Sequence[PlannedRun], echo: Callable[[str], None]) -> dict[str, str]:
-    """Run each in turn → {name: "done" | "failed"}; a signal stops the loop (`RunInterrupted`)."""
-    outcome = {}
+def run_local(
+    todo: Sequence[PlannedRun], echo: Callable[[str], None], covered_by: Callable[[Mapping[str, Any]], bool]
+) -> dict[str, str]:
+    """Run each in turn → {name: "done" | "failed" | "running"}; a signal stops the loop (`RunInterrupted`).
+
+    Several `tsenor sweep` processes may work on one folder at once: each run is claimed with the lock of
+    its directory (`locks.folder_lock`) and checked again under it (`_claim_and_run`), so no run is ever
+    run twice. A run another process holds is passed over and tried once more at the end; "running"
+    means it was still held then. covered_by: the sweep's `EvalSpec.covered_by` (when a run is done).
+    """
+    outcome: dict[str, str] = {}
+    held: list[PlannedRun] = []
     for i, planned in enumerate(todo, 1):
-        job = planned.job
-        echo(f"[{i}/{len(todo)}] {job.name}: {'evaluating' if job.dense else 'pruning and evaluating'} ({job.run_dir})")
-        start = time.perf_counter()
-        outcome[job.name] = run_job(job)
-        echo(f"[{i}/{len(todo)}] {job.name}: {outcome[job.name]} in {time.perf_counter() - start:.0f} s")
+        state = _claim_and_run(planned, f"[{i}/{len(todo)}]", echo, covered_by)
+        if state is None:
+            held.append(planned)
+        else:
+            outcome[planned.job.name] = state
+    for planned in held:  # the other process may have finished or died meanwhile
+        outcome[planned.job.name] = _claim_and_run(planned, "[again]", echo, covered_by) or "running"
     return outcome
+
+
+def _claim_and_run(
+    planned: PlannedRun, tag: str, echo: Callable[[str], None], covered_by: Callable[[Mapping[str, Any]], bool]
+) -> str | None:
+    """Run one planned run under its directory's lock → its state, or None when another process holds it.
+
+    Under the lock the run is looked at again: the plan was made when this sweep started, and another
+    sweep may have run it since (a later attempt in status.json): then it is done or failed there and
+    is not run again here. A run that other sweep left pending (interrupted) is continued.
+    """
+    job = planned.job
+
+    def busy(holder: str) -> OutputBusyError:
+        return OutputBusyError(holder)
+
+    try:
+        with folder_lock(job.run_dir, busy):
+            status = read_status(job.run_dir)
+            if is_complete(job.run_dir, covered_by, dense=job.dense):
+                echo(f"{tag} {job.name}: done by another sweep meanwhile; skipped")
+                return "done"
+            if status is not None and status.attempt > planned.view.attempt and status.state == "failed":
+                echo(f"{tag} {job.name}: failed in another sweep meanwhile ({status.error}); skipped")
+                return "failed"
+            echo(f"{tag} {job.name}: {'evaluating' if job.dense else 'pruning and evaluating'} ({job.run_dir})")
+            start = time.perf_counter()
+            state = run_job(job)
+            echo(f"{tag} {job.name}: {state} in {time.perf_counter() - start:.0f} s")
+            return state
+    except OutputBusyError as exc:
+        echo(f"{tag} {job.name}: running in another sweep ({exc}); passed over for now")
+        return None
 
 
 def check_slurm() -> None:
