@@ -197,10 +197,14 @@ def test_two_block_prune_verifies_loads_and_generates(
     idle = IDLE.get(family, set())
     statuses = {record.name: record for record in report.layers}
     expected = {structure.full_name(index, local) for index, names in enumerate(structure.linears) for local in names}
-    assert set(statuses) == expected
+    # Every linear has its record; the other matrices (Jamba's experts and router, Mamba's convolution)
+    # have theirs too: pruned, or left dense with the reason.
+    assert expected <= set(statuses)
     for name, record in statuses.items():
         block = int(name.removeprefix(f"{structure.blocks_name}.").split(".")[0])
-        if block in idle:
+        if name not in expected:
+            assert record.status == "pruned" or record.reason, name
+        elif block in idle:
             assert record.status == "skipped" and "never runs in the text-only forward" in str(record.reason)
         elif name.endswith(".dt_proj") and family in IGNORE:
             assert record.status == "ignored"
