@@ -223,8 +223,7 @@ class LayerRecord:
     """One prunable linear of the model, as the report shows it.
 
     name: full module name ("model.layers.3.mlp.down_proj"); status "pruned", "skipped" (with reason:
-    the pattern does not fit, or its block never runs on text) or "ignored" (with reason: left dense by
-    choice).
+    the pattern does not fit) or "ignored" (with reason: left dense by choice).
     recon_error: ‖X(Ŵ−W)ᵀ‖²/‖XWᵀ‖² on the calibration inputs the layer saw; gap: the solver's certified
     relative gap (transposable only); seconds: wall time of the method on this layer.
     """
