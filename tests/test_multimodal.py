@@ -231,6 +231,49 @@ def test_two_block_prune_verifies_loads_and_generates(
     assert torch.equal(generated[:, : prompt.shape[1]], prompt)
 
 
+@pytest.mark.parametrize("killed_after", [0, 1])
+def test_a_run_killed_around_the_skipped_block_resumes_to_the_same_checkpoint(
+    killed_after: int,
+    checkpoints: dict[str, Path],
+    calibration_text: Path,
+    pruned: dict[str, tuple[Path, PruneReport]],
+    tmp_path: Path,
+) -> None:
+    """Mllama killed before (after block 0) or after (after block 1) its skipped block: the resumed run
+    writes the uninterrupted run's weights and records."""
+    full, full_report = pruned["mllama"]
+
+    class Killed(RuntimeError):
+        pass
+
+    def kill(index: int) -> None:
+        if index == killed_after:
+            raise Killed
+
+    cfg = PruneConfig(
+        model=str(checkpoints["mllama"]),
+        layer=LayerPruneConfig(PATTERN),
+        method="sparsegpt",
+        calib_data=str(calibration_text),
+        nsamples=2,
+        seqlen=SEQ_LEN,
+        output=tmp_path / "resumed",
+    )
+    with pytest.raises(Killed):
+        prune_model(cfg, LOCAL_CTX, after_block=kill)
+    report = prune_model(cfg, LOCAL_CTX)
+    assert report.resumed_from_block == killed_after + 1
+    assert [(r.name, r.status, r.reason, r.recon_error) for r in report.layers] == [
+        (r.name, r.status, r.reason, r.recon_error) for r in full_report.layers
+    ]
+    expected, got = (
+        load_file(str(full / "model.safetensors")),
+        load_file(str(tmp_path / "resumed" / "model.safetensors")),
+    )
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[key], got[key]) for key in expected)
+
+
 def json_config(folder: Path) -> Any:
     from transformers import AutoConfig
 
