@@ -7,6 +7,9 @@ Each test is a row of the table in docs/reliability.md ("Input errors"). The CLI
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,9 +19,15 @@ from helpers_tiny import make_tiny_llama
 from safetensors.torch import load_file, save_file
 
 from tsenor_cli.cli import DEBUG_HINT, main
-from tsenor_cli.errors import BadInputError
+from tsenor_cli.errors import BadInputError, UsageError
+from tsenor_cli.pruning.api import plan_model
+from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.finite import first_non_finite
+from tsenor_cli.pruning.memory import check_fits
+from tsenor_cli.pruning.output import human_bytes
 from tsenor_cli.pruning.stats import reconstruction_error
+from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.settings import RunContext
 
 QPROJ = "model.layers.0.self_attn.q_proj.weight"
 
@@ -353,6 +362,87 @@ def test_capped_seqlen_is_announced(
     code, err = run_cli(argv, capsys)
     assert code == 0, err
     assert "--seqlen 4096 is longer than the model's 512 positions; calibrating with 512" in err
+
+
+# ---- issue 30 item 3: sizes that cannot fit ------------------------------------------------------------
+
+
+def test_sizes_that_cannot_fit_are_refused_before_any_allocation(
+    tiny: Path, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--nsamples 10^9 (tokens and activations of hundreds of TiB) is refused from the plan's own estimate,
+    dry run or not, with --no-resume-state too (the free-space error used to send users there), before the
+    process grows: it used to allocate 8 GB for half a minute and end in an unexpected RuntimeError."""
+    out = tmp_path / "out"
+    argv = [*prune_args(tiny, calib_file, out, "--nm", "2:4", "--no-resume-state")]
+    argv[argv.index("--nsamples") + 1] = "1000000000"
+    proc = subprocess.Popen([sys.executable, "-m", "tsenor_cli", *argv], stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    stderr = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 2, stderr
+    line = error_line(stderr)
+    assert line.startswith("error: --nsamples 1000000000 × --seqlen 32 needs about 15.4 TiB of host memory (model ")
+    assert line.endswith("are available; pass a smaller --nsamples or --seqlen (nothing was written)")
+    assert usage.ru_maxrss < 2 * 1024 * 1024  # KiB: the interpreter, torch and the tiny model, no calibration set
+    assert not out.exists()
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--dry-run"])
+    printed = capsys.readouterr()
+    assert exit_info.value.code == 2 and error_line(printed.err).split(", but ")[0] == line.split(", but ")[0]
+    assert "estimated memory: host 15.4 TiB (model " in printed.out  # the plan is printed first
+
+
+def test_host_and_device_estimates_by_hand(tiny: Path, data_ctx: RunContext) -> None:
+    """The plan's host estimate of the tiny LLaMA (hidden 64, fp32, 2 blocks) at 4 × 32 tokens, and the
+    verdicts against given limits: host first, then the device with the fix that applies."""
+    cfg = PruneConfig(
+        model=str(tiny),
+        layer=LayerPruneConfig(pattern=SparsityPattern.from_nm(2, 4, transposable=True)),
+        method="sparsegpt",
+        nsamples=4,
+        seqlen=32,
+    )
+    plan = plan_model(cfg, data_ctx)
+    host = plan.host_memory
+    assert host.model == plan.params * 4
+    assert host.tokens == 2 * 4 * 32 * 8  # int64 ids and the index that cuts them
+    assert host.activations == 2 * 4 * 32 * 64 * 4  # (S, T, H) in and out, on the CPU
+    (device,) = plan.device_memory
+    assert host.work == device.statistics + device.workspace
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+
+    def verdict(
+        device: torch.device, host_available: int, device_total: int | None, offload: bool = False, processes: int = 1
+    ) -> str:
+        try:
+            check_fits(
+                host,
+                plan.device_bytes,
+                device,
+                nsamples=4,
+                seqlen=32,
+                offload_activations=offload,
+                processes=processes,
+                host_available=host_available,
+                device_total=device_total,
+            )
+        except UsageError as exc:
+            return str(exc)
+        return "fits"
+
+    assert verdict(cpu, host.total, None) == "fits"
+    assert verdict(cpu, host.total - 1, None).startswith("--nsamples 4 × --seqlen 32 needs about ")
+    assert verdict(cpu, 2 * host.total, None, processes=2) == "fits"
+    assert "in each of 2 processes" in verdict(cpu, 2 * host.total - 1, None, processes=2)
+    assert verdict(cuda, host.total, plan.device_bytes) == "fits"
+    small = verdict(cuda, host.total, plan.device_bytes - 1)
+    assert small.startswith(f"--nsamples 4 × --seqlen 32 needs about {human_bytes(plan.device_bytes)} of cuda memory")
+    assert small.endswith("pass a smaller --nsamples or --seqlen, or --offload-activations (nothing was written)")
+    assert "--offload-activations" not in verdict(cuda, host.total, plan.device_bytes - 1, offload=True)
 
 
 # ---- the earlier cases of the table ------------------------------------------------------------------------

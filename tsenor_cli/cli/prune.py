@@ -68,11 +68,23 @@ CONFIG_KEYS: dict[str, type] = {
 }
 
 
-def _plan_verdict(plan: PrunePlan, cfg: PruneConfig) -> None:
-    """After the plan is printed: the run's own compatibility error (its exit code too) when the run would
-    stop on an incompatible layer or have nothing to prune, so a dry run fails where the run would."""
+def _plan_verdict(plan: PrunePlan, cfg: PruneConfig, processes: int) -> None:
+    """After the plan is printed: the run's own error (its exit code too) when the run would not fit in
+    memory (`processes` of it on this machine), stop on an incompatible layer or have nothing to prune,
+    so a dry run fails where the run would."""
+    from tsenor_cli.models.loading import resolve_device
     from tsenor_cli.pruning.engine import check_compatibility
+    from tsenor_cli.pruning.memory import check_fits
 
+    check_fits(
+        plan.host_memory,
+        plan.device_bytes,
+        resolve_device(plan.device),
+        nsamples=cfg.nsamples,
+        seqlen=plan.seqlen,
+        offload_activations=cfg.offload_activations,
+        processes=processes,
+    )
     candidates = [s for s in plan.slots if s.full_name not in plan.ignored]
     check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)
 
@@ -330,10 +342,11 @@ def prune_cmd(
     if dry_run:
         from tsenor_cli.pruning.api import plan_model
 
-        plan = plan_model(cfg, run_ctx, world_size=max(nproc, run_ctx.distributed.world_size))
+        processes = max(nproc, run_ctx.distributed.world_size)
+        plan = plan_model(cfg, run_ctx, world_size=processes)
         if as_json:
             typer.echo(json.dumps(plan.to_dict(), indent=2))
-            _plan_verdict(plan, cfg)
+            _plan_verdict(plan, cfg, processes)
             return
         typer.echo(
             f"plan: {cfg.method} {cfg.pattern.label} ({cfg.pattern.kind}) on {plan.model} "
@@ -348,8 +361,9 @@ def prune_cmd(
             if slot.full_name in plan.ignored:
                 verdict = "ignored: " + plan.ignored[slot.full_name]
             typer.echo(f"{slot.full_name:<44} {shape:>13}  {verdict}")
+        host = plan.host_memory
         typer.echo(
-            f"estimated memory: CPU {human_bytes(plan.cpu_bytes)} (model"
+            f"estimated memory: host {human_bytes(host.total)} ({host.describe()}"
             + (", in each process)" if len(plan.device_memory) > 1 else ")")
             + f", {plan.device} {human_bytes(plan.device_bytes)} peak"
             + (" per process" if len(plan.device_memory) > 1 else "")
@@ -361,7 +375,7 @@ def prune_cmd(
                 f"+ activations {human_bytes(estimate.activations)} + statistics {human_bytes(estimate.statistics)} "
                 f"+ workspace {human_bytes(estimate.workspace)}"
             )
-        _plan_verdict(plan, cfg)
+        _plan_verdict(plan, cfg, processes)
         return
 
     if nproc > 1:

@@ -32,6 +32,7 @@ from tsenor_cli.pruning.engine import (
     run_block,
 )
 from tsenor_cli.pruning.finite import check_finite
+from tsenor_cli.pruning.memory import HostEstimate, check_fits, host_estimate
 from tsenor_cli.pruning.output import (
     check_free_space,
     check_not_input,
@@ -167,6 +168,15 @@ def prune_model(
                     check_output_location(output)
                 plan = plan_model(cfg, ctx, progress=say)
                 check_not_input(output, plan.source)
+                # Before the lock and the free-space check: a run that cannot fit allocates nothing.
+                check_fits(
+                    plan.host_memory,
+                    plan.device_bytes,
+                    device,
+                    nsamples=cfg.nsamples,
+                    seqlen=plan.seqlen,
+                    offload_activations=cfg.offload_activations,
+                )
             # Only rank 0 touches the output folder: it alone holds the lock and writes every file.
             with output_lock(output) if team.is_root else contextlib.nullcontext():
                 state: ResumeState | None = None
@@ -538,7 +548,7 @@ class PrunePlan:
     checkpoint_bytes: the pruned checkpoint's weights; resume_bytes: the most the resume state holds at
     once (every block's parameters and two (S, T, H) hidden-state files while one replaces the other).
     device_memory: the peak device memory of each rank (one for a single process); device_bytes: the
-    largest of them.
+    largest of them; host_memory: the peak host memory of one process (`memory.HostEstimate`).
     """
 
     model: str
@@ -559,6 +569,7 @@ class PrunePlan:
     blocks: int
     checkpoint_bytes: int
     resume_bytes: int
+    host_memory: HostEstimate
 
     @property
     def device_bytes(self) -> int:
@@ -587,6 +598,7 @@ class PrunePlan:
             "nsamples": self.nsamples,
             "params": self.params,
             "estimated_cpu_bytes": self.cpu_bytes,
+            "estimated_host_bytes_per_process": self.host_memory.to_dict(),
             "estimated_device_bytes": self.device_bytes,
             "estimated_device_bytes_per_rank": [estimate.to_dict() for estimate in self.device_memory],
             "estimated_checkpoint_bytes": self.checkpoint_bytes,
@@ -652,6 +664,17 @@ def plan_model(
         offload_activations=cfg.offload_activations,
         sequential=cfg.sequential,
     )
+    host = host_estimate(
+        memory[0],  # shard_bounds gives rank 0 the most samples
+        device=device,
+        params=params,
+        nsamples=cfg.nsamples,
+        seqlen=seqlen,
+        hidden_size=hidden,
+        width=width,
+        rows=-(-cfg.nsamples // len(memory)),
+        offload_activations=cfg.offload_activations,
+    )
     return PrunePlan(
         model=cfg.model,
         method=cfg.method,
@@ -671,4 +694,5 @@ def plan_model(
         blocks=len(structure),
         checkpoint_bytes=params * width,
         resume_bytes=sum(per_block) * width + 2 * cfg.nsamples * seqlen * hidden * width,
+        host_memory=host,
     )
