@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +277,42 @@ def test_another_sweep_file_into_a_sweep_folder_needs_force(tmp_path: Path) -> N
     (notes / "todo.txt").write_text("not a sweep")
     refused = _invoke(["sweep", str(other), "--output", str(notes), "--dry-run"])
     assert refused.exit_code == 4 and "holds files that are not a sweep's (todo.txt)" in str(refused.exception)
+
+
+def test_a_grid_above_max_runs_is_refused_and_the_dry_run_streams(tmp_path: Path) -> None:
+    """More than --max-runs points (10,000 by default) is refused with one line naming the count and the
+    flag, before any run is built; a dry run of a large grid keeps no per-run objects: its memory grows by
+    about a name and a line of output per run (it was 1.6 KB per run: 1.6 GB for a million)."""
+    axes = {"seed": list(range(101)), "nsamples": list(range(1, 101))}
+    big = _write(tmp_path / "big.yaml", {"base": {"model": "m", "nm": "2:4"}, "axes": axes})
+    out = tmp_path / "out"
+    refused = _invoke(["sweep", str(big), "--output", str(out), "--dry-run"])
+    assert refused.exit_code == 2
+    assert str(refused.exception) == (
+        f"{big} defines 10100 runs, more than --max-runs 10000; shorten its axes, or pass --max-runs 10100 "
+        "to run them all"
+    )
+    assert not out.exists()
+    assert "more than --max-runs 99" in str(_invoke(["sweep", str(big), "-o", str(out), "--max-runs", "99"]).exception)
+
+    def peak(seeds: int) -> int:
+        grid = _write(tmp_path / f"g{seeds}.yaml", {"base": {"model": "m", "nm": "2:4"}, "axes": {
+            "seed": list(range(seeds)), "nsamples": list(range(1, 11))}})  # fmt: skip
+        tracemalloc.start()
+        try:
+            result = _invoke(["sweep", str(grid), "--output", str(out), "--dry-run"])
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert (
+            result.exit_code == 0
+            and result.output.splitlines()[-1] == f"{10 * seeds} runs: 0 done, {10 * seeds} to run"
+        )
+        assert len(result.output.splitlines()) == 10 * seeds + 2  # a header, a line per run, the summary
+        return peak
+
+    peak(3)  # imports and caches of a first dry run
+    assert peak(300) - peak(30) < 400 * (3000 - 300)
 
 
 # --- run states ----------------------------------------------------------------------------------------
