@@ -13,7 +13,10 @@ from typer.testing import CliRunner
 from tsenor_cli.cli import app, reference
 from tsenor_cli.progress import logger
 
-SHARED = ("--device", "--dtype", "--output", "--force", "--json", "--ppl", "--max-windows", "--data-dir", "--offline")
+SHARED = (
+    "--device", "--dtype", "--output", "--force", "--json", "--ppl", "--max-windows", "--data-dir", "--offline",
+    "--trust-remote-code",
+)  # fmt: skip
 PACKAGE = Path(__file__).resolve().parents[1] / "tsenor_cli"
 
 

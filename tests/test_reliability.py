@@ -6,6 +6,7 @@ Each test is a row of the table in docs/reliability.md ("Input errors"). The CLI
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -362,6 +363,83 @@ def test_capped_seqlen_is_announced(
     code, err = run_cli(argv, capsys)
     assert code == 0, err
     assert "--seqlen 4096 is longer than the model's 512 positions; calibrating with 512" in err
+
+
+# ---- issue 30 item 5: models that need their own code ----------------------------------------------------
+
+CUSTOM_CONFIG = (
+    "from transformers import LlamaConfig\n\n\nclass TinyConfig(LlamaConfig):\n    model_type = 'tsenor_tiny'\n"
+)
+CUSTOM_MODEL = (
+    "from transformers import LlamaForCausalLM\n\nfrom .configuration_tiny import TinyConfig\n\n\n"
+    "class TinyForCausalLM(LlamaForCausalLM):\n    config_class = TinyConfig\n"
+)
+
+
+def with_own_code(src: Path, dst: Path, *, code: bool) -> Path:
+    """A copy of checkpoint `src` whose config.json names model code of its own (model type `tsenor_tiny`,
+    unknown to transformers, and an auto_map); `code`: the two modules it names are there (a LLaMA under
+    another name), else missing."""
+    folder = copy_checkpoint(src, dst)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "tsenor_tiny"
+    config["auto_map"] = {
+        "AutoConfig": "configuration_tiny.TinyConfig",
+        "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    if code:
+        (folder / "configuration_tiny.py").write_text(CUSTOM_CONFIG)
+        (folder / "modeling_tiny.py").write_text(CUSTOM_MODEL)
+    return folder
+
+
+def test_a_model_that_needs_its_own_code_is_one_line_naming_trust_remote_code(
+    tiny: Path, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --trust-remote-code a checkpoint with its own code (config.json auto_map) is refused by
+    prune (dry run too), eval and finetune with one line naming the flag (was "unexpected ValueError" and a
+    hub URL made of the folder); with the flag but without the code files, the missing file is named; a
+    model type transformers does not know and no code is exit 5. With the code and the flag the model is
+    pruned, and its checkpoint (which carries the code) fine-tuned."""
+    missing = with_own_code(tiny, tmp_path / "missing", code=False)
+    out = tmp_path / "out"
+    needs = (
+        f"error: {missing} needs its own model code (configuration_tiny.TinyConfig, from config.json's auto_map); "
+        "pass --trust-remote-code to run it, if you trust that code"
+    )
+    for argv in (
+        prune_args(missing, calib_file, out, "--nm", "2:4"),
+        prune_args(missing, calib_file, out, "--nm", "2:4", "--dry-run"),
+        ["eval", "--model", str(missing), "--ppl", "none", "--tasks", "piqa", "--output", str(out)],
+    ):
+        code, err = run_cli(argv, capsys)
+        assert (code, error_line(err)) == (2, needs), argv
+    code, err = run_cli(prune_args(missing, calib_file, out, "--nm", "2:4", "--trust-remote-code"), capsys)
+    assert code == 3
+    assert error_line(err) == (
+        f"error: {missing}: config.json's auto_map names configuration_tiny.TinyConfig, but {missing} has no "
+        "configuration_tiny.py; copy the model's code files into the checkpoint folder"
+    )
+    unknown = copy_checkpoint(tiny, tmp_path / "unknown")
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "tsenor_tiny"}))
+    code, err = run_cli(prune_args(unknown, calib_file, out, "--nm", "2:4", "--trust-remote-code"), capsys)
+    assert code == 5 and "model type 'tsenor_tiny' is unknown to transformers" in error_line(err)
+    assert not out.exists()
+
+    custom = with_own_code(tiny, tmp_path / "custom", code=True)
+    code, err = run_cli(prune_args(custom, calib_file, out, "--nm", "2:4", "--trust-remote-code"), capsys)
+    assert code == 0, err
+    assert (out / "modeling_tiny.py").is_file()  # save_pretrained keeps the model's code with the checkpoint
+    tuned = tmp_path / "tuned"
+    finetune = ["finetune", str(out), "--output", str(tuned), "--data", str(calib_file), "--seqlen", "16"]
+    finetune += ["--max-steps", "1", "--batch-size", "1", "--ppl", "none", "--save-every", "0"]
+    code, err = run_cli(finetune, capsys)
+    assert code == 2 and error_line(err) == needs.replace(str(missing), str(out))
+    code, err = run_cli([*finetune, "--trust-remote-code"], capsys)
+    assert code == 0, err
+    assert json.loads((tuned / "config.json").read_text())["model_type"] == "tsenor_tiny"
 
 
 # ---- issue 30 item 3: sizes that cannot fit ------------------------------------------------------------

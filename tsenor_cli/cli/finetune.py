@@ -22,6 +22,7 @@ from tsenor_cli.cli.options import (
     OutputDirOpt,
     PplOpt,
     TasksOpt,
+    TrustRemoteCodeOpt,
 )
 from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.finetune.data import NAMED_DATA
@@ -88,6 +89,7 @@ def finetune_cmd(
         1.0, "--distill-temperature", help="Softmax temperature of the distillation loss (needs --teacher)."
     ),
     device: DeviceOpt = DEVICE,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     as_json: JsonOpt = False,
     data_dir: DataDirOpt = None,
     offline: OfflineOpt = False,
@@ -116,6 +118,7 @@ def finetune_cmd(
         eval_every=eval_every,
         save_every=save_every,
         device=device,
+        trust_remote_code=trust_remote_code,
         teacher=teacher,
         distill_weight=distill_weight,
         distill_temperature=distill_temperature,

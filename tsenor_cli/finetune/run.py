@@ -67,6 +67,7 @@ class FinetuneConfig:
     perplexity of `ppl_datasets` every K steps to the curve (0: before and after only). save_every K > 0
     writes Trainer's checkpoint every K steps into OUTPUT/.tsenor-resume/ (0: never; then `resume`
     has nothing to continue from). device: cpu or cuda (Trainer's; under torchrun, each rank's GPU).
+    trust_remote_code: run the checkpoint's (and the teacher's) own model code (config.json auto_map).
     """
 
     run_dir: Path
@@ -87,6 +88,7 @@ class FinetuneConfig:
     eval_every: int = 0
     save_every: int = 100
     device: str = "cpu"
+    trust_remote_code: bool = False
     teacher: str | None = None
     distill_weight: float = 1.0
     distill_temperature: float = 1.0
@@ -221,12 +223,20 @@ def last_complete_checkpoint(state_dir: Path, say: Progress) -> Path | None:
     return None
 
 
-def _load_teacher(name: str, bf16: bool, ctx: RunContext, student: Any, device: Any, say: Progress) -> Any:
-    """The frozen dense teacher `name` (`--teacher`) on the training device (bf16 under --bf16, else fp32)."""
+def _load_teacher(cfg: FinetuneConfig, ctx: RunContext, student: Any, device: Any, say: Progress) -> Any:
+    """The frozen dense teacher (`--teacher`) on the training device (bf16 under --bf16, else fp32)."""
     from tsenor_cli.models.loading import load_model
 
+    name = str(cfg.teacher)
     say(f"loading the teacher {name}")
-    teacher = load_model(name, ctx, dtype=torch.bfloat16 if bf16 else torch.float32, device=device, progress=say)
+    teacher = load_model(
+        name,
+        ctx,
+        dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+        device=device,
+        trust_remote_code=cfg.trust_remote_code,
+        progress=say,
+    )
     check_teacher(student, teacher, name)
     return teacher.model
 
@@ -341,7 +351,9 @@ def _train(
 
         validate_tasks(cfg.tasks)
     saved_dtype = _checkpoint_dtype(cfg.run_dir)
-    loaded = load_model(str(cfg.run_dir), ctx, dtype=torch.float32, device="cpu", progress=say)
+    loaded = load_model(
+        str(cfg.run_dir), ctx, dtype=torch.float32, device="cpu", trust_remote_code=cfg.trust_remote_code, progress=say
+    )
     if loaded.max_positions is not None and cfg.seqlen > loaded.max_positions:
         raise UsageError(
             f"--seqlen {cfg.seqlen} exceeds the model's max_position_embeddings {loaded.max_positions}; "
@@ -366,7 +378,7 @@ def _train(
     say(f"training data: {text.description}")
     teacher = None
     if cfg.teacher is not None:
-        teacher = _load_teacher(cfg.teacher, cfg.bf16, ctx, loaded, args.device, say)
+        teacher = _load_teacher(cfg, ctx, loaded, args.device, say)
     model = loaded.model.to(args.device)
     fixed = FixedMask(model, masks)
     main = args.process_index == 0

@@ -619,25 +619,13 @@ def plan_model(
     linears at once: exact without --sequential, an upper bound with it. world_size: the processes
     the device memory is estimated for (default: this run's, `ctx.distributed`).
     """
-    from transformers import AutoConfig
-
-    from tsenor_cli.models.loading import hub_error, meta_model, resolve_source
+    from tsenor_cli.models.loading import meta_model, read_config, resolve_source
     from tsenor_cli.models.structure import discover_structure
 
     dtype, device = _dtype_and_device(cfg, ctx)
     source, is_local = resolve_source(cfg.model, ctx, progress=progress)
-    try:
-        config = AutoConfig.from_pretrained(
-            source, trust_remote_code=cfg.trust_remote_code, local_files_only=ctx.offline
-        )
-    except OSError as exc:
-        if not is_local:  # the same line as load_model's for a hub id that cannot be had
-            raise hub_error(cfg.model, ctx) from exc
-        from tsenor_cli.errors import InputNotFoundError
-
-        raise InputNotFoundError(
-            f"cannot read the config of {cfg.model} ({exc}); pass a local checkpoint directory"
-        ) from exc
+    # load_model's own reading, so the plan fails with the run's line
+    config = read_config(cfg.model, source, is_local, ctx, trust_remote_code=cfg.trust_remote_code)
     model = meta_model(config, trust_remote_code=cfg.trust_remote_code)
     structure = discover_structure(model)
     slots = linear_slots(structure)
