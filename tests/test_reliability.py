@@ -365,6 +365,42 @@ def test_capped_seqlen_is_announced(
     assert "--seqlen 4096 is longer than the model's 512 positions; calibrating with 512" in err
 
 
+# ---- issue 30 item 6: the smaller cases ------------------------------------------------------------------
+
+
+def test_a_folder_without_weights_names_the_weights(
+    tiny: Path, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder with config.json and the tokenizer but no weights: the weights are named (was a
+    tokenizer error), before the tokenizer is read."""
+    bare = copy_checkpoint(tiny, tmp_path / "bare", skip=("model.safetensors",))
+    expected = (
+        f"error: {bare} has no weight files (*.safetensors or pytorch_model*.bin); copy the checkpoint's "
+        "weights into it, or pass the folder that holds them"
+    )
+    for argv in (
+        prune_args(bare, calib_file, tmp_path / "out", "--nm", "2:4"),
+        ["eval", "--model", str(bare), "--ppl", "none", "--tasks", "piqa"],
+    ):
+        code, err = run_cli(argv, capsys)
+        assert (code, error_line(err)) == (3, expected), argv
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the line for a machine without CUDA")
+def test_nproc_with_a_missing_cuda_device_prints_its_line_once(tiny: Path, calib_file: Path, tmp_path: Path) -> None:
+    """--nproc 2 --device cuda on a CPU machine: the launching process refuses the device before any rank
+    starts (every rank used to print the same line)."""
+    argv = prune_args(tiny, calib_file, tmp_path / "out", "--nm", "2:4", "--nproc", "2", "--device", "cuda")
+    proc = subprocess.run([sys.executable, "-m", "tsenor_cli", *argv], capture_output=True, text=True, check=False)
+    assert proc.returncode == 2
+    assert error_line(proc.stderr) == "error: device 'cuda' requested but no CUDA device is available; use --device cpu"
+
+
+def test_tsenor_alone_prints_its_help_ending_with_a_newline(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_cli([], capsys)
+    assert code == 2 and err.startswith("Usage: ") and err.endswith("\n") and not err.endswith("\n\n")
+
+
 # ---- issue 30 item 5: models that need their own code ----------------------------------------------------
 
 CUSTOM_CONFIG = (

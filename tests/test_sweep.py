@@ -245,6 +245,16 @@ def test_flags_override_the_sweep_files_slurm_options(tmp_path: Path) -> None:
     assert params["additional_parameters"] == {"constraint": "x", "qos": "high"}
 
 
+def test_an_output_that_is_a_file_is_exit_4_as_for_prune(tmp_path: Path) -> None:
+    sweep = _write(tmp_path / "s.yaml", {"base": {"model": "m", "nm": "2:4"}})
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    result = _invoke(["sweep", str(sweep), "--output", str(taken), "--dry-run"])
+    assert (
+        result.exit_code == 4 and str(result.exception) == f"--output {taken} is a file; pass a directory for the sweep"
+    )
+
+
 def test_another_sweep_file_into_a_sweep_folder_needs_force(tmp_path: Path) -> None:
     """A folder keeps the sweep it was made from: another grid (base, axes, eval, name) is refused with one
     line and exit 4, writing nothing, unless --force; comments and slurm options may change."""

@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if not message.strip() or "\n" in message:
             # no_args_is_help: a bare command group's "error" is its help, which rich has printed already
             # (the message is then empty) or which is the message itself.
-            typer.echo(message, err=True, nl=False)
+            typer.echo(message, err=True, nl=not message.endswith("\n"))
         else:
             typer.echo(f"error: {_usage_line(exc)}", err=True)
         sys.exit(exc.exit_code)

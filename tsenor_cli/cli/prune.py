@@ -379,11 +379,15 @@ def prune_cmd(
         return
 
     if nproc > 1:
-        if cfg.nsamples < nproc:  # checked here too, so the line comes once and not from every process
+        # Checked here too, so the line comes once and not from every process.
+        if cfg.nsamples < nproc:
             raise UsageError(
                 f"--nsamples {cfg.nsamples} is fewer than --nproc {nproc}; pass at least one calibration "
                 "sample per process"
             )
+        from tsenor_cli.models.loading import resolve_device
+
+        resolve_device(cfg.device)
         _launch(ctx, nproc)
         return
 

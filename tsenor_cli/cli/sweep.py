@@ -13,7 +13,7 @@ from typer.core import TyperGroup
 
 from tsenor_cli.cli import app, run_context
 from tsenor_cli.cli.options import DataDirOpt, ForceOpt, JsonOpt, OfflineOpt, OutputDirOpt
-from tsenor_cli.errors import UsageError
+from tsenor_cli.errors import OutputExistsError, UsageError
 from tsenor_cli.sweep.spec import MAX_RUNS, SlurmOptions, parse_time
 from tsenor_cli.sweep.status import RunView
 
@@ -166,7 +166,7 @@ def sweep_run(
         sbatch_opt,
     )
     if output.exists() and not output.is_dir():
-        raise UsageError(f"--output {output} is a file; pass a directory for the sweep")
+        raise OutputExistsError(f"--output {output} is a file; pass a directory for the sweep")
     if wait and executor is not Executor.slurm:
         raise UsageError("--wait applies to --executor slurm (the local executor always waits); drop it")
     directory = output.resolve()

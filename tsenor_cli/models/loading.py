@@ -203,9 +203,18 @@ def read_config(name: str, source: str, is_local: bool, ctx: RunContext, *, trus
         ) from exc
 
 
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+
 def check_weight_files(folder: Path) -> None:
-    """Refuse a truncated or corrupt *.safetensors file of a local checkpoint by its header alone
-    (safetensors checks that the header's offsets cover the file), before any weight is read."""
+    """Refuse a local checkpoint without weight files (a folder holding config.json only), and a
+    truncated or corrupt *.safetensors file by its header alone (safetensors checks that the header's
+    offsets cover the file), before the tokenizer or any weight is read."""
+    if not any(any(folder.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        raise InputNotFoundError(
+            f"{folder} has no weight files ({' or '.join(WEIGHT_PATTERNS)}); copy the checkpoint's weights "
+            "into it, or pass the folder that holds them"
+        )
     for file in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(str(file), framework="pt"):
