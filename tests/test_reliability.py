@@ -401,6 +401,20 @@ def test_tsenor_alone_prints_its_help_ending_with_a_newline(capsys: pytest.Captu
     assert code == 2 and err.startswith("Usage: ") and err.endswith("\n") and not err.endswith("\n\n")
 
 
+def test_quiet_silences_the_libraries_progress_bars_too(tiny: Path, calib_file: Path, tmp_path: Path) -> None:
+    """`tsenor -q prune` writes nothing on stderr: neither tsenor's progress lines nor transformers'
+    "Loading weights" bar, which a plain run shows (on a pipe too)."""
+
+    def stderr(*root: str, out: str) -> str:
+        argv = [*root, *prune_args(tiny, calib_file, tmp_path / out, "--nm", "2:4")]
+        proc = subprocess.run([sys.executable, "-m", "tsenor_cli", *argv], capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stderr
+
+    assert "Loading weights" in stderr(out="plain")
+    assert stderr("-q", out="quiet") == ""
+
+
 # ---- issue 30 item 5: models that need their own code ----------------------------------------------------
 
 CUSTOM_CONFIG = (

@@ -19,7 +19,7 @@ import typer
 
 from tsenor_cli import __version__, settings
 from tsenor_cli.errors import DEBUG_HINT, EXIT_SIGINT, Interrupted, PeerError, TsenorError, one_line
-from tsenor_cli.progress import configure_logging
+from tsenor_cli.progress import configure_logging, quiet_libraries
 from tsenor_cli.settings import RunContext
 
 app = typer.Typer(
@@ -62,6 +62,8 @@ def _root(
     if verbose and quiet:
         raise typer.BadParameter("pass at most one of --verbose and --quiet")
     configure_logging(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
+    if quiet:
+        quiet_libraries()
 
 
 def run_context(ctx: typer.Context, data_dir: Path | None, offline: bool) -> RunContext:
