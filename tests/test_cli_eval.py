@@ -102,6 +102,24 @@ def test_eval_writes_eval_json(
     assert "c4" in forced.stdout and "ppl" in forced.stdout  # the human table
 
 
+def test_eval_writes_beside_a_checkpoint_and_replaces_only_its_eval_json_with_force(tiny: Path, tmp_path: Path) -> None:
+    """--output may be a folder with other files (`tsenor eval --model OUT --output OUT` after a prune):
+    eval.json is added and nothing else touched; what --force guards is eval.json (its help says so)."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("kept")
+    args = ["--model", str(tiny), "--ppl", "wikitext2", "--seqlen", "32", "--max-windows", "1", "--output", str(folder)]
+    assert invoke(args).exit_code == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["eval.json", "notes.txt"]
+    again = invoke(args)
+    assert isinstance(again.exception, OutputExistsError)
+    assert (
+        str(again.exception)
+        == f"{folder / 'eval.json'} already exists; pass --force to overwrite it or choose another --output"
+    )
+    assert invoke([*args, "--force"]).exit_code == 0 and (folder / "notes.txt").read_text() == "kept"
+
+
 def test_seqlen_default_capped_by_model(tiny: Path) -> None:
     result = invoke(["--model", str(tiny), "--ppl", "ptb", "--max-windows", "1", "--json"])
     assert result.exit_code == 0, result.output

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from tsenor_cli.cli import app, command_line, run_context
+from tsenor_cli.cli import Command, app, command_line, run_context
 from tsenor_cli.cli.evaluate import parse_limit, parse_list, parse_ppl_datasets
 from tsenor_cli.cli.options import (
     DEVICE,
@@ -57,7 +57,7 @@ def summary(report: FinetuneReport) -> str:
     return "\n".join(lines)
 
 
-@app.command("finetune")
+@app.command("finetune", cls=Command)
 def finetune_cmd(
     ctx: typer.Context,
     run_dir: Path = typer.Argument(..., help="Checkpoint folder written by tsenor prune (its --output)."),

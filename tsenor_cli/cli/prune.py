@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from tsenor_cli.cli import app, command_line, run_context
+from tsenor_cli.cli import Command, app, command_line, run_context
 from tsenor_cli.cli.options import (
     DEVICE,
     DTYPE,
@@ -217,7 +217,7 @@ def build_config(values: dict[str, Any], *, force: bool, resume: bool, command: 
     )
 
 
-@app.command("prune")
+@app.command("prune", cls=Command)
 def prune_cmd(
     ctx: typer.Context,
     model: str | None = typer.Option(
@@ -251,10 +251,14 @@ def prune_cmd(
     ignore: list[str] | None = typer.Option(
         None,
         "--ignore",
+        metavar="<pattern>",
         help="Leave matching linears dense (repeatable): glob on full names ('*.mlp.down_proj') or 're:REGEX'.",
     ),
     targets: list[str] | None = typer.Option(
-        None, "--targets", help="Prune only matching linears (repeatable): glob on full names or 're:REGEX'."
+        None,
+        "--targets",
+        metavar="<pattern>",
+        help="Prune only matching linears (repeatable): glob on full names or 're:REGEX'.",
     ),
     output: OutputDirOpt = None,
     force: ForceOpt = False,

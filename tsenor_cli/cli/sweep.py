@@ -11,7 +11,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from tsenor_cli.cli import app, run_context
+from tsenor_cli.cli import Command, app, run_context
 from tsenor_cli.cli.options import DataDirOpt, ForceOpt, JsonOpt, OfflineOpt, OutputDirOpt
 from tsenor_cli.errors import OutputExistsError, UsageError
 from tsenor_cli.sweep.spec import MAX_RUNS, SlurmOptions, parse_time
@@ -99,7 +99,7 @@ def _slurm_options(spec_options: SlurmOptions, flags: dict[str, Any], sbatch_opt
     return replace(spec_options, **changes)
 
 
-@sweep_app.command("run")
+@sweep_app.command("run", cls=Command)
 def sweep_run(
     ctx: typer.Context,
     sweep_file: Path = typer.Argument(..., help="Sweep file (YAML): base, axes, eval, optional name and slurm."),
@@ -118,7 +118,9 @@ def sweep_run(
     cpus_per_task: int | None = typer.Option(None, "--cpus-per-task", help="CPUs per run."),
     mem: str | None = typer.Option(None, "--mem", help="Memory per run, e.g. 32G."),
     array_parallelism: int | None = typer.Option(None, "--array-parallelism", help="Runs at the same time."),
-    sbatch_opt: list[str] = typer.Option([], "--sbatch-opt", help="Extra sbatch option KEY=VALUE (repeatable)."),
+    sbatch_opt: list[str] = typer.Option(
+        [], "--sbatch-opt", metavar="<key=value>", help="Extra sbatch option KEY=VALUE (repeatable)."
+    ),
     max_runs: int = typer.Option(
         MAX_RUNS, "--max-runs", min=1, help="Refuse a grid of more runs than this (a guard against a mistyped axis)."
     ),
@@ -230,7 +232,7 @@ def sweep_run(
         )
 
 
-@sweep_app.command("status")
+@sweep_app.command("status", cls=Command)
 def sweep_status(
     directory: Path = typer.Argument(..., help="A sweep folder (the --output of tsenor sweep)."),
     as_json: JsonOpt = False,
