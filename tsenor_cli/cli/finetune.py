@@ -127,6 +127,10 @@ def finetune_cmd(
         command=command_line(),
     )
     from tsenor_cli.finetune.run import finetune
+    from tsenor_cli.interrupt import stop_on_signals
 
-    report = finetune(cfg, run_ctx)
+    # As for prune: SIGTERM/SIGUSR1/SIGUSR2 finish the step in hand and save it, Ctrl-C stops at once;
+    # both end in one line saying what was saved (exit 75 / 130).
+    with stop_on_signals() as stop:
+        report = finetune(cfg, run_ctx, stop=stop)
     typer.echo(json.dumps(report.to_json(), indent=2) if as_json else summary(report))
