@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_cli import invoke
 from helpers_tiny import LOCAL_CTX, make_tiny_llama
 from safetensors.torch import load_file, save_file
 from torch import nn
-from typer.testing import CliRunner
 
-from tsenor_cli.cli import app
 from tsenor_cli.errors import Interrupted, TsenorError
 from tsenor_cli.finetune.callback import FixedMask
 from tsenor_cli.finetune.run import FinetuneConfig, finetune, last_complete_checkpoint
@@ -62,14 +61,6 @@ def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("text") / "repeat.txt"
     path.write_text(TEXT * 60)  # ~1k tokens: a few dozen 32-token windows of the same sentence
     return path
-
-
-def _invoke(args: list[str]) -> object:
-    """Run the CLI as the console script does: known errors become their exit code."""
-    result = CliRunner().invoke(app, args)
-    if isinstance(result.exception, TsenorError):
-        result.exit_code = result.exception.exit_code  # what main() would exit with
-    return result
 
 
 def _config(pruned: Path, output: Path, text_file: Path, **overrides: object) -> FinetuneConfig:
@@ -151,8 +142,8 @@ def test_finetune_cli_keeps_the_mask_and_lowers_the_loss(pruned: Path, text_file
     args = ["finetune", str(pruned), "--output", str(out), "--data", str(text_file), "--seqlen", "32"]
     args += ["--max-steps", "6", "--lr", "1e-2", "--batch-size", "2", "--ppl", "wikitext2", "--max-windows", "1"]
     args += ["--eval-every", "2", "--save-every", "3", "--json"]
-    result = _invoke(args)
-    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    result = invoke(args)
+    assert result.exit_code == 0, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ft"]  # no temp or state leftovers
     _check_mask_kept(pruned, out)
     report = json.loads((out / "finetune.json").read_text())
@@ -178,8 +169,8 @@ def test_finetune_cli_keeps_the_mask_and_lowers_the_loss(pruned: Path, text_file
     assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.dtype == torch.float32
-    verified = _invoke(["verify", str(out)])
-    assert verified.exit_code == 0 and "satisfy 8:16" in verified.output  # type: ignore[attr-defined]
+    verified = invoke(["verify", str(out)])
+    assert verified.exit_code == 0 and "satisfy 8:16" in verified.output
 
 
 @pytest.mark.parametrize("overrides", [{"bf16": True}, {"grad_accum": 2}], ids=["bf16", "grad_accum2"])
@@ -229,8 +220,8 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(
     (cut / "config.json").write_text((out / RESUME_DIRNAME / "checkpoint-2" / "config.json").read_text())
     (cut / "trainer_state.json").write_text('{"global_step": 4, "log_hist')
     # Without --resume the half-done folder is refused, not silently overwritten.
-    refused = _invoke(["finetune", str(pruned), "--output", str(out), "--ppl", "none", "--max-steps", "1"])
-    assert refused.exit_code == 4 and "--resume" in str(refused.exception)  # type: ignore[attr-defined]
+    refused = invoke(["finetune", str(pruned), "--output", str(out), "--ppl", "none", "--max-steps", "1"])
+    assert refused.exit_code == 4 and "--resume" in str(refused.exception)
     messages: list[str] = []
     resumed = finetune(cfg(out, resume=True), data_ctx, progress=messages.append)
     assert resumed.resumed_from_step == 2
@@ -292,14 +283,12 @@ def test_bad_run_dirs_get_one_line_errors_and_nothing_written(pruned: Path, text
     }
     for label, (run_dir, code, words) in cases.items():
         out = tmp_path / f"out_{label}"
-        result = _invoke(["finetune", str(run_dir), "--output", str(out), "--data", str(text_file), "--ppl", "none"])
-        message = str(result.exception)  # type: ignore[attr-defined]
-        assert result.exit_code == code, (label, result.output)  # type: ignore[attr-defined]
+        result = invoke(["finetune", str(run_dir), "--output", str(out), "--data", str(text_file), "--ppl", "none"])
+        message = str(result.exception)
+        assert result.exit_code == code, (label, result.output)
         assert words in message and "\n" not in message and "; " in message, (label, message)
         assert not out.exists(), label
-    assert "model.layers.1.mlp.up_proj" in str(
-        _invoke(["finetune", str(tampered), "-o", str(tmp_path / "x")]).exception
-    )  # type: ignore[attr-defined]
+    assert "model.layers.1.mlp.up_proj" in str(invoke(["finetune", str(tampered), "-o", str(tmp_path / "x")]).exception)
     assert not (tmp_path / "x").exists()
 
 
@@ -311,8 +300,8 @@ def test_a_finetune_into_an_output_in_use_is_refused(pruned: Path, text_file: Pa
     out = tmp_path / "ft"
     args = ["finetune", str(pruned), "--output", str(out), "--data", str(text_file), "--seqlen", "32"]
     with output_lock(out):  # another run holds it
-        busy = _invoke([*args, "--max-steps", "1", "--batch-size", "2", "--ppl", "none"])
-    assert busy.exit_code == 4 and "is in use by another tsenor run" in str(busy.exception)  # type: ignore[attr-defined]
+        busy = invoke([*args, "--max-steps", "1", "--batch-size", "2", "--ppl", "none"])
+    assert busy.exit_code == 4 and "is in use by another tsenor run" in str(busy.exception)
     assert not out.exists()
 
 
@@ -539,9 +528,9 @@ def test_bad_teacher_settings_get_one_line_errors_and_nothing_written(
     }
     for label, (extra, code, words) in cases.items():
         out = tmp_path / f"out_{label}"
-        result = _invoke([*base, "--output", str(out), *extra])
-        message = str(result.exception)  # type: ignore[attr-defined]
-        assert result.exit_code == code, (label, result.output)  # type: ignore[attr-defined]
+        result = invoke([*base, "--output", str(out), *extra])
+        message = str(result.exception)
+        assert result.exit_code == code, (label, result.output)
         assert words in message and "\n" not in message and "; " in message, (label, message)
         assert not out.exists(), label
 
@@ -644,8 +633,8 @@ def test_sigterm_to_a_real_finetune_saves_the_step_and_resume_continues(
         last,
     )
     assert match is not None and match[1] == match[2] and Path(match[3]).is_dir(), last
-    result = _invoke([*args, "--resume"])
-    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    result = invoke([*args, "--resume"])
+    assert result.exit_code == 0, result.output
     assert json.loads((out / "finetune.json").read_text())["resumed_from_step"] == int(match[1])
 
 
@@ -658,8 +647,8 @@ def test_the_prunes_own_evaluation_is_reused_as_before_when_its_settings_match(
     other settings, or weights newer than it, evaluate again, with an estimate of how long it takes."""
     run = tmp_path / "run"
     shutil.copytree(pruned, run)
-    evaluated = _invoke(["eval", "--model", str(run), "--ppl", "wikitext2", "--max-windows", "1", "--output", str(run)])
-    assert evaluated.exit_code == 0, evaluated.output  # type: ignore[attr-defined]
+    evaluated = invoke(["eval", "--model", str(run), "--ppl", "wikitext2", "--max-windows", "1", "--output", str(run)])
+    assert evaluated.exit_code == 0, evaluated.output
 
     def run_finetune(name: str, max_windows: int) -> tuple[FinetuneReport, list[str]]:
         said: list[str] = []

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_tiny import make_tiny_llama
 from safetensors.torch import load_file, save_file
 
 from tsenor_cli.cli import DEBUG_HINT, main
@@ -50,11 +49,6 @@ def error_line(stderr: str) -> str:
     assert len(errors) == 1, stderr
     assert stderr.rstrip().endswith(errors[0]), f"something follows the error line: {stderr}"
     return errors[0]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")
