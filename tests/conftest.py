@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from helpers_tiny import make_tiny_llama
 
 from tsenor_cli.settings import RunContext, cache_dir_default
 
@@ -60,3 +62,25 @@ def _one_intra_op_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`make_tiny_llama` once per set of options for the whole session: tiny_llama(num_layers=4) → the
+    folder of that tiny random LLaMA (tests read it, never write into it)."""
+    made: dict[tuple[tuple[str, Any], ...], Path] = {}
+
+    def get(**options: Any) -> Path:
+        key = tuple(sorted(options.items()))
+        if key not in made:
+            made[key] = make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", **options)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_llama: Callable[..., Path]) -> Path:
+    """The default tiny LLaMA (2 blocks, hidden 64, SmolLM2's tokenizer); a module needing other sizes
+    overrides `tiny` with its own `tiny_llama(...)`."""
+    return tiny_llama()

@@ -5,14 +5,15 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from helpers_tiny import LOCAL_CTX, make_tiny_llama
-from typer.testing import CliRunner
+from helpers_cli import invoke
+from helpers_tiny import LOCAL_CTX
+from typer.testing import Result
 
-from tsenor_cli.cli import app
 from tsenor_cli.data.eval_text import eval_token_stream
 from tsenor_cli.errors import InputNotFoundError, OutputExistsError, UsageError
 from tsenor_cli.evaluation.perplexity import perplexity
@@ -31,12 +32,12 @@ def hub_off(monkeypatch: pytest.MonkeyPatch, data_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("cli") / "tiny", max_position_embeddings=256)
+def tiny(tiny_llama: Callable[..., Path]) -> Path:
+    return tiny_llama(max_position_embeddings=256)
 
 
-def invoke(args: list[str]):
-    return CliRunner().invoke(app, ["eval", *args])
+def eval_cli(args: list[str]) -> Result:
+    return invoke(["eval", *args])
 
 
 def test_eval_writes_eval_json(
@@ -61,7 +62,7 @@ def test_eval_writes_eval_json(
         "--output",
         str(out),
     ]
-    result = invoke([*args, "--json"])
+    result = eval_cli([*args, "--json"])
     assert result.exit_code == 0, result.output
     written = json.loads((out / "eval.json").read_text())
     assert json.loads(result.stdout) == written
@@ -91,22 +92,40 @@ def test_eval_writes_eval_json(
     assert not list(out.glob(".eval.json.*"))  # no temp file left behind
 
     before = (out / "eval.json").read_bytes()
-    again = invoke(args)
+    again = eval_cli(args)
     assert isinstance(again.exception, OutputExistsError) and again.exception.exit_code == 4
     assert "--force" in str(again.exception)
     assert (out / "eval.json").read_bytes() == before  # untouched
 
-    forced = invoke([*args, "--ppl", "c4", "--force"])
+    forced = eval_cli([*args, "--ppl", "c4", "--force"])
     assert forced.exit_code == 0, forced.output
     assert set(json.loads((out / "eval.json").read_text())["perplexity"]) == {"c4"}
     assert "c4" in forced.stdout and "ppl" in forced.stdout  # the human table
 
 
+def test_eval_writes_beside_a_checkpoint_and_replaces_only_its_eval_json_with_force(tiny: Path, tmp_path: Path) -> None:
+    """--output may be a folder with other files (`tsenor eval --model OUT --output OUT` after a prune):
+    eval.json is added and nothing else touched; what --force guards is eval.json (its help says so)."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("kept")
+    args = ["--model", str(tiny), "--ppl", "wikitext2", "--seqlen", "32", "--max-windows", "1", "--output", str(folder)]
+    assert eval_cli(args).exit_code == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["eval.json", "notes.txt"]
+    again = eval_cli(args)
+    assert isinstance(again.exception, OutputExistsError)
+    assert (
+        str(again.exception)
+        == f"{folder / 'eval.json'} already exists; pass --force to overwrite it or choose another --output"
+    )
+    assert eval_cli([*args, "--force"]).exit_code == 0 and (folder / "notes.txt").read_text() == "kept"
+
+
 def test_seqlen_default_capped_by_model(tiny: Path) -> None:
-    result = invoke(["--model", str(tiny), "--ppl", "ptb", "--max-windows", "1", "--json"])
+    result = eval_cli(["--model", str(tiny), "--ppl", "ptb", "--max-windows", "1", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["seqlen"] == 256  # min(2048, max_position_embeddings)
-    too_long = invoke(["--model", str(tiny), "--ppl", "ptb", "--seqlen", "512"])
+    too_long = eval_cli(["--model", str(tiny), "--ppl", "ptb", "--seqlen", "512"])
     assert isinstance(too_long.exception, UsageError) and "max_position_embeddings 256" in str(too_long.exception)
 
 
@@ -120,21 +139,21 @@ def test_seqlen_default_capped_by_model(tiny: Path) -> None:
     ],
 )
 def test_bad_options(tiny: Path, args: list[str], message: str) -> None:
-    result = invoke(["--model", str(tiny), *args])
+    result = eval_cli(["--model", str(tiny), *args])
     assert isinstance(result.exception, UsageError), result.output
     assert message in str(result.exception)
 
 
 def test_max_windows_is_range_checked_before_any_model_is_read(tmp_path: Path) -> None:
     """--max-windows is the shared option of cli/options.py (min 1), checked by the parser."""
-    result = invoke(["--model", str(tmp_path / "missing"), "--max-windows", "0"])
+    result = eval_cli(["--model", str(tmp_path / "missing"), "--max-windows", "0"])
     assert result.exit_code == 2 and "--max-windows" in result.output
 
 
 def test_missing_model_and_hub_id(tmp_path: Path) -> None:
-    missing = invoke(["--model", str(tmp_path / "nope")])
+    missing = eval_cli(["--model", str(tmp_path / "nope")])
     assert isinstance(missing.exception, InputNotFoundError) and "does not exist" in str(missing.exception)
-    hub = invoke(["--model", "tsenor-nonexistent-org/model"])
+    hub = eval_cli(["--model", "tsenor-nonexistent-org/model"])
     assert isinstance(hub.exception, InputNotFoundError)
     # HF_HUB_OFFLINE (the hub_off fixture) is the default of --offline: the local HF cache only
     assert "tsenor-nonexistent-org/model is not in the local HF cache" in str(hub.exception)
@@ -142,7 +161,7 @@ def test_missing_model_and_hub_id(tmp_path: Path) -> None:
 
 def test_tasks_without_zeroshot_module(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "tsenor_cli.evaluation.zeroshot", None)  # import now fails
-    result = invoke(["--model", str(tiny), "--tasks", "piqa"])
+    result = eval_cli(["--model", str(tiny), "--tasks", "piqa"])
     assert isinstance(result.exception, UsageError)
     assert "zero-shot evaluation is not available in this build" in str(result.exception)
 
@@ -164,7 +183,7 @@ def test_main_exit_code_and_message(
 
 
 def test_eval_bf16_model_runs(tiny: Path) -> None:
-    result = invoke(
+    result = eval_cli(
         [
             "--model",
             str(tiny),
@@ -186,7 +205,7 @@ def test_eval_bf16_model_runs(tiny: Path) -> None:
 
 def test_eval_table_with_zero_shot_tasks(tiny: Path, tmp_path: Path, data_dir: Path) -> None:
     """The human table prints tasks with and without acc_norm (RTE defines only acc)."""
-    result = invoke(
+    result = eval_cli(
         ["--model", str(tiny), "--ppl", "none", "--tasks", "rte,piqa", "--limit", "2", "--output", str(tmp_path)]
     )
     assert result.exit_code == 0, result.output

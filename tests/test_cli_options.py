@@ -13,7 +13,10 @@ from typer.testing import CliRunner
 from tsenor_cli.cli import app, reference
 from tsenor_cli.progress import logger
 
-SHARED = ("--device", "--dtype", "--output", "--force", "--json", "--ppl", "--max-windows", "--data-dir", "--offline")
+SHARED = (
+    "--device", "--dtype", "--output", "--force", "--json", "--ppl", "--max-windows", "--data-dir", "--offline",
+    "--trust-remote-code",
+)  # fmt: skip
 PACKAGE = Path(__file__).resolve().parents[1] / "tsenor_cli"
 
 
@@ -63,4 +66,12 @@ def test_help_shows_flags_without_placeholders_and_marks_required_options() -> N
         result = runner.invoke(app, [*name.split()[1:], "--help"])
         assert result.exit_code == 0, result.output
         assert "<bool>" not in result.output, name
+        assert "<list[" not in result.output, name  # repeatable options name what they take
+        usage = result.output.splitlines()[0]
+        assert usage.startswith("Usage: ") and "{" not in usage, usage  # arguments as SWEEP_FILE, not {sweep_file}
     assert "[required]" in runner.invoke(app, ["eval", "--help"]).output  # --model
+    assert runner.invoke(app, ["sweep", "run", "--help"]).output.splitlines()[0].endswith(" [OPTIONS] SWEEP_FILE")
+    assert runner.invoke(app, ["report", "--help"]).output.splitlines()[0].endswith(" [OPTIONS] RUN_DIRS...")
+    assert "--ignore <pattern>" in runner.invoke(app, ["prune", "--help"]).output
+    # --force is one option with one help, which says what it replaces for each command (eval: eval.json).
+    assert "eval: eval.json" in " ".join(runner.invoke(app, ["eval", "--help"]).output.split())

@@ -10,12 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_cli import invoke
 from helpers_tiny import LOCAL_CTX, make_tiny_llama
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
-from tsenor_cli.cli import app
-from tsenor_cli.errors import TsenorError
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.resume import RESUME_DIRNAME
@@ -23,19 +21,6 @@ from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
 from tsenor_cli.settings import RunContext
 
 FAST = ["--nm", "2:4", "--solver", "exhaustive", "--nsamples", "4", "--seqlen", "32", "--calib-data", "wikitext2"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "src")
-
-
-def _invoke(args: list[str]) -> object:
-    """Run the CLI as the console script does: known errors become their exit code."""
-    result = CliRunner().invoke(app, args)
-    if isinstance(result.exception, TsenorError):
-        result.exit_code = result.exception.exit_code  # what main() would exit with
-    return result
 
 
 def _tree_hash(path: Path) -> dict[str, str]:
@@ -57,15 +42,15 @@ def test_prune_cli_end_to_end(tiny: Path, tmp_path: Path, data_dir: Path) -> Non
     before = _tree_hash(tiny)
     out = tmp_path / "pruned"
     args = ["prune", "--model", str(tiny), "--method", "wanda", *FAST, "--output", str(out), "--json"]
-    result = _invoke([*args, "--data-dir", str(data_dir), "--offline"])
-    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    result = invoke([*args, "--data-dir", str(data_dir), "--offline"])
+    assert result.exit_code == 0, result.output
     assert _tree_hash(tiny) == before  # the input checkpoint is untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pruned"]  # no temp leftovers
     # ordinary permissions on everything written (save_pretrained and mkdtemp leave some private)
     assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {p.name: 0o644 for p in out.iterdir()}
     assert out.stat().st_mode & 0o777 == 0o755
     report = json.loads((out / "tsenor_report.json").read_text())
-    assert json.loads(result.stdout) == report  # type: ignore[attr-defined]
+    assert json.loads(result.stdout) == report
     assert report["context"] == {"data_dir": str(data_dir.resolve()), "offline": True}
     valid = data_dir / "wikitext-2-raw" / "wiki.valid.raw"  # offline WikiText-2 calibration text
     assert report["calibration_source"] == {
@@ -97,23 +82,23 @@ def test_prune_cli_end_to_end(tiny: Path, tmp_path: Path, data_dir: Path) -> Non
     with torch.no_grad():
         logits = model(torch.arange(10)[None, :]).logits
     assert bool(torch.isfinite(logits).all())
-    verified = _invoke(["verify", str(out)])
-    assert verified.exit_code == 0, verified.output  # type: ignore[attr-defined]
-    assert "satisfy 2:4" in verified.output  # type: ignore[attr-defined]
+    verified = invoke(["verify", str(out)])
+    assert verified.exit_code == 0, verified.output
+    assert "satisfy 2:4" in verified.output
 
 
 def test_verify_flags_a_tampered_weight(tiny: Path, tmp_path: Path, data_dir: Path) -> None:
     out = tmp_path / "pruned"
-    assert _invoke(["prune", "--model", str(tiny), "--method", "magnitude", *FAST, "--output", str(out)]).exit_code == 0  # type: ignore[attr-defined]
+    assert invoke(["prune", "--model", str(tiny), "--method", "magnitude", *FAST, "--output", str(out)]).exit_code == 0
     tensors = load_file(str(out / "model.safetensors"))
     name = "model.layers.1.mlp.up_proj.weight"
     w = tensors[name].clone()
     w[0, :4] = 1.0  # a full row of a 4×4 tile: 4 > N = 2
     tensors[name] = w
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    result = _invoke(["verify", str(out)])
+    result = invoke(["verify", str(out)])
     assert result.exit_code == 6
-    assert "model.layers.1.mlp.up_proj" in result.output  # type: ignore[attr-defined]
+    assert "model.layers.1.mlp.up_proj" in result.output
 
 
 def test_reconstruction_methods_beat_wanda_through_the_engine(tmp_path: Path, data_ctx: RunContext) -> None:
@@ -241,8 +226,8 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny: Path, tmp_path: P
     assert sorted(p.name for p in out.iterdir()) == [RESUME_DIRNAME]
     # With --no-resume-state the half-done folder is refused, not silently overwritten.
     args = ["prune", "--model", str(tiny), "--method", "sparsegpt", *FAST, "--output", str(out)]
-    refused = _invoke([*args, "--no-resume-state"])
-    assert refused.exit_code == 4 and "--force" in str(refused.exception)  # type: ignore[attr-defined]
+    refused = invoke([*args, "--no-resume-state"])
+    assert refused.exit_code == 4 and "--force" in str(refused.exception)
     messages: list[str] = []
     report = prune_model(cfg(out, resume=True), data_ctx, progress=messages.append)
     assert report.resumed_from_block == 1
@@ -259,33 +244,33 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny: Path, tmp_path: P
 
 def test_dry_run_writes_nothing(tiny: Path, tmp_path: Path) -> None:
     out = tmp_path / "never"
-    result = _invoke(["prune", "--model", str(tiny), "--nm", "16:32", "--dry-run", "--output", str(out), "--json"])
-    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
-    plan = json.loads(result.output)  # type: ignore[attr-defined]
+    result = invoke(["prune", "--model", str(tiny), "--nm", "16:32", "--dry-run", "--output", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
     assert len(plan["layers"]) == 14 and plan["incompatible"] == 0
     assert plan["estimated_device_bytes"] > 0
     assert not out.exists()
     # A dry run fails where the run would (exit 5), after printing the plan that shows why.
-    bad = _invoke(["prune", "--model", str(tiny), "--nm", "24:48", "--dry-run"])
-    assert bad.exit_code == 5 and "NO:" in bad.output  # type: ignore[attr-defined]
-    assert "cannot take 24:48" in str(bad.exception)  # type: ignore[attr-defined]
-    skipped = _invoke(["prune", "--model", str(tiny), "--nm", "24:48", "--skip-incompatible", "--dry-run", "--json"])
-    assert skipped.exit_code == 5 and "nothing would be pruned" in str(skipped.exception)  # type: ignore[attr-defined]
+    bad = invoke(["prune", "--model", str(tiny), "--nm", "24:48", "--dry-run"])
+    assert bad.exit_code == 5 and "NO:" in bad.output
+    assert "cannot take 24:48" in str(bad.exception)
+    skipped = invoke(["prune", "--model", str(tiny), "--nm", "24:48", "--skip-incompatible", "--dry-run", "--json"])
+    assert skipped.exit_code == 5 and "nothing would be pruned" in str(skipped.exception)
 
 
 def test_config_file_values_are_overridden_by_flags(tiny: Path, tmp_path: Path) -> None:
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f'model: {tiny}\nnm: "8:16"\nmethod: magnitude\nnsamples: 7\n')
-    result = _invoke(["prune", "--config", str(recipe), "--nsamples", "3", "--dry-run", "--json"])
-    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
-    plan = json.loads(result.output)  # type: ignore[attr-defined]
+    result = invoke(["prune", "--config", str(recipe), "--nsamples", "3", "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
     assert plan["nsamples"] == 3 and plan["pattern"] == "8:16" and plan["method"] == "magnitude"
     unquoted = tmp_path / "unquoted.yaml"
     unquoted.write_text(f"model: {tiny}\nnm: 8:16\n")
-    assert _invoke(["prune", "--config", str(unquoted), "--dry-run"]).exit_code == 2  # type: ignore[attr-defined]
+    assert invoke(["prune", "--config", str(unquoted), "--dry-run"]).exit_code == 2
     unknown = tmp_path / "unknown.yaml"
     unknown.write_text(f"model: {tiny}\nnm: '8:16'\nlearning_rate: 1\n")
-    assert _invoke(["prune", "--config", str(unknown), "--dry-run"]).exit_code == 2  # type: ignore[attr-defined]
+    assert invoke(["prune", "--config", str(unknown), "--dry-run"]).exit_code == 2
 
 
 def test_every_bad_input_gets_its_exit_code(tiny: Path, tmp_path: Path, data_dir: Path) -> None:
@@ -296,24 +281,24 @@ def test_every_bad_input_gets_its_exit_code(tiny: Path, tmp_path: Path, data_dir
         5: [*base, "--nm", "24:48", "--nsamples", "2", "--seqlen", "16", "--output", str(tmp_path / "d")],
     }
     for code, args in cases.items():
-        result = _invoke(args)
-        assert result.exit_code == code, (args, result.output)  # type: ignore[attr-defined]
+        result = invoke(args)
+        assert result.exit_code == code, (args, result.output)
         assert "; " in str(result.exception) or code == 2  # the message names the fix
-    both = _invoke([*base, "--nm", "2:4", "--sparsity", "0.5", "--output", str(tmp_path / "b")])
-    assert both.exit_code == 2 and "exactly one" in str(both.exception)  # type: ignore[attr-defined]
-    unreadable = _invoke(
+    both = invoke([*base, "--nm", "2:4", "--sparsity", "0.5", "--output", str(tmp_path / "b")])
+    assert both.exit_code == 2 and "exactly one" in str(both.exception)
+    unreadable = invoke(
         [*base, "--nm", "2:4", "--calib-data", str(tmp_path / "nope.txt"), "--output", str(tmp_path / "e")]
     )
-    assert unreadable.exit_code == 3  # type: ignore[attr-defined]
-    incompatible = _invoke([*base, "--nm", "24:48", "--output", str(tmp_path / "f")])
-    assert incompatible.exit_code == 5 and "--skip-incompatible" in str(incompatible.exception)  # type: ignore[attr-defined]
+    assert unreadable.exit_code == 3
+    incompatible = invoke([*base, "--nm", "24:48", "--output", str(tmp_path / "f")])
+    assert incompatible.exit_code == 5 and "--skip-incompatible" in str(incompatible.exception)
     existing = tmp_path / "existing"
     existing.mkdir()
     (existing / "keep.txt").write_text("mine")
-    taken = _invoke([*base, "--nm", "2:4", "--output", str(existing)])
-    assert taken.exit_code == 4 and (existing / "keep.txt").read_text() == "mine"  # type: ignore[attr-defined]
-    onto_input = _invoke([*base, "--nm", "2:4", *FAST[4:], "--output", str(tiny), "--force"])
-    assert onto_input.exit_code == 2  # type: ignore[attr-defined]
+    taken = invoke([*base, "--nm", "2:4", "--output", str(existing)])
+    assert taken.exit_code == 4 and (existing / "keep.txt").read_text() == "mine"
+    onto_input = invoke([*base, "--nm", "2:4", *FAST[4:], "--output", str(tiny), "--force"])
+    assert onto_input.exit_code == 2
     assert (tiny / "config.json").is_file() and "tsenor_sparsity" not in (tiny / "config.json").read_text()
     for name in ("a", "b", "c", "d", "e", "f"):
         assert not (tmp_path / name).exists()
@@ -324,13 +309,13 @@ def test_skip_incompatible_leaves_layers_dense(tmp_path: Path, data_dir: Path) -
     out = tmp_path / "out"
     args = ["prune", "--model", str(src), "--method", "wanda", "--nm", "16:32", "--solver", "exact"]
     args += ["--nsamples", "2", "--seqlen", "16", "--calib-data", "wikitext2", "--output", str(out)]
-    assert _invoke(args).exit_code == 5  # type: ignore[attr-defined]
-    result = _invoke([*args, "--skip-incompatible"])
-    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    assert invoke(args).exit_code == 5
+    result = invoke([*args, "--skip-incompatible"])
+    assert result.exit_code == 0, result.output
     report = json.loads((out / "tsenor_report.json").read_text())
     skipped = {r["name"] for r in report["layers"] if r["status"] == "skipped"}
     assert skipped == {"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"}
-    assert _invoke(["verify", str(out)]).exit_code == 0  # type: ignore[attr-defined]
+    assert invoke(["verify", str(out)]).exit_code == 0
     shutil.rmtree(out)
 
 
@@ -351,9 +336,9 @@ def test_smollm2_prunes_end_to_end_with_sane_perplexity(
     out = tmp_path / "smol"
     args = ["prune", "--model", str(smollm2_path), "--method", "wanda", "--nm", "2:4", "--solver", "exhaustive"]
     args += ["--nsamples", "4", "--seqlen", "64", "--no-sequential", "--output", str(out)]
-    result = _invoke(args)
-    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
-    assert _invoke(["verify", str(out)]).exit_code == 0  # type: ignore[attr-defined]
+    result = invoke(args)
+    assert result.exit_code == 0, result.output
+    assert invoke(["verify", str(out)]).exit_code == 0
     eval_cfg = EvalConfig(ppl_datasets=("wikitext2",), seqlen=256, max_windows=2)
     dense = evaluate_model(load_model(str(smollm2_path), LOCAL_CTX), eval_cfg, data_ctx).perplexity["wikitext2"].ppl
     pruned = evaluate_model(load_model(str(out), LOCAL_CTX), eval_cfg, data_ctx).perplexity["wikitext2"].ppl

@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import shutil
+import signal
 import stat
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_cli import invoke
 from helpers_tiny import LOCAL_CTX, make_tiny_llama
 from safetensors.torch import load_file, save_file
 from torch import nn
-from typer.testing import CliRunner
 
-from tsenor_cli.cli import app
-from tsenor_cli.errors import TsenorError
+from tsenor_cli.errors import Interrupted, TsenorError
 from tsenor_cli.finetune.callback import FixedMask
 from tsenor_cli.finetune.run import FinetuneConfig, finetune, last_complete_checkpoint
+from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.resume import RESUME_DIRNAME
@@ -55,14 +61,6 @@ def text_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("text") / "repeat.txt"
     path.write_text(TEXT * 60)  # ~1k tokens: a few dozen 32-token windows of the same sentence
     return path
-
-
-def _invoke(args: list[str]) -> object:
-    """Run the CLI as the console script does: known errors become their exit code."""
-    result = CliRunner().invoke(app, args)
-    if isinstance(result.exception, TsenorError):
-        result.exit_code = result.exception.exit_code  # what main() would exit with
-    return result
 
 
 def _config(pruned: Path, output: Path, text_file: Path, **overrides: object) -> FinetuneConfig:
@@ -144,8 +142,8 @@ def test_finetune_cli_keeps_the_mask_and_lowers_the_loss(pruned: Path, text_file
     args = ["finetune", str(pruned), "--output", str(out), "--data", str(text_file), "--seqlen", "32"]
     args += ["--max-steps", "6", "--lr", "1e-2", "--batch-size", "2", "--ppl", "wikitext2", "--max-windows", "1"]
     args += ["--eval-every", "2", "--save-every", "3", "--json"]
-    result = _invoke(args)
-    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    result = invoke(args)
+    assert result.exit_code == 0, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ft"]  # no temp or state leftovers
     _check_mask_kept(pruned, out)
     report = json.loads((out / "finetune.json").read_text())
@@ -171,8 +169,8 @@ def test_finetune_cli_keeps_the_mask_and_lowers_the_loss(pruned: Path, text_file
     assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.dtype == torch.float32
-    verified = _invoke(["verify", str(out)])
-    assert verified.exit_code == 0 and "satisfy 8:16" in verified.output  # type: ignore[attr-defined]
+    verified = invoke(["verify", str(out)])
+    assert verified.exit_code == 0 and "satisfy 8:16" in verified.output
 
 
 @pytest.mark.parametrize("overrides", [{"bf16": True}, {"grad_accum": 2}], ids=["bf16", "grad_accum2"])
@@ -222,8 +220,8 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(
     (cut / "config.json").write_text((out / RESUME_DIRNAME / "checkpoint-2" / "config.json").read_text())
     (cut / "trainer_state.json").write_text('{"global_step": 4, "log_hist')
     # Without --resume the half-done folder is refused, not silently overwritten.
-    refused = _invoke(["finetune", str(pruned), "--output", str(out), "--ppl", "none", "--max-steps", "1"])
-    assert refused.exit_code == 4 and "--resume" in str(refused.exception)  # type: ignore[attr-defined]
+    refused = invoke(["finetune", str(pruned), "--output", str(out), "--ppl", "none", "--max-steps", "1"])
+    assert refused.exit_code == 4 and "--resume" in str(refused.exception)
     messages: list[str] = []
     resumed = finetune(cfg(out, resume=True), data_ctx, progress=messages.append)
     assert resumed.resumed_from_step == 2
@@ -285,14 +283,12 @@ def test_bad_run_dirs_get_one_line_errors_and_nothing_written(pruned: Path, text
     }
     for label, (run_dir, code, words) in cases.items():
         out = tmp_path / f"out_{label}"
-        result = _invoke(["finetune", str(run_dir), "--output", str(out), "--data", str(text_file), "--ppl", "none"])
-        message = str(result.exception)  # type: ignore[attr-defined]
-        assert result.exit_code == code, (label, result.output)  # type: ignore[attr-defined]
+        result = invoke(["finetune", str(run_dir), "--output", str(out), "--data", str(text_file), "--ppl", "none"])
+        message = str(result.exception)
+        assert result.exit_code == code, (label, result.output)
         assert words in message and "\n" not in message and "; " in message, (label, message)
         assert not out.exists(), label
-    assert "model.layers.1.mlp.up_proj" in str(
-        _invoke(["finetune", str(tampered), "-o", str(tmp_path / "x")]).exception
-    )  # type: ignore[attr-defined]
+    assert "model.layers.1.mlp.up_proj" in str(invoke(["finetune", str(tampered), "-o", str(tmp_path / "x")]).exception)
     assert not (tmp_path / "x").exists()
 
 
@@ -304,8 +300,8 @@ def test_a_finetune_into_an_output_in_use_is_refused(pruned: Path, text_file: Pa
     out = tmp_path / "ft"
     args = ["finetune", str(pruned), "--output", str(out), "--data", str(text_file), "--seqlen", "32"]
     with output_lock(out):  # another run holds it
-        busy = _invoke([*args, "--max-steps", "1", "--batch-size", "2", "--ppl", "none"])
-    assert busy.exit_code == 4 and "is in use by another tsenor run" in str(busy.exception)  # type: ignore[attr-defined]
+        busy = invoke([*args, "--max-steps", "1", "--batch-size", "2", "--ppl", "none"])
+    assert busy.exit_code == 4 and "is in use by another tsenor run" in str(busy.exception)
     assert not out.exists()
 
 
@@ -532,8 +528,150 @@ def test_bad_teacher_settings_get_one_line_errors_and_nothing_written(
     }
     for label, (extra, code, words) in cases.items():
         out = tmp_path / f"out_{label}"
-        result = _invoke([*base, "--output", str(out), *extra])
-        message = str(result.exception)  # type: ignore[attr-defined]
-        assert result.exit_code == code, (label, result.output)  # type: ignore[attr-defined]
+        result = invoke([*base, "--output", str(out), *extra])
+        message = str(result.exception)
+        assert result.exit_code == code, (label, result.output)
         assert words in message and "\n" not in message and "; " in message, (label, message)
         assert not out.exists(), label
+
+
+# ---- issue 30: signals and the evaluation before fine-tuning --------------------------------------------
+
+
+def _stop_at(line_start: str, stop: StopRequest, signal_name: str | None = None) -> Callable[[str], None]:
+    """A progress sink that asks the run to stop (`signal_name`, or Ctrl-C when None) at the first line
+    starting with `line_start`: a signal arriving while the run is there."""
+
+    def say(message: str) -> None:
+        if message.startswith(line_start):
+            if signal_name is None:
+                raise KeyboardInterrupt
+            stop.request(signal_name)
+
+    return say
+
+
+def test_a_stop_signal_saves_the_step_and_ctrl_c_says_what_was_saved(
+    pruned: Path, text_file: Path, tmp_path: Path
+) -> None:
+    """SIGTERM while training (as `stop_on_signals` records it): the step in hand finishes, a checkpoint
+    of it is saved, one line says so (exit 75), and --resume continues to the weights of an uninterrupted
+    run. Ctrl-C stops at once and names the last checkpoint (exit 130); with --save-every 0 nothing."""
+    full = finetune(_config(pruned, tmp_path / "full", text_file, save_every=100), LOCAL_CTX)
+    out = tmp_path / "stopped"
+    stop = StopRequest()
+    with pytest.raises(Interrupted) as stopped:
+        # Requested during step 2 (its line is logged after step 1): training stops once step 2 is done.
+        finetune(
+            _config(pruned, out, text_file, save_every=100), LOCAL_CTX, _stop_at("step 1/4", stop, "SIGTERM"), stop=stop
+        )
+    state = out / RESUME_DIRNAME
+    assert stopped.value.exit_code == 75
+    assert str(stopped.value) == (
+        f"stopped by SIGTERM after step 2/4; the resume state holds step 2 ({state / 'checkpoint-2'}): rerun "
+        "the same command with --resume to continue"
+    )
+    resumed = finetune(_config(pruned, out, text_file, save_every=100, resume=True), LOCAL_CTX)
+    assert resumed.resumed_from_step == 2 and resumed.loss_curve == full.loss_curve
+    assert _weights_hash(out) == _weights_hash(tmp_path / "full")
+
+    out = tmp_path / "ctrl-c"
+    with pytest.raises(Interrupted) as interrupted:
+        finetune(_config(pruned, out, text_file, save_every=2), LOCAL_CTX, _stop_at("step 3/4", StopRequest()))
+    assert interrupted.value.exit_code == 130
+    assert str(interrupted.value) == (
+        f"interrupted at step 4/4; the resume state holds step 2 ({out / RESUME_DIRNAME / 'checkpoint-2'}): "
+        "rerun the same command with --resume to continue"
+    )
+    with pytest.raises(Interrupted) as nothing:
+        finetune(_config(pruned, tmp_path / "none", text_file), LOCAL_CTX, _stop_at("step 1/4", StopRequest()))
+    assert str(nothing.value) == "interrupted at step 2/4; nothing was saved (--save-every 0): rerunning starts over"
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.realdata
+def test_a_stop_signal_during_an_evaluation_stops_at_once(
+    pruned: Path, text_file: Path, tmp_path: Path, data_ctx: RunContext
+) -> None:
+    """An evaluation has no safe point and would outlast the scheduler's grace period: a stop signal during
+    it stops the run at once (exit 75), saying what was saved."""
+    stop = StopRequest()
+    out = tmp_path / "ft"
+    cfg = _config(pruned, out, text_file, ppl_datasets=("wikitext2",), max_windows=2, save_every=2)
+    with pytest.raises(Interrupted) as stopped:
+        finetune(cfg, data_ctx, _stop_at("wikitext2: window 1/2", stop, "SIGTERM"), stop=stop)
+    assert stopped.value.exit_code == 75
+    assert str(stopped.value) == (
+        "stopped by SIGTERM while evaluating the checkpoint before fine-tuning; nothing was saved: rerunning "
+        "starts over"
+    )
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_real_finetune_saves_the_step_and_resume_continues(
+    pruned: Path, text_file: Path, tmp_path: Path
+) -> None:
+    """`tsenor finetune` used to die silently on SIGTERM: now it finishes the step in hand, saves it, prints
+    one line and exits 75; the same command with --resume continues from that step."""
+    out = tmp_path / "ft"
+    args = ["finetune", str(pruned), "--output", str(out), "--data", str(text_file), "--seqlen", "32"]
+    args += ["--max-steps", "300", "--batch-size", "2", "--ppl", "none", "--save-every", "1000"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tsenor_cli", *args], stderr=subprocess.PIPE, text=True, env={**os.environ}
+    )
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if line.startswith("step 3/300"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 75, rest
+    last = rest.strip().splitlines()[-1]
+    match = re.fullmatch(
+        r"stopped by SIGTERM after step (\d+)/300; the resume state holds step (\d+) \((.*)\): rerun the same "
+        r"command with --resume to continue",
+        last,
+    )
+    assert match is not None and match[1] == match[2] and Path(match[3]).is_dir(), last
+    result = invoke([*args, "--resume"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "finetune.json").read_text())["resumed_from_step"] == int(match[1])
+
+
+@pytest.mark.realdata
+def test_the_prunes_own_evaluation_is_reused_as_before_when_its_settings_match(
+    pruned: Path, text_file: Path, tmp_path: Path, data_ctx: RunContext
+) -> None:
+    """RUN_DIR/eval.json of the same evaluation (datasets, windows, window length, float32, device kind)
+    is the "before" of fine-tuning instead of evaluating again, and gives what the evaluation gives;
+    other settings, or weights newer than it, evaluate again, with an estimate of how long it takes."""
+    run = tmp_path / "run"
+    shutil.copytree(pruned, run)
+    evaluated = invoke(["eval", "--model", str(run), "--ppl", "wikitext2", "--max-windows", "1", "--output", str(run)])
+    assert evaluated.exit_code == 0, evaluated.output
+
+    def run_finetune(name: str, max_windows: int) -> tuple[FinetuneReport, list[str]]:
+        said: list[str] = []
+        cfg = _config(
+            run, tmp_path / name, text_file, max_steps=1, ppl_datasets=("wikitext2",), max_windows=max_windows
+        )
+        return finetune(cfg, data_ctx, said.append), said
+
+    reused, said = run_finetune("reused", 1)
+    assert (
+        f"evaluation before fine-tuning: {run / 'eval.json'} (the same evaluation of this checkpoint), not run again"
+        in said
+    )
+    assert not any(line.startswith("evaluating the pruned checkpoint") for line in said)
+    other, said = run_finetune("other", 2)  # another window count: evaluated
+    assert any(line.startswith("evaluating the pruned checkpoint before fine-tuning") for line in said)
+    assert "perplexity: 2 windows of 512 tokens (wikitext2 2)" in said
+    estimate = (
+        r"wikitext2: window 1/2 took [0-9.]+ s; the perplexity evaluation takes about [0-9.]+ (s|min|h) \(2 windows; .*"
+    )
+    assert any(re.fullmatch(estimate, line) for line in said), said
+    assert other.eval_before is not None and other.eval_before["max_windows"] == 2
+    (run / "model.safetensors").touch()  # weights newer than the evaluation: it is not theirs
+    fresh, said = run_finetune("fresh", 1)
+    assert any(line.startswith("evaluating the pruned checkpoint before fine-tuning") for line in said)
+    assert reused.ppl("before") == fresh.ppl("before")  # the reused number is the one evaluation gives

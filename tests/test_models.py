@@ -6,21 +6,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_tiny import LOCAL_CTX, blockwise_forward, full_forward, make_tiny_llama
+from helpers_tiny import LOCAL_CTX, blockwise_forward, full_forward
 
 from tsenor_cli.errors import IncompatibleModelError, InputNotFoundError, UsageError
 from tsenor_cli.models.loading import default_dtype, load_model, parse_dtype
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny-models") / "llama")
-
-
-def test_loaded_model_fields_and_linears(tiny_dir: Path) -> None:
-    loaded = load_model(str(tiny_dir), LOCAL_CTX)
+def test_loaded_model_fields_and_linears(tiny: Path) -> None:
+    loaded = load_model(str(tiny), LOCAL_CTX)
     assert not loaded.model.training
-    assert loaded.source == str(tiny_dir.resolve())
+    assert loaded.source == str(tiny.resolve())
     assert next(loaded.model.parameters()).dtype == torch.float32  # CPU default
     structure = loaded.structure
     assert structure.model_type == "llama" and structure.base is loaded.model.model
@@ -42,8 +37,8 @@ def test_loaded_model_fields_and_linears(tiny_dir: Path) -> None:
     assert shapes["mlp.gate_proj"] == (128, 64) and shapes["mlp.down_proj"] == (64, 128)
 
 
-def test_load_dtype_and_device(tiny_dir: Path, device: torch.device) -> None:
-    loaded = load_model(str(tiny_dir), LOCAL_CTX, dtype=torch.bfloat16, device=device)
+def test_load_dtype_and_device(tiny: Path, device: torch.device) -> None:
+    loaded = load_model(str(tiny), LOCAL_CTX, dtype=torch.bfloat16, device=device)
     param = next(loaded.model.parameters())
     assert param.dtype == torch.bfloat16 and param.device.type == device.type
     assert default_dtype(torch.device("cuda")) == torch.bfloat16

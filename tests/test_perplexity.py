@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from helpers_tiny import LOCAL_CTX, make_tiny_llama
+from helpers_tiny import LOCAL_CTX
 
 from tsenor_cli.errors import UsageError
 from tsenor_cli.evaluation.perplexity import perplexity
@@ -16,8 +17,8 @@ from tsenor_cli.settings import RunContext
 
 
 @pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", vocab_size=512, tie_word_embeddings=False)
+def tiny_path(tiny_llama: Callable[..., Path]) -> Path:
+    return tiny_llama(vocab_size=512, tie_word_embeddings=False)
 
 
 def sparsegpt_reference_ppl(model: torch.nn.Module, ids: torch.Tensor, seqlen: int) -> float:

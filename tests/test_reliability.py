@@ -6,19 +6,28 @@ Each test is a row of the table in docs/reliability.md ("Input errors"). The CLI
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from helpers_tiny import make_tiny_llama
 from safetensors.torch import load_file, save_file
 
 from tsenor_cli.cli import DEBUG_HINT, main
-from tsenor_cli.errors import BadInputError
+from tsenor_cli.errors import BadInputError, UsageError
+from tsenor_cli.pruning.api import plan_model
+from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.finite import first_non_finite
+from tsenor_cli.pruning.memory import check_fits
+from tsenor_cli.pruning.output import human_bytes
 from tsenor_cli.pruning.stats import reconstruction_error
+from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.settings import RunContext
 
 QPROJ = "model.layers.0.self_attn.q_proj.weight"
 
@@ -40,11 +49,6 @@ def error_line(stderr: str) -> str:
     assert len(errors) == 1, stderr
     assert stderr.rstrip().endswith(errors[0]), f"something follows the error line: {stderr}"
     return errors[0]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -353,6 +357,214 @@ def test_capped_seqlen_is_announced(
     code, err = run_cli(argv, capsys)
     assert code == 0, err
     assert "--seqlen 4096 is longer than the model's 512 positions; calibrating with 512" in err
+
+
+# ---- issue 30 item 6: the smaller cases ------------------------------------------------------------------
+
+
+def test_a_folder_without_weights_names_the_weights(
+    tiny: Path, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder with config.json and the tokenizer but no weights: the weights are named (was a
+    tokenizer error), before the tokenizer is read."""
+    bare = copy_checkpoint(tiny, tmp_path / "bare", skip=("model.safetensors",))
+    expected = (
+        f"error: {bare} has no weight files (*.safetensors or pytorch_model*.bin); copy the checkpoint's "
+        "weights into it, or pass the folder that holds them"
+    )
+    for argv in (
+        prune_args(bare, calib_file, tmp_path / "out", "--nm", "2:4"),
+        ["eval", "--model", str(bare), "--ppl", "none", "--tasks", "piqa"],
+    ):
+        code, err = run_cli(argv, capsys)
+        assert (code, error_line(err)) == (3, expected), argv
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the line for a machine without CUDA")
+def test_nproc_with_a_missing_cuda_device_prints_its_line_once(tiny: Path, calib_file: Path, tmp_path: Path) -> None:
+    """--nproc 2 --device cuda on a CPU machine: the launching process refuses the device before any rank
+    starts (every rank used to print the same line)."""
+    argv = prune_args(tiny, calib_file, tmp_path / "out", "--nm", "2:4", "--nproc", "2", "--device", "cuda")
+    proc = subprocess.run([sys.executable, "-m", "tsenor_cli", *argv], capture_output=True, text=True, check=False)
+    assert proc.returncode == 2
+    assert error_line(proc.stderr) == "error: device 'cuda' requested but no CUDA device is available; use --device cpu"
+
+
+def test_tsenor_alone_prints_its_help_ending_with_a_newline(capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_cli([], capsys)
+    assert code == 2 and err.startswith("Usage: ") and err.endswith("\n") and not err.endswith("\n\n")
+
+
+def test_quiet_silences_the_libraries_progress_bars_too(tiny: Path, calib_file: Path, tmp_path: Path) -> None:
+    """`tsenor -q prune` writes nothing on stderr: neither tsenor's progress lines nor transformers'
+    "Loading weights" bar, which a plain run shows (on a pipe too)."""
+
+    def stderr(*root: str, out: str) -> str:
+        argv = [*root, *prune_args(tiny, calib_file, tmp_path / out, "--nm", "2:4")]
+        proc = subprocess.run([sys.executable, "-m", "tsenor_cli", *argv], capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stderr
+
+    assert "Loading weights" in stderr(out="plain")
+    assert stderr("-q", out="quiet") == ""
+
+
+# ---- issue 30 item 5: models that need their own code ----------------------------------------------------
+
+CUSTOM_CONFIG = (
+    "from transformers import LlamaConfig\n\n\nclass TinyConfig(LlamaConfig):\n    model_type = 'tsenor_tiny'\n"
+)
+CUSTOM_MODEL = (
+    "from transformers import LlamaForCausalLM\n\nfrom .configuration_tiny import TinyConfig\n\n\n"
+    "class TinyForCausalLM(LlamaForCausalLM):\n    config_class = TinyConfig\n"
+)
+
+
+def with_own_code(src: Path, dst: Path, *, code: bool) -> Path:
+    """A copy of checkpoint `src` whose config.json names model code of its own (model type `tsenor_tiny`,
+    unknown to transformers, and an auto_map); `code`: the two modules it names are there (a LLaMA under
+    another name), else missing."""
+    folder = copy_checkpoint(src, dst)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "tsenor_tiny"
+    config["auto_map"] = {
+        "AutoConfig": "configuration_tiny.TinyConfig",
+        "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    if code:
+        (folder / "configuration_tiny.py").write_text(CUSTOM_CONFIG)
+        (folder / "modeling_tiny.py").write_text(CUSTOM_MODEL)
+    return folder
+
+
+def test_a_model_that_needs_its_own_code_is_one_line_naming_trust_remote_code(
+    tiny: Path, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --trust-remote-code a checkpoint with its own code (config.json auto_map) is refused by
+    prune (dry run too), eval and finetune with one line naming the flag (was "unexpected ValueError" and a
+    hub URL made of the folder); with the flag but without the code files, the missing file is named; a
+    model type transformers does not know and no code is exit 5. With the code and the flag the model is
+    pruned, and its checkpoint (which carries the code) fine-tuned."""
+    missing = with_own_code(tiny, tmp_path / "missing", code=False)
+    out = tmp_path / "out"
+    needs = (
+        f"error: {missing} needs its own model code (configuration_tiny.TinyConfig, from config.json's auto_map); "
+        "pass --trust-remote-code to run it, if you trust that code"
+    )
+    for argv in (
+        prune_args(missing, calib_file, out, "--nm", "2:4"),
+        prune_args(missing, calib_file, out, "--nm", "2:4", "--dry-run"),
+        ["eval", "--model", str(missing), "--ppl", "none", "--tasks", "piqa", "--output", str(out)],
+    ):
+        code, err = run_cli(argv, capsys)
+        assert (code, error_line(err)) == (2, needs), argv
+    code, err = run_cli(prune_args(missing, calib_file, out, "--nm", "2:4", "--trust-remote-code"), capsys)
+    assert code == 3
+    assert error_line(err) == (
+        f"error: {missing}: config.json's auto_map names configuration_tiny.TinyConfig, but {missing} has no "
+        "configuration_tiny.py; copy the model's code files into the checkpoint folder"
+    )
+    unknown = copy_checkpoint(tiny, tmp_path / "unknown")
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "tsenor_tiny"}))
+    code, err = run_cli(prune_args(unknown, calib_file, out, "--nm", "2:4", "--trust-remote-code"), capsys)
+    assert code == 5 and "model type 'tsenor_tiny' is unknown to transformers" in error_line(err)
+    assert not out.exists()
+
+    custom = with_own_code(tiny, tmp_path / "custom", code=True)
+    code, err = run_cli(prune_args(custom, calib_file, out, "--nm", "2:4", "--trust-remote-code"), capsys)
+    assert code == 0, err
+    assert (out / "modeling_tiny.py").is_file()  # save_pretrained keeps the model's code with the checkpoint
+    tuned = tmp_path / "tuned"
+    finetune = ["finetune", str(out), "--output", str(tuned), "--data", str(calib_file), "--seqlen", "16"]
+    finetune += ["--max-steps", "1", "--batch-size", "1", "--ppl", "none", "--save-every", "0"]
+    code, err = run_cli(finetune, capsys)
+    assert code == 2 and error_line(err) == needs.replace(str(missing), str(out))
+    code, err = run_cli([*finetune, "--trust-remote-code"], capsys)
+    assert code == 0, err
+    assert json.loads((tuned / "config.json").read_text())["model_type"] == "tsenor_tiny"
+
+
+# ---- issue 30 item 3: sizes that cannot fit ------------------------------------------------------------
+
+
+def test_sizes_that_cannot_fit_are_refused_before_any_allocation(
+    tiny: Path, calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--nsamples 10^9 (tokens and activations of hundreds of TiB) is refused from the plan's own estimate,
+    dry run or not, with --no-resume-state too (the free-space error used to send users there), before the
+    process grows: it used to allocate 8 GB for half a minute and end in an unexpected RuntimeError."""
+    out = tmp_path / "out"
+    argv = [*prune_args(tiny, calib_file, out, "--nm", "2:4", "--no-resume-state")]
+    argv[argv.index("--nsamples") + 1] = "1000000000"
+    proc = subprocess.Popen([sys.executable, "-m", "tsenor_cli", *argv], stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    stderr = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 2, stderr
+    line = error_line(stderr)
+    assert line.startswith("error: --nsamples 1000000000 × --seqlen 32 needs about 15.4 TiB of host memory (model ")
+    assert line.endswith("are available; pass a smaller --nsamples or --seqlen (nothing was written)")
+    assert usage.ru_maxrss < 2 * 1024 * 1024  # KiB: the interpreter, torch and the tiny model, no calibration set
+    assert not out.exists()
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--dry-run"])
+    printed = capsys.readouterr()
+    assert exit_info.value.code == 2 and error_line(printed.err).split(", but ")[0] == line.split(", but ")[0]
+    assert "estimated memory: host 15.4 TiB (model " in printed.out  # the plan is printed first
+
+
+def test_host_and_device_estimates_by_hand(tiny: Path, data_ctx: RunContext) -> None:
+    """The plan's host estimate of the tiny LLaMA (hidden 64, fp32, 2 blocks) at 4 × 32 tokens, and the
+    verdicts against given limits: host first, then the device with the fix that applies."""
+    cfg = PruneConfig(
+        model=str(tiny),
+        layer=LayerPruneConfig(pattern=SparsityPattern.from_nm(2, 4, transposable=True)),
+        method="sparsegpt",
+        nsamples=4,
+        seqlen=32,
+    )
+    plan = plan_model(cfg, data_ctx)
+    host = plan.host_memory
+    assert host.model == plan.params * 4
+    assert host.tokens == 2 * 4 * 32 * 8  # int64 ids and the index that cuts them
+    assert host.activations == 2 * 4 * 32 * 64 * 4  # (S, T, H) in and out, on the CPU
+    (device,) = plan.device_memory
+    assert host.work == device.statistics + device.workspace
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+
+    def verdict(
+        device: torch.device, host_available: int, device_total: int | None, offload: bool = False, processes: int = 1
+    ) -> str:
+        try:
+            check_fits(
+                host,
+                plan.device_bytes,
+                device,
+                nsamples=4,
+                seqlen=32,
+                offload_activations=offload,
+                processes=processes,
+                host_available=host_available,
+                device_total=device_total,
+            )
+        except UsageError as exc:
+            return str(exc)
+        return "fits"
+
+    assert verdict(cpu, host.total, None) == "fits"
+    assert verdict(cpu, host.total - 1, None).startswith("--nsamples 4 × --seqlen 32 needs about ")
+    assert verdict(cpu, 2 * host.total, None, processes=2) == "fits"
+    assert "in each of 2 processes" in verdict(cpu, 2 * host.total - 1, None, processes=2)
+    assert verdict(cuda, host.total, plan.device_bytes) == "fits"
+    small = verdict(cuda, host.total, plan.device_bytes - 1)
+    assert small.startswith(f"--nsamples 4 × --seqlen 32 needs about {human_bytes(plan.device_bytes)} of cuda memory")
+    assert small.endswith("pass a smaller --nsamples or --seqlen, or --offload-activations (nothing was written)")
+    assert "--offload-activations" not in verdict(cuda, host.total, plan.device_bytes - 1, offload=True)
 
 
 # ---- the earlier cases of the table ------------------------------------------------------------------------

@@ -13,14 +13,13 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
+from helpers_cli import invoke
 from helpers_faults import Killed, KillSwitch
-from helpers_tiny import make_tiny_llama
 from safetensors.torch import load_file
-from typer.testing import CliRunner
+from typer.testing import Result
 
 from tsenor_cli import atomic
-from tsenor_cli.cli import app
-from tsenor_cli.errors import OutputBusyError, TsenorError
+from tsenor_cli.errors import OutputBusyError
 from tsenor_cli.locks import lock_path
 from tsenor_cli.pruning import output as output_module
 from tsenor_cli.pruning.api import plan_model
@@ -36,28 +35,19 @@ FAST = ["--method", "wanda", "--nm", "2:4", "--solver", "exhaustive", "--nsample
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "src")
-
-
-@pytest.fixture(scope="module")
 def calib(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("calib") / "calib.txt"
     path.write_bytes((data_dir / "wikitext-2-raw" / "wiki.valid.raw").read_bytes()[:20_000])
     return path
 
 
-def _prune(model: Path | str, calib: Path, output: Path, *extra: str) -> object:
-    args = ["prune", "--model", str(model), *FAST, "--calib-data", str(calib), "--output", str(output), *extra]
-    result = CliRunner().invoke(app, args)
-    if isinstance(result.exception, TsenorError):
-        result.exit_code = result.exception.exit_code  # what main() would exit with
-    return result
+def _prune(model: Path | str, calib: Path, output: Path, *extra: str) -> Result:
+    return invoke(["prune", "--model", str(model), *FAST, "--calib-data", str(calib), "--output", str(output), *extra])
 
 
-def _line(result: object) -> str:
+def _line(result: Result) -> str:
     """The one line main() prints for a known error."""
-    text = str(result.exception)  # type: ignore[attr-defined]
+    text = str(result.exception)
     assert "\n" not in text
     return text
 
@@ -83,7 +73,7 @@ def test_a_second_run_gets_the_lock_error_and_a_killed_holder_leaves_no_stale_lo
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         refused = _prune(tiny, calib, out)
-        assert refused.exit_code == 4  # type: ignore[attr-defined]
+        assert refused.exit_code == 4
         assert _line(refused).startswith(f"--output {out} is in use by another tsenor run (pid {holder.pid} on ")
         assert not out.exists()
     finally:
@@ -91,7 +81,7 @@ def test_a_second_run_gets_the_lock_error_and_a_killed_holder_leaves_no_stale_lo
         holder.wait(timeout=60)
     assert lock_path(out).exists()  # left by the killed holder; its lock died with it
     result = _prune(tiny, calib, out)
-    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    assert result.exit_code == 0, result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the lock file is gone after the run
 
 
@@ -115,23 +105,23 @@ def test_force_replaces_only_a_tsenor_run_or_an_empty_folder(tiny: Path, calib: 
     (foreign / "notes.txt").write_text("keep me")
     (foreign / "data").mkdir()
     refused = _prune(tiny, calib, foreign, "--force")
-    assert refused.exit_code == 4  # type: ignore[attr-defined]
+    assert refused.exit_code == 4
     assert "holds files that are not a tsenor run (data, notes.txt)" in _line(refused)
     assert sorted(p.name for p in foreign.iterdir()) == ["data", "notes.txt"]
     assert (foreign / "notes.txt").read_text() == "keep me"
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert _prune(tiny, calib, empty).exit_code == 0  # type: ignore[attr-defined]
+    assert _prune(tiny, calib, empty).exit_code == 0
     report = (empty / "tsenor_report.json").read_bytes()
     same = _prune(tiny, calib, empty)  # the same command again: finished already, nothing rewritten
-    assert same.exit_code == 0 and "already holds this run" in same.stderr  # type: ignore[attr-defined]
+    assert same.exit_code == 0 and "already holds this run" in same.stderr
     assert (empty / "tsenor_report.json").read_bytes() == report
     other = _prune(tiny, calib, empty, "--seed", "1")  # other settings: the finished run is not replaced
-    assert other.exit_code == 4 and "already holds a tsenor run; pass --force" in _line(other)  # type: ignore[attr-defined]
+    assert other.exit_code == 4 and "already holds a tsenor run; pass --force" in _line(other)
     assert (empty / "tsenor_report.json").read_bytes() == report
     replaced = _prune(tiny, calib, empty, "--force")
-    assert replaced.exit_code == 0, replaced.output  # type: ignore[attr-defined]
+    assert replaced.exit_code == 0, replaced.output
     assert (empty / PRUNE_FILE).is_file() and not (empty / "extra.txt").exists()  # the whole run was replaced
 
 
@@ -150,7 +140,7 @@ def test_an_unusable_output_location_fails_before_the_model_is_read(calib: Path,
     }
     for output, start in cases.items():
         result = _prune(missing_model, calib, output)
-        assert result.exit_code == 4, (output, result.output)  # type: ignore[attr-defined]
+        assert result.exit_code == 4, (output, result.output)
         assert _line(result).startswith(start), _line(result)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no probe, no lock left behind
 
@@ -183,13 +173,13 @@ def test_not_enough_space_fails_before_the_model_is_loaded(
     monkeypatch.setattr("tsenor_cli.models.loading.load_model", never)
     out = tmp_path / "out"
     short = _prune(tiny, calib, out)
-    assert short.exit_code == 4  # type: ignore[attr-defined]
+    assert short.exit_code == 4
     assert _line(short).startswith(f"not enough free space for --output {out}: the run writes about ")
     assert "--no-resume-state saves" in _line(short)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     # without the resume state the checkpoint fits: the check passes and the (stubbed) load is reached
     fits = _prune(tiny, calib, out, "--no-resume-state")
-    assert isinstance(fits.exception, AssertionError)  # type: ignore[attr-defined]
+    assert isinstance(fits.exception, AssertionError)
 
 
 # ---------------------------------------------------------------- temporaries of killed runs
@@ -203,8 +193,8 @@ def test_stale_temporaries_of_the_output_are_removed_at_the_next_run(tiny: Path,
     (tmp_path / ".out.old-999999-ijkl9012").mkdir()
     (tmp_path / ".other.tmp-999999-abcd1234").mkdir()  # another output's: not touched
     result = _prune(tiny, calib, out)
-    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
-    assert "removed .out.tmp-999999-abcd1234, left by an interrupted write of out" in result.stderr  # type: ignore[attr-defined]
+    assert result.exit_code == 0, result.output
+    assert "removed .out.tmp-999999-abcd1234, left by an interrupted write of out" in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-999999-abcd1234", "out"]
 
 

@@ -12,22 +12,21 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_cli import invoke
 from helpers_faults import Killed, KillSwitch
 from helpers_tiny import make_tiny_llama
 from torch import nn
-from typer.testing import CliRunner
 
-from tsenor_cli.cli import app
 from tsenor_cli.errors import (
     EXIT_RESUMABLE,
     EXIT_SIGINT,
     Interrupted,
     ResumeStateError,
-    TsenorError,
 )
 from tsenor_cli.interrupt import StopRequest, stop_on_signals
 from tsenor_cli.locks import lock_path
@@ -43,8 +42,8 @@ BLOCKS = 3  # first, middle and last block: the save sequence differs for each
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "src", num_layers=BLOCKS)
+def tiny(tiny_llama: Callable[..., Path]) -> Path:
+    return tiny_llama(num_layers=BLOCKS)
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +73,6 @@ def _cfg(model: Path, calib: Path, output: Path, **changes: object) -> PruneConf
         **changes,
     }
     return PruneConfig(**fields)  # type: ignore[arg-type]
-
-
-def _invoke(args: list[str]) -> object:
-    result = CliRunner().invoke(app, args)
-    if isinstance(result.exception, TsenorError):
-        result.exit_code = result.exception.exit_code  # what main() would exit with
-    return result
 
 
 def _sha(path: Path) -> str:
@@ -282,14 +274,14 @@ def test_rerunning_the_same_command_continues_an_interrupted_run(
     _killed_after_first_block(tiny, calib, out, data_ctx)
     assert sorted(p.name for p in out.iterdir()) == [RESUME_DIRNAME]
     args = [*_args(tiny, calib, out), "--data-dir", str(data_dir)]
-    off = _invoke([*args, "--no-resume-state"])  # refused, the state kept
-    assert off.exit_code == 4 and "drop --no-resume-state to continue it" in str(off.exception)  # type: ignore[attr-defined]
-    other = _invoke([*args, "--seed", "1"])
-    assert other.exit_code == 4 and "different settings" in str(other.exception)  # type: ignore[attr-defined]
+    off = invoke([*args, "--no-resume-state"])  # refused, the state kept
+    assert off.exit_code == 4 and "drop --no-resume-state to continue it" in str(off.exception)
+    other = invoke([*args, "--seed", "1"])
+    assert other.exit_code == 4 and "different settings" in str(other.exception)
     assert (out / RESUME_DIRNAME / STATE_FILE).is_file()
-    result = _invoke(args)
-    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
-    assert f"resuming after block 1/{BLOCKS} from {out / RESUME_DIRNAME}" in result.stderr  # type: ignore[attr-defined]
+    result = invoke(args)
+    assert result.exit_code == 0, result.output
+    assert f"resuming after block 1/{BLOCKS} from {out / RESUME_DIRNAME}" in result.stderr
     assert json.loads((out / PRUNE_FILE).read_text())["resumed_from_block"] == 1
     _assert_same_as(out, reference)
 
@@ -301,12 +293,12 @@ def test_force_starts_over_from_a_damaged_or_foreign_state(
     _killed_after_first_block(tiny, calib, out, data_ctx)
     (out / RESUME_DIRNAME / STATE_FILE).write_text("{")
     args = [*_args(tiny, calib, out), "--data-dir", str(data_dir)]
-    damaged = _invoke(args)
-    assert damaged.exit_code == 4 and "is damaged" in str(damaged.exception)  # type: ignore[attr-defined]
-    assert "Traceback" not in damaged.output  # type: ignore[attr-defined]
-    forced = _invoke([*args, "--force"])
-    assert forced.exit_code == 0, forced.output  # type: ignore[attr-defined]
-    assert "--force: discarding" in forced.stderr  # type: ignore[attr-defined]
+    damaged = invoke(args)
+    assert damaged.exit_code == 4 and "is damaged" in str(damaged.exception)
+    assert "Traceback" not in damaged.output
+    forced = invoke([*args, "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert "--force: discarding" in forced.stderr
     assert json.loads((out / PRUNE_FILE).read_text())["resumed_from_block"] is None
     _assert_same_as(out, reference)
 
@@ -407,9 +399,9 @@ def test_ctrl_c_before_pruning_during_the_write_and_during_prune_eval(
     evaluated = tmp_path / "evaluated"
     monkeypatch.setattr(runner, "evaluate_model", ctrl_c)
     args = [*_args(tiny, calib, evaluated), "--data-dir", str(data_dir), "--eval", "--max-windows", "1"]
-    result = _invoke(args)
-    assert result.exit_code == EXIT_SIGINT  # type: ignore[attr-defined]
-    assert str(result.exception).startswith(  # type: ignore[attr-defined]
+    result = invoke(args)
+    assert result.exit_code == EXIT_SIGINT
+    assert str(result.exception).startswith(
         f"interrupted while evaluating; the checkpoint {evaluated} is complete but has no eval.json"
     )
     assert (evaluated / PRUNE_FILE).is_file() and not (evaluated / "eval.json").exists()

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers_cli import invoke
 from helpers_tiny import make_tiny_llama
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
-from tsenor_cli.cli import app
-from tsenor_cli.errors import TsenorError, UsageError
+from tsenor_cli.errors import UsageError
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.selection import check_patterns, excluded_layers, matches
 from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
@@ -21,22 +20,10 @@ NAMES = [f"model.layers.{b}.{local}" for b in (0, 1) for local in ("self_attn.q_
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "src")
-
-
-@pytest.fixture(scope="module")
 def calib(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("calib") / "calib.txt"
     path.write_text(" ".join(f"block {i} reads what block {i - 1} wrote and prunes half of it." for i in range(60)))
     return path
-
-
-def _invoke(args: list[str]) -> object:
-    result = CliRunner().invoke(app, args)
-    if isinstance(result.exception, TsenorError):
-        result.exit_code = result.exception.exit_code
-    return result
 
 
 def test_globs_and_regexes_on_full_names() -> None:
@@ -89,8 +76,8 @@ def test_ignored_layers_stay_dense_and_are_reported(tiny: Path, calib: Path, tmp
     args = ["prune", "--model", str(tiny), "--method", "sparsegpt", "--nm", "2:4", "--solver", "exhaustive"]
     args += ["--nsamples", "2", "--seqlen", "32", "--calib-data", str(calib), "--output", str(out)]
     args += ["--ignore", "*.mlp.down_proj", "--ignore", r"re:model\.layers\.1\.self_attn\.q_"]
-    result = _invoke(args)
-    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
+    result = invoke(args)
+    assert result.exit_code == 0, result.output
     source, pruned = load_file(str(tiny / "model.safetensors")), load_file(str(out / "model.safetensors"))
     ignored = ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
     for name in ignored:
@@ -121,45 +108,45 @@ def test_ignored_layers_stay_dense_and_are_reported(tiny: Path, calib: Path, tmp
 
     meta = json.loads((out / "config.json").read_text())["tsenor_sparsity"]
     assert meta["ignored_modules"] == ignored and meta["skipped_modules"] == []
-    verified = _invoke(["verify", str(out), "--json"])
-    assert verified.exit_code == 0, verified.output  # type: ignore[attr-defined]
-    checked = [layer["name"] for layer in json.loads(verified.output)["layers"]]  # type: ignore[attr-defined]
+    verified = invoke(["verify", str(out), "--json"])
+    assert verified.exit_code == 0, verified.output
+    checked = [layer["name"] for layer in json.loads(verified.output)["layers"]]
     assert len(checked) == 11 and not set(checked) & set(ignored)
 
 
 def test_targets_from_a_recipe_and_errors_before_any_output(tiny: Path, tmp_path: Path) -> None:
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"model: {tiny}\nnm: '2:4'\ntargets: '*.mlp.*'\nignore: ['*.up_proj']\n")
-    result = _invoke(["prune", "--config", str(recipe), "--dry-run", "--json"])
-    assert result.exit_code == 0, result.output  # type: ignore[attr-defined]
-    plan = json.loads(result.output)  # type: ignore[attr-defined]
+    result = invoke(["prune", "--config", str(recipe), "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
     kept = [layer["name"] for layer in plan["layers"] if layer["ignored"] is None]
     assert kept == [f"model.layers.{b}.mlp.{p}" for b in (0, 1) for p in ("gate_proj", "down_proj")]
     assert plan["ignored"] == 10
     # A flag given on the command line replaces the recipe's list.
-    flagged = _invoke(["prune", "--config", str(recipe), "--ignore", "*.gate_proj", "--dry-run", "--json"])
-    kept = [layer["name"] for layer in json.loads(flagged.output)["layers"] if layer["ignored"] is None]  # type: ignore[attr-defined]
+    flagged = invoke(["prune", "--config", str(recipe), "--ignore", "*.gate_proj", "--dry-run", "--json"])
+    kept = [layer["name"] for layer in json.loads(flagged.output)["layers"] if layer["ignored"] is None]
     assert kept == [f"model.layers.{b}.mlp.{p}" for b in (0, 1) for p in ("up_proj", "down_proj")]
 
     bad_type = tmp_path / "bad.yaml"
     bad_type.write_text(f"model: {tiny}\nnm: '2:4'\nignore: 3\n")
-    refused = _invoke(["prune", "--config", str(bad_type), "--dry-run"])
-    assert refused.exit_code == 2 and "ignore must be a pattern string or a list" in str(refused.exception)  # type: ignore[attr-defined]
+    refused = invoke(["prune", "--config", str(bad_type), "--dry-run"])
+    assert refused.exit_code == 2 and "ignore must be a pattern string or a list" in str(refused.exception)
 
     out = tmp_path / "never"
-    typo = _invoke(["prune", "--model", str(tiny), "--nm", "2:4", "--ignore", "*.mlp.dwn_proj", "--output", str(out)])
-    assert typo.exit_code == 2 and "matches no linear layer" in str(typo.exception)  # type: ignore[attr-defined]
+    typo = invoke(["prune", "--model", str(tiny), "--nm", "2:4", "--ignore", "*.mlp.dwn_proj", "--output", str(out)])
+    assert typo.exit_code == 2 and "matches no linear layer" in str(typo.exception)
     assert not out.exists()
 
 
 def test_ignoring_incompatible_layers_replaces_skip_incompatible(tmp_path: Path) -> None:
     odd = make_tiny_llama(tmp_path / "odd", intermediate_size=80, num_layers=1)  # MLP dims 16:32 cannot tile
     base = ["prune", "--model", str(odd), "--nm", "16:32", "--dry-run"]
-    stops = _invoke(base)
-    assert stops.exit_code == 5 and "NO: " in stops.output  # type: ignore[attr-defined]
-    result = _invoke([*base, "--ignore", "*.mlp.*"])
-    assert result.exit_code == 0 and "NO: " not in result.output  # type: ignore[attr-defined]
-    assert "ignored: matched --ignore *.mlp.*" in result.output  # type: ignore[attr-defined]
+    stops = invoke(base)
+    assert stops.exit_code == 5 and "NO: " in stops.output
+    result = invoke([*base, "--ignore", "*.mlp.*"])
+    assert result.exit_code == 0 and "NO: " not in result.output
+    assert "ignored: matched --ignore *.mlp.*" in result.output
 
 
 def test_many_ignored_layers_are_counted_by_reason_in_the_summary() -> None:

@@ -15,16 +15,16 @@ import socket
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from helpers_cli import invoke
 from helpers_tiny import make_tiny_llama
-from typer.testing import CliRunner
 
-from tsenor_cli.cli import app
-from tsenor_cli.errors import TsenorError, UsageError
+from tsenor_cli.errors import UsageError
 from tsenor_cli.sweep.job import RunInterrupted, RunJob, SweepTask, _error_line, run_job
 from tsenor_cli.sweep.spec import EvalSpec, load_sweep, name_part, parse_sweep, parse_time
 from tsenor_cli.sweep.status import (
@@ -37,14 +37,6 @@ from tsenor_cli.sweep.status import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def _invoke(args: list[str]) -> Any:
-    """Run the CLI as the console script does: known errors become their exit code."""
-    result = CliRunner().invoke(app, args)
-    if isinstance(result.exception, TsenorError):
-        result.exit_code = result.exception.exit_code  # what main() would exit with
-    return result
 
 
 def _write(path: Path, data: dict[str, Any]) -> Path:
@@ -131,10 +123,10 @@ def test_table2_sweep_names_the_committed_runs() -> None:
 
 
 def test_make_results_skips_every_committed_run() -> None:
-    dry = _invoke(["sweep", "configs/sweeps/table2.yaml", "--output", "docs/results", "--dry-run"])
+    dry = invoke(["sweep", "configs/sweeps/table2.yaml", "--output", "docs/results", "--dry-run"])
     assert dry.exit_code == 0, dry.output
     assert dry.output.strip().splitlines()[-1] == "41 runs: 41 done, 0 to run"
-    calib = _invoke(["sweep", "configs/sweeps/calib128.yaml", "--output", "docs/results/calib128", "--dry-run"])
+    calib = invoke(["sweep", "configs/sweeps/calib128.yaml", "--output", "docs/results/calib128", "--dry-run"])
     assert calib.output.strip().splitlines()[-1] == "2 runs: 2 done, 0 to run"
 
 
@@ -197,7 +189,7 @@ def test_bad_sweep_files_are_refused_with_one_line_before_anything_is_written(ca
     data, message = BAD_SWEEPS[case]
     sweep = _write(tmp_path / "bad.yaml", data)
     out = tmp_path / "out"
-    result = _invoke(["sweep", str(sweep), "--output", str(out), "--executor", "slurm", "--wait"])
+    result = invoke(["sweep", str(sweep), "--output", str(out), "--executor", "slurm", "--wait"])
     assert result.exit_code == 2, (case, result.output)
     text = str(result.exception)
     assert message in text and "\n" not in text, (case, text)
@@ -209,7 +201,7 @@ def test_a_run_directory_from_another_recipe_is_refused(tmp_path: Path) -> None:
     run_dir.mkdir(parents=True)
     (run_dir / "recipe.yaml").write_text("model: m\nnm: '2:4'\nnsamples: 64\n")
     sweep = _write(tmp_path / "s.yaml", {"base": {"model": "m", "nsamples": 128}, "axes": {"nm": ["2:4"]}})
-    result = _invoke(["sweep", str(sweep), "--output", str(tmp_path / "out"), "--dry-run"])
+    result = invoke(["sweep", str(sweep), "--output", str(tmp_path / "out"), "--dry-run"])
     assert result.exit_code == 2
     assert "made with another recipe (nsamples: 64 there, 128 now)" in str(result.exception)
 
@@ -219,7 +211,7 @@ def test_slurm_executor_without_slurm_is_one_line_and_writes_nothing(
 ) -> None:
     sweep = _write(tmp_path / "s.yaml", {"base": {"model": "m", "nm": "2:4"}})
     monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no sbatch, squeue, sinfo
-    result = _invoke(["sweep", str(sweep), "--output", str(tmp_path / "out"), "--executor", "slurm"])
+    result = invoke(["sweep", str(sweep), "--output", str(tmp_path / "out"), "--executor", "slurm"])
     assert result.exit_code == 2
     assert "no SLURM is reachable here" in str(result.exception) and "--executor local" in str(result.exception)
     assert not (tmp_path / "out").exists()
@@ -227,7 +219,7 @@ def test_slurm_executor_without_slurm_is_one_line_and_writes_nothing(
 
 def test_bad_sbatch_option_flag_is_refused(tmp_path: Path) -> None:
     sweep = _write(tmp_path / "s.yaml", {"base": {"model": "m", "nm": "2:4"}})
-    result = _invoke(["sweep", str(sweep), "--output", str(tmp_path / "o"), "--sbatch-opt", "exclusive", "--dry-run"])
+    result = invoke(["sweep", str(sweep), "--output", str(tmp_path / "o"), "--sbatch-opt", "exclusive", "--dry-run"])
     assert result.exit_code == 2 and "must be KEY=VALUE" in str(result.exception)
 
 
@@ -244,6 +236,16 @@ def test_flags_override_the_sweep_files_slurm_options(tmp_path: Path) -> None:
     assert params["additional_parameters"] == {"constraint": "x", "qos": "high"}
 
 
+def test_an_output_that_is_a_file_is_exit_4_as_for_prune(tmp_path: Path) -> None:
+    sweep = _write(tmp_path / "s.yaml", {"base": {"model": "m", "nm": "2:4"}})
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    result = invoke(["sweep", str(sweep), "--output", str(taken), "--dry-run"])
+    assert (
+        result.exit_code == 4 and str(result.exception) == f"--output {taken} is a file; pass a directory for the sweep"
+    )
+
+
 def test_another_sweep_file_into_a_sweep_folder_needs_force(tmp_path: Path) -> None:
     """A folder keeps the sweep it was made from: another grid (base, axes, eval, name) is refused with one
     line and exit 4, writing nothing, unless --force; comments and slurm options may change."""
@@ -254,11 +256,11 @@ def test_another_sweep_file_into_a_sweep_folder_needs_force(tmp_path: Path) -> N
     (out / "sweep.yaml").write_text(first.read_text())
     same = tmp_path / "again.yaml"
     same.write_text("# rerun with more time\n" + yaml.safe_dump({**grid, "slurm": {"time": 90}}))
-    assert _invoke(["sweep", str(same), "--output", str(out), "--dry-run"]).exit_code == 0
+    assert invoke(["sweep", str(same), "--output", str(out), "--dry-run"]).exit_code == 0
 
     other = _write(tmp_path / "b.yaml", {**grid, "axes": {"seed": [2]}})
     for extra in ([], ["--dry-run"]):
-        refused = _invoke(["sweep", str(other), "--output", str(out), *extra])
+        refused = invoke(["sweep", str(other), "--output", str(out), *extra])
         assert refused.exit_code == 4, refused.output
         assert str(refused.exception) == (
             f"--output {out} holds another sweep: its sweep.yaml differs from {other} in axes; pass --force to "
@@ -267,15 +269,51 @@ def test_another_sweep_file_into_a_sweep_folder_needs_force(tmp_path: Path) -> N
     assert (out / "sweep.yaml").read_text() == first.read_text() and not (out / "runs").exists()
 
     # --force takes the folder over: the run is tried (and fails: there is no model) and sweep.yaml replaced.
-    forced = _invoke(["sweep", str(other), "--output", str(out), "--force"])
+    forced = invoke(["sweep", str(other), "--output", str(out), "--force"])
     assert forced.exit_code == 1 and "1 of 1 run failed (seed-2)" in str(forced.exception)
     assert (out / "sweep.yaml").read_text() == other.read_text()
 
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "todo.txt").write_text("not a sweep")
-    refused = _invoke(["sweep", str(other), "--output", str(notes), "--dry-run"])
+    refused = invoke(["sweep", str(other), "--output", str(notes), "--dry-run"])
     assert refused.exit_code == 4 and "holds files that are not a sweep's (todo.txt)" in str(refused.exception)
+
+
+def test_a_grid_above_max_runs_is_refused_and_the_dry_run_streams(tmp_path: Path) -> None:
+    """More than --max-runs points (10,000 by default) is refused with one line naming the count and the
+    flag, before any run is built; a dry run of a large grid keeps no per-run objects: its memory grows by
+    about a name and a line of output per run (it was 1.6 KB per run: 1.6 GB for a million)."""
+    axes = {"seed": list(range(101)), "nsamples": list(range(1, 101))}
+    big = _write(tmp_path / "big.yaml", {"base": {"model": "m", "nm": "2:4"}, "axes": axes})
+    out = tmp_path / "out"
+    refused = invoke(["sweep", str(big), "--output", str(out), "--dry-run"])
+    assert refused.exit_code == 2
+    assert str(refused.exception) == (
+        f"{big} defines 10100 runs, more than --max-runs 10000; shorten its axes, or pass --max-runs 10100 "
+        "to run them all"
+    )
+    assert not out.exists()
+    assert "more than --max-runs 99" in str(invoke(["sweep", str(big), "-o", str(out), "--max-runs", "99"]).exception)
+
+    def peak(seeds: int) -> int:
+        grid = _write(tmp_path / f"g{seeds}.yaml", {"base": {"model": "m", "nm": "2:4"}, "axes": {
+            "seed": list(range(seeds)), "nsamples": list(range(1, 11))}})  # fmt: skip
+        tracemalloc.start()
+        try:
+            result = invoke(["sweep", str(grid), "--output", str(out), "--dry-run"])
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert (
+            result.exit_code == 0
+            and result.output.splitlines()[-1] == f"{10 * seeds} runs: 0 done, {10 * seeds} to run"
+        )
+        assert len(result.output.splitlines()) == 10 * seeds + 2  # a header, a line per run, the summary
+        return peak
+
+    peak(3)  # imports and caches of a first dry run
+    assert peak(300) - peak(30) < 400 * (3000 - 300)
 
 
 # --- run states ----------------------------------------------------------------------------------------
@@ -392,14 +430,14 @@ def test_checkpoint_stops_the_subprocess_and_requeues_the_same_run(tmp_path: Pat
 
 def test_both_command_forms_and_status_of_a_missing_folder(tmp_path: Path) -> None:
     sweep = _write(tmp_path / "s.yaml", {"base": {"model": "m", "nm": "2:4"}, "axes": {"seed": [0, 1]}})
-    short = _invoke(["sweep", str(sweep), "--output", str(tmp_path / "o"), "--dry-run"])
-    long = _invoke(["sweep", "run", str(sweep), "--dry-run", "--output", str(tmp_path / "o")])
+    short = invoke(["sweep", str(sweep), "--output", str(tmp_path / "o"), "--dry-run"])
+    long = invoke(["sweep", "run", str(sweep), "--dry-run", "--output", str(tmp_path / "o")])
     assert short.exit_code == long.exit_code == 0 and short.output == long.output
     assert short.output.splitlines()[1].split() == ["seed-0", "pending", "run", "-"]
     assert not (tmp_path / "o").exists()
-    missing = _invoke(["sweep", "status", str(tmp_path / "o")])
+    missing = invoke(["sweep", "status", str(tmp_path / "o")])
     assert missing.exit_code == 3 and "not a sweep folder" in str(missing.exception)
-    assert "status" in _invoke(["sweep", "--help"]).output
+    assert "status" in invoke(["sweep", "--help"]).output
 
 
 # --- the local executor on tiny models -------------------------------------------------------------------
@@ -443,26 +481,26 @@ def test_local_sweep_runs_resumes_skips_and_reports(tmp_path: Path, data_dir: Pa
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr.decode()
     assert f"error: run {good} was stopped by SIGTERM during prune" in stderr.decode()
-    views = {v["name"]: v for v in json.loads(_invoke(["sweep", "status", str(out), "--json"]).output)}
+    views = {v["name"]: v for v in json.loads(invoke(["sweep", "status", str(out), "--json"]).output)}
     assert (views[good]["state"], views[bad]["state"]) == ("pending", "pending")
-    dry = _invoke(["sweep", str(sweep), "--output", str(out), "--dry-run"])
+    dry = invoke(["sweep", str(sweep), "--output", str(out), "--dry-run"])
     line = next(line for line in dry.output.splitlines() if line.startswith(good))
     assert line.split()[1:3] == ["pending", "run"] and "resume state after" in line
 
-    result = _invoke(["sweep", str(sweep), "--output", str(out)])
+    result = invoke(["sweep", str(sweep), "--output", str(out)])
     assert result.exit_code == 1 and f"1 of 2 runs failed ({bad})" in str(result.exception)
-    views = {v["name"]: v for v in json.loads(_invoke(["sweep", "status", str(out), "--json"]).output)}
+    views = {v["name"]: v for v in json.loads(invoke(["sweep", "status", str(out), "--json"]).output)}
     assert views[good]["state"] == "done" and views[good]["job_id"] is None and views[good]["attempt"] == 2
     assert views[good]["run_dir"] == str(out / "runs" / good)
     # The one-line error is exactly what `tsenor prune` says about that model; the other run finished.
-    direct = _invoke(["prune", "--model", str(missing), "--nm", "2:4", "--output", str(tmp_path / "x")])
+    direct = invoke(["prune", "--model", str(missing), "--nm", "2:4", "--output", str(tmp_path / "x")])
     assert views[bad]["state"] == "failed" and views[bad]["error"] == str(direct.exception)
     resumed = json.loads((out / "runs" / good / "tsenor_report.json").read_text())["resumed_from_block"]
     assert resumed is not None and 1 <= resumed < 4  # the interrupted prune continued where it stopped
 
     # The same run uninterrupted, by the same executor, gives the same checkpoint and perplexity.
     reference = tmp_path / "reference"
-    ok = _invoke(
+    ok = invoke(
         ["sweep", str(_write(tmp_path / "r.yaml", {**grid, "axes": {"model": [str(tiny)]}})), "-o", str(reference)]
     )
     assert ok.exit_code == 0, ok.output
@@ -471,12 +509,12 @@ def test_local_sweep_runs_resumes_skips_and_reports(tmp_path: Path, data_dir: Pa
     assert _ppl(got) == _ppl(want)
 
     # Again: the finished run is skipped (same attempt), the failed one is retried.
-    again = _invoke(["sweep", str(sweep), "--output", str(out)])
+    again = invoke(["sweep", str(sweep), "--output", str(out)])
     assert again.exit_code == 1
     status = {name: json.loads((out / "runs" / name / "status.json").read_text()) for name in (good, bad)}
     assert status[good]["attempt"] == 2 and status[bad]["attempt"] == 2  # bad never started in the first sweep
 
-    merged = _invoke(["report", str(out), "--output", str(tmp_path / "report"), "--format", "json"])
+    merged = invoke(["report", str(out), "--output", str(tmp_path / "report"), "--format", "json"])
     assert merged.exit_code == 0, merged.output
     rows = json.loads(merged.stdout)["rows"]
     assert [row["run"] for row in rows] == [good]

@@ -12,16 +12,14 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from helpers_tiny import make_tiny_llama
-from typer.testing import CliRunner
+from helpers_cli import invoke
 
-from tsenor_cli.cli import app
-from tsenor_cli.errors import TsenorError
 from tsenor_cli.pruning.resume import RESUME_DIRNAME, STATE_FILE
 from tsenor_cli.sweep.spec import name_part
 from tsenor_cli.sweep.status import MODEL_DIR
@@ -53,13 +51,6 @@ FAST = {"nsamples": 2, "seqlen": 32, "calib_data": "wikitext2"}
 EVAL = {"ppl": ["wikitext2"], "max_windows": 1, "seqlen": 64}
 
 
-def _invoke(args: list[str]) -> Any:
-    result = CliRunner().invoke(app, args)
-    if isinstance(result.exception, TsenorError):
-        result.exit_code = result.exception.exit_code
-    return result
-
-
 def _write(path: Path, data: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -79,8 +70,8 @@ def _status(run_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", num_layers=4)
+def tiny(tiny_llama: Callable[..., Path]) -> Path:
+    return tiny_llama(num_layers=4)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +91,7 @@ def grid(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def local_sweep(grid: Path, data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("local") / "sweep"
-    result = _invoke(["sweep", str(grid), "--output", str(out)])
+    result = invoke(["sweep", str(grid), "--output", str(out)])
     assert result.exit_code == 0, result.output
     return out
 
@@ -176,14 +167,14 @@ def test_job_array_equals_local_and_requeued_tasks_end_identical(grid: Path, loc
     interrupter = threading.Thread(target=_interrupt_mid_prune, args=(out, errors), daemon=True)
     interrupter.start()
     slurm = ["--executor", "slurm", "--array-parallelism", "2", "--time", "10", "--wait"]
-    result = _invoke(["sweep", str(grid), "--output", str(out), *slurm])
+    result = invoke(["sweep", str(grid), "--output", str(out), *slurm])
     interrupter.join(timeout=60)
     assert not errors, errors
     assert result.exit_code == 0, result.output
 
     scripts = list((out / ".submitit").glob("*_submission.sh"))
     assert len(scripts) == 1 and "#SBATCH --array=0-3%2" in scripts[0].read_text()  # one array, 2 at a time
-    views = {v["name"]: v for v in json.loads(_invoke(["sweep", "status", str(out), "--json"]).output)}
+    views = {v["name"]: v for v in json.loads(invoke(["sweep", "status", str(out), "--json"]).output)}
     assert set(views) == {"magnitude-2x4", "magnitude-4x8", "alps-2x4", "alps-4x8"}
     array = {str(v["job_id"]).split("_")[0] for v in views.values()}
     assert len(array) == 1 and all(v["state"] == "done" for v in views.values())
@@ -204,7 +195,7 @@ def test_job_array_equals_local_and_requeued_tasks_end_identical(grid: Path, loc
         assert ("Calling checkpoint method." in submitit_log) is checkpointed, name
         assert ("Requeued job" in submitit_log) is checkpointed, name
 
-    merged = _invoke(["report", str(out), "--output", str(tmp_path / "report"), "--format", "json"])
+    merged = invoke(["report", str(out), "--output", str(tmp_path / "report"), "--format", "json"])
     assert merged.exit_code == 0, merged.output
     rows = {row["run"]: row for row in json.loads(merged.stdout)["rows"]}
     assert set(rows) == set(views)
@@ -225,11 +216,11 @@ def test_a_failing_point_is_failed_with_its_error_and_the_others_finish(
         },
     )
     out = tmp_path / "out"
-    result = _invoke(["sweep", str(sweep), "--output", str(out), "--executor", "slurm", "--wait"])
+    result = invoke(["sweep", str(sweep), "--output", str(out), "--executor", "slurm", "--wait"])
     assert result.exit_code == 1 and "1 of 2 runs failed" in str(result.exception)
-    views = {v["name"]: v for v in json.loads(_invoke(["sweep", "status", str(out), "--json"]).output)}
+    views = {v["name"]: v for v in json.loads(invoke(["sweep", "status", str(out), "--json"]).output)}
     bad, good = views[name_part(str(missing))], views[name_part(str(tiny))]
-    direct = _invoke(["prune", "--model", str(missing), "--nm", "2:4", "--output", str(tmp_path / "x")])
+    direct = invoke(["prune", "--model", str(missing), "--nm", "2:4", "--output", str(tmp_path / "x")])
     assert bad["state"] == "failed" and bad["error"] == str(direct.exception)
     assert good["state"] == "done" and (out / "runs" / good["name"] / "eval.json").is_file()
     assert bad["job_id"] != good["job_id"] and bad["job_id"].split("_")[0] == good["job_id"].split("_")[0]
@@ -239,7 +230,7 @@ def test_an_array_sbatch_refuses_is_one_line_and_leaves_nothing(tiny: Path, tmp_
     sweep = _write(tmp_path / "s.yaml", {"base": {"model": str(tiny), "nm": "2:4", **FAST}, "eval": EVAL})
     out = tmp_path / "out"
     before = _queued_job_ids()
-    result = _invoke(["sweep", str(sweep), "--output", str(out), "--executor", "slurm", "--partition", "nosuch"])
+    result = invoke(["sweep", str(sweep), "--output", str(out), "--executor", "slurm", "--partition", "nosuch"])
     assert result.exit_code == 2
     message = str(result.exception)
     assert message.startswith("sbatch refused the job array: ") and "partition" in message and "\n" not in message

@@ -25,16 +25,33 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.name: str | None = None
+        self._at_once = 0
 
     @property
     def requested(self) -> bool:
         return self.name is not None
 
     def request(self, name: str) -> None:
-        """Record a stop request; a second one means "stop now" and raises KeyboardInterrupt."""
+        """Record a stop request; a second one, or one inside `at_once`, means "stop now" and raises
+        KeyboardInterrupt (`name` keeps the first signal's)."""
         if self.name is not None:
             raise KeyboardInterrupt
         self.name = name
+        if self._at_once:
+            raise KeyboardInterrupt
+
+    @contextmanager
+    def at_once(self) -> Iterator[None]:
+        """Within the block a stop signal stops at once, as Ctrl-C does: for work with no safe point to
+        stop at and nothing to save part-way (an evaluation), which would outlast the scheduler's
+        KillWait. A request made before the block stops at its start."""
+        if self.name is not None:
+            raise KeyboardInterrupt
+        self._at_once += 1
+        try:
+            yield
+        finally:
+            self._at_once -= 1
 
 
 @contextmanager

@@ -60,3 +60,17 @@ def configure_logging(level: int = logging.INFO) -> None:
     logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False
+
+
+def quiet_libraries() -> None:
+    """`tsenor -q`: hide the progress bars and info lines of the libraries tsenor calls too (transformers'
+    "Loading weights" bar, hub downloads, datasets' preparation), leaving their warnings and errors."""
+    import datasets
+    import huggingface_hub.utils
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_warning()
+    huggingface_hub.utils.disable_progress_bars()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_warning()

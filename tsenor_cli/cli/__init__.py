@@ -14,12 +14,14 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import typer
+from typer.core import TyperCommand
 
 from tsenor_cli import __version__, settings
 from tsenor_cli.errors import DEBUG_HINT, EXIT_SIGINT, Interrupted, PeerError, TsenorError, one_line
-from tsenor_cli.progress import configure_logging
+from tsenor_cli.progress import configure_logging, quiet_libraries
 from tsenor_cli.settings import RunContext
 
 app = typer.Typer(
@@ -31,6 +33,40 @@ app = typer.Typer(
     # Plain click help: flags without a `<bool>` metavar, required options marked, no box drawing.
     rich_markup_mode=None,
 )
+
+
+class Command(TyperCommand):
+    """Every tsenor command: its arguments spelled as click spells them, SWEEP_FILE and RUN_DIRS..., in the
+    usage line and the argument list (typer writes `{sweep_file}` and `run_dirs... <list[Path]>`)."""
+
+    @staticmethod
+    def _argument_name(param: Any) -> str:
+        name = str(param.name).upper() + ("..." if param.nargs != 1 else "")
+        return name if param.required else f"[{name}]"
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if param.param_type_name == "argument":
+                pieces.append(self._argument_name(param))
+            else:
+                pieces.extend(param.get_usage_pieces(ctx))
+        return pieces
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        arguments, options = [], []
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                arguments.append((self._argument_name(param), record[1]))
+            else:
+                options.append(record)
+        for title, rows in (("Arguments", arguments), ("Options", options)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
 
 
 @dataclass
@@ -62,6 +98,8 @@ def _root(
     if verbose and quiet:
         raise typer.BadParameter("pass at most one of --verbose and --quiet")
     configure_logging(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
+    if quiet:
+        quiet_libraries()
 
 
 def run_context(ctx: typer.Context, data_dir: Path | None, offline: bool) -> RunContext:
@@ -152,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if not message.strip() or "\n" in message:
             # no_args_is_help: a bare command group's "error" is its help, which rich has printed already
             # (the message is then empty) or which is the message itself.
-            typer.echo(message, err=True, nl=False)
+            typer.echo(message, err=True, nl=not message.endswith("\n"))
         else:
             typer.echo(f"error: {_usage_line(exc)}", err=True)
         sys.exit(exc.exit_code)

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from tsenor_cli import atomic
-from tsenor_cli.cli import app, run_context
+from tsenor_cli.cli import Command, app, run_context
 from tsenor_cli.cli.options import DEVICE, DTYPE, DataDirOpt, DeviceOpt, DtypeOpt, ForceOpt, JsonOpt
 from tsenor_cli.errors import InputNotFoundError, OutputExistsError, UsageError
 from tsenor_cli.nm import NMPattern, parse_nm
@@ -45,7 +45,7 @@ def _methods(text: str) -> tuple[str, ...]:
     return names
 
 
-@bench_app.command("solver")
+@bench_app.command("solver", cls=Command)
 def bench_solver(
     ctx: typer.Context,
     model: str = typer.Option("smollm2-135m", help="Embedded model name or a local HF checkpoint folder."),
@@ -128,7 +128,7 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
         raise UsageError(f"{option} {text!r} must be a comma list of integers, e.g. 4096,16384") from exc
 
 
-@bench_app.command("speedup")
+@bench_app.command("speedup", cls=Command)
 def bench_speedup(
     models: str = typer.Option("llama-3.2-1b,llama-3.1-8b", help="Model shapes (comma list)."),
     tokens: str = typer.Option("4096,16384", help="Tokens per matmul (batch × sequence), comma list."),
@@ -173,7 +173,7 @@ benchmark, replaced when the same shape, block count, device and methods run aga
 """
 
 
-@bench_app.command("prune")
+@bench_app.command("prune", cls=Command)
 def bench_prune(
     ctx: typer.Context,
     model: str = typer.Option(

@@ -9,7 +9,7 @@ from typing import cast
 import typer
 
 from tsenor_cli import atomic
-from tsenor_cli.cli import app, command_line, run_context
+from tsenor_cli.cli import Command, app, command_line, run_context
 from tsenor_cli.cli.options import (
     DEVICE,
     DTYPE,
@@ -120,7 +120,7 @@ def format_table(report: EvalReport) -> str:
     return "\n".join(lines)
 
 
-@app.command("eval")
+@app.command("eval", cls=Command)
 def eval_cmd(
     ctx: typer.Context,
     model: str = typer.Option(..., "--model", help="Embedded name (smollm2-135m), local checkpoint dir, or hub id."),

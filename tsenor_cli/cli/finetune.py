@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from tsenor_cli.cli import app, command_line, run_context
+from tsenor_cli.cli import Command, app, command_line, run_context
 from tsenor_cli.cli.evaluate import parse_limit, parse_list, parse_ppl_datasets
 from tsenor_cli.cli.options import (
     DEVICE,
@@ -22,6 +22,7 @@ from tsenor_cli.cli.options import (
     OutputDirOpt,
     PplOpt,
     TasksOpt,
+    TrustRemoteCodeOpt,
 )
 from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.finetune.data import NAMED_DATA
@@ -56,7 +57,7 @@ def summary(report: FinetuneReport) -> str:
     return "\n".join(lines)
 
 
-@app.command("finetune")
+@app.command("finetune", cls=Command)
 def finetune_cmd(
     ctx: typer.Context,
     run_dir: Path = typer.Argument(..., help="Checkpoint folder written by tsenor prune (its --output)."),
@@ -88,6 +89,7 @@ def finetune_cmd(
         1.0, "--distill-temperature", help="Softmax temperature of the distillation loss (needs --teacher)."
     ),
     device: DeviceOpt = DEVICE,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     as_json: JsonOpt = False,
     data_dir: DataDirOpt = None,
     offline: OfflineOpt = False,
@@ -116,6 +118,7 @@ def finetune_cmd(
         eval_every=eval_every,
         save_every=save_every,
         device=device,
+        trust_remote_code=trust_remote_code,
         teacher=teacher,
         distill_weight=distill_weight,
         distill_temperature=distill_temperature,
@@ -124,6 +127,10 @@ def finetune_cmd(
         command=command_line(),
     )
     from tsenor_cli.finetune.run import finetune
+    from tsenor_cli.interrupt import stop_on_signals
 
-    report = finetune(cfg, run_ctx)
+    # As for prune: SIGTERM/SIGUSR1/SIGUSR2 finish the step in hand and save it, Ctrl-C stops at once;
+    # both end in one line saying what was saved (exit 75 / 130).
+    with stop_on_signals() as stop:
+        report = finetune(cfg, run_ctx, stop=stop)
     typer.echo(json.dumps(report.to_json(), indent=2) if as_json else summary(report))

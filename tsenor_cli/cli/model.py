@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import typer
 
-from tsenor_cli.cli import app, run_context
+from tsenor_cli.cli import Command, app, run_context
 from tsenor_cli.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, materialize
 
 model_app = typer.Typer(help="Manage the embedded default model.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(model_app, name="model")
 
 
-@model_app.command("materialize")
+@model_app.command("materialize", cls=Command)
 def materialize_cmd(
     ctx: typer.Context,
     name: str = typer.Argument(DEFAULT_MODEL, help=f"One of: {', '.join(EMBEDDED_MODELS)}."),
@@ -22,7 +22,7 @@ def materialize_cmd(
     typer.echo(str(path))
 
 
-@model_app.command("list")
+@model_app.command("list", cls=Command)
 def list_cmd() -> None:
     """List the embedded models."""
     for spec in EMBEDDED_MODELS.values():

@@ -32,7 +32,7 @@ ForceOpt = Annotated[
     typer.Option(
         "--force",
         help="Replace existing output: prune, finetune: a tsenor run (never other files); eval: eval.json; "
-        "report: the folder; sweep: take over a folder made from another sweep file.",
+        "report: the folder; bench: its result files; sweep: take over a folder made from another sweep file.",
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from tsenor_cli.cli import app, command_line, run_context
+from tsenor_cli.cli import Command, app, command_line, run_context
 from tsenor_cli.cli.options import (
     DEVICE,
     DTYPE,
@@ -70,11 +70,23 @@ CONFIG_KEYS: dict[str, type] = {
 }
 
 
-def _plan_verdict(plan: PrunePlan, cfg: PruneConfig) -> None:
-    """After the plan is printed: the run's own compatibility error (its exit code too) when the run would
-    stop on an incompatible layer or have nothing to prune, so a dry run fails where the run would."""
+def _plan_verdict(plan: PrunePlan, cfg: PruneConfig, processes: int) -> None:
+    """After the plan is printed: the run's own error (its exit code too) when the run would not fit in
+    memory (`processes` of it on this machine), stop on an incompatible layer or have nothing to prune,
+    so a dry run fails where the run would."""
+    from tsenor_cli.models.loading import resolve_device
     from tsenor_cli.pruning.engine import check_compatibility
+    from tsenor_cli.pruning.memory import check_fits
 
+    check_fits(
+        plan.host_memory,
+        plan.device_bytes,
+        resolve_device(plan.device),
+        nsamples=cfg.nsamples,
+        seqlen=plan.seqlen,
+        offload_activations=cfg.offload_activations,
+        processes=processes,
+    )
     candidates = [s for s in plan.slots if s.full_name not in plan.ignored and not s.param and s.out_features > 1]
     check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)
 
@@ -209,7 +221,7 @@ def build_config(values: dict[str, Any], *, force: bool, resume: bool, command: 
     )
 
 
-@app.command("prune")
+@app.command("prune", cls=Command)
 def prune_cmd(
     ctx: typer.Context,
     model: str | None = typer.Option(
@@ -243,10 +255,14 @@ def prune_cmd(
     ignore: list[str] | None = typer.Option(
         None,
         "--ignore",
+        metavar="<pattern>",
         help="Leave matching linears dense (repeatable): glob on full names ('*.mlp.down_proj') or 're:REGEX'.",
     ),
     targets: list[str] | None = typer.Option(
-        None, "--targets", help="Prune only matching linears (repeatable): glob on full names or 're:REGEX'."
+        None,
+        "--targets",
+        metavar="<pattern>",
+        help="Prune only matching linears (repeatable): glob on full names or 're:REGEX'.",
     ),
     output: OutputDirOpt = None,
     force: ForceOpt = False,
@@ -349,10 +365,11 @@ def prune_cmd(
     if dry_run:
         from tsenor_cli.pruning.api import plan_model
 
-        plan = plan_model(cfg, run_ctx, world_size=max(nproc, run_ctx.distributed.world_size))
+        processes = max(nproc, run_ctx.distributed.world_size)
+        plan = plan_model(cfg, run_ctx, world_size=processes)
         if as_json:
             typer.echo(json.dumps(plan.to_dict(), indent=2))
-            _plan_verdict(plan, cfg)
+            _plan_verdict(plan, cfg, processes)
             return
         typer.echo(
             f"plan: {cfg.method} {cfg.pattern.label} ({cfg.pattern.kind}) on {plan.model} "
@@ -367,8 +384,9 @@ def prune_cmd(
             if slot.full_name in plan.ignored:
                 verdict = "ignored: " + plan.ignored[slot.full_name]
             typer.echo(f"{slot.full_name:<44} {shape:>13}  {verdict}")
+        host = plan.host_memory
         typer.echo(
-            f"estimated memory: CPU {human_bytes(plan.cpu_bytes)} (model"
+            f"estimated memory: host {human_bytes(host.total)} ({host.describe()}"
             + (", in each process)" if len(plan.device_memory) > 1 else ")")
             + f", {plan.device} {human_bytes(plan.device_bytes)} peak"
             + (" per process" if len(plan.device_memory) > 1 else "")
@@ -380,15 +398,19 @@ def prune_cmd(
                 f"+ activations {human_bytes(estimate.activations)} + statistics {human_bytes(estimate.statistics)} "
                 f"+ workspace {human_bytes(estimate.workspace)}"
             )
-        _plan_verdict(plan, cfg)
+        _plan_verdict(plan, cfg, processes)
         return
 
     if nproc > 1:
-        if cfg.nsamples < nproc:  # checked here too, so the line comes once and not from every process
+        # Checked here too, so the line comes once and not from every process.
+        if cfg.nsamples < nproc:
             raise UsageError(
                 f"--nsamples {cfg.nsamples} is fewer than --nproc {nproc}; pass at least one calibration "
                 "sample per process"
             )
+        from tsenor_cli.models.loading import resolve_device
+
+        resolve_device(cfg.device)
         _launch(ctx, nproc)
         return
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from tsenor_cli.cli import app
+from tsenor_cli.cli import Command, app
 from tsenor_cli.cli.options import ForceOpt, OutputDirOpt
 from tsenor_cli.errors import UsageError
 from tsenor_cli.report import load_run, write_report
@@ -35,7 +35,7 @@ def _expand_sweeps(paths: list[Path]) -> list[Path]:
     return expanded
 
 
-@app.command("report")
+@app.command("report", cls=Command)
 def report_cmd(
     run_dirs: list[Path] = typer.Argument(
         ...,

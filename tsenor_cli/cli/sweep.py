@@ -11,10 +11,10 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from tsenor_cli.cli import app, run_context
+from tsenor_cli.cli import Command, app, run_context
 from tsenor_cli.cli.options import DataDirOpt, ForceOpt, JsonOpt, OfflineOpt, OutputDirOpt
-from tsenor_cli.errors import UsageError
-from tsenor_cli.sweep.spec import SlurmOptions, parse_time
+from tsenor_cli.errors import OutputExistsError, UsageError
+from tsenor_cli.sweep.spec import MAX_RUNS, SlurmOptions, parse_time
 from tsenor_cli.sweep.status import RunView
 
 
@@ -45,6 +45,12 @@ class Executor(StrEnum):
 
 def _runs(n: int) -> str:
     return f"{n} run" if n == 1 else f"{n} runs"
+
+
+def _summary(total: int, done: int, todo: int) -> str:
+    """The sweep's first line: "3 runs: 1 done, 1 to run, 1 already queued or running"."""
+    busy = total - done - todo
+    return f"{_runs(total)}: {done} done, {todo} to run" + (f", {busy} already queued or running" if busy else "")
 
 
 def _elapsed(seconds: float | None) -> str:
@@ -93,7 +99,7 @@ def _slurm_options(spec_options: SlurmOptions, flags: dict[str, Any], sbatch_opt
     return replace(spec_options, **changes)
 
 
-@sweep_app.command("run")
+@sweep_app.command("run", cls=Command)
 def sweep_run(
     ctx: typer.Context,
     sweep_file: Path = typer.Argument(..., help="Sweep file (YAML): base, axes, eval, optional name and slurm."),
@@ -112,7 +118,12 @@ def sweep_run(
     cpus_per_task: int | None = typer.Option(None, "--cpus-per-task", help="CPUs per run."),
     mem: str | None = typer.Option(None, "--mem", help="Memory per run, e.g. 32G."),
     array_parallelism: int | None = typer.Option(None, "--array-parallelism", help="Runs at the same time."),
-    sbatch_opt: list[str] = typer.Option([], "--sbatch-opt", help="Extra sbatch option KEY=VALUE (repeatable)."),
+    sbatch_opt: list[str] = typer.Option(
+        [], "--sbatch-opt", metavar="<key=value>", help="Extra sbatch option KEY=VALUE (repeatable)."
+    ),
+    max_runs: int = typer.Option(
+        MAX_RUNS, "--max-runs", min=1, help="Refuse a grid of more runs than this (a guard against a mistyped axis)."
+    ),
     data_dir: DataDirOpt = None,
     offline: OfflineOpt = False,
 ) -> None:
@@ -141,7 +152,7 @@ def sweep_run(
     from tsenor_cli.sweep.spec import load_sweep
     from tsenor_cli.sweep.status import slurm_queue
 
-    spec = load_sweep(sweep_file)
+    spec = load_sweep(sweep_file, max_runs=max_runs)
     options = _slurm_options(
         spec.slurm,
         {
@@ -157,31 +168,31 @@ def sweep_run(
         sbatch_opt,
     )
     if output.exists() and not output.is_dir():
-        raise UsageError(f"--output {output} is a file; pass a directory for the sweep")
+        raise OutputExistsError(f"--output {output} is a file; pass a directory for the sweep")
     if wait and executor is not Executor.slurm:
         raise UsageError("--wait applies to --executor slurm (the local executor always waits); drop it")
     directory = output.resolve()
     check_sweep_folder(sweep_file, directory, force=force)
     queue = slurm_queue()
-    planned = plan_sweep(spec, directory, run_ctx, queue=queue)
-    todo = [p for p in planned if p.launchable(queue)]
-    done = sum(p.view.state == "done" for p in planned)
-    busy = len(planned) - done - len(todo)
 
     def echo(message: str) -> None:
         typer.echo(message, err=True)
 
-    summary = f"{_runs(len(planned))}: {done} done, {len(todo)} to run" + (
-        f", {busy} already queued or running" if busy else ""
-    )
     if dry_run:
-        width = max(len("run"), *(len(p.spec.name) for p in planned))
+        # Streamed, one line per run: a grid raised by --max-runs to millions is never held in memory.
+        width = max(len("run"), *(len(run.name) for run in spec.iter_runs()))
         typer.echo(f"{'run':<{width}}  {'state':<8} {'action':<7} on disk")
-        for p in planned:
-            action = "run" if p in todo else "skip"
+        counts = {"done": 0, "run": 0, "skip": 0}
+        for p in plan_sweep(spec, directory, run_ctx, queue=queue):
+            action = "run" if p.launchable(queue) else "skip"
+            counts["done" if p.view.state == "done" else action] += 1
             typer.echo(f"{p.spec.name:<{width}}  {p.view.state:<8} {action:<7} {p.on_disk}")
-        typer.echo(summary)
+        typer.echo(_summary(counts["done"] + counts["run"] + counts["skip"], counts["done"], counts["run"]))
         return
+    planned = list(plan_sweep(spec, directory, run_ctx, queue=queue))
+    todo = [p for p in planned if p.launchable(queue)]
+    done = sum(p.view.state == "done" for p in planned)
+    summary = _summary(len(planned), done, len(todo))
     echo(summary)
     if not todo:
         return
@@ -221,7 +232,7 @@ def sweep_run(
         )
 
 
-@sweep_app.command("status")
+@sweep_app.command("status", cls=Command)
 def sweep_status(
     directory: Path = typer.Argument(..., help="A sweep folder (the --output of tsenor sweep)."),
     as_json: JsonOpt = False,

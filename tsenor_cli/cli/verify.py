@@ -7,13 +7,13 @@ from pathlib import Path
 
 import typer
 
-from tsenor_cli.cli import app
+from tsenor_cli.cli import Command, app
 from tsenor_cli.cli.options import JsonOpt
 from tsenor_cli.errors import VerificationError
 from tsenor_cli.pruning.verify import verify_checkpoint
 
 
-@app.command("verify")
+@app.command("verify", cls=Command)
 def verify_cmd(
     directory: Path = typer.Argument(..., help="Checkpoint directory written by tsenor prune."),
     as_json: JsonOpt = False,

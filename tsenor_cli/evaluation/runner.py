@@ -97,12 +97,23 @@ def evaluate_model(
     seqlen = effective_seqlen(loaded, cfg.seqlen)
     device = next(loaded.model.parameters()).device
     ppl_batch = cfg.batch_size if isinstance(cfg.batch_size, int) else 1
-    results: dict[str, PerplexityRecord] = {}
+    say = sink(progress)
+    # Every stream first: the window count of the whole evaluation is known before the first window, so
+    # the first window's time gives an estimate of it all (`_WindowClock`).
+    streams = {}
     for name in cfg.ppl_datasets:
         t0 = time.perf_counter()
         text = eval_token_stream(name, loaded.tokenizer, ctx, seqlen=seqlen)
-        sink(progress)(f"{name}: {text.tokens} tokens ({text.description})")
-        report_step = _window_progress(name, progress)
+        say(f"{name}: {text.tokens} tokens ({text.description})")
+        streams[name] = (text, time.perf_counter() - t0)
+    counts = {name: window_count(text.tokens, seqlen, cfg.max_windows) for name, (text, _) in streams.items()}
+    clock = _WindowClock(sum(counts.values()), say, every_window=progress is not None)
+    if clock.total:
+        parts = ", ".join(f"{name} {count}" for name, count in counts.items())
+        say(f"perplexity: {_windows(clock.total)} of {seqlen} tokens ({parts})")
+    results: dict[str, PerplexityRecord] = {}
+    for name, (text, spent) in streams.items():
+        t0 = time.perf_counter()
         result = perplexity(
             loaded.model,
             text.input_ids,
@@ -110,7 +121,7 @@ def evaluate_model(
             max_windows=cfg.max_windows,
             device=device,
             batch_size=ppl_batch,
-            progress=report_step,
+            progress=clock.reporter(name),
         )
         results[name] = PerplexityRecord(
             ppl=result.ppl,
@@ -120,9 +131,9 @@ def evaluate_model(
             seqlen=result.seqlen,
             data=text.description,
             data_source=text.source,
-            seconds=time.perf_counter() - t0,
+            seconds=spent + time.perf_counter() - t0,
         )
-        sink(progress)(f"{name}: ppl {result.ppl:.3f} over {result.windows} windows of {seqlen}")
+        say(f"{name}: ppl {result.ppl:.3f} over {result.windows} windows of {seqlen}")
     zeroshot = None
     if cfg.tasks:
         zeroshot = _run_zeroshot(loaded, cfg, ctx, progress)
@@ -143,16 +154,54 @@ def evaluate_model(
     )
 
 
-def _window_progress(name: str, progress: Callable[[str], None] | None) -> Callable[[int, int], None] | None:
-    if progress is None:
-        return None
-    sink = progress
-    started = time.perf_counter()
+def window_count(tokens: int, seqlen: int, max_windows: int | None) -> int:
+    """The windows `perplexity` evaluates in a stream of `tokens` (non-overlapping, capped by max_windows)."""
+    whole = tokens // seqlen
+    return whole if max_windows is None else min(whole, max_windows)
 
-    def step(done: int, total: int) -> None:
-        sink(f"{name}: window {done}/{total} ({time.perf_counter() - started:.0f} s)")
 
-    return step
+def _windows(n: int) -> str:
+    return f"{n} window" if n == 1 else f"{n} windows"
+
+
+def duration(seconds: float) -> str:
+    """A rough duration for a person: "40 s", "12 min", "3.5 h"."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class _WindowClock:
+    """Windows done over the whole perplexity evaluation (`total` windows over its datasets) → an estimate
+    of the time left: said once after the first window (the evaluation's length, before it is spent) and,
+    with `every_window`, after each window."""
+
+    def __init__(self, total: int, say: Callable[[str], None], *, every_window: bool) -> None:
+        self.total = total
+        self.say = say
+        self.every_window = every_window
+        self.done = 0
+        self.started = time.perf_counter()
+
+    def reporter(self, name: str) -> Callable[[int, int], None]:
+        before = self.done
+
+        def step(done: int, total: int) -> None:
+            first = self.done == 0
+            self.done = before + done
+            spent = time.perf_counter() - self.started
+            left = spent / self.done * (self.total - self.done)
+            if first:
+                self.say(
+                    f"{name}: window {done}/{total} took {spent:.1f} s; the perplexity evaluation takes about "
+                    f"{duration(spent + left)} ({_windows(self.total)}; --max-windows N shortens it)"
+                )
+            elif self.every_window:
+                self.say(f"{name}: window {done}/{total} ({spent:.0f} s, about {duration(left)} left)")
+
+        return step
 
 
 def _run_zeroshot(

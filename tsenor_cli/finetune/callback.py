@@ -89,8 +89,9 @@ class CurveCallback(TrainerCallback):
     """Perplexity every `eval_every` steps into the log history, step times, progress lines, and a hook
     after saves.
 
-    evaluate() → {dataset: ppl} must leave the model in training mode; it runs on the main process
-    only, after the step (the final step is left to the caller's after-training evaluation).
+    evaluate() → {dataset: ppl} must leave the model in training mode ({}: no point this time, the run is
+    stopping); it runs on the main process only, after the step (the final step is left to the caller's
+    after-training evaluation).
     step_seconds: wall time of each optimizer step run by this process, from its first micro-batch's
     forward to the end of the optimizer step (batch loading, evaluation and checkpoints excluded).
     after_save(step) runs once a checkpoint is written (tests use it to simulate an interruption).
@@ -119,8 +120,8 @@ class CurveCallback(TrainerCallback):
         self.step_seconds.append(time.perf_counter() - self._step_start)
         step = state.global_step
         due = self.eval_every > 0 and step % self.eval_every == 0 and step < state.max_steps
-        if due and self.evaluate is not None and state.is_world_process_zero:
-            values = self.evaluate()
+        values = self.evaluate() if due and self.evaluate is not None and state.is_world_process_zero else {}
+        if values:  # none when the run is stopping
             state.log_history.append({"step": step, **{PPL_LOG_PREFIX + k: v for k, v in values.items()}})
             self.progress(f"step {step}: " + ", ".join(f"{name} ppl {ppl:.3f}" for name, ppl in values.items()))
 

@@ -27,16 +27,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tsenor_cli import atomic
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
-from tsenor_cli.errors import UsageError
+from tsenor_cli.errors import EXIT_RESUMABLE, EXIT_SIGINT, Interrupted, UsageError
 from tsenor_cli.finetune.callback import PPL_LOG_PREFIX, CurveCallback, FixedMask, MaskCallback
 from tsenor_cli.finetune.data import WindowDataset, training_windows
 from tsenor_cli.finetune.distill import DistillTrainer, check_teacher
 from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsity
+from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.pruning.output import (
     check_not_input,
@@ -47,7 +49,15 @@ from tsenor_cli.pruning.output import (
 )
 from tsenor_cli.pruning.report import versions
 from tsenor_cli.pruning.resume import RESUME_DIRNAME
-from tsenor_cli.runfiles import EVAL_FILE, FINETUNE_FILE, PRUNE_FILE, PRUNE_MARKDOWN, ContextRecord, FinetuneReport
+from tsenor_cli.runfiles import (
+    EVAL_FILE,
+    FINETUNE_FILE,
+    PRUNE_FILE,
+    PRUNE_MARKDOWN,
+    ContextRecord,
+    EvalReport,
+    FinetuneReport,
+)
 from tsenor_cli.settings import RunContext
 
 LOSS_PNG = "finetune_loss.png"
@@ -67,6 +77,7 @@ class FinetuneConfig:
     perplexity of `ppl_datasets` every K steps to the curve (0: before and after only). save_every K > 0
     writes Trainer's checkpoint every K steps into OUTPUT/.tsenor-resume/ (0: never; then `resume`
     has nothing to continue from). device: cpu or cuda (Trainer's; under torchrun, each rank's GPU).
+    trust_remote_code: run the checkpoint's (and the teacher's) own model code (config.json auto_map).
     """
 
     run_dir: Path
@@ -87,6 +98,7 @@ class FinetuneConfig:
     eval_every: int = 0
     save_every: int = 100
     device: str = "cpu"
+    trust_remote_code: bool = False
     teacher: str | None = None
     distill_weight: float = 1.0
     distill_temperature: float = 1.0
@@ -221,12 +233,20 @@ def last_complete_checkpoint(state_dir: Path, say: Progress) -> Path | None:
     return None
 
 
-def _load_teacher(name: str, bf16: bool, ctx: RunContext, student: Any, device: Any, say: Progress) -> Any:
-    """The frozen dense teacher `name` (`--teacher`) on the training device (bf16 under --bf16, else fp32)."""
+def _load_teacher(cfg: FinetuneConfig, ctx: RunContext, student: Any, device: Any, say: Progress) -> Any:
+    """The frozen dense teacher (`--teacher`) on the training device (bf16 under --bf16, else fp32)."""
     from tsenor_cli.models.loading import load_model
 
+    name = str(cfg.teacher)
     say(f"loading the teacher {name}")
-    teacher = load_model(name, ctx, dtype=torch.bfloat16 if bf16 else torch.float32, device=device, progress=say)
+    teacher = load_model(
+        name,
+        ctx,
+        dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+        device=device,
+        trust_remote_code=cfg.trust_remote_code,
+        progress=say,
+    )
     check_teacher(student, teacher, name)
     return teacher.model
 
@@ -294,29 +314,162 @@ def finetune(
     progress: Progress | None = None,
     *,
     after_save: Callable[[int], None] | None = None,
+    stop: StopRequest | None = None,
 ) -> FinetuneReport:
     """Fine-tune `cfg.run_dir` with its pruned weights held at 0 and write `cfg.output`.
 
     ctx: where training text, evaluation data and hub models may come from (settings.RunContext).
     after_save(step) runs after each Trainer checkpoint (tests use it to simulate a kill). Every input
     the user can fix raises a `TsenorError` before anything is written.
+
+    stop: the CLI's `interrupt.stop_on_signals` request. Set while training (SIGTERM, SIGUSR1/2), the
+    run finishes the step in hand, saves a checkpoint (unless `save_every` is 0) and raises
+    `Interrupted` (exit 75); set while evaluating, it stops at once. Ctrl-C raises `Interrupted` (exit
+    130). Both say what was saved and how to continue (`--resume`).
     """
     say = sink(progress)
     start = time.perf_counter()
-    sparsity = read_run_sparsity(cfg.run_dir)
-    check_output_location(cfg.output)
-    check_not_input(cfg.output, str(cfg.run_dir))
+    stop = stop if stop is not None else StopRequest()
+    point = _RunPoint(max_steps=cfg.max_steps)
     state_dir = cfg.output / RESUME_DIRNAME
-    args = _training_args(cfg, state_dir)
-    main = args.process_index == 0
-    # One writer per output folder, as for prune (docs/reliability.md): the main process holds the lock
-    # from the folder check to the final swap; the other ranks of a torchrun/accelerate launch write nothing.
-    with output_lock(cfg.output) if main else contextlib.nullcontext():
-        if main:
-            for line in atomic.recover(cfg.output):
-                say(line)
-        prepare_output(cfg.output, force=cfg.force, resume=cfg.resume)
-        return _train(cfg, ctx, args, sparsity, state_dir, say, start, after_save)
+    existed = cfg.output.exists()
+    finished = False
+    try:
+        sparsity = read_run_sparsity(cfg.run_dir)
+        check_output_location(cfg.output)
+        check_not_input(cfg.output, str(cfg.run_dir))
+        args = _training_args(cfg, state_dir)
+        main = args.process_index == 0
+        # One writer per output folder, as for prune (docs/reliability.md): the main process holds the lock
+        # from the folder check to the final swap; the other ranks of a torchrun/accelerate launch write
+        # nothing.
+        with output_lock(cfg.output) if main else contextlib.nullcontext():
+            if main:
+                for line in atomic.recover(cfg.output):
+                    say(line)
+            prepare_output(cfg.output, force=cfg.force, resume=cfg.resume)
+            report = _train(cfg, ctx, args, sparsity, state_dir, say, start, after_save, stop, point)
+            finished = True
+            return report
+    except KeyboardInterrupt:
+        raise point.interrupted(cfg, state_dir, stop.name) from None
+    finally:
+        if not finished:
+            _remove_if_empty(state_dir, cfg.output if not existed else None)
+
+
+def _remove_if_empty(*folders: Path | None) -> None:
+    """rmdir each folder that is empty: what a stopped or failed run made and left nothing in (Trainer
+    creates its output folder, the resume state's, before the first checkpoint), so that a rerun is not
+    taken for the continuation of an interrupted one."""
+    for folder in folders:
+        if folder is not None and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+
+
+@dataclass
+class _RunPoint:
+    """Where a fine-tuning run is, for the line an interruption prints: its phase ("starting",
+    "evaluating before", "training", "stopped" (after a graceful stop), "evaluating after") and the
+    optimizer steps done."""
+
+    max_steps: int
+    phase: str = "starting"
+    step: int = 0
+
+    def interrupted(self, cfg: FinetuneConfig, state_dir: Path, signal_name: str | None) -> Interrupted:
+        """The `Interrupted` error for a stop here: by `signal_name` (exit 75) or by Ctrl-C (None, exit 130)."""
+        verb = f"stopped by {signal_name}" if signal_name is not None else "interrupted"
+        where = {
+            "starting": "before fine-tuning began",
+            "evaluating before": "while evaluating the checkpoint before fine-tuning",
+            "training": f"at step {self.step + 1}/{self.max_steps}",
+            "stopped": f"after step {self.step}/{self.max_steps}",
+            "evaluating after": "while evaluating after fine-tuning",
+        }[self.phase]
+        code = EXIT_RESUMABLE if signal_name is not None else EXIT_SIGINT
+        return Interrupted(f"{verb} {where}; {_saved(cfg, state_dir)}", code)
+
+
+def _saved(cfg: FinetuneConfig, state_dir: Path) -> str:
+    """What an interrupted run leaves to continue from, and how."""
+    checkpoint = last_complete_checkpoint(state_dir, _quiet) if state_dir.is_dir() else None
+    if checkpoint is not None:
+        return (
+            f"the resume state holds step {checkpoint_step(checkpoint)} ({checkpoint}): rerun the same command "
+            "with --resume to continue"
+        )
+    if (state_dir / STATE_FILE).is_file():
+        return (
+            f"{state_dir} holds the evaluation before fine-tuning, no step yet: rerun the same command with "
+            "--resume to continue"
+        )
+    return "nothing was saved" + ("" if cfg.save_every else " (--save-every 0)") + ": rerunning starts over"
+
+
+def _quiet(_message: str) -> None:
+    """A progress sink that drops its lines."""
+
+
+class StopCallback(TrainerCallback):
+    """Records the steps done, and ends training at the end of a step once `stop` is requested, with a
+    checkpoint of that step when `save` (the run's --save-every is not 0)."""
+
+    def __init__(self, stop: StopRequest, point: _RunPoint, *, save: bool) -> None:
+        self.stop = stop
+        self.point = point
+        self.save = save
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self.point.step = state.global_step
+        if self.stop.requested:
+            control.should_training_stop = True
+            control.should_save = self.save
+
+
+def matching_evaluation(cfg: FinetuneConfig, loaded: Any, device: torch.device) -> tuple[Path, dict[str, Any]] | None:
+    """The evaluation of `cfg.run_dir` that tsenor already wrote, when it is the one fine-tuning would run
+    first → (its eval.json, the record restricted to what `cfg` evaluates), else None.
+
+    Looked for in RUN_DIR/eval.json (`tsenor prune --eval`, `tsenor eval --output RUN_DIR`) and beside
+    RUN_DIR (a sweep's runs/NAME/eval.json for runs/NAME/model). It matches when it evaluated this folder
+    (`source`) after its weights were written, in float32 on the same kind of device, with the window
+    length evaluation uses by default, the same --max-windows, every --ppl dataset and, with --tasks,
+    the same tasks at the same --limit with no few-shot examples.
+    """
+    from tsenor_cli.evaluation.runner import effective_seqlen
+    from tsenor_cli.models.loading import WEIGHT_PATTERNS
+
+    folder = cfg.run_dir.resolve()
+    weights = [p.stat().st_mtime for pattern in WEIGHT_PATTERNS for p in folder.glob(pattern)]
+    for path in (folder / EVAL_FILE, folder.parent / EVAL_FILE):
+        try:
+            record = EvalReport.from_json(json.loads(path.read_text(encoding="utf-8")), str(path)).to_json()
+        except (OSError, ValueError):  # absent, unreadable, or not an eval.json this tsenor reads
+            continue
+        zeroshot = record.get("zeroshot")
+        same = (
+            record["source"] == str(folder)
+            and path.stat().st_mtime >= max(weights, default=float("inf"))
+            and record["dtype"] == "float32"
+            and torch.device(record["device"]).type == device.type
+            and record["seqlen"] == effective_seqlen(loaded, None)
+            and record["max_windows"] == cfg.max_windows
+            and set(cfg.ppl_datasets) <= set(record["perplexity"])
+            and (
+                not cfg.tasks
+                or (
+                    zeroshot is not None
+                    and set(zeroshot["tasks"]) == set(cfg.tasks)
+                    and zeroshot["limit"] == cfg.limit
+                    and zeroshot["num_fewshot"] == 0
+                )
+            )
+        )
+        if same:
+            perplexity = {name: record["perplexity"][name] for name in cfg.ppl_datasets}
+            return path, {**record, "perplexity": perplexity, "zeroshot": zeroshot if cfg.tasks else None}
+    return None
 
 
 def _train(
@@ -328,8 +481,11 @@ def _train(
     say: Progress,
     start: float,
     after_save: Callable[[int], None] | None,
+    stop: StopRequest,
+    point: _RunPoint,
 ) -> FinetuneReport:
-    """`finetune` past its output checks, under the output lock: load, train, evaluate, write."""
+    """`finetune` past its output checks, under the output lock: load, train, evaluate, write; `point`
+    follows the phases and steps for an interruption's line."""
     from transformers import PrinterCallback, Trainer, default_data_collator
 
     from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
@@ -341,7 +497,9 @@ def _train(
 
         validate_tasks(cfg.tasks)
     saved_dtype = _checkpoint_dtype(cfg.run_dir)
-    loaded = load_model(str(cfg.run_dir), ctx, dtype=torch.float32, device="cpu", progress=say)
+    loaded = load_model(
+        str(cfg.run_dir), ctx, dtype=torch.float32, device="cpu", trust_remote_code=cfg.trust_remote_code, progress=say
+    )
     if loaded.max_positions is not None and cfg.seqlen > loaded.max_positions:
         raise UsageError(
             f"--seqlen {cfg.seqlen} exceeds the model's max_position_embeddings {loaded.max_positions}; "
@@ -366,7 +524,7 @@ def _train(
     say(f"training data: {text.description}")
     teacher = None
     if cfg.teacher is not None:
-        teacher = _load_teacher(cfg.teacher, cfg.bf16, ctx, loaded, args.device, say)
+        teacher = _load_teacher(cfg, ctx, loaded, args.device, say)
     model = loaded.model.to(args.device)
     fixed = FixedMask(model, masks)
     main = args.process_index == 0
@@ -375,14 +533,27 @@ def _train(
     wants_eval = bool(cfg.ppl_datasets or cfg.tasks)
 
     def ppl_now() -> dict[str, float]:
-        report = evaluate_model(loaded, curve_cfg, ctx)
+        if stop.requested:  # training stops after this step: no curve point (a resumed run evaluates it)
+            return {}
+        with stop.at_once():
+            report = evaluate_model(loaded, curve_cfg, ctx)
         model.train()  # evaluate_model leaves the model in eval mode
         return {name: entry.ppl for name, entry in report.perplexity.items()}
 
     eval_before: dict[str, Any] | None = state.get("eval_before") if state is not None else None
     if eval_before is None and wants_eval and main:
-        say("evaluating the pruned checkpoint before fine-tuning")
-        eval_before = evaluate_model(loaded, eval_cfg, ctx, progress=say).to_json()
+        earlier = matching_evaluation(cfg, loaded, args.device)
+        if earlier is not None:
+            path, eval_before = earlier
+            say(f"evaluation before fine-tuning: {path} (the same evaluation of this checkpoint), not run again")
+        else:
+            say(
+                "evaluating the pruned checkpoint before fine-tuning (no eval.json of it with these settings; "
+                "--max-windows N or --ppl none shortens it)"
+            )
+            point.phase = "evaluating before"
+            with stop.at_once():
+                eval_before = evaluate_model(loaded, eval_cfg, ctx, progress=say).to_json()
     if main and cfg.save_every and state is None:
         _save_state(state_dir, cfg, eval_before)
 
@@ -392,7 +563,7 @@ def _train(
         "args": args,
         "train_dataset": WindowDataset(text.windows),
         "data_collator": default_data_collator,
-        "callbacks": [MaskCallback(fixed), curve],
+        "callbacks": [MaskCallback(fixed), curve, StopCallback(stop, point, save=cfg.save_every > 0)],
     }
     if teacher is None:
         trainer = Trainer(**common)
@@ -405,7 +576,11 @@ def _train(
     resumed = checkpoint_step(checkpoint) if checkpoint is not None else None
     if resumed is not None:
         say(f"resuming after step {resumed}/{cfg.max_steps} from {checkpoint}")
+    point.phase, point.step = "training", resumed or 0
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
+    if stop.requested:  # StopCallback ended training after the step in hand (and saved it)
+        point.phase = "stopped"
+        raise point.interrupted(cfg, state_dir, stop.name)
     nonzero = fixed.nonzero_pruned()
     if nonzero:
         raise RuntimeError(f"{nonzero} pruned weights became non-zero despite the mask; this is a bug in tsenor")
@@ -413,7 +588,9 @@ def _train(
     eval_after = None
     if wants_eval and main:
         say("evaluating after fine-tuning")
-        eval_after = evaluate_model(loaded, eval_cfg, ctx, progress=say).to_json()
+        point.phase = "evaluating after"
+        with stop.at_once():
+            eval_after = evaluate_model(loaded, eval_cfg, ctx, progress=say).to_json()
     loss, ce, ppl = _curves(
         trainer.state.log_history,
         {k: v["ppl"] for k, v in (eval_before or {}).get("perplexity", {}).items()},

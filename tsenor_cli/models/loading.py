@@ -13,6 +13,7 @@ whole, with the class it was saved with (`auto_class`); the engine then works on
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,9 +160,88 @@ def resolve_source(name: str, ctx: RunContext, *, progress: Callable[[str], None
     return name, False
 
 
+def _code_modules(auto_map: dict[str, Any]) -> list[tuple[str, str]]:
+    """(reference, module) of each class config.json's auto_map takes from the checkpoint folder itself:
+    "modeling_foo.FooForCausalLM" → module "modeling_foo"; "org/repo--modeling_foo.Foo" (code in another
+    repository) is left to transformers."""
+    refs = [ref for value in auto_map.values() for ref in (value if isinstance(value, list) else [value])]
+    return [(ref, ref.rsplit(".", 1)[0]) for ref in refs if isinstance(ref, str) and "--" not in ref and "." in ref]
+
+
+def _check_local_config(folder: Path, trust_remote_code: bool) -> None:
+    """What config.json of a local checkpoint needs, read before transformers does: its own model code
+    (`auto_map`) only with `trust_remote_code` and with the files it names; without such code, a model type
+    transformers knows."""
+    from transformers import CONFIG_MAPPING, __version__
+
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInputError(f"{path} is not valid JSON ({exc}); re-download or re-copy the checkpoint") from exc
+    if not isinstance(config, dict):
+        raise BadInputError(f"{path} holds no JSON object; re-download or re-copy the checkpoint")
+    auto_map = config.get("auto_map")
+    if isinstance(auto_map, dict) and auto_map:
+        modules = _code_modules(auto_map)
+        if not trust_remote_code:
+            named = modules[0][0] if modules else next(iter(auto_map.values()))
+            raise UsageError(
+                f"{folder} needs its own model code ({named}, from config.json's auto_map); pass "
+                "--trust-remote-code to run it, if you trust that code"
+            )
+        for ref, module in modules:
+            if not (folder / f"{module.replace('.', '/')}.py").is_file():
+                raise InputNotFoundError(
+                    f"{folder}: config.json's auto_map names {ref}, but {folder} has no {module}.py; copy the "
+                    "model's code files into the checkpoint folder"
+                )
+        return
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        raise IncompatibleModelError(
+            f"{folder}: model type {model_type!r} is unknown to transformers {__version__} and config.json names "
+            "no model code of its own (auto_map); pass a checkpoint of a supported architecture, or upgrade "
+            "transformers"
+        )
+
+
+def read_config(name: str, source: str, is_local: bool, ctx: RunContext, *, trust_remote_code: bool) -> Any:
+    """The transformers config of `name` (resolved to `source` by `resolve_source`), every failure one line:
+    a local folder is checked first (`_check_local_config`); a hub id that cannot be had is `hub_error`'s
+    line, and one transformers refuses (its own code without --trust-remote-code, an unknown model type)
+    is IncompatibleModelError naming the flag."""
+    from transformers import AutoConfig
+
+    from tsenor_cli.errors import one_line
+
+    if is_local:
+        _check_local_config(Path(source), trust_remote_code)
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, local_files_only=ctx.offline)
+    except OSError as exc:
+        if is_local:
+            raise InputNotFoundError(f"cannot read the config of {source}: {one_line(str(exc))}") from exc
+        raise hub_error(name, ctx) from exc
+    except ValueError as exc:  # transformers' refusal of a model's own code, or a model type it does not know
+        fix = "" if trust_remote_code else "; if it needs its own model code, pass --trust-remote-code"
+        raise IncompatibleModelError(
+            f"transformers cannot read the config of {name} ({one_line(str(exc))}){fix}"
+        ) from exc
+
+
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+
 def check_weight_files(folder: Path) -> None:
-    """Refuse a truncated or corrupt *.safetensors file of a local checkpoint by its header alone
-    (safetensors checks that the header's offsets cover the file), before any weight is read."""
+    """Refuse a local checkpoint without weight files (a folder holding config.json only), and a
+    truncated or corrupt *.safetensors file by its header alone (safetensors checks that the header's
+    offsets cover the file), before the tokenizer or any weight is read."""
+    if not any(any(folder.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        raise InputNotFoundError(
+            f"{folder} has no weight files ({' or '.join(WEIGHT_PATTERNS)}); copy the checkpoint's weights "
+            "into it, or pass the folder that holds them"
+        )
     for file in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(str(file), framework="pt"):
@@ -295,18 +375,13 @@ def load_model(
     IncompatibleModelError for a model without a decoder block list of nn.Linear-holding blocks
     (checked on the model built from its config on the meta device, before the weights are read).
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     torch_device = resolve_device(device)
     torch_dtype = dtype if dtype is not None else default_dtype(torch_device)
     source, is_local = resolve_source(name, ctx, progress=progress)
     hub = {"trust_remote_code": trust_remote_code, "local_files_only": ctx.offline}
-    try:
-        config = AutoConfig.from_pretrained(source, **hub)
-    except OSError as exc:
-        if is_local:
-            raise InputNotFoundError(f"cannot read the config of {source}: {exc}") from exc
-        raise hub_error(name, ctx) from exc
+    config = read_config(name, source, is_local, ctx, trust_remote_code=trust_remote_code)
     meta = meta_model(config, trust_remote_code=trust_remote_code)
     discover_structure(meta)
     if is_local:

@@ -35,6 +35,7 @@ from tsenor_cli.pruning.engine import (
     run_block,
 )
 from tsenor_cli.pruning.finite import check_finite
+from tsenor_cli.pruning.memory import HostEstimate, check_fits, host_estimate
 from tsenor_cli.pruning.observe import BlockObservation
 from tsenor_cli.pruning.output import (
     check_free_space,
@@ -244,6 +245,15 @@ def prune_model(
                     check_output_location(output)
                 plan = plan_model(cfg, ctx, progress=say)
                 check_not_input(output, plan.source)
+                # Before the lock and the free-space check: a run that cannot fit allocates nothing.
+                check_fits(
+                    plan.host_memory,
+                    plan.device_bytes,
+                    device,
+                    nsamples=cfg.nsamples,
+                    seqlen=plan.seqlen,
+                    offload_activations=cfg.offload_activations,
+                )
             # Only rank 0 touches the output folder: it alone holds the lock and writes every file.
             with output_lock(output) if team.is_root else contextlib.nullcontext():
                 state: ResumeState | None = None
@@ -639,7 +649,7 @@ class PrunePlan:
     checkpoint_bytes: the pruned checkpoint's weights; resume_bytes: the most the resume state holds at
     once (every block's parameters and two (S, T, H) hidden-state files while one replaces the other).
     device_memory: the peak device memory of each rank (one for a single process); device_bytes: the
-    largest of them.
+    largest of them; host_memory: the peak host memory of one process (`memory.HostEstimate`).
     """
 
     model: str
@@ -660,6 +670,7 @@ class PrunePlan:
     blocks: int
     checkpoint_bytes: int
     resume_bytes: int
+    host_memory: HostEstimate
 
     @property
     def device_bytes(self) -> int:
@@ -688,6 +699,7 @@ class PrunePlan:
             "nsamples": self.nsamples,
             "params": self.params,
             "estimated_cpu_bytes": self.cpu_bytes,
+            "estimated_host_bytes_per_process": self.host_memory.to_dict(),
             "estimated_device_bytes": self.device_bytes,
             "estimated_device_bytes_per_rank": [estimate.to_dict() for estimate in self.device_memory],
             "estimated_checkpoint_bytes": self.checkpoint_bytes,
@@ -708,25 +720,13 @@ def plan_model(
     linears at once: exact without --sequential, an upper bound with it. world_size: the processes
     the device memory is estimated for (default: this run's, `ctx.distributed`).
     """
-    from transformers import AutoConfig
-
-    from tsenor_cli.models.loading import config_value, hub_error, meta_model, resolve_source
+    from tsenor_cli.models.loading import config_value, meta_model, read_config, resolve_source
     from tsenor_cli.models.structure import discover_structure
 
     dtype, device = _dtype_and_device(cfg, ctx)
     source, is_local = resolve_source(cfg.model, ctx, progress=progress)
-    try:
-        config = AutoConfig.from_pretrained(
-            source, trust_remote_code=cfg.trust_remote_code, local_files_only=ctx.offline
-        )
-    except OSError as exc:
-        if not is_local:  # the same line as load_model's for a hub id that cannot be had
-            raise hub_error(cfg.model, ctx) from exc
-        from tsenor_cli.errors import InputNotFoundError
-
-        raise InputNotFoundError(
-            f"cannot read the config of {cfg.model} ({exc}); pass a local checkpoint directory"
-        ) from exc
+    # load_model's own reading, so the plan fails with the run's line
+    config = read_config(cfg.model, source, is_local, ctx, trust_remote_code=cfg.trust_remote_code)
     model = meta_model(config, trust_remote_code=cfg.trust_remote_code)
     structure = discover_structure(model)
     slots = linear_slots(structure)
@@ -755,6 +755,17 @@ def plan_model(
         offload_activations=cfg.offload_activations,
         sequential=cfg.sequential,
     )
+    host = host_estimate(
+        memory[0],  # shard_bounds gives rank 0 the most samples
+        device=device,
+        params=params,
+        nsamples=cfg.nsamples,
+        seqlen=seqlen,
+        hidden_size=hidden,
+        width=width,
+        rows=-(-cfg.nsamples // len(memory)),
+        offload_activations=cfg.offload_activations,
+    )
     return PrunePlan(
         model=cfg.model,
         method=cfg.method,
@@ -774,4 +785,5 @@ def plan_model(
         blocks=len(structure),
         checkpoint_bytes=params * width,
         resume_bytes=sum(per_block) * width + 2 * cfg.nsamples * seqlen * hidden * width,
+        host_memory=host,
     )

@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,14 +135,14 @@ def _check_recipe(run: RunSpec, run_dir: Path) -> None:
 
 def plan_sweep(
     spec: SweepSpec, directory: Path, ctx: RunContext, *, queue: Mapping[str, str] | None
-) -> list[PlannedRun]:
-    """Each run of the sweep under DIRECTORY/runs/NAME, with its state; writes nothing.
+) -> Iterator[PlannedRun]:
+    """Each run of the sweep under DIRECTORY/runs/NAME with its state, one at a time (a dry run of a large
+    grid streams); writes nothing.
 
     ctx: the sweep's run context, handed to every run's prune and eval (`job_environment`)."""
     runs_dir = directory / RUNS_DIR
     env = job_environment(ctx)
-    planned = []
-    for run in spec.runs():
+    for run in spec.iter_runs():
         run_dir = runs_dir / run.name
         _check_recipe(run, run_dir)
         job = RunJob(
@@ -158,8 +158,7 @@ def plan_sweep(
         )
         complete = is_complete(run_dir, spec.eval.covered_by, dense=run.dense)
         view = resolve(run.name, run_dir, complete=complete, queue=queue)
-        planned.append(PlannedRun(run, job, view, _on_disk(run_dir, run.dense)))
-    return planned
+        yield PlannedRun(run, job, view, _on_disk(run_dir, run.dense))
 
 
 def check_sweep_folder(sweep_file: Path, directory: Path, *, force: bool) -> None:

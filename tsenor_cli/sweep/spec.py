@@ -21,9 +21,10 @@ two runs with the same name.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,8 @@ SLURM_KEYS: dict[str, tuple[type, ...]] = {
 }
 # Without --time submitit would ask for 5 minutes; an hour fits a SmolLM2 run with evaluation.
 DEFAULT_TIME_MIN = 60
+# More runs than this is likely a mistake in the axes (two lists of a thousand values); --max-runs raises it.
+MAX_RUNS = 10_000
 DENSE_NAME = "dense"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.+-]+")
 
@@ -228,7 +231,7 @@ class RunSpec:
 
 @dataclass(frozen=True)
 class SweepSpec:
-    """A parsed sweep file; `runs()` is the grid (dense runs first, then the product of the axes)."""
+    """A parsed sweep file; `iter_runs()` is the grid (dense runs first, then the product of the axes)."""
 
     source: str
     base: tuple[tuple[str, Any], ...] = ()
@@ -237,11 +240,19 @@ class SweepSpec:
     slurm: SlurmOptions = field(default_factory=SlurmOptions)
     name: str | None = None
 
-    def runs(self) -> tuple[RunSpec, ...]:
-        """Every run with its name; UsageError when two runs get the same name."""
+    def count(self) -> int:
+        """How many runs `iter_runs` yields, without building them."""
+        dense = 0
+        if self.eval.dense:
+            axis_models = dict(self.axes).get("model")
+            dense = len(axis_models) if axis_models is not None else 1
+        return dense + math.prod(len(values) for _, values in self.axes)
+
+    def iter_runs(self) -> Iterator[RunSpec]:
+        """Every run with its name, one at a time (a grid of millions is never held): the dense runs,
+        then the product of the axes, the first axis outermost. Names are checked by `check_names`."""
         base = dict(self.base)
         keys = [key for key, _ in self.axes]
-        runs: list[RunSpec] = []
         if self.eval.dense:
             axis_models = dict(self.axes).get("model")
             models = list(axis_models) if axis_models is not None else [base.get("model")]
@@ -249,20 +260,28 @@ class SweepSpec:
             for model in models:
                 name = DENSE_NAME if axis_models is None else f"{DENSE_NAME}-{name_part(model)}"
                 recipe = {"model": model, **{k: base[k] for k in load_keys if k in base}}
-                runs.append(RunSpec(name=name, recipe=tuple(recipe.items()), dense=True))
+                yield RunSpec(name=name, recipe=tuple(recipe.items()), dense=True)
         for combo in itertools.product(*(values for _, values in self.axes)):
             values = tuple(zip(keys, combo, strict=True))
             recipe = {**base, **dict(values)}
-            runs.append(RunSpec(name=self._run_name(recipe, values), recipe=tuple(recipe.items()), values=values))
-        seen: dict[str, RunSpec] = {}
-        for run in runs:
+            yield RunSpec(name=self._run_name(recipe, values), recipe=tuple(recipe.items()), values=values)
+
+    def check_names(self) -> None:
+        """UsageError when two runs get the same name (one pass keeping only the names)."""
+        seen: set[str] = set()
+        for run in self.iter_runs():
             if run.name in seen:
+                first = next(r for r in self.iter_runs() if r.name == run.name)
                 raise UsageError(
-                    f"{self.source}: two runs are named {run.name!r} ({_describe(seen[run.name])} and "
+                    f"{self.source}: two runs are named {run.name!r} ({_describe(first)} and "
                     f"{_describe(run)}); add the axis that tells them apart to the name template"
                 )
-            seen[run.name] = run
-        return tuple(runs)
+            seen.add(run.name)
+
+    def runs(self) -> tuple[RunSpec, ...]:
+        """Every run with its name, as a tuple; UsageError when two runs get the same name."""
+        self.check_names()
+        return tuple(self.iter_runs())
 
     def _run_name(self, recipe: Mapping[str, Any], values: tuple[tuple[str, Any], ...]) -> str:
         if self.name is None:
@@ -278,15 +297,22 @@ def _describe(run: RunSpec) -> str:
     return ", ".join(f"{k}={v}" for k, v in run.values) or "the base recipe"
 
 
-def load_sweep(path: Path, *, check_runs: bool = True) -> SweepSpec:
+def load_sweep(path: Path, *, check_runs: bool = True, max_runs: int | None = MAX_RUNS) -> SweepSpec:
     """Read and validate a sweep file. check_runs: also build each run's prune configuration as
     `tsenor prune` would (unknown method or solver, nm and sparsity both set, a missing calibration
-    file), which imports the pruning code; `tsenor sweep status` reads its own copy without it."""
+    file), which imports the pruning code; `tsenor sweep status` reads its own copy without it.
+    max_runs: a grid of more runs is refused before any run is built (None: no limit)."""
     data = read_yaml(path, f"sweep file {path}", "configs/sweeps/table2.yaml")
     spec = parse_sweep(data, str(path))
-    runs = spec.runs()
+    count = spec.count()
+    if max_runs is not None and count > max_runs:
+        raise UsageError(
+            f"{path} defines {count} runs, more than --max-runs {max_runs}; shorten its axes, or pass "
+            f"--max-runs {count} to run them all"
+        )
+    spec.check_names()
     if check_runs:
-        check_recipes(spec, runs)
+        check_recipes(spec, spec.iter_runs())
     return spec
 
 
@@ -420,7 +446,7 @@ def _parse_slurm(raw: Any, source: str) -> SlurmOptions:
         raise UsageError(f"{where}: {exc}") from exc
 
 
-def check_recipes(spec: SweepSpec, runs: Sequence[RunSpec]) -> None:
+def check_recipes(spec: SweepSpec, runs: Iterable[RunSpec]) -> None:
     """Build each pruned run's configuration as `tsenor prune --config` would, so a recipe it would
     refuse stops the sweep before anything is written (the model itself is opened only by the run)."""
     from tsenor_cli.cli.prune import build_config, recipe_defaults

@@ -240,11 +240,11 @@ def collect(directory: Path, queue: Mapping[str, str] | None = None) -> list[Run
         )
     runs_dir = directory / RUNS_DIR
     spec_file = directory / SWEEP_FILE
-    spec = load_sweep(spec_file, check_runs=False) if spec_file.is_file() else None
+    spec = load_sweep(spec_file, check_runs=False, max_runs=None) if spec_file.is_file() else None
     names: list[str] = []
     dense: dict[str, bool] = {}
     if spec is not None:
-        for run in spec.runs():
+        for run in spec.iter_runs():
             names.append(run.name)
             dense[run.name] = run.dense
     if runs_dir.is_dir():
