@@ -490,6 +490,7 @@ def _prune(
             ignored=ignored,
             team=team,
             moe=moe,
+            observation=observed.get(index),
         )
         records += unused.get(index, [])
         with phase("rerun"), team.agreed():

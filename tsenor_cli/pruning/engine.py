@@ -467,41 +467,20 @@ def input_key(x: torch.Tensor) -> tuple[Any, ...]:
 def linear_groups(
     block: nn.Module, linears: Mapping[str, nn.Linear], call: BlockCall, sample: torch.Tensor
 ) -> LinearGroups:
-    """sample: (1, T, H) → the sequential groups of `linears`, observed in one forward of `block`.
+    """sample: (1, T, H) → the sequential groups of `linears`, observed in one forward of `block`
+    (`observe.observe_block`, which `prune_block` uses for every weight matrix, seen from the linears).
 
     Linears whose input is the same view of the same memory (the same tensor, or a view or no-op cast of
     it) form a group; groups come in the order their input first appears. Sameness of memory rather than
     equality of values: two inputs computed apart (each expert's own token subset, a norm applied twice)
     are kept apart, which costs an extra statistics pass but is always correct, whereas equal values
-    could merge a linear with one that feeds it. Every input is held until the forward ends, so no memory
-    is reused under a recorded address.
+    could merge a linear with one that feeds it.
     """
-    seen: list[torch.Tensor] = []
-    first_call: dict[str, int] = {}
-    keys: dict[str, tuple[Any, ...]] = {}
-    calls = dict.fromkeys(linears, 0)
-
-    def make_hook(name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
-        def hook(_module: nn.Module, args: tuple[Any, ...]) -> None:
-            calls[name] += 1
-            if name not in keys:
-                seen.append(args[0])
-                first_call[name] = len(first_call)
-                keys[name] = input_key(args[0])
-
-        return hook
-
-    handles = [linear.register_forward_pre_hook(make_hook(name)) for name, linear in linears.items()]
-    try:
-        block_output(block, call, sample)
-    finally:
-        for handle in handles:
-            handle.remove()
-    groups: dict[tuple[Any, ...], list[str]] = {}
-    for name in sorted(first_call, key=first_call.__getitem__):
-        groups.setdefault(keys[name], []).append(name)
-    seen.clear()
-    return LinearGroups(tuple(tuple(group) for group in groups.values()), calls)
+    seen = observe_block(block, functools.partial(block_output, block, call, sample), input_key=input_key)
+    local = {f"{name}.weight": name for name in linears}
+    calls = {name: seen.units[f"{name}.weight"].calls if f"{name}.weight" in seen.units else 0 for name in linears}
+    groups = (tuple(local[n] for n in group if n in local) for group in seen.groups)
+    return LinearGroups(tuple(group for group in groups if group), calls)
 
 
 @torch.no_grad()
@@ -683,8 +662,6 @@ def unit_input_stats(
     every: dict[str, ExpertStats] = {}
     pending: set[str] = set()
     stacks = {name for name, unit in units.items() if unit.geometry.experts}
-    # Under "all", a stack whose forward routes (it has a routing module) learns only from the second pass.
-    routed_only = {n for n in stacks if not (moe.calibration == "all" and units[n].routing is not None)}
 
     def on_use(use: Use) -> None:
         unit = units.get(use.param)
@@ -702,8 +679,7 @@ def unit_input_stats(
             if use.param not in routed:
                 g = unit.geometry
                 routed[use.param] = ExpertStats(g.experts, g.in_features, gram=True, device=device)
-            if use.param in routed_only or channel[0] == "routed":
-                routed[use.param].add(use.rows, use.experts)
+            routed[use.param].add(use.rows, use.experts)  # under "all" too: the token counts of the report
         pending.discard(use.param)
         if stop_early and not stacks and not pending:
             raise _GroupSeen
@@ -923,6 +899,7 @@ def prune_block(
     stop_early: bool = True,
     team: Team | None = None,
     moe: MoeOptions | None = None,
+    observation: BlockObservation | None = None,
 ) -> list[LayerRecord]:
     """Prune the weight matrices of one block (already on `device`, `call` too) in place; one record per
     matrix (per expert for a stack).
@@ -938,8 +915,9 @@ def prune_block(
     group, same results. team: the ranks of a distributed run (distributed.py): per group every rank
     runs its shard, the statistics are summed rank after rank in sample order (`Team.ordered_statistics`,
     what one process computes, bit for bit) to each linear's owner, which prunes it and broadcasts the
-    weight; None or a team of one is this process alone. Records come in pruning order, then any matrix
-    that never runs.
+    weight; None or a team of one is this process alone. observation: the block's watched dense forward
+    when already made (`observe_blocks`, before pruning), else it is made here. Records come in pruning
+    order, then any matrix that never runs.
     """
     team = team if team is not None else Team.solo(device)
     moe = moe if moe is not None else MoeOptions()
@@ -950,9 +928,13 @@ def prune_block(
     by_param = {slot.param_name: slot for slot in slots if slot.block == index}
     records: dict[str, list[LayerRecord]] = {}
     with team.agreed():
-        with phase("statistics"):
-            sample = inputs[:1].to(device)
-            observed = observe_block(block, lambda: block_output(block, call, sample), input_key=input_key)
+        observed = observation
+        if observed is None:
+            with phase("statistics"):
+                sample = inputs[:1].to(device)
+                observed = observe_block(
+                    block, functools.partial(block_output, block, call, sample), input_key=input_key
+                )
         for name, slot in by_param.items():
             for status, reasons in (("ignored", ignored), ("skipped", skipped)):
                 if slot.full_name in reasons:

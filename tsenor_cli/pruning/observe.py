@@ -159,7 +159,7 @@ class _Params:
 
     by_storage: dict[int, tuple[str, torch.Tensor]]
     aliases: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)
-    keep: list[torch.Tensor] = field(default_factory=list)
+    latest: dict[str, torch.Tensor] = field(default_factory=dict)  # the newest cast copy of each parameter
 
     @staticmethod
     def of(block: nn.Module) -> _Params:
@@ -168,6 +168,15 @@ class _Params:
             if param.dim() >= 2 and param.device.type != "meta":
                 found[param.untyped_storage().data_ptr()] = (name, param)
         return _Params(found)
+
+    def alias(self, copy: torch.Tensor, name: str, param: torch.Tensor) -> None:
+        """Remember `copy` (a cast of `param`) as the parameter. A cast copy is multiplied by right after it
+        is made, so only the newest one per parameter is kept alive (its id cannot be reused meanwhile)."""
+        previous = self.latest.get(name)
+        if previous is not None:
+            self.aliases.pop(id(previous), None)
+        self.latest[name] = copy
+        self.aliases[id(copy)] = (name, param)
 
     def resolve(self, tensor: torch.Tensor) -> tuple[str, torch.Tensor, int] | None:
         """(name, parameter, element offset of `tensor` in it) when `tensor` views a block parameter."""
@@ -231,8 +240,7 @@ class _Watch(TorchFunctionMode):
         if name in _CASTS and args and isinstance(args[0], torch.Tensor) and isinstance(result, torch.Tensor):
             found = self.params.resolve(args[0])
             if found is not None and found[2] == 0 and result.shape == found[1].shape:
-                self.params.aliases[id(result)] = (found[0], found[1])
-                self.params.keep.append(result)
+                self.params.alias(result, found[0], found[1])
         if self.taint:
             self._propagate(name, used, args, kwargs, result)
         return result
@@ -246,7 +254,8 @@ class _Watch(TorchFunctionMode):
         elif name in _GROUPED_NAMES:
             x_pos, w_pos, usage, kind = 0, 1, "in_out", "grouped"
         else:
-            self._note_reads(name, args, kwargs)
+            if self.taint:
+                self._note_reads(name, args, kwargs)
             return None
         if len(args) <= max(x_pos, w_pos):
             return None
@@ -255,7 +264,8 @@ class _Watch(TorchFunctionMode):
             return None
         found = self.params.resolve(weight)
         if found is None:
-            self._note_reads(name, args, kwargs)
+            if self.taint:
+                self._note_reads(name, args, kwargs)
             return None
         param_name, param, offset = found
         if (kind == "single") != (weight.dim() == 2) or weight.dim() not in (2, 3):
