@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers_cli import invoke
 from helpers_tiny import blockwise_forward, full_forward, make_tiny_llama, random_causal_lm
 
 from tsenor_cli.models.structure import discover_structure
@@ -226,3 +227,21 @@ def test_routed_statistics_reconstruct_a_moe_block_better_than_magnitude(tmp_pat
         pruned, _ = full_forward(AutoModelForCausalLM.from_pretrained(tmp_path / method).eval(), ids)
         errors[method] = float((pruned - dense).square().sum() / dense.square().sum())
     assert errors["sparsegpt"] < errors["magnitude"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--moe-calibration", "every"], "--moe-calibration 'every' is not one of routed, all"),
+        (["--moe-min-tokens", "0"], "--moe-min-tokens"),
+    ],
+)
+def test_bad_moe_options_are_one_line_exit_2_and_write_nothing(
+    flags: list[str], needle: str, tiny: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    result = invoke(["prune", "--model", str(tiny), "--nm", "2:4", *flags, "--output", str(out)])
+    assert result.exit_code == 2
+    # typer's range check prints its line; tsenor's own errors are printed by `main` from the exception
+    assert needle in result.output + str(result.exception)
+    assert not out.exists()
