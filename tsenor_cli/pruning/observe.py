@@ -273,10 +273,10 @@ class _Watch(TorchFunctionMode):
             return None
         try:
             geometry, experts = _geometry(param, weight, offset, usage)
+            rows, ids = _rows(kind, x, geometry, experts, args, kwargs)
         except UnsupportedUse as exc:
             self.problems.setdefault(param_name, f"used by {name} through {exc}")
             return None
-        rows, ids = _rows(kind, x, geometry, experts, args, kwargs)
         self.on_use(Use(param_name, geometry, rows, ids, x))
         return param_name
 
