@@ -43,6 +43,7 @@ quality: install
 bench: install
 	$(TSENOR) bench solver --time-methods flow,tsenor,tsenor-reference,exact,two_approx,bi_nm --repeats 3 \
 	  --output docs/measurements/bench-solver.json --markdown docs/measurements/benchmarks.md --force
+	$(TSENOR) bench moe --output docs/measurements/bench-moe.json --markdown docs/measurements/benchmarks-moe.md --force
 
 # The GPU benchmarks (need a CUDA GPU; each refuses a CPU, exit 2). `bench-gpu` runs them all, about
 # 25 minutes on one H100; each target below is one command that stays under 10 minutes there.

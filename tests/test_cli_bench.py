@@ -86,3 +86,26 @@ def test_large_cpu_solve_reports_the_spread_of_its_memory_peak(smollm2_path: Pat
     config = {"model": "smollm2-135m", "tiles": 0, "seed": 0}
     text = to_markdown(BenchResult(machine_info("cpu"), config, large=[row]))
     assert f"({LARGE_REPEATS} processes, median shown) |" in text
+
+
+def test_bench_moe_small(tmp_path: Path) -> None:
+    """`tsenor bench moe` on a small block: the JSON's ratios are its own seconds divided, the routed
+    tokens per expert are top_k/experts of the calibration tokens, and every method was timed both ways.
+    A second run into the same files needs --force (exit 4, the files untouched)."""
+    from helpers_cli import invoke
+
+    out, md = tmp_path / "moe.json", tmp_path / "moe.md"
+    args = ["bench", "moe", "--experts", "8", "--top-k", "2", "--hidden", "64", "--expert-width", "32"]
+    args += ["--samples", "2", "--seqlen", "16", "--repeats", "1", "--output", str(out), "--markdown", str(md)]
+    result = invoke(args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["stats_ratio"] == pytest.approx(data["stats_seconds"] / data["dense_seconds"])
+    assert data["stacks"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    for tokens in data["tokens_per_expert"].values():
+        assert tokens == pytest.approx(2 * 16 * 2 / 8)  # every token reaches top_k of the experts
+    assert set(data["prune"]) == {"wanda", "sparsegpt"}
+    assert "| sparsegpt |" in md.read_text()
+    before = out.read_text()
+    again = invoke(args)
+    assert again.exit_code == 4 and "--force" in str(again.exception) and out.read_text() == before

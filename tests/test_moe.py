@@ -229,6 +229,47 @@ def test_routed_statistics_reconstruct_a_moe_block_better_than_magnitude(tmp_pat
     assert errors["sparsegpt"] < errors["magnitude"]
 
 
+@pytest.mark.slow
+@pytest.mark.realdata
+@pytest.mark.parametrize("method", ["sparsegpt", "alps"])
+def test_experts_pruned_in_chunks_equal_one_by_one(
+    method: str, tmp_path: Path, calib_ctx: RunContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The experts of a stack go to the method in batched chunks (`engine.expert_chunk`); a budget that
+    allows one expert per chunk gives the same checkpoint (masks equal, weights to round-off) and the
+    same per-expert records, so batching changes the speed only."""
+    from safetensors.torch import load_file
+
+    from tsenor_cli.pruning import engine
+    from tsenor_cli.pruning.registry import get_pruner
+    from tsenor_cli.runfiles import PRUNE_FILE, PruneReport, read_json
+
+    source = make_tiny_llama(tmp_path / "src", model_type="mixtral", num_layers=1, **MOE["mixtral"])
+    assert engine.expert_chunk(128, 64, get_pruner(method)) >= 4  # the default: Mixtral's 4 experts in one call
+    outputs = {}
+    for label, budget in (("batched", engine.EXPERT_BATCH_BYTES), ("single", 1)):
+        monkeypatch.setattr(engine, "EXPERT_BATCH_BYTES", budget)
+        cfg = PruneConfig(
+            model=str(source),
+            layer=LayerPruneConfig(pattern=SparsityPattern.from_nm(2, 4, transposable=True), alps_max_iter=40),
+            method=method,
+            nsamples=4,
+            seqlen=32,
+            output=tmp_path / label,
+        )
+        prune_model(cfg, calib_ctx)
+        outputs[label] = tmp_path / label
+    batched, single = (load_file(outputs[k] / "model.safetensors") for k in ("batched", "single"))
+    assert batched.keys() == single.keys()
+    for key in batched:
+        assert torch.equal(batched[key] != 0, single[key] != 0), key
+        torch.testing.assert_close(batched[key], single[key], rtol=1e-4, atol=1e-5)
+    reports = {k: PruneReport.from_json(read_json(outputs[k] / PRUNE_FILE)) for k in outputs}
+    records = {k: [(r.name, r.tokens, r.reason, r.iterations) for r in reports[k].layers] for k in outputs}
+    assert records["batched"] == records["single"]
+    assert any(name.endswith("[3]") for name, *_ in records["batched"])
+
+
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [

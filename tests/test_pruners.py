@@ -8,7 +8,7 @@ import torch
 from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPattern, reconstruction_error
 from tsenor_cli.pruning.alps import conjugate_gradient, inner_solver_options
 from tsenor_cli.pruning.masks import keep_better_tiles
-from tsenor_cli.pruning.stats import damped_gram
+from tsenor_cli.pruning.stats import ExpertStats, damped_gram
 from tsenor_cli.solver import solve, to_blocks
 
 PATTERNS = {
@@ -52,6 +52,56 @@ def test_masks_feasible_and_weights_supported(method: str, kind: str, device: to
         assert out.solve is not None and out.solve.gap == pytest.approx(0.0, abs=1e-9)  # exhaustive is exact
     else:
         assert out.solve is None
+
+
+@pytest.mark.parametrize("kind", list(PATTERNS))
+@pytest.mark.parametrize("method", list(PRUNERS))
+def test_a_stack_prunes_as_each_matrix_alone(method: str, kind: str, device: torch.device) -> None:
+    """`prune_batch` on 3 experts with their own inputs (different scales, a dead input each, different
+    token counts) gives each expert what `prune` gives it alone: the same mask, the same weights to
+    round-off, the same ADMM iteration count and certificate. ALPS checks its support every step from
+    the first here, so its experts stop at different iterations (10, 1, 9 and so on: each keeps its own ρ
+    schedule and is frozen once stopped while the others run on)."""
+    experts, out, inp = 3, 16, 32
+    weights = torch.stack([_problem(out, inp, 8, seed=10 + e, device=device)[0] for e in range(experts)])
+    inputs = []
+    stats = ExpertStats(experts, inp, gram=True, device=device)
+    for e in range(experts):
+        x = _problem(out, inp, 64 + 40 * e, seed=20 + e, device=device)[1] * (e + 1)
+        x[:, e] = 0.0
+        inputs.append(x)
+        stats.add(x, torch.full((x.shape[0],), e, device=device))
+    solver = "flow" if device.type == "cpu" else "auto"
+    cfg = LayerPruneConfig(PATTERNS[kind], solver=solver, alps_switch_iter=0, alps_update_iter=1)
+    spec = PRUNERS[method]
+    batched = spec.prune_batch(weights.clone(), stats, cfg)
+    assert len(batched) == experts
+    for e in range(experts):
+        alone = spec.prune(weights[e].clone(), InputStats.from_inputs(inputs[e]), cfg)
+        assert torch.equal(batched[e].mask, alone.mask), f"expert {e}"
+        torch.testing.assert_close(batched[e].weight, alone.weight, rtol=1e-5, atol=1e-6)
+        assert batched[e].iterations == alone.iterations
+        assert (batched[e].solve is None) == (alone.solve is None)
+        if alone.solve is not None and batched[e].solve is not None:
+            assert batched[e].solve.objective == pytest.approx(alone.solve.objective, rel=1e-6)  # float32 tiles
+            assert batched[e].solve.gap == pytest.approx(alone.solve.gap, abs=1e-6)
+    if method == "alps":
+        assert len({o.iterations for o in batched}) > 1
+
+
+def test_expert_statistics_select_takes_fallback_experts_from_every_token() -> None:
+    """`ExpertStats.select`: the chosen experts' routed sums, except where `use` says every-token ones."""
+    gen = torch.Generator().manual_seed(3)
+    routed, every = ExpertStats(3, 2, gram=True, device="cpu"), ExpertStats(3, 2, gram=True, device="cpu")
+    rows = torch.randn(6, 2, generator=gen)
+    routed.add(rows, torch.tensor([0, 1, 2, 2, 1, 0]))
+    every.add(torch.cat([rows, rows, rows]), torch.tensor([0] * 6 + [1] * 6 + [2] * 6))
+    picked = routed.select(torch.tensor([2, 0]), every, torch.tensor([True, False]))
+    torch.testing.assert_close(picked.require_gram()[0], rows.T @ rows)  # expert 2: every token
+    mine = rows[[0, 5]]
+    torch.testing.assert_close(picked.require_gram()[1], mine.T @ mine)  # expert 0: its routed rows
+    torch.testing.assert_close(picked.col_norms[1], mine.square().sum(0).sqrt())
+    assert picked.tokens.tolist() == [2, 2]  # the routed counts, for the report
 
 
 def test_wanda_mask_is_the_optimal_transposable_mask_of_its_score() -> None:
@@ -188,7 +238,7 @@ def test_safeguard_keeps_the_better_tile() -> None:
     previous = new.mask
     _, obj_new, _ = keep_better_tiles(scores, new, worse_tile0, 4)
     mask, block_obj, kept = keep_better_tiles(scores, fake_new, previous, 4)
-    assert kept >= 1
+    assert kept.tolist() == [True, False]  # tile 0 kept from the previous mask, tile 1 the new one
     assert torch.equal(mask[:, :4], previous[:, :4])
     assert float(block_obj.sum()) >= float(obj_new.sum()) - 1e-9
     assert bool((block_obj >= to_blocks(scores.double() * fake_new.mask, 4).sum((1, 2)) - 1e-12).all())

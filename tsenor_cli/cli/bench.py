@@ -251,3 +251,51 @@ def bench_prune(
         existing = markdown.read_text() if markdown.exists() else _E2E_HEADER
         atomic.write_text(markdown, merge_section(existing, section_key(result), table))
     typer.echo(result.to_json() if json_out else table)
+
+
+@bench_app.command("moe", cls=Command)
+def bench_moe(
+    experts: int = typer.Option(64, min=2, help="Experts of the Qwen3-MoE-shaped block."),
+    top_k: int = typer.Option(8, min=1, help="Experts each token is routed to."),
+    hidden: int = typer.Option(128, min=32, help="Hidden size (a multiple of 32)."),
+    expert_width: int = typer.Option(64, min=32, help="Each expert's intermediate size (a multiple of 32)."),
+    samples: int = typer.Option(8, min=1, help="Calibration samples."),
+    seqlen: int = typer.Option(128, min=1, help="Tokens per sample."),
+    methods: str = typer.Option("wanda,sparsegpt", help="Methods pruned batched and one by one (comma list)."),
+    repeats: int = typer.Option(3, min=1, help="Timed runs of each; the median is reported."),
+    output: Path | None = typer.Option(None, help="Write the JSON result here."),
+    markdown: Path | None = typer.Option(
+        None, help="Write the Markdown section here (docs/measurements/benchmarks-moe.md)."
+    ),
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Routed statistics of a mixture-of-experts block against its dense forward, and experts pruned
+    batched against one by one (CPU; ratios measured in one run)."""
+    from tsenor_cli.bench.moe import MoeBenchConfig, run_moe_bench, to_markdown
+    from tsenor_cli.progress import logger
+    from tsenor_cli.pruning.registry import get_pruner
+
+    for path in (output, markdown):
+        if path is not None and path.exists() and not force:
+            raise OutputExistsError(f"{path} exists; pass --force to overwrite it")
+    names = tuple(get_pruner(x.strip()).name for x in methods.split(",") if x.strip())
+    cfg = MoeBenchConfig(experts, top_k, hidden, expert_width, samples, seqlen, names, repeats=repeats)
+    result = run_moe_bench(cfg, logger.info)
+    if output is not None:
+        atomic.write_text(output, result.to_json() + "\n")
+    if markdown is not None:
+        atomic.write_text(markdown, _MOE_HEADER + to_markdown(result))
+    typer.echo(result.to_json() if json_out else to_markdown(result))
+
+
+_MOE_HEADER = """# Mixture-of-experts benchmark
+
+Written by `make bench` (`tsenor bench moe`); every number below comes from that run. See
+`tsenor_cli/bench/moe.py` for what is measured; compare the ratios, not the seconds (shared 2-core CPU).
+The sequential engine collects a block's statistics one group at a time because each group's inputs
+depend on the groups pruned before it (the down-projection experts read what the pruned gate/up experts
+produce), so a block with two expert stacks pays two watched passes, as a dense LLaMA block pays one
+(cut short at the group) per group.
+
+"""

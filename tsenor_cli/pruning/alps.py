@@ -21,10 +21,10 @@ import torch
 
 from tsenor_cli.progress import bar, logger
 from tsenor_cli.pruning.linalg import symmetric_eigh
-from tsenor_cli.pruning.masks import choose_mask, keep_better_tiles
+from tsenor_cli.pruning.masks import SolveTally, choose_mask, keep_better_tiles, solve_info
 from tsenor_cli.pruning.phases import phase
-from tsenor_cli.pruning.stats import InputStats, damped_gram
-from tsenor_cli.pruning.types import LayerPruneConfig, MaskSolveInfo, PruneOutcome
+from tsenor_cli.pruning.stats import Statistics, damped_gram
+from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome, split_outcomes
 from tsenor_cli.solver import SolveResult, resolve_method
 
 NEEDS_GRAM = True
@@ -52,22 +52,28 @@ def _project(
     cfg: LayerPruneConfig,
     prev: SolveResult | None,
     prev_mask: torch.Tensor | None,
-    seconds: list[float],
+    tally: SolveTally,
     options: dict[str, object] | None = None,
-) -> tuple[torch.Tensor, SolveResult | None, torch.Tensor | None, int]:
-    """z: (out, in) → (mask (out, in) bool of the pattern maximizing Σ S⊙z², solver result, (B,) per-tile
-    objective of the returned mask for transposable patterns, number of safeguarded tiles)."""
+) -> tuple[torch.Tensor, SolveResult | None, torch.Tensor | None, torch.Tensor]:
+    """z: (..., out, in) → (mask (..., out, in) bool of the pattern maximizing Σ S⊙z² per matrix, the
+    solver's result on the stack flattened to (L·out, in), (B,) per-tile objective of the returned mask
+    for transposable patterns, (L,) long tiles safeguarded per matrix)."""
     scores = z.square()
     choice = choose_mask(
         scores, cfg.pattern, cfg.solver, init=prev, unstructured_scope="matrix", solver_options=options
     )
+    none = torch.zeros(tally.matrices, dtype=torch.long, device=z.device)
     if choice.result is None:
-        return choice.mask, None, None, 0
-    seconds.append(choice.result.seconds)
+        return choice.mask, None, None, none
     if prev_mask is None:
-        return choice.mask, choice.result, choice.result.block_objective, 0
-    mask, block_obj, kept = keep_better_tiles(scores, choice.result, prev_mask, cfg.pattern.m)
-    return mask, choice.result, block_obj, kept
+        tally.add_result(choice.result)
+        return choice.mask, choice.result, choice.result.block_objective, none
+    cols = z.shape[-1]
+    mask, block_obj, kept = keep_better_tiles(
+        scores.reshape(-1, cols), choice.result, prev_mask.reshape(-1, cols), cfg.pattern.m
+    )
+    tally.add(block_obj, choice.result.block_upper_bound, choice.result.seconds)
+    return mask.view(z.shape), choice.result, block_obj, kept.view(tally.matrices, -1).sum(1)
 
 
 def conjugate_gradient(
@@ -80,104 +86,134 @@ def conjugate_gradient(
 ) -> torch.Tensor:
     """Minimize ½ x Ĥ xᵀ − rhs·xᵀ for every row x of X on the fixed support (ALPS's `cg_batch`).
 
-    h: (in, in) SPD; rhs, x0: (out, in); support: (out, in) bool → X (out, in) zero outside the support.
-    Each row is an independent system x Ĥ = rhs restricted to its support; residuals are masked.
+    h: (..., in, in) SPD; rhs, x0: (..., out, in); support: (..., out, in) bool → X (..., out, in) zero
+    outside the support, for one matrix or a stack (each with its own Ĥ). Each row is an independent
+    system x Ĥ = rhs restricted to its support; residuals are masked. A matrix stops once all its rows
+    have converged (its steps become zero), as it would alone.
     """
     s = support.to(h.dtype)
     x = x0 * s
-    r = (rhs - x @ h) * s  # (out, in)
+    r = (rhs - x @ h) * s  # (..., out, in)
     p = r.clone()
-    rz = r.square().sum(1)  # (out,)
-    stop = rtol * rhs.norm(dim=1)  # (out,)
+    rz = r.square().sum(-1)  # (..., out)
+    stop = rtol * rhs.norm(dim=-1)  # (..., out)
+    running = torch.ones(rz.shape[:-1], dtype=torch.bool, device=rz.device)  # (...,) per matrix
     for _ in range(iters):
-        hp = p @ h  # (out, in)
-        denom = (p * hp).sum(1)
+        hp = p @ h  # (..., out, in)
+        denom = (p * hp).sum(-1)
         alpha = torch.where(denom > 0, rz / denom.clamp_min(torch.finfo(h.dtype).tiny), torch.zeros_like(rz))
-        x = x + alpha[:, None] * p
-        r = (r - alpha[:, None] * hp) * s
-        rz_new = r.square().sum(1)
-        if bool((rz_new.sqrt() <= stop).all()):
+        alpha = torch.where(running[..., None], alpha, torch.zeros_like(alpha))
+        x = x + alpha[..., None] * p
+        r = (r - alpha[..., None] * hp) * s
+        rz_new = r.square().sum(-1)
+        running = running & ~(rz_new.sqrt() <= stop).all(-1)
+        if not bool(running.any()):
             break
         beta = torch.where(rz > 0, rz_new / rz.clamp_min(torch.finfo(h.dtype).tiny), torch.zeros_like(rz))
-        p = r + beta[:, None] * p
+        p = r + beta[..., None] * p
         rz = rz_new
     return x * s
 
 
-def prune(
-    weight: torch.Tensor,
-    stats: InputStats | None,
-    cfg: LayerPruneConfig,
-) -> PruneOutcome:
-    """weight: (out, in) → `PruneOutcome` from ADMM + CG; `iterations` counts ADMM steps.
+def _freeze(running: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """running: (...,) bool per matrix; new, old: (..., out, in) → new where the matrix still runs."""
+    return torch.where(running[..., None, None], new, old)
 
-    The ADMM loop shows a bar on a terminal and logs its ρ/support-change lines at DEBUG (progress.py).
+
+def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> list[PruneOutcome]:
+    """weights: (..., out, in), one matrix or a stack with Gram matrices (..., in, in) → one
+    `PruneOutcome` per matrix from ADMM + CG; `iterations` counts each matrix's ADMM steps.
+
+    A stack runs its ADMMs side by side: one batched eigendecomposition, every step's products batched,
+    every projection one solver call for all matrices. Each matrix keeps its own ρ schedule and stops on
+    its own support change; a stopped matrix is frozen (its state no longer changes) while the others
+    run on. The ADMM loop shows a bar on a terminal and logs its ρ/support-change lines at DEBUG.
     """
     if stats is None:
         raise ValueError("alps needs the Gram matrix of the layer inputs; collect statistics with gram=True")
     with phase("factorize"):
-        gram = stats.require_gram().to(weight.device)
-        h = damped_gram(gram, cfg.percdamp)  # (in, in)
-        scale = h.diagonal().sqrt()  # (in,) D
-        h_hat = h / scale[:, None] / scale[None, :]  # (in, in) unit diagonal
-        evals, evecs = symmetric_eigh(h_hat.double())  # Λ (in,), Q (in, in); thread-count independent
+        gram = stats.require_gram().to(weights.device)
+        h = damped_gram(gram, cfg.percdamp)  # (..., in, in)
+        scale = h.diagonal(dim1=-2, dim2=-1).sqrt()  # (..., in) D
+        h_hat = h / scale[..., :, None] / scale[..., None, :]  # (..., in, in) unit diagonal
+        evals, evecs = symmetric_eigh(h_hat.double())  # Λ (..., in), Q (..., in, in); thread-count independent
 
-    def inverse(rho: float) -> torch.Tensor:
-        """(Ĥ + ρI)⁻¹ (in, in) float32 from the one eigendecomposition."""
-        return ((evecs / (evals + rho)[None, :]) @ evecs.T).to(torch.float32)
+    def inverse(rho: torch.Tensor) -> torch.Tensor:
+        """rho: (...,) float64 → (Ĥ + ρI)⁻¹ (..., in, in) float32 from the one eigendecomposition."""
+        return ((evecs / (evals + rho[..., None])[..., None, :]) @ evecs.mT).to(torch.float32)
 
-    b_hat = weight.to(torch.float32) * scale[None, :]  # (out, in) normalized weights
-    y = b_hat @ h_hat  # (out, in)
-    seconds: list[float] = []
-    mask, result, _, _ = _project(b_hat, cfg, None, None, seconds)
+    b_hat = weights.to(torch.float32) * scale[..., None, :]  # (..., out, in) normalized weights
+    y = b_hat @ h_hat  # (..., out, in)
+    tally = SolveTally(b_hat[..., 0, 0].numel(), b_hat.device)
+    lead = b_hat.shape[:-2]
+    mask, result, _, _ = _project(b_hat, cfg, None, None, tally)
     d = b_hat * mask
     v = torch.zeros_like(b_hat)
-    kept_total = max(int(mask.sum()), 1)
-    rho = cfg.alps_rho0
+    kept_total = mask.sum((-2, -1)).clamp_min(1).double()  # (...,)
+    rho = torch.full(lead, cfg.alps_rho0, dtype=torch.float64, device=b_hat.device)  # (...,)
     inv = inverse(rho)
     checked_mask = mask
-    safeguarded = 0
+    safeguarded = torch.zeros(tally.matrices, dtype=torch.long, device=b_hat.device)
+    running = torch.ones(lead, dtype=torch.bool, device=b_hat.device)  # (...,) matrices still iterating
+    iterations = torch.zeros(lead, dtype=torch.long, device=b_hat.device)
     w_t = b_hat
-    iterations = 0
     inner = inner_solver_options(
         cfg.solver, cfg.alps_inner_sweeps, cfg.alps_inner_iterations, b_hat.device, cfg.pattern.m
     )
     steps = bar(total=cfg.alps_max_iter, desc="ADMM", unit="it", leave=False)
     for t in range(cfg.alps_max_iter):
-        iterations = t + 1
+        iterations += running.long()
         steps.update()
-        w_t = (y - v + rho * d) @ inv  # Ĥ + ρI is symmetric, so right-multiplying solves the row systems
-        z = w_t + v / rho
-        mask, result, _, kept = _project(z, cfg, result, mask, seconds, inner)
-        safeguarded += kept
-        d = z * mask
-        v = v + rho * (w_t - d)
+        rho_w = rho.to(torch.float32)[..., None, None]  # (..., 1, 1)
+        # Ĥ + ρI is symmetric, so right-multiplying solves the row systems.
+        w_t = _freeze(running, (y - v + rho_w * d) @ inv, w_t)
+        z = w_t + v / rho_w
+        new_mask, result, _, kept = _project(z, cfg, result, mask, tally, inner)
+        safeguarded += kept * running.reshape(-1).long()
+        mask = _freeze(running, new_mask, mask)
+        d = _freeze(running, z * mask, d)
+        v = _freeze(running, v + rho_w * (w_t - d), v)
         if (t + 1) % cfg.alps_update_iter == 0:
-            change = float((mask ^ checked_mask).sum()) / kept_total
+            change = (mask ^ checked_mask).sum((-2, -1)).double() / kept_total  # (...,)
             checked_mask = mask
-            rho = min(rho * (1.3 if change > 0.1 else 1.2 if change > 0.005 else 1.1), RHO_MAX)
+            factor = torch.full_like(rho, 1.1)  # float64, as Python's float arithmetic was
+            factor[change > 0.005] = 1.2
+            factor[change > 0.1] = 1.3
+            rho = torch.where(running, (rho * factor).clamp_max(RHO_MAX), rho)
             inv = inverse(rho)
-            steps.set_postfix_str(f"rho {rho:.3g}, support change {change:.2e}", refresh=False)
-            logger.debug("ADMM iter %d: rho %.3g, support change %.2e", t + 1, rho, change)
-            if t >= cfg.alps_switch_iter and change < cfg.alps_stop_change:
-                break
+            steps.set_postfix_str(
+                f"rho {float(rho.max()):.3g}, support change {float(change.max()):.2e}", refresh=False
+            )
+            logger.debug("ADMM iter %d: rho %s, support change %s", t + 1, rho.tolist(), change.tolist())
+            if t >= cfg.alps_switch_iter:
+                running = running & ~(change < cfg.alps_stop_change)
+                if not bool(running.any()):
+                    break
 
     steps.close()
-    final_mask, final_result, block_obj, kept = _project(w_t, cfg, result, mask, seconds)
+    final_mask, final_result, block_obj, kept = _project(w_t, cfg, result, mask, tally)
     safeguarded += kept
     with phase("cg"):
         refined = conjugate_gradient(h_hat, y, final_mask, w_t * final_mask, cfg.alps_cg_iters)
-    new_weight = refined / scale[None, :]
-    info = None
+    new_weight = refined / scale[..., None, :]
+    infos = None
     if final_result is not None and block_obj is not None:
-        obj = float(block_obj.sum())
-        ub = float(final_result.block_upper_bound.sum())
-        gap = max((ub - obj) / ub, 0.0) if ub > 0 else 0.0
-        info = MaskSolveInfo(objective=obj, upper_bound=ub, gap=gap, seconds=float(sum(seconds)), calls=len(seconds))
-    return PruneOutcome(
-        weight=new_weight * final_mask,
-        mask=final_mask,
-        solve=info,
-        iterations=iterations,
-        safeguard_tiles=safeguarded,
+        # The certificate is that of the final mask alone; seconds and calls count every projection.
+        obj = tally.per_matrix(block_obj)
+        ub = tally.per_matrix(final_result.block_upper_bound)
+        infos = [
+            solve_info([float(o)], [float(u)], [tally.seconds / tally.matrices], calls=tally.calls)
+            for o, u in zip(obj.tolist(), ub.tolist(), strict=True)
+        ]
+    return split_outcomes(
+        new_weight * final_mask,
+        final_mask,
+        infos,
+        iterations=iterations.reshape(-1).tolist(),
+        safeguard_tiles=safeguarded.tolist(),
     )
+
+
+def prune(weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> PruneOutcome:
+    """weight: (out, in) → `PruneOutcome` from ADMM + CG; `iterations` counts ADMM steps."""
+    return prune_batch(weight, stats, cfg)[0]

@@ -33,15 +33,16 @@ def thread_independent(device: torch.device) -> Iterator[None]:
 
 
 def symmetric_eigh(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """h: (n, n) symmetric → (Λ (n,), Q (n, n)) with h = Q diag(Λ) Qᵀ, the same bits at any thread count."""
+    """h: (..., n, n) symmetric → (Λ (..., n), Q (..., n, n)) with h = Q diag(Λ) Qᵀ per matrix, the same bits
+    at any thread count."""
     with thread_independent(h.device):
         evals, evecs = torch.linalg.eigh(h)
     return evals, evecs
 
 
 def inverse_cholesky_upper(h: torch.Tensor) -> torch.Tensor:
-    """h: (n, n) SPD → U (n, n) upper triangular with UᵀU = h⁻¹ (SparseGPT's `Hinv`), the same bits at
-    any thread count."""
+    """h: (..., n, n) SPD → U (..., n, n) upper triangular with UᵀU = h⁻¹ per matrix (SparseGPT's `Hinv`),
+    the same bits at any thread count."""
     with thread_independent(h.device):
         lower = torch.linalg.cholesky(h)
         return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)

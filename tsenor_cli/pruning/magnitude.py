@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import torch
 
-from tsenor_cli.pruning.masks import choose_mask, solve_info
-from tsenor_cli.pruning.stats import InputStats
-from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome
+from tsenor_cli.pruning.masks import SolveTally, choose_mask
+from tsenor_cli.pruning.stats import Statistics
+from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome, split_outcomes
 
 NEEDS_GRAM = False
 
 
-def prune(weight: torch.Tensor, stats: InputStats | None, cfg: LayerPruneConfig) -> PruneOutcome:
-    """weight: (out, in) → `PruneOutcome` with the largest-magnitude entries kept; `stats` is unused."""
-    w = weight.to(torch.float32)
+def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> list[PruneOutcome]:
+    """weights: (..., out, in), one matrix or a stack → one `PruneOutcome` per matrix with the
+    largest-magnitude entries kept, from one solver call for the whole stack; `stats` is unused."""
+    w = weights.to(torch.float32)
     choice = choose_mask(w.abs(), cfg.pattern, cfg.solver, unstructured_scope="matrix")
-    info = None
+    tally = SolveTally(w[..., 0, 0].numel(), w.device)
     if choice.result is not None:
-        info = solve_info([choice.result.objective], [choice.result.upper_bound], [choice.result.seconds])
-    return PruneOutcome(weight=w * choice.mask, mask=choice.mask, solve=info)
+        tally.add_result(choice.result)
+    return split_outcomes(w * choice.mask, choice.mask, tally.infos())
+
+
+def prune(weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> PruneOutcome:
+    """weight: (out, in) → `PruneOutcome` with the largest-magnitude entries kept; `stats` is unused."""
+    return prune_batch(weight, stats, cfg)[0]

@@ -19,7 +19,8 @@ from tsenor_cli.solver import SolveResult, from_blocks, nm_mask, solve, to_block
 
 @dataclass(frozen=True)
 class MaskChoice:
-    """mask: (R, C) bool; result: the solver's result (transposable only), for warm starts and the gap."""
+    """mask: (..., R, C) bool; result: the solver's result (transposable only) on the scores flattened to
+    (L·R, C), L the number of matrices, for warm starts and the gap."""
 
     mask: torch.Tensor
     result: SolveResult | None
@@ -34,31 +35,81 @@ def choose_mask(
     unstructured_scope: Literal["row", "matrix"] = "row",
     solver_options: Mapping[str, object] | None = None,
 ) -> MaskChoice:
-    """scores: (R, C) non-negative → mask (R, C) bool of `pattern`.
+    """scores: (..., R, C) non-negative, one (R, C) matrix or a stack of them → mask (..., R, C) bool of
+    `pattern` for each matrix.
 
-    unstructured_scope picks the comparison group of unstructured sparsity: each output row (Wanda)
-    or the whole matrix (magnitude, ALPS). solver_options go to the transposable solver.
+    A stack goes to the solver as one call: its matrices are flattened to (L·R, C), which for R
+    divisible by M puts every M×M tile (transposable) and every group of M inputs (N:M) inside one
+    matrix, so each matrix gets exactly the mask it would get alone. unstructured_scope picks the
+    comparison group of unstructured sparsity: each output row (Wanda) or each whole matrix (magnitude,
+    ALPS). solver_options go to the transposable solver.
     """
+    rows, cols = scores.shape[-2:]
+    flat = scores.reshape(-1, cols)  # (L·R, C)
     with phase("mask solver"):
         if pattern.kind == "transposable":
-            result = solve(scores, pattern.n, pattern.m, method=solver, init=init, **(solver_options or {}))
-            return MaskChoice(result.mask, result)
+            result = solve(flat, pattern.n, pattern.m, method=solver, init=init, **(solver_options or {}))
+            return MaskChoice(result.mask.view(scores.shape), result)
         if pattern.kind == "nm":
-            return MaskChoice(nm_mask(scores, pattern.n, pattern.m), None)
+            return MaskChoice(nm_mask(flat, pattern.n, pattern.m).view(scores.shape), None)
         if pattern.kind == "unstructured":
-            per_row = unstructured_scope == "row"
-            return MaskChoice(unstructured_mask(scores, pattern.sparsity, per_row=per_row), None)
+            if unstructured_scope == "row" or scores.ndim == 2:
+                per_row = unstructured_scope == "row"
+                return MaskChoice(unstructured_mask(flat, pattern.sparsity, per_row=per_row).view(scores.shape), None)
+            # One comparison group per matrix: each matrix becomes one row of (L, R·C).
+            mats = scores.reshape(-1, rows * cols)  # (L, R·C)
+            return MaskChoice(unstructured_mask(mats, pattern.sparsity, per_row=True).view(scores.shape), None)
     raise ValueError(f"unknown pattern kind {pattern.kind!r}")
+
+
+class SolveTally:
+    """The certificates of a method's solver calls on a stack of L matrices, summed per matrix.
+
+    Every call covers all L matrices flattened to (L·R, C) (`choose_mask`), so each call's per-tile values
+    split into L equal runs of tiles, one per matrix. Seconds cannot be split by matrix: each matrix is
+    credited an equal share of every call.
+    """
+
+    def __init__(self, matrices: int, device: torch.device) -> None:
+        self.matrices = matrices
+        self.objective = torch.zeros(matrices, dtype=torch.float64, device=device)  # (L,)
+        self.upper_bound = torch.zeros(matrices, dtype=torch.float64, device=device)  # (L,)
+        self.seconds = 0.0
+        self.calls = 0
+
+    def per_matrix(self, tiles: torch.Tensor) -> torch.Tensor:
+        """tiles: (B,) per-tile values of one call, B = L·tiles per matrix → (L,) float64 sums."""
+        return tiles.to(torch.float64).view(self.matrices, -1).sum(1)
+
+    def add(self, block_objective: torch.Tensor, block_upper_bound: torch.Tensor, seconds: float) -> None:
+        """block_objective, block_upper_bound: (B,) of one call (the objective of the mask kept, which the
+        safeguard may have changed from the solver's)."""
+        self.objective += self.per_matrix(block_objective)
+        self.upper_bound += self.per_matrix(block_upper_bound)
+        self.seconds += seconds
+        self.calls += 1
+
+    def add_result(self, result: SolveResult) -> None:
+        self.add(result.block_objective, result.block_upper_bound, result.seconds)
+
+    def infos(self) -> list[MaskSolveInfo] | None:
+        """One certificate per matrix (gap = 1 − Σobjective / Σupper_bound), None without any call."""
+        if not self.calls:
+            return None
+        return [
+            solve_info([float(obj)], [float(ub)], [self.seconds / self.matrices], calls=self.calls)
+            for obj, ub in zip(self.objective.tolist(), self.upper_bound.tolist(), strict=True)
+        ]
 
 
 def keep_better_tiles(
     scores: torch.Tensor, new: SolveResult, previous_mask: torch.Tensor, m: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The per-tile safeguard of Assumption 1 (Appendix A.1.3).
 
     scores: (R, C) current scores; new: the solver's result on them; previous_mask: (R, C) bool, a
     feasible transposable mask. Returns (mask (R, C) bool, block_objective (B,) float64 of that mask on
-    `scores`, number of tiles where the previous mask was kept because the new one scored lower).
+    `scores`, kept (B,) bool: the tiles where the previous mask was kept because the new one scored lower).
     Keeping the better tile per tile makes the mask's objective never drop below the previous one's,
     which is what the ADMM convergence proof needs.
     """
@@ -70,13 +121,20 @@ def keep_better_tiles(
     keep_prev = prev_obj > new.block_objective  # (B,)
     mask_blocks = torch.where(keep_prev[:, None, None], prev_blocks, new_blocks)  # (B, M, M)
     block_obj = torch.where(keep_prev, prev_obj, new.block_objective)  # (B,)
-    return from_blocks(mask_blocks, rows, cols), block_obj, int(keep_prev.sum())
+    return from_blocks(mask_blocks, rows, cols), block_obj, keep_prev
 
 
-def solve_info(objectives: list[float], bounds: list[float], seconds: list[float]) -> MaskSolveInfo:
-    """Aggregate several solver calls of one layer: gap = 1 − Σobjective / Σupper_bound."""
+def solve_info(
+    objectives: list[float], bounds: list[float], seconds: list[float], *, calls: int | None = None
+) -> MaskSolveInfo:
+    """Aggregate several solver calls of one layer: gap = 1 − Σobjective / Σupper_bound; calls: how many
+    calls the values come from (default: one per objective)."""
     obj, ub = float(sum(objectives)), float(sum(bounds))
     gap = (ub - obj) / ub if ub > 0 else 0.0
     return MaskSolveInfo(
-        objective=obj, upper_bound=ub, gap=max(gap, 0.0), seconds=float(sum(seconds)), calls=len(objectives)
+        objective=obj,
+        upper_bound=ub,
+        gap=max(gap, 0.0),
+        seconds=float(sum(seconds)),
+        calls=len(objectives) if calls is None else calls,
     )

@@ -12,67 +12,74 @@ from __future__ import annotations
 import torch
 
 from tsenor_cli.pruning.linalg import inverse_cholesky_upper
-from tsenor_cli.pruning.masks import choose_mask, solve_info
+from tsenor_cli.pruning.masks import SolveTally, choose_mask
 from tsenor_cli.pruning.phases import phase
-from tsenor_cli.pruning.stats import InputStats, damped_gram
-from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome
+from tsenor_cli.pruning.stats import Statistics, damped_gram
+from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome, split_outcomes
 
 NEEDS_GRAM = True
 
 
-def prune(weight: torch.Tensor, stats: InputStats | None, cfg: LayerPruneConfig) -> PruneOutcome:
-    """weight: (out, in) → `PruneOutcome` with OBS-updated weights under the pattern."""
+def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> list[PruneOutcome]:
+    """weights: (..., out, in), one matrix or a stack with Gram matrices (..., in, in) → one
+    `PruneOutcome` per matrix with OBS-updated weights under the pattern.
+
+    A stack runs as one: every column step updates all its matrices at once, each with its own H⁻¹,
+    and each M-column slab of all of them goes to the solver in one call (`choose_mask`); no update
+    crosses from one matrix to another.
+    """
     if stats is None:
         raise ValueError("sparsegpt needs the Gram matrix of the layer inputs; collect statistics with gram=True")
     pattern = cfg.pattern
-    gram = stats.require_gram().to(weight.device)
-    w = weight.to(torch.float32).clone()  # (out, in)
-    cols = w.shape[1]
-    w[:, gram.diagonal() == 0] = 0.0  # inputs that never fire: their weights cannot matter
+    gram = stats.require_gram().to(weights.device)  # (..., in, in)
+    w = weights.to(torch.float32).clone()  # (..., out, in)
+    cols = w.shape[-1]
+    # Inputs that never fire: their weights cannot matter.
+    w.masked_fill_((gram.diagonal(dim1=-2, dim2=-1) == 0).unsqueeze(-2), 0.0)
     with phase("factorize"):
-        hinv = inverse_cholesky_upper(damped_gram(gram, cfg.percdamp))  # (in, in) upper
+        hinv = inverse_cholesky_upper(damped_gram(gram, cfg.percdamp))  # (..., in, in) upper
     grouped = pattern.kind in ("transposable", "nm")
     blocksize = cfg.blocksize
     if grouped and blocksize % pattern.m:
         # The lazy-update block must hold whole groups of M columns.
         blocksize = max(pattern.m, (blocksize // pattern.m) * pattern.m)
 
-    pruned = torch.zeros_like(w, dtype=torch.bool)  # (out, in) True = set to zero
-    objectives: list[float] = []
-    bounds: list[float] = []
-    seconds: list[float] = []
+    pruned = torch.zeros_like(w, dtype=torch.bool)  # (..., out, in) True = set to zero
+    tally = SolveTally(w[..., 0, 0].numel(), w.device)
     # OBS is sequential over columns by construction: each column's update depends on the error of
     # the previous ones, so this loop (and the one inside) cannot be vectorized away.
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)
-        w1 = w[:, i1:i2].clone()  # (out, b)
+        w1 = w[..., i1:i2].clone()  # (..., out, b)
         q1 = torch.zeros_like(w1)
         err1 = torch.zeros_like(w1)
-        hinv1 = hinv[i1:i2, i1:i2]  # (b, b)
-        d = hinv1.diagonal()  # (b,)
+        hinv1 = hinv[..., i1:i2, i1:i2]  # (..., b, b)
+        d = hinv1.diagonal(dim1=-2, dim2=-1)  # (..., b)
         prune1 = torch.zeros_like(w1, dtype=torch.bool)
         if pattern.kind == "unstructured":
-            keep = choose_mask(w1.square() / d.square()[None, :], pattern, cfg.solver, unstructured_scope="matrix")
+            keep = choose_mask(w1.square() / d.square()[..., None, :], pattern, cfg.solver, unstructured_scope="matrix")
             prune1 = ~keep.mask
         for i in range(i2 - i1):
             if grouped and i % pattern.m == 0:
-                slab = w1[:, i : i + pattern.m].square() / d[i : i + pattern.m].square()[None, :]  # (out, M)
+                slab = w1[..., i : i + pattern.m].square() / d[..., None, i : i + pattern.m].square()  # (..., out, M)
                 choice = choose_mask(slab, pattern, cfg.solver)
-                prune1[:, i : i + pattern.m] = ~choice.mask
+                prune1[..., i : i + pattern.m] = ~choice.mask
                 if choice.result is not None:
-                    objectives.append(choice.result.objective)
-                    bounds.append(choice.result.upper_bound)
-                    seconds.append(choice.result.seconds)
-            col = w1[:, i]  # (out,)
-            q = torch.where(prune1[:, i], torch.zeros_like(col), col)
-            q1[:, i] = q
-            err = (col - q) / d[i]  # (out,)
-            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = err
-        w[:, i1:i2] = q1
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
-        pruned[:, i1:i2] = prune1
+                    tally.add_result(choice.result)
+            col = w1[..., i]  # (..., out)
+            q = torch.where(prune1[..., i], torch.zeros_like(col), col)
+            q1[..., i] = q
+            err = (col - q) / d[..., i, None]  # (..., out)
+            w1[..., i:] -= err[..., None] * hinv1[..., i, None, i:]
+            err1[..., i] = err
+        w[..., i1:i2] = q1
+        w[..., i2:] -= err1 @ hinv[..., i1:i2, i2:]
+        pruned[..., i1:i2] = prune1
 
     mask = ~pruned
-    info = solve_info(objectives, bounds, seconds) if objectives else None
-    return PruneOutcome(weight=w * mask, mask=mask, solve=info)
+    return split_outcomes(w * mask, mask, tally.infos())
+
+
+def prune(weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> PruneOutcome:
+    """weight: (out, in) → `PruneOutcome` with OBS-updated weights under the pattern."""
+    return prune_batch(weight, stats, cfg)[0]

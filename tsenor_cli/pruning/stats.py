@@ -8,8 +8,19 @@ Sums are kept in float32 as in SparseGPT/ALPS; their scale does not matter (the 
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
+
+
+class Statistics(Protocol):
+    """What the methods read of the inputs of one matrix (`InputStats`, shapes (in,) / (in, in)) or of a
+    stack of L matrices (`ExpertStats`, (L, in) / (L, in, in))."""
+
+    @property
+    def col_norms(self) -> torch.Tensor: ...
+
+    def require_gram(self) -> torch.Tensor: ...
 
 
 class InputStats:
@@ -56,16 +67,17 @@ class InputStats:
 
 
 def damped_gram(gram: torch.Tensor, percdamp: float) -> torch.Tensor:
-    """gram: (in, in) → gram + percdamp·mean(diag)·I, dead inputs (zero diagonal) first set to 1 there.
+    """gram: (..., in, in) → gram + percdamp·mean(diag)·I per matrix, dead inputs (zero diagonal) first
+    set to 1 there.
 
     The dampening is the λ of the paper's layer-wise problem (Section 4); SparseGPT and ALPS use 1%.
     A dead input never reaches the layer, so its diagonal entry only needs to keep H invertible.
     """
     h = gram.clone()
-    diag = h.diagonal()
+    diag = h.diagonal(dim1=-2, dim2=-1)  # (..., in), a view that writes into h
     dead = diag == 0
     diag[dead] = 1.0
-    diag += percdamp * diag.mean()
+    diag += percdamp * diag.mean(-1, keepdim=True)
     return h
 
 
@@ -124,11 +136,30 @@ class ExpertStats:
         padded[slot, position] = flat[order]
         self.gram.index_add_(0, present, padded.transpose(1, 2) @ padded)  # (U, in, in)
 
-    def expert(self, index: int) -> InputStats:
-        """The statistics of expert `index` alone, as an `InputStats` sharing this object's memory."""
-        view = InputStats.__new__(InputStats)
-        view.in_features = self.in_features
-        view.sq_norms = self.sq_norms[index]
-        view.gram = self.gram[index] if self.gram is not None else None
-        view.tokens = int(self.tokens[index])
-        return view
+    @property
+    def col_norms(self) -> torch.Tensor:
+        """(E, in) float32 ‖X_j‖₂ of each expert's inputs."""
+        return self.sq_norms.sqrt()
+
+    def require_gram(self) -> torch.Tensor:
+        """(E, in, in) float32 XᵀX of each expert; raises when collected without it."""
+        if self.gram is None:
+            raise ValueError("these statistics hold no Gram matrix; collect them with gram=True")
+        return self.gram
+
+    def select(
+        self, experts: torch.Tensor, fallback: ExpertStats | None = None, use: torch.Tensor | None = None
+    ) -> ExpertStats:
+        """experts: (L,) long → the statistics of those experts as a new `ExpertStats` of L (copies), each
+        taken from `fallback` instead where `use` (L,) bool is set (an expert whose routed tokens were too
+        few takes every-token statistics)."""
+        picked = ExpertStats.__new__(ExpertStats)
+        picked.in_features = self.in_features
+        picked.tokens = self.tokens[experts]
+        picked.sq_norms = self.sq_norms[experts]
+        picked.gram = self.gram[experts] if self.gram is not None else None
+        if fallback is not None and use is not None and bool(use.any()):
+            picked.sq_norms = torch.where(use[:, None], fallback.sq_norms[experts], picked.sq_norms)
+            if picked.gram is not None:
+                picked.gram = torch.where(use[:, None, None], fallback.require_gram()[experts], picked.gram)
+        return picked

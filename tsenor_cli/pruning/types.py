@@ -8,6 +8,7 @@ along the input dimension of each output row) depends on it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -133,3 +134,28 @@ class PruneOutcome:
     solve: MaskSolveInfo | None
     iterations: int = 0
     safeguard_tiles: int = 0
+
+
+def split_outcomes(
+    weight: torch.Tensor,
+    mask: torch.Tensor,
+    solves: Sequence[MaskSolveInfo] | None,
+    iterations: Sequence[int] | None = None,
+    safeguard_tiles: Sequence[int] | None = None,
+) -> list[PruneOutcome]:
+    """weight: (..., out, in) float32, mask: (..., out, in) bool, per-matrix certificates and counts → one
+    `PruneOutcome` per matrix (views of `weight` and `mask`), in the order of the flattened leading dims."""
+    rows, cols = weight.shape[-2:]
+    weights = weight.reshape(-1, rows, cols)  # (L, out, in)
+    masks = mask.reshape(-1, rows, cols)  # (L, out, in)
+    count = weights.shape[0]
+    return [
+        PruneOutcome(
+            weight=weights[i],
+            mask=masks[i],
+            solve=solves[i] if solves is not None else None,
+            iterations=iterations[i] if iterations is not None else 0,
+            safeguard_tiles=safeguard_tiles[i] if safeguard_tiles is not None else 0,
+        )
+        for i in range(count)
+    ]

@@ -8,25 +8,32 @@ from __future__ import annotations
 
 import torch
 
-from tsenor_cli.pruning.masks import choose_mask, solve_info
-from tsenor_cli.pruning.stats import InputStats
-from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome
+from tsenor_cli.pruning.masks import SolveTally, choose_mask
+from tsenor_cli.pruning.stats import Statistics
+from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome, split_outcomes
 
 NEEDS_GRAM = False
 
 
-def scores(weight: torch.Tensor, stats: InputStats) -> torch.Tensor:
-    """weight: (out, in), statistics of inputs (tokens, in) → scores (out, in) = |W_oj|·‖X_j‖₂."""
-    return weight.to(torch.float32).abs() * stats.col_norms.to(weight.device)[None, :]
+def scores(weight: torch.Tensor, stats: Statistics) -> torch.Tensor:
+    """weight: (..., out, in), statistics of the inputs of each matrix ((..., in) norms) → scores
+    (..., out, in) = |W_oj|·‖X_j‖₂."""
+    return weight.to(torch.float32).abs() * stats.col_norms.to(weight.device)[..., None, :]
 
 
-def prune(weight: torch.Tensor, stats: InputStats | None, cfg: LayerPruneConfig) -> PruneOutcome:
-    """weight: (out, in) → `PruneOutcome` keeping the largest Wanda scores under the pattern."""
+def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> list[PruneOutcome]:
+    """weights: (..., out, in), one matrix or a stack with statistics of matching leading shape → one
+    `PruneOutcome` per matrix keeping the largest Wanda scores, from one solver call for the stack."""
     if stats is None:
         raise ValueError("wanda needs input statistics; run the calibration data through the layer first")
-    w = weight.to(torch.float32)
+    w = weights.to(torch.float32)
     choice = choose_mask(scores(w, stats), cfg.pattern, cfg.solver, unstructured_scope="row")
-    info = None
+    tally = SolveTally(w[..., 0, 0].numel(), w.device)
     if choice.result is not None:
-        info = solve_info([choice.result.objective], [choice.result.upper_bound], [choice.result.seconds])
-    return PruneOutcome(weight=w * choice.mask, mask=choice.mask, solve=info)
+        tally.add_result(choice.result)
+    return split_outcomes(w * choice.mask, choice.mask, tally.infos())
+
+
+def prune(weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> PruneOutcome:
+    """weight: (out, in) → `PruneOutcome` keeping the largest Wanda scores under the pattern."""
+    return prune_batch(weight, stats, cfg)[0]
