@@ -63,8 +63,6 @@ LANGUAGE_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 # The blocks each text-only forward skips: Mllama's cross-attention block (its config's cross_attention_layers).
 IDLE = {"mllama": {1}}
-# transformers' Jamba mixer multiplies by dt_proj.weight without calling dt_proj, so it never sees an input.
-IGNORE = {"jamba": ("*.mamba.dt_proj",)}
 SEQ_LEN = 24
 PATTERN = SparsityPattern.from_nm(2, 4, transposable=True)
 
@@ -128,7 +126,6 @@ def pruned(
             calib_data=str(calibration_text),
             nsamples=2,
             seqlen=SEQ_LEN,
-            ignore=IGNORE.get(family, ()),
             output=root / family,
         )
         return root / family, prune_model(cfg, LOCAL_CTX)
@@ -206,8 +203,6 @@ def test_two_block_prune_verifies_loads_and_generates(
             assert record.status == "pruned" or record.reason, name
         elif block in idle:
             assert record.status == "skipped" and "never runs in the text-only forward" in str(record.reason)
-        elif name.endswith(".dt_proj") and family in IGNORE:
-            assert record.status == "ignored"
         else:
             assert record.status == "pruned" and record.density == pytest.approx(0.5), name
     verified = verify_checkpoint(out)

@@ -949,7 +949,9 @@ def prune_block(
         active = [name for name in group if name not in records]
         if not active:
             continue
-        as_linears = {by_param[n].local_name: n for n in active if by_param[n].local_name in linears}
+        # An nn.Linear whose weight the forward multiplies without calling it (Unit.left) has no hook inputs.
+        hooked = [n for n in active if by_param[n].local_name in linears and not observed.units[n].left]
+        as_linears = {by_param[n].local_name: n for n in hooked}
         if len(as_linears) < len(active):
             if team.distributed:
                 raise IncompatibleModelError(

@@ -1,9 +1,15 @@
-"""GPT-2's `Conv1D` layers (weight stored (in, out), run as ``addmm(bias, x, weight)``) on a tiny random
-GPT-2 built offline: the watch (`pruning/observe.py`) sees each as a matrix stored transposed, the block
-replay reproduces the model's logits, and a 2-block SparseGPT 2:4 prune through `tsenor prune` leaves
-every Conv1D at density 0.5, verifies, loads with its class and generates. An ordinary (not
-transposable) 2:4 prune shows the orientation: the 2-of-4 groups run along each output's inputs, i.e.
-down the columns of the stored (in, out) weight.
+"""Weight matrices that are not nn.Linear layers called as modules, on tiny random models built offline.
+
+GPT-2's `Conv1D` layers (weight stored (in, out), run as ``addmm(bias, x, weight)``): the watch
+(`pruning/observe.py`) sees each as a matrix stored transposed, the block replay reproduces the model's
+logits, and a 2-block SparseGPT 2:4 prune through `tsenor prune` leaves every Conv1D at density 0.5,
+verifies, loads with its class and generates. An ordinary (not transposable) 2:4 prune shows the
+orientation: the 2-of-4 groups run along each output's inputs, i.e. down the columns of the stored
+(in, out) weight.
+
+A parameter multiplied as the left operand, ``W @ X`` (transformers' Jamba mixer:
+``dt_proj.weight @ time_step.transpose(1, 2)``): its inputs are the columns of X, found by the watch,
+against hand-computed ones.
 """
 
 from __future__ import annotations
@@ -14,13 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_cli import invoke
-from helpers_tiny import blockwise_forward, full_forward, make_tiny_llama, random_causal_lm
+from helpers_tiny import blockwise_forward, full_forward, make_tiny_llama, random_causal_lm, random_model
 from torch import nn
 
 from tsenor_cli.errors import IncompatibleModelError
 from tsenor_cli.models.structure import discover_structure
-from tsenor_cli.pruning.engine import block_output, capture_block_inputs, input_key
-from tsenor_cli.pruning.observe import observe_block
+from tsenor_cli.pruning.engine import MoeOptions, block_output, capture_block_inputs, input_key, unit_input_stats
+from tsenor_cli.pruning.observe import Use, observe_block, watching
 
 SEQ_LEN = 24
 # Each block: c_attn (3H × H), attention's c_proj (H × H), c_fc (4H × H), the MLP's c_proj (H × 4H), as (out, in).
@@ -135,3 +141,56 @@ def test_blocks_without_weight_matrices_are_refused_in_one_line() -> None:
     message = str(info.value)
     assert message.startswith("no weight matrix found in the LayerNorm blocks of _NormsOnly (layers)")
     assert "\n" not in message
+
+
+class _LeftOperands(nn.Module):
+    """a.weight (12, 8) multiplied as W @ X without calling `a`; b (8, 12) stored (in, out), used as bᵀ @ X."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.a = nn.Linear(8, 12, bias=False)
+        self.b = nn.Parameter(torch.randn(8, 12, generator=gen))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (B, T, 8)
+        columns = x.transpose(1, 2)  # (B, 8, T): one token per column
+        return (self.a.weight @ columns + self.b.T @ columns).transpose(1, 2)  # (B, T, 12)
+
+
+def test_a_left_operand_is_a_matrix_whose_inputs_are_the_columns_of_the_right_one() -> None:
+    block = _LeftOperands()
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
+    seen = observe_block(block, lambda: block(x), input_key=input_key)
+    a, b = seen.units["a.weight"], seen.units["b"]
+    assert (a.geometry.out_features, a.geometry.in_features, a.geometry.transposed, a.left) == (12, 8, False, True)
+    assert (b.geometry.out_features, b.geometry.in_features, b.geometry.transposed, b.left) == (12, 8, True, True)
+    uses: list[Use] = []
+    with watching(block, uses.append):
+        block(x)
+    assert [use.param for use in uses] == ["a.weight", "b"]
+    for use in uses:  # each token's 8 inputs, in token order
+        torch.testing.assert_close(use.rows, x.reshape(10, 8))
+
+
+def test_jambas_dt_proj_statistics_are_the_columns_it_multiplies() -> None:
+    """The Mamba mixer computes dt_proj.weight @ dt_layernorm(time_step)ᵀ: dt_proj's Gram matrix is that
+    of dt_layernorm's outputs, caught here by a hook on the norm."""
+    model = random_model("jamba")
+    structure = discover_structure(model)
+    inputs = capture_block_inputs(structure, _ids(2, 5), torch.device("cpu"))
+    block, call = structure.blocks[0], inputs.calls[0]
+    seen = observe_block(block, lambda: block_output(block, call, inputs.hidden[:1]), input_key=input_key)
+    name = "mamba.dt_proj.weight"
+    unit = seen.units[name]
+    assert unit.left and (unit.geometry.out_features, unit.geometry.in_features) == (128, 16)
+    normed: list[torch.Tensor] = []
+    norm = block.get_submodule("mamba.dt_layernorm")
+    handle = norm.register_forward_hook(lambda _m, _a, out: normed.append(out.reshape(-1, 16)))
+    try:
+        stats = unit_input_stats(block, {name: unit}, inputs.hidden, call, torch.device("cpu"), MoeOptions())
+    finally:
+        handle.remove()
+    rows = torch.cat(normed)  # (2·T, 16)
+    got = stats[name]
+    assert not hasattr(got, "routed")
+    torch.testing.assert_close(got.gram, rows.T @ rows, rtol=1e-5, atol=1e-5)  # type: ignore[union-attr]
