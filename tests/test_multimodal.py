@@ -475,3 +475,22 @@ def test_loaded_model_carries_the_processor_files(checkpoints: dict[str, Path]) 
     # The source keeps transformers' legacy names; load_model maps them onto the module tree.
     assert any(key.startswith("language_model.model.layers.") for key in saved)
     assert loaded.structure.blocks_name == "model.language_model.layers"
+
+
+@pytest.mark.parametrize(
+    ("family", "pattern"), [("llava", "model.vision_tower.*"), ("gemma3", "re:.*multi_modal_proj")]
+)
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_targets_naming_only_the_vision_side_are_refused_in_one_line(
+    family: str, pattern: str, dry_run: bool, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """The vision tower and projector have no inputs in text-only calibration: a --targets pattern naming
+    only them is one line (exit 2) saying so, before any weight is read, nothing written."""
+    out = tmp_path / "out"
+    args = ["prune", "--model", str(checkpoints[family]), "--nm", "2:4", "--targets", pattern, "--output", str(out)]
+    result = _invoke([*args, "--dry-run"] if dry_run else args)
+    message = str(result.exception)
+    assert result.exit_code == 2, result.output
+    assert message.startswith(f"--targets {pattern!r} names only weights outside the decoder blocks (e.g. model.")
+    assert "vision tower, projector" in message and "\n" not in message
+    assert not out.exists()

@@ -677,6 +677,19 @@ def estimate_device_memory(
     return estimates
 
 
+def _outside_weights(model: Any, structure: ModelStructure) -> list[str]:
+    """The module names (as patterns see them) of the weight matrices outside the decoder blocks: a
+    vision tower's and projector's linears, the embeddings, the output head."""
+    in_blocks = {id(m) for m in structure.blocks.modules()}
+    found = []
+    for name, module in model.named_modules():
+        if id(module) in in_blocks:
+            continue
+        if any(p.dim() >= 2 for p in module.parameters(recurse=False)):
+            found.append(name)
+    return found
+
+
 def _checkable(
     slots: Sequence[LinearSlot], dense: Sequence[dict[str, str]], observed: frozenset[str]
 ) -> list[LinearSlot]:
@@ -875,7 +888,10 @@ def plan_model(
     pending: dict[str, str] = {}
     observed: frozenset[str] = frozenset()
     probe_bytes = 0
+    names, outside = [s.full_name for s in slots], _outside_weights(model, structure)
     if observe:
+        # The patterns first: a typo is found before the probe runs a forward.
+        excluded_layers(names, cfg.ignore, cfg.targets, outside=outside)
         probe = probe_blocks(structure, hidden)
         accounted = weight_plan(structure, slots, probe.observed, cfg)
         _say_ruled(accounted)
@@ -890,7 +906,7 @@ def plan_model(
         observed = frozenset(s.full_name for s in slots if s.block in probe.observed)
         probe_bytes = probe.peak_bytes
     else:
-        ignored = excluded_layers([s.full_name for s in slots], cfg.ignore, cfg.targets)
+        ignored = excluded_layers(names, cfg.ignore, cfg.targets, outside=outside)
     bad = incompatible_slots(_checkable(slots, (ignored, idle, pending), observed), cfg.pattern)
     candidates = [s for s in slots if s.full_name not in ignored and s.full_name not in idle]
     max_pos = config_value(config, "max_position_embeddings")
