@@ -28,6 +28,7 @@ from tsenor_cli.pruning.engine import (
     block_output,
     capture_block_inputs,
     input_key,
+    run_block,
     unit_input_stats,
 )
 from tsenor_cli.pruning.observe import Geometry, matrices, observe_block
@@ -60,9 +61,57 @@ MOE: dict[str, dict[str, Any]] = {
         "head_dim": 16,
     },
     "llama4_text": {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 64, "head_dim": 16},
+    # Multi-head latent attention (low-rank q and kv projections, a rotary and a plain part of each head),
+    # a shared expert, grouped top-k routing; block 0 is dense (first_k_dense_replace), block 1 a MoE.
+    "deepseek_v3": {
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 16,
+    },
+    # Experts as three plain 2D parameters (E·I, H) viewed per expert, w2 read transposed; an nn.Linear
+    # router. transformers 5.24's DBRX needs d_model (its ffn_config copies it), rope_theta in attn_config
+    # and a clip_qkv (None fails in its clamp), as the published checkpoints have.
+    "dbrx": {
+        "d_model": 64,
+        "tie_word_embeddings": False,
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 4, "moe_top_k": 2},
+    },
+    # Block 0: gated delta-rule linear attention (a depthwise conv1d beside its projections); block 1:
+    # full attention; both a MoE with a shared expert scaled by a 1×hidden shared_expert_gate.
+    "qwen3_next": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "head_dim": 16,
+        "layer_types": ["linear_attention", "full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+    },
 }
 # The stacks each family's experts are stored in, and whether stored (in, out): seen in their forward.
 TRANSPOSED = {"gpt_oss": True, "llama4_text": True}
+# Expert stacks per MoE block (2: gate_up and down fused as transformers 5 does) and the mixed-orientation
+# families: DBRX keeps w1, v1 (read (out, in)) and w2 (read transposed) apart.
+STACKS = {"dbrx": 3}
+MIXED_ORIENTATION = {"dbrx": {"ffn.experts.mlp.w1": False, "ffn.experts.mlp.v1": False, "ffn.experts.mlp.w2": True}}
+# The blocks without experts (DeepSeek-V3's first_k_dense_replace).
+DENSE_BLOCKS = {"deepseek_v3": 1}
+# Gates (one output per token) beside the router: Qwen2-MoE's and Qwen3-Next's shared_expert_gate.
+GATES = {"qwen2_moe": 1, "qwen3_next": 1}
 SEQ_LEN = 24
 
 
@@ -75,18 +124,29 @@ def test_watch_finds_expert_stacks_their_orientation_and_the_router(family: str)
     model = random_causal_lm(family, **MOE[family])
     structure = discover_structure(model)
     inputs = capture_block_inputs(structure, _ids(1, 0), torch.device("cpu"))
-    block, call = structure.blocks[0], inputs.calls[0]
-    seen = observe_block(block, lambda: block_output(block, call, inputs.hidden), input_key=input_key)
+    # The first MoE block, run on the dense output of the blocks before it.
+    index = DENSE_BLOCKS.get(family, 0)
+    hidden = inputs.hidden
+    for before in range(index):
+        out = torch.empty_like(hidden)
+        run_block(structure.blocks[before], hidden, inputs.calls[before], out)
+        hidden = out
+    block, call = structure.blocks[index], inputs.calls[index]
+    seen = observe_block(block, lambda: block_output(block, call, hidden), input_key=input_key)
     stacks = {name: unit for name, unit in seen.units.items() if unit.geometry.experts}
-    assert len(stacks) == 2 and all(unit.geometry.experts == 4 for unit in stacks.values())
-    assert {unit.geometry.transposed for unit in stacks.values()} == {TRANSPOSED.get(family, False)}
-    # The (out, in) of each stack as nn.Linear would hold it: the first reads the hidden states.
-    first, second = stacks.values()
-    assert first.geometry.in_features == model.config.hidden_size
-    assert second.geometry.out_features == model.config.hidden_size
-    assert second.geometry.in_features * 2 == first.geometry.out_features  # gate and up, fused
+    assert len(stacks) == STACKS.get(family, 2) and all(unit.geometry.experts == 4 for unit in stacks.values())
+    orientation = {name: unit.geometry.transposed for name, unit in stacks.items()}
+    assert orientation == MIXED_ORIENTATION.get(family, dict.fromkeys(stacks, TRANSPOSED.get(family, False)))
+    # The (out, in) of each stack as nn.Linear would hold it: the first reads the hidden states, the
+    # last writes them; gate and up are fused in one stack or stored as two.
+    *up, down = stacks.values()
+    assert all(unit.geometry.in_features == model.config.hidden_size for unit in up)
+    assert down.geometry.out_features == model.config.hidden_size
+    assert sum(unit.geometry.out_features for unit in up) == 2 * down.geometry.in_features
     routers = [unit for unit in seen.units.values() if unit.role == "router"]
     assert len(routers) == 1 and routers[0].geometry.out_features == 4
+    gates = [unit for unit in seen.units.values() if unit.role == "gate"]
+    assert len(gates) == GATES.get(family, 0) and all(unit.geometry.out_features == 1 for unit in gates)
     for name, unit in seen.units.items():
         param = block.get_parameter(name)
         assert matrices(param.data, unit.geometry).shape[0] == unit.geometry.count
@@ -126,11 +186,15 @@ def test_sparsegpt_2_4_prunes_every_expert_keeps_routers_dense_and_verifies(
         output=out,
     )
     report = prune_model(cfg, calib_ctx)
+    moe_blocks = 2 - DENSE_BLOCKS.get(family, 0)
     experts = [r for r in report.layers if r.expert is not None]
-    assert len(experts) == 2 * 2 * 4  # 2 blocks × 2 stacks × 4 experts, each a matrix of its own
+    # Every expert of every stack of every MoE block, each a matrix of its own.
+    assert len(experts) == moe_blocks * STACKS.get(family, 2) * 4
     assert all(r.status == "pruned" and r.density == 0.5 for r in experts)
     routers = [r for r in report.layers if r.reason and r.reason.startswith("router")]
-    assert len(routers) == 2 and all(r.status == "ignored" for r in routers)
+    assert len(routers) == moe_blocks and all(r.status == "ignored" for r in routers)
+    gates = [r for r in report.layers if r.reason and r.reason.startswith("gate")]
+    assert len(gates) == moe_blocks * GATES.get(family, 0) and all(r.status == "ignored" for r in gates)
     # Every decoder weight matrix is accounted for: pruned or left dense with a reason.
     assert all(r.status == "pruned" or r.reason for r in report.layers)
     verified = verify_checkpoint(out)

@@ -63,8 +63,6 @@ LANGUAGE_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 # The blocks each text-only forward skips: Mllama's cross-attention block (its config's cross_attention_layers).
 IDLE = {"mllama": {1}}
-# transformers' Jamba mixer multiplies by dt_proj.weight without calling dt_proj, so it never sees an input.
-IGNORE = {"jamba": ("*.mamba.dt_proj",)}
 SEQ_LEN = 24
 PATTERN = SparsityPattern.from_nm(2, 4, transposable=True)
 
@@ -128,7 +126,6 @@ def pruned(
             calib_data=str(calibration_text),
             nsamples=2,
             seqlen=SEQ_LEN,
-            ignore=IGNORE.get(family, ()),
             output=root / family,
         )
         return root / family, prune_model(cfg, LOCAL_CTX)
@@ -206,8 +203,6 @@ def test_two_block_prune_verifies_loads_and_generates(
             assert record.status == "pruned" or record.reason, name
         elif block in idle:
             assert record.status == "skipped" and "never runs in the text-only forward" in str(record.reason)
-        elif name.endswith(".dt_proj") and family in IGNORE:
-            assert record.status == "ignored"
         else:
             assert record.status == "pruned" and record.density == pytest.approx(0.5), name
     verified = verify_checkpoint(out)
@@ -480,3 +475,22 @@ def test_loaded_model_carries_the_processor_files(checkpoints: dict[str, Path]) 
     # The source keeps transformers' legacy names; load_model maps them onto the module tree.
     assert any(key.startswith("language_model.model.layers.") for key in saved)
     assert loaded.structure.blocks_name == "model.language_model.layers"
+
+
+@pytest.mark.parametrize(
+    ("family", "pattern"), [("llava", "model.vision_tower.*"), ("gemma3", "re:.*multi_modal_proj")]
+)
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_targets_naming_only_the_vision_side_are_refused_in_one_line(
+    family: str, pattern: str, dry_run: bool, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """The vision tower and projector have no inputs in text-only calibration: a --targets pattern naming
+    only them is one line (exit 2) saying so, before any weight is read, nothing written."""
+    out = tmp_path / "out"
+    args = ["prune", "--model", str(checkpoints[family]), "--nm", "2:4", "--targets", pattern, "--output", str(out)]
+    result = _invoke([*args, "--dry-run"] if dry_run else args)
+    message = str(result.exception)
+    assert result.exit_code == 2, result.output
+    assert message.startswith(f"--targets {pattern!r} names only weights outside the decoder blocks (e.g. model.")
+    assert "vision tower, projector" in message and "\n" not in message
+    assert not out.exists()

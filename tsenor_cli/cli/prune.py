@@ -87,8 +87,7 @@ def _plan_verdict(plan: PrunePlan, cfg: PruneConfig, processes: int) -> None:
         offload_activations=cfg.offload_activations,
         processes=processes,
     )
-    candidates = [s for s in plan.slots if s.full_name not in plan.ignored and not s.param and s.out_features > 1]
-    check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)
+    check_compatibility(plan.candidates, cfg.pattern, skip=cfg.skip_incompatible)
 
 
 def load_config_file(path: Path) -> dict[str, Any]:
@@ -377,13 +376,8 @@ def prune_cmd(
             f"calibration {cfg.calib_data} {plan.nsamples}×{plan.seqlen}"
         )
         typer.echo(f"{'layer':<44} {'shape':>13}  compatible")
-        for slot in plan.slots:
-            why = plan.incompatible.get(slot.full_name)
-            shape = f"{slot.out_features}×{slot.in_features}"
-            verdict = "yes" if why is None else "NO: " + why
-            if slot.full_name in plan.ignored:
-                verdict = "ignored: " + plan.ignored[slot.full_name]
-            typer.echo(f"{slot.full_name:<44} {shape:>13}  {verdict}")
+        for name, shape, verdict in plan.rows():
+            typer.echo(f"{name:<44} {shape:>13}  {verdict}")
         host = plan.host_memory
         typer.echo(
             f"estimated memory: host {human_bytes(host.total)} ({host.describe()}"

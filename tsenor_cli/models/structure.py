@@ -16,8 +16,9 @@ blocks one at a time. All it needs from the model's structure is found generical
   what each block is given. Without a token embedding it is the base model. What lies outside it
   besides the output head (vision tower, projector) is listed in ``ModelStructure.outside``: it is
   never pruned;
-- the prunable linears of a block: every ``nn.Linear`` inside it, fused ones (Phi-3's ``qkv_proj``,
-  ``gate_up_proj``) included.
+- the nn.Linear layers of a block, fused ones (Phi-3's ``qkv_proj``, ``gate_up_proj``) included; its
+  other weight matrices (GPT-2's ``Conv1D``, fused expert stacks, bare 2D parameters) are found by
+  watching its forward (``tsenor_cli.pruning.observe``).
 
 ``config.model_type`` is kept only as information: nothing here switches on it, and no module is
 found by its name. What a block is given by the model's forward, and which linears read the same
@@ -176,16 +177,19 @@ def discover_structure(model: nn.Module) -> ModelStructure:
     """The decoder structure of `model` (works on the meta device: nothing is run).
 
     Raises IncompatibleModelError, one line naming what was not found, when there is no block list or
-    its blocks hold no nn.Linear.
+    its blocks hold no parameter of two or more dimensions.
     """
     base_name, base, blocks_name, blocks = _language_model(model)
     linears = tuple(
         tuple(name for name, module in block.named_modules() if isinstance(module, nn.Linear)) for block in blocks
     )
-    if not any(linears):
+    # Weight matrices need not be nn.Linear (GPT-2's Conv1D, fused expert stacks): which parameters are
+    # matmul weights is seen by watching the forward (pruning/observe.py), so only blocks without any
+    # parameter of two or more dimensions have nothing to prune.
+    if not any(p.dim() >= 2 for block in blocks for p in block.parameters()):
         raise IncompatibleModelError(
-            f"no nn.Linear found in the {type(blocks[0]).__name__} blocks of {type(model).__name__} "
-            f"({blocks_name}); tsenor prunes nn.Linear weights only"
+            f"no weight matrix found in the {type(blocks[0]).__name__} blocks of {type(model).__name__} "
+            f"({blocks_name}); tsenor prunes the matrices the blocks multiply by"
         )
     config = getattr(model, "config", None)
     model_type = str(getattr(config, "model_type", None) or type(model).__name__)

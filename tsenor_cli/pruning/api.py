@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +48,7 @@ from tsenor_cli.pruning.output import (
     write_checkpoint,
 )
 from tsenor_cli.pruning.phases import phase
+from tsenor_cli.pruning.probe import probe_blocks
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.report import versions
 from tsenor_cli.pruning.resume import ResumeState, ResumeStore
@@ -139,20 +140,28 @@ def decoder_matrices(structure: ModelStructure) -> list[torch.Tensor]:
     return [p for block in structure.blocks for p in block.parameters() if p.dim() >= 2]
 
 
-def _observed_plan(
-    structure: ModelStructure,
-    static: Sequence[LinearSlot],
-    observed: dict[int, BlockObservation],
-    cfg: PruneConfig,
-    say: Progress,
-) -> tuple[list[LinearSlot], dict[str, str], dict[str, str], dict[int, list[LayerRecord]]]:
-    """The run's weight matrices once the blocks' forwards were watched: (slots, ignored, skipped, the
-    records of block parameters that are not matmul weights, per block).
+@dataclass(frozen=True)
+class WeightPlan:
+    """Every weight matrix of the decoder blocks once their forwards were watched (by the run on its
+    weights, or by the dry run's probe on random ones: `pruning/probe.py`).
 
-    Slots of watched blocks take their orientation, experts and role from the watch; routers and gates are
-    left dense unless a --targets pattern names them; other patterns and the compatibility check as for
-    nn.Linear layers. A kind of weight left dense by a rule is said once on stderr.
+    slots: the matrices (a stack of experts is one slot), watched blocks' with orientation, experts and
+    role from the watch, the others as found without running; ignored: {full name: reason} left dense by
+    --ignore/--targets or by rule (routers, gates); unused: per block, the records of its parameters that
+    are not matmul weights; ruled: {role: how many} of the slots left dense by rule.
     """
+
+    slots: list[LinearSlot]
+    ignored: dict[str, str]
+    unused: dict[int, list[LayerRecord]]
+    ruled: dict[str, int]
+
+
+def weight_plan(
+    structure: ModelStructure, static: Sequence[LinearSlot], observed: dict[int, BlockObservation], cfg: PruneConfig
+) -> WeightPlan:
+    """Slots of watched blocks take their orientation, experts and role from the watch; routers and gates
+    are left dense unless a --targets pattern names them; the other patterns as for nn.Linear layers."""
     slots: list[LinearSlot] = []
     unused: dict[int, list[LayerRecord]] = {}
     for index in range(len(structure)):
@@ -183,6 +192,31 @@ def _observed_plan(
         if slot.role != "weight" and slot.full_name not in targeted:
             ignored[slot.full_name] = f"{slot.role}, left dense (--targets {slot.full_name} prunes it)"
             ruled[slot.role] = ruled.get(slot.role, 0) + 1
+    return WeightPlan(slots, ignored, unused, ruled)
+
+
+def _observed_plan(
+    structure: ModelStructure,
+    static: Sequence[LinearSlot],
+    observed: dict[int, BlockObservation],
+    cfg: PruneConfig,
+    say: Progress,
+) -> tuple[list[LinearSlot], dict[str, str], dict[str, str], dict[int, list[LayerRecord]]]:
+    """The run's weight matrices once the blocks' forwards were watched: (slots, ignored, skipped, the
+    records of block parameters that are not matmul weights, per block) (`weight_plan`), and the
+    compatibility check as for nn.Linear layers. A kind of weight left dense by a rule is said once on stderr.
+    """
+    plan = weight_plan(structure, static, observed, cfg)
+    slots, ignored, unused = plan.slots, plan.ignored, plan.unused
+    _say_ruled(plan)
+    candidates = [s for s in slots if s.full_name not in ignored]
+    skipped = check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)
+    return slots, ignored, skipped, unused
+
+
+def _say_ruled(plan: WeightPlan) -> None:
+    """One stderr line per kind of weight left dense by a rule."""
+    ruled, unused = plan.ruled, plan.unused
     for role, count in ruled.items():
         logger.warning(
             "leaving %d %s(s) dense: routing decisions are fragile (--targets names one to prune it)", count, role
@@ -193,9 +227,6 @@ def _observed_plan(
             "%d decoder weight(s) are not matmul weights of their block's forward and stay dense (see the report)",
             count,
         )
-    candidates = [s for s in slots if s.full_name not in ignored]
-    skipped = check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)
-    return slots, ignored, skipped, unused
 
 
 def prune_model(
@@ -243,7 +274,7 @@ def prune_model(
             with team.agreed():
                 if team.is_root:
                     check_output_location(output)
-                plan = plan_model(cfg, ctx, progress=say)
+                plan = plan_model(cfg, ctx, progress=say, observe=False)
                 check_not_input(output, plan.source)
                 # Before the lock and the free-space check: a run that cannot fit allocates nothing.
                 check_fits(
@@ -620,7 +651,10 @@ def estimate_device_memory(
     from tsenor_cli.pruning.distributed import shard_bounds
 
     blocks = len(block_params)
-    stats_size = [sum(s.in_features**2 + s.in_features for s in candidates if s.block == i) for i in range(blocks)]
+    # A stack of E experts holds E Gram matrices at once (engine.ExpertStats).
+    stats_size = [
+        sum(s.matrices * (s.in_features**2 + s.in_features) for s in candidates if s.block == i) for i in range(blocks)
+    ]
     statistics = 4 * max(stats_size)
     kept_features = 0  # per token, the linear inputs a distributed rank keeps for one group
     if world_size > 1:
@@ -643,10 +677,54 @@ def estimate_device_memory(
     return estimates
 
 
+def _outside_weights(model: Any, structure: ModelStructure) -> list[str]:
+    """The module names (as patterns see them) of the weight matrices outside the decoder blocks: a
+    vision tower's and projector's linears, the embeddings, the output head."""
+    in_blocks = {id(m) for m in structure.blocks.modules()}
+    found = []
+    for name, module in model.named_modules():
+        if id(module) in in_blocks:
+            continue
+        if any(p.dim() >= 2 for p in module.parameters(recurse=False)):
+            found.append(name)
+    return found
+
+
+def _checkable(
+    slots: Sequence[LinearSlot], dense: Sequence[dict[str, str]], observed: frozenset[str]
+) -> list[LinearSlot]:
+    """The slots not left dense (by any of `dense`) whose shape can be checked against the pattern now:
+    the observed ones, and nn.Linear layers of more than one output (a one-output layer is a gate, left
+    dense whatever its shape). The orientation and role of other matrices are found at run time."""
+    return [
+        s
+        for s in slots
+        if not any(s.full_name in reasons for reasons in dense)
+        and (s.full_name in observed or (not s.param and s.out_features > 1))
+    ]
+
+
+# How the dry run's table words each status of `PrunePlan.verdict`.
+_VERDICTS: dict[str, Callable[[str | None], str]] = {
+    "prune": lambda _reason: "yes",
+    "incompatible": lambda reason: f"NO: {reason}",
+    "ignored": lambda reason: f"ignored: {reason}",
+    "skipped": lambda reason: f"skipped: {reason}",
+    "decided at prune time": lambda reason: f"decided at prune time: {reason}",
+    "not a matmul weight": lambda reason: f"left dense: {reason}",
+}
+
+
 @dataclass(frozen=True)
 class PrunePlan:
     """What a run would do, without loading weights: layers, compatibility, memory and disk estimates (bytes).
 
+    slots: every weight matrix of the decoder blocks (a stack of experts is one); incompatible / ignored:
+    {full name: reason}; unused: the block parameters of two or more dimensions that are not matmul
+    weights (records "ignored" with what read them); idle: {full name: reason} of the slots of blocks the
+    text-only forward never runs; pending: {full name: reason} of the slots whose orientation and role are
+    decided at prune time; observed: the slots the probe watched (`pruning/probe.py`); probe_bytes: the
+    most bytes the probe gave real storage at once (random values, not the checkpoint's).
     checkpoint_bytes: the pruned checkpoint's weights; resume_bytes: the most the resume state holds at
     once (every block's parameters and two (S, T, H) hidden-state files while one replaces the other).
     device_memory: the peak device memory of each rank (one for a single process); device_bytes: the
@@ -672,10 +750,53 @@ class PrunePlan:
     checkpoint_bytes: int
     resume_bytes: int
     host_memory: HostEstimate
+    unused: tuple[LayerRecord, ...] = ()
+    idle: dict[str, str] = field(default_factory=dict)
+    pending: dict[str, str] = field(default_factory=dict)
+    observed: frozenset[str] = frozenset()
+    probe_bytes: int = 0
 
     @property
     def device_bytes(self) -> int:
         return max(estimate.total for estimate in self.device_memory)
+
+    @property
+    def candidates(self) -> list[LinearSlot]:
+        """The slots the run would prune whose shape and role are known now (the compatibility check's)."""
+        return _checkable(self.slots, (self.ignored, self.idle, self.pending), self.observed)
+
+    def verdict(self, name: str) -> tuple[str, str | None]:
+        """(status, reason) of the slot or parameter `name`: "prune", "ignored" (--ignore/--targets, a
+        router or gate rule), "incompatible", "skipped" (its block never runs on text), "not a matmul
+        weight", or "decided at prune time" (a block the probe could not watch)."""
+        for status, reasons in (
+            ("ignored", self.ignored),
+            ("skipped", self.idle),
+            ("decided at prune time", self.pending),
+            ("incompatible", self.incompatible),
+        ):
+            if name in reasons:
+                return status, reasons[name]
+        for record in self.unused:
+            if record.name == name:
+                return "not a matmul weight", record.reason
+        return "prune", None
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """The dry run's table: (name, shape, verdict) for every weight matrix of the decoder blocks, the
+        report's accounting before any weight is read (a stack of E experts is one row, "E×out×in")."""
+        found: list[tuple[int, str, str, str]] = []
+        for slot in self.slots:
+            shape = f"{slot.out_features}×{slot.in_features}"
+            if slot.experts:
+                shape = f"{slot.experts}×{shape}"
+            status, reason = self.verdict(slot.full_name)
+            found.append((slot.block, slot.full_name, shape, _VERDICTS[status](reason)))
+        for record in self.unused:
+            shape = f"{record.out_features}×{record.in_features}"
+            found.append((record.block, record.name, shape, _VERDICTS["not a matmul weight"](record.reason)))
+        found.sort(key=lambda row: row[0])  # stable: block by block, each in the order found
+        return [(name, shape, verdict) for _block, name, shape, verdict in found]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -688,12 +809,33 @@ class PrunePlan:
                 {
                     "name": s.full_name,
                     "shape": [s.out_features, s.in_features],
+                    "experts": s.experts,
+                    "transposed": s.transposed,
+                    "role": s.role,
+                    "status": self.verdict(s.full_name)[0],
                     "compatible": s.full_name not in self.incompatible,
                     "reason": self.incompatible.get(s.full_name),
                     "ignored": self.ignored.get(s.full_name),
                 }
                 for s in self.slots
+            ]
+            + [
+                {
+                    "name": r.name,
+                    "shape": [r.out_features, r.in_features],
+                    "experts": 0,
+                    "transposed": False,
+                    "role": None,
+                    "status": "not a matmul weight",
+                    "compatible": True,
+                    "reason": None,
+                    "ignored": r.reason,
+                }
+                for r in self.unused
             ],
+            "skipped": len(self.idle),
+            "decided_at_prune_time": len(self.pending),
+            "probe_bytes": self.probe_bytes,
             "incompatible": len(self.incompatible),
             "ignored": len(self.ignored),
             "seqlen": self.seqlen,
@@ -712,14 +854,23 @@ class PrunePlan:
 
 
 def plan_model(
-    cfg: PruneConfig, ctx: RunContext, progress: Progress | None = None, *, world_size: int | None = None
+    cfg: PruneConfig,
+    ctx: RunContext,
+    progress: Progress | None = None,
+    *,
+    world_size: int | None = None,
+    observe: bool = True,
 ) -> PrunePlan:
     """The dry-run plan, from the model built on the meta device (no weights read, nothing written).
 
-    The structure and the linears come from the same discovery as a run. The sequential groups need a
-    real forward (`engine.linear_groups`), so the Gram-matrix estimate takes all of a block's pruned
-    linears at once: exact without --sequential, an upper bound with it. world_size: the processes
-    the device memory is estimated for (default: this run's, `ctx.distributed`).
+    The structure and the linears come from the same discovery as a run. With `observe`, one block of
+    each kind is watched on random values (`pruning/probe.py`), so the plan accounts for every weight
+    matrix as the run's report does: expert stacks, Conv1D and bare parameters with their orientation,
+    routers and gates left dense, parameters that are not matmul weights, blocks that never run on text;
+    what the probe could not watch is "decided at prune time". `prune_model` plans without it (it
+    watches the real blocks). The sequential groups are not used, so the Gram-matrix estimate takes all
+    of a block's pruned matrices at once: exact without --sequential, an upper bound with it.
+    world_size: the processes the device memory is estimated for (default: this run's, `ctx.distributed`).
     """
     from tsenor_cli.models.loading import config_value, meta_model, read_config, resolve_source
     from tsenor_cli.models.structure import discover_structure
@@ -730,18 +881,39 @@ def plan_model(
     config = read_config(cfg.model, source, is_local, ctx, trust_remote_code=cfg.trust_remote_code)
     model = meta_model(config, trust_remote_code=cfg.trust_remote_code)
     structure = discover_structure(model)
+    hidden = int(config_value(config, "hidden_size"))
     slots = linear_slots(structure)
-    ignored = excluded_layers([s.full_name for s in slots], cfg.ignore, cfg.targets)
-    candidates = [s for s in slots if s.full_name not in ignored]
-    # Only nn.Linear layers can be checked before the forward is watched: the orientation and role (router,
-    # gate: left dense whatever their shape) of other matrices are found at run time (engine.observed_slots).
-    bad = incompatible_slots([c for c in candidates if not c.param and c.out_features > 1], cfg.pattern)
+    unused: tuple[LayerRecord, ...] = ()
+    idle: dict[str, str] = {}
+    pending: dict[str, str] = {}
+    observed: frozenset[str] = frozenset()
+    probe_bytes = 0
+    names, outside = [s.full_name for s in slots], _outside_weights(model, structure)
+    if observe:
+        # The patterns first: a typo is found before the probe runs a forward.
+        excluded_layers(names, cfg.ignore, cfg.targets, outside=outside)
+        probe = probe_blocks(structure, hidden)
+        accounted = weight_plan(structure, slots, probe.observed, cfg)
+        _say_ruled(accounted)
+        slots, ignored = accounted.slots, accounted.ignored
+        unused = tuple(record for index in sorted(accounted.unused) for record in accounted.unused[index])
+        for slot in slots:
+            if slot.block in probe.idle:
+                kind = type(structure.blocks[slot.block]).__name__
+                idle[slot.full_name] = f"its block ({kind}) never runs in the text-only forward"
+            elif slot.block in probe.pending and slot.param:
+                pending[slot.full_name] = probe.pending[slot.block]
+        observed = frozenset(s.full_name for s in slots if s.block in probe.observed)
+        probe_bytes = probe.peak_bytes
+    else:
+        ignored = excluded_layers(names, cfg.ignore, cfg.targets, outside=outside)
+    bad = incompatible_slots(_checkable(slots, (ignored, idle, pending), observed), cfg.pattern)
+    candidates = [s for s in slots if s.full_name not in ignored and s.full_name not in idle]
     max_pos = config_value(config, "max_position_embeddings")
     seqlen = min(cfg.seqlen, int(max_pos)) if max_pos else cfg.seqlen
     width = torch.finfo(dtype).bits // 8
     params = sum(p.numel() for p in model.parameters())
     per_block = [sum(p.numel() for p in b.parameters()) for b in structure.blocks]
-    hidden = int(config_value(config, "hidden_size"))
     spec = get_pruner(cfg.method)
     memory = estimate_device_memory(
         per_block,
@@ -787,4 +959,9 @@ def plan_model(
         checkpoint_bytes=params * width,
         resume_bytes=sum(per_block) * width + 2 * cfg.nsamples * seqlen * hidden * width,
         host_memory=host,
+        unused=unused,
+        idle=idle,
+        pending=pending,
+        observed=observed,
+        probe_bytes=probe_bytes,
     )

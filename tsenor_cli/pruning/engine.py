@@ -321,23 +321,30 @@ def _output_like(template: Any, hidden: torch.Tensor) -> Any:
 
 @torch.no_grad()
 def capture_block_calls(
-    structure: ModelStructure, seq_len: int, *, tokens: torch.Tensor | None = None
+    structure: ModelStructure, seq_len: int, *, tokens: torch.Tensor | None = None, embeds: torch.Tensor | None = None
 ) -> tuple[BlockCall, ...]:
     """What the model's own forward passes each decoder block for a batch-1 input of `seq_len` tokens.
 
     tokens: (1, seq_len) long, the probe input; zeros when None (the recorded arguments depend on the
-    length only: see the module docstring). Each block's forward is swapped, for this one call, for a
-    recorder that returns its input unchanged, so no block computes and the record costs the embedding
-    and mask/rotary set-up; block 0's real output, computed once, shows the return type the model's
-    loop expects. Returns one BlockCall per block, on the model's device; a block the forward never
-    ran gets `BlockCall.idle()` (IncompatibleModelError when no block ran).
+    length only: see the module docstring). embeds: (1, seq_len, H) input embeddings to pass instead of
+    tokens (`pruning/probe.py`: the dry run's model has no token embedding to read). Each block's
+    forward is swapped, for this one call, for a recorder that returns its input unchanged, so no block
+    computes and the record costs the embedding and mask/rotary set-up; block 0's real output, computed
+    once, shows the return type the model's loop expects. Returns one BlockCall per block, on the
+    model's device; a block the forward never ran gets `BlockCall.idle()` (IncompatibleModelError when
+    no block ran).
     """
     blocks = structure.blocks
-    if tokens is None:
-        device = next(structure.base.parameters()).device
-        tokens = torch.zeros((1, seq_len), dtype=torch.long, device=device)
-    if tuple(tokens.shape) != (1, seq_len):
-        raise ValueError(f"tokens must be (1, {seq_len}), got shape {tuple(tokens.shape)}")
+    inputs: dict[str, torch.Tensor]
+    if embeds is not None:
+        inputs = {"inputs_embeds": embeds}
+    else:
+        if tokens is None:
+            device = next(structure.base.parameters()).device
+            tokens = torch.zeros((1, seq_len), dtype=torch.long, device=device)
+        if tuple(tokens.shape) != (1, seq_len):
+            raise ValueError(f"tokens must be (1, {seq_len}), got shape {tuple(tokens.shape)}")
+        inputs = {"input_ids": tokens}
     calls: dict[int, BlockCall] = {}
     template: list[Any] = []
 
@@ -370,7 +377,7 @@ def capture_block_calls(
         for index, block in enumerate(blocks):
             vars(block)["forward"] = recorder(index, block.forward)
         with contextlib.suppress(_AllRecorded):
-            structure.base(input_ids=tokens, use_cache=False)
+            structure.base(**inputs, use_cache=False)
     finally:
         for block, before in zip(blocks, previous, strict=True):
             if before is None:
@@ -1007,7 +1014,9 @@ def prune_block(
         active = [name for name in group if name not in records]
         if not active:
             continue
-        as_linears = {by_param[n].local_name: n for n in active if by_param[n].local_name in linears}
+        # An nn.Linear whose weight the forward multiplies without calling it (Unit.left) has no hook inputs.
+        hooked = [n for n in active if by_param[n].local_name in linears and not observed.units[n].left]
+        as_linears = {by_param[n].local_name: n for n in hooked}
         if len(as_linears) < len(active):
             if team.distributed:
                 raise IncompatibleModelError(

@@ -15,6 +15,12 @@ memory it views. From the view's offset and strides and from how the call uses i
 - which input rows went to which expert: all rows of a call on ``param[e]``, batch b of a `bmm`, the
   segments of a `grouped_mm` (its offsets): the tokens the router actually sent there.
 
+A parameter may also be the *left* operand of a matmul, ``W @ X`` with W (out, in) and X (..., in,
+tokens) (transformers' Jamba mixer computes ``self.dt_proj.weight @ time_step.transpose(1, 2)``): its
+inputs are then the columns of X, and W X = (Xᵀ Wᵀ)ᵀ is a linear on them, so the same layer-wise
+reconstruction (and every method) applies to Xᵀ's rows unchanged. Its module is never called, so
+only this watch sees its inputs (`Unit.left`).
+
 Roles, also by observation: a matrix whose output reaches a `topk`/`sort`/`argmax` (through any ops but
 another matrix) computes routing logits, a *router*; a matrix with one output per token scales a branch,
 a *gate*. Both are left dense by default (llm-compressor's examples ignore routers too: routing
@@ -101,7 +107,9 @@ class Unit:
     param: its dotted name relative to the block; calls: matmul calls that used it in one forward;
     role: "weight" (to prune), "router" or "gate" (left dense by default); routing: the innermost module
     containing it that received the routing indices, for statistics over every token (None when the
-    forward sends every token to every matrix of it, or when it holds one matrix).
+    forward sends every token to every matrix of it, or when it holds one matrix); left: the forward
+    multiplies it as the left operand W @ X (module docstring), so an nn.Linear holding it is never
+    called and its inputs are seen only by the watch.
     """
 
     param: str
@@ -109,6 +117,7 @@ class Unit:
     calls: int = 0
     role: Role = "weight"
     routing: str | None = None
+    left: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,13 +141,15 @@ class BlockObservation:
 @dataclass(frozen=True)
 class Use:
     """One matmul call on a unit: rows (n, in) of its input, and the expert of each row (n,) long, or
-    None for a single-matrix parameter."""
+    None for a single-matrix parameter; source: the input tensor as the call got it; left: the unit was
+    the left operand (W @ X, rows are X's columns)."""
 
     param: str
     geometry: Geometry
     rows: torch.Tensor
     experts: torch.Tensor | None
     source: torch.Tensor
+    left: bool = False
 
 
 def _layout(shape: Sequence[int], strides: Sequence[int]) -> bool | None:
@@ -263,6 +274,14 @@ class _Watch(TorchFunctionMode):
         if not isinstance(weight, torch.Tensor) or not isinstance(x, torch.Tensor):
             return None
         found = self.params.resolve(weight)
+        left = False
+        if found is None and kind != "grouped" and usage == "in_out" and x.dim() >= 2 and weight.dim() >= 2:
+            # W @ X with the parameter on the left: (W @ X)ᵀ = Xᵀ @ Wᵀ, a linear of W read (out, in)
+            # on the columns of X.
+            found = self.params.resolve(x)
+            if found is not None:
+                left, usage = True, "out_in"
+                x, weight = weight.transpose(-1, -2), x
         if found is None:
             if self.taint:
                 self._note_reads(name, args, kwargs)
@@ -277,7 +296,7 @@ class _Watch(TorchFunctionMode):
         except UnsupportedUse as exc:
             self.problems.setdefault(param_name, f"used by {name} through {exc}")
             return None
-        self.on_use(Use(param_name, geometry, rows, ids, x))
+        self.on_use(Use(param_name, geometry, rows, ids, x, left))
         return param_name
 
     def _note_reads(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
@@ -383,10 +402,10 @@ def observe_block(
     def on_use(use: Use) -> None:
         unit = units.get(use.param)
         if unit is None:
-            unit = units[use.param] = Unit(use.param, use.geometry)
+            unit = units[use.param] = Unit(use.param, use.geometry, left=use.left)
             keys[use.param] = input_key(use.source)
             held.append(use.source)
-        elif unit.geometry != use.geometry:
+        elif unit.geometry != use.geometry or unit.left != use.left:
             watch.problems.setdefault(use.param, "used with two different shapes or orientations")
         unit.calls += 1
 

@@ -199,15 +199,26 @@ def write_model_folder(
     """save_pretrained (safetensors, sharded) + tokenizer + `files` ({name: content}), built in a temp
     sibling and renamed into place (replacing an existing `output`: prepare_output allowed it).
 
-    The tensors are saved under the model's own parameter names (``save_original_format=False``), the
-    names `tsenor_sparsity` lists and `tsenor verify` reads: transformers 5 would otherwise write some
-    families' legacy names (LLaVA, Gemma-3 and Mllama's ``language_model.model.layers…`` for the module
-    ``model.language_model.layers…``). It loads back with the same class either way; for the LLaMA-like
-    families the two are the same.
+    The tensors are saved under the model's own parameter names (``save_original_format=False``, see
+    the comment below), the names `tsenor_sparsity` lists and `tsenor verify` reads: transformers 5
+    would otherwise write some families' legacy names (LLaVA, Gemma-3 and Mllama's
+    ``language_model.model.layers…`` for the module ``model.language_model.layers…``, Mixtral's
+    per-expert ``w1/w2/w3`` for the fused stacks). It loads back with the same class either way; for
+    the LLaMA-like families the two are the same.
     `atomic.atomic_dir` gives every file 0644 and every folder 0755 (save_pretrained writes its
     safetensors through a private 0600 temp file; a checkpoint is meant to be shared)."""
     with atomic.atomic_dir(output, replace=True) as tmp:
         setattr(model.config, SPARSITY_KEY, sparsity)
+        # save_original_format=True (transformers 5.24's default) runs `revert_weight_conversion` on the
+        # state dict: the checkpoint conversion mapping backwards, applied to any model whose class has
+        # one, however it was loaded (Mixtral's fused gate_up_proj split into per-expert w1/w3,
+        # LLaVA's model.language_model.* renamed language_model.model.*). from_pretrained applies the
+        # mapping only to keys that match it, so both layouts load with the same class bit for bit
+        # (checked on tiny Mixtral, LLaVA and DBRX). False keeps each file key equal to the parameter
+        # name that `tsenor_sparsity.pruned_weights` lists, so `tsenor verify` reads each pruned matrix
+        # straight from the files; with the legacy layout it would have to build the whole model through
+        # the mapping. The cost: for families with a mapping the files are transformers-5 names, which
+        # transformers 4 and tools that read the published per-expert layout do not load.
         model.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE, save_original_format=False)
         tokenizer.save_pretrained(tmp)
         for name, content in files.items():

@@ -39,14 +39,27 @@ def matches(pattern: str, name: str) -> bool:
     return fnmatchcase(name, pattern)
 
 
-def excluded_layers(names: Sequence[str], ignore: Sequence[str], targets: Sequence[str]) -> dict[str, str]:
+def excluded_layers(
+    names: Sequence[str], ignore: Sequence[str], targets: Sequence[str], *, outside: Sequence[str] = ()
+) -> dict[str, str]:
     """{full name: reason} of the linears (full module `names`) left dense by `targets` (when given) and `ignore`.
 
-    Raises UsageError naming the first pattern that matches none of `names`, or when nothing is left to prune.
+    Raises UsageError naming the first pattern that matches none of `names`, or when nothing is left to
+    prune. outside: the names of the model's weight matrices outside the decoder blocks (a multimodal
+    model's vision tower and projector, the embeddings, the output head): a pattern that names only
+    those gets its own line, as they cannot be pruned (calibration is text through the language model,
+    so they have no inputs to prune with).
     """
     for flag, patterns in (("--targets", targets), ("--ignore", ignore)):
         for pattern in patterns:
             if not any(matches(pattern, name) for name in names):
+                beyond = next((name for name in outside if matches(pattern, name)), None)
+                if beyond is not None:
+                    raise UsageError(
+                        f"{flag} {pattern!r} names only weights outside the decoder blocks (e.g. {beyond}); tsenor "
+                        "prunes the language model's blocks, calibrated on text, so a vision tower, projector, "
+                        "embeddings and output head stay dense; drop the pattern"
+                    )
                 example = names[0] if names else "model.layers.0.mlp.down_proj"
                 raise UsageError(
                     f"{flag} {pattern!r} matches no linear layer of the decoder blocks; patterns are globs or "

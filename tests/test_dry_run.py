@@ -1,0 +1,118 @@
+"""`tsenor prune --dry-run` accounts for every weight matrix of the decoder blocks before any weight is read.
+
+The plan's model is on the meta device; one block of each kind is watched on random values
+(`pruning/probe.py`), so the plan shows what the run's report will: expert stacks with their expert
+count, routers and gates left dense by rule, parameters that are not matmul weights, blocks that never
+run on text, and "decided at prune time" for what the probe could not watch. Checked against the report
+of the real run on the same checkpoint, with the checkpoint's weights deleted for the dry run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers_cli import invoke
+from helpers_tiny import make_tiny_llama, make_tiny_model
+from test_moe import MOE
+
+from tsenor_cli.models.loading import meta_model
+from tsenor_cli.models.structure import discover_structure
+from tsenor_cli.pruning import probe
+
+SEQ_LEN = 24
+
+
+@pytest.fixture(scope="module")
+def calibration_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text(" ".join(["the model reads every token and each block adds what it found"] * 40))
+    return path
+
+
+def _weightless(source: Path, to: Path) -> Path:
+    """A copy of the checkpoint folder without its weights: a dry run must not need them."""
+    shutil.copytree(source, to, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    return to
+
+
+def _plan(model: Path, *flags: str) -> dict[str, Any]:
+    result = invoke(["prune", "--model", str(model), "--nm", "2:4", *flags, "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    return dict(json.loads(result.stdout))  # the rule lines go to stderr
+
+
+def _kind(status: str, reason: str | None) -> str:
+    """The report's status of a matrix, or for a matrix left dense by rule, the rule."""
+    if reason and reason.split(",")[0] in ("router", "gate"):
+        return reason.split(",")[0]
+    return status
+
+
+def test_the_dry_run_of_a_moe_lists_what_the_run_reports(calibration_text: Path, tmp_path: Path) -> None:
+    """Qwen3-Next: linear- and full-attention blocks, experts, routers, shared-expert gates and a depthwise
+    convolution. Every row of the plan is a matrix of the run's report with the same fate."""
+    source = make_tiny_llama(tmp_path / "src", model_type="qwen3_next", **MOE["qwen3_next"])
+    plan = _plan(_weightless(source, tmp_path / "weightless"))
+    out = tmp_path / "out"
+    args = ["prune", "--model", str(source), "--method", "sparsegpt", "--nm", "2:4", "--nsamples", "2"]
+    ran = invoke([*args, "--seqlen", str(SEQ_LEN), "--calib-data", str(calibration_text), "--output", str(out)])
+    assert ran.exit_code == 0, ran.output
+    report = json.loads((out / "tsenor_report.json").read_text())["layers"]
+
+    planned: dict[str, str] = {}
+    for layer in plan["layers"]:
+        status = {"prune": "pruned", "not a matmul weight": "ignored"}.get(layer["status"], layer["status"])
+        planned[layer["name"]] = _kind(status, layer["ignored"])
+    reported: dict[str, str] = {}
+    experts: dict[str, int] = {}
+    for record in report:
+        name = record["name"].split("[")[0]  # expert e of a stack is reported as name[e]
+        reported[name] = _kind(record["status"], record["reason"])
+        experts[name] = experts.get(name, 0) + (record["expert"] is not None)
+    assert planned == reported
+    stacks = {layer["name"]: layer["experts"] for layer in plan["layers"] if layer["experts"]}
+    assert len(stacks) == 4 and set(stacks.values()) == {4}
+    assert stacks == {name: count for name, count in experts.items() if count}
+    assert sorted(set(planned.values())) == ["gate", "ignored", "pruned", "router"]
+    assert plan["decided_at_prune_time"] == 0 and plan["incompatible"] == 0
+
+
+def test_the_dry_run_of_a_dense_model_probes_one_block_not_the_model(tiny: Path, tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    plan = _plan(_weightless(tiny, tmp_path / "weightless"))
+    assert len(plan["layers"]) == 14 and {layer["status"] for layer in plan["layers"]} == {"prune"}
+    structure = discover_structure(meta_model(AutoConfig.from_pretrained(tiny)))
+    block_bytes = sum(p.numel() * p.element_size() for p in structure.blocks[0].parameters())
+    model_bytes = sum(p.numel() * p.element_size() for p in structure.base.parameters())
+    # One block and the small modules around the blocks (final norm, rotary frequencies), never the
+    # token embedding: 0.15 MB here against the model's 12.9 MB.
+    assert block_bytes <= plan["probe_bytes"] < block_bytes + 4096
+    assert plan["probe_bytes"] < model_bytes / 20
+
+
+def test_blocks_too_large_to_probe_are_decided_at_prune_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    source = make_tiny_llama(tmp_path / "src", model_type="mixtral", **MOE["mixtral"])
+    monkeypatch.setattr(probe, "PROBE_BYTES", 1024)
+    result = invoke(["prune", "--model", str(source), "--nm", "2:4", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.stdout.splitlines() if line.startswith("model.layers.")]
+    # The expert stacks and the router (a bare 2D parameter): their orientation and role need the watch.
+    pending = [row for row in rows if ".experts." in row or ".mlp.gate " in row]
+    assert len(pending) == 6
+    assert all("decided at prune time: its block" in row and "too large to probe" in row for row in pending)
+    # nn.Linear layers are known without watching: still checked against the pattern.
+    assert all(row.endswith("  yes") for row in rows if row not in pending) and len(rows) == 14
+
+
+def test_a_block_the_text_forward_skips_is_planned_as_skipped(tmp_path: Path) -> None:
+    source = make_tiny_model(tmp_path / "mllama", "mllama")
+    plan = _plan(source)
+    for layer in plan["layers"]:
+        block = int(layer["name"].removeprefix("model.language_model.layers.").split(".")[0])
+        assert layer["status"] == ("skipped" if block == 1 else "prune"), layer
+    assert plan["skipped"] == 7
