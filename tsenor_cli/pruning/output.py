@@ -21,6 +21,7 @@ from typing import Any
 from tsenor_cli import atomic
 from tsenor_cli.errors import OutputBusyError, OutputExistsError, OutputUnwritableError, UsageError
 from tsenor_cli.locks import folder_lock
+from tsenor_cli.models.saving import save_streamed
 from tsenor_cli.pruning.resume import RESUME_DIRNAME, ResumeStore
 from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, PruneReport, read_json
 
@@ -196,7 +197,8 @@ def check_not_input(output: Path, source: str) -> None:
 def write_model_folder(
     model: Any, tokenizer: Any, output: Path, sparsity: dict[str, Any], files: Mapping[str, str | bytes]
 ) -> None:
-    """save_pretrained (safetensors, sharded) + tokenizer + `files` ({name: content}), built in a temp
+    """save_pretrained's files (safetensors, sharded; written tensor by tensor by `models.saving.save_streamed`,
+    byte for byte what save_pretrained writes) + tokenizer + `files` ({name: content}), built in a temp
     sibling and renamed into place (replacing an existing `output`: prepare_output allowed it).
 
     The tensors are saved under the model's own parameter names (``save_original_format=False``), the
@@ -204,11 +206,11 @@ def write_model_folder(
     families' legacy names (LLaVA, Gemma-3 and Mllama's ``language_model.model.layers…`` for the module
     ``model.language_model.layers…``). It loads back with the same class either way; for the LLaMA-like
     families the two are the same.
-    `atomic.atomic_dir` gives every file 0644 and every folder 0755 (save_pretrained writes its
-    safetensors through a private 0600 temp file; a checkpoint is meant to be shared)."""
+    `atomic.atomic_dir` gives every file 0644 and every folder 0755 (the temporary folder is made
+    private; a checkpoint is meant to be shared)."""
     with atomic.atomic_dir(output, replace=True) as tmp:
         setattr(model.config, SPARSITY_KEY, sparsity)
-        model.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE, save_original_format=False)
+        save_streamed(tmp, model, max_shard_size=MAX_SHARD_SIZE)
         tokenizer.save_pretrained(tmp)
         for name, content in files.items():
             if isinstance(content, bytes):
