@@ -146,3 +146,15 @@ def test_pickle_checkpoint_is_loaded_whole_with_one_warning(tmp_path: Path, capl
         loaded = load_model(str(folder), LOCAL_CTX, stream=True)
     assert loaded.checkpoint is None and _resident_blocks(loaded) == [0, 1]
     assert "streaming needs safetensors, so it is loaded whole" in caplog.text
+
+
+def test_device_map_auto_loads_the_whole_model_where_accelerate_places_it(tmp_path: Path) -> None:
+    """--device-map auto (zero-shot on models larger than one GPU): here, with no GPU, all on the CPU,
+    the same perplexity as the plain load."""
+    folder = make_tiny_llama(tmp_path / "m", num_layers=2)
+    mapped = load_model(str(folder), LOCAL_CTX, device_map="auto")
+    assert {p.device.type for p in mapped.model.parameters()} == {"cuda" if torch.cuda.is_available() else "cpu"}
+    ids = _ids(2 * SEQLEN, seed=3)
+    plain = perplexity(load_model(str(folder), LOCAL_CTX).model, ids, seqlen=SEQLEN, device="cpu")
+    device = next(mapped.model.parameters()).device
+    assert perplexity(mapped.model, ids, seqlen=SEQLEN, device=device).ppl == pytest.approx(plain.ppl, rel=1e-5)
