@@ -14,7 +14,7 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 TSENOR_PAPER ?= $(abspath ../shared/paper/tsenor.tex)
 PYTEST_ARGS ?=
 
-.PHONY: install test quality bench bench-gpu bench-gpu-e2e bench-gpu-e2e-1b-alps bench-gpu-e2e-1b-sparsegpt \
+.PHONY: install test quality bench bench-memory bench-gpu bench-gpu-e2e bench-gpu-e2e-1b-alps bench-gpu-e2e-1b-sparsegpt \
 	bench-gpu-e2e-1b-wanda bench-gpu-e2e-8b bench-gpu-solver bench-gpu-speedup demo results clean model
 
 $(VENV)/.installed: pyproject.toml
@@ -44,6 +44,11 @@ bench: install
 	$(TSENOR) bench solver --time-methods flow,tsenor,tsenor-reference,exact,two_approx,bi_nm --repeats 3 \
 	  --output docs/measurements/bench-solver.json --markdown docs/measurements/benchmarks.md --force
 	$(TSENOR) bench moe --output docs/measurements/bench-moe.json --markdown docs/measurements/benchmarks-moe.md --force
+
+# Peak host memory of `tsenor eval --ppl`, streamed and whole, at 8/16/32 blocks of width 1024 (CPU, ~10 min).
+bench-memory: install
+	$(TSENOR) bench memory --output docs/measurements/bench-eval-memory.json \
+	  --markdown docs/measurements/bench-eval-memory.md --force
 
 # The GPU benchmarks (need a CUDA GPU; each refuses a CPU, exit 2). `bench-gpu` runs them all, about
 # 25 minutes on one H100; each target below is one command that stays under 10 minutes there.

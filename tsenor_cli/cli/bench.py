@@ -299,3 +299,48 @@ produce), so a block with two expert stacks pays two watched passes, as a dense 
 (cut short at the group) per group.
 
 """
+
+
+@bench_app.command("memory", cls=Command)
+def bench_memory(
+    blocks: str = typer.Option("8,16,32", help="Model depths to measure (comma list)."),
+    width: int = typer.Option(1024, min=64, help="Hidden size of the random LLaMA models (MLP 4x, heads of 64)."),
+    seqlen: int = typer.Option(256, min=2, help="Tokens per perplexity window."),
+    windows: int = typer.Option(2, min=1, help="Perplexity windows per evaluation."),
+    seed: int = typer.Option(0, help="Seed of the random weights and tokens."),
+    machine: str = typer.Option("", help="The machine, as the Markdown page names it (default: platform, cores)."),
+    output: Path | None = typer.Option(None, help="Write the JSON result here."),
+    markdown: Path | None = typer.Option(None, help="Write the Markdown page here (docs/measurements/)."),
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Peak host memory and time of `tsenor eval --ppl`, streamed and whole, against model depth."""
+    import datetime
+    import json
+    import os
+    import platform
+
+    from tsenor_cli.bench.memory import MemoryConfig, run_memory_bench, to_markdown
+    from tsenor_cli.cli import command_line
+    from tsenor_cli.progress import logger
+
+    for target in (output, markdown):
+        if target is not None and target.exists() and not force:
+            raise OutputExistsError(f"{target} exists; pass --force to overwrite it")
+    cfg = MemoryConfig(
+        blocks=_int_list(blocks, "--blocks"),
+        width=width,
+        intermediate=4 * width,
+        heads=max(1, width // 64),
+        seqlen=seqlen,
+        windows=windows,
+        seed=seed,
+    )
+    result = run_memory_bench(cfg, say=logger.info)
+    where = machine or f"{platform.machine()} Linux, {os.cpu_count()} CPU cores"
+    page = to_markdown(result, command_line(), datetime.date.today().isoformat(), where)
+    if output is not None:
+        atomic.write_json(output, result)
+    if markdown is not None:
+        atomic.write_text(markdown, page)
+    typer.echo(json.dumps(result, indent=2) if json_out else page)

@@ -29,7 +29,7 @@ from tsenor_cli.cli.options import (
 )
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName, data_folder
 from tsenor_cli.errors import EXIT_SIGINT, Interrupted, OutputExistsError, UsageError
-from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
+from tsenor_cli.evaluation.runner import STREAM_TASKS, EvalConfig, evaluate_model
 from tsenor_cli.models.loading import load_model, parse_dtype
 from tsenor_cli.progress import logger
 from tsenor_cli.runfiles import EVAL_FILE, EvalReport
@@ -133,6 +133,18 @@ def eval_cmd(
     max_windows: MaxWindowsOpt = None,
     dtype: DtypeOpt = DTYPE,
     device: DeviceOpt = DEVICE,
+    stream: bool = typer.Option(
+        False,
+        "--stream",
+        help="Perplexity block by block: one decoder block in memory at a time, read from the checkpoint's "
+        "safetensors when its turn comes (for models larger than host or GPU memory; not with --tasks).",
+    ),
+    device_map: str | None = typer.Option(
+        None,
+        "--device-map",
+        help="'auto': spread the whole model over the GPUs present, then the CPU (accelerate), for zero-shot "
+        "tasks on a model larger than one GPU; --device is then not used.",
+    ),
     trust_remote_code: TrustRemoteCodeOpt = False,
     output: OutputDirOpt = None,
     force: ForceOpt = False,
@@ -156,6 +168,12 @@ def eval_cmd(
     if not cfg.ppl_datasets and not cfg.tasks:
         raise UsageError("nothing to evaluate: --ppl none and no --tasks; pass --ppl wikitext2 or --tasks piqa")
     check_data_sources(cfg, run_ctx)
+    if device_map is not None and device_map != "auto":
+        raise UsageError(f"--device-map {device_map!r} is not supported; pass --device-map auto")
+    if stream and cfg.tasks:
+        raise UsageError(STREAM_TASKS)
+    if stream and device_map is not None:
+        raise UsageError("--stream and --device-map both place the model; pass one of them")
     torch_dtype = parse_dtype(dtype)
     target = output / EVAL_FILE if output is not None else None
     if target is not None:
@@ -166,7 +184,14 @@ def eval_cmd(
 
     try:
         loaded = load_model(
-            model, run_ctx, dtype=torch_dtype, device=device, trust_remote_code=trust_remote_code, check_tokenizer=True
+            model,
+            run_ctx,
+            dtype=torch_dtype,
+            device=device,
+            trust_remote_code=trust_remote_code,
+            check_tokenizer=True,
+            stream=stream,
+            device_map=device_map,
         )
         report = evaluate_model(loaded, cfg, run_ctx)
     except KeyboardInterrupt:

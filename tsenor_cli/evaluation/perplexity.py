@@ -43,21 +43,9 @@ def window_nll(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
     return torch.stack(sums)  # (B,)
 
 
-def perplexity(
-    model: nn.Module,
-    input_ids: torch.Tensor,
-    *,
-    seqlen: int,
-    max_windows: int | None = None,
-    device: str | torch.device,
-    batch_size: int = 1,
-    progress: Callable[[int, int], None] | None = None,
-) -> PerplexityResult:
-    """Perplexity of `model` on input_ids (1, T) long over non-overlapping windows of `seqlen` tokens.
-
-    max_windows: evaluate only the first `max_windows` windows (None = all T // seqlen).
-    batch_size: windows per forward pass. progress(done_windows, total_windows) after each batch.
-    """
+def cut_windows(input_ids: torch.Tensor, *, seqlen: int, max_windows: int | None, batch_size: int = 1) -> torch.Tensor:
+    """input_ids (1, T) long → the (W, seqlen) non-overlapping windows evaluated (W = T // seqlen, at most
+    max_windows); UsageError for a bad shape or setting, or a text shorter than one window."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise UsageError(f"input_ids must be (1, T), got shape {tuple(input_ids.shape)}")
     if seqlen < 2:
@@ -73,7 +61,38 @@ def perplexity(
         raise UsageError(
             f"the text has {input_ids.shape[1]} tokens, fewer than one window of {seqlen}; use a smaller --seqlen"
         )
-    windows = input_ids[0, : total * seqlen].view(total, seqlen)  # (T,) → (W, S)
+    return input_ids[0, : total * seqlen].view(total, seqlen)  # (T,) → (W, S)
+
+
+def result_of(nll: torch.Tensor, seqlen: int) -> PerplexityResult:
+    """nll: (W,) float64 summed next-token NLL per window → the perplexity over them."""
+    total = int(nll.shape[0])
+    tokens = total * (seqlen - 1)
+    nll_sum = float(nll.sum())
+    if not math.isfinite(nll_sum):
+        ppl = float("inf") if nll_sum > 0 else float("nan")
+    else:
+        ppl = math.exp(nll_sum / tokens)
+    return PerplexityResult(ppl=ppl, nll_sum=nll_sum, tokens=tokens, windows=total, seqlen=seqlen)
+
+
+def perplexity(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    seqlen: int,
+    max_windows: int | None = None,
+    device: str | torch.device,
+    batch_size: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+) -> PerplexityResult:
+    """Perplexity of `model` on input_ids (1, T) long over non-overlapping windows of `seqlen` tokens.
+
+    max_windows: evaluate only the first `max_windows` windows (None = all T // seqlen).
+    batch_size: windows per forward pass. progress(done_windows, total_windows) after each batch.
+    """
+    windows = cut_windows(input_ids, seqlen=seqlen, max_windows=max_windows, batch_size=batch_size)
+    total = int(windows.shape[0])
     nll = torch.zeros(total, dtype=torch.float64)
     model.eval()
     with torch.inference_mode():
@@ -82,10 +101,4 @@ def perplexity(
             nll[start : start + batch.shape[0]] = window_nll(model, batch).cpu()
             if progress is not None:
                 progress(start + batch.shape[0], total)
-    tokens = total * (seqlen - 1)
-    nll_sum = float(nll.sum())
-    if not math.isfinite(nll_sum):
-        ppl = float("inf") if nll_sum > 0 else float("nan")
-    else:
-        ppl = math.exp(nll_sum / tokens)
-    return PerplexityResult(ppl=ppl, nll_sum=nll_sum, tokens=tokens, windows=total, seqlen=seqlen)
+    return result_of(nll, seqlen)

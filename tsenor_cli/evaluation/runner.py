@@ -15,6 +15,7 @@ from tsenor_cli.data.eval_text import eval_token_stream
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import UsageError
 from tsenor_cli.evaluation.perplexity import perplexity
+from tsenor_cli.evaluation.streamed import streamed_perplexity
 from tsenor_cli.models.loading import LoadedModel
 from tsenor_cli.progress import sink
 from tsenor_cli.provenance import tsenor_versions
@@ -22,6 +23,10 @@ from tsenor_cli.runfiles import ContextRecord, EvalReport, PerplexityRecord, Zer
 from tsenor_cli.settings import RunContext
 
 DEFAULT_SEQLEN = 2048
+STREAM_TASKS = (
+    "--stream evaluates perplexity only: zero-shot tasks need the whole model; drop --stream, with "
+    "--device-map auto to spread the model over the GPUs present"
+)
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,10 @@ def evaluate_model(
     progress: Callable[[str], None] | None = None,
 ) -> EvalReport:
     """Perplexity on each of cfg.ppl_datasets, then zero-shot cfg.tasks (when any), with data from
-    where `ctx` says (tsenor_cli/settings.py)."""
+    where `ctx` says (tsenor_cli/settings.py). A model loaded with ``stream=True`` is evaluated block by
+    block (`evaluation/streamed.py`; perplexity only: zero-shot needs the whole model)."""
+    if cfg.tasks and loaded.checkpoint is not None:
+        raise UsageError(STREAM_TASKS)
     started = time.perf_counter()
     seqlen = effective_seqlen(loaded, cfg.seqlen)
     device = next(loaded.model.parameters()).device
@@ -114,15 +122,25 @@ def evaluate_model(
     results: dict[str, PerplexityRecord] = {}
     for name, (text, spent) in streams.items():
         t0 = time.perf_counter()
-        result = perplexity(
-            loaded.model,
-            text.input_ids,
-            seqlen=seqlen,
-            max_windows=cfg.max_windows,
-            device=device,
-            batch_size=ppl_batch,
-            progress=clock.reporter(name),
-        )
+        if loaded.checkpoint is not None:
+            result = streamed_perplexity(
+                loaded,
+                text.input_ids,
+                seqlen=seqlen,
+                max_windows=cfg.max_windows,
+                device=device,
+                progress=clock.reporter(name),
+            )
+        else:
+            result = perplexity(
+                loaded.model,
+                text.input_ids,
+                seqlen=seqlen,
+                max_windows=cfg.max_windows,
+                device=device,
+                batch_size=ppl_batch,
+                progress=clock.reporter(name),
+            )
         results[name] = PerplexityRecord(
             ppl=result.ppl,
             nll_sum=result.nll_sum,

@@ -23,6 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tsenor_cli.errors import BadInputError, IncompatibleModelError, InputNotFoundError, UsageError
+from tsenor_cli.models.checkpoint import INDEX_NAME, PICKLE_PATTERN, WEIGHTS_NAME, Checkpoint
 from tsenor_cli.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, is_embedded, materialize
 from tsenor_cli.models.structure import ModelStructure, discover_structure
 from tsenor_cli.progress import logger, sink
@@ -58,6 +59,9 @@ class LoadedModel:
     source: str  # resolved local folder or hub id
     structure: ModelStructure
     processor_files: Mapping[str, bytes] = field(default_factory=dict)
+    # Set when the model was loaded for streaming (`load_model(stream=True)`): its decoder blocks are on
+    # the meta device and are read from this checkpoint one at a time (models/streaming.py).
+    checkpoint: Checkpoint | None = None
 
     @property
     def model_type(self) -> str:
@@ -362,6 +366,8 @@ def load_model(
     progress: Callable[[str], None] | None = None,
     before_weights: Callable[[Any, Any], None] | None = None,
     check_tokenizer: bool = False,
+    stream: bool = False,
+    device_map: str | None = None,
 ) -> LoadedModel:
     """Load `name` in eval mode on `device` (default dtype: bf16 on CUDA, fp32 on CPU) with its own class
     (`auto_class`: a causal LM, or a multimodal model whose language model the structure describes).
@@ -370,6 +376,12 @@ def load_model(
     check that needs only them (e.g. that the calibration text fills its windows) fails in seconds.
     check_tokenizer: refuse, before the weights are read, a tokenizer with more ids than the model's
     token embedding has rows (`check_vocabulary`), for the commands that feed it tokenized text.
+    stream: read only what lies outside the decoder blocks; the blocks stay on the meta device, to be read
+    one at a time from `LoadedModel.checkpoint` (`models/streaming.py`). It needs a local folder of
+    safetensors weights (every bad one is refused here, before anything is read: `models/checkpoint.py`);
+    a folder of pickle weights is loaded whole, with one warning line saying so.
+    device_map: transformers' device_map for from_pretrained ("auto": accelerate spreads the model over the
+    GPUs present, then the CPU); `device` is then not used to place the model.
 
     Raises InputNotFoundError for a missing folder or an unreachable (or, offline, uncached) hub id, and
     IncompatibleModelError for a model without a decoder block list of nn.Linear-holding blocks
@@ -386,6 +398,7 @@ def load_model(
     discover_structure(meta)
     if is_local:
         check_weight_files(Path(source))
+    checkpoint = _stream_checkpoint(name, source, is_local) if stream else None
     sink(progress)(f"loading {name} ({config.model_type}, {torch_dtype}) on {torch_device}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **hub)
@@ -401,8 +414,11 @@ def load_model(
     if before_weights is not None:
         before_weights(config, tokenizer)
     files = processor_files(source, is_local, ctx)
+    if checkpoint is not None:
+        return _load_streamed(name, source, config, tokenizer, files, checkpoint, torch_dtype, torch_device, hub)
+    placement = {} if device_map is None else {"device_map": device_map}
     try:
-        model = auto_class(config).from_pretrained(source, dtype=torch_dtype, **hub)
+        model = auto_class(config).from_pretrained(source, dtype=torch_dtype, **placement, **hub)
     except SafetensorError as exc:
         raise BadInputError(f"the weights of {name} are corrupt ({exc}); re-download or re-copy them") from exc
     except OSError as exc:
@@ -412,9 +428,61 @@ def load_model(
                 "it needs config.json, *.safetensors and tokenizer files"
             ) from exc
         raise hub_error(name, ctx) from exc
-    model = model.to(torch_device)
+    if device_map is None:
+        model = model.to(torch_device)
     model.eval()
     structure = discover_structure(model)
     return LoadedModel(
         model=model, tokenizer=tokenizer, name=name, source=source, structure=structure, processor_files=files
+    )
+
+
+def _stream_checkpoint(name: str, source: str, is_local: bool) -> Checkpoint | None:
+    """The checkpoint a streamed load reads its blocks from (its headers checked), None for a folder of
+    pickle weights (loaded whole, with a warning line); UsageError for a hub id."""
+    if not is_local:
+        raise UsageError(
+            f"--stream reads a local checkpoint folder, and {name} is a hub id; download it "
+            f"(hf download {name} --local-dir DIR) and pass --model DIR"
+        )
+    folder = Path(source)
+    if (
+        not (folder / WEIGHTS_NAME).is_file()
+        and not (folder / INDEX_NAME).is_file()
+        and any(folder.glob(PICKLE_PATTERN))
+    ):
+        logger.warning(
+            "%s holds pickle weights (%s); streaming needs safetensors, so it is loaded whole", name, PICKLE_PATTERN
+        )
+        return None
+    return Checkpoint.open(folder)
+
+
+def _load_streamed(
+    name: str,
+    source: str,
+    config: Any,
+    tokenizer: Any,
+    files: dict[str, bytes],
+    checkpoint: Checkpoint,
+    dtype: torch.dtype,
+    device: torch.device,
+    hub: dict[str, Any],
+) -> LoadedModel:
+    """The model of `config` with what lies outside its decoder blocks read from `checkpoint` onto `device`
+    and its blocks on the meta device (`models/streaming.py`)."""
+    from tsenor_cli.models.streaming import check_names, load_resident, skeleton
+
+    model = skeleton(auto_class(config), config, dtype, trust_remote_code=hub["trust_remote_code"])
+    check_names(model, checkpoint)
+    structure = discover_structure(model)
+    load_resident(model, structure, checkpoint, device)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        source=source,
+        structure=structure,
+        processor_files=files,
+        checkpoint=checkpoint,
     )

@@ -21,6 +21,7 @@ from typing import Any
 from tsenor_cli import atomic
 from tsenor_cli.errors import OutputBusyError, OutputExistsError, OutputUnwritableError, UsageError
 from tsenor_cli.locks import folder_lock
+from tsenor_cli.models.saving import save_streamed
 from tsenor_cli.pruning.resume import RESUME_DIRNAME, ResumeStore
 from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, PruneReport, read_json
 
@@ -196,30 +197,33 @@ def check_not_input(output: Path, source: str) -> None:
 def write_model_folder(
     model: Any, tokenizer: Any, output: Path, sparsity: dict[str, Any], files: Mapping[str, str | bytes]
 ) -> None:
-    """save_pretrained (safetensors, sharded) + tokenizer + `files` ({name: content}), built in a temp
+    """save_pretrained's files (safetensors, sharded; written tensor by tensor by `models.saving.save_streamed`,
+    byte for byte what save_pretrained writes) + tokenizer + `files` ({name: content}), built in a temp
     sibling and renamed into place (replacing an existing `output`: prepare_output allowed it).
 
-    The tensors are saved under the model's own parameter names (``save_original_format=False``, see
-    the comment below), the names `tsenor_sparsity` lists and `tsenor verify` reads: transformers 5
-    would otherwise write some families' legacy names (LLaVA, Gemma-3 and Mllama's
+    The tensors are saved under the model's own parameter names (what ``save_original_format=False``
+    writes, see the comment below), the names `tsenor_sparsity` lists and `tsenor verify` reads:
+    transformers 5 would otherwise write some families' legacy names (LLaVA, Gemma-3 and Mllama's
     ``language_model.model.layers…`` for the module ``model.language_model.layers…``, Mixtral's
     per-expert ``w1/w2/w3`` for the fused stacks). It loads back with the same class either way; for
     the LLaMA-like families the two are the same.
-    `atomic.atomic_dir` gives every file 0644 and every folder 0755 (save_pretrained writes its
-    safetensors through a private 0600 temp file; a checkpoint is meant to be shared)."""
+    `atomic.atomic_dir` gives every file 0644 and every folder 0755 (the temporary folder is made
+    private; a checkpoint is meant to be shared)."""
     with atomic.atomic_dir(output, replace=True) as tmp:
         setattr(model.config, SPARSITY_KEY, sparsity)
-        # save_original_format=True (transformers 5.24's default) runs `revert_weight_conversion` on the
-        # state dict: the checkpoint conversion mapping backwards, applied to any model whose class has
-        # one, however it was loaded (Mixtral's fused gate_up_proj split into per-expert w1/w3,
-        # LLaVA's model.language_model.* renamed language_model.model.*). from_pretrained applies the
-        # mapping only to keys that match it, so both layouts load with the same class bit for bit
-        # (checked on tiny Mixtral, LLaVA and DBRX). False keeps each file key equal to the parameter
-        # name that `tsenor_sparsity.pruned_weights` lists, so `tsenor verify` reads each pruned matrix
-        # straight from the files; with the legacy layout it would have to build the whole model through
-        # the mapping. The cost: for families with a mapping the files are transformers-5 names, which
-        # transformers 4 and tools that read the published per-expert layout do not load.
-        model.save_pretrained(tmp, max_shard_size=MAX_SHARD_SIZE, save_original_format=False)
+        # save_pretrained's default (save_original_format=True, transformers 5.24) runs
+        # `revert_weight_conversion` on the state dict: the checkpoint conversion mapping backwards,
+        # applied to any model whose class has one, however it was loaded (Mixtral's fused gate_up_proj
+        # split into per-expert w1/w3, LLaVA's model.language_model.* renamed language_model.model.*).
+        # from_pretrained applies the mapping only to keys that match it, so both layouts load with the
+        # same class bit for bit (checked on tiny Mixtral, LLaVA and DBRX). Keeping the model's own names
+        # (what save_streamed writes, byte for byte save_pretrained(save_original_format=False)) keeps
+        # each file key equal to the parameter name that `tsenor_sparsity.pruned_weights` lists, so
+        # `tsenor verify` reads each pruned matrix straight from the files; with the legacy layout it
+        # would have to build the whole model through the mapping. The cost: for families with a
+        # mapping the files are transformers-5 names, which transformers 4 and tools that read the
+        # published per-expert layout do not load.
+        save_streamed(tmp, model, max_shard_size=MAX_SHARD_SIZE)
         tokenizer.save_pretrained(tmp)
         for name, content in files.items():
             if isinstance(content, bytes):

@@ -1,0 +1,173 @@
+"""The streamed checkpoint writer (models/saving.py) writes, byte for byte, the files save_pretrained writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers_tiny import ARCHITECTURES, LOCAL_CTX, MULTIMODAL, random_causal_lm, random_model
+
+from tsenor_cli.errors import UsageError
+from tsenor_cli.models.checkpoint import INDEX_NAME, WEIGHTS_NAME, Checkpoint
+from tsenor_cli.models.loading import meta_model
+from tsenor_cli.models.saving import (
+    TensorSpec,
+    parse_size,
+    plan_shards,
+    save_streamed,
+    saved_tensors,
+    shard_header,
+    write_weights,
+)
+
+# Two MoE layouts (tests/test_moe.py has them all): fused (E, out, in) stacks, and gpt-oss's (E, in, out) with biases.
+MOE = {
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16},
+}
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def _assert_same_folders(streamed: Path, reference: Path) -> None:
+    got, expected = _files(streamed), _files(reference)
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        assert got[name] == expected[name], f"{name} differs"
+
+
+def _both(model: Any, tmp_path: Path, **options: Any) -> tuple[Path, Path]:
+    """(save_streamed's folder, save_pretrained's folder) of `model` with the same options."""
+    reference, streamed = tmp_path / "reference", tmp_path / "streamed"
+    model.save_pretrained(reference, save_original_format=False, **options)
+    save_streamed(streamed, model, **options)
+    return streamed, reference
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("shard", [None, "60KB", "20KB"])
+def test_streamed_save_is_save_pretrained_byte_for_byte(tmp_path: Path, tied: bool, shard: str | None) -> None:
+    model = random_causal_lm(num_layers=3, tie_word_embeddings=tied)
+    options = {} if shard is None else {"max_shard_size": shard}
+    streamed, reference = _both(model, tmp_path, **options)
+    _assert_same_folders(streamed, reference)
+    if shard is not None:
+        index = json.loads((streamed / INDEX_NAME).read_text())
+        # the (256, 64) fp32 embedding (65.5 KB) is larger than either limit: a shard of its own
+        assert len(set(index["weight_map"].values())) > 3
+    assert ("lm_head.weight" in Checkpoint.open(streamed).tensors) is not tied
+
+
+def test_bf16_and_mixed_dtypes_match_safetensors_layout(tmp_path: Path) -> None:
+    model = random_causal_lm(num_layers=2).to(torch.bfloat16)
+    model.model.norm.float()  # two dtypes in one file: safetensors orders the data by dtype, then name
+    streamed, reference = _both(model, tmp_path, max_shard_size="30KB")
+    _assert_same_folders(streamed, reference)
+
+
+@pytest.mark.parametrize("family", sorted(ARCHITECTURES) + sorted(MOE))
+def test_every_family_is_written_as_save_pretrained_writes_it(tmp_path: Path, family: str) -> None:
+    model = random_causal_lm(family, **{**ARCHITECTURES.get(family, {}), **MOE.get(family, {})})
+    streamed, reference = _both(model, tmp_path, max_shard_size="100KB")
+    _assert_same_folders(streamed, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(MULTIMODAL))
+def test_multimodal_models_are_written_as_save_pretrained_writes_them(tmp_path: Path, family: str) -> None:
+    streamed, reference = _both(random_model(family), tmp_path, max_shard_size="5MB")
+    _assert_same_folders(streamed, reference)
+
+
+def test_skeleton_and_tensors_read_one_at_a_time_give_the_same_checkpoint(tmp_path: Path) -> None:
+    """The streamed case: no model in memory, a meta skeleton from the config, the tensors read from
+    another checkpoint in reverse order."""
+    model = random_causal_lm(num_layers=3)
+    source = tmp_path / "source"
+    model.save_pretrained(source, max_shard_size="40KB")
+    reference = tmp_path / "reference"
+    model.save_pretrained(reference, max_shard_size="60KB", save_original_format=False)
+    skeleton = meta_model(model.config)
+    checkpoint = Checkpoint.open(source)
+    keys = [spec.key for spec in reversed(saved_tensors(skeleton))]
+    save_streamed(tmp_path / "streamed", skeleton, checkpoint.iter_read(keys), max_shard_size="60KB")
+    _assert_same_folders(tmp_path / "streamed", reference)
+
+
+def test_shard_plan_puts_an_oversized_tensor_before_the_shard_being_filled() -> None:
+    specs = [TensorSpec(name, (n,), torch.float32) for name, n in (("a", 10), ("b", 10), ("big", 100), ("c", 10))]
+    # 100 bytes per shard: a+b (80 B) are filling when big (400 B) comes; c would pass 100 B.
+    assert [[s.key for s in shard] for shard in plan_shards(specs, 100)] == [["big"], ["a", "b"], ["c"]]
+
+
+def test_header_matches_safetensors_for_awkward_names(tmp_path: Path) -> None:
+    from safetensors.torch import save
+
+    tensors = {
+        "ü.w": torch.ones(3),
+        'q"uote': torch.ones(2, dtype=torch.bfloat16),
+        "z": torch.ones(1, dtype=torch.int64),
+    }
+    blob = save(tensors, metadata={"format": "pt"})
+    specs = [TensorSpec(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
+    header, offsets = shard_header(specs, {"format": "pt"})
+    assert blob[: len(header)] == header
+    assert offsets["z"] == len(header)  # int64 first, as safetensors orders it
+
+
+def test_bad_streams_are_refused(tmp_path: Path) -> None:
+    specs = [TensorSpec("a", (2,), torch.float32), TensorSpec("b", (3,), torch.float32)]
+    cases = [
+        ([("a", torch.ones(2))], "1 tensors were never given, e.g. b"),
+        ([("a", torch.ones(2)), ("a", torch.ones(2))], "a was given twice"),
+        ([("a", torch.ones(3))], r"a is \(3,\) torch.float32, the checkpoint expects \(2,\)"),
+        ([("c", torch.ones(2))], "c is not one the checkpoint holds"),
+    ]
+    for number, (stream, message) in enumerate(cases):
+        folder = tmp_path / str(number)
+        folder.mkdir()
+        with pytest.raises(ValueError, match=message):
+            write_weights(folder, specs, stream, total_parameters=5)
+    assert parse_size("2GB") == 2 * 10**9 and parse_size("1.5 MB") == 1_500_000 and parse_size(7) == 7
+    for bad in ("2GiB", "GB", "-1GB"):
+        with pytest.raises(UsageError, match="shard size"):
+            parse_size(bad)
+
+
+@pytest.mark.slow
+@pytest.mark.realmodel
+@pytest.mark.parametrize("shard", ["2GB", "150MB"])
+def test_real_smollm2_is_written_as_save_pretrained_writes_it(tmp_path: Path, shard: str) -> None:
+    from tsenor_cli.models.loading import load_model
+
+    model = load_model("smollm2-135m", LOCAL_CTX).model
+    streamed, reference = _both(model, tmp_path, max_shard_size=shard)
+    _assert_same_folders(streamed, reference)
+    assert (WEIGHTS_NAME in _files(streamed)) is (shard == "2GB")
+
+
+def test_prune_output_folder_is_what_save_pretrained_wrote(tmp_path: Path, tiny: Path) -> None:
+    """pruning/output.write_model_folder (every prune and finetune output) against the save_pretrained
+    path it replaced: the same files, byte for byte, and the checkpoint loads."""
+    from transformers import AutoModelForCausalLM
+
+    from tsenor_cli.models.loading import load_model
+    from tsenor_cli.pruning.output import MAX_SHARD_SIZE, SPARSITY_KEY, write_model_folder
+
+    loaded = load_model(str(tiny), LOCAL_CTX)
+    sparsity = {"pattern": "2:4", "pruned_weights": {}}
+    write_model_folder(loaded.model, loaded.tokenizer, tmp_path / "out", sparsity, {"extra.txt": "x"})
+    reference = tmp_path / "reference"
+    setattr(loaded.model.config, SPARSITY_KEY, sparsity)
+    loaded.model.save_pretrained(reference, max_shard_size=MAX_SHARD_SIZE, save_original_format=False)
+    loaded.tokenizer.save_pretrained(reference)
+    (reference / "extra.txt").write_text("x")
+    _assert_same_folders(tmp_path / "out", reference)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    expected = loaded.model.state_dict()
+    assert all(torch.equal(tensor, expected[key]) for key, tensor in again.state_dict().items())

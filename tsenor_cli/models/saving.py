@@ -1,0 +1,286 @@
+"""Write a checkpoint tensor by tensor, with exactly the files ``save_pretrained`` writes, never holding the model.
+
+``model.save_pretrained(folder, max_shard_size=S, save_original_format=False)`` (what tsenor wrote until
+now) takes the whole state dict at once. `save_streamed` writes the same folder from an iterator of
+(key, tensor) pairs: each tensor is written into its shard at its place as it arrives and then dropped,
+so host memory holds one tensor, whatever the model's size. What it writes, and how it matches
+transformers 5 (`tests/test_saving.py` compares the two byte for byte):
+
+- which tensors: the model's state dict less the tied duplicates, as transformers' own
+  ``remove_tied_weights_from_state_dict`` decides on the model (a meta-device skeleton is enough: tied
+  parameters are one object there too), less ``_keys_to_ignore_on_save``; the tensors in state-dict order;
+- the shards: huggingface_hub's split (``split_state_dict_into_shards_factory``): in that order, a new
+  shard when the next tensor would pass ``max_shard_size``, a tensor larger than that alone in a shard of
+  its own; one shard is ``model.safetensors``, several are ``model-0000k-of-0000n.safetensors`` with
+  ``model.safetensors.index.json`` (``total_parameters``, ``total_size``, ``weight_map``; sorted keys,
+  indent 2);
+- each shard: a safetensors file with ``{"format": "pt"}`` metadata. Its header (the tensors' order in
+  the file, their offsets, the padding) is fixed by the names, dtypes and shapes alone, so it is written
+  first and each tensor's bytes go to their offset when the tensor comes. The order is safetensors' own,
+  read from the header safetensors writes for one-element stand-ins of the same names and dtypes;
+- config.json (``dtype`` and ``architectures`` set as save_pretrained sets them), generation_config.json
+  for a model that generates, a remote-code model's code files (transformers' ``custom_object_save``).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from tsenor_cli.errors import UsageError
+from tsenor_cli.models.checkpoint import INDEX_NAME, WEIGHTS_NAME
+
+# save_pretrained's default; tsenor's outputs pass their own (pruning/output.MAX_SHARD_SIZE).
+DEFAULT_MAX_SHARD_SIZE = "50GB"
+SAFETENSORS_METADATA = {"format": "pt"}
+# safetensors pads its JSON header with spaces to a multiple of this many bytes.
+_HEADER_ALIGN = 8
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the checkpoint: its key, shape and dtype (what its shard's header says)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+
+def saved_tensors(model: Any) -> list[TensorSpec]:
+    """The tensors save_pretrained(save_original_format=False) writes for `model` (real or on the meta
+    device), in the order it writes them: see the module docstring."""
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = model.state_dict()
+    kept = remove_tied_weights_from_state_dict(dict(state), model)
+    for ignored in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        kept.pop(ignored, None)
+    return [TensorSpec(key, tuple(tensor.shape), tensor.dtype) for key, tensor in kept.items()]
+
+
+# huggingface_hub's units for a shard size ("2GB", "500MB"): decimal, as its parse_size_to_int reads them.
+SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes of a shard size: an integer, or digits and a unit of `SIZE_UNITS` ("2GB", "1.5 GB"); UsageError
+    for anything else."""
+    if isinstance(size, int):
+        value: float = size
+    else:
+        text = size.strip()
+        unit = text[-2:].upper()
+        try:
+            value = float(text[:-2].strip()) * SIZE_UNITS[unit]
+        except (KeyError, ValueError):
+            raise UsageError(f"shard size {size!r} is not a size; pass digits and a unit, e.g. 2GB or 500MB") from None
+    if value <= 0:
+        raise UsageError(f"shard size {size!r} must be positive, e.g. 2GB")
+    return int(value)
+
+
+def plan_shards(specs: Sequence[TensorSpec], max_shard_size: int | str) -> list[list[TensorSpec]]:
+    """huggingface_hub's split of `specs` (in order) into shards of at most `max_shard_size` bytes: a tensor
+    that would pass it starts a new shard, one larger than it is a shard of its own (placed before the
+    shard being filled, as the hub's split places it)."""
+    limit = parse_size(max_shard_size)
+    shards: list[list[TensorSpec]] = []
+    current: list[TensorSpec] = []
+    size = 0
+    for spec in specs:
+        if spec.nbytes > limit:
+            shards.append([spec])
+            continue
+        if size + spec.nbytes > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append(spec)
+        size += spec.nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    """transformers' shard file names: model.safetensors alone, else model-0000k-of-0000n.safetensors."""
+    if count == 1:
+        return [WEIGHTS_NAME]
+    stem = WEIGHTS_NAME.removesuffix(".safetensors")
+    return [f"{stem}-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
+
+
+_DTYPE_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def _file_order(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+    """`specs` in the order safetensors lays their data out in a file (it sorts by dtype, then name), read
+    from the header it writes for one-element stand-ins: the rule stays safetensors' own."""
+    from safetensors.torch import save
+
+    blob = save({spec.key: torch.zeros(1, dtype=spec.dtype) for spec in specs})
+    (length,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + length])
+    header.pop("__metadata__", None)
+    by_key = {spec.key: spec for spec in specs}
+    return [by_key[key] for key in sorted(header, key=lambda key: header[key]["data_offsets"][0])]
+
+
+def shard_header(specs: Sequence[TensorSpec], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
+    """(the first bytes of the safetensors file holding `specs`: length and padded JSON header,
+    {key: offset of its data from the file's start})."""
+    entries: dict[str, Any] = {"__metadata__": metadata}
+    offsets: dict[str, int] = {}
+    position = 0
+    for spec in _file_order(specs):
+        entries[spec.key] = {
+            "dtype": _DTYPE_NAMES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [position, position + spec.nbytes],
+        }
+        offsets[spec.key] = position
+        position += spec.nbytes
+    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % _HEADER_ALIGN)
+    start = 8 + len(text)
+    return struct.pack("<Q", len(text)) + text, {key: start + offset for key, offset in offsets.items()}
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of `tensor` (on the CPU, contiguous), as safetensors stores them."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().data
+
+
+def write_weights(
+    folder: Path,
+    specs: Sequence[TensorSpec],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    total_parameters: int,
+) -> list[str]:
+    """Write the safetensors shards (and the index when there are several) of `specs` into `folder`,
+    taking each tensor from `tensors` as it comes; returns the shard file names.
+
+    tensors: (key, tensor) once per spec, in any order (the state-dict order keeps one shard open at a
+    time); each must have its spec's shape and dtype. ValueError for a key not in `specs`, one given twice,
+    a shape or dtype other than its spec's, or a spec never given (the files are then incomplete: write
+    into a temporary folder, as `atomic.atomic_dir` gives).
+    """
+    shards = plan_shards(specs, max_shard_size)
+    names = shard_names(len(shards))
+    where: dict[str, tuple[int, TensorSpec]] = {}
+    for number, shard in enumerate(shards):
+        for spec in shard:
+            if spec.key in where:
+                raise ValueError(f"tensor {spec.key} is listed twice")
+            where[spec.key] = (number, spec)
+    left = [len(shard) for shard in shards]
+    positions: list[dict[str, int]] = [{} for _ in shards]
+    written: set[str] = set()
+    handles: dict[int, IO[bytes]] = {}
+    try:
+        for key, tensor in tensors:
+            if key not in where:
+                raise ValueError(f"tensor {key} is not one the checkpoint holds")
+            if key in written:
+                raise ValueError(f"tensor {key} was given twice")
+            number, spec = where[key]
+            if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+                raise ValueError(
+                    f"tensor {key} is {tuple(tensor.shape)} {tensor.dtype}, "
+                    f"the checkpoint expects {spec.shape} {spec.dtype}"
+                )
+            if number not in handles:
+                header, positions[number] = shard_header(shards[number], SAFETENSORS_METADATA)
+                handles[number] = (folder / names[number]).open("wb")
+                handles[number].write(header)
+            handle = handles[number]
+            handle.seek(positions[number][key])
+            handle.write(_tensor_bytes(tensor))
+            written.add(key)
+            left[number] -= 1
+            if left[number] == 0:
+                handles.pop(number).close()
+    finally:
+        for handle in handles.values():
+            handle.close()
+    missing = [spec.key for spec in specs if spec.key not in written]
+    if missing:
+        raise ValueError(f"{len(missing)} tensors were never given, e.g. {missing[0]}")
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_parameters": total_parameters, "total_size": sum(spec.nbytes for spec in specs)},
+            "weight_map": {spec.key: names[number] for number, shard in enumerate(shards) for spec in shard},
+        }
+        (folder / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return names
+
+
+def model_tensors(model: Any, specs: Sequence[TensorSpec]) -> Iterable[tuple[str, torch.Tensor]]:
+    """(key, tensor) of `specs` taken from `model`'s state dict (a model held whole), in their order."""
+    state = model.state_dict()
+    return ((spec.key, state[spec.key]) for spec in specs)
+
+
+def save_streamed(
+    folder: Path,
+    model: Any,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+) -> list[str]:
+    """What ``model.save_pretrained(folder, max_shard_size=…, save_original_format=False)`` writes, with the
+    weights from `tensors` (key, tensor) one at a time (None: from `model` itself); returns the shard names.
+
+    model: the transformers model the checkpoint is of, whole or a skeleton on the meta device (its
+    config, generation config, class, dtype, parameter count and tied weights are what is read from it);
+    its config gets ``dtype`` and ``architectures`` as save_pretrained sets them. tensors: every tensor of
+    `saved_tensors(model)` once (`write_weights`). Write into a temporary folder (`atomic.atomic_dir`):
+    a failure leaves the files incomplete.
+    """
+    from transformers.dynamic_module_utils import custom_object_save
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    specs = saved_tensors(model)
+    model.config.dtype = str(model.dtype).removeprefix("torch.")
+    model.config.architectures = [type(model).__name__]
+    if model.is_remote_code():
+        custom_object_save(model, str(folder), config=model.config)
+    model.config.save_pretrained(folder)
+    if model.can_generate():
+        model.generation_config.save_pretrained(folder)
+    return write_weights(
+        folder,
+        specs,
+        model_tensors(model, specs) if tensors is None else tensors,
+        max_shard_size=max_shard_size,
+        total_parameters=int(model.num_parameters()),
+    )
