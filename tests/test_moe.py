@@ -350,3 +350,21 @@ def test_bad_moe_options_are_one_line_exit_2_and_write_nothing(
     # typer's range check prints its line; tsenor's own errors are printed by `main` from the exception
     assert needle in result.output + str(result.exception)
     assert not out.exists()
+
+
+def test_a_stacks_workspace_is_one_chunk_of_experts() -> None:
+    """The plan's workspace for a 256-expert stack at DeepSeek-V3's width (2048 × 7168) is one chunk's
+    buffers and statistics, not 256 experts' (which would be 256 × 0.6 GB for ALPS), and a stack no
+    bigger than a chunk counts every expert."""
+    from tsenor_cli.pruning import engine
+    from tsenor_cli.pruning.engine import LinearSlot, matrix_workspace, slot_workspace
+
+    def slot(experts: int, out: int, inp: int) -> LinearSlot:
+        return LinearSlot(1, "mlp.experts.down_proj", "model.layers.1.mlp.experts.down_proj", out, inp, experts=experts)
+
+    each = matrix_workspace(2048, 7168, needs_gram=True, iterative=True)
+    big = slot_workspace(slot(256, 2048, 7168), needs_gram=True, iterative=True)
+    chunk = max(1, engine.EXPERT_BATCH_BYTES // each)
+    assert big == chunk * (each + 4 * (7168**2 + 7168)) and chunk < 256
+    small = slot_workspace(slot(4, 64, 32), needs_gram=True, iterative=False)
+    assert small == 4 * (matrix_workspace(64, 32, needs_gram=True, iterative=False) + 4 * (32**2 + 32))

@@ -32,7 +32,7 @@ from tsenor_cli.evaluation.perplexity import PerplexityResult, cut_windows, resu
 from tsenor_cli.models.loading import LoadedModel
 from tsenor_cli.models.streaming import load_block, release_block
 from tsenor_cli.models.structure import ModelStructure
-from tsenor_cli.pruning.engine import BlockCall, _output_like, capture_block_inputs, run_block
+from tsenor_cli.pruning.engine import BlockCall, capture_block_inputs, output_like, run_block
 
 
 @contextlib.contextmanager
@@ -46,7 +46,7 @@ def _blocks_returning(
     def stand_in(index: int) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
             given, _ = BlockCall.split(args, kwargs)
-            return _output_like(template, hidden[0] if index == first else given)
+            return output_like(template, hidden[0] if index == first else given)
 
         return forward
 

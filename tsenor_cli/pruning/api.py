@@ -33,6 +33,7 @@ from tsenor_cli.pruning.engine import (
     observed_slots,
     prune_block,
     run_block,
+    slot_workspace,
 )
 from tsenor_cli.pruning.finite import check_finite
 from tsenor_cli.pruning.memory import HostEstimate, check_fits, host_estimate
@@ -607,8 +608,9 @@ class MemoryEstimate:
     in a distributed run the group's linear inputs kept for the ordered sums (S_r, T, in) (on the CPU
     with --offload-activations); statistics: the input statistics (XᵀX and column norms) of a block's
     linears taken as one group, in a distributed run twice (the sums in flight to the next rank) plus one
-    linear's being added; workspace: the method's buffers for the largest linear (weights, mask,
-    ADMM/OBS state, damped H and its factorization).
+    linear's being added; workspace: the method's buffers for the largest matrix (weights, mask,
+    ADMM/OBS state, damped H and its factorization), for a stack of experts those of one batched chunk
+    (`engine.slot_workspace`).
     """
 
     rank: int
@@ -663,10 +665,7 @@ def estimate_device_memory(
         # One group's linears read one input (LLaMA's q,k,v; gate,up); without --sequential the block is
         # one group and every linear's input counts (an upper bound: shared inputs are kept once).
         kept_features = max(s.in_features for s in candidates) if sequential else max(per_block)
-    biggest = max(candidates, key=lambda s: s.out_features * s.in_features)
-    workspace = 4 * biggest.out_features * biggest.in_features * (8 if iterative else 3)
-    if needs_gram:
-        workspace += 3 * 8 * biggest.in_features**2  # damped/normalized H, its inverse or eigenvectors
+    workspace = max(slot_workspace(s, needs_gram=needs_gram, iterative=iterative) for s in candidates)
     estimates = []
     for rank, (start, stop) in enumerate(shard_bounds(nsamples, world_size)):
         rows = 1 if offload_activations else stop - start

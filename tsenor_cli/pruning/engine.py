@@ -308,7 +308,7 @@ def call_difference(a: BlockCall, b: BlockCall) -> str | None:
     return None
 
 
-def _output_like(template: Any, hidden: torch.Tensor) -> Any:
+def output_like(template: Any, hidden: torch.Tensor) -> Any:
     """A block output shaped like `template` (a tensor, or a tuple led by the hidden states) carrying `hidden`."""
     if isinstance(template, torch.Tensor):
         return hidden
@@ -366,7 +366,7 @@ def capture_block_calls(
                 template.append(real_forward(*args, **kwargs))
             if len(calls) == len(blocks):
                 raise _AllRecorded
-            return _output_like(template[0], hidden)
+            return output_like(template[0], hidden)
 
         return forward
 
@@ -802,6 +802,16 @@ def expert_chunk(out_features: int, in_features: int, spec: PrunerSpec) -> int:
     """How many experts of an (out, in) stack one batched call takes (`EXPERT_BATCH_BYTES`)."""
     each = matrix_workspace(out_features, in_features, needs_gram=spec.needs_gram, iterative=spec.iterative)
     return max(1, EXPERT_BATCH_BYTES // each)
+
+
+def slot_workspace(slot: LinearSlot, *, needs_gram: bool, iterative: bool) -> int:
+    """Bytes of method buffers while `slot` is pruned: one matrix's, or for a stack one chunk of experts'
+    (`expert_chunk`) with the chunk's copy of their statistics (`ExpertStats.select`)."""
+    each = matrix_workspace(slot.out_features, slot.in_features, needs_gram=needs_gram, iterative=iterative)
+    if not slot.experts:
+        return each
+    batch = min(slot.experts, max(1, EXPERT_BATCH_BYTES // each))
+    return batch * (each + 4 * (slot.in_features**2 + slot.in_features))
 
 
 def _record_outcome(
