@@ -348,11 +348,11 @@ def test_smollm2_prunes_end_to_end_with_sane_perplexity(
 
 
 def test_shipped_recipes_parse() -> None:
-    from tsenor_cli.cli.prune import load_config_file
+    from tsenor_cli.pruning.recipe import read_recipe
 
     recipes = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
     assert len(recipes) == 28  # 3 LLaMA models × 3 methods × 3 patterns + the local SmolLM2 recipe
     for recipe in recipes:
-        values = load_config_file(recipe)
+        values = read_recipe(recipe)
         assert values["method"] in ("alps", "sparsegpt", "wanda") and values["nm"] in ("16:32", "8:16", "2:4")
         assert values["seed"] == 0

@@ -13,9 +13,10 @@ from typing import Annotated
 import typer
 
 from tsenor_cli.data.sources import DATASET_NAMES
+from tsenor_cli.pruning.recipe import DEFAULT_DEVICE, DEFAULT_DTYPE
 
-DEVICE = "cpu"
-DTYPE = "auto"
+DEVICE = DEFAULT_DEVICE
+DTYPE = DEFAULT_DTYPE
 # The paper's perplexity protocol evaluates all three datasets (SparseGPT's WikiText2, PTB, C4).
 PPL = ",".join(DATASET_NAMES)
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import inspect
 import json
-from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,46 +26,20 @@ from tsenor_cli.cli.options import (
     TasksOpt,
     TrustRemoteCodeOpt,
 )
-from tsenor_cli.data.sources import data_folder, read_text_records
-from tsenor_cli.errors import EXIT_SIGINT, InputNotFoundError, Interrupted, UsageError
-from tsenor_cli.nm import parse_nm
+from tsenor_cli.data.sources import data_folder
+from tsenor_cli.errors import EXIT_SIGINT, Interrupted, UsageError
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.output import human_bytes
+from tsenor_cli.pruning.recipe import NAMED_CALIBRATION, RECIPE_DEFAULTS, build_config, read_recipe
 from tsenor_cli.pruning.registry import PRUNERS
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
 from tsenor_cli.solver import METHODS
-from tsenor_cli.yamlfile import read_yaml
 
 if TYPE_CHECKING:
     from tsenor_cli.pruning.api import PrunePlan
 
-NAMED_CALIBRATION = ("c4", "wikitext2", "ptb")
 # --method choices, straight from the registry (typer shows an Enum's values as the choices).
 MethodChoice = StrEnum("MethodChoice", {name: name for name in PRUNERS})  # type: ignore[misc]
-# --config keys and the type each must have; anything else in the file is refused.
-CONFIG_KEYS: dict[str, type] = {
-    "model": str,
-    "nm": str,
-    "sparsity": float,
-    "transposable": bool,
-    "method": str,
-    "solver": str,
-    "calib_data": str,
-    "nsamples": int,
-    "seqlen": int,
-    "seed": int,
-    "dtype": str,
-    "device": str,
-    "trust_remote_code": bool,
-    "sequential": bool,
-    "skip_incompatible": bool,
-    "ignore": list,
-    "targets": list,
-    "output": str,
-    "offload_activations": bool,
-    "moe_calibration": str,
-    "moe_min_tokens": int,
-}
+D = RECIPE_DEFAULTS
 
 
 def _plan_verdict(plan: PrunePlan, cfg: PruneConfig, processes: int) -> None:
@@ -91,56 +63,6 @@ def _plan_verdict(plan: PrunePlan, cfg: PruneConfig, processes: int) -> None:
     check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)
 
 
-def load_config_file(path: Path) -> dict[str, Any]:
-    """Read a YAML recipe into {option: value}, refusing unknown keys and wrongly typed values."""
-    data = read_yaml(path, f"--config {path}", "configs/smollm2-alps-16x32.yaml")
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise UsageError(f"--config {path} must hold a mapping of option: value; fix the file")
-    return validate_recipe(data, f"--config {path}")
-
-
-def validate_recipe(data: Mapping[Any, Any], where: str) -> dict[str, Any]:
-    """Check a recipe mapping {option: value} against `CONFIG_KEYS` → {key: value} with `-` spelled `_`.
-
-    `where` starts every error message (e.g. "--config recipe.yaml" or "sweep.yaml base"), so one
-    validator serves `tsenor prune --config` and the sweep files' `base` and `axes`. Ints are accepted
-    where a float is wanted; bools are never accepted as ints.
-    """
-    values: dict[str, Any] = {}
-    for raw_key, value in data.items():
-        key = str(raw_key).replace("-", "_")
-        if key not in CONFIG_KEYS:
-            raise UsageError(f"{where}: unknown key {raw_key!r}; known keys: {', '.join(CONFIG_KEYS)}")
-        want = CONFIG_KEYS[key]
-        if key == "nm" and not isinstance(value, str):
-            raise UsageError(
-                f'{where}: nm must be a quoted string like "16:32" (unquoted YAML reads 16:32 as a base-60 number)'
-            )
-        if want is list:
-            values[key] = _pattern_list(where, key, value)
-            continue
-        ok = isinstance(value, want) and not (want is int and isinstance(value, bool))
-        if want is float and isinstance(value, int) and not isinstance(value, bool):
-            value, ok = float(value), True
-        if not ok:
-            raise UsageError(f"{where}: {key} must be a {want.__name__}, got {value!r}")
-        values[key] = value
-    return values
-
-
-def _pattern_list(where: str, key: str, value: Any) -> list[str]:
-    """A recipe's ignore/targets: one pattern string or a list of them."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(item, str) for item in value):
-        return list(value)
-    raise UsageError(
-        f"{where}: {key} must be a pattern string or a list of them (e.g. ['*.mlp.down_proj']), got {value!r}"
-    )
-
-
 def _given_on_command_line(ctx: typer.Context, name: str) -> bool:
     """Whether option `name` was typed on the command line (not its default, nor the environment).
 
@@ -150,116 +72,66 @@ def _given_on_command_line(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name == "COMMANDLINE"
 
 
-def recipe_defaults() -> dict[str, Any]:
-    """The value `tsenor prune` uses for each recipe key left unset: the defaults of its flags.
-
-    Read from `prune_cmd`'s signature so the flags stay the one definition of the defaults (a plain
-    default for the shared `Annotated` options of cli/options.py, a typer.Option's for the others).
-    """
-    params = inspect.signature(prune_cmd).parameters
-    defaults = {key: params[key].default for key in CONFIG_KEYS}
-    return {key: getattr(value, "default", value) for key, value in defaults.items()}
-
-
 def merge_config(ctx: typer.Context, given: dict[str, Any], config: Path | None) -> dict[str, Any]:
     """Values from --config, overridden by flags given explicitly on the command line."""
     if config is None:
         return given
     merged = dict(given)
-    for key, value in load_config_file(config).items():
+    for key, value in read_recipe(config).items():
         if not _given_on_command_line(ctx, key):
             merged[key] = value
     return merged
-
-
-def build_config(values: dict[str, Any], *, force: bool, resume: bool, command: str) -> PruneConfig:
-    """Cross-check the merged options and freeze them into a `PruneConfig`."""
-    if not values.get("model"):
-        raise UsageError("--model is required; pass a checkpoint directory, a hub id or smollm2-135m")
-    nm, sparsity = values.get("nm"), values.get("sparsity")
-    if (nm is None) == (sparsity is None):
-        raise UsageError("pass exactly one of --nm N:M (e.g. --nm 16:32) or --sparsity S (e.g. --sparsity 0.5)")
-    if nm is not None:
-        parsed = parse_nm(str(nm))
-        pattern = SparsityPattern.from_nm(parsed.n, parsed.m, transposable=bool(values["transposable"]))
-    else:
-        if not values["transposable"]:
-            raise UsageError("--no-transposable applies to --nm patterns only; drop it when using --sparsity")
-        pattern = SparsityPattern.unstructured(float(sparsity))  # type: ignore[arg-type]
-    calib = str(values["calib_data"])
-    if calib not in NAMED_CALIBRATION:
-        path = Path(calib).expanduser()
-        if not path.is_file():
-            raise InputNotFoundError(
-                f"--calib-data {calib} is not a readable file nor one of {', '.join(NAMED_CALIBRATION)}; "
-                "pass c4, wikitext2, ptb or an existing .txt/.jsonl/.json.gz/.parquet file"
-            )
-        read_text_records(path)  # its contents too (format, `text` fields, not empty), before the model loads
-    output = values.get("output")
-    return PruneConfig(
-        model=str(values["model"]),
-        layer=LayerPruneConfig(pattern=pattern, solver=str(values["solver"])),
-        method=str(values["method"]),
-        calib_data=calib,
-        nsamples=int(values["nsamples"]),
-        seqlen=int(values["seqlen"]),
-        seed=int(values["seed"]),
-        dtype=None if values["dtype"] in (None, "auto") else str(values["dtype"]),
-        device=str(values["device"]),
-        trust_remote_code=bool(values["trust_remote_code"]),
-        sequential=bool(values["sequential"]),
-        skip_incompatible=bool(values["skip_incompatible"]),
-        ignore=tuple(values.get("ignore") or ()),
-        targets=tuple(values.get("targets") or ()),
-        output=Path(output).expanduser() if output else None,
-        force=force,
-        resume=resume,
-        command=command,
-        offload_activations=bool(values.get("offload_activations", False)),
-        moe_calibration=str(values.get("moe_calibration") or "routed"),
-        moe_min_tokens=None if values.get("moe_min_tokens") is None else int(values["moe_min_tokens"]),
-    )
 
 
 @app.command("prune", cls=Command)
 def prune_cmd(
     ctx: typer.Context,
     model: str | None = typer.Option(
-        None, "--model", help="Required (here or in --config): embedded name (smollm2-135m), checkpoint dir or hub id."
+        D["model"],
+        "--model",
+        help="Required (here or in --config): embedded name (smollm2-135m), checkpoint dir or hub id.",
     ),
     nm: str | None = typer.Option(
-        None, "--nm", help="N:M pattern, e.g. 16:32 (transposable unless --no-transposable)."
+        D["nm"], "--nm", help="N:M pattern, e.g. 16:32 (transposable unless --no-transposable)."
     ),
-    sparsity: float | None = typer.Option(None, "--sparsity", help="Unstructured sparsity instead of N:M, e.g. 0.5."),
-    transposable: bool = typer.Option(True, "--transposable/--no-transposable", help="Transposable N:M tiles."),
-    method: MethodChoice = typer.Option("alps", "--method", help="Pruning method."),
+    sparsity: float | None = typer.Option(
+        D["sparsity"], "--sparsity", help="Unstructured sparsity instead of N:M, e.g. 0.5."
+    ),
+    transposable: bool = typer.Option(
+        D["transposable"], "--transposable/--no-transposable", help="Transposable N:M tiles."
+    ),
+    method: MethodChoice = typer.Option(D["method"], "--method", help="Pruning method."),
     solver: str = typer.Option(
-        "auto",
+        D["solver"],
         "--solver",
         help=f"Transposable mask solver: {', '.join(METHODS)} (auto: exact flow on CPU, tsenor on CUDA).",
     ),
-    calib_data: str = typer.Option("c4", "--calib-data", help="c4, wikitext2, ptb or a text/jsonl file."),
-    nsamples: int = typer.Option(128, "--nsamples", min=1, help="Calibration sequences."),
-    seqlen: int = typer.Option(2048, "--seqlen", min=1, help="Calibration sequence length (capped by the model)."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the calibration sampling."),
+    calib_data: str = typer.Option(D["calib_data"], "--calib-data", help="c4, wikitext2, ptb or a text/jsonl file."),
+    nsamples: int = typer.Option(D["nsamples"], "--nsamples", min=1, help="Calibration sequences."),
+    seqlen: int = typer.Option(
+        D["seqlen"], "--seqlen", min=1, help="Calibration sequence length (capped by the model)."
+    ),
+    seed: int = typer.Option(D["seed"], "--seed", help="Seed of the calibration sampling."),
     dtype: DtypeOpt = DTYPE,
     device: DeviceOpt = DEVICE,
     trust_remote_code: TrustRemoteCodeOpt = False,
     sequential: bool = typer.Option(
-        True,
+        D["sequential"],
         "--sequential/--no-sequential",
         help="Prune the linears that read the same input together, group after group "
         "(LLaMA: (q,k,v), (o), (gate,up), (down)), re-running the block between groups.",
     ),
-    skip_incompatible: bool = typer.Option(False, "--skip-incompatible", help="Leave layers M does not divide dense."),
+    skip_incompatible: bool = typer.Option(
+        D["skip_incompatible"], "--skip-incompatible", help="Leave layers M does not divide dense."
+    ),
     ignore: list[str] | None = typer.Option(
-        None,
+        D["ignore"],
         "--ignore",
         metavar="<pattern>",
         help="Leave matching linears dense (repeatable): glob on full names ('*.mlp.down_proj') or 're:REGEX'.",
     ),
     targets: list[str] | None = typer.Option(
-        None,
+        D["targets"],
         "--targets",
         metavar="<pattern>",
         help="Prune only matching linears (repeatable): glob on full names or 're:REGEX'.",
@@ -273,19 +145,19 @@ def prune_cmd(
         "(default; --resume is accepted). --no-resume-state saves none.",
     ),
     offload_activations: bool = typer.Option(
-        False,
+        D["offload_activations"],
         "--offload-activations",
         help="Keep the calibration activations on the CPU and move one sample at a time to the device "
         "(same result, device memory for one block and one sample).",
     ),
     moe_calibration: str = typer.Option(
-        "routed",
+        D["moe_calibration"],
         "--moe-calibration",
         help="Statistics of expert matrices: 'routed' (the tokens the router sends each expert) or 'all' "
         "(every calibration token through every expert, for the statistics only).",
     ),
     moe_min_tokens: int | None = typer.Option(
-        None,
+        D["moe_min_tokens"],
         "--moe-min-tokens",
         min=1,
         help="With routed statistics, an expert that received fewer tokens takes every-token statistics "

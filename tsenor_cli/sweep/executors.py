@@ -27,6 +27,7 @@ from tsenor_cli import settings
 from tsenor_cli.atomic import write_text
 from tsenor_cli.errors import OutputBusyError, OutputExistsError, TsenorError, UsageError
 from tsenor_cli.locks import folder_lock
+from tsenor_cli.pruning.recipe import validate_recipe
 from tsenor_cli.settings import RunContext
 from tsenor_cli.sweep.job import RunJob, SweepTask, run_job
 from tsenor_cli.sweep.spec import TOP_KEYS, RunSpec, SlurmOptions, SweepSpec
@@ -118,8 +119,6 @@ def _on_disk(run_dir: Path, dense: bool) -> str:
 
 def _check_recipe(run: RunSpec, run_dir: Path) -> None:
     """A run directory made from another recipe would be resumed or skipped wrongly: refuse it."""
-    from tsenor_cli.cli.prune import validate_recipe
-
     path = run_dir / RECIPE_FILE
     if run.dense or not path.is_file():
         return
