@@ -30,11 +30,12 @@ from tsenor_cli.errors import (
     TsenorError,
 )
 from tsenor_cli.interrupt import StopRequest
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning import api, engine
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.distributed import assign_owners, shard_bounds, shared_input_classes, without_option
 from tsenor_cli.pruning.resume import RESUME_DIRNAME, STATE_FILE
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.runfiles import PRUNE_FILE
 from tsenor_cli.settings import DistributedContext, RunContext
 

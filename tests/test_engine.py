@@ -14,10 +14,11 @@ from helpers_cli import invoke
 from helpers_tiny import LOCAL_CTX, make_tiny_llama
 from safetensors.torch import load_file, save_file
 
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.resume import RESUME_DIRNAME
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.settings import RunContext
 
 FAST = ["--nm", "2:4", "--solver", "exhaustive", "--nsamples", "4", "--seqlen", "32", "--calib-data", "wikitext2"]

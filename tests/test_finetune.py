@@ -25,10 +25,11 @@ from tsenor_cli.errors import Interrupted, TsenorError
 from tsenor_cli.finetune.callback import FixedMask
 from tsenor_cli.finetune.run import FinetuneConfig, finetune, last_complete_checkpoint
 from tsenor_cli.interrupt import StopRequest
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.resume import RESUME_DIRNAME
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.pruning.verify import verify_checkpoint
 from tsenor_cli.runfiles import SCHEMA_VERSION, FinetuneReport, SchemaError
 from tsenor_cli.settings import RunContext

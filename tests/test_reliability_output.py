@@ -21,12 +21,13 @@ from typer.testing import Result
 from tsenor_cli import atomic
 from tsenor_cli.errors import OutputBusyError
 from tsenor_cli.locks import lock_path
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning import output as output_module
 from tsenor_cli.pruning.api import plan_model
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.output import output_lock
 from tsenor_cli.pruning.resume import RESUME_DIRNAME
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.runfiles import PRUNE_FILE
 from tsenor_cli.settings import RunContext
 

@@ -30,10 +30,11 @@ from tsenor_cli.errors import (
 )
 from tsenor_cli.interrupt import StopRequest, stop_on_signals
 from tsenor_cli.locks import lock_path
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.resume import RESUME_DIRNAME, STATE_FILE, ResumeStore, block_file
-from tsenor_cli.pruning.types import LayerPruneConfig, LayerRecord, SparsityPattern
+from tsenor_cli.pruning.types import LayerPruneConfig, LayerRecord
 from tsenor_cli.runfiles import PRUNE_FILE, DataSource
 from tsenor_cli.settings import RunContext
 

@@ -12,9 +12,10 @@ from helpers_tiny import make_tiny_llama
 from safetensors.torch import load_file
 
 from tsenor_cli.errors import UsageError
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.selection import check_patterns, excluded_layers, matches
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.types import LayerPruneConfig
 
 NAMES = [f"model.layers.{b}.{local}" for b in (0, 1) for local in ("self_attn.q_proj", "mlp.up_proj", "mlp.down_proj")]
 

@@ -31,7 +31,9 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin, get_type_hints
 
-from tsenor_cli.errors import InputNotFoundError, UsageError
+from tsenor_cli.errors import InputNotFoundError
+from tsenor_cli.errors import SchemaError as SchemaError
+from tsenor_cli.pattern import SparsityPattern
 
 if TYPE_CHECKING:
     from tsenor_cli.settings import RunContext
@@ -46,10 +48,6 @@ LAYER_STATUSES = ("pruned", "skipped", "ignored")
 
 DataKind = Literal["offline", "file", "hub"]
 TaskSource = Literal["hub", "offline"]
-
-
-class SchemaError(UsageError):
-    """A run file that is not valid JSON or lacks a required field (exit 2)."""
 
 
 # ---------------------------------------------------------------- reading helpers
@@ -203,22 +201,6 @@ def _optional(obj: Mapping[str, Any], key: str, reader: Any, where: str) -> Any:
 
 
 @dataclass(frozen=True)
-class PatternInfo:
-    """``tsenor_report.json → pattern``: null for unstructured pruning."""
-
-    n: int
-    m: int
-    transposable: bool
-
-    @classmethod
-    def from_json(cls, obj: Any, where: str) -> PatternInfo:
-        info = cls(**_read(cls, _object(obj, where), where))
-        if not 1 <= info.n < info.m:
-            raise SchemaError(f"{where}: pattern {info.n}:{info.m} needs 1 <= n < m")
-        return info
-
-
-@dataclass(frozen=True)
 class LayerRecord:
     """One prunable linear of the model, as the report shows it.
 
@@ -283,7 +265,7 @@ class PruneReport:
     """
 
     method: str
-    pattern: PatternInfo | None
+    pattern: SparsityPattern | None
     sparsity: float
     settings: dict[str, Any]
     layers: tuple[LayerRecord, ...]
@@ -335,7 +317,7 @@ class PruneReport:
             "schema_version": SCHEMA_VERSION,
             # The summary `tsenor report` reads first (docs/reference/run-files.md).
             "method": self.method,
-            "pattern": _flat_json(self.pattern) if self.pattern is not None else None,
+            "pattern": self.pattern.report_json() if self.pattern is not None else None,
             "sparsity": self.sparsity,
             "settings": self.settings,
             "calibration": self.calibration,
@@ -362,7 +344,9 @@ class PruneReport:
                 obj,
                 where,
                 schema_version=version,
-                pattern=PatternInfo.from_json(raw_pattern, f"{where}: pattern") if raw_pattern is not None else None,
+                pattern=SparsityPattern.from_report_json(raw_pattern, f"{where}: pattern")
+                if raw_pattern is not None
+                else None,
                 layers=tuple(
                     LayerRecord.from_json(layer, f"{where}: layers[{i}]", version) for i, layer in enumerate(raw_layers)
                 ),

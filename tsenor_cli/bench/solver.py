@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from tsenor_cli import __version__
-from tsenor_cli.nm import NMPattern
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.solver import METHODS, SolveResult, from_blocks, resolve_method, solve, to_blocks
 
@@ -40,11 +40,11 @@ _SCORE_LABEL = {"abs": "|W|", "sq": "W²"}
 class BenchConfig:
     model_dir: Path
     model_name: str
-    patterns: tuple[NMPattern, ...]
+    patterns: tuple[SparsityPattern, ...]
     methods: tuple[str, ...]
     tiles: int = 500
     time_size: int = 2048
-    time_patterns: tuple[NMPattern, ...] = ()
+    time_patterns: tuple[SparsityPattern, ...] = ()
     time_methods: tuple[str, ...] = ()
     large_size: int = 0
     repeats: int = 1  # timed solves per method, round-robin; the minimum is reported
@@ -204,7 +204,7 @@ def run_quality(cfg: BenchConfig, progress: Progress) -> list[QualityRow]:
     return rows
 
 
-def _timed_solve(scores: torch.Tensor, pat: NMPattern, method: str, **kw: object) -> SolveResult:
+def _timed_solve(scores: torch.Tensor, pat: SparsityPattern, method: str, **kw: object) -> SolveResult:
     return solve(scores, pat.n, pat.m, method, **kw)  # type: ignore[arg-type]
 
 

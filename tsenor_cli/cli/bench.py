@@ -10,7 +10,7 @@ from tsenor_cli import atomic
 from tsenor_cli.cli import Command, app, run_context
 from tsenor_cli.cli.options import DEVICE, DTYPE, DataDirOpt, DeviceOpt, DtypeOpt, ForceOpt, JsonOpt
 from tsenor_cli.errors import InputNotFoundError, OutputExistsError, UsageError
-from tsenor_cli.nm import NMPattern, parse_nm
+from tsenor_cli.pattern import SparsityPattern
 
 bench_app = typer.Typer(
     help="Benchmarks (speed and quality ratios measured in one run).", no_args_is_help=True, rich_markup_mode=None
@@ -28,8 +28,8 @@ the methods and how the defaults were chosen.
 """
 
 
-def _patterns(text: str) -> tuple[NMPattern, ...]:
-    return tuple(parse_nm(p) for p in text.split(",") if p.strip())
+def _patterns(text: str) -> tuple[SparsityPattern, ...]:
+    return tuple(SparsityPattern.parse(p) for p in text.split(",") if p.strip())
 
 
 def _methods(text: str) -> tuple[str, ...]:
@@ -225,7 +225,7 @@ def bench_prune(
         raise UsageError(f"--device {device} was asked for but CUDA is not available; use --device cpu")
     if output is not None and output.exists() and not force:
         raise OutputExistsError(f"{output} exists; pass --force to overwrite it")
-    pattern = parse_nm(nm)
+    pattern = SparsityPattern.parse(nm)
     cfg = E2EConfig(
         model=model,
         methods=tuple(x.strip() for x in methods.split(",") if x.strip()),

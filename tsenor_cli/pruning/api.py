@@ -53,7 +53,7 @@ from tsenor_cli.pruning.report import versions
 from tsenor_cli.pruning.resume import ResumeState, ResumeStore
 from tsenor_cli.pruning.selection import excluded_layers, matches
 from tsenor_cli.pruning.types import LayerRecord
-from tsenor_cli.runfiles import ContextRecord, PatternInfo, PruneReport
+from tsenor_cli.runfiles import ContextRecord, PruneReport
 from tsenor_cli.settings import RunContext
 
 if TYPE_CHECKING:
@@ -100,12 +100,7 @@ def sparsity_metadata(cfg: PruneConfig, records: list[LayerRecord], solver: str 
     p = cfg.pattern
     return {
         "method": cfg.method,
-        "pattern": p.label,
-        "kind": p.kind,
-        "n": p.n,
-        "m": p.m,
-        "sparsity": p.sparsity,
-        "transposable": p.transposable,
+        **p.metadata(),
         "solver": solver,
         "solver_requested": cfg.layer.solver if p.transposable else None,
         "pruned_modules": [r.name for r in records if r.status == "pruned"],
@@ -535,7 +530,7 @@ def _prune(
     linear_params, linear_nonzero = nonzero_counts(decoder_matrices(structure))
     report = PruneReport(
         method=cfg.method,
-        pattern=PatternInfo(p.n, p.m, p.transposable) if p.kind in ("transposable", "nm") else None,
+        pattern=None if p.kind == "unstructured" else p,
         sparsity=float(p.sparsity),
         settings=settings_dict,
         layers=tuple(records),

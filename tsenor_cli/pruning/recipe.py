@@ -133,9 +133,9 @@ def _pattern_list(where: str, key: str, value: Any) -> list[str]:
 def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, command: str) -> PruneConfig:
     """Cross-check a validated recipe (unset keys take `RECIPE_DEFAULTS`) and freeze it into a `PruneConfig`."""
     from tsenor_cli.data.sources import read_text_records
-    from tsenor_cli.nm import parse_nm
+    from tsenor_cli.pattern import SparsityPattern
     from tsenor_cli.pruning.config import PruneConfig
-    from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+    from tsenor_cli.pruning.types import LayerPruneConfig
 
     values = {**RECIPE_DEFAULTS, **recipe}
     if not values["model"]:
@@ -144,8 +144,7 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
     if (nm is None) == (sparsity is None):
         raise UsageError("pass exactly one of --nm N:M (e.g. --nm 16:32) or --sparsity S (e.g. --sparsity 0.5)")
     if nm is not None:
-        parsed = parse_nm(str(nm))
-        pattern = SparsityPattern.from_nm(parsed.n, parsed.m, transposable=bool(values["transposable"]))
+        pattern = SparsityPattern.parse(str(nm), transposable=bool(values["transposable"]))
     else:
         if not values["transposable"]:
             raise UsageError("--no-transposable applies to --nm patterns only; drop it when using --sparsity")
