@@ -34,9 +34,8 @@ from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning import api, engine
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.distributed import assign_owners, shard_bounds, shared_input_classes, without_option
-from tsenor_cli.pruning.resume import RESUME_DIRNAME, STATE_FILE
 from tsenor_cli.pruning.types import LayerPruneConfig
-from tsenor_cli.runfiles import PRUNE_FILE
+from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE
 from tsenor_cli.settings import DistributedContext, RunContext
 
 REPO = Path(__file__).resolve().parents[1]
@@ -302,7 +301,7 @@ def test_resumed_distributed_run_equals_an_uninterrupted_one_and_failures_stop_e
     signalled = [o["signal"] for o in outcomes]
     assert [s["exit_code"] for s in signalled] == [EXIT_RESUMABLE] * WORLD, signalled
     assert signalled[0]["message"].startswith("stopped by SIGTERM after block 1/2")
-    assert (tmp_path / "signalled" / RESUME_DIRNAME / STATE_FILE).is_file()
+    assert (tmp_path / "signalled" / RESUME_DIR / RESUME_STATE_FILE).is_file()
     # Any other exception: the CLI's "unexpected" line, exit 1, on every rank.
     bug = [o["bug"] for o in outcomes]
     assert [b["exit_code"] for b in bug] == [1, 1] and [b["type"] for b in bug] == ["PeerError"] * 2

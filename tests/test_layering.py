@@ -60,3 +60,61 @@ def test_prune_flags_default_to_the_recipe_defaults() -> None:
     for key in RECIPE_KEYS:
         want = RECIPE_DEFAULTS[key]
         assert defaults[key] == want, f"--{key.replace('_', '-')} defaults to {defaults[key]!r}, the recipe to {want!r}"
+
+
+def _renames(source: str) -> list[int]:
+    """Lines that move a file into place: os.replace/os.rename/shutil.move, or Path.replace/rename (one
+    argument; str.replace takes two)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        owner = node.func.value.id if isinstance(node.func.value, ast.Name) else None
+        name = node.func.attr
+        if (owner, name) in (("os", "replace"), ("os", "rename"), ("shutil", "move")) or (
+            owner != "os" and name in ("replace", "rename") and len(node.args) == 1 and not node.keywords
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_atomic_is_the_only_writer_that_renames_into_place() -> None:
+    """Temp-and-rename writes live in tsenor_cli/atomic.py only (fsync, modes, recovery of a killed write)."""
+    offenders = {
+        str(path.relative_to(PACKAGE)): _renames(path.read_text(encoding="utf-8"))
+        for path in PACKAGE.rglob("*.py")
+        if path != PACKAGE / "atomic.py"
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_rename_check_sees_each_spelling() -> None:
+    source = 'tmp.replace(path)\nos.replace(a, b)\nos.rename(a, b)\nshutil.move(a, b)\n"a-b".replace("-", "_")\n'
+    assert _renames(source) == [1, 2, 3, 4]
+    assert _renames((PACKAGE / "atomic.py").read_text(encoding="utf-8"))  # where they belong
+
+
+def test_each_run_folder_file_name_is_defined_once() -> None:
+    """No module but runfiles.py spells a run or sweep folder's file names (the constants name them)."""
+    from tsenor_cli import runfiles
+
+    # tsenor's own names: not transformers' config.json, nor words such as "model" that mean other things too.
+    names = {
+        value
+        for key, value in vars(runfiles).items()
+        if key.isupper() and key.endswith(("_FILE", "_DIR", "_KEY", "_MARKDOWN")) and isinstance(value, str)
+        if ("." in value or "_" in value) and value != runfiles.CONFIG_FILE
+    }
+    assert {"eval.json", ".tsenor-resume", "state.json", "finetune_state.json", "status.json"} <= names
+    assert "tsenor_sparsity" in names
+    offenders = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path == PACKAGE / "runfiles.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        spelled = sorted(
+            {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in names}
+        )
+        if spelled:
+            offenders[str(path.relative_to(PACKAGE))] = spelled
+    assert offenders == {}

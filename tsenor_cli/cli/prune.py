@@ -318,7 +318,9 @@ def prune_cmd(
         typer.echo(json.dumps(payload if eval_cfg is not None else payload["prune"], indent=2))
         return
     totals = report.totals()
-    typer.echo(report.to_markdown().split("\n| layer")[0].rstrip())
+    from tsenor_cli.report.markdown import prune_summary
+
+    typer.echo("\n".join(prune_summary(report)))
     typer.echo(f"wrote {cfg.output} ({totals['layers_pruned']} layers pruned in {report.seconds:.1f} s)")
 
 

@@ -19,9 +19,8 @@ from torch import nn
 
 from tsenor_cli.errors import InputNotFoundError, UsageError, VerificationError
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.output import SPARSITY_KEY
 from tsenor_cli.pruning.verify import check_weight
-from tsenor_cli.runfiles import PRUNE_FILE
+from tsenor_cli.runfiles import CONFIG_FILE, PRUNE_FILE, SPARSITY_KEY
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ def _report_pattern(report: dict[str, Any], where: str) -> SparsityPattern | Non
 def read_run_sparsity(run_dir: Path) -> RunSparsity:
     """The recorded pattern of `run_dir`; one-line errors for a missing folder, a dense checkpoint,
     a folder without a pattern, and config.json and tsenor_report.json that disagree."""
-    config_path, report_path = run_dir / "config.json", run_dir / PRUNE_FILE
+    config_path, report_path = run_dir / CONFIG_FILE, run_dir / PRUNE_FILE
     if not run_dir.is_dir():
         raise InputNotFoundError(f"run directory {run_dir} does not exist; pass the --output folder of tsenor prune")
     if not config_path.is_file():

@@ -48,22 +48,24 @@ from tsenor_cli.pruning.output import (
     write_model_folder,
 )
 from tsenor_cli.pruning.report import versions
-from tsenor_cli.pruning.resume import RESUME_DIRNAME
 from tsenor_cli.runfiles import (
+    CONFIG_FILE,
     EVAL_FILE,
     FINETUNE_FILE,
+    FINETUNE_STATE_FILE,
+    FINETUNE_STATE_VERSION,
     PRUNE_FILE,
     PRUNE_MARKDOWN,
+    RESUME_DIR,
     ContextRecord,
     EvalReport,
     FinetuneReport,
+    FinetuneState,
 )
 from tsenor_cli.settings import RunContext
 
 LOSS_PNG = "finetune_loss.png"
 PPL_PNG = "finetune_ppl.png"
-STATE_FILE = "finetune_state.json"
-STATE_VERSION = 1
 # Trainer's defaults, recorded in the report because they decide the result.
 SCHEDULER = "linear"
 MAX_GRAD_NORM = 1.0
@@ -177,34 +179,25 @@ def _checkpoint_dtype(run_dir: Path) -> torch.dtype:
     """The dtype the run's weights are stored in (config.json `dtype`, `torch_dtype` before transformers 5)."""
     from tsenor_cli.models.loading import parse_dtype
 
-    config = json.loads((run_dir / "config.json").read_text())
+    config = json.loads((run_dir / CONFIG_FILE).read_text())
     return parse_dtype(str(config.get("dtype") or config.get("torch_dtype") or "float32")) or torch.float32
 
 
-def _load_state(state_dir: Path, cfg: FinetuneConfig) -> dict[str, Any] | None:
+def _load_state(state_dir: Path, cfg: FinetuneConfig) -> FinetuneState | None:
     """The saved finetune state of an interrupted run, None when there is none."""
-    path = state_dir / STATE_FILE
-    if not path.is_file():
+    state = FinetuneState.read(state_dir)
+    if state is None:
         if state_dir.is_dir() and any(state_dir.iterdir()):
             raise UsageError(
                 f"{state_dir} holds another command's resume state; pass --force without --resume to start over"
             )
         return None
-    state = json.loads(path.read_text())
-    if state.get("version") != STATE_VERSION or state.get("config_hash") != cfg.result_hash():
+    if state.schema_version != FINETUNE_STATE_VERSION or state.config_hash != cfg.result_hash():
         raise UsageError(
             f"the resume state in {state_dir} was made with different settings; rerun with the same flags to "
             "continue it, or pass --force without --resume to start over"
         )
-    return dict(state)
-
-
-def _save_state(state_dir: Path, cfg: FinetuneConfig, eval_before: dict[str, Any] | None) -> None:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"version": STATE_VERSION, "config_hash": cfg.result_hash(), "eval_before": eval_before}
-    tmp = state_dir / f"{STATE_FILE}.tmp"
-    tmp.write_text(json.dumps(payload, indent=1))
-    tmp.replace(state_dir / STATE_FILE)
+    return state
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -331,7 +324,7 @@ def finetune(
     start = time.perf_counter()
     stop = stop if stop is not None else StopRequest()
     point = _RunPoint(max_steps=cfg.max_steps)
-    state_dir = cfg.output / RESUME_DIRNAME
+    state_dir = cfg.output / RESUME_DIR
     existed = cfg.output.exists()
     finished = False
     try:
@@ -399,7 +392,7 @@ def _saved(cfg: FinetuneConfig, state_dir: Path) -> str:
             f"the resume state holds step {checkpoint_step(checkpoint)} ({checkpoint}): rerun the same command "
             "with --resume to continue"
         )
-    if (state_dir / STATE_FILE).is_file():
+    if (state_dir / FINETUNE_STATE_FILE).is_file():
         return (
             f"{state_dir} holds the evaluation before fine-tuning, no step yet: rerun the same command with "
             "--resume to continue"
@@ -540,7 +533,7 @@ def _train(
         model.train()  # evaluate_model leaves the model in eval mode
         return {name: entry.ppl for name, entry in report.perplexity.items()}
 
-    eval_before: dict[str, Any] | None = state.get("eval_before") if state is not None else None
+    eval_before: dict[str, Any] | None = state.eval_before if state is not None else None
     if eval_before is None and wants_eval and main:
         earlier = matching_evaluation(cfg, loaded, args.device)
         if earlier is not None:
@@ -555,7 +548,7 @@ def _train(
             with stop.at_once():
                 eval_before = evaluate_model(loaded, eval_cfg, ctx, progress=say).to_json()
     if main and cfg.save_every and state is None:
-        _save_state(state_dir, cfg, eval_before)
+        FinetuneState(cfg.result_hash(), eval_before).write(state_dir)
 
     curve = CurveCallback(ppl_now if wants_eval else None, cfg.eval_every, say, after_save)
     common: dict[str, Any] = {

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from tsenor_cli.errors import InputNotFoundError, UsageError, VerificationError
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.finite import check_finite
-from tsenor_cli.pruning.output import SPARSITY_KEY
+from tsenor_cli.runfiles import CONFIG_FILE, SPARSITY_KEY
 from tsenor_cli.solver import to_blocks
 
 
@@ -161,7 +161,7 @@ def verify_checkpoint(directory: Path) -> VerifyReport:
         raise InputNotFoundError(f"{directory} does not exist; pass a checkpoint directory written by tsenor prune")
     if not directory.is_dir():
         raise UsageError(f"{directory} is a file; pass the checkpoint directory written by tsenor prune")
-    config_path = directory / "config.json"
+    config_path = directory / CONFIG_FILE
     if not config_path.is_file():
         raise InputNotFoundError(f"{directory} has no config.json; pass a checkpoint directory written by tsenor prune")
     meta = json.loads(config_path.read_text()).get(SPARSITY_KEY)

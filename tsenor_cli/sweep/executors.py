@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import shlex
 import shutil
 import subprocess
@@ -28,25 +27,22 @@ from tsenor_cli.atomic import write_text
 from tsenor_cli.errors import OutputBusyError, OutputExistsError, TsenorError, UsageError
 from tsenor_cli.locks import folder_lock
 from tsenor_cli.pruning.recipe import validate_recipe
-from tsenor_cli.settings import RunContext
-from tsenor_cli.sweep.job import RunJob, SweepTask, run_job
-from tsenor_cli.sweep.spec import TOP_KEYS, RunSpec, SlurmOptions, SweepSpec
-from tsenor_cli.sweep.status import (
+from tsenor_cli.runfiles import (
     EVAL_FILE,
     MODEL_DIR,
-    PRUNE_REPORTS,
+    PRUNE_FILE,
     RECIPE_FILE,
     RUNS_DIR,
     SWEEP_FILE,
-    RunView,
     Submission,
-    collect,
-    is_complete,
-    is_sweep_dir,
     read_status,
-    resolve,
+    resume_progress,
     write_submission,
 )
+from tsenor_cli.settings import RunContext
+from tsenor_cli.sweep.job import RunJob, SweepTask, run_job
+from tsenor_cli.sweep.spec import TOP_KEYS, RunSpec, SlurmOptions, SweepSpec
+from tsenor_cli.sweep.status import RunView, collect, is_complete, is_sweep_dir, resolve
 
 SUBMITIT_DIR = ".submitit"
 POLL_SECONDS = 3.0
@@ -107,11 +103,11 @@ def _on_disk(run_dir: Path, dense: bool) -> str:
     """A few words on what a run directory holds, for --dry-run."""
     if (run_dir / EVAL_FILE).is_file():
         return "evaluated"
-    if (run_dir / MODEL_DIR / PRUNE_REPORTS[0]).is_file():
+    if (run_dir / MODEL_DIR / PRUNE_FILE).is_file():
         return "pruned, not evaluated"
-    state = run_dir / MODEL_DIR / ".tsenor-resume" / "state.json"
-    if state.is_file():
-        return f"resume state after {json.loads(state.read_text()).get('next_block', '?')} block(s)"
+    blocks = resume_progress(run_dir / MODEL_DIR)
+    if blocks is not None:
+        return f"resume state after {blocks} block(s)"
     if run_dir.is_dir() and any(run_dir.iterdir()):
         return "started"
     return "-"
