@@ -34,6 +34,7 @@ from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning import api, engine
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.distributed import assign_owners, shard_bounds, shared_input_classes, without_option
+from tsenor_cli.pruning.plan import plan_model
 from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE
 from tsenor_cli.settings import DistributedContext, RunContext
@@ -363,7 +364,7 @@ def test_dry_run_memory_components_match_the_tensors_of_a_run(
     from tsenor_cli.models.loading import load_model
 
     cfg = _cfg(models["llama"], calib, tmp_path / "out", "sparsegpt", True, sequential=False)
-    plan = api.plan_model(cfg, data_ctx, world_size=WORLD)
+    plan = plan_model(cfg, data_ctx, world_size=WORLD)
     assert [e.rank for e in plan.device_memory] == [0, 1]
     loaded = load_model(str(models["llama"]), data_ctx, dtype=torch.float32, device="cpu")
     structure = loaded.structure
@@ -387,12 +388,12 @@ def test_dry_run_memory_components_match_the_tensors_of_a_run(
     one_rank = sum(s.sq_norms.nbytes + s.require_gram().nbytes for s in stats.values())
     largest = max(s.sq_norms.nbytes + s.require_gram().nbytes for s in stats.values())
     assert plan.device_memory[0].statistics == 2 * one_rank + largest
-    alone = api.plan_model(cfg, data_ctx, world_size=1).device_memory
+    alone = plan_model(cfg, data_ctx, world_size=1).device_memory
     assert len(alone) == 1 and alone[0].statistics == one_rank
     shared = sum({id(s): s.sq_norms.nbytes + s.require_gram().nbytes for s in stats.values()}.values())
     assert len({id(s) for s in stats.values()}) == 4 and shared < one_rank  # [q,k,v] [o] [gate,up] [down]
     assert alone[0].activations == 2 * inputs.hidden.nbytes
-    offloaded = api.plan_model(dataclasses.replace(cfg, offload_activations=True), data_ctx).device_memory[0]
+    offloaded = plan_model(dataclasses.replace(cfg, offload_activations=True), data_ctx).device_memory[0]
     assert offloaded.activations == 2 * inputs.hidden[:1].nbytes
 
 

@@ -118,3 +118,41 @@ def test_each_run_folder_file_name_is_defined_once() -> None:
         if spelled:
             offenders[str(path.relative_to(PACKAGE))] = spelled
     assert offenders == {}
+
+
+def _command_bodies() -> dict[str, int]:
+    """{module.function: lines of its body after the docstring} of every function registered as a command."""
+    sizes = {}
+    for path in sorted((PACKAGE / "cli").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            decorators = [d.func for d in node.decorator_list if isinstance(d, ast.Call)]
+            if not any(isinstance(d, ast.Attribute) and d.attr == "command" for d in decorators):
+                continue
+            body = node.body[1:] if isinstance(node.body[0], ast.Expr) else node.body
+            end = body[-1].end_lineno or body[-1].lineno
+            sizes[f"{path.stem}.{node.name}"] = end - body[0].lineno + 1
+    return sizes
+
+
+def test_commands_are_thin() -> None:
+    """A command parses its flags, builds the run's inputs and calls the library: about 40 lines at most."""
+    sizes = _command_bodies()
+    assert {"prune.prune_cmd", "sweep.sweep_run", "evaluate.eval_cmd", "finetune.finetune_cmd"} <= set(sizes)
+    assert {name: size for name, size in sizes.items() if size > 40} == {}
+
+
+def test_no_command_imports_another_commands_module() -> None:
+    """Commands share options through cli/options.py and the CLI's frame (cli/__init__.py), nothing else."""
+    shared = {"tsenor_cli.cli", "tsenor_cli.cli.options"}
+    offenders = {}
+    for path in (PACKAGE / "cli").glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        own = f"tsenor_cli.cli.{path.stem}"
+        names = _imported_modules(path.read_text(encoding="utf-8"), "tsenor_cli.cli")
+        others = sorted(m for m in names if m.startswith("tsenor_cli.cli.") and m not in shared | {own})
+        if others:
+            offenders[path.name] = others
+    assert offenders == {}

@@ -23,9 +23,9 @@ from tsenor_cli.errors import OutputBusyError
 from tsenor_cli.locks import lock_path
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning import output as output_module
-from tsenor_cli.pruning.api import plan_model
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.output import output_lock
+from tsenor_cli.pruning.plan import plan_model
 from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR
 from tsenor_cli.settings import RunContext

@@ -408,6 +408,29 @@ def test_ctrl_c_before_pruning_during_the_write_and_during_prune_eval(
     assert (evaluated / PRUNE_FILE).is_file() and not (evaluated / "eval.json").exists()
 
 
+def test_a_stop_signal_during_prune_evals_evaluation_stops_it_at_once(
+    tiny: Path, calib: Path, data_ctx: RunContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An evaluation has no safe point: a scheduler's signal stops it at once (exit 75), the checkpoint kept."""
+    from tsenor_cli.evaluation import runner
+    from tsenor_cli.pruning.api import prune_and_evaluate
+
+    stop = StopRequest()
+
+    def signalled(*_args: object, **_kwargs: object) -> None:
+        stop.request("SIGTERM")  # inside StopRequest.at_once: raises KeyboardInterrupt here
+        raise AssertionError("the evaluation went on after SIGTERM")
+
+    monkeypatch.setattr(runner, "evaluate_model", signalled)
+    out = tmp_path / "out"
+    eval_cfg = runner.EvalConfig(ppl_datasets=("wikitext2",), max_windows=1)
+    with pytest.raises(Interrupted) as stopped:
+        prune_and_evaluate(_cfg(tiny, calib, out), data_ctx, eval_cfg, stop=stop)
+    assert stopped.value.exit_code == EXIT_RESUMABLE
+    assert str(stopped.value).startswith(f"stopped by SIGTERM while evaluating; the checkpoint {out} is complete")
+    assert (out / PRUNE_FILE).is_file() and not (out / "eval.json").exists()
+
+
 def test_stop_signals_are_recorded_and_a_second_one_stops_at_once() -> None:
     stop = StopRequest()
     stop.request("SIGTERM")

@@ -271,8 +271,9 @@ def run_e2e(
     from tsenor_cli.models.embedded import materialize
     from tsenor_cli.models.loading import LoadedModel, default_dtype, meta_model, parse_dtype, resolve_device
     from tsenor_cli.models.structure import discover_structure
-    from tsenor_cli.pruning.api import plan_model, prune_model
+    from tsenor_cli.pruning.api import prune_model
     from tsenor_cli.pruning.phases import record_phases
+    from tsenor_cli.pruning.plan import plan_model
     from tsenor_cli.pruning.recipe import build_config
     from tsenor_cli.pruning.verify import verify_checkpoint
 

@@ -27,6 +27,7 @@ import torch
 from safetensors import safe_open
 
 from tsenor_cli import __version__
+from tsenor_cli.errors import UsageError
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.solver import METHODS, SolveResult, from_blocks, resolve_method, solve, to_blocks
@@ -50,6 +51,15 @@ class BenchConfig:
     repeats: int = 1  # timed solves per method, round-robin; the minimum is reported
     device: str = "cpu"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not set(self.time_methods) <= set(self.methods):
+            raise UsageError(
+                f"--time-methods {','.join(self.time_methods)} must be among --methods {','.join(self.methods)}"
+            )
+        for pat in self.time_patterns:
+            if self.time_size % pat.m or (self.large_size and self.large_size % pat.m):
+                raise UsageError(f"--time-size/--large-size must be multiples of M={pat.m} for pattern {pat}")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ from pathlib import Path
 import typer
 
 from tsenor_cli.cli import Command, app, command_line, run_context
-from tsenor_cli.cli.evaluate import parse_limit, parse_list, parse_ppl_datasets
 from tsenor_cli.cli.options import (
     DEVICE,
     PPL,
@@ -23,6 +22,9 @@ from tsenor_cli.cli.options import (
     PplOpt,
     TasksOpt,
     TrustRemoteCodeOpt,
+    parse_limit,
+    parse_list,
+    parse_ppl_datasets,
 )
 from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.finetune.data import NAMED_DATA

@@ -25,42 +25,24 @@ from tsenor_cli.cli.options import (
     PplOpt,
     TasksOpt,
     TrustRemoteCodeOpt,
+    parse_ppl_datasets,
+    parse_tasks,
 )
 from tsenor_cli.data.sources import data_folder
-from tsenor_cli.errors import EXIT_SIGINT, Interrupted, UsageError
+from tsenor_cli.errors import UsageError
 from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.output import human_bytes
-from tsenor_cli.pruning.recipe import NAMED_CALIBRATION, RECIPE_DEFAULTS, build_config, read_recipe
+from tsenor_cli.pruning.recipe import NAMED_CALIBRATION, RECIPE_DEFAULTS, RECIPE_KEYS, build_config, read_recipe
 from tsenor_cli.pruning.registry import PRUNERS
 from tsenor_cli.solver import METHODS
 
 if TYPE_CHECKING:
-    from tsenor_cli.pruning.api import PrunePlan
+    from tsenor_cli.evaluation.runner import EvalConfig
+    from tsenor_cli.runfiles import EvalReport, PruneReport
+    from tsenor_cli.settings import RunContext
 
 # --method choices, straight from the registry (typer shows an Enum's values as the choices).
 MethodChoice = StrEnum("MethodChoice", {name: name for name in PRUNERS})  # type: ignore[misc]
 D = RECIPE_DEFAULTS
-
-
-def _plan_verdict(plan: PrunePlan, cfg: PruneConfig, processes: int) -> None:
-    """After the plan is printed: the run's own error (its exit code too) when the run would not fit in
-    memory (`processes` of it on this machine), stop on an incompatible layer or have nothing to prune,
-    so a dry run fails where the run would."""
-    from tsenor_cli.models.loading import resolve_device
-    from tsenor_cli.pruning.engine import check_compatibility
-    from tsenor_cli.pruning.memory import check_fits
-
-    check_fits(
-        plan.host_memory,
-        plan.device_bytes,
-        resolve_device(plan.device),
-        nsamples=cfg.nsamples,
-        seqlen=plan.seqlen,
-        offload_activations=cfg.offload_activations,
-        processes=processes,
-    )
-    candidates = [s for s in plan.slots if s.full_name not in plan.ignored and not s.param and s.out_features > 1]
-    check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)
 
 
 def _given_on_command_line(ctx: typer.Context, name: str) -> bool:
@@ -181,29 +163,6 @@ def prune_cmd(
     offline: OfflineOpt = False,
 ) -> None:
     """Prune a model to (transposable) N:M or unstructured sparsity, layer by layer."""
-    given = {
-        "model": model,
-        "nm": nm,
-        "sparsity": sparsity,
-        "transposable": transposable,
-        "method": str(method.value),
-        "solver": solver,
-        "calib_data": calib_data,
-        "nsamples": nsamples,
-        "seqlen": seqlen,
-        "seed": seed,
-        "dtype": dtype,
-        "device": device,
-        "trust_remote_code": trust_remote_code,
-        "sequential": sequential,
-        "skip_incompatible": skip_incompatible,
-        "ignore": ignore or [],
-        "targets": targets or [],
-        "output": output,
-        "offload_activations": offload_activations,
-        "moe_calibration": moe_calibration,
-        "moe_min_tokens": moe_min_tokens,
-    }
     run_ctx = run_context(ctx, data_dir, offline)
     if nproc > 1 and run_ctx.distributed.distributed:
         raise UsageError(
@@ -211,125 +170,94 @@ def prune_cmd(
             f"{run_ctx.distributed.world_size}); drop --nproc, torchrun already started the processes"
         )
     command = command_line()
-    cfg = build_config(merge_config(ctx, given, config), force=force, resume=resume, command=command)
-    eval_cfg = None
-    if run_eval:
-        if dry_run:
-            raise UsageError("--eval cannot run with --dry-run (there is no checkpoint); drop one of them")
-        from tsenor_cli.cli.evaluate import check_data_sources, parse_ppl_datasets, parse_tasks
-        from tsenor_cli.evaluation.runner import EvalConfig
-
-        # Checked before pruning: a typo must not surface after hours of work.
-        eval_cfg = EvalConfig(
-            ppl_datasets=parse_ppl_datasets(ppl),
-            tasks=parse_tasks(tasks),
-            max_windows=max_windows,
-            command=command,
-        )
-        if not eval_cfg.ppl_datasets and not eval_cfg.tasks:
-            raise UsageError("--eval with --ppl none and no --tasks evaluates nothing; pass --ppl or --tasks")
-        check_data_sources(eval_cfg, run_ctx)
-    elif tasks is not None:
-        raise UsageError("--tasks applies with --eval only; add --eval or drop --tasks")
+    cfg = build_config(merge_config(ctx, _recipe_flags(ctx), config), force=force, resume=resume, command=command)
+    # Checked before pruning: a typo must not surface after hours of work.
+    eval_cfg = _eval_config(run_eval, dry_run, ppl, tasks, max_windows, command, run_ctx)
     if not dry_run and cfg.calib_data in NAMED_CALIBRATION:
         data_folder(run_ctx, cfg.calib_data)  # the hub off and no data folder: say so before loading
-
     if dry_run:
-        from tsenor_cli.pruning.api import plan_model
+        from tsenor_cli.pruning.plan import plan_model
 
         processes = max(nproc, run_ctx.distributed.world_size)
         plan = plan_model(cfg, run_ctx, world_size=processes)
-        if as_json:
-            typer.echo(json.dumps(plan.to_dict(), indent=2))
-            _plan_verdict(plan, cfg, processes)
-            return
-        typer.echo(
-            f"plan: {cfg.method} {cfg.pattern.label} ({cfg.pattern.kind}) on {plan.model} "
-            f"({plan.model_type}, {plan.params / 1e6:.1f}M params, {plan.dtype}), "
-            f"calibration {cfg.calib_data} {plan.nsamples}×{plan.seqlen}"
-        )
-        typer.echo(f"{'layer':<44} {'shape':>13}  compatible")
-        for slot in plan.slots:
-            why = plan.incompatible.get(slot.full_name)
-            shape = f"{slot.out_features}×{slot.in_features}"
-            verdict = "yes" if why is None else "NO: " + why
-            if slot.full_name in plan.ignored:
-                verdict = "ignored: " + plan.ignored[slot.full_name]
-            typer.echo(f"{slot.full_name:<44} {shape:>13}  {verdict}")
-        host = plan.host_memory
-        typer.echo(
-            f"estimated memory: host {human_bytes(host.total)} ({host.describe()}"
-            + (", in each process)" if len(plan.device_memory) > 1 else ")")
-            + f", {plan.device} {human_bytes(plan.device_bytes)} peak"
-            + (" per process" if len(plan.device_memory) > 1 else "")
-            + (", activations offloaded" if cfg.offload_activations else "")
-        )
-        for estimate in plan.device_memory:
-            typer.echo(
-                f"  rank {estimate.rank}: {human_bytes(estimate.total)} = block {human_bytes(estimate.block)} "
-                f"+ activations {human_bytes(estimate.activations)} + statistics {human_bytes(estimate.statistics)} "
-                f"+ workspace {human_bytes(estimate.workspace)}"
-            )
-        _plan_verdict(plan, cfg, processes)
+        typer.echo(json.dumps(plan.to_dict(), indent=2) if as_json else "\n".join(plan.lines(cfg)))
+        plan.check(cfg, processes)
         return
-
     if nproc > 1:
-        # Checked here too, so the line comes once and not from every process.
-        if cfg.nsamples < nproc:
-            raise UsageError(
-                f"--nsamples {cfg.nsamples} is fewer than --nproc {nproc}; pass at least one calibration "
-                "sample per process"
-            )
-        from tsenor_cli.models.loading import resolve_device
-
-        resolve_device(cfg.device)
-        _launch(ctx, nproc)
+        _launch(ctx, cfg, nproc)
         return
-
     from tsenor_cli.interrupt import stop_on_signals
-    from tsenor_cli.pruning.api import prune_model
+    from tsenor_cli.pruning.api import prune_and_evaluate
 
     with stop_on_signals() as stop:
-        report = prune_model(cfg, run_ctx, stop=stop)
-    if not run_ctx.distributed.is_root:
-        return  # rank 0 reports (and evaluates) for the run
-    payload: dict[str, Any] = {"prune": report.to_json()}
-    if eval_cfg is not None and cfg.output is not None:
-        from tsenor_cli import atomic
-        from tsenor_cli.cli.evaluate import format_table
-        from tsenor_cli.evaluation.runner import evaluate_model
-        from tsenor_cli.models.loading import load_model, parse_dtype
-        from tsenor_cli.runfiles import EVAL_FILE
+        report, evaluation = prune_and_evaluate(cfg, run_ctx, eval_cfg, stop=stop)
+    if run_ctx.distributed.is_root:  # rank 0 reports (and evaluates) for the run
+        _print_result(report, evaluation, as_json=as_json)
 
-        try:
-            loaded = load_model(str(cfg.output), run_ctx, dtype=parse_dtype(cfg.dtype), device=cfg.device)
-            evaluation = evaluate_model(loaded, eval_cfg, run_ctx)
-        except KeyboardInterrupt:
-            raise Interrupted(
-                f"interrupted while evaluating; the checkpoint {cfg.output} is complete but has no {EVAL_FILE}: "
-                f"run `tsenor eval --model {cfg.output} --output {cfg.output}`",
-                EXIT_SIGINT,
-            ) from None
-        atomic.write_json(cfg.output / EVAL_FILE, evaluation.to_json())
-        payload["eval"] = evaluation.to_json()
-        if not as_json:
-            typer.echo(format_table(evaluation))
+
+def _recipe_flags(ctx: typer.Context) -> dict[str, Any]:
+    """The recipe keys' values as the flags give them (their defaults where not typed)."""
+    values = {key: ctx.params[key] for key in RECIPE_KEYS}
+    values["method"] = str(getattr(values["method"], "value", values["method"]))
+    values["ignore"], values["targets"] = list(values["ignore"] or []), list(values["targets"] or [])
+    return values
+
+
+def _eval_config(
+    run_eval: bool,
+    dry_run: bool,
+    ppl: str,
+    tasks: str | None,
+    max_windows: int | None,
+    command: str,
+    run_ctx: RunContext,
+) -> EvalConfig | None:
+    """--eval's settings, checked (datasets, tasks, their sources) before anything runs; None without --eval."""
+    if not run_eval:
+        if tasks is not None:
+            raise UsageError("--tasks applies with --eval only; add --eval or drop --tasks")
+        return None
+    if dry_run:
+        raise UsageError("--eval cannot run with --dry-run (there is no checkpoint); drop one of them")
+    from tsenor_cli.evaluation.runner import EvalConfig
+
+    eval_cfg = EvalConfig(
+        ppl_datasets=parse_ppl_datasets(ppl), tasks=parse_tasks(tasks), max_windows=max_windows, command=command
+    )
+    if not eval_cfg.ppl_datasets and not eval_cfg.tasks:
+        raise UsageError("--eval with --ppl none and no --tasks evaluates nothing; pass --ppl or --tasks")
+    eval_cfg.check_sources(run_ctx)
+    return eval_cfg
+
+
+def _print_result(report: PruneReport, evaluation: EvalReport | None, *, as_json: bool) -> None:
+    """The run's summary (from the report's data) and the evaluation's table, or their JSON."""
+    from tsenor_cli.report.markdown import eval_table, prune_summary
+
     if as_json:
-        typer.echo(json.dumps(payload if eval_cfg is not None else payload["prune"], indent=2))
+        payload = report.to_json() if evaluation is None else {"prune": report.to_json(), "eval": evaluation.to_json()}
+        typer.echo(json.dumps(payload, indent=2))
         return
+    if evaluation is not None:
+        typer.echo(eval_table(evaluation))
     totals = report.totals()
-    from tsenor_cli.report.markdown import prune_summary
-
     typer.echo("\n".join(prune_summary(report)))
-    typer.echo(f"wrote {cfg.output} ({totals['layers_pruned']} layers pruned in {report.seconds:.1f} s)")
+    typer.echo(f"wrote {report.output} ({totals['layers_pruned']} layers pruned in {report.seconds:.1f} s)")
 
 
-def _launch(ctx: typer.Context, nproc: int) -> None:
+def _launch(ctx: typer.Context, cfg: PruneConfig, nproc: int) -> None:
     """Run this same command in `nproc` processes (torchrun's launcher) and exit with its status: 0, or
     the failing rank's exit code after rank 0's `error:` line."""
     from tsenor_cli.cli import launch_arguments
+    from tsenor_cli.models.loading import resolve_device
     from tsenor_cli.pruning.distributed import launch
 
+    # Checked here too, so the line comes once and not from every process.
+    if cfg.nsamples < nproc:
+        raise UsageError(
+            f"--nsamples {cfg.nsamples} is fewer than --nproc {nproc}; pass at least one calibration sample per process"
+        )
+    resolve_device(cfg.device)
     code = launch(launch_arguments(ctx), nproc)
     if code:
         raise typer.Exit(code)

@@ -55,6 +55,13 @@ class EvalConfig:
         if isinstance(self.batch_size, str) and self.batch_size != "auto":
             raise UsageError(f"--batch-size must be a positive integer or 'auto', got {self.batch_size!r}")
 
+    def check_sources(self, ctx: RunContext) -> None:
+        """Refuse perplexity datasets with no source under `ctx` (hub off, no data folder) before loading a model."""
+        from tsenor_cli.data.sources import data_folder
+
+        for name in self.ppl_datasets:
+            data_folder(ctx, name)
+
 
 def package_versions() -> dict[str, str]:
     """Versions of the libraries that decide the numbers (absent ones are reported as such)."""

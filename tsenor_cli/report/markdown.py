@@ -1,4 +1,5 @@
-"""``tsenor_report.md``: the prune report rendered for people, from `runfiles.PruneReport`.
+"""The run reports rendered for people: ``tsenor_report.md`` (from `runfiles.PruneReport`) and the table
+`tsenor eval` prints (from `runfiles.EvalReport`).
 
 `prune_summary` is the report's head (model, method and pattern, calibration, times, totals), which
 `tsenor prune` also prints when it finishes; `prune_markdown` adds one table row per layer. Kept free
@@ -7,11 +8,12 @@ of heavy imports: `tsenor prune` writes the file.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from tsenor_cli.runfiles import PruneReport
+from tsenor_cli.runfiles import EvalReport, PruneReport
 
 MAX_LISTED_IGNORED = 12  # more ignored layers than this are counted by reason in the report summary
 
@@ -94,3 +96,24 @@ def _solver_label(settings: Mapping[str, Any]) -> str:
 
 def _fmt(value: float | None) -> str:
     return "—" if value is None else f"{value:.4g}"
+
+
+def eval_table(report: EvalReport) -> str:
+    """A human table: one row per perplexity dataset, then zero-shot accuracies when run."""
+    lines = [f"model {report.model} ({report.model_type}, {report.dtype}, {report.device}), seqlen {report.seqlen}"]
+    if report.perplexity:
+        lines.append(f"{'dataset':<10} {'ppl':>12} {'windows':>8} {'tokens':>9}  data")
+        for name, entry in report.perplexity.items():
+            ppl = f"{entry.ppl:.3f}" if math.isfinite(entry.ppl) else str(entry.ppl)
+            kind = entry.data_source.kind if entry.data_source is not None else "unrecorded"
+            lines.append(f"{name:<10} {ppl:>12} {entry.windows:>8} {entry.tokens:>9}  {kind}")
+    if report.zeroshot is not None:
+        lines.append(f"{'task':<14} {'acc':>8} {'acc_norm':>9}")
+        for task in report.zeroshot.tasks:
+            # WinoGrande, RTE, BoolQ define only acc
+            norm_text = "-" if task.acc_norm is None else f"{task.acc_norm:.4f}"
+            lines.append(f"{task.name:<14} {task.acc:>8.4f} {norm_text:>9}")
+        lines.append(f"{'average (acc)':<14} {report.zeroshot.average:>8.4f}")
+    lines.extend(f"data {name}: {entry.data}" for name, entry in report.perplexity.items())
+    lines.append(f"took {report.seconds:.1f} s")
+    return "\n".join(lines)

@@ -219,3 +219,39 @@ def is_complete(run_dir: Path, covered_by: Callable[[Mapping[str, Any]], bool], 
     if not dense and not (run_dir / PRUNE_FILE).is_file():
         return False
     return covered_by(read_json(eval_path))
+
+
+def runs_text(n: int) -> str:
+    """ "1 run", "3 runs"."""
+    return f"{n} run" if n == 1 else f"{n} runs"
+
+
+def _elapsed(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def _clip(text: str | None, width: int) -> str:
+    if not text:
+        return "-"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def status_table(views: list[RunView]) -> str:
+    """`tsenor sweep status`'s table: one row per run (state, job, elapsed, last log line) and the counts."""
+    width = max([len("run"), *(len(v.name) for v in views)])
+    lines = [f"{'run':<{width}}  {'state':<8} {'job':<12} {'elapsed':>8}  last log line"]
+    for v in views:
+        last = f"error: {v.error}" if v.state == "failed" and v.error else v.last_log
+        lines.append(
+            f"{v.name:<{width}}  {v.state:<8} {v.job_id or '-':<12} {_elapsed(v.elapsed_s):>8}  {_clip(last, 90)}"
+        )
+    counts = {s: sum(v.state == s for v in views) for s in ("done", "running", "pending", "failed")}
+    lines.append(f"{runs_text(len(views))}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    return "\n".join(lines)
