@@ -28,10 +28,10 @@ from tsenor_cli.cli.options import (
     parse_ppl_datasets,
     parse_tasks,
 )
-from tsenor_cli.data.sources import data_folder
+from tsenor_cli.data.sources import NAMED_TEXTS, data_folder
 from tsenor_cli.errors import UsageError
 from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.recipe import NAMED_CALIBRATION, RECIPE_DEFAULTS, RECIPE_KEYS, build_config, read_recipe
+from tsenor_cli.pruning.recipe import RECIPE_DEFAULTS, RECIPE_KEYS, build_config, read_recipe
 from tsenor_cli.pruning.registry import PRUNERS
 from tsenor_cli.solver import METHODS
 
@@ -173,7 +173,7 @@ def prune_cmd(
     cfg = build_config(merge_config(ctx, _recipe_flags(ctx), config), force=force, resume=resume, command=command)
     # Checked before pruning: a typo must not surface after hours of work.
     eval_cfg = _eval_config(run_eval, dry_run, ppl, tasks, max_windows, command, run_ctx)
-    if not dry_run and cfg.calib_data in NAMED_CALIBRATION:
+    if not dry_run and cfg.calib_data in NAMED_TEXTS:
         data_folder(run_ctx, cfg.calib_data)  # the hub off and no data folder: say so before loading
     if dry_run:
         from tsenor_cli.pruning.plan import plan_model

@@ -24,8 +24,6 @@ from tsenor_cli.yamlfile import read_yaml
 if TYPE_CHECKING:
     from tsenor_cli.pruning.config import PruneConfig
 
-# The calibration sets known by name; anything else is a path to a text file.
-NAMED_CALIBRATION = ("c4", "wikitext2", "ptb")
 DEFAULT_DEVICE = "cpu"
 DEFAULT_DTYPE = "auto"
 # Every recipe key and the type its value must have; anything else in a recipe is refused.
@@ -132,7 +130,7 @@ def _pattern_list(where: str, key: str, value: Any) -> list[str]:
 
 def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, command: str) -> PruneConfig:
     """Cross-check a validated recipe (unset keys take `RECIPE_DEFAULTS`) and freeze it into a `PruneConfig`."""
-    from tsenor_cli.data.sources import read_text_records
+    from tsenor_cli.data.sources import NAMED_TEXTS, read_text_records
     from tsenor_cli.pattern import SparsityPattern
     from tsenor_cli.pruning.config import PruneConfig
     from tsenor_cli.pruning.types import LayerPruneConfig
@@ -150,11 +148,11 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
             raise UsageError("--no-transposable applies to --nm patterns only; drop it when using --sparsity")
         pattern = SparsityPattern.unstructured(float(sparsity))
     calib = str(values["calib_data"])
-    if calib not in NAMED_CALIBRATION:
+    if calib not in NAMED_TEXTS:
         path = Path(calib).expanduser()
         if not path.is_file():
             raise InputNotFoundError(
-                f"--calib-data {calib} is not a readable file nor one of {', '.join(NAMED_CALIBRATION)}; "
+                f"--calib-data {calib} is not a readable file nor one of {', '.join(NAMED_TEXTS)}; "
                 "pass c4, wikitext2, ptb or an existing .txt/.jsonl/.json.gz/.parquet file"
             )
         read_text_records(path)  # its contents too (format, `text` fields, not empty), before the model loads
