@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 # --method choices, straight from the registry (typer shows an Enum's values as the choices).
 MethodChoice = StrEnum("MethodChoice", {name: name for name in PRUNERS})  # type: ignore[misc]
+# The recipe keys' flags default to the recipe's defaults (pruning/recipe.py): a key left unset means the
+# same on the command line, in a --config file and in a sweep file.
 D = RECIPE_DEFAULTS
 
 
