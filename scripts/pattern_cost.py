@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 from tsenor_cli import atomic
-from tsenor_cli.nm import parse_nm
 from tsenor_cli.pruning import InputStats, SparsityPattern
 from tsenor_cli.pruning.api import dense_calibration_inputs
 from tsenor_cli.pruning.engine import run_block
@@ -103,7 +102,7 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=Path("docs/results"))
     parser.add_argument("--output", type=Path, default=None, help="also write the table here")
     args = parser.parse_args()
-    pattern = parse_nm(args.nm)
+    pattern = SparsityPattern.parse(args.nm)
     n, m = pattern.n, pattern.m
     weights, norms = column_norms(args.nsamples, args.seqlen)
     by_type: dict[str, list[tuple[float, float, float]]] = {kind: [] for kind in TYPES}

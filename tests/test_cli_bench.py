@@ -75,9 +75,9 @@ def test_bench_rejects_timed_method_outside_methods() -> None:
 def test_large_cpu_solve_reports_the_spread_of_its_memory_peak(smollm2_path: Path) -> None:
     """The large-matrix row on CPU runs LARGE_REPEATS fresh processes and shows min ≤ median ≤ max."""
     from tsenor_cli.bench.solver import LARGE_REPEATS, BenchConfig, BenchResult, machine_info, run_large, to_markdown
-    from tsenor_cli.nm import parse_nm
+    from tsenor_cli.pattern import SparsityPattern
 
-    pattern = parse_nm("8:16")
+    pattern = SparsityPattern.parse("8:16")
     cfg = BenchConfig(smollm2_path, "smollm2-135m", (pattern,), ("flow",), time_patterns=(pattern,), large_size=256)
     (row,) = run_large(cfg, lambda _: None)
     assert row.method == "flow" and row.size == 256 and row.matrix_mib == 256 * 256 * 4 / 2**20

@@ -30,12 +30,13 @@ from tsenor_cli.errors import (
     TsenorError,
 )
 from tsenor_cli.interrupt import StopRequest
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning import api, engine
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.distributed import assign_owners, shard_bounds, shared_input_classes, without_option
-from tsenor_cli.pruning.resume import RESUME_DIRNAME, STATE_FILE
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
-from tsenor_cli.runfiles import PRUNE_FILE
+from tsenor_cli.pruning.plan import plan_model
+from tsenor_cli.pruning.types import LayerPruneConfig
+from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE
 from tsenor_cli.settings import DistributedContext, RunContext
 
 REPO = Path(__file__).resolve().parents[1]
@@ -301,7 +302,7 @@ def test_resumed_distributed_run_equals_an_uninterrupted_one_and_failures_stop_e
     signalled = [o["signal"] for o in outcomes]
     assert [s["exit_code"] for s in signalled] == [EXIT_RESUMABLE] * WORLD, signalled
     assert signalled[0]["message"].startswith("stopped by SIGTERM after block 1/2")
-    assert (tmp_path / "signalled" / RESUME_DIRNAME / STATE_FILE).is_file()
+    assert (tmp_path / "signalled" / RESUME_DIR / RESUME_STATE_FILE).is_file()
     # Any other exception: the CLI's "unexpected" line, exit 1, on every rank.
     bug = [o["bug"] for o in outcomes]
     assert [b["exit_code"] for b in bug] == [1, 1] and [b["type"] for b in bug] == ["PeerError"] * 2
@@ -363,7 +364,7 @@ def test_dry_run_memory_components_match_the_tensors_of_a_run(
     from tsenor_cli.models.loading import load_model
 
     cfg = _cfg(models["llama"], calib, tmp_path / "out", "sparsegpt", True, sequential=False)
-    plan = api.plan_model(cfg, data_ctx, world_size=WORLD)
+    plan = plan_model(cfg, data_ctx, world_size=WORLD)
     assert [e.rank for e in plan.device_memory] == [0, 1]
     loaded = load_model(str(models["llama"]), data_ctx, dtype=torch.float32, device="cpu")
     structure = loaded.structure
@@ -387,12 +388,12 @@ def test_dry_run_memory_components_match_the_tensors_of_a_run(
     one_rank = sum(s.sq_norms.nbytes + s.require_gram().nbytes for s in stats.values())
     largest = max(s.sq_norms.nbytes + s.require_gram().nbytes for s in stats.values())
     assert plan.device_memory[0].statistics == 2 * one_rank + largest
-    alone = api.plan_model(cfg, data_ctx, world_size=1).device_memory
+    alone = plan_model(cfg, data_ctx, world_size=1).device_memory
     assert len(alone) == 1 and alone[0].statistics == one_rank
     shared = sum({id(s): s.sq_norms.nbytes + s.require_gram().nbytes for s in stats.values()}.values())
     assert len({id(s) for s in stats.values()}) == 4 and shared < one_rank  # [q,k,v] [o] [gate,up] [down]
     assert alone[0].activations == 2 * inputs.hidden.nbytes
-    offloaded = api.plan_model(dataclasses.replace(cfg, offload_activations=True), data_ctx).device_memory[0]
+    offloaded = plan_model(dataclasses.replace(cfg, offload_activations=True), data_ctx).device_memory[0]
     assert offloaded.activations == 2 * inputs.hidden[:1].nbytes
 
 

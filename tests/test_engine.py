@@ -14,10 +14,11 @@ from helpers_cli import invoke
 from helpers_tiny import LOCAL_CTX, make_tiny_llama
 from safetensors.torch import load_file, save_file
 
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.resume import RESUME_DIRNAME
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.types import LayerPruneConfig
+from tsenor_cli.runfiles import RESUME_DIR
 from tsenor_cli.settings import RunContext
 
 FAST = ["--nm", "2:4", "--solver", "exhaustive", "--nsamples", "4", "--seqlen", "32", "--calib-data", "wikitext2"]
@@ -223,7 +224,7 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny: Path, tmp_path: P
     out = tmp_path / "resumed"
     with pytest.raises(Killed):
         prune_model(cfg(out, resume=True), data_ctx, after_block=kill_after_first)
-    assert sorted(p.name for p in out.iterdir()) == [RESUME_DIRNAME]
+    assert sorted(p.name for p in out.iterdir()) == [RESUME_DIR]
     # With --no-resume-state the half-done folder is refused, not silently overwritten.
     args = ["prune", "--model", str(tiny), "--method", "sparsegpt", *FAST, "--output", str(out)]
     refused = invoke([*args, "--no-resume-state"])
@@ -234,7 +235,7 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny: Path, tmp_path: P
     assert any("resuming after block 1/2" in m for m in messages)
     assert not any(m == "block 1/2" for m in messages)  # block 0 was not redone
     assert _weights_hash(out) == _weights_hash(full)
-    assert not (out / RESUME_DIRNAME).exists()
+    assert not (out / RESUME_DIR).exists()
     full_errors = [r["recon_error"] for r in json.loads((full / "tsenor_report.json").read_text())["layers"]]
     assert [r.recon_error for r in report.layers] == full_errors
     # the resumed run records the calibration source its first part used
@@ -348,11 +349,11 @@ def test_smollm2_prunes_end_to_end_with_sane_perplexity(
 
 
 def test_shipped_recipes_parse() -> None:
-    from tsenor_cli.cli.prune import load_config_file
+    from tsenor_cli.pruning.recipe import read_recipe
 
     recipes = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
     assert len(recipes) == 28  # 3 LLaMA models × 3 methods × 3 patterns + the local SmolLM2 recipe
     for recipe in recipes:
-        values = load_config_file(recipe)
+        values = read_recipe(recipe)
         assert values["method"] in ("alps", "sparsegpt", "wanda") and values["nm"] in ("16:32", "8:16", "2:4")
         assert values["seed"] == 0

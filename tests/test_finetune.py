@@ -25,12 +25,12 @@ from tsenor_cli.errors import Interrupted, TsenorError
 from tsenor_cli.finetune.callback import FixedMask
 from tsenor_cli.finetune.run import FinetuneConfig, finetune, last_complete_checkpoint
 from tsenor_cli.interrupt import StopRequest
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.resume import RESUME_DIRNAME
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.pruning.verify import verify_checkpoint
-from tsenor_cli.runfiles import SCHEMA_VERSION, FinetuneReport, SchemaError
+from tsenor_cli.runfiles import RESUME_DIR, SCHEMA_VERSION, FinetuneReport, SchemaError
 from tsenor_cli.settings import RunContext
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -212,12 +212,12 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(
     out = tmp_path / "resumed"
     with pytest.raises(Killed):
         finetune(cfg(out, resume=True), data_ctx, after_save=kill_at_two)
-    assert sorted(p.name for p in out.iterdir()) == [RESUME_DIRNAME]
-    assert (out / RESUME_DIRNAME / "checkpoint-2" / "model.safetensors").is_file()
+    assert sorted(p.name for p in out.iterdir()) == [RESUME_DIR]
+    assert (out / RESUME_DIR / "checkpoint-2" / "model.safetensors").is_file()
     # A later checkpoint the kill (or a full disk) cut short while Trainer wrote it: passed over.
-    cut = out / RESUME_DIRNAME / "checkpoint-4"
+    cut = out / RESUME_DIR / "checkpoint-4"
     cut.mkdir()
-    (cut / "config.json").write_text((out / RESUME_DIRNAME / "checkpoint-2" / "config.json").read_text())
+    (cut / "config.json").write_text((out / RESUME_DIR / "checkpoint-2" / "config.json").read_text())
     (cut / "trainer_state.json").write_text('{"global_step": 4, "log_hist')
     # Without --resume the half-done folder is refused, not silently overwritten.
     refused = invoke(["finetune", str(pruned), "--output", str(out), "--ppl", "none", "--max-steps", "1"])
@@ -228,7 +228,7 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(
     assert any("resuming after step 2/4" in m for m in messages)
     assert any(m.startswith(f"passing over {cut}: it was not written to the end") for m in messages)
     assert not any(m.startswith("step 1/4") for m in messages)  # steps 1-2 were not redone
-    assert not (out / RESUME_DIRNAME).exists()
+    assert not (out / RESUME_DIR).exists()
     # Bit-identical on CPU: Trainer restores the optimizer, scheduler, RNG and data order.
     assert _weights_hash(out) == _weights_hash(tmp_path / "full")
     assert resumed.loss_curve == full.loss_curve and resumed.ppl_curve == full.ppl_curve
@@ -565,7 +565,7 @@ def test_a_stop_signal_saves_the_step_and_ctrl_c_says_what_was_saved(
         finetune(
             _config(pruned, out, text_file, save_every=100), LOCAL_CTX, _stop_at("step 1/4", stop, "SIGTERM"), stop=stop
         )
-    state = out / RESUME_DIRNAME
+    state = out / RESUME_DIR
     assert stopped.value.exit_code == 75
     assert str(stopped.value) == (
         f"stopped by SIGTERM after step 2/4; the resume state holds step 2 ({state / 'checkpoint-2'}): rerun "
@@ -580,7 +580,7 @@ def test_a_stop_signal_saves_the_step_and_ctrl_c_says_what_was_saved(
         finetune(_config(pruned, out, text_file, save_every=2), LOCAL_CTX, _stop_at("step 3/4", StopRequest()))
     assert interrupted.value.exit_code == 130
     assert str(interrupted.value) == (
-        f"interrupted at step 4/4; the resume state holds step 2 ({out / RESUME_DIRNAME / 'checkpoint-2'}): "
+        f"interrupted at step 4/4; the resume state holds step 2 ({out / RESUME_DIR / 'checkpoint-2'}): "
         "rerun the same command with --resume to continue"
     )
     with pytest.raises(Interrupted) as nothing:

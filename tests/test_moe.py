@@ -21,6 +21,7 @@ from helpers_cli import invoke
 from helpers_tiny import blockwise_forward, full_forward, make_tiny_llama, random_causal_lm
 
 from tsenor_cli.models.structure import discover_structure
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.engine import (
@@ -33,7 +34,7 @@ from tsenor_cli.pruning.engine import (
 )
 from tsenor_cli.pruning.observe import Geometry, matrices, observe_block
 from tsenor_cli.pruning.stats import ExpertStats
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.pruning.verify import verify_checkpoint
 from tsenor_cli.settings import RunContext
 

@@ -42,10 +42,11 @@ from tsenor_cli.models.loading import (
     processor_files,
 )
 from tsenor_cli.models.structure import discover_structure
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.engine import BlockCall, capture_block_calls, capture_block_inputs, run_block
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.pruning.verify import verify_checkpoint
 from tsenor_cli.runfiles import PruneReport
 

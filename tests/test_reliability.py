@@ -20,13 +20,14 @@ from safetensors.torch import load_file, save_file
 
 from tsenor_cli.cli import DEBUG_HINT, main
 from tsenor_cli.errors import BadInputError, UsageError
-from tsenor_cli.pruning.api import plan_model
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.finite import first_non_finite
 from tsenor_cli.pruning.memory import check_fits
 from tsenor_cli.pruning.output import human_bytes
+from tsenor_cli.pruning.plan import plan_model
 from tsenor_cli.pruning.stats import reconstruction_error
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.settings import RunContext
 
 QPROJ = "model.layers.0.self_attn.q_proj.weight"

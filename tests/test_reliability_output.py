@@ -21,13 +21,13 @@ from typer.testing import Result
 from tsenor_cli import atomic
 from tsenor_cli.errors import OutputBusyError
 from tsenor_cli.locks import lock_path
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning import output as output_module
-from tsenor_cli.pruning.api import plan_model
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.output import output_lock
-from tsenor_cli.pruning.resume import RESUME_DIRNAME
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
-from tsenor_cli.runfiles import PRUNE_FILE
+from tsenor_cli.pruning.plan import plan_model
+from tsenor_cli.pruning.types import LayerPruneConfig
+from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR
 from tsenor_cli.settings import RunContext
 
 REPO = Path(__file__).resolve().parents[1]
@@ -207,14 +207,14 @@ def test_folder_swap_killed_at_every_step_recovers_old_or_new(tmp_path: Path) ->
         out = root / "out"
         out.mkdir(parents=True)
         (out / "old.txt").write_text("old")
-        (out / RESUME_DIRNAME).mkdir()
-        (out / RESUME_DIRNAME / "state.json").write_text("{}")
+        (out / RESUME_DIR).mkdir()
+        (out / RESUME_DIR / "state.json").write_text("{}")
         switch = KillSwitch(root, at=at)
         with switch.armed(), contextlib.suppress(Killed), atomic.atomic_dir(out, replace=True) as tmp:
             (tmp / "new.txt").write_text("new")
         restored += [line for line in atomic.recover(out) if line.startswith("restored")]
         assert sorted(p.name for p in root.iterdir()) == ["out"]
-        assert sorted(p.name for p in out.iterdir()) in (["new.txt"], [RESUME_DIRNAME, "old.txt"])
+        assert sorted(p.name for p in out.iterdir()) in (["new.txt"], [RESUME_DIR, "old.txt"])
         if not switch.dead:
             assert (out / "new.txt").read_text() == "new"
             break

@@ -30,11 +30,12 @@ from tsenor_cli.errors import (
 )
 from tsenor_cli.interrupt import StopRequest, stop_on_signals
 from tsenor_cli.locks import lock_path
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.resume import RESUME_DIRNAME, STATE_FILE, ResumeStore, block_file
-from tsenor_cli.pruning.types import LayerPruneConfig, LayerRecord, SparsityPattern
-from tsenor_cli.runfiles import PRUNE_FILE, DataSource
+from tsenor_cli.pruning.resume import ResumeStore, block_file
+from tsenor_cli.pruning.types import LayerPruneConfig, LayerRecord
+from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE, DataSource
 from tsenor_cli.settings import RunContext
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,7 +95,7 @@ def reference(tiny: Path, calib: Path, data_ctx: RunContext, tmp_path_factory: p
 def _assert_same_as(out: Path, reference: Path) -> None:
     assert _sha(out / "model.safetensors") == _sha(reference / "model.safetensors")
     assert _errors(out) == _errors(reference)
-    assert not (out / RESUME_DIRNAME).exists()  # the state goes away with the final swap
+    assert not (out / RESUME_DIR).exists()  # the state goes away with the final swap
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name]  # no temporaries, no lock file
 
 
@@ -160,7 +161,7 @@ def test_state_save_is_atomic_at_every_step(tmp_path: Path) -> None:
                     assert torch.equal(store.load_hidden(state, torch.device("cpu")), hidden[done - 1])
                 assert [r.block for r in state.records] == list(range(done))
                 # nothing unnamed is left: the state's own files only
-                assert sorted(p.name for p in store.root.iterdir()) == sorted([STATE_FILE, *state.files])
+                assert sorted(p.name for p in store.root.iterdir()) == sorted([RESUME_STATE_FILE, *state.files])
             at += 1
         assert at > 3  # block file, hidden states or state.json, and at least one more change were hit
     assert checked == {"replace", "unlink"}
@@ -169,11 +170,11 @@ def test_state_save_is_atomic_at_every_step(tmp_path: Path) -> None:
 def test_damaged_or_foreign_state_is_one_line(tmp_path: Path) -> None:
     block = nn.Linear(4, 4)
     damages = {
-        "garbage state.json": lambda root: (root / STATE_FILE).write_text("{not json"),
+        "garbage state.json": lambda root: (root / RESUME_STATE_FILE).write_text("{not json"),
         "truncated hidden states": lambda root: (root / "hidden_0000.safetensors").write_bytes(b"\0" * 10),
         "missing block file": lambda root: (root / block_file(0)).unlink(),
-        "state.json without a field": lambda root: (root / STATE_FILE).write_text(
-            json.dumps({k: v for k, v in json.loads((root / STATE_FILE).read_text()).items() if k != "records"})
+        "state.json without a field": lambda root: (root / RESUME_STATE_FILE).write_text(
+            json.dumps({k: v for k, v in json.loads((root / RESUME_STATE_FILE).read_text()).items() if k != "records"})
         ),
     }
     for name, damage in damages.items():
@@ -272,16 +273,16 @@ def test_rerunning_the_same_command_continues_an_interrupted_run(
 ) -> None:
     out = tmp_path / "out"
     _killed_after_first_block(tiny, calib, out, data_ctx)
-    assert sorted(p.name for p in out.iterdir()) == [RESUME_DIRNAME]
+    assert sorted(p.name for p in out.iterdir()) == [RESUME_DIR]
     args = [*_args(tiny, calib, out), "--data-dir", str(data_dir)]
     off = invoke([*args, "--no-resume-state"])  # refused, the state kept
     assert off.exit_code == 4 and "drop --no-resume-state to continue it" in str(off.exception)
     other = invoke([*args, "--seed", "1"])
     assert other.exit_code == 4 and "different settings" in str(other.exception)
-    assert (out / RESUME_DIRNAME / STATE_FILE).is_file()
+    assert (out / RESUME_DIR / RESUME_STATE_FILE).is_file()
     result = invoke(args)
     assert result.exit_code == 0, result.output
-    assert f"resuming after block 1/{BLOCKS} from {out / RESUME_DIRNAME}" in result.stderr
+    assert f"resuming after block 1/{BLOCKS} from {out / RESUME_DIR}" in result.stderr
     assert json.loads((out / PRUNE_FILE).read_text())["resumed_from_block"] == 1
     _assert_same_as(out, reference)
 
@@ -291,7 +292,7 @@ def test_force_starts_over_from_a_damaged_or_foreign_state(
 ) -> None:
     out = tmp_path / "out"
     _killed_after_first_block(tiny, calib, out, data_ctx)
-    (out / RESUME_DIRNAME / STATE_FILE).write_text("{")
+    (out / RESUME_DIR / RESUME_STATE_FILE).write_text("{")
     args = [*_args(tiny, calib, out), "--data-dir", str(data_dir)]
     damaged = invoke(args)
     assert damaged.exit_code == 4 and "is damaged" in str(damaged.exception)
@@ -407,6 +408,29 @@ def test_ctrl_c_before_pruning_during_the_write_and_during_prune_eval(
     assert (evaluated / PRUNE_FILE).is_file() and not (evaluated / "eval.json").exists()
 
 
+def test_a_stop_signal_during_prune_evals_evaluation_stops_it_at_once(
+    tiny: Path, calib: Path, data_ctx: RunContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An evaluation has no safe point: a scheduler's signal stops it at once (exit 75), the checkpoint kept."""
+    from tsenor_cli.evaluation import runner
+    from tsenor_cli.pruning.api import prune_and_evaluate
+
+    stop = StopRequest()
+
+    def signalled(*_args: object, **_kwargs: object) -> None:
+        stop.request("SIGTERM")  # inside StopRequest.at_once: raises KeyboardInterrupt here
+        raise AssertionError("the evaluation went on after SIGTERM")
+
+    monkeypatch.setattr(runner, "evaluate_model", signalled)
+    out = tmp_path / "out"
+    eval_cfg = runner.EvalConfig(ppl_datasets=("wikitext2",), max_windows=1)
+    with pytest.raises(Interrupted) as stopped:
+        prune_and_evaluate(_cfg(tiny, calib, out), data_ctx, eval_cfg, stop=stop)
+    assert stopped.value.exit_code == EXIT_RESUMABLE
+    assert str(stopped.value).startswith(f"stopped by SIGTERM while evaluating; the checkpoint {out} is complete")
+    assert (out / PRUNE_FILE).is_file() and not (out / "eval.json").exists()
+
+
 def test_stop_signals_are_recorded_and_a_second_one_stops_at_once() -> None:
     stop = StopRequest()
     stop.request("SIGTERM")
@@ -459,7 +483,7 @@ def _spawn(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
 
 def _wait_for_block(out: Path, done: int, proc: subprocess.Popen[str], timeout: float = 300) -> None:
     """Poll the resume state until it holds at least `done` blocks."""
-    state = out / RESUME_DIRNAME / STATE_FILE
+    state = out / RESUME_DIR / RESUME_STATE_FILE
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
@@ -502,7 +526,7 @@ def test_real_kill_int_and_term_then_resume_equals_an_uninterrupted_run(
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=60)
     assert lock_path(out).exists()  # the file stays; its lock died with the process
-    killed_at = json.loads((out / RESUME_DIRNAME / STATE_FILE).read_text())["next_block"]
+    killed_at = json.loads((out / RESUME_DIR / RESUME_STATE_FILE).read_text())["next_block"]
 
     ctrl_c = _spawn(args, env)  # takes the lock at once and continues where the killed run stopped
     _wait_for_block(out, killed_at + 1, ctrl_c)
@@ -510,7 +534,7 @@ def test_real_kill_int_and_term_then_resume_equals_an_uninterrupted_run(
     _, err = ctrl_c.communicate(timeout=300)
     assert ctrl_c.returncode == EXIT_SIGINT, err
     assert f"resuming after block {killed_at}/{blocks}" in err
-    saved = json.loads((out / RESUME_DIRNAME / STATE_FILE).read_text())["next_block"]
+    saved = json.loads((out / RESUME_DIR / RESUME_STATE_FILE).read_text())["next_block"]
     assert err.strip().splitlines()[-1] == (
         f"interrupted at block {saved + 1}/{blocks}; the resume state holds blocks 1-{saved}: "
         "rerun the same command to continue"
@@ -521,7 +545,7 @@ def test_real_kill_int_and_term_then_resume_equals_an_uninterrupted_run(
     term.send_signal(signal.SIGTERM)
     _, err = term.communicate(timeout=300)
     assert term.returncode == EXIT_RESUMABLE, err
-    stopped = json.loads((out / RESUME_DIRNAME / STATE_FILE).read_text())["next_block"]
+    stopped = json.loads((out / RESUME_DIR / RESUME_STATE_FILE).read_text())["next_block"]
     assert stopped < blocks
     assert err.strip().splitlines()[-1] == (
         f"stopped by SIGTERM after block {stopped}/{blocks}; the resume state holds blocks 1-{stopped}: "

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from tsenor_cli.cli import app
 from tsenor_cli.errors import InputNotFoundError, OutputExistsError, UsageError
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.report import build_table, load_run, write_report
 from tsenor_cli.runfiles import (
     EVAL_FILE,
@@ -29,7 +30,6 @@ from tsenor_cli.runfiles import (
     EvalReport,
     FinetuneReport,
     LayerRecord,
-    PatternInfo,
     PerplexityRecord,
     PruneReport,
     SchemaError,
@@ -101,7 +101,7 @@ def _layers(errors: list[float | None]) -> tuple[LayerRecord, ...]:
 def _prune_report(n: int, m: int, transposable: bool, errors: list[float | None]) -> PruneReport:
     return PruneReport(
         method="alps",
-        pattern=PatternInfo(n=n, m=m, transposable=transposable),
+        pattern=SparsityPattern.from_nm(n, m, transposable=transposable),
         sparsity=1 - n / m,
         settings={"model": "tiny-llama", "method": "alps", "seed": 0},
         layers=_layers(errors),

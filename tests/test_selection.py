@@ -12,9 +12,10 @@ from helpers_tiny import make_tiny_llama
 from safetensors.torch import load_file
 
 from tsenor_cli.errors import UsageError
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.selection import check_patterns, excluded_layers, matches
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.types import LayerPruneConfig
 
 NAMES = [f"model.layers.{b}.{local}" for b in (0, 1) for local in ("self_attn.q_proj", "mlp.up_proj", "mlp.down_proj")]
 
@@ -151,7 +152,8 @@ def test_ignoring_incompatible_layers_replaces_skip_incompatible(tmp_path: Path)
 
 def test_many_ignored_layers_are_counted_by_reason_in_the_summary() -> None:
     from tsenor_cli.pruning.types import LayerRecord
-    from tsenor_cli.runfiles import MAX_LISTED_IGNORED, PruneReport
+    from tsenor_cli.report.markdown import MAX_LISTED_IGNORED, prune_markdown
+    from tsenor_cli.runfiles import PruneReport
 
     cfg = PruneConfig(model="m", layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)))
     layers = [LayerRecord(0, f"model.layers.{i}.q", 4, 4, "ignored", "not matched by --targets") for i in range(13)]
@@ -176,7 +178,7 @@ def test_many_ignored_layers_are_counted_by_reason_in_the_summary() -> None:
         linear_nonzero=50,
     )
     assert len(layers) - 1 > MAX_LISTED_IGNORED
-    markdown = report.to_markdown()
+    markdown = prune_markdown(report)
     assert "- ignored (left dense): 13 not matched by --targets; 1 matched --ignore *.o (each in the table)" in markdown
     assert "- density: model 0.9000 (90 of 100 parameters nonzero), decoder weight matrices 0.8333" in markdown
     assert markdown.count("| ignored: ") == 14

@@ -25,16 +25,10 @@ from helpers_cli import invoke
 from helpers_tiny import make_tiny_llama
 
 from tsenor_cli.errors import UsageError
+from tsenor_cli.runfiles import RunStatus, Submission, read_status, write_status, write_submission
 from tsenor_cli.sweep.job import RunInterrupted, RunJob, SweepTask, _error_line, run_job
 from tsenor_cli.sweep.spec import EvalSpec, load_sweep, name_part, parse_sweep, parse_time
-from tsenor_cli.sweep.status import (
-    RunStatus,
-    Submission,
-    read_status,
-    resolve,
-    write_status,
-    write_submission,
-)
+from tsenor_cli.sweep.status import resolve
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,9 +20,8 @@ import pytest
 import yaml
 from helpers_cli import invoke
 
-from tsenor_cli.pruning.resume import RESUME_DIRNAME, STATE_FILE
+from tsenor_cli.runfiles import MODEL_DIR, RESUME_DIR, RESUME_STATE_FILE
 from tsenor_cli.sweep.spec import name_part
-from tsenor_cli.sweep.status import MODEL_DIR
 
 
 def _no_slurm_reason() -> str | None:
@@ -118,7 +117,7 @@ def _requeued_and_settled(job: str) -> bool:
 
 def _mid_prune_job(run_dir: Path) -> str | None:
     """The SLURM job of a run that has committed a block and has blocks left to prune, else None."""
-    state = run_dir / MODEL_DIR / RESUME_DIRNAME / STATE_FILE
+    state = run_dir / MODEL_DIR / RESUME_DIR / RESUME_STATE_FILE
     try:
         committed = json.loads(state.read_text())
     except (OSError, json.JSONDecodeError):  # not written yet, or replaced while read

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning import api
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.linalg import inverse_cholesky_upper, symmetric_eigh, thread_independent
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.runfiles import PRUNE_FILE
 from tsenor_cli.settings import RunContext
 

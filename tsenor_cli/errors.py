@@ -26,6 +26,10 @@ class UsageError(TsenorError, ValueError):
     exit_code = 2
 
 
+class SchemaError(UsageError):
+    """A run file that is not valid JSON or lacks a required field (exit 2)."""
+
+
 class InputNotFoundError(TsenorError, FileNotFoundError):
     """A model, data file or run directory that does not exist or cannot be fetched (exit 3)."""
 

@@ -1,5 +1,18 @@
-"""The run files, defined once: ``tsenor_report.json`` (`PruneReport`), ``eval.json`` (`EvalReport`) and
-``finetune.json`` (`FinetuneReport`).
+"""The run folder and the sweep folder, defined once: every file name and every file's schema.
+
+A run folder (`tsenor prune --output`, `tsenor finetune --output`) holds the checkpoint (`CONFIG_FILE`
+with the pattern under `SPARSITY_KEY`, written by `tsenor_cli.pattern.SparsityPattern.metadata`), the
+reports ``tsenor_report.json`` (`PruneReport`) and ``tsenor_report.md`` (`PRUNE_REPORTS`; the Markdown is
+rendered by `tsenor_cli.report.markdown`), ``eval.json`` (`EvalReport`), ``finetune.json``
+(`FinetuneReport`), and while a run is unfinished its resume state in `RESUME_DIR`: a prune's
+`RESUME_STATE_FILE` (its schema is `pruning/resume.ResumeStore`'s, which checks it against the block
+files it names) or a finetune's `FINETUNE_STATE_FILE` (`FinetuneState`).
+
+A sweep folder holds `SWEEP_FILE` and `RUNS_DIR`/NAME per run: `RECIPE_FILE`, the run folder in
+`MODEL_DIR`, `EVAL_FILE` and the prune reports beside it, `LOG_FILE`, `STATUS_FILE` (`RunStatus`) and
+`SUBMISSION_FILE` (`Submission`).
+
+Every file is written through `tsenor_cli.atomic` (the one writer).
 
 `tsenor prune`, `tsenor eval` and `tsenor finetune` write these dataclasses with ``to_json()``; `tsenor report`
 reads them back with ``from_json()``, so every field has one name and one type (docs/reference/run-files.md).
@@ -25,31 +38,46 @@ import math
 import statistics
 import types
 import typing
-from collections import Counter
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin, get_type_hints
 
-from tsenor_cli.errors import InputNotFoundError, UsageError
+from tsenor_cli import atomic
+from tsenor_cli.errors import InputNotFoundError
+from tsenor_cli.errors import SchemaError as SchemaError
+from tsenor_cli.pattern import SparsityPattern
 
 if TYPE_CHECKING:
     from tsenor_cli.settings import RunContext
 
 SCHEMA_VERSION = 3
+# ---------------------------------------------------------------- the files of a run folder
+CONFIG_FILE = "config.json"
+SPARSITY_KEY = "tsenor_sparsity"  # config.json's record of the pattern and the pruned weights
 EVAL_FILE = "eval.json"
 PRUNE_FILE = "tsenor_report.json"
-FINETUNE_FILE = "finetune.json"
-MAX_LISTED_IGNORED = 12  # more ignored layers than this are counted by reason in the report summary
 PRUNE_MARKDOWN = "tsenor_report.md"
+PRUNE_REPORTS = (PRUNE_FILE, PRUNE_MARKDOWN)
+FINETUNE_FILE = "finetune.json"
+RESUME_DIR = ".tsenor-resume"
+RESUME_STATE_FILE = "state.json"  # a prune's resume state (pruning/resume.py)
+FINETUNE_STATE_FILE = "finetune_state.json"  # a finetune's, beside Trainer's checkpoint-N folders
+# ---------------------------------------------------------------- the files of a sweep folder
+SWEEP_FILE = "sweep.yaml"
+RUNS_DIR = "runs"
+RECIPE_FILE = "recipe.yaml"
+MODEL_DIR = "model"
+STATUS_FILE = "status.json"
+SUBMISSION_FILE = "submission.json"
+LOG_FILE = "log.txt"
+# Versions of the small state files (each carries its own `schema_version`).
+STATUS_VERSION = 1
+FINETUNE_STATE_VERSION = 1
 LAYER_STATUSES = ("pruned", "skipped", "ignored")
 
 DataKind = Literal["offline", "file", "hub"]
 TaskSource = Literal["hub", "offline"]
-
-
-class SchemaError(UsageError):
-    """A run file that is not valid JSON or lacks a required field (exit 2)."""
 
 
 # ---------------------------------------------------------------- reading helpers
@@ -203,22 +231,6 @@ def _optional(obj: Mapping[str, Any], key: str, reader: Any, where: str) -> Any:
 
 
 @dataclass(frozen=True)
-class PatternInfo:
-    """``tsenor_report.json → pattern``: null for unstructured pruning."""
-
-    n: int
-    m: int
-    transposable: bool
-
-    @classmethod
-    def from_json(cls, obj: Any, where: str) -> PatternInfo:
-        info = cls(**_read(cls, _object(obj, where), where))
-        if not 1 <= info.n < info.m:
-            raise SchemaError(f"{where}: pattern {info.n}:{info.m} needs 1 <= n < m")
-        return info
-
-
-@dataclass(frozen=True)
 class LayerRecord:
     """One prunable linear of the model, as the report shows it.
 
@@ -283,7 +295,7 @@ class PruneReport:
     """
 
     method: str
-    pattern: PatternInfo | None
+    pattern: SparsityPattern | None
     sparsity: float
     settings: dict[str, Any]
     layers: tuple[LayerRecord, ...]
@@ -335,7 +347,7 @@ class PruneReport:
             "schema_version": SCHEMA_VERSION,
             # The summary `tsenor report` reads first (docs/reference/run-files.md).
             "method": self.method,
-            "pattern": _flat_json(self.pattern) if self.pattern is not None else None,
+            "pattern": self.pattern.report_json() if self.pattern is not None else None,
             "sparsity": self.sparsity,
             "settings": self.settings,
             "calibration": self.calibration,
@@ -362,7 +374,9 @@ class PruneReport:
                 obj,
                 where,
                 schema_version=version,
-                pattern=PatternInfo.from_json(raw_pattern, f"{where}: pattern") if raw_pattern is not None else None,
+                pattern=SparsityPattern.from_report_json(raw_pattern, f"{where}: pattern")
+                if raw_pattern is not None
+                else None,
                 layers=tuple(
                     LayerRecord.from_json(layer, f"{where}: layers[{i}]", version) for i, layer in enumerate(raw_layers)
                 ),
@@ -379,80 +393,9 @@ class PruneReport:
             raise SchemaError(f"{where}: sparsity {report.sparsity} must lie in [0, 1)")
         return report
 
-    def to_markdown(self) -> str:
-        """The content of tsenor_report.md: the summary and one table row per layer."""
-        s = self.settings
-        t = self.totals()
-        pattern = s["pattern"]
-        label = f"{pattern['n']}:{pattern['m']}" if pattern["kind"] != "unstructured" else f"{pattern['sparsity']:.0%}"
-        lines = [
-            "# tsenor pruning report",
-            "",
-            f"- model: `{s['model']}`",
-            f"- method: {s['method']}, pattern {label} ({pattern['kind']}), {_solver_label(s)}",
-            f"- calibration: {self.calibration} ({s['nsamples']} × {s['seqlen']}), seed {s['seed']}",
-        ]
-        if self.context is not None:
-            folder = self.context.data_dir or "none (HF hub)"
-            lines.append(f"- data folder: {folder}; offline: {'yes' if self.context.offline else 'no'}")
-        lines += [
-            f"- command: `{self.command or ''}`",
-            f"- versions: {', '.join(f'{k} {v}' for k, v in self.versions.items())}",
-            f"- total time: {self.seconds:.1f} s "
-            f"(method {t['method_seconds']:.1f} s, solver {t['solver_seconds']:.1f} s)",
-            f"- layers pruned: {t['layers_pruned']}, skipped: {t['layers_skipped']}, ignored: {t['layers_ignored']}",
-            *self._density_lines(t),
-            f"- mean relative reconstruction error: {_fmt(t['mean_recon_error'])}; "
-            f"max certified gap: {_fmt(t['max_gap'])}",
-            "",
-            "| layer | shape | status | rel. error | certified gap | seconds | iterations |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in self.layers:
-            status = r.status if r.reason is None else f"{r.status}: {r.reason}"
-            lines.append(
-                f"| {r.name} | {r.out_features}×{r.in_features} | {status} | {_fmt(r.recon_error)} | "
-                f"{_fmt(r.gap)} | {r.seconds:.2f} | {r.iterations} |"
-            )
-        return "\n".join(lines) + "\n"
-
-    def _density_lines(self, t: Mapping[str, Any]) -> list[str]:
-        """The report's density and ignored-layer lines."""
-        lines = []
-        if t["model_density"] is not None and t["linear_density"] is not None:
-            lines.append(
-                f"- density: model {t['model_density']:.4f} ({t['model_nonzero']:,} of {t['model_params']:,} "
-                f"parameters nonzero), decoder weight matrices {t['linear_density']:.4f}"
-            )
-        ignored = [r for r in self.layers if r.status == "ignored"]
-        if len(ignored) <= MAX_LISTED_IGNORED:
-            named = ", ".join(r.name for r in ignored)
-        else:  # every one is in the table below; the line counts them by reason
-            reasons = Counter(r.reason for r in ignored)
-            named = "; ".join(f"{count} {reason}" for reason, count in reasons.items()) + " (each in the table)"
-        if ignored:
-            lines.append(f"- ignored (left dense): {named}")
-        return lines
-
 
 def _ratio(part: int | None, whole: int | None) -> float | None:
     return None if part is None or not whole else part / whole
-
-
-def _solver_label(settings: Mapping[str, Any]) -> str:
-    """The transposable solver that ran and, if different, the one asked for: "solver flow (asked for auto)".
-
-    Reports written before the solver split (schema v1) carry only the solver asked for.
-    """
-    asked = settings["layer"]["solver"]
-    ran = settings.get("solver", asked)
-    if ran is None:
-        return "no mask solver"
-    return f"solver {ran}" if ran == asked else f"solver {ran} (asked for {asked})"
-
-
-def _fmt(value: float | None) -> str:
-    return "—" if value is None else f"{value:.4g}"
 
 
 # ---------------------------------------------------------------- eval.json
@@ -733,3 +676,119 @@ def load_run(path: Path) -> Run:
         eval=EvalReport.from_json(read_json(eval_path), str(eval_path)),
         prune=PruneReport.from_json(read_json(prune_path), str(prune_path)) if prune_path.is_file() else None,
     )
+
+
+def read_json_file(path: Path) -> Mapping[str, Any] | None:
+    """A small state file's JSON object, None when the file does not exist."""
+    return read_json(path) if path.is_file() else None
+
+
+# ---------------------------------------------------------------- sweep folder: status.json, submission.json
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """``status.json``: written by a sweep's run itself (times are Unix seconds; job_id None when run locally).
+
+    state: running, then done or failed with the one-line `error`, or pending when a signal stopped it.
+    """
+
+    state: str
+    attempt: int = 0
+    job_id: str | None = None
+    host: str | None = None
+    pid: int | None = None
+    step: str | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = None
+    note: str | None = None
+    schema_version: int = STATUS_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {**_flat_json(self), "schema_version": STATUS_VERSION}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RunStatus:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+@dataclass(frozen=True)
+class Submission:
+    """``submission.json``: written by the SLURM executor once sbatch returned the job id."""
+
+    job_id: str
+    submitted_at: float
+    schema_version: int = STATUS_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {**_flat_json(self), "schema_version": STATUS_VERSION}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Submission:
+        return cls(job_id=str(data["job_id"]), submitted_at=float(data["submitted_at"]))
+
+
+def read_status(run_dir: Path) -> RunStatus | None:
+    data = read_json_file(run_dir / STATUS_FILE)
+    return None if data is None else RunStatus.from_json(data)
+
+
+def write_status(run_dir: Path, status: RunStatus) -> None:
+    atomic.write_json(run_dir / STATUS_FILE, status.to_json())
+
+
+def read_submission(run_dir: Path) -> Submission | None:
+    data = read_json_file(run_dir / SUBMISSION_FILE)
+    return None if data is None else Submission.from_json(data)
+
+
+def write_submission(run_dir: Path, submission: Submission) -> None:
+    atomic.write_json(run_dir / SUBMISSION_FILE, submission.to_json())
+
+
+def resume_progress(run_folder: Path) -> int | None:
+    """How many blocks the prune resume state in `run_folder` holds (its `next_block`), None without one."""
+    data = read_json_file(run_folder / RESUME_DIR / RESUME_STATE_FILE)
+    if data is None:
+        return None
+    blocks = data.get("next_block")
+    return blocks if isinstance(blocks, int) and not isinstance(blocks, bool) else None
+
+
+# ---------------------------------------------------------------- .tsenor-resume/finetune_state.json
+
+
+@dataclass(frozen=True)
+class FinetuneState:
+    """``finetune_state.json``: the settings hash of an unfinished finetune and its evaluation before training
+    (so a resumed run does not evaluate again). Files before `schema_version` wrote ``version``."""
+
+    config_hash: str
+    eval_before: dict[str, Any] | None
+    schema_version: int = FINETUNE_STATE_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": FINETUNE_STATE_VERSION,
+            "config_hash": self.config_hash,
+            "eval_before": self.eval_before,
+        }
+
+    @classmethod
+    def read(cls, state_dir: Path) -> FinetuneState | None:
+        """The state in `state_dir`, None without one. Its `schema_version` is the file's (0 when it has
+        none), for the caller to compare with `FINETUNE_STATE_VERSION`."""
+        data = read_json_file(state_dir / FINETUNE_STATE_FILE)
+        if data is None:
+            return None
+        version = data.get("schema_version", data.get("version"))
+        return cls(
+            config_hash=str(data.get("config_hash")),
+            eval_before=data.get("eval_before"),
+            schema_version=version if isinstance(version, int) else 0,
+        )
+
+    def write(self, state_dir: Path) -> None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        atomic.write_json(state_dir / FINETUNE_STATE_FILE, self.to_json(), indent=1)

@@ -271,10 +271,10 @@ def run_e2e(
     from tsenor_cli.models.embedded import materialize
     from tsenor_cli.models.loading import LoadedModel, default_dtype, meta_model, parse_dtype, resolve_device
     from tsenor_cli.models.structure import discover_structure
-    from tsenor_cli.pruning.api import plan_model, prune_model
-    from tsenor_cli.pruning.config import PruneConfig
+    from tsenor_cli.pruning.api import prune_model
     from tsenor_cli.pruning.phases import record_phases
-    from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+    from tsenor_cli.pruning.plan import plan_model
+    from tsenor_cli.pruning.recipe import build_config
     from tsenor_cli.pruning.verify import verify_checkpoint
 
     say = sink(progress)
@@ -327,21 +327,21 @@ def run_e2e(
         runs = []
         for method in cfg.methods:
             for kind in cfg.kinds:
-                pattern = SparsityPattern.from_nm(cfg.n, cfg.m, transposable=kind == "transposable")
-                prune_cfg = PruneConfig(
-                    model=str(folder),
-                    layer=LayerPruneConfig(pattern=pattern, solver=cfg.solver),
-                    method=method,
-                    nsamples=cfg.nsamples,
-                    seqlen=cfg.seqlen,
-                    seed=cfg.seed,
-                    dtype=str(dtype).removeprefix("torch."),
-                    device=str(device),
-                    output=root / f"out-{method}-{kind}",
-                    force=True,
-                    resume=cfg.resume_state,
-                    command="tsenor bench prune",
-                )
+                recipe = {
+                    "model": str(folder),
+                    "nm": f"{cfg.n}:{cfg.m}",
+                    "transposable": kind == "transposable",
+                    "method": method,
+                    "solver": cfg.solver,
+                    "nsamples": cfg.nsamples,
+                    "seqlen": cfg.seqlen,
+                    "seed": cfg.seed,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "device": str(device),
+                    "output": str(root / f"out-{method}-{kind}"),
+                }
+                prune_cfg = build_config(recipe, force=True, resume=cfg.resume_state, command="tsenor bench prune")
+                pattern = prune_cfg.pattern
                 say(f"{method} {kind} {pattern.label}: building the random model")
                 model = build_random_model(config, device, dtype, cfg.seed)
                 loaded = LoadedModel(model, tokenizer, cfg.model, str(folder), discover_structure(model))

@@ -27,7 +27,8 @@ import torch
 from safetensors import safe_open
 
 from tsenor_cli import __version__
-from tsenor_cli.nm import NMPattern
+from tsenor_cli.errors import UsageError
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.solver import METHODS, SolveResult, from_blocks, resolve_method, solve, to_blocks
 
@@ -40,16 +41,25 @@ _SCORE_LABEL = {"abs": "|W|", "sq": "W²"}
 class BenchConfig:
     model_dir: Path
     model_name: str
-    patterns: tuple[NMPattern, ...]
+    patterns: tuple[SparsityPattern, ...]
     methods: tuple[str, ...]
     tiles: int = 500
     time_size: int = 2048
-    time_patterns: tuple[NMPattern, ...] = ()
+    time_patterns: tuple[SparsityPattern, ...] = ()
     time_methods: tuple[str, ...] = ()
     large_size: int = 0
     repeats: int = 1  # timed solves per method, round-robin; the minimum is reported
     device: str = "cpu"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not set(self.time_methods) <= set(self.methods):
+            raise UsageError(
+                f"--time-methods {','.join(self.time_methods)} must be among --methods {','.join(self.methods)}"
+            )
+        for pat in self.time_patterns:
+            if self.time_size % pat.m or (self.large_size and self.large_size % pat.m):
+                raise UsageError(f"--time-size/--large-size must be multiples of M={pat.m} for pattern {pat}")
 
 
 @dataclass(frozen=True)
@@ -204,7 +214,7 @@ def run_quality(cfg: BenchConfig, progress: Progress) -> list[QualityRow]:
     return rows
 
 
-def _timed_solve(scores: torch.Tensor, pat: NMPattern, method: str, **kw: object) -> SolveResult:
+def _timed_solve(scores: torch.Tensor, pat: SparsityPattern, method: str, **kw: object) -> SolveResult:
     return solve(scores, pat.n, pat.m, method, **kw)  # type: ignore[arg-type]
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import typer
 
 from tsenor_cli.cli import Command, app, command_line, run_context
-from tsenor_cli.cli.evaluate import parse_limit, parse_list, parse_ppl_datasets
 from tsenor_cli.cli.options import (
     DEVICE,
     PPL,
@@ -23,17 +22,20 @@ from tsenor_cli.cli.options import (
     PplOpt,
     TasksOpt,
     TrustRemoteCodeOpt,
+    parse_limit,
+    parse_list,
+    parse_ppl_datasets,
 )
+from tsenor_cli.data.sources import NAMED_TEXTS
 from tsenor_cli.errors import InputNotFoundError, UsageError
-from tsenor_cli.finetune.data import NAMED_DATA
 from tsenor_cli.finetune.run import FinetuneConfig
 from tsenor_cli.runfiles import FinetuneReport
 
 
 def _check_data(data: str) -> None:
-    if data not in NAMED_DATA and not Path(data).expanduser().is_file():
+    if data not in NAMED_TEXTS and not Path(data).expanduser().is_file():
         raise InputNotFoundError(
-            f"--data {data} is not a readable file nor one of {', '.join(NAMED_DATA)}; "
+            f"--data {data} is not a readable file nor one of {', '.join(NAMED_TEXTS)}; "
             "pass c4, wikitext2, ptb or an existing .txt/.jsonl/.json.gz/.parquet file"
         )
 

@@ -21,7 +21,8 @@ class ReportFormat(StrEnum):
 
 def _expand_sweeps(paths: list[Path]) -> list[Path]:
     """Each sweep folder (not itself a run) → its finished run directories, in the sweep's order."""
-    from tsenor_cli.sweep.status import EVAL_FILE, collect, is_sweep_dir
+    from tsenor_cli.runfiles import EVAL_FILE
+    from tsenor_cli.sweep.status import collect, is_sweep_dir
 
     expanded: list[Path] = []
     for path in paths:

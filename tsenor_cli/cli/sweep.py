@@ -15,7 +15,6 @@ from tsenor_cli.cli import Command, app, run_context
 from tsenor_cli.cli.options import DataDirOpt, ForceOpt, JsonOpt, OfflineOpt, OutputDirOpt
 from tsenor_cli.errors import OutputExistsError, UsageError
 from tsenor_cli.sweep.spec import MAX_RUNS, SlurmOptions, parse_time
-from tsenor_cli.sweep.status import RunView
 
 
 class _RunByDefault(TyperGroup):
@@ -41,46 +40,6 @@ app.add_typer(sweep_app, name="sweep")
 class Executor(StrEnum):
     local = "local"
     slurm = "slurm"
-
-
-def _runs(n: int) -> str:
-    return f"{n} run" if n == 1 else f"{n} runs"
-
-
-def _summary(total: int, done: int, todo: int) -> str:
-    """The sweep's first line: "3 runs: 1 done, 1 to run, 1 already queued or running"."""
-    busy = total - done - todo
-    return f"{_runs(total)}: {done} done, {todo} to run" + (f", {busy} already queued or running" if busy else "")
-
-
-def _elapsed(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = int(seconds)
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    if s >= 60:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s}s"
-
-
-def _clip(text: str | None, width: int) -> str:
-    if not text:
-        return "-"
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def _status_table(views: list[RunView]) -> str:
-    width = max([len("run"), *(len(v.name) for v in views)])
-    lines = [f"{'run':<{width}}  {'state':<8} {'job':<12} {'elapsed':>8}  last log line"]
-    for v in views:
-        last = f"error: {v.error}" if v.state == "failed" and v.error else v.last_log
-        lines.append(
-            f"{v.name:<{width}}  {v.state:<8} {v.job_id or '-':<12} {_elapsed(v.elapsed_s):>8}  {_clip(last, 90)}"
-        )
-    counts = {s: sum(v.state == s for v in views) for s in ("done", "running", "pending", "failed")}
-    lines.append(f"{_runs(len(views))}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
-    return "\n".join(lines)
 
 
 def _slurm_options(spec_options: SlurmOptions, flags: dict[str, Any], sbatch_opt: list[str]) -> SlurmOptions:
@@ -136,100 +95,33 @@ def sweep_run(
     if output is None:
         raise UsageError("--output is required; pass the sweep folder (each run goes to DIR/runs/NAME)")
     run_ctx = run_context(ctx, data_dir, offline)
-    from tsenor_cli.sweep.executors import (
-        SUBMITIT_DIR,
-        SweepFailedError,
-        check_slurm,
-        check_sweep_folder,
-        plan_sweep,
-        prepare,
-        record_sweep,
-        run_local,
-        submit_slurm,
-        undo_prepare,
-        wait_for,
-    )
+    from tsenor_cli.sweep.executors import check_sweep_folder, dry_run_lines, run_sweep
     from tsenor_cli.sweep.spec import load_sweep
-    from tsenor_cli.sweep.status import slurm_queue
+    from tsenor_cli.sweep.status import status_table
 
     spec = load_sweep(sweep_file, max_runs=max_runs)
-    options = _slurm_options(
-        spec.slurm,
-        {
-            "partition": partition,
-            "account": account,
-            "qos": qos,
-            "time": time_limit,
-            "gpus_per_task": gpus_per_task,
-            "cpus_per_task": cpus_per_task,
-            "mem": mem,
-            "array_parallelism": array_parallelism,
-        },
-        sbatch_opt,
-    )
+    flags: dict[str, Any] = {"partition": partition, "account": account, "qos": qos, "time": time_limit, "mem": mem}
+    flags |= {"gpus_per_task": gpus_per_task, "cpus_per_task": cpus_per_task, "array_parallelism": array_parallelism}
+    options = _slurm_options(spec.slurm, flags, sbatch_opt)
     if output.exists() and not output.is_dir():
         raise OutputExistsError(f"--output {output} is a file; pass a directory for the sweep")
     if wait and executor is not Executor.slurm:
         raise UsageError("--wait applies to --executor slurm (the local executor always waits); drop it")
-    directory = output.resolve()
-    check_sweep_folder(sweep_file, directory, force=force)
-    queue = slurm_queue()
-
-    def echo(message: str) -> None:
-        typer.echo(message, err=True)
-
+    check_sweep_folder(sweep_file, output.resolve(), force=force)
     if dry_run:
-        # Streamed, one line per run: a grid raised by --max-runs to millions is never held in memory.
-        width = max(len("run"), *(len(run.name) for run in spec.iter_runs()))
-        typer.echo(f"{'run':<{width}}  {'state':<8} {'action':<7} on disk")
-        counts = {"done": 0, "run": 0, "skip": 0}
-        for p in plan_sweep(spec, directory, run_ctx, queue=queue):
-            action = "run" if p.launchable(queue) else "skip"
-            counts["done" if p.view.state == "done" else action] += 1
-            typer.echo(f"{p.spec.name:<{width}}  {p.view.state:<8} {action:<7} {p.on_disk}")
-        typer.echo(_summary(counts["done"] + counts["run"] + counts["skip"], counts["done"], counts["run"]))
+        for line in dry_run_lines(spec, output, run_ctx):
+            typer.echo(line)
         return
-    planned = list(plan_sweep(spec, directory, run_ctx, queue=queue))
-    todo = [p for p in planned if p.launchable(queue)]
-    done = sum(p.view.state == "done" for p in planned)
-    summary = _summary(len(planned), done, len(todo))
-    echo(summary)
-    if not todo:
-        return
-    if executor is Executor.slurm:
-        check_slurm()
-    fresh, had_submitit = not directory.exists(), (directory / SUBMITIT_DIR).exists()
-    created = prepare(directory, todo, sweep_file)
-    if executor is Executor.local:
-        record_sweep(sweep_file, directory)
-        outcome = run_local(todo, echo, spec.eval.covered_by)
-        failed = [name for name, state in outcome.items() if state == "failed"]
-        elsewhere = [name for name, state in outcome.items() if state == "running"]
-        if elsewhere:
-            echo(
-                f"{_runs(len(elsewhere))} still running in another sweep ({', '.join(elsewhere)}); "
-                f"follow them with: tsenor sweep status {output}"
-            )
-    else:
-        try:
-            submit_slurm(todo, directory, options, echo)
-        except UsageError:
-            undo_prepare(directory, created, fresh=fresh, had_submitit=had_submitit)
-            raise
-        record_sweep(sweep_file, directory)
-        if not wait:
-            echo(f"follow it with: tsenor sweep status {output}")
-            return
-        views = wait_for(directory, [p.spec.name for p in todo], echo, slurm_queue)
-        failed = [v.name for v in views if v.state == "failed"]
-    from tsenor_cli.sweep.status import collect
+    slurm = options if executor is Executor.slurm else None
+    result = run_sweep(spec, sweep_file, output, run_ctx, slurm=slurm, wait=wait, echo=_echo)
+    if result.views is not None:
+        typer.echo(status_table(result.views))
+    result.check()
 
-    typer.echo(_status_table(collect(directory, slurm_queue())))
-    if failed:
-        raise SweepFailedError(
-            f"{len(failed)} of {_runs(len(todo))} failed ({', '.join(failed)}); their errors are above and in "
-            "DIR/runs/NAME/log.txt; fix them and run the sweep again (finished runs are skipped)"
-        )
+
+def _echo(message: str) -> None:
+    """The sweep's progress lines, on stderr (stdout holds the tables)."""
+    typer.echo(message, err=True)
 
 
 @sweep_app.command("status", cls=Command)
@@ -238,10 +130,10 @@ def sweep_status(
     as_json: JsonOpt = False,
 ) -> None:
     """Each run's state (pending, running, done, failed), SLURM job id, elapsed time and last log line."""
-    from tsenor_cli.sweep.status import collect, slurm_queue
+    from tsenor_cli.sweep.status import collect, slurm_queue, status_table
 
     views = collect(directory, slurm_queue())
     if as_json:
         typer.echo(json.dumps([v.to_json() for v in views], indent=2))
     else:
-        typer.echo(_status_table(views))
+        typer.echo(status_table(views))

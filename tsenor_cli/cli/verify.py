@@ -20,12 +20,13 @@ def verify_cmd(
 ) -> None:
     """Check each M×M tile keeps at most N per row and column (exactly N where weights were non-zero)."""
     report = verify_checkpoint(directory)
-    meta = report.sparsity
+    meta, pattern = report.sparsity, report.pattern
+    named = f"{pattern.label} ({pattern.kind})"
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        unit = {"transposable": "tiles", "nm": "groups", "unstructured": "layer"}.get(meta["kind"], "groups")
-        typer.echo(f"{directory}: {meta['method']} {meta['pattern']} ({meta['kind']})")
+        unit = {"transposable": "tiles", "nm": "groups", "unstructured": "layer"}[pattern.kind]
+        typer.echo(f"{directory}: {meta['method']} {named}")
         typer.echo(f"{'layer':<44} {'shape':>11} {unit:>8} {'>N (error)':>11} {'<N (info)':>10} {'density':>8}  status")
         for c in report.layers:
             status = "ok" if c.ok else (c.problem or "VIOLATION")
@@ -37,8 +38,8 @@ def verify_cmd(
     if not report.ok:
         bad = [c.name for c in report.layers if not c.ok]
         raise VerificationError(
-            f"{len(bad)} weight(s) violate {meta['pattern']} ({meta['kind']}), first: {bad[0]}; "
+            f"{len(bad)} weight(s) violate {named}, first: {bad[0]}; "
             "the checkpoint was modified after pruning — re-run tsenor prune"
         )
     if not as_json:
-        typer.echo(f"all {len(report.layers)} pruned weights satisfy {meta['pattern']} ({meta['kind']})")
+        typer.echo(f"all {len(report.layers)} pruned weights satisfy {named}")

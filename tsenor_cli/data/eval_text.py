@@ -13,7 +13,6 @@ Hub or offline folder: the run context decides (tsenor_cli/settings.py); `EvalTe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
@@ -40,7 +39,7 @@ class EvalText:
 
 
 def eval_token_stream(
-    name: Literal["wikitext2", "ptb", "c4"],
+    name: sources.DatasetName,
     tokenizer: object,
     ctx: RunContext,
     *,

@@ -27,6 +27,9 @@ from tsenor_cli.settings import RunContext
 
 DatasetName = Literal["wikitext2", "ptb", "c4"]
 DATASET_NAMES: tuple[DatasetName, ...] = ("wikitext2", "ptb", "c4")
+# The same texts by name where a run reads training text (prune's --calib-data, finetune's --data): c4
+# first, the paper's calibration set; any other value is a file.
+NAMED_TEXTS: tuple[DatasetName, ...] = ("c4", "wikitext2", "ptb")
 
 # Offline files, relative to the data folder.
 WIKITEXT2_TEST = "wikitext-2-raw/wiki.test.raw"

@@ -10,16 +10,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 
 from tsenor_cli.data.eval_text import eval_token_stream
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
-from tsenor_cli.errors import UsageError
+from tsenor_cli.errors import OutputExistsError, UsageError
 from tsenor_cli.evaluation.perplexity import perplexity
 from tsenor_cli.evaluation.streamed import streamed_perplexity
 from tsenor_cli.models.loading import LoadedModel
 from tsenor_cli.progress import sink
 from tsenor_cli.provenance import tsenor_versions
-from tsenor_cli.runfiles import ContextRecord, EvalReport, PerplexityRecord, ZeroShotResult
+from tsenor_cli.runfiles import EVAL_FILE, ContextRecord, EvalReport, PerplexityRecord, ZeroShotResult
 from tsenor_cli.settings import RunContext
 
 DEFAULT_SEQLEN = 2048
@@ -59,6 +60,39 @@ class EvalConfig:
             raise UsageError(f"--batch-size must be positive or 'auto', got {self.batch_size}")
         if isinstance(self.batch_size, str) and self.batch_size != "auto":
             raise UsageError(f"--batch-size must be a positive integer or 'auto', got {self.batch_size!r}")
+
+    def check_sources(self, ctx: RunContext) -> None:
+        """Refuse perplexity datasets with no source under `ctx` (hub off, no data folder) before loading a model."""
+        from tsenor_cli.data.sources import data_folder
+
+        for name in self.ppl_datasets:
+            data_folder(ctx, name)
+
+    def check(self, ctx: RunContext, *, stream: bool = False, device_map: str | None = None) -> None:
+        """Everything `tsenor eval` can refuse before loading a model: nothing to evaluate, a dataset with
+        no source (`check_sources`), and how the model is placed (--stream, --device-map)."""
+        if not self.ppl_datasets and not self.tasks:
+            raise UsageError("nothing to evaluate: --ppl none and no --tasks; pass --ppl wikitext2 or --tasks piqa")
+        self.check_sources(ctx)
+        if device_map is not None and device_map != "auto":
+            raise UsageError(f"--device-map {device_map!r} is not supported; pass --device-map auto")
+        if stream and self.tasks:
+            raise UsageError(STREAM_TASKS)
+        if stream and device_map is not None:
+            raise UsageError("--stream and --device-map both place the model; pass one of them")
+
+
+def eval_target(output: Path | None, *, force: bool) -> Path | None:
+    """The eval.json `tsenor eval --output FOLDER` writes (None without --output), refused before any
+    work when FOLDER is a file or the file exists without --force."""
+    if output is None:
+        return None
+    if output.exists() and not output.is_dir():
+        raise UsageError(f"--output {output} is a file; pass a directory")
+    target = output / EVAL_FILE
+    if target.exists() and not force:
+        raise OutputExistsError(f"{target} already exists; pass --force to overwrite it or choose another --output")
+    return target
 
 
 def package_versions() -> dict[str, str]:

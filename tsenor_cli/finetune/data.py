@@ -28,7 +28,6 @@ from tsenor_cli.errors import UsageError
 from tsenor_cli.runfiles import DataSource
 from tsenor_cli.settings import RunContext
 
-NAMED_DATA = ("c4", "wikitext2", "ptb")
 # Documents tokenized per batch while filling the stream (the tokenizer is fastest in batches).
 _ENCODE_CHUNK = 64
 

@@ -18,22 +18,24 @@ import torch
 from torch import nn
 
 from tsenor_cli.errors import InputNotFoundError, UsageError, VerificationError
-from tsenor_cli.pruning.output import SPARSITY_KEY
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.verify import check_weight
-from tsenor_cli.runfiles import PRUNE_FILE
+from tsenor_cli.runfiles import CONFIG_FILE, PRUNE_FILE, SPARSITY_KEY
 
 
 @dataclass(frozen=True)
 class RunSparsity:
-    """A run directory's recorded sparsity: config.json `tsenor_sparsity` and the raw tsenor_report.json."""
+    """A run directory's recorded sparsity: config.json `tsenor_sparsity` (`meta`, and the `pattern` it
+    names) and the raw tsenor_report.json."""
 
     directory: Path
     meta: dict[str, Any]
     report: dict[str, Any]
+    pattern: SparsityPattern
 
     @property
     def label(self) -> str:
-        return f"{self.meta['pattern']} ({self.meta['kind']})"
+        return f"{self.pattern.label} ({self.pattern.kind})"
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -50,24 +52,21 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _same_pattern(meta: dict[str, Any], report: dict[str, Any]) -> bool:
-    """Do config.json's `tsenor_sparsity` and tsenor_report.json's `pattern`/`sparsity` name one pattern?"""
-    pattern = report.get("pattern")
-    if meta.get("kind") == "unstructured":
-        return pattern is None and report.get("sparsity") == meta.get("sparsity")
-    if not isinstance(pattern, dict):
-        return False
-    return (pattern.get("n"), pattern.get("m"), pattern.get("transposable")) == (
-        meta.get("n"),
-        meta.get("m"),
-        meta.get("kind") == "transposable",
-    )
+def _report_pattern(report: dict[str, Any], where: str) -> SparsityPattern | None:
+    """The pattern tsenor_report.json records (`pattern`, or `sparsity` for unstructured), None when it names none."""
+    raw = report.get("pattern")
+    if raw is not None:
+        return SparsityPattern.from_report_json(raw, where)
+    sparsity = report.get("sparsity")
+    if isinstance(sparsity, bool) or not isinstance(sparsity, int | float) or not 0.0 < sparsity < 1.0:
+        return None
+    return SparsityPattern.unstructured(float(sparsity))
 
 
 def read_run_sparsity(run_dir: Path) -> RunSparsity:
     """The recorded pattern of `run_dir`; one-line errors for a missing folder, a dense checkpoint,
     a folder without a pattern, and config.json and tsenor_report.json that disagree."""
-    config_path, report_path = run_dir / "config.json", run_dir / PRUNE_FILE
+    config_path, report_path = run_dir / CONFIG_FILE, run_dir / PRUNE_FILE
     if not run_dir.is_dir():
         raise InputNotFoundError(f"run directory {run_dir} does not exist; pass the --output folder of tsenor prune")
     if not config_path.is_file():
@@ -86,14 +85,15 @@ def read_run_sparsity(run_dir: Path) -> RunSparsity:
             f"{run_dir} records no sparsity pattern ({missing} is missing); pass a folder written by tsenor prune"
         )
     report = _read_json(report_path)
-    if not _same_pattern(meta, report):
+    pattern = SparsityPattern.from_metadata(meta, f"{config_path} {SPARSITY_KEY}")
+    if _report_pattern(report, str(report_path)) != pattern:
         raise VerificationError(
             f"{report_path} (pattern {report.get('pattern')}, sparsity {report.get('sparsity')}) and config.json "
             f"({meta.get('pattern')} {meta.get('kind')}) record different patterns; re-run tsenor prune"
         )
     if not meta.get("pruned_modules"):
         raise VerificationError(f"{config_path} lists no pruned modules; there is no mask to keep fixed")
-    return RunSparsity(run_dir, meta, report)
+    return RunSparsity(run_dir, meta, report, pattern)
 
 
 def pruned_masks(model: nn.Module, sparsity: RunSparsity) -> dict[str, torch.Tensor]:
@@ -110,7 +110,7 @@ def pruned_masks(model: nn.Module, sparsity: RunSparsity) -> dict[str, torch.Ten
             raise VerificationError(
                 f"{sparsity.directory}: pruned module {module} is not in the model; re-run tsenor prune"
             ) from exc
-        _, over, _ = check_weight(weight.detach(), sparsity.meta)
+        _, over, _ = check_weight(weight.detach(), sparsity.pattern)
         if over:
             raise VerificationError(
                 f"{sparsity.directory}: the zeros of {module} contradict the recorded {sparsity.label} pattern "

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -35,7 +35,7 @@ from tsenor_cli import atomic
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import EXIT_RESUMABLE, EXIT_SIGINT, Interrupted, UsageError
 from tsenor_cli.finetune.callback import PPL_LOG_PREFIX, CurveCallback, FixedMask, MaskCallback
-from tsenor_cli.finetune.data import WindowDataset, training_windows
+from tsenor_cli.finetune.data import TrainingText, WindowDataset, training_windows
 from tsenor_cli.finetune.distill import DistillTrainer, check_teacher
 from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsity
 from tsenor_cli.interrupt import StopRequest
@@ -48,22 +48,27 @@ from tsenor_cli.pruning.output import (
     write_model_folder,
 )
 from tsenor_cli.pruning.report import versions
-from tsenor_cli.pruning.resume import RESUME_DIRNAME
 from tsenor_cli.runfiles import (
+    CONFIG_FILE,
     EVAL_FILE,
     FINETUNE_FILE,
+    FINETUNE_STATE_FILE,
+    FINETUNE_STATE_VERSION,
     PRUNE_FILE,
     PRUNE_MARKDOWN,
+    RESUME_DIR,
     ContextRecord,
     EvalReport,
     FinetuneReport,
+    FinetuneState,
 )
 from tsenor_cli.settings import RunContext
 
+if TYPE_CHECKING:
+    from tsenor_cli.evaluation.runner import EvalConfig
+
 LOSS_PNG = "finetune_loss.png"
 PPL_PNG = "finetune_ppl.png"
-STATE_FILE = "finetune_state.json"
-STATE_VERSION = 1
 # Trainer's defaults, recorded in the report because they decide the result.
 SCHEDULER = "linear"
 MAX_GRAD_NORM = 1.0
@@ -177,34 +182,25 @@ def _checkpoint_dtype(run_dir: Path) -> torch.dtype:
     """The dtype the run's weights are stored in (config.json `dtype`, `torch_dtype` before transformers 5)."""
     from tsenor_cli.models.loading import parse_dtype
 
-    config = json.loads((run_dir / "config.json").read_text())
+    config = json.loads((run_dir / CONFIG_FILE).read_text())
     return parse_dtype(str(config.get("dtype") or config.get("torch_dtype") or "float32")) or torch.float32
 
 
-def _load_state(state_dir: Path, cfg: FinetuneConfig) -> dict[str, Any] | None:
+def _load_state(state_dir: Path, cfg: FinetuneConfig) -> FinetuneState | None:
     """The saved finetune state of an interrupted run, None when there is none."""
-    path = state_dir / STATE_FILE
-    if not path.is_file():
+    state = FinetuneState.read(state_dir)
+    if state is None:
         if state_dir.is_dir() and any(state_dir.iterdir()):
             raise UsageError(
                 f"{state_dir} holds another command's resume state; pass --force without --resume to start over"
             )
         return None
-    state = json.loads(path.read_text())
-    if state.get("version") != STATE_VERSION or state.get("config_hash") != cfg.result_hash():
+    if state.schema_version != FINETUNE_STATE_VERSION or state.config_hash != cfg.result_hash():
         raise UsageError(
             f"the resume state in {state_dir} was made with different settings; rerun with the same flags to "
             "continue it, or pass --force without --resume to start over"
         )
-    return dict(state)
-
-
-def _save_state(state_dir: Path, cfg: FinetuneConfig, eval_before: dict[str, Any] | None) -> None:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"version": STATE_VERSION, "config_hash": cfg.result_hash(), "eval_before": eval_before}
-    tmp = state_dir / f"{STATE_FILE}.tmp"
-    tmp.write_text(json.dumps(payload, indent=1))
-    tmp.replace(state_dir / STATE_FILE)
+    return state
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -331,7 +327,7 @@ def finetune(
     start = time.perf_counter()
     stop = stop if stop is not None else StopRequest()
     point = _RunPoint(max_steps=cfg.max_steps)
-    state_dir = cfg.output / RESUME_DIRNAME
+    state_dir = cfg.output / RESUME_DIR
     existed = cfg.output.exists()
     finished = False
     try:
@@ -399,7 +395,7 @@ def _saved(cfg: FinetuneConfig, state_dir: Path) -> str:
             f"the resume state holds step {checkpoint_step(checkpoint)} ({checkpoint}): rerun the same command "
             "with --resume to continue"
         )
-    if (state_dir / STATE_FILE).is_file():
+    if (state_dir / FINETUNE_STATE_FILE).is_file():
         return (
             f"{state_dir} holds the evaluation before fine-tuning, no step yet: rerun the same command with "
             "--resume to continue"
@@ -472,6 +468,21 @@ def matching_evaluation(cfg: FinetuneConfig, loaded: Any, device: torch.device) 
     return None
 
 
+@dataclass(frozen=True)
+class _Inputs:
+    """What training reads, loaded and checked before any step: the model (fp32 on the CPU) and its
+    pruned masks {module: (out, in) bool}, the training windows, the teacher (None without --teacher), the
+    dtype the checkpoint was stored in, windows per optimizer step and windows available."""
+
+    loaded: Any
+    masks: dict[str, torch.Tensor]
+    text: TrainingText
+    teacher: Any
+    saved_dtype: torch.dtype
+    per_step: int
+    available: int
+
+
 def _train(
     cfg: FinetuneConfig,
     ctx: RunContext,
@@ -484,14 +495,49 @@ def _train(
     stop: StopRequest,
     point: _RunPoint,
 ) -> FinetuneReport:
-    """`finetune` past its output checks, under the output lock: load, train, evaluate, write; `point`
+    """`finetune` past its output checks, under the output lock, in the steps docs/architecture.md names:
+    load (`_load_inputs`), evaluate before (`_evaluate_before`, or the resume state's or the prune's own
+    eval.json), train (`_training_loop`), evaluate after, report and write (`_write_output`); `point`
     follows the phases and steps for an interruption's line."""
-    from transformers import PrinterCallback, Trainer, default_data_collator
-
     from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
-    from tsenor_cli.models.loading import load_model
 
     state = _load_state(state_dir, cfg) if cfg.resume else None
+    inputs = _load_inputs(cfg, ctx, args, sparsity, say)
+    model = inputs.loaded.model.to(args.device)
+    fixed = FixedMask(model, inputs.masks)
+    main = args.process_index == 0
+    eval_cfg = EvalConfig(ppl_datasets=cfg.ppl_datasets, tasks=cfg.tasks, limit=cfg.limit, max_windows=cfg.max_windows)
+    wants_eval = bool(cfg.ppl_datasets or cfg.tasks)
+    eval_before: dict[str, Any] | None = state.eval_before if state is not None else None
+    if eval_before is None and wants_eval and main:
+        eval_before = _evaluate_before(cfg, ctx, inputs.loaded, args.device, eval_cfg, stop, point, say)
+    if main and cfg.save_every and state is None:
+        FinetuneState(cfg.result_hash(), eval_before).write(state_dir)
+    trainer, curve, resumed = _training_loop(
+        cfg, ctx, args, inputs, model, fixed, state_dir, say, after_save, stop, point
+    )
+    nonzero = fixed.nonzero_pruned()
+    if nonzero:
+        raise RuntimeError(f"{nonzero} pruned weights became non-zero despite the mask; this is a bug in tsenor")
+    eval_after = None
+    if wants_eval and main:
+        say("evaluating after fine-tuning")
+        point.phase = "evaluating after"
+        with stop.at_once():
+            eval_after = evaluate_model(inputs.loaded, eval_cfg, ctx, progress=say).to_json()
+    report = _finetune_report(
+        cfg, ctx, args, sparsity, inputs, trainer, curve, (eval_before, eval_after), nonzero, resumed, start
+    )
+    if main:
+        _write_output(cfg, sparsity, inputs.loaded, report, inputs.saved_dtype, say)
+    return report
+
+
+def _load_inputs(cfg: FinetuneConfig, ctx: RunContext, args: Any, sparsity: RunSparsity, say: Progress) -> _Inputs:
+    """Load the pruned checkpoint, its masks (checked against the recorded pattern), the training windows
+    and the teacher; every input the user can fix fails here, before a step."""
+    from tsenor_cli.models.loading import load_model
+
     if cfg.tasks:
         from tsenor_cli.evaluation.zeroshot import validate_tasks
 
@@ -522,54 +568,82 @@ def _train(
             f"({cfg.batch_size} per process); pass more text, a smaller --seqlen or a smaller --batch-size"
         )
     say(f"training data: {text.description}")
-    teacher = None
-    if cfg.teacher is not None:
-        teacher = _load_teacher(cfg, ctx, loaded, args.device, say)
-    model = loaded.model.to(args.device)
-    fixed = FixedMask(model, masks)
-    main = args.process_index == 0
-    eval_cfg = EvalConfig(ppl_datasets=cfg.ppl_datasets, tasks=cfg.tasks, limit=cfg.limit, max_windows=cfg.max_windows)
+    teacher = _load_teacher(cfg, ctx, loaded, args.device, say) if cfg.teacher is not None else None
+    return _Inputs(loaded, masks, text, teacher, saved_dtype, per_step, available)
+
+
+def _evaluate_before(
+    cfg: FinetuneConfig,
+    ctx: RunContext,
+    loaded: Any,
+    device: torch.device,
+    eval_cfg: EvalConfig,
+    stop: StopRequest,
+    point: _RunPoint,
+    say: Progress,
+) -> dict[str, Any]:
+    """The evaluation of the pruned checkpoint before training (eval.json's object): the prune's own
+    eval.json when its settings match (`matching_evaluation`), else run now (stopping at once on a signal)."""
+    from tsenor_cli.evaluation.runner import evaluate_model
+
+    earlier = matching_evaluation(cfg, loaded, device)
+    if earlier is not None:
+        path, record = earlier
+        say(f"evaluation before fine-tuning: {path} (the same evaluation of this checkpoint), not run again")
+        return record
+    say(
+        "evaluating the pruned checkpoint before fine-tuning (no eval.json of it with these settings; "
+        "--max-windows N or --ppl none shortens it)"
+    )
+    point.phase = "evaluating before"
+    with stop.at_once():
+        return evaluate_model(loaded, eval_cfg, ctx, progress=say).to_json()
+
+
+def _training_loop(
+    cfg: FinetuneConfig,
+    ctx: RunContext,
+    args: Any,
+    inputs: _Inputs,
+    model: Any,
+    fixed: FixedMask,
+    state_dir: Path,
+    say: Progress,
+    after_save: Callable[[int], None] | None,
+    stop: StopRequest,
+    point: _RunPoint,
+) -> tuple[Any, CurveCallback, int | None]:
+    """Trainer's loop with the mask held fixed, the perplexity curve every --eval-every steps and the stop
+    signals honoured after the step in hand; continued from the last complete checkpoint with --resume
+    → (the trainer, the curve callback, the step resumed from or None)."""
+    from transformers import PrinterCallback, Trainer, default_data_collator
+
+    from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
+
     curve_cfg = EvalConfig(ppl_datasets=cfg.ppl_datasets, max_windows=cfg.max_windows)
-    wants_eval = bool(cfg.ppl_datasets or cfg.tasks)
 
     def ppl_now() -> dict[str, float]:
         if stop.requested:  # training stops after this step: no curve point (a resumed run evaluates it)
             return {}
         with stop.at_once():
-            report = evaluate_model(loaded, curve_cfg, ctx)
+            report = evaluate_model(inputs.loaded, curve_cfg, ctx)
         model.train()  # evaluate_model leaves the model in eval mode
         return {name: entry.ppl for name, entry in report.perplexity.items()}
 
-    eval_before: dict[str, Any] | None = state.get("eval_before") if state is not None else None
-    if eval_before is None and wants_eval and main:
-        earlier = matching_evaluation(cfg, loaded, args.device)
-        if earlier is not None:
-            path, eval_before = earlier
-            say(f"evaluation before fine-tuning: {path} (the same evaluation of this checkpoint), not run again")
-        else:
-            say(
-                "evaluating the pruned checkpoint before fine-tuning (no eval.json of it with these settings; "
-                "--max-windows N or --ppl none shortens it)"
-            )
-            point.phase = "evaluating before"
-            with stop.at_once():
-                eval_before = evaluate_model(loaded, eval_cfg, ctx, progress=say).to_json()
-    if main and cfg.save_every and state is None:
-        _save_state(state_dir, cfg, eval_before)
-
+    wants_eval = bool(cfg.ppl_datasets or cfg.tasks)
     curve = CurveCallback(ppl_now if wants_eval else None, cfg.eval_every, say, after_save)
     common: dict[str, Any] = {
         "model": model,
         "args": args,
-        "train_dataset": WindowDataset(text.windows),
+        "train_dataset": WindowDataset(inputs.text.windows),
         "data_collator": default_data_collator,
         "callbacks": [MaskCallback(fixed), curve, StopCallback(stop, point, save=cfg.save_every > 0)],
     }
-    if teacher is None:
+    if inputs.teacher is None:
         trainer = Trainer(**common)
     else:
         trainer = DistillTrainer(
-            **common, teacher=teacher, weight=cfg.distill_weight, temperature=cfg.distill_temperature
+            **common, teacher=inputs.teacher, weight=cfg.distill_weight, temperature=cfg.distill_temperature
         )
     trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout; CurveCallback reports instead
     checkpoint = last_complete_checkpoint(state_dir, say) if cfg.resume and state_dir.is_dir() else None
@@ -581,23 +655,32 @@ def _train(
     if stop.requested:  # StopCallback ended training after the step in hand (and saved it)
         point.phase = "stopped"
         raise point.interrupted(cfg, state_dir, stop.name)
-    nonzero = fixed.nonzero_pruned()
-    if nonzero:
-        raise RuntimeError(f"{nonzero} pruned weights became non-zero despite the mask; this is a bug in tsenor")
+    return trainer, curve, resumed
+
+
+def _finetune_report(
+    cfg: FinetuneConfig,
+    ctx: RunContext,
+    args: Any,
+    sparsity: RunSparsity,
+    inputs: _Inputs,
+    trainer: Any,
+    curve: CurveCallback,
+    evaluations: tuple[dict[str, Any] | None, dict[str, Any] | None],
+    nonzero: int,
+    resumed: int | None,
+    start: float,
+) -> FinetuneReport:
+    """finetune.json's content; evaluations: eval.json's objects before and after training (None: not run)."""
+    eval_before, eval_after = evaluations
     steps = int(trainer.state.global_step)
-    eval_after = None
-    if wants_eval and main:
-        say("evaluating after fine-tuning")
-        point.phase = "evaluating after"
-        with stop.at_once():
-            eval_after = evaluate_model(loaded, eval_cfg, ctx, progress=say).to_json()
     loss, ce, ppl = _curves(
         trainer.state.log_history,
         {k: v["ppl"] for k, v in (eval_before or {}).get("perplexity", {}).items()},
         {k: v["ppl"] for k, v in (eval_after or {}).get("perplexity", {}).items()},
         steps,
     )
-    report = FinetuneReport(
+    return FinetuneReport(
         settings={
             **cfg.result_fields(),
             "device": str(args.device),
@@ -606,16 +689,16 @@ def _train(
             "max_grad_norm": MAX_GRAD_NORM,
             "weight_decay": 0.0,
             "save_every": cfg.save_every,
-            "saved_dtype": str(saved_dtype).removeprefix("torch."),
+            "saved_dtype": str(inputs.saved_dtype).removeprefix("torch."),
         },
         run_dir=str(cfg.run_dir),
         pattern={k: v for k, v in sparsity.meta.items() if not k.endswith("_modules")},
-        data=text.description,
-        data_source=text.source.to_json(),
-        windows=available,
+        data=inputs.text.description,
+        data_source=inputs.text.source.to_json(),
+        windows=inputs.available,
         steps=steps,
-        tokens=steps * per_step * cfg.seqlen,
-        epochs=steps * per_step / available,
+        tokens=steps * inputs.per_step * cfg.seqlen,
+        epochs=steps * inputs.per_step / inputs.available,
         world_size=int(args.world_size),
         loss_curve=loss,
         ce_curve=ce,
@@ -631,9 +714,6 @@ def _train(
         context=asdict(ContextRecord.of(ctx)),
         versions=versions(),
     )
-    if main:
-        _write_output(cfg, sparsity, loaded, report, saved_dtype, say)
-    return report
 
 
 def _write_output(

@@ -4,9 +4,10 @@ Each method module holds a pure `prune(weight, stats, cfg) -> PruneOutcome`; `PR
 `--method` names to them. `tsenor_cli.pruning.api.prune_model` runs a whole model.
 """
 
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.registry import PRUNERS, PrunerSpec, get_pruner
 from tsenor_cli.pruning.stats import InputStats, reconstruction_error
-from tsenor_cli.pruning.types import LayerPruneConfig, MaskSolveInfo, PruneOutcome, SparsityPattern
+from tsenor_cli.pruning.types import LayerPruneConfig, MaskSolveInfo, PruneOutcome
 
 __all__ = [
     "PRUNERS",

@@ -1,4 +1,5 @@
-"""Library entry points: `prune_model(cfg, ctx) -> PruneReport` and `plan_model(cfg, ctx) -> PrunePlan` (dry run).
+"""Library entry points: `prune_model(cfg, ctx) -> PruneReport` and `prune_and_evaluate` (`tsenor prune
+--eval`); the dry run's `plan_model` is in pruning/plan.py.
 
 `ctx` (settings.RunContext) says where calibration data and hub models may come from.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,22 +22,20 @@ from tsenor_cli.progress import Progress, bar, logger, sink
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.distributed import Team, joined
 from tsenor_cli.pruning.engine import (
+    BlockCall,
     BlockInputs,
     LinearSlot,
     MoeOptions,
     capture_block_calls,
     capture_block_inputs,
     check_compatibility,
-    incompatible_slots,
     linear_slots,
     observe_blocks,
-    observed_slots,
     prune_block,
     run_block,
-    slot_workspace,
 )
 from tsenor_cli.pruning.finite import check_finite
-from tsenor_cli.pruning.memory import HostEstimate, check_fits, host_estimate
+from tsenor_cli.pruning.memory import check_fits
 from tsenor_cli.pruning.observe import BlockObservation
 from tsenor_cli.pruning.output import (
     check_free_space,
@@ -49,30 +48,22 @@ from tsenor_cli.pruning.output import (
     write_checkpoint,
 )
 from tsenor_cli.pruning.phases import phase
-from tsenor_cli.pruning.probe import probe_blocks
+from tsenor_cli.pruning.plan import dtype_and_device, plan_model, say_ruled, weight_plan
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.report import versions
 from tsenor_cli.pruning.resume import ResumeState, ResumeStore
-from tsenor_cli.pruning.selection import excluded_layers, matches
+from tsenor_cli.pruning.selection import excluded_layers
 from tsenor_cli.pruning.types import LayerRecord
-from tsenor_cli.runfiles import ContextRecord, PatternInfo, PruneReport
+from tsenor_cli.runfiles import EVAL_FILE, ContextRecord, DataSource, EvalReport, PruneReport
 from tsenor_cli.settings import RunContext
 
 if TYPE_CHECKING:
+    from torch import nn
+
+    from tsenor_cli.data.calibration import CalibrationData
+    from tsenor_cli.evaluation.runner import EvalConfig
     from tsenor_cli.models.loading import LoadedModel
     from tsenor_cli.models.structure import ModelStructure
-
-
-def _dtype_and_device(cfg: PruneConfig, ctx: RunContext | None = None) -> tuple[torch.dtype, torch.device]:
-    """The run's dtype and this rank's device: in a distributed run `--device cuda` means the GPU of the
-    rank's LOCAL_RANK (one GPU per process)."""
-    from tsenor_cli.models.loading import default_dtype, parse_dtype, resolve_device
-
-    device = resolve_device(cfg.device)
-    if ctx is not None and ctx.distributed.distributed and device.type == "cuda" and device.index is None:
-        device = resolve_device(f"cuda:{ctx.distributed.local_rank}")
-    dtype = parse_dtype(cfg.dtype)
-    return (dtype if dtype is not None else default_dtype(device)), device
 
 
 def dense_calibration_inputs(
@@ -102,12 +93,7 @@ def sparsity_metadata(cfg: PruneConfig, records: list[LayerRecord], solver: str 
     p = cfg.pattern
     return {
         "method": cfg.method,
-        "pattern": p.label,
-        "kind": p.kind,
-        "n": p.n,
-        "m": p.m,
-        "sparsity": p.sparsity,
-        "transposable": p.transposable,
+        **p.metadata(),
         "solver": solver,
         "solver_requested": cfg.layer.solver if p.transposable else None,
         "pruned_modules": [r.name for r in records if r.status == "pruned"],
@@ -141,61 +127,6 @@ def decoder_matrices(structure: ModelStructure) -> list[torch.Tensor]:
     return [p for block in structure.blocks for p in block.parameters() if p.dim() >= 2]
 
 
-@dataclass(frozen=True)
-class WeightPlan:
-    """Every weight matrix of the decoder blocks once their forwards were watched (by the run on its
-    weights, or by the dry run's probe on random ones: `pruning/probe.py`).
-
-    slots: the matrices (a stack of experts is one slot), watched blocks' with orientation, experts and
-    role from the watch, the others as found without running; ignored: {full name: reason} left dense by
-    --ignore/--targets or by rule (routers, gates); unused: per block, the records of its parameters that
-    are not matmul weights; ruled: {role: how many} of the slots left dense by rule.
-    """
-
-    slots: list[LinearSlot]
-    ignored: dict[str, str]
-    unused: dict[int, list[LayerRecord]]
-    ruled: dict[str, int]
-
-
-def weight_plan(
-    structure: ModelStructure, static: Sequence[LinearSlot], observed: dict[int, BlockObservation], cfg: PruneConfig
-) -> WeightPlan:
-    """Slots of watched blocks take their orientation, experts and role from the watch; routers and gates
-    are left dense unless a --targets pattern names them; the other patterns as for nn.Linear layers."""
-    slots: list[LinearSlot] = []
-    unused: dict[int, list[LayerRecord]] = {}
-    for index in range(len(structure)):
-        if index not in observed:
-            slots += [s for s in static if s.block == index]
-            continue
-        watched = observed[index]
-        seen = {s.param_name: s for s in observed_slots(structure, index, watched)}
-        # nn.Linear layers that never ran keep their slot: prune_block names them in its error.
-        kept = list(seen.values()) + [
-            s for s in static if s.block == index and s.param_name not in seen and not s.param
-        ]
-        slots += kept
-        block = structure.blocks[index]
-        in_slots = {s.param_name for s in kept}
-        for name, why in watched.unused.items():
-            if name not in in_slots:
-                shape = tuple(block.get_parameter(name).shape)
-                full = structure.full_name(index, name)
-                unused.setdefault(index, []).append(
-                    LayerRecord(index, full, int(shape[-2]), int(shape[-1]), "ignored", why, param=full)
-                )
-    names = [s.full_name for s in slots]
-    ignored = excluded_layers(names, cfg.ignore, cfg.targets)
-    targeted = {n for n in names if any(matches(p, n) for p in cfg.targets)}
-    ruled: dict[str, int] = {}
-    for slot in slots:
-        if slot.role != "weight" and slot.full_name not in targeted:
-            ignored[slot.full_name] = f"{slot.role}, left dense (--targets {slot.full_name} prunes it)"
-            ruled[slot.role] = ruled.get(slot.role, 0) + 1
-    return WeightPlan(slots, ignored, unused, ruled)
-
-
 def _observed_plan(
     structure: ModelStructure,
     static: Sequence[LinearSlot],
@@ -204,30 +135,15 @@ def _observed_plan(
     say: Progress,
 ) -> tuple[list[LinearSlot], dict[str, str], dict[str, str], dict[int, list[LayerRecord]]]:
     """The run's weight matrices once the blocks' forwards were watched: (slots, ignored, skipped, the
-    records of block parameters that are not matmul weights, per block) (`weight_plan`), and the
+    records of block parameters that are not matmul weights, per block) (`plan.weight_plan`), and the
     compatibility check as for nn.Linear layers. A kind of weight left dense by a rule is said once on stderr.
     """
     plan = weight_plan(structure, static, observed, cfg)
     slots, ignored, unused = plan.slots, plan.ignored, plan.unused
-    _say_ruled(plan)
+    say_ruled(plan)
     candidates = [s for s in slots if s.full_name not in ignored]
     skipped = check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)
     return slots, ignored, skipped, unused
-
-
-def _say_ruled(plan: WeightPlan) -> None:
-    """One stderr line per kind of weight left dense by a rule."""
-    ruled, unused = plan.ruled, plan.unused
-    for role, count in ruled.items():
-        logger.warning(
-            "leaving %d %s(s) dense: routing decisions are fragile (--targets names one to prune it)", count, role
-        )
-    if unused:
-        count = sum(len(v) for v in unused.values())
-        logger.warning(
-            "%d decoder weight(s) are not matmul weights of their block's forward and stay dense (see the report)",
-            count,
-        )
 
 
 def prune_model(
@@ -269,7 +185,7 @@ def prune_model(
     say = sink(progress) if place.is_root else _silent
     output = output_path(cfg.output)
     point = _RunPoint()
-    _, device = _dtype_and_device(cfg, ctx)
+    _, device = dtype_and_device(cfg, ctx)
     try:
         with joined(place, device) as team:
             with team.agreed():
@@ -374,6 +290,34 @@ def _open_state(store: ResumeStore, cfg: PruneConfig, blocks: int, say: Progress
     return state
 
 
+@dataclass
+class _Start:
+    """Where the block loop starts: the first block to prune (0, or the resume state's next block), the
+    records of the blocks before it, this rank's shard of that block's input `hidden` (S_r, T, H; None
+    once every block is done), what the model passes each block (`calls`), and the calibration text's
+    description and source."""
+
+    first: int
+    records: list[LayerRecord]
+    hidden: torch.Tensor | None
+    calls: Sequence[BlockCall]
+    calibration: str
+    calibration_source: DataSource
+
+
+@dataclass(frozen=True)
+class _BlockPlan:
+    """The run's weight matrices once the blocks' dense forwards were watched (`_observed_plan`): slots,
+    those left dense (`ignored`) or skipped (the pattern does not fit), the records of block parameters
+    that are not matmul weights (per block), and each watched block's observation."""
+
+    slots: list[LinearSlot]
+    ignored: dict[str, str]
+    skipped: dict[str, str]
+    unused: dict[int, list[LayerRecord]]
+    observed: dict[int, BlockObservation]
+
+
 def _prune(
     cfg: PruneConfig,
     ctx: RunContext,
@@ -388,8 +332,10 @@ def _prune(
     team: Team,
     built: LoadedModel | None,
 ) -> PruneReport:
-    """The run itself, under the output lock (held by rank 0): load (unless `built`), prune block by
-    block (rank 0 saving the state), write (rank 0).
+    """The run itself, under the output lock (held by rank 0), in the steps docs/architecture.md names:
+    load the model and read the calibration text (`_load`), capture the input of the first block to prune
+    or restore it from the resume state (`_calibrate`), watch the blocks' dense forwards (`_watch`), prune
+    block by block with rank 0 saving the state (`_prune_blocks`), then report and write (rank 0).
 
     Each rank holds the whole model on the CPU and its shard of the calibration samples. The phases, each
     one call here or in `prune_block`, are marked with `phases.phase` for `tsenor bench prune`: block
@@ -398,14 +344,53 @@ def _prune(
     ADMM/OBS updates, CG), the block re-run (`run_block`), the resume state (`save_block`), the final
     save (`write_checkpoint`).
     """
-    from tsenor_cli.data.calibration import CalibrationData, calibration_batches
+    dtype, device = dtype_and_device(cfg, ctx)
+    loaded, slots, calib = _load(cfg, ctx, state, say, team, built, dtype)
+    structure = loaded.structure
+    if structure.outside:
+        say(f"left dense, outside the language model {structure.base_name}: {', '.join(structure.outside)}")
+    seqlen = min(cfg.seqlen, loaded.max_positions or cfg.seqlen)
+    if seqlen < cfg.seqlen:
+        logger.warning(
+            "--seqlen %d is longer than the model's %d positions; calibrating with %d", cfg.seqlen, seqlen, seqlen
+        )
+    begin = _calibrate(cfg, structure, store, state, calib, say, team, device)
+    plan = _watch(cfg, structure, slots, begin, say, team, device)
+    records = _prune_blocks(
+        cfg, structure, begin, plan, output, store, state, point, say, after_block, stop, team, device
+    )
+    report = _report(cfg, ctx, loaded.model, structure, records, begin, seqlen, start, team, device)
+    say(f"writing {output}")
+    point.writing = True
+    with phase("save"), team.agreed():
+        if team.is_root:
+            write_checkpoint(
+                loaded.model,
+                loaded.tokenizer,
+                output,
+                report,
+                sparsity_metadata(cfg, records, cfg.solver_that_runs(device)),
+                loaded.processor_files,
+            )
+    return report
+
+
+def _load(
+    cfg: PruneConfig,
+    ctx: RunContext,
+    state: ResumeState | None,
+    say: Progress,
+    team: Team,
+    built: LoadedModel | None,
+    dtype: torch.dtype,
+) -> tuple[LoadedModel, list[LinearSlot], CalibrationData | None]:
+    """Load the model on the CPU (unless `built`) and, for a fresh run, its calibration text → (the
+    model, its linear slots, the calibration data or None when a resume state supplies the inputs).
+
+    Every weight is checked finite, and the nn.Linear layers against the pattern, before calibration."""
+    from tsenor_cli.data.calibration import calibration_batches
     from tsenor_cli.models.loading import config_value, load_model
 
-    spec = get_pruner(cfg.method)
-    dtype, device = _dtype_and_device(cfg, ctx)
-    # Where the calibration activations live between blocks: the device, or the CPU with
-    # --offload-activations, each sample then streamed to the device when the block needs it.
-    storage = torch.device("cpu") if cfg.offload_activations else device
     fresh: list[CalibrationData] = []
 
     def calibrate(config: Any, tokenizer: Any) -> None:
@@ -434,14 +419,13 @@ def _prune(
                 before_weights=calibrate if state is None else None,
                 check_tokenizer=True,
             )
-        model, structure = loaded.model, loaded.structure
         # All weights at once, before calibration: a NaN in the last block should not cost a run to find.
         check_finite(
-            model.named_parameters(),
+            loaded.model.named_parameters(),
             where=f"model {cfg.model}",
             fix="the checkpoint is corrupt; re-download or re-convert it (nothing was written)",
         )
-        slots = linear_slots(structure)
+        slots = linear_slots(loaded.structure)
         ignored = excluded_layers([s.full_name for s in slots], cfg.ignore, cfg.targets)
         # The nn.Linear layers are checked now, before calibration; the other matrices once the forward
         # has shown their orientation and role (`_observed_plan`).
@@ -449,53 +433,95 @@ def _prune(
         linear_only = [s for s in slots if not s.param and s.full_name not in ignored and s.out_features > 1]
         if linear_only:
             check_compatibility(linear_only, cfg.pattern, skip=cfg.skip_incompatible)
-    blocks = structure.blocks
-    if structure.outside:
-        say(f"left dense, outside the language model {structure.base_name}: {', '.join(structure.outside)}")
-    seqlen = min(cfg.seqlen, loaded.max_positions or cfg.seqlen)
-    if seqlen < cfg.seqlen:
-        logger.warning(
-            "--seqlen %d is longer than the model's %d positions; calibrating with %d", cfg.seqlen, seqlen, seqlen
-        )
-    config_hash = cfg.result_hash()
+    return loaded, slots, fresh[0] if fresh else None
 
-    records: list[LayerRecord] = []
-    first = 0
-    hidden: torch.Tensor | None = None  # (S_r, T, H) this rank's shard of the input of the next block
+
+def _calibrate(
+    cfg: PruneConfig,
+    structure: ModelStructure,
+    store: ResumeStore | None,
+    state: ResumeState | None,
+    calib: CalibrationData | None,
+    say: Progress,
+    team: Team,
+    device: torch.device,
+) -> _Start:
+    """The input of the first block to prune: from the resume state (its blocks restored into the model),
+    or captured from the calibration tokens by the model's own forward, this rank's shard of them.
+
+    The activations live between blocks on the device, or on the CPU with --offload-activations (each
+    sample then streamed to the device when the block needs it)."""
+    storage = torch.device("cpu") if cfg.offload_activations else device
     shard = team.shard(cfg.nsamples)
     with team.agreed():
         if state is not None and store is not None:
-            first = state.next_block
-            store.restore_blocks(blocks, state)
-            records = list(state.records)
-            calibration, calibration_source = state.calibration, state.calibration_source
-            if first < len(blocks):
-                hidden = store.load_hidden(state, storage, rows=shard if team.distributed else None)
-                calls = capture_block_calls(structure, int(hidden.shape[1]))
-        else:
-            (calib,) = fresh
-            calibration = str(calib.source_description)
-            calibration_source = calib.source
-            say(f"calibration: {calibration}, {tuple(calib.input_ids.shape)} tokens")
-            if team.distributed:
-                say(f"{team.world_size} processes, {shard.stop - shard.start} samples on rank 0")
-            with phase("capture"):
-                inputs = capture_block_inputs(structure, calib.input_ids[shard], storage)
-            hidden, calls = inputs.hidden, inputs.calls
+            store.restore_blocks(structure.blocks, state)
+            begin = _Start(state.next_block, list(state.records), None, (), state.calibration, state.calibration_source)
+            if begin.first < len(structure.blocks):
+                begin.hidden = store.load_hidden(state, storage, rows=shard if team.distributed else None)
+                begin.calls = capture_block_calls(structure, int(begin.hidden.shape[1]))
+            return begin
+        assert calib is not None  # a fresh run read its calibration text while loading
+        say(f"calibration: {calib.source_description}, {tuple(calib.input_ids.shape)} tokens")
+        if team.distributed:
+            say(f"{team.world_size} processes, {shard.stop - shard.start} samples on rank 0")
+        with phase("capture"):
+            inputs = capture_block_inputs(structure, calib.input_ids[shard], storage)
+        return _Start(0, [], inputs.hidden, inputs.calls, str(calib.source_description), calib.source)
 
+
+def _watch(
+    cfg: PruneConfig,
+    structure: ModelStructure,
+    slots: list[LinearSlot],
+    begin: _Start,
+    say: Progress,
+    team: Team,
+    device: torch.device,
+) -> _BlockPlan:
+    """Watch the dense forward of the blocks left to prune (one sample) and settle the run's weight
+    matrices from what they multiply by (`_observed_plan`)."""
     observed: dict[int, BlockObservation] = {}
-    if hidden is not None:
+    if begin.hidden is not None:
         with phase("capture"), team.agreed():
-            observed = observe_blocks(structure, hidden[:1], calls, first, device)
+            observed = observe_blocks(structure, begin.hidden[:1], begin.calls, begin.first, device)
     with team.agreed():
         slots, ignored, skipped, unused = _observed_plan(structure, slots, observed, cfg, say)
     matrices = sum(s.matrices for s in slots)
-    say(f"{structure.model_type}: {len(blocks)} blocks in {structure.blocks_name}, {matrices} weight matrices")
+    say(
+        f"{structure.model_type}: {len(structure.blocks)} blocks in {structure.blocks_name}, {matrices} weight matrices"
+    )
     if ignored:
         say(f"leaving {len(ignored)} weight(s) dense (--ignore/--targets, routers and gates)")
+    return _BlockPlan(slots, ignored, skipped, unused, observed)
+
+
+def _prune_blocks(
+    cfg: PruneConfig,
+    structure: ModelStructure,
+    begin: _Start,
+    plan: _BlockPlan,
+    output: Path,
+    store: ResumeStore | None,
+    state: ResumeState | None,
+    point: _RunPoint,
+    say: Progress,
+    after_block: Callable[[int], None] | None,
+    stop: StopRequest | None,
+    team: Team,
+    device: torch.device,
+) -> list[LayerRecord]:
+    """The block loop → every layer's record. Per block: stop here if a signal asked to; move the block to
+    the device; prune its weight matrices group by group (`engine.prune_block`); run it once more so the
+    next block sees the pruned outputs; back to the CPU; rank 0 saves the resume state."""
+    blocks = structure.blocks
+    spec = get_pruner(cfg.method)
     moe = MoeOptions(cfg.moe_calibration, cfg.moe_min_tokens)
+    config_hash = cfg.result_hash()
+    records = list(begin.records)
+    hidden = begin.hidden  # (S_r, T, H) this rank's shard of the input of the next block
     buffer = torch.empty_like(hidden) if hidden is not None else None
-    for index in bar(range(first, len(blocks)), total=len(blocks) - first, desc="blocks", unit="block"):
+    for index in bar(range(begin.first, len(blocks)), total=len(blocks) - begin.first, desc="blocks", unit="block"):
         # The ranks stop together, at the same block, even when the signal reached only some of them.
         signal_name = team.first_set(stop.name) if stop is not None else None
         if signal_name is not None:
@@ -505,13 +531,13 @@ def _prune(
         say(f"block {index + 1}/{len(blocks)}")
         block = blocks[index]
         block.to(device)
-        call = calls[index].to(device)
+        call = begin.calls[index].to(device)
         records += prune_block(
             block,
             index,
             structure,
-            slots,
-            skipped,
+            plan.slots,
+            plan.skipped,
             hidden,
             call,
             spec,
@@ -519,12 +545,12 @@ def _prune(
             sequential=cfg.sequential,
             device=device,
             progress=say,
-            ignored=ignored,
+            ignored=plan.ignored,
             team=team,
             moe=moe,
-            observation=observed.get(index),
+            observation=plan.observed.get(index),
         )
-        records += unused.get(index, [])
+        records += plan.unused.get(index, [])
         with phase("rerun"), team.agreed():
             run_block(block, hidden, call, buffer, device)  # the next block sees the pruned outputs
         hidden, buffer = buffer, hidden
@@ -542,21 +568,36 @@ def _prune(
                             state,
                             records,
                             config_hash,
-                            calibration,
-                            calibration_source,
+                            begin.calibration,
+                            begin.calibration_source,
                             len(blocks),
                         )
         point.done, point.current = index + 1, None
         if after_block is not None:
             after_block(index)
+    return records
 
-    solver = cfg.solver_that_runs(device)
+
+def _report(
+    cfg: PruneConfig,
+    ctx: RunContext,
+    model: nn.Module,
+    structure: ModelStructure,
+    records: list[LayerRecord],
+    begin: _Start,
+    seqlen: int,
+    start: float,
+    team: Team,
+    device: torch.device,
+) -> PruneReport:
+    """tsenor_report.json's content: the settings that decided the weights, the layer records, the
+    calibration's source, the densities of the pruned model."""
     settings_dict = {
         **cfg.result_fields(),
         "result_hash": cfg.result_hash(),  # what a rerun of the same command compares (output.finished_run)
         "device": str(device),
         "seqlen": seqlen,
-        "solver": solver,
+        "solver": cfg.solver_that_runs(device),
         # Provenance: the result does not depend on it (docs/reliability.md), the timings do.
         "threads": torch.get_num_threads(),
     }
@@ -565,402 +606,52 @@ def _prune(
     p = cfg.pattern
     model_params, model_nonzero = nonzero_counts(list(model.parameters()))
     linear_params, linear_nonzero = nonzero_counts(decoder_matrices(structure))
-    report = PruneReport(
+    return PruneReport(
         method=cfg.method,
-        pattern=PatternInfo(p.n, p.m, p.transposable) if p.kind in ("transposable", "nm") else None,
+        pattern=None if p.kind == "unstructured" else p,
         sparsity=float(p.sparsity),
         settings=settings_dict,
         layers=tuple(records),
-        calibration=calibration,
+        calibration=begin.calibration,
         seconds=time.perf_counter() - start,
         output=str(cfg.output),
         command=cfg.command,
         versions=versions(),
-        resumed_from_block=first if first else None,
-        calibration_source=calibration_source,
+        resumed_from_block=begin.first if begin.first else None,
+        calibration_source=begin.calibration_source,
         context=ContextRecord.of(ctx),
         model_params=model_params,
         model_nonzero=model_nonzero,
         linear_params=linear_params,
         linear_nonzero=linear_nonzero,
     )
-    say(f"writing {output}")
-    point.writing = True
-    with phase("save"), team.agreed():
-        if team.is_root:
-            write_checkpoint(
-                model,
-                loaded.tokenizer,
-                output,
-                report,
-                sparsity_metadata(cfg, records, solver),
-                loaded.processor_files,
-            )
-    return report
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Peak device memory of one rank (bytes), by what holds it.
+def prune_and_evaluate(
+    cfg: PruneConfig, ctx: RunContext, eval_cfg: EvalConfig | None, *, stop: StopRequest | None = None
+) -> tuple[PruneReport, EvalReport | None]:
+    """`tsenor prune --eval`: prune (`prune_model`), then evaluate the checkpoint into its eval.json.
 
-    block: the largest decoder block's parameters; activations: this rank's calibration hidden states
-    entering and leaving the block, (S_r, T, H) twice, or one sample's with --offload-activations, plus
-    in a distributed run the group's linear inputs kept for the ordered sums (S_r, T, in) (on the CPU
-    with --offload-activations); statistics: the input statistics (XᵀX and column norms) of a block's
-    linears taken as one group, in a distributed run twice (the sums in flight to the next rank) plus one
-    linear's being added; workspace: the method's buffers for the largest matrix (weights, mask,
-    ADMM/OBS state, damped H and its factorization), for a stack of experts those of one batched chunk
-    (`engine.slot_workspace`).
+    Only rank 0 of a distributed run evaluates (the others return None). A stop signal during the
+    evaluation stops it at once (it has no safe point; `StopRequest.at_once`), as Ctrl-C does: one line
+    saying the checkpoint is complete and how to evaluate it.
     """
+    report = prune_model(cfg, ctx, stop=stop)
+    if eval_cfg is None or cfg.output is None or not ctx.distributed.is_root:
+        return report, None
+    from tsenor_cli.evaluation.runner import evaluate_model
+    from tsenor_cli.models.loading import load_model, parse_dtype
 
-    rank: int
-    block: int
-    activations: int
-    statistics: int
-    workspace: int
-
-    @property
-    def total(self) -> int:
-        return self.block + self.activations + self.statistics + self.workspace
-
-    def to_dict(self) -> dict[str, int]:
-        return {
-            "rank": self.rank,
-            "block": self.block,
-            "activations": self.activations,
-            "statistics": self.statistics,
-            "workspace": self.workspace,
-            "total": self.total,
-        }
-
-
-def estimate_device_memory(
-    block_params: Sequence[int],
-    candidates: Sequence[LinearSlot],
-    *,
-    nsamples: int,
-    seqlen: int,
-    hidden_size: int,
-    width: int,
-    needs_gram: bool,
-    iterative: bool,
-    world_size: int = 1,
-    offload_activations: bool = False,
-    sequential: bool = True,
-) -> list[MemoryEstimate]:
-    """One `MemoryEstimate` per rank. block_params: parameter count of each block; candidates: the linears
-    to prune (at least one); width: bytes per element of the model's dtype (statistics are float32)."""
-    from tsenor_cli.pruning.distributed import shard_bounds
-
-    blocks = len(block_params)
-    # A stack of E experts holds E Gram matrices at once (engine.ExpertStats).
-    stats_size = [
-        sum(s.matrices * (s.in_features**2 + s.in_features) for s in candidates if s.block == i) for i in range(blocks)
-    ]
-    statistics = 4 * max(stats_size)
-    kept_features = 0  # per token, the linear inputs a distributed rank keeps for one group
-    if world_size > 1:
-        statistics = 2 * statistics + 4 * max(s.in_features**2 + s.in_features for s in candidates)
-        per_block = [sum(s.in_features for s in candidates if s.block == i) for i in range(blocks)]
-        # One group's linears read one input (LLaMA's q,k,v; gate,up); without --sequential the block is
-        # one group and every linear's input counts (an upper bound: shared inputs are kept once).
-        kept_features = max(s.in_features for s in candidates) if sequential else max(per_block)
-    workspace = max(slot_workspace(s, needs_gram=needs_gram, iterative=iterative) for s in candidates)
-    estimates = []
-    for rank, (start, stop) in enumerate(shard_bounds(nsamples, world_size)):
-        rows = 1 if offload_activations else stop - start
-        activations = 2 * rows * seqlen * hidden_size * width  # block inputs and outputs
-        if not offload_activations:
-            activations += (stop - start) * seqlen * kept_features * width
-        estimates.append(MemoryEstimate(rank, max(block_params) * width, activations, statistics, workspace))
-    return estimates
-
-
-def _outside_weights(model: Any, structure: ModelStructure) -> list[str]:
-    """The module names (as patterns see them) of the weight matrices outside the decoder blocks: a
-    vision tower's and projector's linears, the embeddings, the output head."""
-    in_blocks = {id(m) for m in structure.blocks.modules()}
-    found = []
-    for name, module in model.named_modules():
-        if id(module) in in_blocks:
-            continue
-        if any(p.dim() >= 2 for p in module.parameters(recurse=False)):
-            found.append(name)
-    return found
-
-
-def _checkable(
-    slots: Sequence[LinearSlot], dense: Sequence[dict[str, str]], observed: frozenset[str]
-) -> list[LinearSlot]:
-    """The slots not left dense (by any of `dense`) whose shape can be checked against the pattern now:
-    the observed ones, and nn.Linear layers of more than one output (a one-output layer is a gate, left
-    dense whatever its shape). The orientation and role of other matrices are found at run time."""
-    return [
-        s
-        for s in slots
-        if not any(s.full_name in reasons for reasons in dense)
-        and (s.full_name in observed or (not s.param and s.out_features > 1))
-    ]
-
-
-# How the dry run's table words each status of `PrunePlan.verdict`.
-_VERDICTS: dict[str, Callable[[str | None], str]] = {
-    "prune": lambda _reason: "yes",
-    "incompatible": lambda reason: f"NO: {reason}",
-    "ignored": lambda reason: f"ignored: {reason}",
-    "skipped": lambda reason: f"skipped: {reason}",
-    "decided at prune time": lambda reason: f"decided at prune time: {reason}",
-    "not a matmul weight": lambda reason: f"left dense: {reason}",
-}
-
-
-@dataclass(frozen=True)
-class PrunePlan:
-    """What a run would do, without loading weights: layers, compatibility, memory and disk estimates (bytes).
-
-    slots: every weight matrix of the decoder blocks (a stack of experts is one); incompatible / ignored:
-    {full name: reason}; unused: the block parameters of two or more dimensions that are not matmul
-    weights (records "ignored" with what read them); idle: {full name: reason} of the slots of blocks the
-    text-only forward never runs; pending: {full name: reason} of the slots whose orientation and role are
-    decided at prune time; observed: the slots the probe watched (`pruning/probe.py`); probe_bytes: the
-    most bytes the probe gave real storage at once (random values, not the checkpoint's).
-    checkpoint_bytes: the pruned checkpoint's weights; resume_bytes: the most the resume state holds at
-    once (every block's parameters and two (S, T, H) hidden-state files while one replaces the other).
-    device_memory: the peak device memory of each rank (one for a single process); device_bytes: the
-    largest of them; host_memory: the peak host memory of one process (`memory.HostEstimate`).
-    """
-
-    model: str
-    method: str
-    pattern: str
-    source: str
-    model_type: str
-    slots: tuple[LinearSlot, ...]
-    incompatible: dict[str, str]
-    ignored: dict[str, str]
-    seqlen: int
-    nsamples: int
-    params: int
-    cpu_bytes: int
-    device_memory: tuple[MemoryEstimate, ...]
-    device: str
-    dtype: str
-    blocks: int
-    checkpoint_bytes: int
-    resume_bytes: int
-    host_memory: HostEstimate
-    unused: tuple[LayerRecord, ...] = ()
-    idle: dict[str, str] = field(default_factory=dict)
-    pending: dict[str, str] = field(default_factory=dict)
-    observed: frozenset[str] = frozenset()
-    probe_bytes: int = 0
-
-    @property
-    def device_bytes(self) -> int:
-        return max(estimate.total for estimate in self.device_memory)
-
-    @property
-    def candidates(self) -> list[LinearSlot]:
-        """The slots the run would prune whose shape and role are known now (the compatibility check's)."""
-        return _checkable(self.slots, (self.ignored, self.idle, self.pending), self.observed)
-
-    def verdict(self, name: str) -> tuple[str, str | None]:
-        """(status, reason) of the slot or parameter `name`: "prune", "ignored" (--ignore/--targets, a
-        router or gate rule), "incompatible", "skipped" (its block never runs on text), "not a matmul
-        weight", or "decided at prune time" (a block the probe could not watch)."""
-        for status, reasons in (
-            ("ignored", self.ignored),
-            ("skipped", self.idle),
-            ("decided at prune time", self.pending),
-            ("incompatible", self.incompatible),
-        ):
-            if name in reasons:
-                return status, reasons[name]
-        for record in self.unused:
-            if record.name == name:
-                return "not a matmul weight", record.reason
-        return "prune", None
-
-    def rows(self) -> list[tuple[str, str, str]]:
-        """The dry run's table: (name, shape, verdict) for every weight matrix of the decoder blocks, the
-        report's accounting before any weight is read (a stack of E experts is one row, "E×out×in")."""
-        found: list[tuple[int, str, str, str]] = []
-        for slot in self.slots:
-            shape = f"{slot.out_features}×{slot.in_features}"
-            if slot.experts:
-                shape = f"{slot.experts}×{shape}"
-            status, reason = self.verdict(slot.full_name)
-            found.append((slot.block, slot.full_name, shape, _VERDICTS[status](reason)))
-        for record in self.unused:
-            shape = f"{record.out_features}×{record.in_features}"
-            found.append((record.block, record.name, shape, _VERDICTS["not a matmul weight"](record.reason)))
-        found.sort(key=lambda row: row[0])  # stable: block by block, each in the order found
-        return [(name, shape, verdict) for _block, name, shape, verdict in found]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "method": self.method,
-            "pattern": self.pattern,
-            "source": self.source,
-            "model_type": self.model_type,
-            "layers": [
-                {
-                    "name": s.full_name,
-                    "shape": [s.out_features, s.in_features],
-                    "experts": s.experts,
-                    "transposed": s.transposed,
-                    "role": s.role,
-                    "status": self.verdict(s.full_name)[0],
-                    "compatible": s.full_name not in self.incompatible,
-                    "reason": self.incompatible.get(s.full_name),
-                    "ignored": self.ignored.get(s.full_name),
-                }
-                for s in self.slots
-            ]
-            + [
-                {
-                    "name": r.name,
-                    "shape": [r.out_features, r.in_features],
-                    "experts": 0,
-                    "transposed": False,
-                    "role": None,
-                    "status": "not a matmul weight",
-                    "compatible": True,
-                    "reason": None,
-                    "ignored": r.reason,
-                }
-                for r in self.unused
-            ],
-            "skipped": len(self.idle),
-            "decided_at_prune_time": len(self.pending),
-            "probe_bytes": self.probe_bytes,
-            "incompatible": len(self.incompatible),
-            "ignored": len(self.ignored),
-            "seqlen": self.seqlen,
-            "nsamples": self.nsamples,
-            "params": self.params,
-            "estimated_cpu_bytes": self.cpu_bytes,
-            "estimated_host_bytes_per_process": self.host_memory.to_dict(),
-            "estimated_device_bytes": self.device_bytes,
-            "estimated_device_bytes_per_rank": [estimate.to_dict() for estimate in self.device_memory],
-            "estimated_checkpoint_bytes": self.checkpoint_bytes,
-            "estimated_resume_state_bytes": self.resume_bytes,
-            "blocks": self.blocks,
-            "device": self.device,
-            "dtype": self.dtype,
-        }
-
-
-def plan_model(
-    cfg: PruneConfig,
-    ctx: RunContext,
-    progress: Progress | None = None,
-    *,
-    world_size: int | None = None,
-    observe: bool = True,
-) -> PrunePlan:
-    """The dry-run plan, from the model built on the meta device (no weights read, nothing written).
-
-    The structure and the linears come from the same discovery as a run. With `observe`, one block of
-    each kind is watched on random values (`pruning/probe.py`), so the plan accounts for every weight
-    matrix as the run's report does: expert stacks, Conv1D and bare parameters with their orientation,
-    routers and gates left dense, parameters that are not matmul weights, blocks that never run on text;
-    what the probe could not watch is "decided at prune time". `prune_model` plans without it (it
-    watches the real blocks). The sequential groups are not used, so the Gram-matrix estimate takes all
-    of a block's pruned matrices at once: exact without --sequential, an upper bound with it.
-    world_size: the processes the device memory is estimated for (default: this run's, `ctx.distributed`).
-    """
-    from tsenor_cli.models.loading import config_value, meta_model, read_config, resolve_source
-    from tsenor_cli.models.structure import discover_structure
-
-    dtype, device = _dtype_and_device(cfg, ctx)
-    source, is_local = resolve_source(cfg.model, ctx, progress=progress)
-    # load_model's own reading, so the plan fails with the run's line
-    config = read_config(cfg.model, source, is_local, ctx, trust_remote_code=cfg.trust_remote_code)
-    model = meta_model(config, trust_remote_code=cfg.trust_remote_code)
-    structure = discover_structure(model)
-    hidden = int(config_value(config, "hidden_size"))
-    slots = linear_slots(structure)
-    unused: tuple[LayerRecord, ...] = ()
-    idle: dict[str, str] = {}
-    pending: dict[str, str] = {}
-    observed: frozenset[str] = frozenset()
-    probe_bytes = 0
-    names, outside = [s.full_name for s in slots], _outside_weights(model, structure)
-    if observe:
-        # The patterns first: a typo is found before the probe runs a forward.
-        excluded_layers(names, cfg.ignore, cfg.targets, outside=outside)
-        probe = probe_blocks(structure, hidden)
-        accounted = weight_plan(structure, slots, probe.observed, cfg)
-        _say_ruled(accounted)
-        slots, ignored = accounted.slots, accounted.ignored
-        unused = tuple(record for index in sorted(accounted.unused) for record in accounted.unused[index])
-        for slot in slots:
-            if slot.block in probe.idle:
-                kind = type(structure.blocks[slot.block]).__name__
-                idle[slot.full_name] = f"its block ({kind}) never runs in the text-only forward"
-            elif slot.block in probe.pending and slot.param:
-                pending[slot.full_name] = probe.pending[slot.block]
-        observed = frozenset(s.full_name for s in slots if s.block in probe.observed)
-        probe_bytes = probe.peak_bytes
-    else:
-        ignored = excluded_layers(names, cfg.ignore, cfg.targets, outside=outside)
-    bad = incompatible_slots(_checkable(slots, (ignored, idle, pending), observed), cfg.pattern)
-    candidates = [s for s in slots if s.full_name not in ignored and s.full_name not in idle]
-    max_pos = config_value(config, "max_position_embeddings")
-    seqlen = min(cfg.seqlen, int(max_pos)) if max_pos else cfg.seqlen
-    width = torch.finfo(dtype).bits // 8
-    params = sum(p.numel() for p in model.parameters())
-    per_block = [sum(p.numel() for p in b.parameters()) for b in structure.blocks]
-    spec = get_pruner(cfg.method)
-    memory = estimate_device_memory(
-        per_block,
-        candidates,
-        nsamples=cfg.nsamples,
-        seqlen=seqlen,
-        hidden_size=hidden,
-        width=width,
-        needs_gram=spec.needs_gram,
-        iterative=spec.iterative,
-        world_size=world_size if world_size is not None else ctx.distributed.world_size,
-        offload_activations=cfg.offload_activations,
-        sequential=cfg.sequential,
-    )
-    host = host_estimate(
-        memory[0],  # shard_bounds gives rank 0 the most samples
-        device=device,
-        params=params,
-        nsamples=cfg.nsamples,
-        seqlen=seqlen,
-        hidden_size=hidden,
-        width=width,
-        rows=-(-cfg.nsamples // len(memory)),
-        offload_activations=cfg.offload_activations,
-    )
-    return PrunePlan(
-        model=cfg.model,
-        method=cfg.method,
-        pattern=cfg.pattern.label,
-        source=source,
-        model_type=structure.model_type,
-        slots=tuple(slots),
-        incompatible=bad,
-        ignored=ignored,
-        seqlen=seqlen,
-        nsamples=cfg.nsamples,
-        params=params,
-        cpu_bytes=params * width,
-        device_memory=tuple(memory),
-        device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
-        blocks=len(structure),
-        checkpoint_bytes=params * width,
-        resume_bytes=sum(per_block) * width + 2 * cfg.nsamples * seqlen * hidden * width,
-        host_memory=host,
-        unused=unused,
-        idle=idle,
-        pending=pending,
-        observed=observed,
-        probe_bytes=probe_bytes,
-    )
+    try:
+        with stop.at_once() if stop is not None else contextlib.nullcontext():
+            loaded = load_model(str(cfg.output), ctx, dtype=parse_dtype(cfg.dtype), device=cfg.device)
+            evaluation = evaluate_model(loaded, eval_cfg, ctx)
+    except KeyboardInterrupt:
+        how = f"stopped by {stop.name}" if stop is not None and stop.name else "interrupted"
+        raise Interrupted(
+            f"{how} while evaluating; the checkpoint {cfg.output} is complete but has no {EVAL_FILE}: "
+            f"run `tsenor eval --model {cfg.output} --output {cfg.output}`",
+            EXIT_RESUMABLE if stop is not None and stop.name else EXIT_SIGINT,
+        ) from None
+    atomic.write_json(cfg.output / EVAL_FILE, evaluation.to_json())
+    return report, evaluation

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tsenor_cli.errors import UsageError
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.selection import check_patterns
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.types import LayerPruneConfig
 
 if TYPE_CHECKING:
     import torch

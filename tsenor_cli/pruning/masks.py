@@ -12,8 +12,9 @@ from typing import Literal
 
 import torch
 
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.phases import phase
-from tsenor_cli.pruning.types import MaskSolveInfo, SparsityPattern
+from tsenor_cli.pruning.types import MaskSolveInfo
 from tsenor_cli.solver import SolveResult, from_blocks, nm_mask, solve, to_blocks, unstructured_mask
 
 

@@ -21,7 +21,7 @@ from tsenor_cli.errors import UsageError
 from tsenor_cli.pruning.output import human_bytes
 
 if TYPE_CHECKING:
-    from tsenor_cli.pruning.api import MemoryEstimate
+    from tsenor_cli.pruning.plan import MemoryEstimate
 
 TOKEN_BYTES = 8  # int64 token ids
 

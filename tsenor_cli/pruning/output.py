@@ -22,14 +22,14 @@ from tsenor_cli import atomic
 from tsenor_cli.errors import OutputBusyError, OutputExistsError, OutputUnwritableError, UsageError
 from tsenor_cli.locks import folder_lock
 from tsenor_cli.models.saving import save_streamed
-from tsenor_cli.pruning.resume import RESUME_DIRNAME, ResumeStore
-from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, PruneReport, read_json
+from tsenor_cli.pruning.resume import ResumeStore
+from tsenor_cli.report.markdown import prune_markdown
+from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, RESUME_DIR, SPARSITY_KEY, PruneReport, read_json
 
-SPARSITY_KEY = "tsenor_sparsity"
 MAX_SHARD_SIZE = "2GB"
 # What marks a folder as a tsenor run that --force may replace: a finished run's report (prune and
 # finetune both write it) or an interrupted run's resume state.
-RUN_MARKERS = (PRUNE_FILE, RESUME_DIRNAME)
+RUN_MARKERS = (PRUNE_FILE, RESUME_DIR)
 
 
 def output_path(output: Path) -> Path:
@@ -136,7 +136,7 @@ def finished_run(output: Path, result_hash: str) -> PruneReport | None:
     A folder with a resume state is not finished; a report without the hash (older tsenor) is not taken.
     """
     report_path = output / PRUNE_FILE
-    if not report_path.is_file() or (output / RESUME_DIRNAME).exists():
+    if not report_path.is_file() or (output / RESUME_DIR).exists():
         return None
     report = PruneReport.from_json(read_json(report_path), str(report_path))
     return report if report.settings.get("result_hash") == result_hash else None
@@ -173,7 +173,7 @@ def prepare_output(
                 f"{output} holds an interrupted run; {continue_hint}, or pass --force to start over"
             )
         store.discard()
-    elif not force and entries != [RESUME_DIRNAME]:
+    elif not force and entries != [RESUME_DIR]:
         raise OutputExistsError(
             f"output directory {output} already holds a tsenor run; pass --force to replace it "
             "or choose another --output"
@@ -245,5 +245,5 @@ def write_checkpoint(
     processor_files: {name: content} of the source's processor files (`models.loading.PROCESSOR_FILES`:
     a multimodal model's image processor and processor settings), copied unchanged."""
     files: dict[str, str | bytes] = {**(processor_files or {})}
-    files |= {PRUNE_FILE: json.dumps(report.to_json(), indent=2) + "\n", PRUNE_MARKDOWN: report.to_markdown()}
+    files |= {PRUNE_FILE: json.dumps(report.to_json(), indent=2) + "\n", PRUNE_MARKDOWN: prune_markdown(report)}
     write_model_folder(model, tokenizer, output, sparsity, files)

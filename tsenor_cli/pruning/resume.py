@@ -33,14 +33,14 @@ from torch import nn
 from tsenor_cli import atomic
 from tsenor_cli.errors import ResumeStateError
 from tsenor_cli.pruning.types import LayerRecord
-from tsenor_cli.runfiles import DataSource
+from tsenor_cli.runfiles import RESUME_DIR, RESUME_STATE_FILE, DataSource
 
-RESUME_DIRNAME = ".tsenor-resume"
-STATE_FILE = "state.json"
 # 3: files named by block (block_<i>, hidden_<i>) and listed with their sizes in state.json.
 STATE_VERSION = 3
 # What this store writes in its folder: its files and their atomic temporaries (.NAME.tmp-<pid>-…).
-_OWN_FILE = re.compile(r"\.?(state\.json|(block|hidden)_[0-9]{4}\.safetensors)(\.tmp-[0-9]+-[A-Za-z0-9_]+)?")
+_OWN_FILE = re.compile(
+    rf"\.?({re.escape(RESUME_STATE_FILE)}|(block|hidden)_[0-9]{{4}}\.safetensors)(\.tmp-[0-9]+-[A-Za-z0-9_]+)?"
+)
 
 
 def block_file(index: int) -> str:
@@ -72,11 +72,11 @@ class ResumeStore:
     """The resume folder of one output directory; `save_block` after each block, `load` to continue."""
 
     def __init__(self, output: Path) -> None:
-        self.root = Path(output) / RESUME_DIRNAME
+        self.root = Path(output) / RESUME_DIR
 
     @property
     def state_path(self) -> Path:
-        return self.root / STATE_FILE
+        return self.root / RESUME_STATE_FILE
 
     def exists(self) -> bool:
         return self.root.is_dir()
@@ -118,7 +118,7 @@ class ResumeStore:
             return None
         state = self._read(config_hash, blocks)
         for entry in self.root.iterdir():
-            if entry.name != STATE_FILE and entry.name not in state.files:
+            if entry.name != RESUME_STATE_FILE and entry.name not in state.files:
                 entry.unlink()
         return state
 
@@ -126,9 +126,9 @@ class ResumeStore:
         try:
             raw = json.loads(self.state_path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise self._damaged(f"{STATE_FILE} is unreadable: {exc}") from exc
+            raise self._damaged(f"{RESUME_STATE_FILE} is unreadable: {exc}") from exc
         if not isinstance(raw, dict):
-            raise self._damaged(f"{STATE_FILE} is not a JSON object")
+            raise self._damaged(f"{RESUME_STATE_FILE} is not a JSON object")
         if raw.get("version") != STATE_VERSION:
             raise ResumeStateError(
                 f"the resume state in {self.root} was written by another tsenor version (state version "
@@ -150,7 +150,7 @@ class ResumeStore:
                 calibration_source=DataSource.from_json(raw["calibration_source"], str(self.state_path)),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise self._damaged(f"{STATE_FILE} lacks or mistypes {exc}") from exc
+            raise self._damaged(f"{RESUME_STATE_FILE} lacks or mistypes {exc}") from exc
         if state.blocks != blocks:
             raise ResumeStateError(
                 f"the resume state in {self.root} is for a model with {state.blocks} blocks, not {blocks}; "
@@ -162,13 +162,13 @@ class ResumeStore:
         if not 1 <= state.next_block <= blocks or (state.hidden is None) != (state.next_block == blocks):
             raise self._damaged(f"next block {state.next_block} of {blocks} with hidden states {state.hidden}")
         if set(state.files) != expected:
-            raise self._damaged(f"{STATE_FILE} lists {sorted(state.files)}, not the files of its blocks")
+            raise self._damaged(f"{RESUME_STATE_FILE} lists {sorted(state.files)}, not the files of its blocks")
         for name, size in state.files.items():
             path = self.root / name
             if not path.is_file():
                 raise self._damaged(f"{name} is missing")
             if path.stat().st_size != size:
-                raise self._damaged(f"{name} has {path.stat().st_size} bytes, {STATE_FILE} says {size}")
+                raise self._damaged(f"{name} has {path.stat().st_size} bytes, {RESUME_STATE_FILE} says {size}")
         return state
 
     def save_block(

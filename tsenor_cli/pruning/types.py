@@ -10,71 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from tsenor_cli.errors import UsageError
-
-# LayerRecord is defined with the run files it is written to; the engine and resume code import it from here.
+# The pattern (tsenor_cli/pattern.py) and LayerRecord (the run files it is written to) are defined where
+# they are read and written; the engine and resume code import them from here.
+from tsenor_cli.pattern import SparsityPattern as SparsityPattern
 from tsenor_cli.runfiles import LayerRecord as LayerRecord
-
-PatternKind = Literal["transposable", "nm", "unstructured"]
-
-
-@dataclass(frozen=True)
-class SparsityPattern:
-    """What a pruned weight must look like.
-
-    transposable: every M×M tile keeps exactly n per row and column (paper eq. (1)).
-    nm: every group of m consecutive inputs of each output row keeps n (ordinary N:M).
-    unstructured: a `sparsity` share of each layer is zero.
-    """
-
-    kind: PatternKind
-    n: int = 0
-    m: int = 0
-    sparsity: float = 0.0
-
-    @staticmethod
-    def from_nm(n: int, m: int, *, transposable: bool) -> SparsityPattern:
-        if m < 2 or not 1 <= n < m:
-            raise UsageError(f"N:M pattern {n}:{m} needs 1 <= N < M and M >= 2; use e.g. 16:32")
-        return SparsityPattern("transposable" if transposable else "nm", n, m, 1.0 - n / m)
-
-    @staticmethod
-    def unstructured(sparsity: float) -> SparsityPattern:
-        if not 0.0 < sparsity < 1.0:
-            raise UsageError(f"--sparsity {sparsity} must be in (0, 1); e.g. 0.5 zeroes half the weights")
-        return SparsityPattern("unstructured", 0, 0, float(sparsity))
-
-    @property
-    def label(self) -> str:
-        """ "16:32" for N:M patterns, "50%" for unstructured."""
-        if self.kind == "unstructured":
-            return f"{self.sparsity:.0%}"
-        return f"{self.n}:{self.m}"
-
-    @property
-    def transposable(self) -> bool:
-        return self.kind == "transposable"
-
-    def incompatibility(self, out_features: int, in_features: int) -> str | None:
-        """Why an (out, in) weight cannot take this pattern, or None when it can.
-
-        Transposable tiles need both dimensions divisible by M; row-wise N:M groups only the input one.
-        """
-        if self.kind == "transposable":
-            if out_features % self.m or in_features % self.m:
-                return f"shape ({out_features}, {in_features}) is not divisible by M={self.m} in both dims"
-            return None
-        if self.kind == "nm":
-            if in_features % self.m:
-                return f"input dim {in_features} is not divisible by M={self.m}"
-            return None
-        if self.kind == "unstructured":
-            return None
-        raise ValueError(f"unknown pattern kind {self.kind!r}")
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ import torch
 from safetensors import safe_open
 
 from tsenor_cli.errors import InputNotFoundError, UsageError, VerificationError
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.finite import check_finite
-from tsenor_cli.pruning.output import SPARSITY_KEY
+from tsenor_cli.runfiles import CONFIG_FILE, SPARSITY_KEY
 from tsenor_cli.solver import to_blocks
 
 
@@ -41,8 +42,11 @@ class LayerCheck:
 
 @dataclass(frozen=True)
 class VerifyReport:
+    """directory: the checkpoint; sparsity: config.json's `tsenor_sparsity` as written; pattern: its pattern."""
+
     directory: str
     sparsity: dict[str, Any]
+    pattern: SparsityPattern
     layers: tuple[LayerCheck, ...]
 
     @property
@@ -130,30 +134,25 @@ def _load_parameters(directory: Path) -> dict[str, torch.Tensor]:
     return {name: param.detach() for name, param in model.named_parameters()}
 
 
-def check_weight(weight: torch.Tensor, meta: dict[str, Any]) -> tuple[int, int, int]:
-    """weight: (out, in) → (groups, over, under) for the recorded pattern."""
+def check_weight(weight: torch.Tensor, pattern: SparsityPattern) -> tuple[int, int, int]:
+    """weight: (out, in), its shape compatible with `pattern` → (groups, over, under) for that pattern."""
     kept = weight != 0  # (out, in) bool
-    kind = meta["kind"]
-    if kind == "transposable":
-        n, m = int(meta["n"]), int(meta["m"])
+    n, m = pattern.n, pattern.m
+    if pattern.kind == "transposable":
         tiles = (
             to_blocks(kept, m).sum(2, dtype=torch.int64),
             to_blocks(kept, m).sum(1, dtype=torch.int64),
         )  # (B, M)
         counts = torch.cat(tiles, 1)  # (B, 2M): row counts then column counts
         return int(counts.shape[0]), int((counts > n).sum()), int((counts < n).sum())
-    if kind == "nm":
-        n, m = int(meta["n"]), int(meta["m"])
-        rows, cols = kept.shape
+    rows, cols = kept.shape
+    if pattern.kind == "nm":
         counts = kept.reshape(rows, cols // m, m).sum(2, dtype=torch.int64)  # (out, in/M)
         return int(counts.numel()), int((counts > n).sum()), int((counts < n).sum())
-    if kind == "unstructured":
-        rows, cols = kept.shape
-        s = float(meta["sparsity"])
-        allowed = max(rows * (cols - round(s * cols)), rows * cols - round(s * rows * cols))
-        nnz = int(kept.sum())
-        return 1, int(nnz > allowed), int(nnz < allowed)
-    raise VerificationError(f"unknown sparsity kind {kind!r} in config.json; was it written by tsenor prune?")
+    s = pattern.sparsity
+    allowed = max(rows * (cols - round(s * cols)), rows * cols - round(s * rows * cols))
+    nnz = int(kept.sum())
+    return 1, int(nnz > allowed), int(nnz < allowed)
 
 
 def verify_checkpoint(directory: Path) -> VerifyReport:
@@ -162,7 +161,7 @@ def verify_checkpoint(directory: Path) -> VerifyReport:
         raise InputNotFoundError(f"{directory} does not exist; pass a checkpoint directory written by tsenor prune")
     if not directory.is_dir():
         raise UsageError(f"{directory} is a file; pass the checkpoint directory written by tsenor prune")
-    config_path = directory / "config.json"
+    config_path = directory / CONFIG_FILE
     if not config_path.is_file():
         raise InputNotFoundError(f"{directory} has no config.json; pass a checkpoint directory written by tsenor prune")
     meta = json.loads(config_path.read_text()).get(SPARSITY_KEY)
@@ -172,6 +171,7 @@ def verify_checkpoint(directory: Path) -> VerifyReport:
             f"{directory} is not a tsenor checkpoint (its config.json records no {SPARSITY_KEY}); "
             "pass a folder written by tsenor prune"
         )
+    pattern = SparsityPattern.from_metadata(meta, f"{config_path} {SPARSITY_KEY}")
     files = _weight_files(directory)
     for path in sorted(set(files.values())):
         with safe_open(str(path), framework="pt") as handle:
@@ -197,14 +197,13 @@ def verify_checkpoint(directory: Path) -> VerifyReport:
             checks.append(LayerCheck(label, (0, 0), 0, 0, 0, 0.0, "weight missing from the checkpoint"))
             continue
         rows, cols = weight.shape
-        if meta["kind"] != "unstructured" and (
-            cols % int(meta["m"]) or (meta["kind"] == "transposable" and rows % int(meta["m"]))
-        ):
-            checks.append(LayerCheck(label, (rows, cols), 0, 0, 0, 0.0, f"shape not divisible by M={meta['m']}"))
+        problem = pattern.incompatibility(rows, cols)
+        if problem is not None:
+            checks.append(LayerCheck(label, (rows, cols), 0, 0, 0, 0.0, problem))
             continue
-        groups, over, under = check_weight(weight, meta)
+        groups, over, under = check_weight(weight, pattern)
         density = float((weight != 0).float().mean())
         checks.append(LayerCheck(label, (int(rows), int(cols)), groups, over, under, density))
     if not checks:
         raise VerificationError(f"{config_path} lists no pruned modules; nothing to verify")
-    return VerifyReport(str(directory), meta, tuple(checks))
+    return VerifyReport(str(directory), meta, pattern, tuple(checks))

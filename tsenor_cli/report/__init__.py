@@ -13,12 +13,6 @@ from pathlib import Path
 
 from tsenor_cli import atomic
 from tsenor_cli.errors import OutputExistsError, UsageError
-from tsenor_cli.report.plots import (
-    PERPLEXITY_PNG,
-    RECONSTRUCTION_PNG,
-    plot_perplexity_vs_m,
-    plot_reconstruction_error,
-)
 from tsenor_cli.report.table import Table, build_table
 from tsenor_cli.runfiles import Run, load_run
 
@@ -47,6 +41,14 @@ def _check_output(output: Path, runs: Sequence[Run], force: bool) -> None:
 
 def write_report(runs: Sequence[Run], output: Path, *, force: bool = False) -> ReportOutput:
     """Write table.md, table.csv, table.json and the PNG plots into `output` (atomically)."""
+    # Imported here: matplotlib is for the plots only, and `tsenor prune` imports report.markdown.
+    from tsenor_cli.report.plots import (
+        PERPLEXITY_PNG,
+        RECONSTRUCTION_PNG,
+        plot_perplexity_vs_m,
+        plot_reconstruction_error,
+    )
+
     _check_output(output, runs, force)
     table = build_table(runs)
     files = ["table.md", "table.csv", "table.json"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import shlex
 import shutil
 import subprocess
@@ -27,25 +26,23 @@ from tsenor_cli import settings
 from tsenor_cli.atomic import write_text
 from tsenor_cli.errors import OutputBusyError, OutputExistsError, TsenorError, UsageError
 from tsenor_cli.locks import folder_lock
-from tsenor_cli.settings import RunContext
-from tsenor_cli.sweep.job import RunJob, SweepTask, run_job
-from tsenor_cli.sweep.spec import TOP_KEYS, RunSpec, SlurmOptions, SweepSpec
-from tsenor_cli.sweep.status import (
+from tsenor_cli.pruning.recipe import validate_recipe
+from tsenor_cli.runfiles import (
     EVAL_FILE,
     MODEL_DIR,
-    PRUNE_REPORTS,
+    PRUNE_FILE,
     RECIPE_FILE,
     RUNS_DIR,
     SWEEP_FILE,
-    RunView,
     Submission,
-    collect,
-    is_complete,
-    is_sweep_dir,
     read_status,
-    resolve,
+    resume_progress,
     write_submission,
 )
+from tsenor_cli.settings import RunContext
+from tsenor_cli.sweep.job import RunJob, SweepTask, run_job
+from tsenor_cli.sweep.spec import TOP_KEYS, RunSpec, SlurmOptions, SweepSpec
+from tsenor_cli.sweep.status import RunView, collect, is_complete, is_sweep_dir, resolve, runs_text, slurm_queue
 
 SUBMITIT_DIR = ".submitit"
 POLL_SECONDS = 3.0
@@ -106,11 +103,11 @@ def _on_disk(run_dir: Path, dense: bool) -> str:
     """A few words on what a run directory holds, for --dry-run."""
     if (run_dir / EVAL_FILE).is_file():
         return "evaluated"
-    if (run_dir / MODEL_DIR / PRUNE_REPORTS[0]).is_file():
+    if (run_dir / MODEL_DIR / PRUNE_FILE).is_file():
         return "pruned, not evaluated"
-    state = run_dir / MODEL_DIR / ".tsenor-resume" / "state.json"
-    if state.is_file():
-        return f"resume state after {json.loads(state.read_text()).get('next_block', '?')} block(s)"
+    blocks = resume_progress(run_dir / MODEL_DIR)
+    if blocks is not None:
+        return f"resume state after {blocks} block(s)"
     if run_dir.is_dir() and any(run_dir.iterdir()):
         return "started"
     return "-"
@@ -118,8 +115,6 @@ def _on_disk(run_dir: Path, dense: bool) -> str:
 
 def _check_recipe(run: RunSpec, run_dir: Path) -> None:
     """A run directory made from another recipe would be resumed or skipped wrongly: refuse it."""
-    from tsenor_cli.cli.prune import validate_recipe
-
     path = run_dir / RECIPE_FILE
     if run.dense or not path.is_file():
         return
@@ -352,3 +347,96 @@ def undo_prepare(directory: Path, created: Sequence[Path], *, fresh: bool, had_s
         return
     for path in [*created, *([] if had_submitit else [directory / SUBMITIT_DIR])]:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def summary_line(total: int, done: int, todo: int) -> str:
+    """The sweep's first line: "3 runs: 1 done, 1 to run, 1 already queued or running"."""
+    busy = total - done - todo
+    return f"{runs_text(total)}: {done} done, {todo} to run" + (f", {busy} already queued or running" if busy else "")
+
+
+def dry_run_lines(spec: SweepSpec, output: Path, ctx: RunContext) -> Iterator[str]:
+    """`tsenor sweep --dry-run`: one line per run with its state, the action and what its directory holds,
+    then the summary; streamed, so a grid raised by --max-runs to millions is never held in memory."""
+    directory = output.resolve()
+    queue = slurm_queue()
+    width = max(len("run"), *(len(run.name) for run in spec.iter_runs()))
+    yield f"{'run':<{width}}  {'state':<8} {'action':<7} on disk"
+    counts = {"done": 0, "run": 0, "skip": 0}
+    for p in plan_sweep(spec, directory, ctx, queue=queue):
+        action = "run" if p.launchable(queue) else "skip"
+        counts["done" if p.view.state == "done" else action] += 1
+        yield f"{p.spec.name:<{width}}  {p.view.state:<8} {action:<7} {p.on_disk}"
+    yield summary_line(counts["done"] + counts["run"] + counts["skip"], counts["done"], counts["run"])
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """What `run_sweep` did. views: every run of the folder at the end (None when nothing was left to run,
+    or the array was submitted without waiting); failed: the runs of this sweep that failed; launched:
+    how many it ran or submitted."""
+
+    views: list[RunView] | None
+    failed: tuple[str, ...] = ()
+    launched: int = 0
+
+    def check(self) -> None:
+        """`SweepFailedError` (exit 1) naming the failed runs, if any."""
+        if self.failed:
+            raise SweepFailedError(
+                f"{len(self.failed)} of {runs_text(self.launched)} failed ({', '.join(self.failed)}); their "
+                "errors are above and in DIR/runs/NAME/log.txt; fix them and run the sweep again (finished runs "
+                "are skipped)"
+            )
+
+
+def run_sweep(
+    spec: SweepSpec,
+    sweep_file: Path,
+    output: Path,
+    ctx: RunContext,
+    *,
+    slurm: SlurmOptions | None,
+    wait: bool,
+    echo: Callable[[str], None],
+) -> SweepResult:
+    """Run every launchable point of the sweep in the folder `output`: locally one after another (`slurm`
+    None), or as one SLURM job array (waiting for it with `wait`).
+
+    Prints the summary first, prepares the run directories (recipe.yaml), records the sweep file
+    (sweep.yaml), and undoes the preparation when sbatch refuses the array.
+    """
+    directory = output.resolve()
+    queue = slurm_queue()
+    planned = list(plan_sweep(spec, directory, ctx, queue=queue))
+    todo = [p for p in planned if p.launchable(queue)]
+    echo(summary_line(len(planned), sum(p.view.state == "done" for p in planned), len(todo)))
+    if not todo:
+        return SweepResult(None)
+    if slurm is not None:
+        check_slurm()
+    fresh, had_submitit = not directory.exists(), (directory / SUBMITIT_DIR).exists()
+    created = prepare(directory, todo, sweep_file)
+    if slurm is None:
+        record_sweep(sweep_file, directory)
+        outcome = run_local(todo, echo, spec.eval.covered_by)
+        failed = [name for name, state in outcome.items() if state == "failed"]
+        elsewhere = [name for name, state in outcome.items() if state == "running"]
+        if elsewhere:
+            echo(
+                f"{runs_text(len(elsewhere))} still running in another sweep ({', '.join(elsewhere)}); "
+                f"follow them with: tsenor sweep status {output}"
+            )
+    else:
+        try:
+            submit_slurm(todo, directory, slurm, echo)
+        except UsageError:
+            undo_prepare(directory, created, fresh=fresh, had_submitit=had_submitit)
+            raise
+        record_sweep(sweep_file, directory)
+        if not wait:
+            echo(f"follow it with: tsenor sweep status {output}")
+            return SweepResult(None)
+        views = wait_for(directory, [p.spec.name for p in todo], echo, slurm_queue)
+        failed = [v.name for v in views if v.state == "failed"]
+    return SweepResult(collect(directory, slurm_queue()), tuple(failed), len(todo))

@@ -33,7 +33,7 @@ from submitit import JobEnvironment
 from submitit.helpers import Checkpointable, DelayedSubmission
 
 from tsenor_cli.errors import TsenorError
-from tsenor_cli.sweep.status import (
+from tsenor_cli.runfiles import (
     EVAL_FILE,
     LOG_FILE,
     MODEL_DIR,

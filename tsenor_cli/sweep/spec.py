@@ -3,7 +3,7 @@
 A sweep file (YAML) has the top-level keys
 
 - ``base``: a recipe, i.e. the keys `tsenor prune --config` takes (checked by the same validator,
-  `tsenor_cli.cli.prune.validate_recipe`), except ``output``, which the sweep sets per run;
+  `tsenor_cli.pruning.recipe.validate_recipe`), except ``output``, which the sweep sets per run;
 - ``axes``: recipe key → non-empty list of values; the runs are their cartesian product, the first
   axis outermost;
 - ``eval``: ``ppl`` (datasets), ``tasks`` (zero-shot), ``limit``, ``max_windows``, ``seqlen`` (passed
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tsenor_cli.errors import TsenorError, UsageError
+from tsenor_cli.pruning.recipe import build_config, validate_recipe
 from tsenor_cli.yamlfile import read_yaml
 
 TOP_KEYS = ("base", "axes", "eval", "name", "slurm")
@@ -318,8 +319,6 @@ def load_sweep(path: Path, *, check_runs: bool = True, max_runs: int | None = MA
 
 def parse_sweep(data: Any, source: str) -> SweepSpec:
     """Validate the mapping of a sweep file into a `SweepSpec` (each error: one line naming the key)."""
-    from tsenor_cli.cli.prune import validate_recipe
-
     if not isinstance(data, dict):
         raise UsageError(f"{source} must hold a mapping with the keys {', '.join(TOP_KEYS)}; fix the file")
     for key in data:
@@ -449,15 +448,12 @@ def _parse_slurm(raw: Any, source: str) -> SlurmOptions:
 def check_recipes(spec: SweepSpec, runs: Iterable[RunSpec]) -> None:
     """Build each pruned run's configuration as `tsenor prune --config` would, so a recipe it would
     refuse stops the sweep before anything is written (the model itself is opened only by the run)."""
-    from tsenor_cli.cli.prune import build_config, recipe_defaults
-
-    defaults = recipe_defaults()
     for run in runs:
         if run.dense:
             if not run.recipe_dict().get("model"):
                 raise UsageError(f"{spec.source}: eval.dense needs a model; set model in base or axes")
             continue
         try:
-            build_config({**defaults, **run.recipe_dict()}, force=False, resume=True, command="tsenor sweep")
+            build_config(run.recipe_dict(), force=False, resume=True, command="tsenor sweep")
         except TsenorError as exc:
             raise type(exc)(f"{spec.source} run {run.name!r}: {exc}") from exc

@@ -1,7 +1,7 @@
 """The state of each run of a sweep, from the small files in its run directory and SLURM's queue.
 
 A sweep folder DIR holds ``sweep.yaml`` (a copy of the sweep file last launched there) and
-``runs/NAME/`` per run, with:
+``runs/NAME/`` per run, with (names and schemas in `tsenor_cli.runfiles`):
 
 - ``recipe.yaml``: the run's `tsenor prune --config` recipe (written before the run starts);
 - ``model/``: the pruned checkpoint (and, while pruning, its resume state);
@@ -17,80 +17,30 @@ imports this module.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tsenor_cli.atomic import write_json
 from tsenor_cli.errors import InputNotFoundError
+from tsenor_cli.runfiles import (
+    EVAL_FILE,
+    LOG_FILE,
+    PRUNE_FILE,
+    RUNS_DIR,
+    SWEEP_FILE,
+    read_json,
+    read_status,
+    read_submission,
+)
 
-SWEEP_FILE = "sweep.yaml"
-RUNS_DIR = "runs"
-STATUS_FILE = "status.json"
-SUBMISSION_FILE = "submission.json"
-LOG_FILE = "log.txt"
-RECIPE_FILE = "recipe.yaml"
-MODEL_DIR = "model"
-EVAL_FILE = "eval.json"
-PRUNE_REPORTS = ("tsenor_report.json", "tsenor_report.md")
 STATES = ("pending", "running", "done", "failed")
 # squeue states in which the task's processes exist; every other listed state is waiting.
 _ACTIVE = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING"}
-
-
-@dataclass(frozen=True)
-class RunStatus:
-    """status.json: written by the run (times are Unix seconds; job_id None when run locally)."""
-
-    state: str
-    attempt: int = 0
-    job_id: str | None = None
-    host: str | None = None
-    pid: int | None = None
-    step: str | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
-    error: str | None = None
-    note: str | None = None
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> RunStatus:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
-
-
-@dataclass(frozen=True)
-class Submission:
-    """submission.json: written by the SLURM executor once sbatch returned the job id."""
-
-    job_id: str
-    submitted_at: float
-
-
-def read_status(run_dir: Path) -> RunStatus | None:
-    path = run_dir / STATUS_FILE
-    return RunStatus.from_json(json.loads(path.read_text())) if path.is_file() else None
-
-
-def write_status(run_dir: Path, status: RunStatus) -> None:
-    write_json(run_dir / STATUS_FILE, asdict(status))
-
-
-def read_submission(run_dir: Path) -> Submission | None:
-    path = run_dir / SUBMISSION_FILE
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text())
-    return Submission(job_id=str(data["job_id"]), submitted_at=float(data["submitted_at"]))
-
-
-def write_submission(run_dir: Path, submission: Submission) -> None:
-    write_json(run_dir / SUBMISSION_FILE, asdict(submission))
 
 
 def last_log_line(path: Path, tail_bytes: int = 8192) -> str | None:
@@ -266,6 +216,42 @@ def is_complete(run_dir: Path, covered_by: Callable[[Mapping[str, Any]], bool], 
     eval_path = run_dir / EVAL_FILE
     if not eval_path.is_file():
         return False
-    if not dense and not (run_dir / PRUNE_REPORTS[0]).is_file():
+    if not dense and not (run_dir / PRUNE_FILE).is_file():
         return False
-    return covered_by(json.loads(eval_path.read_text()))
+    return covered_by(read_json(eval_path))
+
+
+def runs_text(n: int) -> str:
+    """ "1 run", "3 runs"."""
+    return f"{n} run" if n == 1 else f"{n} runs"
+
+
+def _elapsed(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = int(seconds)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def _clip(text: str | None, width: int) -> str:
+    if not text:
+        return "-"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def status_table(views: list[RunView]) -> str:
+    """`tsenor sweep status`'s table: one row per run (state, job, elapsed, last log line) and the counts."""
+    width = max([len("run"), *(len(v.name) for v in views)])
+    lines = [f"{'run':<{width}}  {'state':<8} {'job':<12} {'elapsed':>8}  last log line"]
+    for v in views:
+        last = f"error: {v.error}" if v.state == "failed" and v.error else v.last_log
+        lines.append(
+            f"{v.name:<{width}}  {v.state:<8} {v.job_id or '-':<12} {_elapsed(v.elapsed_s):>8}  {_clip(last, 90)}"
+        )
+    counts = {s: sum(v.state == s for v in views) for s in ("done", "running", "pending", "failed")}
+    lines.append(f"{runs_text(len(views))}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+    return "\n".join(lines)

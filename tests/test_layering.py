@@ -1,0 +1,158 @@
+"""The package's layering, checked on its source: who may import whom, and where each concept is defined."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import typer
+
+from tsenor_cli.cli import app, reference
+from tsenor_cli.pruning.recipe import RECIPE_DEFAULTS, RECIPE_KEYS
+
+PACKAGE = Path(__file__).resolve().parents[1] / "tsenor_cli"
+
+
+def _imported_modules(source: str, package: str) -> set[str]:
+    """Every module `source` imports, at any depth (absolute names; relative imports resolved against `package`)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                names.add(".".join([*base, node.module] if node.module else base))
+            elif node.module is not None:
+                names.add(node.module)
+    return names
+
+
+def _package(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+
+
+def test_no_library_module_imports_the_cli() -> None:
+    """Library code never reaches up into the commands (tsenor_cli/cli/); __main__ is the CLI's entry point."""
+    offenders = {
+        str(path.relative_to(PACKAGE)): sorted(
+            m
+            for m in _imported_modules(path.read_text(encoding="utf-8"), _package(path))
+            if m.startswith("tsenor_cli.cli")
+        )
+        for path in PACKAGE.rglob("*.py")
+        if path.parent != PACKAGE / "cli" and path.name != "__main__.py"
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_import_check_sees_every_spelling_of_an_import() -> None:
+    source = "import os\nfrom ..cli import prune\nfrom . import spec\n"
+    source += "def f():\n    from tsenor_cli.cli.options import DEVICE\n"
+    names = _imported_modules(source, "tsenor_cli.sweep")
+    assert names == {"os", "tsenor_cli.cli", "tsenor_cli.sweep", "tsenor_cli.cli.options"}
+
+
+def test_prune_flags_default_to_the_recipe_defaults() -> None:
+    """Every recipe key is a `tsenor prune` flag whose default is the recipe's (one definition, in the library)."""
+    prune = dict(reference.commands(typer.main.get_command(app)))["tsenor prune"]
+    defaults = {param.name: param.default for param in prune.params}
+    for key in RECIPE_KEYS:
+        want = RECIPE_DEFAULTS[key]
+        assert defaults[key] == want, f"--{key.replace('_', '-')} defaults to {defaults[key]!r}, the recipe to {want!r}"
+
+
+def _renames(source: str) -> list[int]:
+    """Lines that move a file into place: os.replace/os.rename/shutil.move, or Path.replace/rename (one
+    argument; str.replace takes two)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        owner = node.func.value.id if isinstance(node.func.value, ast.Name) else None
+        name = node.func.attr
+        if (owner, name) in (("os", "replace"), ("os", "rename"), ("shutil", "move")) or (
+            owner != "os" and name in ("replace", "rename") and len(node.args) == 1 and not node.keywords
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_atomic_is_the_only_writer_that_renames_into_place() -> None:
+    """Temp-and-rename writes live in tsenor_cli/atomic.py only (fsync, modes, recovery of a killed write)."""
+    offenders = {
+        str(path.relative_to(PACKAGE)): _renames(path.read_text(encoding="utf-8"))
+        for path in PACKAGE.rglob("*.py")
+        if path != PACKAGE / "atomic.py"
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_rename_check_sees_each_spelling() -> None:
+    source = 'tmp.replace(path)\nos.replace(a, b)\nos.rename(a, b)\nshutil.move(a, b)\n"a-b".replace("-", "_")\n'
+    assert _renames(source) == [1, 2, 3, 4]
+    assert _renames((PACKAGE / "atomic.py").read_text(encoding="utf-8"))  # where they belong
+
+
+def test_each_run_folder_file_name_is_defined_once() -> None:
+    """No module but runfiles.py spells a run or sweep folder's file names (the constants name them)."""
+    from tsenor_cli import runfiles
+
+    # tsenor's own names: not transformers' config.json, nor words such as "model" that mean other things too.
+    names = {
+        value
+        for key, value in vars(runfiles).items()
+        if key.isupper() and key.endswith(("_FILE", "_DIR", "_KEY", "_MARKDOWN")) and isinstance(value, str)
+        if ("." in value or "_" in value) and value != runfiles.CONFIG_FILE
+    }
+    assert {"eval.json", ".tsenor-resume", "state.json", "finetune_state.json", "status.json"} <= names
+    assert "tsenor_sparsity" in names
+    offenders = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path == PACKAGE / "runfiles.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        spelled = sorted(
+            {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in names}
+        )
+        if spelled:
+            offenders[str(path.relative_to(PACKAGE))] = spelled
+    assert offenders == {}
+
+
+def _command_bodies() -> dict[str, int]:
+    """{module.function: lines of its body after the docstring} of every function registered as a command."""
+    sizes = {}
+    for path in sorted((PACKAGE / "cli").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            decorators = [d.func for d in node.decorator_list if isinstance(d, ast.Call)]
+            if not any(isinstance(d, ast.Attribute) and d.attr == "command" for d in decorators):
+                continue
+            body = node.body[1:] if isinstance(node.body[0], ast.Expr) else node.body
+            end = body[-1].end_lineno or body[-1].lineno
+            sizes[f"{path.stem}.{node.name}"] = end - body[0].lineno + 1
+    return sizes
+
+
+def test_commands_are_thin() -> None:
+    """A command parses its flags, builds the run's inputs and calls the library: about 40 lines at most."""
+    sizes = _command_bodies()
+    assert {"prune.prune_cmd", "sweep.sweep_run", "evaluate.eval_cmd", "finetune.finetune_cmd"} <= set(sizes)
+    assert {name: size for name, size in sizes.items() if size > 40} == {}
+
+
+def test_no_command_imports_another_commands_module() -> None:
+    """Commands share options through cli/options.py and the CLI's frame (cli/__init__.py), nothing else."""
+    shared = {"tsenor_cli.cli", "tsenor_cli.cli.options"}
+    offenders = {}
+    for path in (PACKAGE / "cli").glob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        own = f"tsenor_cli.cli.{path.stem}"
+        names = _imported_modules(path.read_text(encoding="utf-8"), "tsenor_cli.cli")
+        others = sorted(m for m in names if m.startswith("tsenor_cli.cli.") and m not in shared | {own})
+        if others:
+            offenders[path.name] = others
+    assert offenders == {}

@@ -1,0 +1,530 @@
+"""The dry run: `plan_model(cfg, ctx) -> PrunePlan`, what a run would do without reading any weight.
+
+The plan lists the linears and their compatibility with the pattern, and estimates the memory (host and
+each rank's device, `MemoryEstimate`) and the disk (checkpoint, resume state) a run needs. `prune_model`
+makes the same plan first and refuses what cannot fit; `tsenor prune --dry-run` prints it (`PrunePlan.lines`)
+and ends as the run would (`PrunePlan.check`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tsenor_cli.progress import Progress, logger
+from tsenor_cli.pruning.config import PruneConfig
+from tsenor_cli.pruning.engine import (
+    LinearSlot,
+    check_compatibility,
+    incompatible_slots,
+    linear_slots,
+    observed_slots,
+    slot_workspace,
+)
+from tsenor_cli.pruning.memory import HostEstimate, check_fits, host_estimate
+from tsenor_cli.pruning.observe import BlockObservation
+from tsenor_cli.pruning.output import human_bytes
+from tsenor_cli.pruning.probe import probe_blocks
+from tsenor_cli.pruning.registry import get_pruner
+from tsenor_cli.pruning.selection import excluded_layers, matches
+from tsenor_cli.pruning.types import LayerRecord
+from tsenor_cli.settings import RunContext
+
+if TYPE_CHECKING:
+    from tsenor_cli.models.structure import ModelStructure
+
+
+def dtype_and_device(cfg: PruneConfig, ctx: RunContext | None = None) -> tuple[torch.dtype, torch.device]:
+    """The run's dtype and this rank's device: in a distributed run `--device cuda` means the GPU of the
+    rank's LOCAL_RANK (one GPU per process)."""
+    from tsenor_cli.models.loading import default_dtype, parse_dtype, resolve_device
+
+    device = resolve_device(cfg.device)
+    if ctx is not None and ctx.distributed.distributed and device.type == "cuda" and device.index is None:
+        device = resolve_device(f"cuda:{ctx.distributed.local_rank}")
+    dtype = parse_dtype(cfg.dtype)
+    return (dtype if dtype is not None else default_dtype(device)), device
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak device memory of one rank (bytes), by what holds it.
+
+    block: the largest decoder block's parameters; activations: this rank's calibration hidden states
+    entering and leaving the block, (S_r, T, H) twice, or one sample's with --offload-activations, plus
+    in a distributed run the group's linear inputs kept for the ordered sums (S_r, T, in) (on the CPU
+    with --offload-activations); statistics: the input statistics (XᵀX and column norms) of a block's
+    linears taken as one group, in a distributed run twice (the sums in flight to the next rank) plus one
+    linear's being added; workspace: the method's buffers for the largest matrix (weights, mask,
+    ADMM/OBS state, damped H and its factorization), for a stack of experts those of one batched chunk
+    (`engine.slot_workspace`).
+    """
+
+    rank: int
+    block: int
+    activations: int
+    statistics: int
+    workspace: int
+
+    @property
+    def total(self) -> int:
+        return self.block + self.activations + self.statistics + self.workspace
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "rank": self.rank,
+            "block": self.block,
+            "activations": self.activations,
+            "statistics": self.statistics,
+            "workspace": self.workspace,
+            "total": self.total,
+        }
+
+
+def estimate_device_memory(
+    block_params: Sequence[int],
+    candidates: Sequence[LinearSlot],
+    *,
+    nsamples: int,
+    seqlen: int,
+    hidden_size: int,
+    width: int,
+    needs_gram: bool,
+    iterative: bool,
+    world_size: int = 1,
+    offload_activations: bool = False,
+    sequential: bool = True,
+) -> list[MemoryEstimate]:
+    """One `MemoryEstimate` per rank. block_params: parameter count of each block; candidates: the linears
+    to prune (at least one); width: bytes per element of the model's dtype (statistics are float32)."""
+    from tsenor_cli.pruning.distributed import shard_bounds
+
+    blocks = len(block_params)
+    # A stack of E experts holds E Gram matrices at once (engine.ExpertStats).
+    stats_size = [
+        sum(s.matrices * (s.in_features**2 + s.in_features) for s in candidates if s.block == i) for i in range(blocks)
+    ]
+    statistics = 4 * max(stats_size)
+    kept_features = 0  # per token, the linear inputs a distributed rank keeps for one group
+    if world_size > 1:
+        statistics = 2 * statistics + 4 * max(s.in_features**2 + s.in_features for s in candidates)
+        per_block = [sum(s.in_features for s in candidates if s.block == i) for i in range(blocks)]
+        # One group's linears read one input (LLaMA's q,k,v; gate,up); without --sequential the block is
+        # one group and every linear's input counts (an upper bound: shared inputs are kept once).
+        kept_features = max(s.in_features for s in candidates) if sequential else max(per_block)
+    workspace = max(slot_workspace(s, needs_gram=needs_gram, iterative=iterative) for s in candidates)
+    estimates = []
+    for rank, (start, stop) in enumerate(shard_bounds(nsamples, world_size)):
+        rows = 1 if offload_activations else stop - start
+        activations = 2 * rows * seqlen * hidden_size * width  # block inputs and outputs
+        if not offload_activations:
+            activations += (stop - start) * seqlen * kept_features * width
+        estimates.append(MemoryEstimate(rank, max(block_params) * width, activations, statistics, workspace))
+    return estimates
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """Every weight matrix of the decoder blocks once their forwards were watched (by the run on its
+    weights, or by the dry run's probe on random ones: `pruning/probe.py`).
+
+    slots: the matrices (a stack of experts is one slot), watched blocks' with orientation, experts and
+    role from the watch, the others as found without running; ignored: {full name: reason} left dense by
+    --ignore/--targets or by rule (routers, gates); unused: per block, the records of its parameters that
+    are not matmul weights; ruled: {role: how many} of the slots left dense by rule.
+    """
+
+    slots: list[LinearSlot]
+    ignored: dict[str, str]
+    unused: dict[int, list[LayerRecord]]
+    ruled: dict[str, int]
+
+
+def weight_plan(
+    structure: ModelStructure, static: Sequence[LinearSlot], observed: dict[int, BlockObservation], cfg: PruneConfig
+) -> WeightPlan:
+    """Slots of watched blocks take their orientation, experts and role from the watch; routers and gates
+    are left dense unless a --targets pattern names them; the other patterns as for nn.Linear layers."""
+    slots: list[LinearSlot] = []
+    unused: dict[int, list[LayerRecord]] = {}
+    for index in range(len(structure)):
+        if index not in observed:
+            slots += [s for s in static if s.block == index]
+            continue
+        watched = observed[index]
+        seen = {s.param_name: s for s in observed_slots(structure, index, watched)}
+        # nn.Linear layers that never ran keep their slot: prune_block names them in its error.
+        kept = list(seen.values()) + [
+            s for s in static if s.block == index and s.param_name not in seen and not s.param
+        ]
+        slots += kept
+        block = structure.blocks[index]
+        in_slots = {s.param_name for s in kept}
+        for name, why in watched.unused.items():
+            if name not in in_slots:
+                shape = tuple(block.get_parameter(name).shape)
+                full = structure.full_name(index, name)
+                unused.setdefault(index, []).append(
+                    LayerRecord(index, full, int(shape[-2]), int(shape[-1]), "ignored", why, param=full)
+                )
+    names = [s.full_name for s in slots]
+    ignored = excluded_layers(names, cfg.ignore, cfg.targets)
+    targeted = {n for n in names if any(matches(p, n) for p in cfg.targets)}
+    ruled: dict[str, int] = {}
+    for slot in slots:
+        if slot.role != "weight" and slot.full_name not in targeted:
+            ignored[slot.full_name] = f"{slot.role}, left dense (--targets {slot.full_name} prunes it)"
+            ruled[slot.role] = ruled.get(slot.role, 0) + 1
+    return WeightPlan(slots, ignored, unused, ruled)
+
+
+def say_ruled(plan: WeightPlan) -> None:
+    """One stderr line per kind of weight left dense by a rule."""
+    ruled, unused = plan.ruled, plan.unused
+    for role, count in ruled.items():
+        logger.warning(
+            "leaving %d %s(s) dense: routing decisions are fragile (--targets names one to prune it)", count, role
+        )
+    if unused:
+        count = sum(len(v) for v in unused.values())
+        logger.warning(
+            "%d decoder weight(s) are not matmul weights of their block's forward and stay dense (see the report)",
+            count,
+        )
+
+
+def _outside_weights(model: Any, structure: ModelStructure) -> list[str]:
+    """The module names (as patterns see them) of the weight matrices outside the decoder blocks: a
+    vision tower's and projector's linears, the embeddings, the output head."""
+    in_blocks = {id(m) for m in structure.blocks.modules()}
+    found = []
+    for name, module in model.named_modules():
+        if id(module) in in_blocks:
+            continue
+        if any(p.dim() >= 2 for p in module.parameters(recurse=False)):
+            found.append(name)
+    return found
+
+
+def _checkable(
+    slots: Sequence[LinearSlot], dense: Sequence[dict[str, str]], observed: frozenset[str]
+) -> list[LinearSlot]:
+    """The slots not left dense (by any of `dense`) whose shape can be checked against the pattern now:
+    the observed ones, and nn.Linear layers of more than one output (a one-output layer is a gate, left
+    dense whatever its shape). The orientation and role of other matrices are found at run time."""
+    return [
+        s
+        for s in slots
+        if not any(s.full_name in reasons for reasons in dense)
+        and (s.full_name in observed or (not s.param and s.out_features > 1))
+    ]
+
+
+# How the dry run's table words each status of `PrunePlan.verdict`.
+_VERDICTS: dict[str, Callable[[str | None], str]] = {
+    "prune": lambda _reason: "yes",
+    "incompatible": lambda reason: f"NO: {reason}",
+    "ignored": lambda reason: f"ignored: {reason}",
+    "skipped": lambda reason: f"skipped: {reason}",
+    "decided at prune time": lambda reason: f"decided at prune time: {reason}",
+    "not a matmul weight": lambda reason: f"left dense: {reason}",
+}
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    """What a run would do, without loading weights: layers, compatibility, memory and disk estimates (bytes).
+
+    slots: every weight matrix of the decoder blocks (a stack of experts is one); incompatible / ignored:
+    {full name: reason}; unused: the block parameters of two or more dimensions that are not matmul
+    weights (records "ignored" with what read them); idle: {full name: reason} of the slots of blocks the
+    text-only forward never runs; pending: {full name: reason} of the slots whose orientation and role are
+    decided at prune time; observed: the slots the probe watched (`pruning/probe.py`); probe_bytes: the
+    most bytes the probe gave real storage at once (random values, not the checkpoint's).
+    checkpoint_bytes: the pruned checkpoint's weights; resume_bytes: the most the resume state holds at
+    once (every block's parameters and two (S, T, H) hidden-state files while one replaces the other).
+    device_memory: the peak device memory of each rank (one for a single process); device_bytes: the
+    largest of them; host_memory: the peak host memory of one process (`memory.HostEstimate`).
+    """
+
+    model: str
+    method: str
+    pattern: str
+    source: str
+    model_type: str
+    slots: tuple[LinearSlot, ...]
+    incompatible: dict[str, str]
+    ignored: dict[str, str]
+    seqlen: int
+    nsamples: int
+    params: int
+    cpu_bytes: int
+    device_memory: tuple[MemoryEstimate, ...]
+    device: str
+    dtype: str
+    blocks: int
+    checkpoint_bytes: int
+    resume_bytes: int
+    host_memory: HostEstimate
+    unused: tuple[LayerRecord, ...] = ()
+    idle: dict[str, str] = field(default_factory=dict)
+    pending: dict[str, str] = field(default_factory=dict)
+    observed: frozenset[str] = frozenset()
+    probe_bytes: int = 0
+
+    @property
+    def device_bytes(self) -> int:
+        return max(estimate.total for estimate in self.device_memory)
+
+    @property
+    def candidates(self) -> list[LinearSlot]:
+        """The slots the run would prune whose shape and role are known now (the compatibility check's)."""
+        return _checkable(self.slots, (self.ignored, self.idle, self.pending), self.observed)
+
+    def verdict(self, name: str) -> tuple[str, str | None]:
+        """(status, reason) of the slot or parameter `name`: "prune", "ignored" (--ignore/--targets, a
+        router or gate rule), "incompatible", "skipped" (its block never runs on text), "not a matmul
+        weight", or "decided at prune time" (a block the probe could not watch)."""
+        for status, reasons in (
+            ("ignored", self.ignored),
+            ("skipped", self.idle),
+            ("decided at prune time", self.pending),
+            ("incompatible", self.incompatible),
+        ):
+            if name in reasons:
+                return status, reasons[name]
+        for record in self.unused:
+            if record.name == name:
+                return "not a matmul weight", record.reason
+        return "prune", None
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """The dry run's table: (name, shape, verdict) for every weight matrix of the decoder blocks, the
+        report's accounting before any weight is read (a stack of E experts is one row, "E×out×in")."""
+        found: list[tuple[int, str, str, str]] = []
+        for slot in self.slots:
+            shape = f"{slot.out_features}×{slot.in_features}"
+            if slot.experts:
+                shape = f"{slot.experts}×{shape}"
+            status, reason = self.verdict(slot.full_name)
+            found.append((slot.block, slot.full_name, shape, _VERDICTS[status](reason)))
+        for record in self.unused:
+            shape = f"{record.out_features}×{record.in_features}"
+            found.append((record.block, record.name, shape, _VERDICTS["not a matmul weight"](record.reason)))
+        found.sort(key=lambda row: row[0])  # stable: block by block, each in the order found
+        return [(name, shape, verdict) for _block, name, shape, verdict in found]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "method": self.method,
+            "pattern": self.pattern,
+            "source": self.source,
+            "model_type": self.model_type,
+            "layers": [
+                {
+                    "name": s.full_name,
+                    "shape": [s.out_features, s.in_features],
+                    "experts": s.experts,
+                    "transposed": s.transposed,
+                    "role": s.role,
+                    "status": self.verdict(s.full_name)[0],
+                    "compatible": s.full_name not in self.incompatible,
+                    "reason": self.incompatible.get(s.full_name),
+                    "ignored": self.ignored.get(s.full_name),
+                }
+                for s in self.slots
+            ]
+            + [
+                {
+                    "name": r.name,
+                    "shape": [r.out_features, r.in_features],
+                    "experts": 0,
+                    "transposed": False,
+                    "role": None,
+                    "status": "not a matmul weight",
+                    "compatible": True,
+                    "reason": None,
+                    "ignored": r.reason,
+                }
+                for r in self.unused
+            ],
+            "skipped": len(self.idle),
+            "decided_at_prune_time": len(self.pending),
+            "probe_bytes": self.probe_bytes,
+            "incompatible": len(self.incompatible),
+            "ignored": len(self.ignored),
+            "seqlen": self.seqlen,
+            "nsamples": self.nsamples,
+            "params": self.params,
+            "estimated_cpu_bytes": self.cpu_bytes,
+            "estimated_host_bytes_per_process": self.host_memory.to_dict(),
+            "estimated_device_bytes": self.device_bytes,
+            "estimated_device_bytes_per_rank": [estimate.to_dict() for estimate in self.device_memory],
+            "estimated_checkpoint_bytes": self.checkpoint_bytes,
+            "estimated_resume_state_bytes": self.resume_bytes,
+            "blocks": self.blocks,
+            "device": self.device,
+            "dtype": self.dtype,
+        }
+
+    def lines(self, cfg: PruneConfig) -> Iterator[str]:
+        """The dry run's text: the run in one line, a row per weight matrix (`rows`),
+        the memory estimate and each rank's share of the device memory."""
+        yield (
+            f"plan: {cfg.method} {cfg.pattern.label} ({cfg.pattern.kind}) on {self.model} "
+            f"({self.model_type}, {self.params / 1e6:.1f}M params, {self.dtype}), "
+            f"calibration {cfg.calib_data} {self.nsamples}×{self.seqlen}"
+        )
+        yield f"{'layer':<44} {'shape':>13}  compatible"
+        for name, shape, verdict in self.rows():
+            yield f"{name:<44} {shape:>13}  {verdict}"
+        host = self.host_memory
+        several = len(self.device_memory) > 1
+        yield (
+            f"estimated memory: host {human_bytes(host.total)} ({host.describe()}"
+            + (", in each process)" if several else ")")
+            + f", {self.device} {human_bytes(self.device_bytes)} peak"
+            + (" per process" if several else "")
+            + (", activations offloaded" if cfg.offload_activations else "")
+        )
+        for estimate in self.device_memory:
+            yield (
+                f"  rank {estimate.rank}: {human_bytes(estimate.total)} = block {human_bytes(estimate.block)} "
+                f"+ activations {human_bytes(estimate.activations)} + statistics {human_bytes(estimate.statistics)} "
+                f"+ workspace {human_bytes(estimate.workspace)}"
+            )
+
+    def check(self, cfg: PruneConfig, processes: int) -> None:
+        """The run's own error (its exit code too) when the run would not fit in memory (`processes` of it
+        on this machine), stop on an incompatible layer or have nothing to prune, so a dry run fails where
+        the run would."""
+        from tsenor_cli.models.loading import resolve_device
+
+        check_fits(
+            self.host_memory,
+            self.device_bytes,
+            resolve_device(self.device),
+            nsamples=cfg.nsamples,
+            seqlen=self.seqlen,
+            offload_activations=cfg.offload_activations,
+            processes=processes,
+        )
+        check_compatibility(self.candidates, cfg.pattern, skip=cfg.skip_incompatible)
+
+
+def plan_model(
+    cfg: PruneConfig,
+    ctx: RunContext,
+    progress: Progress | None = None,
+    *,
+    world_size: int | None = None,
+    observe: bool = True,
+) -> PrunePlan:
+    """The dry-run plan, from the model built on the meta device (no weights read, nothing written).
+
+    The structure and the linears come from the same discovery as a run. With `observe`, one block of
+    each kind is watched on random values (`pruning/probe.py`), so the plan accounts for every weight
+    matrix as the run's report does: expert stacks, Conv1D and bare parameters with their orientation,
+    routers and gates left dense, parameters that are not matmul weights, blocks that never run on text;
+    what the probe could not watch is "decided at prune time". `prune_model` plans without it (it
+    watches the real blocks). The sequential groups are not used, so the Gram-matrix estimate takes all
+    of a block's pruned matrices at once: exact without --sequential, an upper bound with it.
+    world_size: the processes the device memory is estimated for (default: this run's, `ctx.distributed`).
+    """
+    from tsenor_cli.models.loading import config_value, meta_model, read_config, resolve_source
+    from tsenor_cli.models.structure import discover_structure
+
+    dtype, device = dtype_and_device(cfg, ctx)
+    source, is_local = resolve_source(cfg.model, ctx, progress=progress)
+    # load_model's own reading, so the plan fails with the run's line
+    config = read_config(cfg.model, source, is_local, ctx, trust_remote_code=cfg.trust_remote_code)
+    model = meta_model(config, trust_remote_code=cfg.trust_remote_code)
+    structure = discover_structure(model)
+    hidden = int(config_value(config, "hidden_size"))
+    slots = linear_slots(structure)
+    unused: tuple[LayerRecord, ...] = ()
+    idle: dict[str, str] = {}
+    pending: dict[str, str] = {}
+    observed: frozenset[str] = frozenset()
+    probe_bytes = 0
+    names, outside = [s.full_name for s in slots], _outside_weights(model, structure)
+    if observe:
+        # The patterns first: a typo is found before the probe runs a forward.
+        excluded_layers(names, cfg.ignore, cfg.targets, outside=outside)
+        probe = probe_blocks(structure, hidden)
+        accounted = weight_plan(structure, slots, probe.observed, cfg)
+        say_ruled(accounted)
+        slots, ignored = accounted.slots, accounted.ignored
+        unused = tuple(record for index in sorted(accounted.unused) for record in accounted.unused[index])
+        for slot in slots:
+            if slot.block in probe.idle:
+                kind = type(structure.blocks[slot.block]).__name__
+                idle[slot.full_name] = f"its block ({kind}) never runs in the text-only forward"
+            elif slot.block in probe.pending and slot.param:
+                pending[slot.full_name] = probe.pending[slot.block]
+        observed = frozenset(s.full_name for s in slots if s.block in probe.observed)
+        probe_bytes = probe.peak_bytes
+    else:
+        ignored = excluded_layers(names, cfg.ignore, cfg.targets, outside=outside)
+    bad = incompatible_slots(_checkable(slots, (ignored, idle, pending), observed), cfg.pattern)
+    candidates = [s for s in slots if s.full_name not in ignored and s.full_name not in idle]
+    max_pos = config_value(config, "max_position_embeddings")
+    seqlen = min(cfg.seqlen, int(max_pos)) if max_pos else cfg.seqlen
+    width = torch.finfo(dtype).bits // 8
+    params = sum(p.numel() for p in model.parameters())
+    per_block = [sum(p.numel() for p in b.parameters()) for b in structure.blocks]
+    spec = get_pruner(cfg.method)
+    memory = estimate_device_memory(
+        per_block,
+        candidates,
+        nsamples=cfg.nsamples,
+        seqlen=seqlen,
+        hidden_size=hidden,
+        width=width,
+        needs_gram=spec.needs_gram,
+        iterative=spec.iterative,
+        world_size=world_size if world_size is not None else ctx.distributed.world_size,
+        offload_activations=cfg.offload_activations,
+        sequential=cfg.sequential,
+    )
+    host = host_estimate(
+        memory[0],  # shard_bounds gives rank 0 the most samples
+        device=device,
+        params=params,
+        nsamples=cfg.nsamples,
+        seqlen=seqlen,
+        hidden_size=hidden,
+        width=width,
+        rows=-(-cfg.nsamples // len(memory)),
+        offload_activations=cfg.offload_activations,
+    )
+    return PrunePlan(
+        model=cfg.model,
+        method=cfg.method,
+        pattern=cfg.pattern.label,
+        source=source,
+        model_type=structure.model_type,
+        slots=tuple(slots),
+        incompatible=bad,
+        ignored=ignored,
+        seqlen=seqlen,
+        nsamples=cfg.nsamples,
+        params=params,
+        cpu_bytes=params * width,
+        device_memory=tuple(memory),
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        blocks=len(structure),
+        checkpoint_bytes=params * width,
+        resume_bytes=sum(per_block) * width + 2 * cfg.nsamples * seqlen * hidden * width,
+        host_memory=host,
+        unused=unused,
+        idle=idle,
+        pending=pending,
+        observed=observed,
+        probe_bytes=probe_bytes,
+    )
