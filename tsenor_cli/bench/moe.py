@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -143,7 +144,8 @@ def run_moe_bench(cfg: MoeBenchConfig, progress: Progress) -> MoeBenchResult:
     block, call, hidden = structure.blocks[0], captured.calls[0], captured.hidden  # hidden: (S, T, H)
     seen = observe_block(block, lambda: block_output(block, call, hidden[:1]), input_key=input_key)
     stacks = {name: unit for name, unit in seen.units.items() if unit.geometry.experts}
-    result = MoeBenchResult(cfg, environment(device), stacks=sorted(stacks))
+    # Other processes on a shared machine slow both sides of a ratio, not always equally: say how busy it was.
+    result = MoeBenchResult(cfg, {**environment(device), "load_average": os.getloadavg()[0]}, stacks=sorted(stacks))
     moe = MoeOptions()
 
     def dense() -> None:
@@ -190,7 +192,8 @@ def to_markdown(result: MoeBenchResult) -> str:
         f"## Qwen3-MoE block: {c.experts} experts, top-{c.top_k}, hidden {c.hidden}, expert width {c.expert_width}",
         "",
         f"{c.samples}×{c.seqlen} calibration tokens, medians of {c.repeats}; {env['date']}, torch {env['torch']}, "
-        f"transformers {env['transformers']}, {env['device']} ({env['cpu_threads']} threads).",
+        f"transformers {env['transformers']}, {env['device']} ({env['cpu_threads']} threads, load average "
+        f"{env['load_average']:.1f} at the start).",
         "",
         "| what | seconds | × dense forward |",
         "| --- | ---: | ---: |",
