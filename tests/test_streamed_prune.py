@@ -183,3 +183,22 @@ def test_dry_run_host_memory_is_one_block_when_streamed(model: Path, calib: Path
     assert streamed_plan.host_memory.streamed and "one block" in streamed_plan.host_memory.describe()
     lines = list(streamed_plan.lines(_cfg(model, calib, None, stream=True)))
     assert any(line.startswith("disk: checkpoint ") for line in lines)
+
+
+@pytest.mark.slow
+@pytest.mark.realmodel
+@pytest.mark.parametrize("method", ["magnitude", "wanda"])
+def test_streamed_prune_of_smollm2_equals_the_whole_load(
+    smollm2_path: Path, calib: Path, data_ctx: RunContext, tmp_path: Path, method: str
+) -> None:
+    """The real SmolLM2 (30 blocks, tied head) pruned 2:4 on 4×64 tokens, whole and streamed: same files."""
+    options = {
+        "method": method,
+        "seqlen": 64,
+        "layer": LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="flow"),
+    }
+    whole_out, streamed_out = tmp_path / "whole", tmp_path / "streamed"
+    prune_model(_cfg(smollm2_path, calib, whole_out, resume=False, **options), data_ctx)
+    prune_model(_cfg(smollm2_path, calib, streamed_out, resume=False, stream=True, **options), data_ctx)
+    assert _weights(streamed_out) == _weights(whole_out)
+    assert [_report(streamed_out)["totals"][k] for k in COUNTS] == [_report(whole_out)["totals"][k] for k in COUNTS]
