@@ -262,6 +262,28 @@ def test_two_processes_give_the_checkpoint_of_one_bit_for_bit(
         assert report["settings"]["processes"] == WORLD and report["settings"]["threads"] == 1
 
 
+def test_two_streamed_processes_give_the_checkpoint_of_one_bit_for_bit(
+    models: dict[str, Path], calib: Path, data_ctx: RunContext, tmp_path: Path
+) -> None:
+    """--stream with --nproc: each rank reads every block it runs from the checkpoint (each runs every block
+    on its samples) and rank 0 assembles the output from the block files; with and without a resume state."""
+    single = tmp_path / "single"
+    api.prune_model(_cfg(models["llama"], calib, single, "sparsegpt", True), data_ctx)
+    jobs = [
+        {"name": f"resume-{resume}", "cfg": _cfg(models["llama"], calib, tmp_path / f"dist-{resume}", "sparsegpt", True,
+                                                   stream=True, resume=resume)}
+        for resume in (True, False)
+    ]  # fmt: skip
+    outcomes = _spawn(tmp_path, jobs, data_ctx)
+    for job in jobs:
+        assert all(outcome[job["name"]] == "ok" for outcome in outcomes), outcomes
+        folder = job["cfg"].output
+        assert _sha(folder / "model.safetensors") == _sha(single / "model.safetensors")
+        counts = ("model_params", "model_nonzero", "linear_params", "linear_nonzero")
+        totals = [json.loads((f / PRUNE_FILE).read_text())["totals"] for f in (folder, single)]
+        assert [totals[0][k] for k in counts] == [totals[1][k] for k in counts]
+
+
 def test_resumed_distributed_run_equals_an_uninterrupted_one_and_failures_stop_every_rank(
     models: dict[str, Path], calib: Path, data_ctx: RunContext, tmp_path: Path
 ) -> None:

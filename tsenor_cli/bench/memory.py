@@ -1,4 +1,4 @@
-"""`tsenor bench memory`: host memory of `tsenor eval --ppl` against model depth, streamed and whole.
+"""`tsenor bench memory`: host memory of `tsenor eval --ppl` and `tsenor prune` against model depth, streamed and whole.
 
 Random LLaMA models of one width (1024: 16 heads of 64, MLP 4096, the SmolLM2 vocabulary of 49152 with a
 tied head, fp32) with 8, 16 and 32 blocks are built from a transformers config, saved as safetensors
@@ -9,6 +9,10 @@ the same random token windows. Each process reports its own peak resident set (V
 that both give the same perplexity. The figure of merit is the peak at 32 blocks over the peak at 8:
 1.0 means host memory does not grow with depth, (32-block weights + rest) / (8-block weights + rest) is
 what holding the model costs.
+
+The prune half does the same for `prune_model` (magnitude, 2:4 transposable, `prune_nsamples` ×
+`prune_seqlen` tokens of a generated calibration text, no resume state), whole and ``stream=True``; the
+parent checks that both write the same model.safetensors (sha256), and reports seconds per block.
 """
 
 from __future__ import annotations
@@ -30,12 +34,14 @@ import torch
 from tsenor_cli.errors import BadInputError
 
 MODES = ("whole", "streamed")
+COMMANDS = ("eval", "prune")
 
 
 @dataclass(frozen=True)
 class MemoryConfig:
     """blocks: the depths measured; width/intermediate/heads: the LLaMA shape; seqlen × windows: the
-    evaluated tokens; seed: the weights and the tokens."""
+    evaluated tokens; seed: the weights and the tokens; commands: eval, prune or both; prune_nsamples ×
+    prune_seqlen: the prune's calibration tokens."""
 
     blocks: tuple[int, ...] = (8, 16, 32)
     width: int = 1024
@@ -44,6 +50,9 @@ class MemoryConfig:
     seqlen: int = 256
     windows: int = 2
     seed: int = 0
+    commands: tuple[str, ...] = COMMANDS
+    prune_nsamples: int = 4
+    prune_seqlen: int = 64
 
 
 def _tokenizer_dir() -> Path:
@@ -118,12 +127,52 @@ def measure(folder: Path, mode: str, cfg: MemoryConfig) -> dict[str, Any]:
     return {"ppl": result.ppl, "seconds": time.perf_counter() - started, "peak_rss": _peak_rss()}
 
 
-def run_child(folder: Path, mode: str, cfg: MemoryConfig) -> dict[str, Any]:
-    """`measure` in a fresh Python process; its JSON result."""
-    command = [sys.executable, "-m", "tsenor_cli.bench.memory", str(folder), mode, json.dumps(asdict(cfg))]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+def calibration_text(path: Path, cfg: MemoryConfig) -> Path:
+    """A calibration text file long enough for cfg's prune (seeded words): the benchmark needs no data folder."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    words = torch.randint(0, 5000, (cfg.prune_nsamples * cfg.prune_seqlen * 8,), generator=gen)
+    path.write_text(" ".join(f"w{int(w)}" for w in words) + "\n", encoding="utf-8")
+    return path
+
+
+def measure_prune(folder: Path, mode: str, cfg: MemoryConfig) -> dict[str, Any]:
+    """Prune the model in `folder` (`mode`: whole or streamed) in this process into a folder beside it:
+    {"sha256" of model.safetensors, "seconds", "peak_rss"}."""
+    import hashlib
+
+    from tsenor_cli.pruning.api import prune_model
+    from tsenor_cli.pruning.recipe import build_config
+    from tsenor_cli.settings import RunContext, cache_dir_default
+
+    ctx = RunContext(data_dir=None, offline=True, cache_dir=cache_dir_default())
+    output = folder.parent / f"{folder.name}-pruned-{mode}"
+    recipe = {
+        "model": str(folder),
+        "nm": "2:4",
+        "method": "magnitude",
+        "calib_data": str(calibration_text(folder.parent / "calib.txt", cfg)),
+        "nsamples": cfg.prune_nsamples,
+        "seqlen": cfg.prune_seqlen,
+        "output": str(output),
+        "stream": mode == "streamed",
+    }
+    prune_cfg = build_config(recipe, force=False, resume=False, command="bench memory")
+    started = time.perf_counter()
+    prune_model(prune_cfg, ctx)
+    seconds = time.perf_counter() - started
+    peak = _peak_rss()
+    digest = hashlib.sha256((output / "model.safetensors").read_bytes()).hexdigest()
+    shutil.rmtree(output)
+    return {"sha256": digest, "seconds": seconds, "peak_rss": peak}
+
+
+def run_child(folder: Path, mode: str, cfg: MemoryConfig, command: str = "eval") -> dict[str, Any]:
+    """`measure` (eval) or `measure_prune` (prune) in a fresh Python process; its JSON result."""
+    module = "tsenor_cli.bench.memory"
+    command_line = [sys.executable, "-m", module, command, str(folder), mode, json.dumps(asdict(cfg))]
+    done = subprocess.run(command_line, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise BadInputError(f"the {mode} evaluation of {folder} failed: {done.stderr.strip().splitlines()[-1:]}")
+        raise BadInputError(f"the {mode} {command} of {folder} failed: {done.stderr.strip().splitlines()[-1:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
@@ -134,23 +183,23 @@ def run_memory_bench(cfg: MemoryConfig, *, say: Any = print) -> dict[str, Any]:
         for blocks in cfg.blocks:
             folder = Path(tmp) / f"llama-{blocks}"
             weights = build_model(folder, cfg, blocks)
-            results = {mode: run_child(folder, mode, cfg) for mode in MODES}
-            if abs(results["streamed"]["ppl"] - results["whole"]["ppl"]) > 1e-5 * results["whole"]["ppl"]:
-                raise BadInputError(
-                    f"{blocks} blocks: streamed ppl {results['streamed']['ppl']} differs from whole "
-                    f"{results['whole']['ppl']}"
-                )
-            for mode, result in results.items():
-                rows.append({"blocks": blocks, "mode": mode, "weights": weights, **result})
-                say(
-                    f"{blocks} blocks {mode}: peak RSS {result['peak_rss'] / 2**30:.2f} GiB, "
-                    f"{result['seconds']:.1f} s, ppl {result['ppl']:.2f}"
-                )
+            for command in cfg.commands:
+                results = {mode: run_child(folder, mode, cfg, command) for mode in MODES}
+                _check_agree(results, command, blocks)
+                for mode, result in results.items():
+                    rows.append({"command": command, "blocks": blocks, "mode": mode, "weights": weights, **result})
+                    say(
+                        f"{command} {blocks} blocks {mode}: peak RSS {result['peak_rss'] / 2**30:.2f} GiB, "
+                        f"{result['seconds']:.1f} s"
+                    )
             shutil.rmtree(folder)
     ratios = {}
-    for mode in MODES:
-        peaks = {row["blocks"]: row["peak_rss"] for row in rows if row["mode"] == mode}
-        ratios[mode] = peaks[max(cfg.blocks)] / peaks[min(cfg.blocks)]
+    for command in cfg.commands:
+        for mode in MODES:
+            peaks = {
+                row["blocks"]: row["peak_rss"] for row in rows if row["mode"] == mode and row["command"] == command
+            }
+            ratios[f"{command} {mode}"] = peaks[max(cfg.blocks)] / peaks[min(cfg.blocks)]
     return {
         "config": asdict(cfg),
         "rows": rows,
@@ -159,50 +208,77 @@ def run_memory_bench(cfg: MemoryConfig, *, say: Any = print) -> dict[str, Any]:
     }
 
 
+def _check_agree(results: dict[str, dict[str, Any]], command: str, blocks: int) -> None:
+    """BadInputError unless the streamed and whole runs agree: the same ppl (1e-5 relative), the same file."""
+    whole, streamed = results["whole"], results["streamed"]
+    if command == "eval" and abs(streamed["ppl"] - whole["ppl"]) > 1e-5 * whole["ppl"]:
+        raise BadInputError(f"{blocks} blocks: streamed ppl {streamed['ppl']} differs from whole {whole['ppl']}")
+    if command == "prune" and streamed["sha256"] != whole["sha256"]:
+        raise BadInputError(f"{blocks} blocks: the streamed prune wrote another model.safetensors than the whole one")
+
+
 def to_markdown(result: dict[str, Any], command: str, date: str, machine: str) -> str:
-    """The measurement page: the command, the machine, the table and the depth ratios."""
+    """The measurement page: the command, the machine, a table per measured command and the depth ratios."""
     cfg = result["config"]
+    commands = cfg.get("commands", ["eval"])
+    title = " and ".join(f"`tsenor {c}`" for c in commands)
     lines = [
-        "# Host memory of `tsenor eval --ppl`: streamed against whole",
+        f"# Host memory of {title}: streamed against whole",
         "",
         f"Measured {date} on {machine} with `{command}`. Random LLaMA models of width {cfg['width']} "
-        f"(MLP {cfg['intermediate']}, {cfg['heads']} heads, vocabulary 49152 with a tied head, fp32), "
-        f"{cfg['windows']} windows of {cfg['seqlen']} tokens, each evaluation in a fresh process "
-        "(`tsenor_cli/bench/memory.py`); peak RSS is the process's VmHWM. Both modes give the same "
-        "perplexity (checked to 1e-5 relative).",
+        f"(MLP {cfg['intermediate']}, {cfg['heads']} heads, vocabulary 49152 with a tied head, fp32), each run "
+        "in a fresh process (`tsenor_cli/bench/memory.py`); peak RSS is the process's VmHWM.",
         "",
-        "| blocks | weights (GiB) | mode | peak RSS (GiB) | seconds | s / block |",
-        "|---:|---:|---|---:|---:|---:|",
     ]
-    for row in result["rows"]:
-        lines.append(
-            f"| {row['blocks']} | {row['weights'] / 2**30:.2f} | {row['mode']} | {row['peak_rss'] / 2**30:.2f} "
-            f"| {row['seconds']:.1f} | {row['seconds'] / row['blocks']:.2f} |"
-        )
+    what = {
+        "eval": f"`--ppl` on {cfg['windows']} windows of {cfg['seqlen']} tokens; both modes give the same "
+        "perplexity (checked to 1e-5 relative).",
+        "prune": f"magnitude 2:4 transposable on {cfg.get('prune_nsamples')} × {cfg.get('prune_seqlen')} "
+        "calibration tokens, `--no-resume-state`; both modes write the same model.safetensors (sha256 checked).",
+    }
     ratios = result["peak_ratio_deepest_over_shallowest"]
     deepest, shallowest = max(cfg["blocks"]), min(cfg["blocks"])
+    for name in commands:
+        lines += [
+            f"## `tsenor {name}`",
+            "",
+            what[name],
+            "",
+            "| blocks | weights (GiB) | mode | peak RSS (GiB) | seconds | s / block |",
+            "|---:|---:|---|---:|---:|---:|",
+        ]
+        for row in result["rows"]:
+            if row.get("command", "eval") != name:
+                continue
+            lines.append(
+                f"| {row['blocks']} | {row['weights'] / 2**30:.2f} | {row['mode']} | "
+                f"{row['peak_rss'] / 2**30:.2f} | {row['seconds']:.1f} | {row['seconds'] / row['blocks']:.2f} |"
+            )
+        lines += [
+            "",
+            f"Peak RSS at {deepest} blocks over {shallowest} blocks: whole {ratios[f'{name} whole']:.2f}x, "
+            f"streamed {ratios[f'{name} streamed']:.2f}x (target: at most 1.3x).",
+            "",
+        ]
     lines += [
-        "",
-        f"Peak RSS at {deepest} blocks over {shallowest} blocks: whole {ratios['whole']:.2f}x, "
-        f"streamed {ratios['streamed']:.2f}x (target: at most 1.3x).",
-        "",
         "Whole, the peak grows by about the weights added (the model is held, plus what loading maps). "
         "Streamed, it is the parts outside the blocks (here the tied 49152-row embedding), one block, the "
-        "windows' hidden states and one window's logits over the vocabulary, plus the Python runtime: the same "
-        "at any depth. Seconds are the load and the evaluation (not Python's imports) of a few short windows, "
-        "so fixed costs (tokenizer, embedding, logits over the vocabulary) weigh much and s / block falls with "
-        "depth; the machine is shared, so compare the two modes within a depth, not across runs.",
+        "activations (eval: the windows' hidden states and one window's logits; prune: the calibration "
+        "samples' hidden states, the statistics and one matrix's solver work), plus the Python runtime: the "
+        "same at any depth. Seconds include the load and the write (not Python's imports), so fixed costs weigh "
+        "on the shallow models; the machine is shared, so compare the two modes within a depth, not across runs.",
         "",
     ]
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> None:
-    """The child process of `run_child`: FOLDER MODE CONFIG_JSON → one JSON line on stdout."""
-    folder, mode, raw = argv
+    """The child process of `run_child`: COMMAND FOLDER MODE CONFIG_JSON → one JSON line on stdout."""
+    command, folder, mode, raw = argv
     settings = json.loads(raw)
-    cfg = MemoryConfig(**{**settings, "blocks": tuple(settings["blocks"])})
-    print(json.dumps(measure(Path(folder), mode, cfg)))
+    cfg = MemoryConfig(**{**settings, "blocks": tuple(settings["blocks"]), "commands": tuple(settings["commands"])})
+    run = measure_prune if command == "prune" else measure
+    print(json.dumps(run(Path(folder), mode, cfg)))
 
 
 if __name__ == "__main__":

@@ -127,6 +127,16 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
         raise UsageError(f"{option} {text!r} must be a comma list of integers, e.g. 4096,16384") from exc
 
 
+def _commands(text: str) -> tuple[str, ...]:
+    from tsenor_cli.bench.memory import COMMANDS
+
+    chosen = tuple(x.strip() for x in text.split(",") if x.strip())
+    unknown = [x for x in chosen if x not in COMMANDS]
+    if unknown or not chosen:
+        raise UsageError(f"--commands {text!r} must name {' and/or '.join(COMMANDS)}, e.g. eval,prune")
+    return chosen
+
+
 @bench_app.command("speedup", cls=Command)
 def bench_speedup(
     models: str = typer.Option("llama-3.2-1b,llama-3.1-8b", help="Model shapes (comma list)."),
@@ -307,13 +317,14 @@ def bench_memory(
     seqlen: int = typer.Option(256, min=2, help="Tokens per perplexity window."),
     windows: int = typer.Option(2, min=1, help="Perplexity windows per evaluation."),
     seed: int = typer.Option(0, help="Seed of the random weights and tokens."),
+    commands: str = typer.Option("eval,prune", help="What to measure: eval, prune or both (comma list)."),
     machine: str = typer.Option("", help="The machine, as the Markdown page names it (default: platform, cores)."),
     output: Path | None = typer.Option(None, help="Write the JSON result here."),
     markdown: Path | None = typer.Option(None, help="Write the Markdown page here (docs/measurements/)."),
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Peak host memory and time of `tsenor eval --ppl`, streamed and whole, against model depth."""
+    """Peak host memory and time of `tsenor eval --ppl` and `tsenor prune`, streamed and whole, against model depth."""
     import datetime
     import json
     import os
@@ -334,6 +345,7 @@ def bench_memory(
         seqlen=seqlen,
         windows=windows,
         seed=seed,
+        commands=_commands(commands),
     )
     result = run_memory_bench(cfg, say=logger.info)
     where = machine or f"{platform.machine()} Linux, {os.cpu_count()} CPU cores"

@@ -147,6 +147,15 @@ def prune_cmd(
         help="With routed statistics, an expert that received fewer tokens takes every-token statistics "
         "(default: its input dimension); the report names each such expert.",
     ),
+    stream: bool = typer.Option(
+        D["stream"],
+        "--stream",
+        help="Read each decoder block from the safetensors checkpoint when it is pruned and write the output "
+        "from the pruned blocks' files: host memory of one block, not one model (same output, bit for bit).",
+    ),
+    max_shard_size: str = typer.Option(
+        D["max_shard_size"], "--max-shard-size", help="Largest safetensors shard of the output, e.g. 2GB, 500MB."
+    ),
     nproc: int = typer.Option(
         1,
         "--nproc",

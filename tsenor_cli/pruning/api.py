@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,13 +53,12 @@ from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.report import versions
 from tsenor_cli.pruning.resume import ResumeState, ResumeStore
 from tsenor_cli.pruning.selection import excluded_layers
+from tsenor_cli.pruning.streamed import BlockSource, WeightCounts
 from tsenor_cli.pruning.types import LayerRecord
 from tsenor_cli.runfiles import EVAL_FILE, ContextRecord, DataSource, EvalReport, PruneReport
 from tsenor_cli.settings import RunContext
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from tsenor_cli.data.calibration import CalibrationData
     from tsenor_cli.evaluation.runner import EvalConfig
     from tsenor_cli.models.loading import LoadedModel
@@ -114,17 +113,6 @@ def sparsity_metadata(cfg: PruneConfig, records: list[LayerRecord], solver: str 
         "ignored_modules": [r.name for r in records if r.status == "ignored"],
         "tsenor_version": __version__,
     }
-
-
-def nonzero_counts(parameters: Sequence[torch.Tensor]) -> tuple[int, int]:
-    """(entries, nonzero entries) over `parameters`, each counted once however often it is listed."""
-    unique = {id(p): p for p in parameters}.values()
-    return sum(p.numel() for p in unique), sum(int(torch.count_nonzero(p)) for p in unique)
-
-
-def decoder_matrices(structure: ModelStructure) -> list[torch.Tensor]:
-    """Every parameter of two or more dimensions of the decoder blocks: the weights the report accounts for."""
-    return [p for block in structure.blocks for p in block.parameters() if p.dim() >= 2]
 
 
 def _observed_plan(
@@ -225,7 +213,9 @@ def prune_model(
                         )
                         state = _open_state(store, cfg, plan.blocks, say) if cfg.resume else None
                         to_write = max(0, plan.resume_bytes - store.size()) if cfg.resume else 0
-                        check_free_space(output, plan.checkpoint_bytes, to_write)
+                        # A streamed run without a resume state keeps its pruned blocks on disk until the write.
+                        kept = plan.blocks_bytes if cfg.stream and not cfg.resume else 0
+                        check_free_space(output, plan.checkpoint_bytes, to_write, kept)
                     else:
                         store = ResumeStore(output)
                 state = team.broadcast_object(state)
@@ -354,14 +344,52 @@ def _prune(
         logger.warning(
             "--seqlen %d is longer than the model's %d positions; calibrating with %d", cfg.seqlen, seqlen, seqlen
         )
-    begin = _calibrate(cfg, structure, store, state, calib, say, team, device)
-    plan = _watch(cfg, structure, slots, begin, say, team, device)
-    records = _prune_blocks(
-        cfg, structure, begin, plan, output, store, state, point, say, after_block, stop, team, device
-    )
-    report = _report(cfg, ctx, loaded.model, structure, records, begin, seqlen, start, team, device)
-    say(f"writing {output}")
-    point.writing = True
+    folder = store.root if store is not None else None
+    where = f"model {cfg.model}"
+    with contextlib.closing(
+        BlockSource(structure, loaded.checkpoint, output=output, folder=folder, team=team, where=where)
+    ) as source:
+        begin = _calibrate(cfg, structure, store, state, calib, say, team, device, source)
+        plan = _watch(cfg, structure, slots, begin, say, team, device, source)
+        records = _prune_blocks(
+            cfg, structure, begin, plan, output, store, state, point, say, after_block, stop, team, device, source
+        )
+
+        def report(counts: WeightCounts) -> PruneReport:
+            return _report(cfg, ctx, counts, records, begin, seqlen, start, team, device)
+
+        say(f"writing {output}")
+        point.writing = True
+        metadata = sparsity_metadata(cfg, records, cfg.solver_that_runs(device))
+        if not source.streamed:
+            whole = report(WeightCounts.of(loaded.model, structure))
+            _write(cfg, loaded, output, whole, metadata, team)
+            return whole
+        # Streamed: the tensors come from the block files one at a time, counted as they pass; rank 0's
+        # report, made once they are written, is every rank's.
+        counts = WeightCounts()
+        made: list[PruneReport] = []
+
+        def after_weights() -> PruneReport:
+            made.append(report(counts))
+            return made[0]
+
+        tensors = source.tensors(loaded.model, counts) if team.is_root else None
+        _write(cfg, loaded, output, after_weights, metadata, team, tensors)
+        return team.broadcast_object(made[0] if made else None)
+
+
+def _write(
+    cfg: PruneConfig,
+    loaded: LoadedModel,
+    output: Path,
+    report: PruneReport | Callable[[], PruneReport],
+    metadata: dict[str, Any],
+    team: Team,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+) -> None:
+    """Rank 0 writes the checkpoint and its reports (`output.write_checkpoint`; `report` may be a function
+    making the report once the weights are written); tensors: the weights one at a time (a streamed run)."""
     with phase("save"), team.agreed():
         if team.is_root:
             write_checkpoint(
@@ -369,10 +397,11 @@ def _prune(
                 loaded.tokenizer,
                 output,
                 report,
-                sparsity_metadata(cfg, records, cfg.solver_that_runs(device)),
+                metadata,
                 loaded.processor_files,
+                tensors=tensors,
+                max_shard_size=cfg.max_shard_size,
             )
-    return report
 
 
 def _load(
@@ -386,6 +415,8 @@ def _load(
 ) -> tuple[LoadedModel, list[LinearSlot], CalibrationData | None]:
     """Load the model on the CPU (unless `built`) and, for a fresh run, its calibration text → (the
     model, its linear slots, the calibration data or None when a resume state supplies the inputs).
+    With `cfg.stream` only what lies outside the decoder blocks is read (`models/streaming.py`); a
+    folder of pickle weights is loaded whole (one warning line).
 
     Every weight is checked finite, and the nn.Linear layers against the pattern, before calibration."""
     from tsenor_cli.data.calibration import calibration_batches
@@ -403,6 +434,8 @@ def _load(
                 calibration_batches(cfg.calib_data, tokenizer, ctx, nsamples=cfg.nsamples, seqlen=seqlen, seed=cfg.seed)
             )
 
+    if built is not None and cfg.stream:
+        raise UsageError("a model built in memory cannot be streamed from its checkpoint; drop --stream")
     with team.agreed():
         if built is not None:
             loaded = built
@@ -418,10 +451,13 @@ def _load(
                 progress=say,
                 before_weights=calibrate if state is None else None,
                 check_tokenizer=True,
+                stream=cfg.stream,
             )
         # All weights at once, before calibration: a NaN in the last block should not cost a run to find.
+        # A streamed run's blocks are still on the meta device: each is checked when it is read
+        # (`BlockSource.load`), the first time by the watch pass, before any block is pruned.
         check_finite(
-            loaded.model.named_parameters(),
+            ((name, p) for name, p in loaded.model.named_parameters() if not p.is_meta),
             where=f"model {cfg.model}",
             fix="the checkpoint is corrupt; re-download or re-convert it (nothing was written)",
         )
@@ -445,9 +481,11 @@ def _calibrate(
     say: Progress,
     team: Team,
     device: torch.device,
+    source: BlockSource,
 ) -> _Start:
-    """The input of the first block to prune: from the resume state (its blocks restored into the model),
-    or captured from the calibration tokens by the model's own forward, this rank's shard of them.
+    """The input of the first block to prune: from the resume state (its blocks restored into the model,
+    unless streamed: the write reads them from its files), or captured from the calibration tokens by the
+    model's own forward, this rank's shard of them (block 0 read for it when streamed).
 
     The activations live between blocks on the device, or on the CPU with --offload-activations (each
     sample then streamed to the device when the block needs it)."""
@@ -455,17 +493,19 @@ def _calibrate(
     shard = team.shard(cfg.nsamples)
     with team.agreed():
         if state is not None and store is not None:
-            store.restore_blocks(structure.blocks, state)
+            if not source.streamed:
+                store.restore_blocks(structure.blocks, state)
             begin = _Start(state.next_block, list(state.records), None, (), state.calibration, state.calibration_source)
             if begin.first < len(structure.blocks):
                 begin.hidden = store.load_hidden(state, storage, rows=shard if team.distributed else None)
-                begin.calls = capture_block_calls(structure, int(begin.hidden.shape[1]))
+                with source.resident(0):  # the record runs block 0 once to learn its output type
+                    begin.calls = capture_block_calls(structure, int(begin.hidden.shape[1]))
             return begin
         assert calib is not None  # a fresh run read its calibration text while loading
         say(f"calibration: {calib.source_description}, {tuple(calib.input_ids.shape)} tokens")
         if team.distributed:
             say(f"{team.world_size} processes, {shard.stop - shard.start} samples on rank 0")
-        with phase("capture"):
+        with phase("capture"), source.resident(0):
             inputs = capture_block_inputs(structure, calib.input_ids[shard], storage)
         return _Start(0, [], inputs.hidden, inputs.calls, str(calib.source_description), calib.source)
 
@@ -478,13 +518,16 @@ def _watch(
     say: Progress,
     team: Team,
     device: torch.device,
+    source: BlockSource,
 ) -> _BlockPlan:
-    """Watch the dense forward of the blocks left to prune (one sample) and settle the run's weight
-    matrices from what they multiply by (`_observed_plan`)."""
+    """Watch the dense forward of the blocks left to prune (one sample; a streamed run reads each block
+    for it and releases it) and settle the run's weight matrices from what they multiply by (`_observed_plan`)."""
     observed: dict[int, BlockObservation] = {}
     if begin.hidden is not None:
         with phase("capture"), team.agreed():
-            observed = observe_blocks(structure, begin.hidden[:1], begin.calls, begin.first, device)
+            observed = observe_blocks(
+                structure, begin.hidden[:1], begin.calls, begin.first, device, resident=source.resident
+            )
     with team.agreed():
         slots, ignored, skipped, unused = _observed_plan(structure, slots, observed, cfg, say)
     matrices = sum(s.matrices for s in slots)
@@ -510,10 +553,13 @@ def _prune_blocks(
     stop: StopRequest | None,
     team: Team,
     device: torch.device,
+    source: BlockSource,
 ) -> list[LayerRecord]:
-    """The block loop → every layer's record. Per block: stop here if a signal asked to; move the block to
-    the device; prune its weight matrices group by group (`engine.prune_block`); run it once more so the
-    next block sees the pruned outputs; back to the CPU; rank 0 saves the resume state."""
+    """The block loop → every layer's record. Per block: stop here if a signal asked to; read the block
+    (`source.load`: from the checkpoint when streamed) and move it to the device; prune its weight matrices
+    group by group (`engine.prune_block`); run it once more so the next block sees the pruned outputs;
+    back to the CPU; rank 0 saves the resume state; `source.release` frees a streamed block (kept on
+    disk first when there is no resume state)."""
     blocks = structure.blocks
     spec = get_pruner(cfg.method)
     moe = MoeOptions(cfg.moe_calibration, cfg.moe_min_tokens)
@@ -529,7 +575,7 @@ def _prune_blocks(
         assert hidden is not None and buffer is not None  # set whenever a block is left to prune
         point.current = index
         say(f"block {index + 1}/{len(blocks)}")
-        block = blocks[index]
+        block = source.load(index)
         block.to(device)
         call = begin.calls[index].to(device)
         records += prune_block(
@@ -572,6 +618,7 @@ def _prune_blocks(
                             begin.calibration_source,
                             len(blocks),
                         )
+        source.release(index, keep=store is None)
         point.done, point.current = index + 1, None
         if after_block is not None:
             after_block(index)
@@ -581,8 +628,7 @@ def _prune_blocks(
 def _report(
     cfg: PruneConfig,
     ctx: RunContext,
-    model: nn.Module,
-    structure: ModelStructure,
+    counts: WeightCounts,
     records: list[LayerRecord],
     begin: _Start,
     seqlen: int,
@@ -604,8 +650,6 @@ def _report(
     if team.distributed:
         settings_dict["processes"] = team.world_size
     p = cfg.pattern
-    model_params, model_nonzero = nonzero_counts(list(model.parameters()))
-    linear_params, linear_nonzero = nonzero_counts(decoder_matrices(structure))
     return PruneReport(
         method=cfg.method,
         pattern=None if p.kind == "unstructured" else p,
@@ -620,10 +664,10 @@ def _report(
         resumed_from_block=begin.first if begin.first else None,
         calibration_source=begin.calibration_source,
         context=ContextRecord.of(ctx),
-        model_params=model_params,
-        model_nonzero=model_nonzero,
-        linear_params=linear_params,
-        linear_nonzero=linear_nonzero,
+        model_params=counts.model_params,
+        model_nonzero=counts.model_nonzero,
+        linear_params=counts.linear_params,
+        linear_nonzero=counts.linear_nonzero,
     )
 
 

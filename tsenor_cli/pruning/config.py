@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from tsenor_cli.errors import UsageError
 from tsenor_cli.pattern import SparsityPattern
+from tsenor_cli.pruning.output import MAX_SHARD_SIZE
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.selection import check_patterns
 from tsenor_cli.pruning.types import LayerPruneConfig
@@ -34,6 +35,10 @@ class PruneConfig:
     offload_activations: keep the calibration activations on the CPU between blocks and move one sample
     at a time to the device (same result, less device memory); not a result field.
     moe_calibration / moe_min_tokens: how expert matrices get their statistics (engine.MoeOptions).
+    stream: read each decoder block from the checkpoint's safetensors when the loop reaches it, and write
+    the output from the pruned blocks' files (host memory of one block, not one model; pruning/streamed.py);
+    max_shard_size: the output's safetensors shard size ("2GB"; `models.saving.parse_size`). Neither is a
+    result field: both give the same weights.
     resume: save a resume state after each block and continue an interrupted run of the same
     settings found in `output` (pruning/resume.py); False saves none. force: replace a tsenor run
     in `output`, and discard a resume state that is damaged or from other settings.
@@ -60,6 +65,8 @@ class PruneConfig:
     offload_activations: bool = False
     moe_calibration: str = "routed"
     moe_min_tokens: int | None = None
+    stream: bool = False
+    max_shard_size: str = MAX_SHARD_SIZE
 
     def __post_init__(self) -> None:
         get_pruner(self.method)
@@ -78,6 +85,9 @@ class PruneConfig:
             )
         if self.moe_min_tokens is not None and self.moe_min_tokens < 1:
             raise UsageError(f"--moe-min-tokens {self.moe_min_tokens} must be >= 1 (default: the input dimension)")
+        from tsenor_cli.models.saving import parse_size
+
+        parse_size(self.max_shard_size)
         check_patterns(self.ignore, "--ignore")
         check_patterns(self.targets, "--targets")
 

@@ -735,23 +735,35 @@ def _every_token_pass(
 
 
 def observe_blocks(
-    structure: ModelStructure, sample: torch.Tensor, calls: Sequence[BlockCall], first: int, device: torch.device
+    structure: ModelStructure,
+    sample: torch.Tensor,
+    calls: Sequence[BlockCall],
+    first: int,
+    device: torch.device,
+    *,
+    resident: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> dict[int, BlockObservation]:
     """sample: (1, T, H) the input of block `first` → {block: what its dense forward showed} for blocks
-    `first`.., each run on the dense output of the one before (`observe.observe_block`)."""
+    `first`.., each run on the dense output of the one before (`observe.observe_block`).
+
+    resident(index): a context in which block `index` holds its weights (a streamed run reads it from the
+    checkpoint and releases it after; `pruning/streamed.BlockSource.resident`); None: they always do."""
     found: dict[int, BlockObservation] = {}
     hidden = sample.to(device)
     for index in range(first, len(structure)):
         if not calls[index].runs:  # an idle block (idle_records) passes its input on unchanged
             continue
-        block = structure.blocks[index]
-        block.to(device)
-        call = calls[index].to(device)
-        found[index] = observe_block(block, functools.partial(block_output, block, call, hidden), input_key=input_key)
-        out = torch.empty_like(hidden)
-        run_block(block, hidden, call, out)
-        hidden = out
-        block.to("cpu")
+        with resident(index) if resident is not None else contextlib.nullcontext():
+            block = structure.blocks[index]
+            block.to(device)
+            call = calls[index].to(device)
+            found[index] = observe_block(
+                block, functools.partial(block_output, block, call, hidden), input_key=input_key
+            )
+            out = torch.empty_like(hidden)
+            run_block(block, hidden, call, out)
+            hidden = out
+            block.to("cpu")
     return found
 
 

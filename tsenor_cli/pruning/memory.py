@@ -30,7 +30,8 @@ TOKEN_BYTES = 8  # int64 token ids
 class HostEstimate:
     """Peak host (CPU) memory of one process of a run (its largest rank's), in bytes.
 
-    model: the model's parameters (every process holds the whole model); tokens: the calibration token
+    model: the model's parameters every process holds (the whole model, or with --stream what lies
+    outside the decoder blocks and the largest block: `streamed`); tokens: the calibration token
     ids (S, T) and the (S, T) index that cuts them out of the text (every process reads all samples);
     activations: the calibration activations when they live on the CPU: on a CPU run the device
     estimate's (`MemoryEstimate.activations`), with --offload-activations the rank's hidden states
@@ -43,6 +44,7 @@ class HostEstimate:
     tokens: int
     activations: int
     work: int
+    streamed: bool = False
 
     @property
     def total(self) -> int:
@@ -50,8 +52,9 @@ class HostEstimate:
 
     def describe(self) -> str:
         """The parts for a person: "model 12.3 MiB, calibration tokens 1.0 MiB, ..."."""
+        weights = "weights outside the blocks + one block" if self.streamed else "model"
         return (
-            f"model {human_bytes(self.model)}, calibration tokens {human_bytes(self.tokens)}, "
+            f"{weights} {human_bytes(self.model)}, calibration tokens {human_bytes(self.tokens)}, "
             f"activations {human_bytes(self.activations)}, work {human_bytes(self.work)}"
         )
 
@@ -62,6 +65,7 @@ class HostEstimate:
             "activations": self.activations,
             "work": self.work,
             "total": self.total,
+            "streamed": int(self.streamed),
         }
 
 
@@ -76,9 +80,11 @@ def host_estimate(
     width: int,
     rows: int,
     offload_activations: bool,
+    streamed: bool = False,
 ) -> HostEstimate:
     """The `HostEstimate` of the process whose device estimate is `device_estimate` (the largest rank's).
-    width: bytes per element of the model's dtype; rows: that rank's calibration samples (S_r)."""
+    width: bytes per element of the model's dtype; rows: that rank's calibration samples (S_r); params:
+    the parameters the process holds (streamed: outside the blocks and the largest block)."""
     on_cpu = device.type == "cpu"
     if on_cpu:
         activations = device_estimate.activations
@@ -91,6 +97,7 @@ def host_estimate(
         tokens=2 * nsamples * seqlen * TOKEN_BYTES,
         activations=activations,
         work=device_estimate.statistics + device_estimate.workspace if on_cpu else 0,
+        streamed=streamed,
     )
 
 

@@ -13,10 +13,10 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tsenor_cli import atomic
 from tsenor_cli.errors import OutputBusyError, OutputExistsError, OutputUnwritableError, UsageError
@@ -26,6 +26,11 @@ from tsenor_cli.pruning.resume import ResumeStore
 from tsenor_cli.report.markdown import prune_markdown
 from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, RESUME_DIR, SPARSITY_KEY, PruneReport, read_json
 
+if TYPE_CHECKING:
+    import torch
+
+# The output's default shard size (`--max-shard-size`): transformers' own default is 50GB; tsenor has
+# written 2GB shards since its first release.
 MAX_SHARD_SIZE = "2GB"
 # What marks a folder as a tsenor run that --force may replace: a finished run's report (prune and
 # finetune both write it) or an interrupted run's resume state.
@@ -107,18 +112,20 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def check_free_space(output: Path, checkpoint_bytes: int, resume_bytes: int) -> None:
+def check_free_space(output: Path, checkpoint_bytes: int, resume_bytes: int, blocks_bytes: int = 0) -> None:
     """OutputUnwritableError unless the file system of `output` has room for the run's writes.
 
     checkpoint_bytes: the checkpoint (built beside the old folder, which stays until the swap);
-    resume_bytes: what the resume state still has to write (0 without one).
+    resume_bytes: what the resume state still has to write (0 without one); blocks_bytes: the pruned
+    blocks a streamed run without a resume state keeps on disk until the write (`pruning/streamed.py`).
     """
-    need, free = checkpoint_bytes + resume_bytes, free_bytes(output)
+    need, free = checkpoint_bytes + resume_bytes + blocks_bytes, free_bytes(output)
     if need > free:
         saving = f"; --no-resume-state saves {human_bytes(resume_bytes)}" if resume_bytes else ""
+        blocks = f", pruned blocks kept until the write {human_bytes(blocks_bytes)}" if blocks_bytes else ""
         raise OutputUnwritableError(
             f"not enough free space for --output {output}: the run writes about {human_bytes(need)} "
-            f"(checkpoint {human_bytes(checkpoint_bytes)}, resume state {human_bytes(resume_bytes)}), "
+            f"(checkpoint {human_bytes(checkpoint_bytes)}, resume state {human_bytes(resume_bytes)}{blocks}), "
             f"{human_bytes(free)} are free; free some space or choose another --output{saving}"
         )
 
@@ -195,11 +202,22 @@ def check_not_input(output: Path, source: str) -> None:
 
 
 def write_model_folder(
-    model: Any, tokenizer: Any, output: Path, sparsity: dict[str, Any], files: Mapping[str, str | bytes]
+    model: Any,
+    tokenizer: Any,
+    output: Path,
+    sparsity: dict[str, Any],
+    files: Mapping[str, str | bytes] | Callable[[], Mapping[str, str | bytes]],
+    *,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+    max_shard_size: str = MAX_SHARD_SIZE,
 ) -> None:
     """save_pretrained's files (safetensors, sharded; written tensor by tensor by `models.saving.save_streamed`,
-    byte for byte what save_pretrained writes) + tokenizer + `files` ({name: content}), built in a temp
-    sibling and renamed into place (replacing an existing `output`: prepare_output allowed it).
+    byte for byte what save_pretrained writes) + tokenizer + `files` ({name: content}, or a function giving
+    them once the weights are written), built in a temp sibling and renamed into place (replacing an
+    existing `output`: prepare_output allowed it).
+
+    tensors: the weights as (key, tensor) one at a time (`pruning/streamed.py`: a model whose blocks are on
+    the meta device); None: `model`'s own.
 
     The tensors are saved under the model's own parameter names (what ``save_original_format=False``
     writes, see the comment below), the names `tsenor_sparsity` lists and `tsenor verify` reads:
@@ -223,9 +241,9 @@ def write_model_folder(
         # would have to build the whole model through the mapping. The cost: for families with a
         # mapping the files are transformers-5 names, which transformers 4 and tools that read the
         # published per-expert layout do not load.
-        save_streamed(tmp, model, max_shard_size=MAX_SHARD_SIZE)
+        save_streamed(tmp, model, tensors, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(tmp)
-        for name, content in files.items():
+        for name, content in (files() if callable(files) else files).items():
             if isinstance(content, bytes):
                 (tmp / name).write_bytes(content)
             else:
@@ -236,14 +254,23 @@ def write_checkpoint(
     model: Any,
     tokenizer: Any,
     output: Path,
-    report: PruneReport,
+    report: PruneReport | Callable[[], PruneReport],
     sparsity: dict[str, Any],
     processor_files: Mapping[str, bytes] | None = None,
+    *,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+    max_shard_size: str = MAX_SHARD_SIZE,
 ) -> None:
     """The pruned checkpoint with its reports (tsenor_report.json / .md), written atomically.
 
-    processor_files: {name: content} of the source's processor files (`models.loading.PROCESSOR_FILES`:
-    a multimodal model's image processor and processor settings), copied unchanged."""
-    files: dict[str, str | bytes] = {**(processor_files or {})}
-    files |= {PRUNE_FILE: json.dumps(report.to_json(), indent=2) + "\n", PRUNE_MARKDOWN: prune_markdown(report)}
-    write_model_folder(model, tokenizer, output, sparsity, files)
+    report: the report, or a function making it once the weights are written (a streamed run counts the
+    nonzeros of the tensors as they pass). processor_files: {name: content} of the source's processor
+    files (`models.loading.PROCESSOR_FILES`: a multimodal model's image processor and processor
+    settings), copied unchanged. tensors, max_shard_size: `write_model_folder`'s."""
+
+    def files() -> dict[str, str | bytes]:
+        made = report() if callable(report) else report
+        found: dict[str, str | bytes] = {**(processor_files or {})}
+        return found | {PRUNE_FILE: json.dumps(made.to_json(), indent=2) + "\n", PRUNE_MARKDOWN: prune_markdown(made)}
+
+    write_model_folder(model, tokenizer, output, sparsity, files, tensors=tensors, max_shard_size=max_shard_size)

@@ -26,7 +26,7 @@ from tsenor_cli.pruning.engine import (
 )
 from tsenor_cli.pruning.memory import HostEstimate, check_fits, host_estimate
 from tsenor_cli.pruning.observe import BlockObservation
-from tsenor_cli.pruning.output import human_bytes
+from tsenor_cli.pruning.output import free_bytes, human_bytes, output_path
 from tsenor_cli.pruning.probe import probe_blocks
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.selection import excluded_layers, matches
@@ -247,7 +247,9 @@ class PrunePlan:
     checkpoint_bytes: the pruned checkpoint's weights; resume_bytes: the most the resume state holds at
     once (every block's parameters and two (S, T, H) hidden-state files while one replaces the other).
     device_memory: the peak device memory of each rank (one for a single process); device_bytes: the
-    largest of them; host_memory: the peak host memory of one process (`memory.HostEstimate`).
+    largest of them; host_memory: the peak host memory of one process (`memory.HostEstimate`; a streamed
+    run holds the weights outside the blocks and one block). blocks_bytes: every block's parameters (what
+    a streamed run without a resume state keeps on disk until the write); stream: the plan is for --stream.
     """
 
     model: str
@@ -274,6 +276,8 @@ class PrunePlan:
     pending: dict[str, str] = field(default_factory=dict)
     observed: frozenset[str] = frozenset()
     probe_bytes: int = 0
+    blocks_bytes: int = 0
+    stream: bool = False
 
     @property
     def device_bytes(self) -> int:
@@ -366,6 +370,8 @@ class PrunePlan:
             "estimated_device_bytes_per_rank": [estimate.to_dict() for estimate in self.device_memory],
             "estimated_checkpoint_bytes": self.checkpoint_bytes,
             "estimated_resume_state_bytes": self.resume_bytes,
+            "estimated_blocks_bytes": self.blocks_bytes,
+            "stream": self.stream,
             "blocks": self.blocks,
             "device": self.device,
             "dtype": self.dtype,
@@ -391,6 +397,14 @@ class PrunePlan:
             + (" per process" if several else "")
             + (", activations offloaded" if cfg.offload_activations else "")
         )
+        kept = (
+            f", pruned blocks until the write {human_bytes(self.blocks_bytes)}" if cfg.stream and not cfg.resume else ""
+        )
+        resume = f"resume state up to {human_bytes(self.resume_bytes)}" if cfg.resume else "no resume state"
+        free = (
+            "" if cfg.output is None else f"; {human_bytes(free_bytes(cfg.output))} free at {output_path(cfg.output)}"
+        )
+        yield f"disk: checkpoint {human_bytes(self.checkpoint_bytes)}, {resume}{kept}{free}"
         for estimate in self.device_memory:
             yield (
                 f"  rank {estimate.rank}: {human_bytes(estimate.total)} = block {human_bytes(estimate.block)} "
@@ -491,10 +505,13 @@ def plan_model(
         offload_activations=cfg.offload_activations,
         sequential=cfg.sequential,
     )
+    # A streamed run holds the parameters outside the blocks and one block (the largest) at a time.
+    held = params - sum(per_block) + max(per_block, default=0) if cfg.stream else params
     host = host_estimate(
         memory[0],  # shard_bounds gives rank 0 the most samples
         device=device,
-        params=params,
+        params=held,
+        streamed=cfg.stream,
         nsamples=cfg.nsamples,
         seqlen=seqlen,
         hidden_size=hidden,
@@ -527,4 +544,6 @@ def plan_model(
         pending=pending,
         observed=observed,
         probe_bytes=probe_bytes,
+        blocks_bytes=sum(per_block) * width,
+        stream=cfg.stream,
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tsenor_cli.errors import InputNotFoundError, UsageError
+from tsenor_cli.pruning.output import MAX_SHARD_SIZE
 from tsenor_cli.yamlfile import read_yaml
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ RECIPE_KEYS: dict[str, type] = {
     "offload_activations": bool,
     "moe_calibration": str,
     "moe_min_tokens": int,
+    "stream": bool,
+    "max_shard_size": str,
 }
 # The value of each key a recipe leaves unset (None: no default; model and one of nm/sparsity are required).
 RECIPE_DEFAULTS: dict[str, Any] = {
@@ -73,6 +76,8 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "offload_activations": False,
     "moe_calibration": "routed",
     "moe_min_tokens": None,
+    "stream": False,
+    "max_shard_size": MAX_SHARD_SIZE,
 }
 EXAMPLE_RECIPE = "configs/smollm2-alps-16x32.yaml"
 
@@ -179,4 +184,6 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
         offload_activations=bool(values["offload_activations"]),
         moe_calibration=str(values["moe_calibration"] or "routed"),
         moe_min_tokens=None if values["moe_min_tokens"] is None else int(values["moe_min_tokens"]),
+        stream=bool(values["stream"]),
+        max_shard_size=str(values["max_shard_size"]),
     )
