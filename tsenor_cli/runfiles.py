@@ -271,6 +271,31 @@ class LayerRecord:
 
 
 @dataclass(frozen=True)
+class BlockRefinement:
+    """One decoder block's refinement (`tsenor prune --refine block`, pruning/refine.py).
+
+    error_before / error_after: the block output's relative squared error against the dense block's
+    output on the dense inputs, Σ‖f(x)−y‖²/Σ‖y‖² over the calibration samples, with the pruned weights
+    and with the refined ones; kept: the refined weights were kept (they lowered the error), else the
+    pruned weights stayed; steps: Adam steps taken; seconds: wall time of the block's refinement.
+    """
+
+    block: int
+    error_before: float
+    error_after: float
+    kept: bool
+    steps: int
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return _flat_json(self)
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> BlockRefinement:
+        return cls(**_read(cls, _object(obj, where), where))
+
+
+@dataclass(frozen=True)
 class PruneReport:
     """``tsenor_report.json``: how the model was pruned and the per-layer records.
 
@@ -299,6 +324,7 @@ class PruneReport:
     model_nonzero: int | None = None
     linear_params: int | None = None
     linear_nonzero: int | None = None
+    refinement: tuple[BlockRefinement, ...] = ()
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -347,6 +373,7 @@ class PruneReport:
             "resumed_from_block": self.resumed_from_block,
             "totals": self.totals(),
             "layers": [r.to_json() for r in self.layers],
+            "refinement": [r.to_json() for r in self.refinement],
         }
 
     @classmethod
@@ -373,6 +400,10 @@ class PruneReport:
                 linear_nonzero=_typed(totals.get("linear_nonzero"), int | None, "linear_nonzero", f"{where}: totals"),
                 calibration_source=_optional(obj, "calibration_source", DataSource.from_json, where),
                 context=_optional(obj, "context", ContextRecord.from_json, where),
+                refinement=tuple(
+                    BlockRefinement.from_json(block, f"{where}: refinement[{i}]")
+                    for i, block in enumerate(_typed(obj.get("refinement", []), list, "refinement", where))
+                ),
             )
         )
         if not 0.0 <= report.sparsity < 1.0:
@@ -414,6 +445,21 @@ class PruneReport:
                 f"| {r.name} | {r.out_features}×{r.in_features} | {status} | {_fmt(r.recon_error)} | "
                 f"{_fmt(r.gap)} | {r.seconds:.2f} | {r.iterations} |"
             )
+        if self.refinement:
+            kept = sum(b.kept for b in self.refinement)
+            lines += [
+                "",
+                f"## Block refinement ({kept} of {len(self.refinement)} blocks kept their refined weights, "
+                f"{sum(b.seconds for b in self.refinement):.1f} s)",
+                "",
+                "| block | error before | error after | kept | steps | seconds |",
+                "|---|---|---|---|---|---|",
+                *(
+                    f"| {b.block} | {_fmt(b.error_before)} | {_fmt(b.error_after)} | {'yes' if b.kept else 'no'} | "
+                    f"{b.steps} | {b.seconds:.2f} |"
+                    for b in self.refinement
+                ),
+            ]
         return "\n".join(lines) + "\n"
 
     def _density_lines(self, t: Mapping[str, Any]) -> list[str]:

@@ -33,6 +33,7 @@ from tsenor_cli.errors import EXIT_SIGINT, InputNotFoundError, Interrupted, Usag
 from tsenor_cli.nm import parse_nm
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.output import human_bytes
+from tsenor_cli.pruning.refine import DEFAULT_EPOCHS, DEFAULT_LR, REFINE_MODES, RefineConfig
 from tsenor_cli.pruning.registry import PRUNERS
 from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
 from tsenor_cli.solver import METHODS
@@ -67,6 +68,9 @@ CONFIG_KEYS: dict[str, type] = {
     "offload_activations": bool,
     "moe_calibration": str,
     "moe_min_tokens": int,
+    "refine": str,
+    "refine_epochs": int,
+    "refine_lr": float,
 }
 
 
@@ -218,6 +222,11 @@ def build_config(values: dict[str, Any], *, force: bool, resume: bool, command: 
         offload_activations=bool(values.get("offload_activations", False)),
         moe_calibration=str(values.get("moe_calibration") or "routed"),
         moe_min_tokens=None if values.get("moe_min_tokens") is None else int(values["moe_min_tokens"]),
+        refine=RefineConfig(
+            str(values.get("refine", "none")),
+            values.get("refine_epochs", DEFAULT_EPOCHS),
+            values.get("refine_lr", DEFAULT_LR),
+        ),
     )
 
 
@@ -291,6 +300,16 @@ def prune_cmd(
         help="With routed statistics, an expert that received fewer tokens takes every-token statistics "
         "(default: its input dimension); the report names each such expert.",
     ),
+    refine: str = typer.Option(
+        "none",
+        "--refine",
+        help=f"After each block is pruned: {' or '.join(REFINE_MODES)}. 'block' trains the block's remaining "
+        "weights (the mask fixed) so that its output matches the dense block's on the calibration samples.",
+    ),
+    refine_epochs: int = typer.Option(
+        DEFAULT_EPOCHS, "--refine-epochs", help="With --refine block: passes over the calibration samples per block."
+    ),
+    refine_lr: float = typer.Option(DEFAULT_LR, "--refine-lr", help="With --refine block: Adam's learning rate."),
     nproc: int = typer.Option(
         1,
         "--nproc",
@@ -331,6 +350,9 @@ def prune_cmd(
         "offload_activations": offload_activations,
         "moe_calibration": moe_calibration,
         "moe_min_tokens": moe_min_tokens,
+        "refine": refine,
+        "refine_epochs": refine_epochs,
+        "refine_lr": refine_lr,
     }
     run_ctx = run_context(ctx, data_dir, offline)
     if nproc > 1 and run_ctx.distributed.distributed:
@@ -397,6 +419,7 @@ def prune_cmd(
                 f"  rank {estimate.rank}: {human_bytes(estimate.total)} = block {human_bytes(estimate.block)} "
                 f"+ activations {human_bytes(estimate.activations)} + statistics {human_bytes(estimate.statistics)} "
                 f"+ workspace {human_bytes(estimate.workspace)}"
+                + (f" + refine {human_bytes(estimate.refine)}" if estimate.refine else "")
             )
         _plan_verdict(plan, cfg, processes)
         return

@@ -48,6 +48,7 @@ from tsenor_cli.pruning.output import (
     write_checkpoint,
 )
 from tsenor_cli.pruning.phases import phase
+from tsenor_cli.pruning.refine import refine_pruned_block
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.report import versions
 from tsenor_cli.pruning.resume import ResumeState, ResumeStore
@@ -430,6 +431,8 @@ def _prune(
     records: list[LayerRecord] = []
     first = 0
     hidden: torch.Tensor | None = None  # (S_r, T, H) this rank's shard of the input of the next block
+    dense: torch.Tensor | None = None  # with --refine: the same in the dense model (refine.py)
+    refined = list(state.refinement) if state is not None else []
     shard = team.shard(cfg.nsamples)
     with team.agreed():
         if state is not None and store is not None:
@@ -439,6 +442,8 @@ def _prune(
             calibration, calibration_source = state.calibration, state.calibration_source
             if first < len(blocks):
                 hidden = store.load_hidden(state, storage, rows=shard if team.distributed else None)
+                if cfg.refine.on:
+                    dense = store.load_hidden(state, storage, rows=shard if team.distributed else None, stream="dense")
                 calls = capture_block_calls(structure, int(hidden.shape[1]))
         else:
             (calib,) = fresh
@@ -450,6 +455,7 @@ def _prune(
             with phase("capture"):
                 inputs = capture_block_inputs(structure, calib.input_ids[shard], storage)
             hidden, calls = inputs.hidden, inputs.calls
+            dense = hidden.clone() if cfg.refine.on else None
 
     observed: dict[int, BlockObservation] = {}
     if hidden is not None:
@@ -474,6 +480,9 @@ def _prune(
         block = blocks[index]
         block.to(device)
         call = calls[index].to(device)
+        if dense is not None:
+            with team.agreed():
+                run_block(block, dense, call, dense, device)  # in place: the dense outputs, refinement's targets
         records += prune_block(
             block,
             index,
@@ -493,6 +502,13 @@ def _prune(
             observation=observed.get(index),
         )
         records += unused.get(index, [])
+        if dense is not None:
+            with team.agreed():
+                prefix = structure.full_name(index, "")
+                args = (block, index, prefix, records, hidden, call, dense, cfg.refine)
+                refined += refine_pruned_block(
+                    *args, seed=cfg.seed, device=device, team=team, nsamples=cfg.nsamples, progress=say
+                )
         with phase("rerun"), team.agreed():
             run_block(block, hidden, call, buffer, device)  # the next block sees the pruned outputs
         hidden, buffer = buffer, hidden
@@ -501,6 +517,7 @@ def _prune(
             last = index == len(blocks) - 1
             with phase("save"):
                 whole = None if last else team.gather_samples(hidden, cfg.nsamples)
+                whole_dense = None if last or dense is None else team.gather_samples(dense, cfg.nsamples)
                 with team.agreed():
                     if team.is_root:
                         state = store.save_block(
@@ -513,6 +530,8 @@ def _prune(
                             calibration,
                             calibration_source,
                             len(blocks),
+                            dense=whole_dense,
+                            refinement=tuple(refined),
                         )
         point.done, point.current = index + 1, None
         if after_block is not None:
@@ -551,6 +570,7 @@ def _prune(
         model_nonzero=model_nonzero,
         linear_params=linear_params,
         linear_nonzero=linear_nonzero,
+        refinement=tuple(refined),
     )
     say(f"writing {output}")
     point.writing = True
@@ -577,7 +597,10 @@ class MemoryEstimate:
     with --offload-activations); statistics: the input statistics (XᵀX and column norms) of a block's
     linears taken as one group, in a distributed run twice (the sums in flight to the next rank) plus one
     linear's being added; workspace: the method's buffers for the largest linear (weights, mask,
-    ADMM/OBS state, damped H and its factorization).
+    ADMM/OBS state, damped H and its factorization). With --refine block, activations also hold the
+    dense stream (S_r, T, H) (one sample with --offload-activations), and refine: the largest block in
+    float32 with its gradients and Adam's two moments, its weights before refinement in the run's dtype,
+    and one sample's forward kept for backward (each of the block's matrices' input and output, float32).
     """
 
     rank: int
@@ -585,10 +608,11 @@ class MemoryEstimate:
     activations: int
     statistics: int
     workspace: int
+    refine: int = 0
 
     @property
     def total(self) -> int:
-        return self.block + self.activations + self.statistics + self.workspace
+        return self.block + self.activations + self.statistics + self.workspace + self.refine
 
     def to_dict(self) -> dict[str, int]:
         return {
@@ -597,6 +621,7 @@ class MemoryEstimate:
             "activations": self.activations,
             "statistics": self.statistics,
             "workspace": self.workspace,
+            "refine": self.refine,
             "total": self.total,
         }
 
@@ -614,9 +639,11 @@ def estimate_device_memory(
     world_size: int = 1,
     offload_activations: bool = False,
     sequential: bool = True,
+    refine: bool = False,
 ) -> list[MemoryEstimate]:
     """One `MemoryEstimate` per rank. block_params: parameter count of each block; candidates: the linears
-    to prune (at least one); width: bytes per element of the model's dtype (statistics are float32)."""
+    to prune (at least one); width: bytes per element of the model's dtype (statistics are float32);
+    refine: --refine block (`MemoryEstimate.refine`)."""
     from tsenor_cli.pruning.distributed import shard_bounds
 
     blocks = len(block_params)
@@ -639,7 +666,18 @@ def estimate_device_memory(
         activations = 2 * rows * seqlen * hidden_size * width  # block inputs and outputs
         if not offload_activations:
             activations += (stop - start) * seqlen * kept_features * width
-        estimates.append(MemoryEstimate(rank, max(block_params) * width, activations, statistics, workspace))
+        training = 0
+        if refine:
+            activations += rows * seqlen * hidden_size * width  # the dense stream
+            largest = max(block_params)
+            features = max(
+                sum(s.matrices * (s.in_features + s.out_features) for s in candidates if s.block == i)
+                for i in range(blocks)
+            )
+            training = largest * (4 * 4 + width) + 4 * seqlen * (features + 4 * hidden_size)
+        estimates.append(
+            MemoryEstimate(rank, max(block_params) * width, activations, statistics, workspace, training)
+        )
     return estimates
 
 
@@ -755,6 +793,7 @@ def plan_model(
         world_size=world_size if world_size is not None else ctx.distributed.world_size,
         offload_activations=cfg.offload_activations,
         sequential=cfg.sequential,
+        refine=cfg.refine.on,
     )
     host = host_estimate(
         memory[0],  # shard_bounds gives rank 0 the most samples
@@ -766,6 +805,7 @@ def plan_model(
         width=width,
         rows=-(-cfg.nsamples // len(memory)),
         offload_activations=cfg.offload_activations,
+        refine=cfg.refine.on,
     )
     return PrunePlan(
         model=cfg.model,
@@ -785,6 +825,7 @@ def plan_model(
         dtype=str(dtype).removeprefix("torch."),
         blocks=len(structure),
         checkpoint_bytes=params * width,
-        resume_bytes=sum(per_block) * width + 2 * cfg.nsamples * seqlen * hidden * width,
+        # With --refine the hidden-state files hold the dense stream too.
+        resume_bytes=sum(per_block) * width + (4 if cfg.refine.on else 2) * cfg.nsamples * seqlen * hidden * width,
         host_memory=host,
     )

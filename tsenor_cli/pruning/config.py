@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tsenor_cli.errors import UsageError
+from tsenor_cli.pruning.refine import RefineConfig
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.selection import check_patterns
 from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
@@ -33,6 +34,7 @@ class PruneConfig:
     offload_activations: keep the calibration activations on the CPU between blocks and move one sample
     at a time to the device (same result, less device memory); not a result field.
     moe_calibration / moe_min_tokens: how expert matrices get their statistics (engine.MoeOptions).
+    refine: block-wise reconstruction after each block is pruned (pruning/refine.py); off by default.
     resume: save a resume state after each block and continue an interrupted run of the same
     settings found in `output` (pruning/resume.py); False saves none. force: replace a tsenor run
     in `output`, and discard a resume state that is damaged or from other settings.
@@ -59,6 +61,7 @@ class PruneConfig:
     offload_activations: bool = False
     moe_calibration: str = "routed"
     moe_min_tokens: int | None = None
+    refine: RefineConfig = RefineConfig()
 
     def __post_init__(self) -> None:
         get_pruner(self.method)
@@ -94,7 +97,9 @@ class PruneConfig:
         return resolve_method(self.layer.solver, device, self.pattern.m).name
 
     def result_fields(self) -> dict[str, object]:
-        """The fields that decide the pruned weights (what a resumed run must share)."""
+        """The fields that decide the pruned weights (what a resumed run must share). `refine` only when on,
+        so runs without it keep the hash they had before it existed."""
+        refine = {"refine": self.refine.result_fields()} if self.refine.on else {}
         return {
             "model": self.model,
             "layer": {k: getattr(self.layer, k) for k in self.layer.__dataclass_fields__ if k != "pattern"},
@@ -116,6 +121,7 @@ class PruneConfig:
             "targets": list(self.targets),
             "moe_calibration": self.moe_calibration,
             "moe_min_tokens": self.moe_min_tokens,
+            **refine,
         }
 
     def result_hash(self) -> str:

@@ -300,6 +300,17 @@ class Team:
             if buffer is not weight:
                 weight.copy_(buffer)
 
+    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `tensor` (same shape and dtype everywhere), on every rank (the same
+        bits on each), on `tensor`'s device."""
+        if not self.distributed:
+            return tensor
+        import torch.distributed as dist
+
+        buffer = tensor.to(self.comm_device, copy=True)
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+        return buffer.to(tensor.device)
+
     def gather_objects(self, mine: Mapping[str, Any]) -> dict[str, Any]:
         """{name: value} from every rank merged on every rank (names are disjoint across ranks)."""
         if not self.distributed:
