@@ -675,9 +675,7 @@ def estimate_device_memory(
                 for i in range(blocks)
             )
             training = largest * (4 * 4 + width) + 4 * seqlen * (features + 4 * hidden_size)
-        estimates.append(
-            MemoryEstimate(rank, max(block_params) * width, activations, statistics, workspace, training)
-        )
+        estimates.append(MemoryEstimate(rank, max(block_params) * width, activations, statistics, workspace, training))
     return estimates
 
 

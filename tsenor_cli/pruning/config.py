@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,7 +61,7 @@ class PruneConfig:
     offload_activations: bool = False
     moe_calibration: str = "routed"
     moe_min_tokens: int | None = None
-    refine: RefineConfig = RefineConfig()
+    refine: RefineConfig = field(default_factory=RefineConfig)
 
     def __post_init__(self) -> None:
         get_pruner(self.method)

@@ -300,15 +300,15 @@ class Team:
             if buffer is not weight:
                 weight.copy_(buffer)
 
-    def all_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's `tensor` (same shape and dtype everywhere), on every rank (the same
-        bits on each), on `tensor`'s device."""
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank `src`'s `tensor` on every rank (the others pass a buffer of the same shape and dtype), on
+        `tensor`'s device."""
         if not self.distributed:
             return tensor
         import torch.distributed as dist
 
-        buffer = tensor.to(self.comm_device, copy=True)
-        dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+        buffer = tensor.to(self.comm_device)
+        dist.broadcast(buffer, src=src)
         return buffer.to(tensor.device)
 
     def gather_objects(self, mine: Mapping[str, Any]) -> dict[str, Any]:

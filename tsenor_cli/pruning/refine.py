@@ -21,11 +21,11 @@ they lower it: refinement never makes a block worse on its calibration data.
 Steps: each epoch visits the samples in an order drawn from (seed, block) alone, `SAMPLES_PER_STEP` per
 Adam step; the engine replays a block one sample per forward (its recorded arguments are for batch 1),
 so a step is a sum of per-sample backward passes, batched over tokens, never a loop over them. In a
-distributed run (`--nproc`) each rank computes the gradients of the step's samples in its shard and
-the ranks sum them (`Team.all_sum`) before every rank takes the same Adam step: one process's result
-up to the order of the fp32 sums. The order and the steps depend on (seed, block, samples) only, so a
-run killed inside a block's refinement and resumed redoes that block from its saved input and ends
-identical.
+distributed run (`--nproc`) each rank computes the per-sample gradients of the step's samples in its
+shard, and every rank adds all of them in the step's order (`_ordered_gradients`) before taking the same
+Adam step: one process's sums, bit for bit, so the checkpoint is one process's too. The order and
+the steps depend on (seed, block, samples) only, so a run killed inside a block's refinement and
+resumed redoes that block from its saved input and ends identical.
 
 Memory (in the plan, `api.estimate_device_memory`): the dense stream (S_r, T, H) beside the pruned one,
 a float32 copy of the block with its gradients and Adam's two moments plus a copy of the weights
@@ -45,7 +45,7 @@ from torch import nn
 
 from tsenor_cli.errors import UsageError
 from tsenor_cli.progress import Progress
-from tsenor_cli.pruning.distributed import Team
+from tsenor_cli.pruning.distributed import Team, shard_bounds
 from tsenor_cli.runfiles import BlockRefinement, LayerRecord
 
 if TYPE_CHECKING:
@@ -122,12 +122,12 @@ def refine_block(
 
     team = team if team is not None else Team.solo(device)
     total = int(inputs.shape[0]) if nsamples is None else nsamples
-    shard = team.shard(total)
+    bounds = shard_bounds(total, team.world_size)
     start = time.perf_counter()
     params = [p for p in block.parameters() if p.is_floating_point()]
     stored = [(p.dtype, p.requires_grad) for p in params]
     before_weights = [p.detach().clone() for p in params]
-    num, den = _errors(block, inputs, call, targets, device, team)
+    num, den = _errors(block, inputs, call, targets, device, team, bounds[team.rank][0])
     before = num / den if den > 0 else 0.0
     fixed = FixedMask(block, dict(masks), parameters=True)
     for p in params:
@@ -143,13 +143,16 @@ def refine_block(
     fixed.attach()
     try:
         for _ in range(cfg.epochs):
-            order = torch.randperm(total, generator=generator)
+            order = torch.randperm(total, generator=generator).tolist()
             for first in range(0, total, SAMPLES_PER_STEP):
                 step = order[first : first + SAMPLES_PER_STEP]
-                mine = step[(step >= shard.start) & (step < shard.stop)] - shard.start
-                _accumulate(block, inputs, call, targets, mine.tolist(), device, scale * len(step))
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                _sum_gradients(team, params, grads)
+                if team.distributed:
+                    args = (block, params, inputs, call, targets, step, bounds, device, team, scale * len(step))
+                    _ordered_gradients(*args)
+                else:
+                    _accumulate(block, inputs, call, targets, step, device, scale * len(step))
+                    for p in params:  # as the distributed sum has them: zeros, not None (Adam steps both alike)
+                        p.grad = _grad(p)
                 _step(optimizer)
                 fixed.apply()
                 optimizer.zero_grad(set_to_none=True)
@@ -161,7 +164,7 @@ def refine_block(
             p.data = p.data.to(dtype)
             p.grad = None
             p.requires_grad_(requires_grad)
-    num, den = _errors(block, inputs, call, targets, device, team)
+    num, den = _errors(block, inputs, call, targets, device, team, bounds[team.rank][0])
     after = num / den if den > 0 else 0.0
     kept = math.isfinite(after) and after < before
     if not kept:
@@ -172,7 +175,9 @@ def refine_block(
     record = BlockRefinement(index, before, after, kept, steps, seconds)
     if progress is not None:
         verdict = "kept" if kept else "not kept: the pruned weights stay"
-        progress(f"  refined block {index}: error {before:.4g} → {after:.4g} ({verdict}), {steps} steps, {seconds:.1f}s")
+        progress(
+            f"  refined block {index}: error {before:.4g} → {after:.4g} ({verdict}), {steps} steps, {seconds:.1f}s"
+        )
     return record
 
 
@@ -198,13 +203,46 @@ def _accumulate(
             loss.backward()
 
 
-def _sum_gradients(team: Team, params: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
-    """Every rank's gradients summed over the ranks, in place into each parameter's .grad."""
-    if team.distributed:
-        flat = team.all_sum(torch.cat([g.reshape(-1) for g in grads]))
-        grads = list(torch.split(flat, [g.numel() for g in grads]))
-    for p, g in zip(params, grads, strict=True):
-        p.grad = g.reshape(p.shape).to(p.device)
+def _ordered_gradients(
+    block: nn.Module,
+    params: list[nn.Parameter],
+    inputs: torch.Tensor,
+    call: BlockCall,
+    targets: torch.Tensor,
+    step: list[int],
+    bounds: list[tuple[int, int]],
+    device: torch.device,
+    team: Team,
+    scale: float,
+) -> None:
+    """A distributed step's gradient into each parameter's .grad, bit for bit what one process adds up.
+
+    step: the step's samples (global indices) in their order; bounds: every rank's [start, stop) of them
+    (`distributed.shard_bounds`). Each rank computes the per-sample gradients
+    of its own samples (in parallel), then every gradient goes from its rank to all (`Team.broadcast`) and
+    each rank adds them in the step's order, as one process's backward passes add into .grad."""
+    mine: dict[int, torch.Tensor] = {}
+    start, stop = bounds[team.rank]
+    for j in step:
+        if start <= j < stop:
+            _accumulate(block, inputs, call, targets, [j - start], device, scale)
+            mine[j] = torch.cat([_grad(p).reshape(-1) for p in params])
+            for p in params:
+                p.grad = None
+    size = sum(p.numel() for p in params)
+    total: torch.Tensor | None = None
+    for j in step:
+        owner = next(rank for rank, (start, stop) in enumerate(bounds) if start <= j < stop)
+        gradient = team.broadcast(mine.get(j, torch.empty(size, device=device)), src=owner)
+        total = gradient if total is None else total + gradient
+    assert total is not None  # a step holds at least one sample
+    for p, g in zip(params, torch.split(total, [p.numel() for p in params]), strict=True):
+        p.grad = g.reshape(p.shape)
+
+
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    """p's gradient; zeros for a parameter the forward did not reach (e.g. an expert no token chose)."""
+    return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
 def _step(optimizer: torch.optim.Optimizer) -> None:
@@ -214,21 +252,30 @@ def _step(optimizer: torch.optim.Optimizer) -> None:
 
 @torch.no_grad()
 def _errors(
-    block: nn.Module, inputs: torch.Tensor, call: BlockCall, targets: torch.Tensor, device: torch.device, team: Team
+    block: nn.Module,
+    inputs: torch.Tensor,
+    call: BlockCall,
+    targets: torch.Tensor,
+    device: torch.device,
+    team: Team,
+    first: int,
 ) -> tuple[float, float]:
-    """(Σ_j ‖f(x_j) − y_j‖², Σ_j ‖y_j‖²) over every rank's samples, the block run as the pruned model runs it
-    (its stored dtype), the sums in float64."""
+    """(Σ_j ‖f(x_j) − y_j‖², Σ_j ‖y_j‖²) over every rank's samples (this rank's start at sample `first`),
+    the block run as the pruned model runs it (its stored dtype); per sample in float64, added in sample
+    order whatever the number of ranks."""
     from tsenor_cli.pruning.engine import block_output
 
-    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    mine: dict[str, tuple[float, float]] = {}
     for j in range(inputs.shape[0]):
-        y = targets[j : j + 1].to(device)
-        out = block_output(block, call, inputs[j : j + 1].to(device))
-        sums[0] += (out.double() - y.double()).square().sum()
-        sums[1] += y.double().square().sum()
-    if team.distributed:
-        sums = team.all_sum(sums)
-    return float(sums[0]), float(sums[1])
+        y = targets[j : j + 1].to(device).double()
+        out = block_output(block, call, inputs[j : j + 1].to(device)).double()
+        mine[str(first + j)] = (float((out - y).square().sum()), float(y.square().sum()))
+    every = team.gather_objects(mine)
+    num = den = 0.0
+    for key in sorted(every, key=int):
+        num += every[key][0]
+        den += every[key][1]
+    return num, den
 
 
 def refine_pruned_block(
