@@ -286,3 +286,34 @@ def test_the_plan_counts_the_dense_stream_and_the_training_memory(
     assert b.refine > block * (4 * 4 + width)  # float32 weights, gradients, two moments, the copy before
     assert refined.resume_bytes - plain.resume_bytes == 2 * 8 * 32 * hidden * width
     assert not (tmp_path / "o").exists()
+
+
+def test_the_study_table_divides_by_the_baseline_and_lists_each_block(tmp_path: Path) -> None:
+    import importlib.util
+
+    from tsenor_cli.runfiles import EVAL_FILE, BlockRefinement, EvalReport, PatternInfo, PerplexityRecord
+
+    spec = importlib.util.spec_from_file_location("refine_table", Path(__file__).parents[1] / "scripts/refine_table.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def run(name: str, seconds: float, ppl: float, refine: dict[str, Any] | None, blocks: tuple[Any, ...]) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        settings = {"refine": refine} if refine else {}
+        pattern = PatternInfo(16, 32, True)
+        report = PruneReport("sparsegpt", pattern, 0.5, settings, (), "c", seconds, None, None, {}, refinement=blocks)
+        (folder / PRUNE_FILE).write_text(json.dumps(report.to_json()))
+        record = PerplexityRecord(ppl, 1.0, 512, 1, 512, "wt2", None, 1.0)
+        evaluation = EvalReport("m", "m", "llama", "float32", "cpu", 512, 1, {"wikitext2": record}, None, {}, 1.0)
+        (folder / EVAL_FILE).write_text(json.dumps(evaluation.to_json()))
+        return folder
+
+    base = run("base", 100.0, 50.0, None, ())
+    blocks = (BlockRefinement(0, 0.2, 0.1, True, 4, 30.0), BlockRefinement(1, 0.1, 0.3, False, 4, 20.0))
+    refined = run("e1", 150.0, 40.0, {"mode": "block", "epochs": 1, "lr": 1e-3}, blocks)
+    text = script.tables(base, [refined])
+    assert "| base | none | 50.00 | 100 | 1.00 | - | - |" in text
+    assert "| e1 | 1 epoch(s), lr 0.001 | 40.00 | 150 | 1.50 | 50 | 1/2 |" in text
+    assert "| 0 | 0.2000 → 0.1000 |" in text and "| 1 | 0.1000 → 0.3000 (not kept) |" in text
