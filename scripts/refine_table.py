@@ -45,11 +45,11 @@ def tables(baseline: Path, runs: list[Path]) -> str:
         lines.append("| " + " | ".join([*row, refine_s, kept]) + " |")
     refined = [(folder, report) for folder, report, _ in loaded if report.refinement]
     if refined:
-        blocks = sorted({b.block for _, report in refined for b in report.refinement})
+        indices = sorted({b.block for _, report in refined for b in report.refinement})
         lines += ["", "Block output error (relative, against the dense block on the dense stream), before → after:", ""]
         lines.append("| block | " + " | ".join(folder.name for folder, _ in refined) + " |")
         lines.append("|---|" + "---|" * len(refined))
-        for index in blocks:
+        for index in indices:
             cells = []
             for _, report in refined:
                 found = [b for b in report.refinement if b.block == index]
