@@ -129,6 +129,9 @@ def refine_block(
     before_weights = [p.detach().clone() for p in params]
     num, den = _errors(block, inputs, call, targets, device, team, bounds[team.rank][0])
     before = num / den if den > 0 else 0.0
+    if not (den > 0 and math.isfinite(num) and math.isfinite(den)):
+        # A zero target has nothing to match, and non-finite outputs nothing to learn from: left as pruned.
+        return BlockRefinement(index, before, before, False, 0, time.perf_counter() - start)
     fixed = FixedMask(block, dict(masks), parameters=True)
     for p in params:
         p.data = p.data.float()
