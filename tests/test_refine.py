@@ -269,6 +269,8 @@ def test_recipe_and_sweep_keys(tmp_path: Path) -> None:
     runs = load_sweep(sweep).runs()
     assert [r.name for r in runs] == ["none-1", "none-2", "block-1", "block-2"]
     assert runs[3].recipe_dict()["refine_epochs"] == 2 and runs[3].recipe_dict()["refine_lr"] == 0.001
+    study = load_sweep(Path(__file__).parents[1] / "configs" / "sweeps" / "refine.yaml").runs()
+    assert len(study) == 1 + 2 * 2 * 3 * 2 and "alps-16x32-t-block" in [r.name for r in study]
     sweep.write_text(yaml.safe_dump({"base": {"model": "m", "nm": "16:32"}, "axes": {"refine_epochs": [0]}}))
     with pytest.raises(UsageError, match="--refine-epochs 0"):
         load_sweep(sweep)
