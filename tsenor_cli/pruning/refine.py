@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 REFINE_MODES = ("none", "block")
 # Chosen by the pilot of docs/results.md ("Block refinement: pilot").
 DEFAULT_EPOCHS = 2
-DEFAULT_LR = 1e-4
+DEFAULT_LR = 1e-3
 # Samples per Adam step, fixed so that a run's steps do not depend on the number of processes.
 SAMPLES_PER_STEP = 4
 
