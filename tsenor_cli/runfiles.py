@@ -283,6 +283,31 @@ class LayerRecord:
 
 
 @dataclass(frozen=True)
+class BlockRefinement:
+    """One decoder block's refinement (`tsenor prune --refine block`, pruning/refine.py).
+
+    error_before / error_after: the block output's relative squared error against the dense block's
+    output on the dense inputs, Σ‖f(x)−y‖²/Σ‖y‖² over the calibration samples, with the pruned weights
+    and with the refined ones; kept: the refined weights were kept (they lowered the error), else the
+    pruned weights stayed; steps: Adam steps taken; seconds: wall time of the block's refinement.
+    """
+
+    block: int
+    error_before: float
+    error_after: float
+    kept: bool
+    steps: int
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return _flat_json(self)
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> BlockRefinement:
+        return cls(**_read(cls, _object(obj, where), where))
+
+
+@dataclass(frozen=True)
 class PruneReport:
     """``tsenor_report.json``: how the model was pruned and the per-layer records.
 
@@ -311,6 +336,7 @@ class PruneReport:
     model_nonzero: int | None = None
     linear_params: int | None = None
     linear_nonzero: int | None = None
+    refinement: tuple[BlockRefinement, ...] = ()
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -359,6 +385,7 @@ class PruneReport:
             "resumed_from_block": self.resumed_from_block,
             "totals": self.totals(),
             "layers": [r.to_json() for r in self.layers],
+            "refinement": [r.to_json() for r in self.refinement],
         }
 
     @classmethod
@@ -387,6 +414,10 @@ class PruneReport:
                 linear_nonzero=_typed(totals.get("linear_nonzero"), int | None, "linear_nonzero", f"{where}: totals"),
                 calibration_source=_optional(obj, "calibration_source", DataSource.from_json, where),
                 context=_optional(obj, "context", ContextRecord.from_json, where),
+                refinement=tuple(
+                    BlockRefinement.from_json(block, f"{where}: refinement[{i}]")
+                    for i, block in enumerate(_typed(obj.get("refinement", []), list, "refinement", where))
+                ),
             )
         )
         if not 0.0 <= report.sparsity < 1.0:

@@ -32,6 +32,7 @@ from tsenor_cli.data.sources import NAMED_TEXTS, data_folder
 from tsenor_cli.errors import UsageError
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.recipe import RECIPE_DEFAULTS, RECIPE_KEYS, build_config, read_recipe
+from tsenor_cli.pruning.refine import REFINE_MODES
 from tsenor_cli.pruning.registry import PRUNERS
 from tsenor_cli.solver import METHODS
 
@@ -156,6 +157,18 @@ def prune_cmd(
     max_shard_size: str = typer.Option(
         D["max_shard_size"], "--max-shard-size", help="Largest safetensors shard of the output, e.g. 2GB, 500MB."
     ),
+    refine: str = typer.Option(
+        D["refine"],
+        "--refine",
+        help=f"After each block is pruned: {' or '.join(REFINE_MODES)}. 'block' trains the block's remaining "
+        "weights (the mask fixed) so that its output matches the dense block's on the calibration samples.",
+    ),
+    refine_epochs: int = typer.Option(
+        D["refine_epochs"],
+        "--refine-epochs",
+        help="With --refine block: passes over the calibration samples per block.",
+    ),
+    refine_lr: float = typer.Option(D["refine_lr"], "--refine-lr", help="With --refine block: Adam's learning rate."),
     nproc: int = typer.Option(
         1,
         "--nproc",

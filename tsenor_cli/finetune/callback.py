@@ -29,10 +29,13 @@ PPL_LOG_PREFIX = "tsenor_ppl/"
 
 
 class FixedMask:
-    """The pruned weights of a model and their masks (True = pruned)."""
+    """The pruned weights of a model and their masks (True = pruned).
 
-    def __init__(self, model: nn.Module, masks: dict[str, torch.Tensor]) -> None:
-        self.weights = [model.get_parameter(f"{name}.weight") for name in masks]
+    masks: {module name: mask of its ``weight``}, or with `parameters` {parameter name: its mask} (a
+    decoder block's parameters for `tsenor prune --refine`, expert stacks included)."""
+
+    def __init__(self, model: nn.Module, masks: dict[str, torch.Tensor], *, parameters: bool = False) -> None:
+        self.weights = [model.get_parameter(name if parameters else f"{name}.weight") for name in masks]
         self.pruned = [mask.to(weight.device) for mask, weight in zip(masks.values(), self.weights, strict=True)]
         self.names = tuple(masks)
         self._hooks: list[Any] = []

@@ -49,13 +49,14 @@ from tsenor_cli.pruning.output import (
 )
 from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.plan import dtype_and_device, plan_model, say_ruled, weight_plan
+from tsenor_cli.pruning.refine import refine_pruned_block
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.report import versions
 from tsenor_cli.pruning.resume import ResumeState, ResumeStore
 from tsenor_cli.pruning.selection import excluded_layers
 from tsenor_cli.pruning.streamed import BlockSource, WeightCounts
 from tsenor_cli.pruning.types import LayerRecord
-from tsenor_cli.runfiles import EVAL_FILE, ContextRecord, DataSource, EvalReport, PruneReport
+from tsenor_cli.runfiles import EVAL_FILE, BlockRefinement, ContextRecord, DataSource, EvalReport, PruneReport
 from tsenor_cli.settings import RunContext
 
 if TYPE_CHECKING:
@@ -285,7 +286,8 @@ class _Start:
     """Where the block loop starts: the first block to prune (0, or the resume state's next block), the
     records of the blocks before it, this rank's shard of that block's input `hidden` (S_r, T, H; None
     once every block is done), what the model passes each block (`calls`), and the calibration text's
-    description and source."""
+    description and source. With --refine block: `dense`, the same shard of that block's input in the
+    dense model (the dense stream, pruning/refine.py), and the records of the blocks refined before it."""
 
     first: int
     records: list[LayerRecord]
@@ -293,6 +295,8 @@ class _Start:
     calls: Sequence[BlockCall]
     calibration: str
     calibration_source: DataSource
+    dense: torch.Tensor | None = None
+    refinement: tuple[BlockRefinement, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -351,12 +355,12 @@ def _prune(
     ) as source:
         begin = _calibrate(cfg, structure, store, state, calib, say, team, device, source)
         plan = _watch(cfg, structure, slots, begin, say, team, device, source)
-        records = _prune_blocks(
+        records, refined = _prune_blocks(
             cfg, structure, begin, plan, output, store, state, point, say, after_block, stop, team, device, source
         )
 
         def report(counts: WeightCounts) -> PruneReport:
-            return _report(cfg, ctx, counts, records, begin, seqlen, start, team, device)
+            return _report(cfg, ctx, counts, records, refined, begin, seqlen, start, team, device)
 
         say(f"writing {output}")
         point.writing = True
@@ -488,7 +492,8 @@ def _calibrate(
     model's own forward, this rank's shard of them (block 0 read for it when streamed).
 
     The activations live between blocks on the device, or on the CPU with --offload-activations (each
-    sample then streamed to the device when the block needs it)."""
+    sample then streamed to the device when the block needs it). With --refine block the dense stream
+    starts as the same input (fresh) or comes from the resume state beside it."""
     storage = torch.device("cpu") if cfg.offload_activations else device
     shard = team.shard(cfg.nsamples)
     with team.agreed():
@@ -496,8 +501,12 @@ def _calibrate(
             if not source.streamed:
                 store.restore_blocks(structure.blocks, state)
             begin = _Start(state.next_block, list(state.records), None, (), state.calibration, state.calibration_source)
+            begin.refinement = state.refinement
             if begin.first < len(structure.blocks):
-                begin.hidden = store.load_hidden(state, storage, rows=shard if team.distributed else None)
+                rows = shard if team.distributed else None
+                begin.hidden = store.load_hidden(state, storage, rows=rows)
+                if cfg.refine.on:
+                    begin.dense = store.load_hidden(state, storage, rows=rows, stream="dense")
                 with source.resident(0):  # the record runs block 0 once to learn its output type
                     begin.calls = capture_block_calls(structure, int(begin.hidden.shape[1]))
             return begin
@@ -507,7 +516,8 @@ def _calibrate(
             say(f"{team.world_size} processes, {shard.stop - shard.start} samples on rank 0")
         with phase("capture"), source.resident(0):
             inputs = capture_block_inputs(structure, calib.input_ids[shard], storage)
-        return _Start(0, [], inputs.hidden, inputs.calls, str(calib.source_description), calib.source)
+        dense = inputs.hidden.clone() if cfg.refine.on else None
+        return _Start(0, [], inputs.hidden, inputs.calls, str(calib.source_description), calib.source, dense)
 
 
 def _watch(
@@ -554,18 +564,23 @@ def _prune_blocks(
     team: Team,
     device: torch.device,
     source: BlockSource,
-) -> list[LayerRecord]:
-    """The block loop → every layer's record. Per block: stop here if a signal asked to; read the block
-    (`source.load`: from the checkpoint when streamed) and move it to the device; prune its weight matrices
-    group by group (`engine.prune_block`); run it once more so the next block sees the pruned outputs;
-    back to the CPU; rank 0 saves the resume state; `source.release` frees a streamed block (kept on
-    disk first when there is no resume state)."""
+) -> tuple[list[LayerRecord], tuple[BlockRefinement, ...]]:
+    """The block loop → every layer's record and every refined block's. Per block: stop here if a signal
+    asked to; read the block (`source.load`: from the checkpoint when streamed) and move it to the device;
+    with --refine block run the dense block on the dense stream (in place: its outputs are the
+    refinement's targets and the next block's dense inputs); prune its weight matrices group by group
+    (`engine.prune_block`); with --refine block train its remaining weights towards those targets
+    (`refine.refine_pruned_block`); run it once more so the next block sees the pruned outputs; back to
+    the CPU; rank 0 saves the resume state; `source.release` frees a streamed block (kept on disk first
+    when there is no resume state)."""
     blocks = structure.blocks
     spec = get_pruner(cfg.method)
     moe = MoeOptions(cfg.moe_calibration, cfg.moe_min_tokens)
     config_hash = cfg.result_hash()
     records = list(begin.records)
+    refined = list(begin.refinement)
     hidden = begin.hidden  # (S_r, T, H) this rank's shard of the input of the next block
+    dense = begin.dense  # with --refine block: the same in the dense model
     buffer = torch.empty_like(hidden) if hidden is not None else None
     for index in bar(range(begin.first, len(blocks)), total=len(blocks) - begin.first, desc="blocks", unit="block"):
         # The ranks stop together, at the same block, even when the signal reached only some of them.
@@ -578,6 +593,9 @@ def _prune_blocks(
         block = source.load(index)
         block.to(device)
         call = begin.calls[index].to(device)
+        if dense is not None:
+            with team.agreed():
+                run_block(block, dense, call, dense, device)  # in place: the dense outputs, refinement's targets
         records += prune_block(
             block,
             index,
@@ -597,6 +615,12 @@ def _prune_blocks(
             observation=plan.observed.get(index),
         )
         records += plan.unused.get(index, [])
+        if dense is not None:
+            with team.agreed():
+                args = (block, index, structure.full_name(index, ""), records, hidden, call, dense, cfg.refine)
+                refined += refine_pruned_block(
+                    *args, seed=cfg.seed, device=device, team=team, nsamples=cfg.nsamples, progress=say
+                )
         with phase("rerun"), team.agreed():
             run_block(block, hidden, call, buffer, device)  # the next block sees the pruned outputs
         hidden, buffer = buffer, hidden
@@ -605,6 +629,7 @@ def _prune_blocks(
             last = index == len(blocks) - 1
             with phase("save"):
                 whole = None if last else team.gather_samples(hidden, cfg.nsamples)
+                whole_dense = None if last or dense is None else team.gather_samples(dense, cfg.nsamples)
                 with team.agreed():
                     if team.is_root:
                         state = store.save_block(
@@ -617,12 +642,14 @@ def _prune_blocks(
                             begin.calibration,
                             begin.calibration_source,
                             len(blocks),
+                            dense=whole_dense,
+                            refinement=tuple(refined),
                         )
         source.release(index, keep=store is None)
         point.done, point.current = index + 1, None
         if after_block is not None:
             after_block(index)
-    return records
+    return records, tuple(refined)
 
 
 def _report(
@@ -630,6 +657,7 @@ def _report(
     ctx: RunContext,
     counts: WeightCounts,
     records: list[LayerRecord],
+    refined: tuple[BlockRefinement, ...],
     begin: _Start,
     seqlen: int,
     start: float,
@@ -637,7 +665,7 @@ def _report(
     device: torch.device,
 ) -> PruneReport:
     """tsenor_report.json's content: the settings that decided the weights, the layer records, the
-    calibration's source, the densities of the pruned model."""
+    calibration's source, the densities of the pruned model, the refined blocks' records."""
     settings_dict = {
         **cfg.result_fields(),
         "result_hash": cfg.result_hash(),  # what a rerun of the same command compares (output.finished_run)
@@ -668,6 +696,7 @@ def _report(
         model_nonzero=counts.model_nonzero,
         linear_params=counts.linear_params,
         linear_nonzero=counts.linear_nonzero,
+        refinement=refined,
     )
 
 

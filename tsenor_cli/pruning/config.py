@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tsenor_cli.errors import UsageError
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.output import MAX_SHARD_SIZE
+from tsenor_cli.pruning.refine import RefineConfig
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.selection import check_patterns
 from tsenor_cli.pruning.types import LayerPruneConfig
@@ -39,6 +40,7 @@ class PruneConfig:
     the output from the pruned blocks' files (host memory of one block, not one model; pruning/streamed.py);
     max_shard_size: the output's safetensors shard size ("2GB"; `models.saving.parse_size`). Neither is a
     result field: both give the same weights.
+    refine: block-wise reconstruction after each block is pruned (pruning/refine.py); off by default.
     resume: save a resume state after each block and continue an interrupted run of the same
     settings found in `output` (pruning/resume.py); False saves none. force: replace a tsenor run
     in `output`, and discard a resume state that is damaged or from other settings.
@@ -67,6 +69,7 @@ class PruneConfig:
     moe_min_tokens: int | None = None
     stream: bool = False
     max_shard_size: str = MAX_SHARD_SIZE
+    refine: RefineConfig = field(default_factory=RefineConfig)
 
     def __post_init__(self) -> None:
         get_pruner(self.method)
@@ -105,7 +108,9 @@ class PruneConfig:
         return resolve_method(self.layer.solver, device, self.pattern.m).name
 
     def result_fields(self) -> dict[str, object]:
-        """The fields that decide the pruned weights (what a resumed run must share)."""
+        """The fields that decide the pruned weights (what a resumed run must share). `refine` only when on,
+        so runs without it keep the hash they had before it existed."""
+        refine = {"refine": self.refine.result_fields()} if self.refine.on else {}
         return {
             "model": self.model,
             "layer": {k: getattr(self.layer, k) for k in self.layer.__dataclass_fields__ if k != "pattern"},
@@ -127,6 +132,7 @@ class PruneConfig:
             "targets": list(self.targets),
             "moe_calibration": self.moe_calibration,
             "moe_min_tokens": self.moe_min_tokens,
+            **refine,
         }
 
     def result_hash(self) -> str:

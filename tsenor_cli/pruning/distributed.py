@@ -300,6 +300,17 @@ class Team:
             if buffer is not weight:
                 weight.copy_(buffer)
 
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank `src`'s `tensor` on every rank (the others pass a buffer of the same shape and dtype), on
+        `tensor`'s device."""
+        if not self.distributed:
+            return tensor
+        import torch.distributed as dist
+
+        buffer = tensor.to(self.comm_device)
+        dist.broadcast(buffer, src=src)
+        return buffer.to(tensor.device)
+
     def gather_objects(self, mine: Mapping[str, Any]) -> dict[str, Any]:
         """{name: value} from every rank merged on every rank (names are disjoint across ranks)."""
         if not self.distributed:

@@ -36,8 +36,9 @@ class HostEstimate:
     activations: the calibration activations when they live on the CPU: on a CPU run the device
     estimate's (`MemoryEstimate.activations`), with --offload-activations the rank's hidden states
     entering and leaving a block, (S_r, T, H) twice (a distributed group's kept inputs not counted: an
-    estimate that errs low refuses no run that fits); work: on a CPU run, the rank's statistics and
-    method buffers (`MemoryEstimate.statistics` + `workspace`).
+    estimate that errs low refuses no run that fits), and with --refine the dense stream (S_r, T, H) too;
+    work: on a CPU run, the rank's statistics, method buffers and refinement
+    (`MemoryEstimate.statistics` + `workspace` + `refine`).
     """
 
     model: int
@@ -81,6 +82,7 @@ def host_estimate(
     rows: int,
     offload_activations: bool,
     streamed: bool = False,
+    refine: bool = False,
 ) -> HostEstimate:
     """The `HostEstimate` of the process whose device estimate is `device_estimate` (the largest rank's).
     width: bytes per element of the model's dtype; rows: that rank's calibration samples (S_r); params:
@@ -89,14 +91,14 @@ def host_estimate(
     if on_cpu:
         activations = device_estimate.activations
     elif offload_activations:
-        activations = 2 * rows * seqlen * hidden_size * width
+        activations = (3 if refine else 2) * rows * seqlen * hidden_size * width
     else:
         activations = 0
     return HostEstimate(
         model=params * width,
         tokens=2 * nsamples * seqlen * TOKEN_BYTES,
         activations=activations,
-        work=device_estimate.statistics + device_estimate.workspace if on_cpu else 0,
+        work=device_estimate.statistics + device_estimate.workspace + device_estimate.refine if on_cpu else 0,
         streamed=streamed,
     )
 

@@ -60,7 +60,10 @@ class MemoryEstimate:
     linears taken as one group, in a distributed run twice (the sums in flight to the next rank) plus one
     linear's being added; workspace: the method's buffers for the largest matrix (weights, mask,
     ADMM/OBS state, damped H and its factorization), for a stack of experts those of one batched chunk
-    (`engine.slot_workspace`).
+    (`engine.slot_workspace`). With --refine block, activations also hold the dense stream (S_r, T, H)
+    (one sample with --offload-activations), and refine: the largest block in float32 with its gradients
+    and Adam's two moments, its weights before refinement in the run's dtype, and one sample's forward
+    kept for backward (each of the block's matrices' input and output, float32).
     """
 
     rank: int
@@ -68,10 +71,11 @@ class MemoryEstimate:
     activations: int
     statistics: int
     workspace: int
+    refine: int = 0
 
     @property
     def total(self) -> int:
-        return self.block + self.activations + self.statistics + self.workspace
+        return self.block + self.activations + self.statistics + self.workspace + self.refine
 
     def to_dict(self) -> dict[str, int]:
         return {
@@ -80,6 +84,7 @@ class MemoryEstimate:
             "activations": self.activations,
             "statistics": self.statistics,
             "workspace": self.workspace,
+            "refine": self.refine,
             "total": self.total,
         }
 
@@ -97,9 +102,11 @@ def estimate_device_memory(
     world_size: int = 1,
     offload_activations: bool = False,
     sequential: bool = True,
+    refine: bool = False,
 ) -> list[MemoryEstimate]:
     """One `MemoryEstimate` per rank. block_params: parameter count of each block; candidates: the linears
-    to prune (at least one); width: bytes per element of the model's dtype (statistics are float32)."""
+    to prune (at least one); width: bytes per element of the model's dtype (statistics are float32);
+    refine: --refine block (`MemoryEstimate.refine`)."""
     from tsenor_cli.pruning.distributed import shard_bounds
 
     blocks = len(block_params)
@@ -122,7 +129,15 @@ def estimate_device_memory(
         activations = 2 * rows * seqlen * hidden_size * width  # block inputs and outputs
         if not offload_activations:
             activations += (stop - start) * seqlen * kept_features * width
-        estimates.append(MemoryEstimate(rank, max(block_params) * width, activations, statistics, workspace))
+        training = 0
+        if refine:
+            activations += rows * seqlen * hidden_size * width  # the dense stream
+            features = max(
+                sum(s.matrices * (s.in_features + s.out_features) for s in candidates if s.block == i)
+                for i in range(blocks)
+            )
+            training = max(block_params) * (4 * 4 + width) + 4 * seqlen * (features + 4 * hidden_size)
+        estimates.append(MemoryEstimate(rank, max(block_params) * width, activations, statistics, workspace, training))
     return estimates
 
 
@@ -245,7 +260,8 @@ class PrunePlan:
     decided at prune time; observed: the slots the probe watched (`pruning/probe.py`); probe_bytes: the
     most bytes the probe gave real storage at once (random values, not the checkpoint's).
     checkpoint_bytes: the pruned checkpoint's weights; resume_bytes: the most the resume state holds at
-    once (every block's parameters and two (S, T, H) hidden-state files while one replaces the other).
+    once (every block's parameters and two (S, T, H) hidden-state files while one replaces the other,
+    each with the dense stream's too with --refine block).
     device_memory: the peak device memory of each rank (one for a single process); device_bytes: the
     largest of them; host_memory: the peak host memory of one process (`memory.HostEstimate`; a streamed
     run holds the weights outside the blocks and one block). blocks_bytes: every block's parameters (what
@@ -410,6 +426,7 @@ class PrunePlan:
                 f"  rank {estimate.rank}: {human_bytes(estimate.total)} = block {human_bytes(estimate.block)} "
                 f"+ activations {human_bytes(estimate.activations)} + statistics {human_bytes(estimate.statistics)} "
                 f"+ workspace {human_bytes(estimate.workspace)}"
+                + (f" + refine {human_bytes(estimate.refine)}" if estimate.refine else "")
             )
 
     def check(self, cfg: PruneConfig, processes: int) -> None:
@@ -504,6 +521,7 @@ def plan_model(
         world_size=world_size if world_size is not None else ctx.distributed.world_size,
         offload_activations=cfg.offload_activations,
         sequential=cfg.sequential,
+        refine=cfg.refine.on,
     )
     # A streamed run holds the parameters outside the blocks and one block (the largest) at a time.
     held = params - sum(per_block) + max(per_block, default=0) if cfg.stream else params
@@ -518,6 +536,7 @@ def plan_model(
         width=width,
         rows=-(-cfg.nsamples // len(memory)),
         offload_activations=cfg.offload_activations,
+        refine=cfg.refine.on,
     )
     return PrunePlan(
         model=cfg.model,
@@ -537,7 +556,8 @@ def plan_model(
         dtype=str(dtype).removeprefix("torch."),
         blocks=len(structure),
         checkpoint_bytes=params * width,
-        resume_bytes=sum(per_block) * width + 2 * cfg.nsamples * seqlen * hidden * width,
+        # With --refine the hidden-state files hold the dense stream too.
+        resume_bytes=sum(per_block) * width + (4 if cfg.refine.on else 2) * cfg.nsamples * seqlen * hidden * width,
         host_memory=host,
         unused=unused,
         idle=idle,

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.pruning.output import MAX_SHARD_SIZE
+from tsenor_cli.pruning.refine import DEFAULT_EPOCHS, DEFAULT_LR, RefineConfig
 from tsenor_cli.yamlfile import read_yaml
 
 if TYPE_CHECKING:
@@ -52,6 +53,9 @@ RECIPE_KEYS: dict[str, type] = {
     "moe_min_tokens": int,
     "stream": bool,
     "max_shard_size": str,
+    "refine": str,
+    "refine_epochs": int,
+    "refine_lr": float,
 }
 # The value of each key a recipe leaves unset (None: no default; model and one of nm/sparsity are required).
 RECIPE_DEFAULTS: dict[str, Any] = {
@@ -78,6 +82,9 @@ RECIPE_DEFAULTS: dict[str, Any] = {
     "moe_min_tokens": None,
     "stream": False,
     "max_shard_size": MAX_SHARD_SIZE,
+    "refine": "none",
+    "refine_epochs": DEFAULT_EPOCHS,
+    "refine_lr": DEFAULT_LR,
 }
 EXAMPLE_RECIPE = "configs/smollm2-alps-16x32.yaml"
 
@@ -186,4 +193,6 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
         moe_min_tokens=None if values["moe_min_tokens"] is None else int(values["moe_min_tokens"]),
         stream=bool(values["stream"]),
         max_shard_size=str(values["max_shard_size"]),
+        # RefineConfig checks the mode, epochs and learning rate (one UsageError line each).
+        refine=RefineConfig(str(values["refine"]), values["refine_epochs"], values["refine_lr"]),
     )

@@ -4,7 +4,8 @@ After block i is pruned the store writes, each file atomically (tsenor_cli.atomi
 
 1. ``block_<i>.safetensors``: the block's pruned parameters;
 2. ``hidden_<i>.safetensors``: the hidden states (S, T, H) leaving it, the input of block i+1 (not
-   written after the last block, which nothing reads);
+   written after the last block, which nothing reads), and with `--refine block` under ``dense`` the
+   dense model's hidden states there (the dense stream, pruning/refine.py);
 3. ``state.json``: the commit point. It names the next block, the hidden-states file to read and the
    size of every file it relies on, plus the layer records and the calibration source;
 4. the previous ``hidden_<i-1>.safetensors`` is deleted.
@@ -33,7 +34,7 @@ from torch import nn
 from tsenor_cli import atomic
 from tsenor_cli.errors import ResumeStateError
 from tsenor_cli.pruning.types import LayerRecord
-from tsenor_cli.runfiles import RESUME_DIR, RESUME_STATE_FILE, DataSource
+from tsenor_cli.runfiles import RESUME_DIR, RESUME_STATE_FILE, BlockRefinement, DataSource
 
 # 3: files named by block (block_<i>, hidden_<i>) and listed with their sizes in state.json.
 STATE_VERSION = 3
@@ -56,7 +57,8 @@ class ResumeState:
     """A saved state: blocks 0..next_block-1 are done.
 
     hidden: the file holding the (S, T, H) input of block next_block, None once every block is done.
-    files: {file name: size in bytes} of every file the state relies on.
+    files: {file name: size in bytes} of every file the state relies on. refinement: the records of
+    the blocks refined so far (`--refine block`).
     """
 
     next_block: int
@@ -66,6 +68,7 @@ class ResumeState:
     records: list[LayerRecord]
     calibration: str
     calibration_source: DataSource
+    refinement: tuple[BlockRefinement, ...] = ()
 
 
 class ResumeStore:
@@ -148,8 +151,11 @@ class ResumeStore:
                 records=[LayerRecord(**record) for record in raw["records"]],
                 calibration=str(raw["calibration"]),
                 calibration_source=DataSource.from_json(raw["calibration_source"], str(self.state_path)),
+                refinement=tuple(
+                    BlockRefinement.from_json(block, str(self.state_path)) for block in raw.get("refinement", [])
+                ),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:  # SchemaError is a ValueError
             raise self._damaged(f"{RESUME_STATE_FILE} lacks or mistypes {exc}") from exc
         if state.blocks != blocks:
             raise ResumeStateError(
@@ -182,11 +188,16 @@ class ResumeStore:
         calibration: str,
         calibration_source: DataSource,
         blocks: int,
+        *,
+        dense: torch.Tensor | None = None,
+        refinement: tuple[BlockRefinement, ...] = (),
     ) -> ResumeState:
         """Commit that blocks 0..index are done (the order of the module docstring); returns the new state.
 
         hidden: (S, T, H) the input of block index+1, None after the last block. previous: the state
-        committed after block index-1 (None for the first block of a fresh run).
+        committed after block index-1 (None for the first block of a fresh run). dense: the dense
+        stream's (S, T, H) there (`--refine block`), saved beside `hidden`; refinement: the records of
+        the blocks refined so far.
         """
         self.root.mkdir(parents=True, exist_ok=True)
         files = dict(previous.files) if previous is not None else {}
@@ -199,9 +210,12 @@ class ResumeStore:
         new_hidden = None
         if hidden is not None:
             new_hidden = hidden_file(index)
-            atomic.save_safetensors({"hidden": hidden}, self.root / new_hidden)
+            streams = {"hidden": hidden} if dense is None else {"hidden": hidden, "dense": dense}
+            atomic.save_safetensors(streams, self.root / new_hidden)
             files[new_hidden] = (self.root / new_hidden).stat().st_size
-        state = ResumeState(index + 1, blocks, new_hidden, files, list(records), calibration, calibration_source)
+        state = ResumeState(
+            index + 1, blocks, new_hidden, files, list(records), calibration, calibration_source, tuple(refinement)
+        )
         payload = {
             "version": STATE_VERSION,
             "config_hash": config_hash,
@@ -212,6 +226,7 @@ class ResumeStore:
             "records": [asdict(r) for r in records],
             "calibration": calibration,
             "calibration_source": calibration_source.to_json(),
+            "refinement": [block.to_json() for block in refinement],
         }
         atomic.write_json(self.state_path, payload, indent=1)
         if old_hidden is not None:
@@ -227,17 +242,20 @@ class ResumeStore:
             except (SafetensorError, OSError, RuntimeError) as exc:
                 raise self._damaged(f"{name} does not load into block {index}: {exc}") from exc
 
-    def load_hidden(self, state: ResumeState, device: torch.device, rows: slice | None = None) -> torch.Tensor:
+    def load_hidden(
+        self, state: ResumeState, device: torch.device, rows: slice | None = None, *, stream: str = "hidden"
+    ) -> torch.Tensor:
         """(S, T, H) hidden states entering block `state.next_block`, on `device`; rows: only these samples
-        (a rank's shard in a distributed run), read without loading the others."""
+        (a rank's shard in a distributed run), read without loading the others. stream: "hidden" (the
+        pruned model's) or "dense" (the dense model's, saved by runs with `--refine block`)."""
         if state.hidden is None:
             raise ValueError("every block is done; there are no hidden states to continue from")
         try:
             if rows is None:
-                hidden = load_file(str(self.root / state.hidden))["hidden"]
+                hidden = load_file(str(self.root / state.hidden))[stream]
             else:
                 with safe_open(str(self.root / state.hidden), framework="pt") as handle:
-                    hidden = handle.get_slice("hidden")[rows]
+                    hidden = handle.get_slice(stream)[rows]
         except (SafetensorError, OSError, KeyError) as exc:
             raise self._damaged(f"{state.hidden} does not load: {exc}") from exc
         if hidden.dim() != 3:

@@ -60,7 +60,28 @@ def prune_markdown(report: PruneReport) -> str:
             f"| {r.name} | {r.out_features}×{r.in_features} | {status} | {_fmt(r.recon_error)} | "
             f"{_fmt(r.gap)} | {r.seconds:.2f} | {r.iterations} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _refinement_lines(report)) + "\n"
+
+
+def _refinement_lines(report: PruneReport) -> list[str]:
+    """The block refinement table (`--refine block`); none for a run without it."""
+    blocks = report.refinement
+    if not blocks:
+        return []
+    kept = sum(b.kept for b in blocks)
+    return [
+        "",
+        f"## Block refinement ({kept} of {len(blocks)} blocks kept their refined weights, "
+        f"{sum(b.seconds for b in blocks):.1f} s)",
+        "",
+        "| block | error before | error after | kept | steps | seconds |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {b.block} | {_fmt(b.error_before)} | {_fmt(b.error_after)} | {'yes' if b.kept else 'no'} | "
+            f"{b.steps} | {b.seconds:.2f} |"
+            for b in blocks
+        ),
+    ]
 
 
 def _density_lines(report: PruneReport, t: Mapping[str, Any]) -> list[str]:

@@ -1,0 +1,80 @@
+"""The Markdown tables of a `--refine block` study (docs/results.md, "Block refinement").
+
+    python scripts/refine_table.py BASELINE_RUN RUN [RUN ...] [--output FILE]
+
+Each RUN is a folder written by `tsenor prune` (tsenor_report.json) and `tsenor eval` (eval.json);
+BASELINE_RUN is the same prune without refinement, made in the same session, which the time ratios
+divide by. Prints (or writes) one row per run (settings, perplexities, prune seconds, ratio, blocks whose
+refinement was kept, summed block errors before and after) and the per-block errors of every refined run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tsenor_cli import atomic
+from tsenor_cli.runfiles import EVAL_FILE, PRUNE_FILE, EvalReport, PruneReport, read_json
+
+
+def _load(folder: Path) -> tuple[PruneReport, EvalReport | None]:
+    prune = PruneReport.from_json(read_json(folder / PRUNE_FILE), str(folder / PRUNE_FILE))
+    path = folder / EVAL_FILE
+    return prune, EvalReport.from_json(read_json(path), str(path)) if path.is_file() else None
+
+
+def _setting(report: PruneReport) -> str:
+    refine = report.settings.get("refine")
+    return "none" if refine is None else f"{refine['epochs']} epoch(s), lr {refine['lr']:g}"
+
+
+def tables(baseline: Path, runs: list[Path]) -> str:
+    """The summary table (baseline first) and the per-block table of the refined runs."""
+    base, _ = _load(baseline)
+    loaded = [(folder, *_load(folder)) for folder in [baseline, *runs]]
+    datasets = sorted({name for _, _, ev in loaded if ev is not None for name in ev.perplexity})
+    head = ["run", "refine", *(f"{d} ppl" for d in datasets), "prune s", "× baseline", "refine s", "kept"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for folder, report, ev in loaded:
+        ppl = [f"{ev.perplexity[d].ppl:.2f}" if ev is not None and d in ev.perplexity else "-" for d in datasets]
+        blocks = report.refinement
+        kept = f"{sum(b.kept for b in blocks)}/{len(blocks)}" if blocks else "-"
+        refine_s = f"{sum(b.seconds for b in blocks):.0f}" if blocks else "-"
+        row = [folder.name, _setting(report), *ppl, f"{report.seconds:.0f}", f"{report.seconds / base.seconds:.2f}"]
+        lines.append("| " + " | ".join([*row, refine_s, kept]) + " |")
+    refined = [(folder, report) for folder, report, _ in loaded if report.refinement]
+    if refined:
+        indices = sorted({b.block for _, report in refined for b in report.refinement})
+        lines += ["", "Block output error (relative, against the dense block on the dense stream), before → after:", ""]
+        lines.append("| block | " + " | ".join(folder.name for folder, _ in refined) + " |")
+        lines.append("|---|" + "---|" * len(refined))
+        for index in indices:
+            cells = []
+            for _, report in refined:
+                found = [b for b in report.refinement if b.block == index]
+                cells.append(
+                    f"{found[0].error_before:.4f} → {found[0].error_after:.4f}{'' if found[0].kept else ' (not kept)'}"
+                    if found
+                    else "-"
+                )
+            lines.append(f"| {index} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("baseline", type=Path)
+    parser.add_argument("runs", type=Path, nargs="+")
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args(argv)
+    text = tables(args.baseline, args.runs)
+    if args.output is not None:
+        atomic.write_text(args.output, text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
