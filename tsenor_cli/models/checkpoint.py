@@ -19,6 +19,7 @@ Tensors are then read by key (`read`), each file memory-mapped only while its te
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -49,6 +50,11 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of `shape` and `dtype` as stored in a safetensors file."""
+    return math.prod(shape) * dtype.itemsize
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Where one tensor lies and what it is, from its file's header: file (name in the folder), shape, dtype."""
@@ -59,10 +65,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * self.dtype.itemsize
+        return tensor_nbytes(self.shape, self.dtype)
 
 
 def _corrupt(path: Path, why: str) -> BadInputError:

@@ -34,7 +34,7 @@ from typing import IO, Any
 import torch
 
 from tsenor_cli.errors import UsageError
-from tsenor_cli.models.checkpoint import INDEX_NAME, WEIGHTS_NAME
+from tsenor_cli.models.checkpoint import INDEX_NAME, WEIGHTS_NAME, tensor_nbytes
 
 # save_pretrained's default; tsenor's outputs pass their own (pruning/output.MAX_SHARD_SIZE).
 DEFAULT_MAX_SHARD_SIZE = "50GB"
@@ -53,10 +53,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * self.dtype.itemsize
+        return tensor_nbytes(self.shape, self.dtype)
 
 
 def saved_tensors(model: Any) -> list[TensorSpec]:

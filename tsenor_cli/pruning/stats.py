@@ -23,7 +23,26 @@ class Statistics(Protocol):
     def require_gram(self) -> torch.Tensor: ...
 
 
-class InputStats:
+class _Sums:
+    """The readers shared by `InputStats` and `ExpertStats`: sq_norms (..., in) and gram (..., in, in) or
+    None, one matrix's or a stack's."""
+
+    sq_norms: torch.Tensor
+    gram: torch.Tensor | None
+
+    @property
+    def col_norms(self) -> torch.Tensor:
+        """(..., in) float32 ‖X_j‖₂."""
+        return self.sq_norms.sqrt()
+
+    def require_gram(self) -> torch.Tensor:
+        """(..., in, in) float32 XᵀX; raises when the statistics were collected without it."""
+        if self.gram is None:
+            raise ValueError("these statistics hold no Gram matrix; collect them with gram=True")
+        return self.gram
+
+
+class InputStats(_Sums):
     """Running sums over the inputs X (tokens, in) of one linear.
 
     sq_norms: (in,) float32 Σ_t X_tj²; gram: (in, in) float32 XᵀX, or None when not requested.
@@ -46,17 +65,6 @@ class InputStats:
         if self.gram is not None:
             self.gram.addmm_(flat.T, flat)
         self.tokens += flat.shape[0]
-
-    @property
-    def col_norms(self) -> torch.Tensor:
-        """(in,) float32 ‖X_j‖₂."""
-        return self.sq_norms.sqrt()
-
-    def require_gram(self) -> torch.Tensor:
-        """(in, in) float32 XᵀX; raises when the statistics were collected without it."""
-        if self.gram is None:
-            raise ValueError("these statistics hold no Gram matrix; collect them with gram=True")
-        return self.gram
 
     @staticmethod
     def from_inputs(x: torch.Tensor, *, gram: bool = True) -> InputStats:
@@ -97,7 +105,7 @@ def reconstruction_error(w_dense: torch.Tensor, w_pruned: torch.Tensor, gram: to
     return num / den if den > 0 else 0.0
 
 
-class ExpertStats:
+class ExpertStats(_Sums):
     """Running sums over the inputs of each of E stacked expert matrices.
 
     sq_norms: (E, in) float32; gram: (E, in, in) float32 or None; tokens: (E,) long, the rows each expert
@@ -135,17 +143,6 @@ class ExpertStats:
         padded = flat.new_zeros(present.numel(), int(counts.max()), self.in_features)  # (U, C, in)
         padded[slot, position] = flat[order]
         self.gram.index_add_(0, present, padded.transpose(1, 2) @ padded)  # (U, in, in)
-
-    @property
-    def col_norms(self) -> torch.Tensor:
-        """(E, in) float32 ‖X_j‖₂ of each expert's inputs."""
-        return self.sq_norms.sqrt()
-
-    def require_gram(self) -> torch.Tensor:
-        """(E, in, in) float32 XᵀX of each expert; raises when collected without it."""
-        if self.gram is None:
-            raise ValueError("these statistics hold no Gram matrix; collect them with gram=True")
-        return self.gram
 
     def select(
         self, experts: torch.Tensor, fallback: ExpertStats | None = None, use: torch.Tensor | None = None
