@@ -45,12 +45,11 @@ bench: install
 	  --output docs/measurements/bench-solver.json --markdown docs/measurements/benchmarks.md --force
 	$(TSENOR) bench moe --output docs/measurements/bench-moe.json --markdown docs/measurements/benchmarks-moe.md --force
 
-# Peak host memory of `tsenor eval --ppl`, streamed and whole, at 8/16/32 blocks of width 1024 (CPU, ~10 min).
+# Peak host memory of `tsenor eval --ppl` and `tsenor prune`, streamed and whole, at 8/16/32 blocks of
+# width 1024 (CPU, about 7 min on an idle 2-core machine; run nothing else meanwhile: it reports seconds too).
 bench-memory: install
-	$(TSENOR) bench memory --commands eval --output docs/measurements/bench-eval-memory.json \
-	  --markdown docs/measurements/bench-eval-memory.md --force
-	$(TSENOR) bench memory --commands prune --output docs/measurements/bench-prune-memory.json \
-	  --markdown docs/measurements/bench-prune-memory.md --force
+	$(TSENOR) bench memory --output docs/measurements/bench-memory.json \
+	  --markdown docs/measurements/bench-memory.md --force
 
 # The GPU benchmarks (need a CUDA GPU; each refuses a CPU, exit 2). `bench-gpu` runs them all, about
 # 25 minutes on one H100; each target below is one command that stays under 10 minutes there.

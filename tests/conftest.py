@@ -47,6 +47,41 @@ def data_ctx(data_dir: Path) -> RunContext:
 
 
 @pytest.fixture(scope="session")
+def calib(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The first 30 kB of WikiText-2's validation text: real calibration text for a tiny prune."""
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_bytes((data_dir / "wikitext-2-raw" / "wiki.valid.raw").read_bytes()[:30_000])
+    return path
+
+
+@pytest.fixture(scope="session")
+def calibration_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """400 seeded words, no data folder needed: tokenizing it is instant, unlike a WikiText-2 split."""
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    words = [
+        "the",
+        "model",
+        "reads",
+        "every",
+        "token",
+        "and",
+        "each",
+        "block",
+        "adds",
+        "what",
+        "its",
+        "attention",
+        "and",
+        "its",
+        "MLP",
+        "found",
+    ]
+    gen = torch.Generator().manual_seed(0)
+    path.write_text(" ".join(words[int(i)] for i in torch.randint(0, len(words), (400,), generator=gen)))
+    return path
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The embedded SmolLM2-135M checkpoint, materialized into the cache on first use."""
     from tsenor_cli.models.embedded import materialize

@@ -11,17 +11,24 @@ torch.Generator, so the same arguments give the same model.
 model (Gemma-3, LLaVA, Qwen2-VL, Qwen2.5-VL, Idefics3, SmolVLM, Mllama: a vision tower, a projector
 and a text decoder) or whose blocks are of several classes (Jamba, Mllama); `make_tiny_model` saves
 one with the SmolLM2 tokenizer files and a processor file.
+
+`sparsegpt_config` is the prune the resume and streaming tests share: SparseGPT (data-dependent masks,
+so a wrong block input changes them), transposable 2:4 with the exhaustive solver, 4 × 32 tokens.
 """
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tsenor_cli.settings import RunContext, cache_dir_default
+
+if TYPE_CHECKING:
+    from tsenor_cli.pruning.config import PruneConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 SLIDING_WINDOW = 8
@@ -306,3 +313,21 @@ def blockwise_forward(model: Any, input_ids: torch.Tensor) -> tuple[torch.Tensor
     finally:
         handle.remove()
     return hidden, logits
+
+
+def sparsegpt_config(model: Path, calib: Path, output: Path | None, **changes: Any) -> PruneConfig:
+    """The shared test prune of `model` on the text file `calib` into `output`, with `changes` on top."""
+    from tsenor_cli.pattern import SparsityPattern
+    from tsenor_cli.pruning.config import PruneConfig
+    from tsenor_cli.pruning.types import LayerPruneConfig
+
+    base = PruneConfig(
+        model=str(model),
+        layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exhaustive"),
+        method="sparsegpt",
+        calib_data=str(calib),
+        nsamples=4,
+        seqlen=32,
+        output=output,
+    )
+    return replace(base, **changes)

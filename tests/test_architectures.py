@@ -134,33 +134,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return Lazy()
 
 
-@pytest.fixture(scope="module")
-def calibration_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small calibration file: tokenizing it is instant, unlike a whole WikiText-2 split per run."""
-    path = tmp_path_factory.mktemp("calib") / "calib.txt"
-    words = [
-        "the",
-        "model",
-        "reads",
-        "every",
-        "token",
-        "and",
-        "each",
-        "block",
-        "adds",
-        "what",
-        "its",
-        "attention",
-        "and",
-        "its",
-        "MLP",
-        "found",
-    ]
-    gen = torch.Generator().manual_seed(0)
-    path.write_text(" ".join(words[int(i)] for i in torch.randint(0, len(words), (400,), generator=gen)))
-    return path
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("method", ["magnitude", "sparsegpt"])
 def test_two_block_prune_verifies_and_loads(

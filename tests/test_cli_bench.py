@@ -74,7 +74,8 @@ def test_bench_rejects_timed_method_outside_methods() -> None:
 @pytest.mark.realmodel
 def test_large_cpu_solve_reports_the_spread_of_its_memory_peak(smollm2_path: Path) -> None:
     """The large-matrix row on CPU runs LARGE_REPEATS fresh processes and shows min ≤ median ≤ max."""
-    from tsenor_cli.bench.solver import LARGE_REPEATS, BenchConfig, BenchResult, machine_info, run_large, to_markdown
+    from tsenor_cli.bench.machine import environment
+    from tsenor_cli.bench.solver import LARGE_REPEATS, BenchConfig, BenchResult, run_large, to_markdown
     from tsenor_cli.pattern import SparsityPattern
 
     pattern = SparsityPattern.parse("8:16")
@@ -84,7 +85,7 @@ def test_large_cpu_solve_reports_the_spread_of_its_memory_peak(smollm2_path: Pat
     assert row.peak_extra_min_mib is not None and row.peak_extra_max_mib is not None
     assert 0.0 <= row.peak_extra_min_mib <= row.peak_extra_mib <= row.peak_extra_max_mib
     config = {"model": "smollm2-135m", "tiles": 0, "seed": 0}
-    text = to_markdown(BenchResult(machine_info("cpu"), config, large=[row]))
+    text = to_markdown(BenchResult(environment("cpu"), config, large=[row]))
     assert f"({LARGE_REPEATS} processes, median shown) |" in text
 
 

@@ -51,13 +51,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {family: make_tiny_llama(root / family, model_type=family, num_layers=2) for family in FAMILIES}
 
 
-@pytest.fixture(scope="module")
-def calib(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("calib") / "calib.txt"
-    path.write_bytes((data_dir / "wikitext-2-raw" / "wiki.valid.raw").read_bytes()[:30_000])
-    return path
-
-
 def _cfg(model: Path, calib: Path, output: Path, method: str, transposable: bool, **changes: Any) -> PruneConfig:
     fields: dict[str, Any] = {
         "model": str(model),

@@ -69,15 +69,6 @@ def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("gpt2") / "src", model_type="gpt2")
 
 
-@pytest.fixture(scope="module")
-def calibration_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("calib") / "calib.txt"
-    words = ["the", "model", "reads", "every", "token", "and", "each", "block", "adds", "what", "it", "found"]
-    gen = torch.Generator().manual_seed(0)
-    path.write_text(" ".join(words[int(i)] for i in torch.randint(0, len(words), (400,), generator=gen)))
-    return path
-
-
 def _prune(source: Path, out: Path, calibration: Path, *flags: str) -> None:
     args = ["prune", "--model", str(source), "--method", "sparsegpt", "--nm", "2:4", *flags]
     args += ["--nsamples", "2", "--seqlen", str(SEQ_LEN), "--calib-data", str(calibration), "--output", str(out)]

@@ -104,15 +104,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def calibration_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("calib") / "calib.txt"
-    words = ["the", "image", "shows", "a", "model", "that", "reads", "every", "token", "and", "each", "block"]
-    gen = torch.Generator().manual_seed(0)
-    path.write_text(" ".join(words[int(i)] for i in torch.randint(0, len(words), (400,), generator=gen)))
-    return path
-
-
-@pytest.fixture(scope="module")
 def pruned(
     checkpoints: dict[str, Path], calibration_text: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[Path, PruneReport]]:

@@ -38,13 +38,6 @@ LINEARS += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 @pytest.fixture(scope="module")
-def calib(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("calib") / "calib.txt"
-    path.write_bytes((data_dir / "wikitext-2-raw" / "wiki.valid.raw").read_bytes()[:30_000])
-    return path
-
-
-@pytest.fixture(scope="module")
 def tiny(tiny_llama: Callable[..., Path]) -> Path:
     return tiny_llama(num_layers=2)
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from helpers_cli import invoke
 from helpers_faults import Killed, KillSwitch
-from helpers_tiny import make_tiny_llama
+from helpers_tiny import make_tiny_llama, sparsegpt_config
 from torch import nn
 
 from tsenor_cli.errors import (
@@ -30,12 +30,10 @@ from tsenor_cli.errors import (
 )
 from tsenor_cli.interrupt import StopRequest, stop_on_signals
 from tsenor_cli.locks import lock_path
-from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.resume import ResumeStore, block_file
-from tsenor_cli.pruning.types import LayerPruneConfig, LayerRecord
-from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE, DataSource
+from tsenor_cli.pruning.resume import ResumeStore
+from tsenor_cli.pruning.types import LayerRecord
+from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE, DataSource, block_file
 from tsenor_cli.settings import RunContext
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,33 +45,11 @@ def tiny(tiny_llama: Callable[..., Path]) -> Path:
     return tiny_llama(num_layers=BLOCKS)
 
 
-@pytest.fixture(scope="module")
-def calib(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small calibration file (the start of WikiText-2 valid): tokenizing it takes milliseconds."""
-    path = tmp_path_factory.mktemp("calib") / "calib.txt"
-    path.write_bytes((data_dir / "wikitext-2-raw" / "wiki.valid.raw").read_bytes()[:30_000])
-    return path
-
-
 def _args(model: Path, calib: Path, output: Path) -> list[str]:
     return [
         "prune", "--model", str(model), "--method", "sparsegpt", "--nm", "2:4", "--solver", "exhaustive",
         "--nsamples", "4", "--seqlen", "32", "--calib-data", str(calib), "--output", str(output),
     ]  # fmt: skip
-
-
-def _cfg(model: Path, calib: Path, output: Path, **changes: object) -> PruneConfig:
-    fields: dict[str, object] = {
-        "model": str(model),
-        "layer": LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exhaustive"),
-        "method": "sparsegpt",  # data-dependent masks: a wrong block input changes them
-        "calib_data": str(calib),
-        "nsamples": 4,
-        "seqlen": 32,
-        "output": output,
-        **changes,
-    }
-    return PruneConfig(**fields)  # type: ignore[arg-type]
 
 
 def _sha(path: Path) -> str:
@@ -88,7 +64,7 @@ def _errors(output: Path) -> list[float]:
 def reference(tiny: Path, calib: Path, data_ctx: RunContext, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted run without a resume state: what every interrupted-and-resumed run must equal."""
     out = tmp_path_factory.mktemp("reference") / "out"
-    prune_model(_cfg(tiny, calib, out, resume=False), data_ctx)
+    prune_model(sparsegpt_config(tiny, calib, out, resume=False), data_ctx)
     return out
 
 
@@ -211,7 +187,7 @@ def test_prune_killed_before_every_file_change_resumes_to_the_same_checkpoint(
         out = tmp_path / f"k{at}" / "out"
         switch = KillSwitch(out.parent, at=at)
         with switch.armed(), contextlib.suppress(Killed):
-            prune_model(_cfg(tiny, calib, out), data_ctx)
+            prune_model(sparsegpt_config(tiny, calib, out), data_ctx)
         if not switch.dead:
             break
         killed_before.append(switch.ops[-1])
@@ -220,12 +196,12 @@ def test_prune_killed_before_every_file_change_resumes_to_the_same_checkpoint(
             # aside and, the run being finished with the same settings, writes nothing and succeeds.
             before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
             messages: list[str] = []
-            prune_model(_cfg(tiny, calib, out), data_ctx, progress=messages.append)
+            prune_model(sparsegpt_config(tiny, calib, out), data_ctx, progress=messages.append)
             assert any("already holds this run" in m for m in messages)
             assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
             assert not [p for p in out.parent.iterdir() if p.name.startswith(".out.old-")]
         else:
-            prune_model(_cfg(tiny, calib, out), data_ctx)
+            prune_model(sparsegpt_config(tiny, calib, out), data_ctx)
         _assert_same_as(out, reference)
         at += 1
     names = [Path(path).name for _, path in killed_before]
@@ -243,12 +219,12 @@ def test_kill_inside_the_final_swap_is_recovered(
     out = tmp_path / "out"
     switch = KillSwitch(tmp_path, when=lambda op, path: op == "replace" and Path(path).name.startswith(".out.tmp-"))
     with switch.armed(), pytest.raises(Killed):
-        prune_model(_cfg(tiny, calib, out), data_ctx)
+        prune_model(sparsegpt_config(tiny, calib, out), data_ctx)
     assert not out.exists()
     leftovers = sorted(p.name.split("-")[0] for p in tmp_path.iterdir())
     assert leftovers == [".out.lock", ".out.old", ".out.tmp"]
     messages: list[str] = []
-    report = prune_model(_cfg(tiny, calib, out), data_ctx, progress=messages.append)
+    report = prune_model(sparsegpt_config(tiny, calib, out), data_ctx, progress=messages.append)
     assert any(m.startswith(f"restored {out}") for m in messages)
     assert report.resumed_from_block == BLOCKS and not any(m.startswith("block ") for m in messages)
     _assert_same_as(out, reference)
@@ -265,7 +241,7 @@ def _killed_after_first_block(tiny: Path, calib: Path, out: Path, data_ctx: RunC
             raise Killed
 
     with pytest.raises(Killed):
-        prune_model(_cfg(tiny, calib, out), data_ctx, after_block=kill_after_first)
+        prune_model(sparsegpt_config(tiny, calib, out), data_ctx, after_block=kill_after_first)
 
 
 def test_rerunning_the_same_command_continues_an_interrupted_run(
@@ -309,7 +285,9 @@ def test_no_resume_state_writes_nothing_before_the_checkpoint(
 ) -> None:
     out = tmp_path / "out"
     seen: list[bool] = []
-    prune_model(_cfg(tiny, calib, out, resume=False), data_ctx, after_block=lambda _i: seen.append(out.exists()))
+    prune_model(
+        sparsegpt_config(tiny, calib, out, resume=False), data_ctx, after_block=lambda _i: seen.append(out.exists())
+    )
     assert seen == [False] * BLOCKS
     _assert_same_as(out, reference)
 
@@ -327,7 +305,7 @@ def test_ctrl_c_and_stop_signals_say_what_was_saved(
             raise KeyboardInterrupt
 
     with pytest.raises(Interrupted) as caught:
-        prune_model(_cfg(tiny, calib, out), data_ctx, after_block=ctrl_c_after_first)
+        prune_model(sparsegpt_config(tiny, calib, out), data_ctx, after_block=ctrl_c_after_first)
     assert caught.value.exit_code == EXIT_SIGINT
     assert str(caught.value) == (
         f"interrupted after block 1/{BLOCKS}; the resume state holds blocks 1-1: rerun the same command to continue"
@@ -341,18 +319,18 @@ def test_ctrl_c_and_stop_signals_say_what_was_saved(
             signal.raise_signal(signal.SIGTERM)
 
     with stop_on_signals() as stop, pytest.raises(Interrupted) as stopped:
-        prune_model(_cfg(tiny, calib, out), data_ctx, after_block=sigterm_in_second, stop=stop)
+        prune_model(sparsegpt_config(tiny, calib, out), data_ctx, after_block=sigterm_in_second, stop=stop)
     assert stopped.value.exit_code == EXIT_RESUMABLE == 75
     said = str(stopped.value)
     assert said.startswith(f"stopped by SIGTERM after block 2/{BLOCKS}; the resume state holds blocks 1-2:")
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is gone again
     assert not lock_path(out).exists()
-    prune_model(_cfg(tiny, calib, out), data_ctx)
+    prune_model(sparsegpt_config(tiny, calib, out), data_ctx)
     _assert_same_as(out, reference)
 
     unsaved = tmp_path / "unsaved" / "out"
     with pytest.raises(Interrupted) as nothing:
-        prune_model(_cfg(tiny, calib, unsaved, resume=False), data_ctx, after_block=ctrl_c_after_first)
+        prune_model(sparsegpt_config(tiny, calib, unsaved, resume=False), data_ctx, after_block=ctrl_c_after_first)
     assert str(nothing.value).endswith("nothing was saved (--no-resume-state): rerunning starts over")
     assert not unsaved.exists()
 
@@ -375,13 +353,13 @@ def test_ctrl_c_before_pruning_during_the_write_and_during_prune_eval(
     out = tmp_path / "out"
     with monkeypatch.context() as patch, pytest.raises(Interrupted) as early:
         patch.setattr(api, "plan_model", ctrl_c)
-        prune_model(_cfg(tiny, calib, out), data_ctx)
+        prune_model(sparsegpt_config(tiny, calib, out), data_ctx)
     assert (str(early.value), early.value.exit_code) == ("interrupted before pruning began; nothing was written", 130)
     assert list(tmp_path.iterdir()) == []
 
     with monkeypatch.context() as patch, pytest.raises(Interrupted) as first_block:
         patch.setattr(api, "prune_block", ctrl_c)
-        prune_model(_cfg(tiny, calib, out), data_ctx)
+        prune_model(sparsegpt_config(tiny, calib, out), data_ctx)
     assert str(first_block.value) == (
         f"interrupted at block 1/{BLOCKS}; no block was finished: rerunning the same command starts over"
     )
@@ -389,12 +367,12 @@ def test_ctrl_c_before_pruning_during_the_write_and_during_prune_eval(
 
     with monkeypatch.context() as patch, pytest.raises(Interrupted) as writing:
         patch.setattr(api, "write_checkpoint", ctrl_c)
-        prune_model(_cfg(tiny, calib, out), data_ctx)
+        prune_model(sparsegpt_config(tiny, calib, out), data_ctx)
     assert str(writing.value) == (
         f"interrupted while writing {out}; every block is saved in the resume state: "
         "rerun the same command to write the checkpoint"
     )
-    assert prune_model(_cfg(tiny, calib, out), data_ctx).resumed_from_block == BLOCKS
+    assert prune_model(sparsegpt_config(tiny, calib, out), data_ctx).resumed_from_block == BLOCKS
     _assert_same_as(out, reference)
 
     evaluated = tmp_path / "evaluated"
@@ -425,7 +403,7 @@ def test_a_stop_signal_during_prune_evals_evaluation_stops_it_at_once(
     out = tmp_path / "out"
     eval_cfg = runner.EvalConfig(ppl_datasets=("wikitext2",), max_windows=1)
     with pytest.raises(Interrupted) as stopped:
-        prune_and_evaluate(_cfg(tiny, calib, out), data_ctx, eval_cfg, stop=stop)
+        prune_and_evaluate(sparsegpt_config(tiny, calib, out), data_ctx, eval_cfg, stop=stop)
     assert stopped.value.exit_code == EXIT_RESUMABLE
     assert str(stopped.value).startswith(f"stopped by SIGTERM while evaluating; the checkpoint {out} is complete")
     assert (out / PRUNE_FILE).is_file() and not (out / "eval.json").exists()
@@ -556,7 +534,7 @@ def test_real_kill_int_and_term_then_resume_equals_an_uninterrupted_run(
     _, err = last.communicate(timeout=600)
     assert last.returncode == 0, err
     reference = tmp_path / "reference"
-    prune_model(_cfg(model, calib, reference, method="alps", nsamples=8, seqlen=64, resume=False), data_ctx)
+    prune_model(sparsegpt_config(model, calib, reference, method="alps", nsamples=8, seqlen=64, resume=False), data_ctx)
     assert _sha(out / "model.safetensors") == _sha(reference / "model.safetensors")
     assert _errors(out) == _errors(reference)
     assert json.loads((out / PRUNE_FILE).read_text())["resumed_from_block"] == stopped

@@ -12,13 +12,20 @@ from tsenor_cli.errors import SchemaError
 from tsenor_cli.runfiles import (
     FINETUNE_STATE_FILE,
     FINETUNE_STATE_VERSION,
+    PRUNE_STATE_VERSION,
     RESUME_DIR,
     RESUME_STATE_FILE,
     STATUS_FILE,
     SUBMISSION_FILE,
+    BlockRefinement,
+    DataSource,
     FinetuneState,
+    LayerRecord,
+    ResumeState,
     RunStatus,
     Submission,
+    block_file,
+    hidden_file,
     read_status,
     read_submission,
     resume_progress,
@@ -64,3 +71,26 @@ def test_resume_progress_is_the_states_next_block(tmp_path: Path) -> None:
     assert resume_progress(tmp_path) == 4
     (tmp_path / RESUME_DIR / RESUME_STATE_FILE).write_text(json.dumps({"version": 3, "next_block": True}))
     assert resume_progress(tmp_path) is None
+
+
+def test_prune_resume_state_round_trips_and_reads_the_files_written_as_version() -> None:
+    state = ResumeState(
+        config_hash="abc",
+        next_block=2,
+        blocks=3,
+        hidden=hidden_file(1),
+        files={block_file(0): 10, block_file(1): 11, hidden_file(1): 12},
+        records=[LayerRecord(block=0, name="model.layers.0.mlp.down_proj", out_features=8, in_features=16,
+                             status="pruned", recon_error=0.25, density=0.5)],
+        calibration="c4: 4 x 64",
+        calibration_source=DataSource(kind="offline"),
+        refinement=(BlockRefinement(block=0, error_before=0.3, error_after=0.2, kept=True, steps=4, seconds=1.5),),
+    )  # fmt: skip
+    written = json.loads(json.dumps(state.to_json()))
+    assert written["schema_version"] == PRUNE_STATE_VERSION and "version" not in written
+    assert ResumeState.from_json(written, RESUME_STATE_FILE) == state
+    legacy = {("version" if key == "schema_version" else key): value for key, value in written.items()}
+    assert ResumeState.version_of(legacy) == PRUNE_STATE_VERSION
+    assert ResumeState.from_json(legacy, RESUME_STATE_FILE) == state
+    with pytest.raises(SchemaError, match=r"state\.json lacks or mistypes 'files'"):
+        ResumeState.from_json({k: v for k, v in written.items() if k != "files"}, RESUME_STATE_FILE)

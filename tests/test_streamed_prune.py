@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_faults import Killed
-from helpers_tiny import LOCAL_CTX
+from helpers_tiny import LOCAL_CTX, sparsegpt_config
 
 from tsenor_cli.models.checkpoint import INDEX_NAME
 from tsenor_cli.models.loading import load_model
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning import streamed as streamed_module
 from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.plan import plan_model
 from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR
@@ -34,27 +33,6 @@ COUNTS = ("model_params", "model_nonzero", "linear_params", "linear_nonzero")
 @pytest.fixture(scope="module")
 def model(tiny_llama: Callable[..., Path]) -> Path:
     return tiny_llama(num_layers=BLOCKS)
-
-
-@pytest.fixture(scope="module")
-def calib(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("calib") / "calib.txt"
-    path.write_bytes((data_dir / "wikitext-2-raw" / "wiki.valid.raw").read_bytes()[:30_000])
-    return path
-
-
-def _cfg(model: Path, calib: Path, output: Path, **changes: object) -> PruneConfig:
-    fields: dict[str, object] = {
-        "model": str(model),
-        "layer": LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exhaustive"),
-        "method": "sparsegpt",  # data-dependent masks: a wrong block input changes them
-        "calib_data": str(calib),
-        "nsamples": 4,
-        "seqlen": 32,
-        "output": output,
-        **changes,
-    }
-    return PruneConfig(**fields)  # type: ignore[arg-type]
 
 
 def _weights(folder: Path) -> dict[str, str]:
@@ -70,7 +48,7 @@ def _report(folder: Path) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def whole(model: Path, calib: Path, data_ctx: RunContext, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("whole") / "out"
-    prune_model(_cfg(model, calib, out, resume=False), data_ctx)
+    prune_model(sparsegpt_config(model, calib, out, resume=False), data_ctx)
     return out
 
 
@@ -90,7 +68,7 @@ def test_streamed_prune_writes_the_whole_load_files_one_block_at_a_time(
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(streamed_module.BlockSource, "load", load)
-        prune_model(_cfg(model, calib, out, resume=resume, stream=True), data_ctx)
+        prune_model(sparsegpt_config(model, calib, out, resume=resume, stream=True), data_ctx)
     # capture (block 0), the watch pass (every block), the loop (every block): one block at a time
     assert holding == [[0], [0], [1], [2], [0], [1], [2]]
     assert _weights(out) == _weights(whole)
@@ -107,8 +85,8 @@ def test_streamed_prune_shards_as_asked_and_loads(
     model: Path, calib: Path, data_ctx: RunContext, tmp_path: Path
 ) -> None:
     whole_out, streamed_out = tmp_path / "whole", tmp_path / "streamed"
-    prune_model(_cfg(model, calib, whole_out, resume=False, max_shard_size="100KB"), data_ctx)
-    prune_model(_cfg(model, calib, streamed_out, stream=True, max_shard_size="100KB"), data_ctx)
+    prune_model(sparsegpt_config(model, calib, whole_out, resume=False, max_shard_size="100KB"), data_ctx)
+    prune_model(sparsegpt_config(model, calib, streamed_out, stream=True, max_shard_size="100KB"), data_ctx)
     assert (streamed_out / INDEX_NAME).is_file()
     assert _weights(streamed_out) == _weights(whole_out)
     loaded = load_model(str(streamed_out), LOCAL_CTX)
@@ -128,9 +106,9 @@ def test_streamed_prune_killed_after_a_block_resumes_to_the_same_files(
                 raise Killed
 
         with pytest.raises(Killed):
-            prune_model(_cfg(model, calib, out, stream=True), data_ctx, after_block=kill)
+            prune_model(sparsegpt_config(model, calib, out, stream=True), data_ctx, after_block=kill)
         assert sorted(p.name for p in out.iterdir()) == [RESUME_DIR]
-        report = prune_model(_cfg(model, calib, out, stream=True), data_ctx)
+        report = prune_model(sparsegpt_config(model, calib, out, stream=True), data_ctx)
         assert report.resumed_from_block == killed_at + 1
         assert _weights(out) == _weights(whole)
         assert [getattr(report, k) for k in COUNTS] == [_report(whole)["totals"][k] for k in COUNTS]
@@ -148,14 +126,14 @@ def test_killed_streamed_run_without_resume_state_leaves_its_blocks_to_recover(
     # A SIGKILL runs no cleanup: the folder of pruned blocks stays beside the output.
     with pytest.MonkeyPatch.context() as patch, pytest.raises(Killed):
         patch.setattr(streamed_module.BlockSource, "close", lambda self: None)
-        prune_model(_cfg(model, calib, out, stream=True, resume=False), data_ctx, after_block=kill)
+        prune_model(sparsegpt_config(model, calib, out, stream=True, resume=False), data_ctx, after_block=kill)
     left = [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
     assert len(left) == 1 and sorted(p.name for p in left[0].iterdir()) == [
         "block_0000.safetensors",
         "block_0001.safetensors",
     ]
     messages: list[str] = []
-    prune_model(_cfg(model, calib, out, stream=True, resume=False), data_ctx, progress=messages.append)
+    prune_model(sparsegpt_config(model, calib, out, stream=True, resume=False), data_ctx, progress=messages.append)
     assert any(m.startswith("removed .out.tmp-") for m in messages)
     assert _weights(out) == _weights(whole)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
@@ -169,19 +147,19 @@ def test_pickle_checkpoint_is_loaded_whole_with_one_line(
     (pickled / "model.safetensors").unlink()
     torch.save(load_model(str(model), LOCAL_CTX).model.state_dict(), pickled / "pytorch_model.bin")
     out = tmp_path / "out"
-    prune_model(_cfg(pickled, calib, out, stream=True, resume=False), data_ctx)
+    prune_model(sparsegpt_config(pickled, calib, out, stream=True, resume=False), data_ctx)
     warned = [r.getMessage() for r in caplog.records if "pickle weights" in r.getMessage()]
     assert len(warned) == 1 and "loaded whole" in warned[0]
     assert _weights(out)["model.safetensors"] == _weights(whole)["model.safetensors"]
 
 
 def test_dry_run_host_memory_is_one_block_when_streamed(model: Path, calib: Path, data_ctx: RunContext) -> None:
-    whole_plan = plan_model(_cfg(model, calib, None), data_ctx)
-    streamed_plan = plan_model(_cfg(model, calib, None, stream=True), data_ctx)
+    whole_plan = plan_model(sparsegpt_config(model, calib, None), data_ctx)
+    streamed_plan = plan_model(sparsegpt_config(model, calib, None, stream=True), data_ctx)
     per_block = whole_plan.blocks_bytes // BLOCKS
     assert streamed_plan.host_memory.model == whole_plan.host_memory.model - (BLOCKS - 1) * per_block
     assert streamed_plan.host_memory.streamed and "one block" in streamed_plan.host_memory.describe()
-    lines = list(streamed_plan.lines(_cfg(model, calib, None, stream=True)))
+    lines = list(streamed_plan.lines(sparsegpt_config(model, calib, None, stream=True)))
     assert any(line.startswith("disk: checkpoint ") for line in lines)
 
 
@@ -198,7 +176,7 @@ def test_streamed_prune_of_smollm2_equals_the_whole_load(
         "layer": LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="flow"),
     }
     whole_out, streamed_out = tmp_path / "whole", tmp_path / "streamed"
-    prune_model(_cfg(smollm2_path, calib, whole_out, resume=False, **options), data_ctx)
-    prune_model(_cfg(smollm2_path, calib, streamed_out, resume=False, stream=True, **options), data_ctx)
+    prune_model(sparsegpt_config(smollm2_path, calib, whole_out, resume=False, **options), data_ctx)
+    prune_model(sparsegpt_config(smollm2_path, calib, streamed_out, resume=False, stream=True, **options), data_ctx)
     assert _weights(streamed_out) == _weights(whole_out)
     assert [_report(streamed_out)["totals"][k] for k in COUNTS] == [_report(whole_out)["totals"][k] for k in COUNTS]

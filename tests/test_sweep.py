@@ -492,11 +492,11 @@ def test_local_sweep_runs_resumes_skips_and_reports(tmp_path: Path, data_dir: Pa
     resumed = json.loads((out / "runs" / good / "tsenor_report.json").read_text())["resumed_from_block"]
     assert resumed is not None and 1 <= resumed < 4  # the interrupted prune continued where it stopped
 
-    # The same run uninterrupted, by the same executor, gives the same checkpoint and perplexity.
+    # The same run uninterrupted, by the same executor and streamed from its checkpoint (`stream: true`),
+    # gives the same checkpoint and perplexity.
     reference = tmp_path / "reference"
-    ok = invoke(
-        ["sweep", str(_write(tmp_path / "r.yaml", {**grid, "axes": {"model": [str(tiny)]}})), "-o", str(reference)]
-    )
+    streamed = {**grid, "base": {**base, "stream": True}, "axes": {"model": [str(tiny)]}}
+    ok = invoke(["sweep", str(_write(tmp_path / "r.yaml", streamed)), "-o", str(reference)])
     assert ok.exit_code == 0, ok.output
     got, want = out / "runs" / good, reference / "runs" / good
     assert _sha256(got / "model" / "model.safetensors") == _sha256(want / "model" / "model.safetensors")

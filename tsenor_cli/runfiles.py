@@ -5,8 +5,9 @@ with the pattern under `SPARSITY_KEY`, written by `tsenor_cli.pattern.SparsityPa
 reports ``tsenor_report.json`` (`PruneReport`) and ``tsenor_report.md`` (`PRUNE_REPORTS`; the Markdown is
 rendered by `tsenor_cli.report.markdown`), ``eval.json`` (`EvalReport`), ``finetune.json``
 (`FinetuneReport`), and while a run is unfinished its resume state in `RESUME_DIR`: a prune's
-`RESUME_STATE_FILE` (its schema is `pruning/resume.ResumeStore`'s, which checks it against the block
-files it names) or a finetune's `FINETUNE_STATE_FILE` (`FinetuneState`).
+`RESUME_STATE_FILE` (`ResumeState`, beside the `block_file` and `hidden_file` it names;
+`pruning/resume.ResumeStore` checks it against those files) or a finetune's `FINETUNE_STATE_FILE`
+(`FinetuneState`).
 
 A sweep folder holds `SWEEP_FILE` and `RUNS_DIR`/NAME per run: `RECIPE_FILE`, the run folder in
 `MODEL_DIR`, `EVAL_FILE` and the prune reports beside it, `LOG_FILE`, `STATUS_FILE` (`RunStatus`) and
@@ -39,7 +40,7 @@ import statistics
 import types
 import typing
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin, get_type_hints
 
@@ -74,6 +75,9 @@ LOG_FILE = "log.txt"
 # Versions of the small state files (each carries its own `schema_version`).
 STATUS_VERSION = 1
 FINETUNE_STATE_VERSION = 1
+# 3: the block files and hidden-state files are named by block and listed with their sizes. Files of this
+# format written before `schema_version` carry the same number as ``version``.
+PRUNE_STATE_VERSION = 3
 LAYER_STATUSES = ("pruned", "skipped", "ignored")
 
 DataKind = Literal["offline", "file", "hub"]
@@ -823,3 +827,79 @@ class FinetuneState:
     def write(self, state_dir: Path) -> None:
         state_dir.mkdir(parents=True, exist_ok=True)
         atomic.write_json(state_dir / FINETUNE_STATE_FILE, self.to_json(), indent=1)
+
+
+# ---------------------------------------------------------------- .tsenor-resume/state.json (a prune's)
+
+
+def block_file(index: int) -> str:
+    """The resume state's file of block `index`'s pruned parameters."""
+    return f"block_{index:04d}.safetensors"
+
+
+def hidden_file(index: int) -> str:
+    """The resume state's file of the hidden states leaving block `index`."""
+    return f"hidden_{index:04d}.safetensors"
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """``.tsenor-resume/state.json``: a prune's commit point, blocks 0..next_block-1 done.
+
+    config_hash: the settings it belongs to; hidden: the file holding the (S, T, H) input of block
+    next_block, None once every block is done; files: {file name: size in bytes} of every file the state
+    relies on; records: the layer records so far; calibration: the calibration's description and
+    calibration_source its `DataSource`; refinement: the records of the blocks refined so far
+    (`--refine block`).
+    """
+
+    config_hash: str
+    next_block: int
+    blocks: int
+    hidden: str | None
+    files: dict[str, int]
+    records: list[LayerRecord]
+    calibration: str
+    calibration_source: DataSource
+    refinement: tuple[BlockRefinement, ...] = ()
+    schema_version: int = PRUNE_STATE_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": PRUNE_STATE_VERSION,
+            "config_hash": self.config_hash,
+            "next_block": self.next_block,
+            "blocks": self.blocks,
+            "hidden": self.hidden,
+            "files": self.files,
+            "records": [asdict(record) for record in self.records],
+            "calibration": self.calibration,
+            "calibration_source": self.calibration_source.to_json(),
+            "refinement": [block.to_json() for block in self.refinement],
+        }
+
+    @staticmethod
+    def version_of(raw: Mapping[str, Any]) -> Any:
+        """The format version `raw` says it has (``schema_version``, or ``version`` as written before it)."""
+        return raw.get("schema_version", raw.get("version"))
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any], where: str) -> ResumeState:
+        """The state in `raw`; SchemaError naming `where` when a field is missing or mistyped."""
+        try:
+            return cls(
+                config_hash=str(raw["config_hash"]),
+                next_block=int(raw["next_block"]),
+                blocks=int(raw["blocks"]),
+                hidden=None if raw["hidden"] is None else str(raw["hidden"]),
+                files={str(name): int(size) for name, size in dict(raw["files"]).items()},
+                records=[LayerRecord(**record) for record in raw["records"]],
+                calibration=str(raw["calibration"]),
+                calibration_source=DataSource.from_json(raw["calibration_source"], where),
+                refinement=tuple(BlockRefinement.from_json(block, where) for block in raw.get("refinement", [])),
+                schema_version=int(cls.version_of(raw)),
+            )
+        except SchemaError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SchemaError(f"{where} lacks or mistypes {exc}") from exc

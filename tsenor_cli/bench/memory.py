@@ -12,14 +12,13 @@ what holding the model costs.
 
 The prune half does the same for `prune_model` (magnitude, 2:4 transposable, `prune_nsamples` ×
 `prune_seqlen` tokens of a generated calibration text, no resume state), whole and ``stream=True``; the
-parent checks that both write the same model.safetensors (sha256), and reports seconds per block.
+parent checks that both write the same weight files (sha256), and reports seconds per block.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import platform
 import shutil
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from tsenor_cli.bench.machine import environment
 from tsenor_cli.errors import BadInputError
 
 MODES = ("whole", "streamed")
@@ -137,9 +137,10 @@ def calibration_text(path: Path, cfg: MemoryConfig) -> Path:
 
 def measure_prune(folder: Path, mode: str, cfg: MemoryConfig) -> dict[str, Any]:
     """Prune the model in `folder` (`mode`: whole or streamed) in this process into a folder beside it:
-    {"sha256" of model.safetensors, "seconds", "peak_rss"}."""
+    {"sha256" of the weight files (model.safetensors, or the shards and their index), "seconds", "peak_rss"}."""
     import hashlib
 
+    from tsenor_cli.data.sources import sha256_file
     from tsenor_cli.pruning.api import prune_model
     from tsenor_cli.pruning.recipe import build_config
     from tsenor_cli.settings import RunContext, cache_dir_default
@@ -161,9 +162,13 @@ def measure_prune(folder: Path, mode: str, cfg: MemoryConfig) -> dict[str, Any]:
     prune_model(prune_cfg, ctx)
     seconds = time.perf_counter() - started
     peak = _peak_rss()
-    digest = hashlib.sha256((output / "model.safetensors").read_bytes()).hexdigest()
+    # Deeper models are written in shards (model-0000k-of-0000n.safetensors + index): hash them all, in order.
+    digest = hashlib.sha256()
+    for path in sorted(output.glob("model*.safetensors*")):
+        digest.update(path.name.encode())
+        digest.update(sha256_file(path).encode())
     shutil.rmtree(output)
-    return {"sha256": digest, "seconds": seconds, "peak_rss": peak}
+    return {"sha256": digest.hexdigest(), "seconds": seconds, "peak_rss": peak}
 
 
 def run_child(folder: Path, mode: str, cfg: MemoryConfig, command: str = "eval") -> dict[str, Any]:
@@ -204,7 +209,7 @@ def run_memory_bench(cfg: MemoryConfig, *, say: Any = print) -> dict[str, Any]:
         "config": asdict(cfg),
         "rows": rows,
         "peak_ratio_deepest_over_shallowest": ratios,
-        "machine": {"cpus": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
+        "machine": environment("cpu"),
     }
 
 
@@ -230,11 +235,18 @@ def to_markdown(result: dict[str, Any], command: str, date: str, machine: str) -
         "in a fresh process (`tsenor_cli/bench/memory.py`); peak RSS is the process's VmHWM.",
         "",
     ]
+    env = result.get("machine", {})
+    if "transformers" in env:
+        lines += [
+            f"tsenor {env['tsenor']}, torch {env['torch']}, transformers {env['transformers']}, Python "
+            f"{env['python']}; load average {env['load_average']:.1f} at the start.",
+            "",
+        ]
     what = {
         "eval": f"`--ppl` on {cfg['windows']} windows of {cfg['seqlen']} tokens; both modes give the same "
         "perplexity (checked to 1e-5 relative).",
         "prune": f"magnitude 2:4 transposable on {cfg.get('prune_nsamples')} × {cfg.get('prune_seqlen')} "
-        "calibration tokens, `--no-resume-state`; both modes write the same model.safetensors (sha256 checked).",
+        "calibration tokens, `--no-resume-state`; both modes write the same weight files (sha256 checked).",
     }
     ratios = result["peak_ratio_deepest_over_shallowest"]
     deepest, shallowest = max(cfg["blocks"]), min(cfg["blocks"])

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from typing import Any
 
 import torch
 
-from tsenor_cli.bench.prune import environment
+from tsenor_cli.bench.machine import environment
 from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.engine import (
@@ -144,8 +143,7 @@ def run_moe_bench(cfg: MoeBenchConfig, progress: Progress) -> MoeBenchResult:
     block, call, hidden = structure.blocks[0], captured.calls[0], captured.hidden  # hidden: (S, T, H)
     seen = observe_block(block, lambda: block_output(block, call, hidden[:1]), input_key=input_key)
     stacks = {name: unit for name, unit in seen.units.items() if unit.geometry.experts}
-    # Other processes on a shared machine slow both sides of a ratio, not always equally: say how busy it was.
-    result = MoeBenchResult(cfg, {**environment(device), "load_average": os.getloadavg()[0]}, stacks=sorted(stacks))
+    result = MoeBenchResult(cfg, environment(device), stacks=sorted(stacks))
     moe = MoeOptions()
 
     def dense() -> None:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from tsenor_cli.bench.machine import environment
 from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.pruning.phases import PHASES
@@ -204,25 +205,6 @@ def _local_name(full_name: str) -> str:
 def _rss_high_water() -> int:
     """The process's resident-set high-water mark in bytes (Linux reports KiB)."""
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def environment(device: torch.device) -> dict[str, Any]:
-    import platform
-
-    import transformers
-
-    env: dict[str, Any] = {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "device": str(device),
-        "cpu_threads": torch.get_num_threads(),
-    }
-    if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-        env["cuda"] = torch.version.cuda
-    return env
 
 
 def _alps_projection(

@@ -13,20 +13,18 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
-import platform
 import resource
 import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from safetensors import safe_open
 
-from tsenor_cli import __version__
+from tsenor_cli.bench.machine import environment
 from tsenor_cli.errors import UsageError
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.progress import Progress, sink
@@ -117,7 +115,7 @@ class LargeRow:
 
 @dataclass(frozen=True)
 class BenchResult:
-    machine: dict[str, str]
+    machine: dict[str, Any]
     config: dict[str, object]
     quality: list[QualityRow] = field(default_factory=list)
     timing: list[TimingRow] = field(default_factory=list)
@@ -355,21 +353,6 @@ def run_large(cfg: BenchConfig, progress: Progress) -> list[LargeRow]:
     return rows
 
 
-def machine_info(device: str) -> dict[str, str]:
-    info = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_threads": str(torch.get_num_threads()),
-        "torch": torch.__version__,
-        "tsenor": __version__,
-        "device": device,
-    }
-    if device.startswith("cuda") and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return info
-
-
 def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult:
     progress = sink(progress)
     quality = run_quality(cfg, progress)
@@ -387,7 +370,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
         "repeats": cfg.repeats,
         "seed": cfg.seed,
     }
-    return BenchResult(machine_info(cfg.device), config, quality, timing, warm, large)
+    return BenchResult(environment(cfg.device), config, quality, timing, warm, large)
 
 
 def _pct(x: float) -> str:

@@ -20,7 +20,6 @@ the Markdown rendering import and run on a CPU.
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tsenor_cli import __version__
+from tsenor_cli.bench.machine import environment
 from tsenor_cli.errors import UsageError
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.solver import nm_mask, transposable_nm_mask
@@ -134,7 +133,7 @@ class Timing:
 class SpeedupResult:
     config: dict[str, Any]
     timings: tuple[Timing, ...]
-    environment: dict[str, str]
+    environment: dict[str, Any]
     date: str
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -149,24 +148,6 @@ class SpeedupResult:
             },
             indent=2,
         )
-
-
-def environment() -> dict[str, str]:
-    """The versions and device the numbers belong to (CUDA fields only when a GPU is present)."""
-    env = {
-        "tsenor": __version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cuda": str(torch.version.cuda),
-    }
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        env["device"] = torch.cuda.get_device_name()
-        env["compute_capability"] = f"{major}.{minor}"
-        env["cusparselt"] = (
-            str(torch.backends.cusparselt.version()) if torch.backends.cusparselt.is_available() else "no"
-        )
-    return env
 
 
 def _semi_structured(weight: torch.Tensor, backend: str, *, with_transpose: bool) -> Any:
@@ -353,7 +334,7 @@ def run_speedup(cfg: SpeedupConfig, progress: Progress | None = None) -> Speedup
     return SpeedupResult(
         config=asdict(cfg),
         timings=tuple(timings),
-        environment=environment(),
+        environment=environment("cuda" if torch.cuda.is_available() else "cpu"),
         date=datetime.now(UTC).isoformat(timespec="seconds"),
     )
 
@@ -378,8 +359,9 @@ def to_markdown(result: SpeedupResult) -> str:
         "",
         "Written by `tsenor bench speedup` (`make bench-gpu`); every number below comes from that run.",
         "",
-        f"- device: {env.get('device', '?')} (compute capability {env.get('compute_capability', '?')}); "
-        f"torch {env['torch']}, CUDA {env['cuda']}, cuSPARSELt {env.get('cusparselt', '?')}; {result.date}",
+        f"- device: {env.get('gpu', env.get('device', '?'))} "
+        f"(compute capability {env.get('compute_capability', '?')}); "
+        f"torch {env['torch']}, CUDA {env.get('cuda', 'none')}, cuSPARSELt {env.get('cusparselt', '?')}; {result.date}",
         f"- bf16, random weights and activations; CUDA-event median of {result.config['repeats']} spans of "
         f"{result.config['inner']} calls after {result.config['warmup']} warm-up calls",
         "- speedup = dense time / sparse time (>1 is faster). Ordinary 2:4 can only make Y = X·Wᵀ sparse: "

@@ -14,11 +14,23 @@ transformers fuses on load) lacks some of those keys: it is refused in one line 
 any weight is read. Tied parameters (one object under several names, e.g. a tied output head) are read
 once, from whichever of their names the checkpoint holds, and stay one object. Each tensor takes the
 dtype its skeleton parameter has.
+
+`release_block` also hands the heap's free memory back to the OS (`trim_heap`). glibc raises its mmap
+threshold each time a large buffer allocated by mmap is freed, so the next buffers of that size come from
+the heap, where freed space is kept. A streamed prune then grew by about half a block of retained heap
+per block. At width 1024 it peaked at 1.70 GB in about one run in two, against 1.08 GB in the others. With
+`trim_heap` after each block, four runs peaked at 1.08-1.37 GB, at the same speed (39 s). Fixing the threshold
+instead (M_MMAP_THRESHOLD) held it at 1.07 GB but took 25% longer (48 s) (2026-11-25, 16 blocks;
+docs/measurements/bench-memory.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import ctypes
+import ctypes.util
+import functools
+import platform
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -135,3 +147,22 @@ def release_block(structure: ModelStructure, index: int) -> None:
         empty = nn.Parameter(torch.empty_like(param, device=META), requires_grad=False)
         for name in group:
             _set(block, name, empty)
+    trim_heap()
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, None under another C library (whose allocator returns freed memory itself or
+    offers no such call: nothing to do there)."""
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    trim: Callable[[int], int] = libc.malloc_trim
+    return trim
+
+
+def trim_heap() -> None:
+    """Return the free memory of the C heap to the OS (the module docstring says why)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

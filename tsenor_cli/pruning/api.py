@@ -52,11 +52,19 @@ from tsenor_cli.pruning.plan import dtype_and_device, plan_model, say_ruled, wei
 from tsenor_cli.pruning.refine import refine_pruned_block
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.report import versions
-from tsenor_cli.pruning.resume import ResumeState, ResumeStore
+from tsenor_cli.pruning.resume import ResumeStore
 from tsenor_cli.pruning.selection import excluded_layers
 from tsenor_cli.pruning.streamed import BlockSource, WeightCounts
 from tsenor_cli.pruning.types import LayerRecord
-from tsenor_cli.runfiles import EVAL_FILE, BlockRefinement, ContextRecord, DataSource, EvalReport, PruneReport
+from tsenor_cli.runfiles import (
+    EVAL_FILE,
+    BlockRefinement,
+    ContextRecord,
+    DataSource,
+    EvalReport,
+    PruneReport,
+    ResumeState,
+)
 from tsenor_cli.settings import RunContext
 
 if TYPE_CHECKING:

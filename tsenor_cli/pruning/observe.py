@@ -232,14 +232,16 @@ class _Watch(TorchFunctionMode):
     """Calls `on_use` for every matmul-like call whose weight is a block parameter; optionally tracks
     which unit's output each tensor derives from, to find routers (`taint`)."""
 
-    def __init__(self, params: _Params, on_use: Callable[[Use], None], *, taint: bool = False) -> None:
+    def __init__(
+        self, params: _Params, on_use: Callable[[Use], None], problems: dict[str, str], *, taint: bool = False
+    ) -> None:
         super().__init__()
         self.params = params
         self.on_use = on_use
         self.taint = taint
         self.sources: dict[int, frozenset[str]] = {}  # id(tensor) → units its values come from
         self.routers: set[str] = set()
-        self.problems: dict[str, str] = {}
+        self.problems = problems  # parameter → why it is not a matmul weight tsenor can prune
         self.touched: dict[str, set[str]] = {}  # parameter → functions that read it
         self._held: list[Any] = []  # tainted tensors stay alive so that their ids are not reused
 
@@ -398,7 +400,12 @@ def observe_block(
     units: dict[str, Unit] = {}
     keys: dict[str, Any] = {}
     held: list[torch.Tensor] = []
+    problems: dict[str, str] = {}
 
+    # on_use must not refer to the watch: the cycle would keep the block's weights (held by the watch's
+    # `_Params`) alive until Python's cycle collector runs, which a streamed run (BlockSource.release) must
+    # not wait for: host memory then grew with depth (1.05 GiB of mapped checkpoint at 32 blocks, against
+    # 0.66 at 8, docs/measurements/bench-memory.md).
     def on_use(use: Use) -> None:
         unit = units.get(use.param)
         if unit is None:
@@ -406,10 +413,10 @@ def observe_block(
             keys[use.param] = input_key(use.source)
             held.append(use.source)
         elif unit.geometry != use.geometry or unit.left != use.left:
-            watch.problems.setdefault(use.param, "used with two different shapes or orientations")
+            problems.setdefault(use.param, "used with two different shapes or orientations")
         unit.calls += 1
 
-    watch = _Watch(params, on_use, taint=True)
+    watch = _Watch(params, on_use, problems, taint=True)
     calls: dict[str, tuple[Any, ...]] = {}
     stacks_of = _modules_holding(block)
     handles = [
@@ -482,7 +489,7 @@ def _find_routing(unit: Unit, calls: Mapping[str, tuple[Any, ...]]) -> str | Non
 @contextlib.contextmanager
 def watching(block: nn.Module, on_use: Callable[[Use], None]) -> Iterator[None]:
     """Report every matmul on the block's parameters to `on_use` while the block runs inside."""
-    with _Watch(_Params.of(block), on_use):
+    with _Watch(_Params.of(block), on_use, {}):
         yield
 
 

@@ -6,8 +6,9 @@ After block i is pruned the store writes, each file atomically (tsenor_cli.atomi
 2. ``hidden_<i>.safetensors``: the hidden states (S, T, H) leaving it, the input of block i+1 (not
    written after the last block, which nothing reads), and with `--refine block` under ``dense`` the
    dense model's hidden states there (the dense stream, pruning/refine.py);
-3. ``state.json``: the commit point. It names the next block, the hidden-states file to read and the
-   size of every file it relies on, plus the layer records and the calibration source;
+3. ``state.json`` (its schema is `runfiles.ResumeState`): the commit point. It names the next block,
+   the hidden-states file to read and the size of every file it relies on, plus the layer records and
+   the calibration source;
 4. the previous ``hidden_<i-1>.safetensors`` is deleted.
 
 Files are named by block and never rewritten with other contents, so a kill at any point leaves the
@@ -23,7 +24,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -32,43 +32,23 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tsenor_cli import atomic
-from tsenor_cli.errors import ResumeStateError
+from tsenor_cli.errors import ResumeStateError, SchemaError
 from tsenor_cli.pruning.types import LayerRecord
-from tsenor_cli.runfiles import RESUME_DIR, RESUME_STATE_FILE, BlockRefinement, DataSource
+from tsenor_cli.runfiles import (
+    PRUNE_STATE_VERSION,
+    RESUME_DIR,
+    RESUME_STATE_FILE,
+    BlockRefinement,
+    DataSource,
+    ResumeState,
+    block_file,
+    hidden_file,
+)
 
-# 3: files named by block (block_<i>, hidden_<i>) and listed with their sizes in state.json.
-STATE_VERSION = 3
 # What this store writes in its folder: its files and their atomic temporaries (.NAME.tmp-<pid>-…).
 _OWN_FILE = re.compile(
     rf"\.?({re.escape(RESUME_STATE_FILE)}|(block|hidden)_[0-9]{{4}}\.safetensors)(\.tmp-[0-9]+-[A-Za-z0-9_]+)?"
 )
-
-
-def block_file(index: int) -> str:
-    return f"block_{index:04d}.safetensors"
-
-
-def hidden_file(index: int) -> str:
-    return f"hidden_{index:04d}.safetensors"
-
-
-@dataclass(frozen=True)
-class ResumeState:
-    """A saved state: blocks 0..next_block-1 are done.
-
-    hidden: the file holding the (S, T, H) input of block next_block, None once every block is done.
-    files: {file name: size in bytes} of every file the state relies on. refinement: the records of
-    the blocks refined so far (`--refine block`).
-    """
-
-    next_block: int
-    blocks: int
-    hidden: str | None
-    files: dict[str, int]
-    records: list[LayerRecord]
-    calibration: str
-    calibration_source: DataSource
-    refinement: tuple[BlockRefinement, ...] = ()
 
 
 class ResumeStore:
@@ -132,10 +112,11 @@ class ResumeStore:
             raise self._damaged(f"{RESUME_STATE_FILE} is unreadable: {exc}") from exc
         if not isinstance(raw, dict):
             raise self._damaged(f"{RESUME_STATE_FILE} is not a JSON object")
-        if raw.get("version") != STATE_VERSION:
+        version = ResumeState.version_of(raw)
+        if version != PRUNE_STATE_VERSION:
             raise ResumeStateError(
                 f"the resume state in {self.root} was written by another tsenor version (state version "
-                f"{raw.get('version')!r}, this one reads {STATE_VERSION}); pass --force to start over"
+                f"{version!r}, this one reads {PRUNE_STATE_VERSION}); pass --force to start over"
             )
         if raw.get("config_hash") != config_hash:
             raise ResumeStateError(
@@ -143,20 +124,9 @@ class ResumeStore:
                 "flags to continue it, or pass --force to start over"
             )
         try:
-            state = ResumeState(
-                next_block=int(raw["next_block"]),
-                blocks=int(raw["blocks"]),
-                hidden=None if raw["hidden"] is None else str(raw["hidden"]),
-                files={str(name): int(size) for name, size in dict(raw["files"]).items()},
-                records=[LayerRecord(**record) for record in raw["records"]],
-                calibration=str(raw["calibration"]),
-                calibration_source=DataSource.from_json(raw["calibration_source"], str(self.state_path)),
-                refinement=tuple(
-                    BlockRefinement.from_json(block, str(self.state_path)) for block in raw.get("refinement", [])
-                ),
-            )
-        except (KeyError, TypeError, ValueError) as exc:  # SchemaError is a ValueError
-            raise self._damaged(f"{RESUME_STATE_FILE} lacks or mistypes {exc}") from exc
+            state = ResumeState.from_json(raw, RESUME_STATE_FILE)
+        except SchemaError as exc:
+            raise self._damaged(str(exc)) from exc
         if state.blocks != blocks:
             raise ResumeStateError(
                 f"the resume state in {self.root} is for a model with {state.blocks} blocks, not {blocks}; "
@@ -214,21 +184,17 @@ class ResumeStore:
             atomic.save_safetensors(streams, self.root / new_hidden)
             files[new_hidden] = (self.root / new_hidden).stat().st_size
         state = ResumeState(
-            index + 1, blocks, new_hidden, files, list(records), calibration, calibration_source, tuple(refinement)
+            config_hash,
+            index + 1,
+            blocks,
+            new_hidden,
+            files,
+            list(records),
+            calibration,
+            calibration_source,
+            tuple(refinement),
         )
-        payload = {
-            "version": STATE_VERSION,
-            "config_hash": config_hash,
-            "next_block": state.next_block,
-            "blocks": blocks,
-            "hidden": new_hidden,
-            "files": files,
-            "records": [asdict(r) for r in records],
-            "calibration": calibration,
-            "calibration_source": calibration_source.to_json(),
-            "refinement": [block.to_json() for block in refinement],
-        }
-        atomic.write_json(self.state_path, payload, indent=1)
+        atomic.write_json(self.state_path, state.to_json(), indent=1)
         if old_hidden is not None:
             (self.root / old_hidden).unlink(missing_ok=True)
         return state

@@ -39,7 +39,7 @@ from tsenor_cli.models.streaming import load_block, release_block
 from tsenor_cli.models.structure import ModelStructure
 from tsenor_cli.pruning.distributed import Team
 from tsenor_cli.pruning.finite import check_finite
-from tsenor_cli.pruning.resume import block_file
+from tsenor_cli.runfiles import block_file
 
 
 @dataclass
