@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers_cli import invoke
 from helpers_tiny import (
     LOCAL_CTX,
     MULTIMODAL,
@@ -28,10 +29,8 @@ from helpers_tiny import (
 )
 from safetensors.torch import load_file
 from torch import nn
-from typer.testing import CliRunner
 
-from tsenor_cli.cli import app
-from tsenor_cli.errors import IncompatibleModelError, TsenorError
+from tsenor_cli.errors import IncompatibleModelError
 from tsenor_cli.models.loading import (
     LoadedModel,
     auto_class,
@@ -43,9 +42,12 @@ from tsenor_cli.models.loading import (
 )
 from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.pattern import SparsityPattern
+from tsenor_cli.pruning import magnitude
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.engine import BlockCall, capture_block_calls, capture_block_inputs, run_block
+from tsenor_cli.pruning.outside import OUTSIDE_BLOCK
+from tsenor_cli.pruning.outside import REASON as OUTSIDE_REASON
 from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.pruning.verify import verify_checkpoint
 from tsenor_cli.runfiles import PruneReport
@@ -66,14 +68,6 @@ LANGUAGE_MODELS: dict[str, tuple[str, tuple[str, ...]]] = {
 IDLE = {"mllama": {1}}
 SEQ_LEN = 24
 PATTERN = SparsityPattern.from_nm(2, 4, transposable=True)
-
-
-def _invoke(args: list[str]) -> Any:
-    """Run the CLI as the console script does: known errors become their exit code."""
-    result = CliRunner().invoke(app, args)
-    if isinstance(result.exception, TsenorError):
-        result.exit_code = result.exception.exit_code  # what main() would exit with
-    return result
 
 
 def _ids(batch: int, seed: int) -> torch.Tensor:
@@ -274,7 +268,7 @@ def test_perplexity_eval_runs_on_the_pruned_model(
 ) -> None:
     out, _ = pruned[family]
     args = ["eval", "--model", str(out), "--ppl", "wikitext2", "--seqlen", "32", "--max-windows", "2"]
-    result = _invoke([*args, "--output", str(tmp_path), "--data-dir", str(data_dir), "--offline"])
+    result = invoke([*args, "--output", str(tmp_path), "--data-dir", str(data_dir), "--offline"])
     assert result.exit_code == 0, result.output
     record = json.loads((tmp_path / "eval.json").read_text())
     assert record["model_type"] == family
@@ -298,7 +292,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_one_line_exit_5(
     prune = ["prune", "--model", str(source), "--method", "sparsegpt", "--nm", "2:4", "--nsamples", "2"]
     prune += ["--seqlen", "16", "--calib-data", str(calibration_text), "--output", str(out)]
     for args in (prune, ["eval", "--model", str(source), "--ppl", "wikitext2", "--output", str(out)]):
-        result = _invoke(args)
+        result = invoke(args)
         message = str(result.exception)
         assert result.exit_code == 5 and isinstance(result.exception, IncompatibleModelError), result.output
         assert f"has 49152 ids but its model's token embedding has {rows} rows" in message
@@ -338,7 +332,7 @@ def test_config_values_come_from_the_text_config() -> None:
 
 
 def test_dry_run_plans_the_language_model(checkpoints: dict[str, Path]) -> None:
-    result = _invoke(["prune", "--model", str(checkpoints["gemma3"]), "--nm", "2:4", "--dry-run", "--json"])
+    result = invoke(["prune", "--model", str(checkpoints["gemma3"]), "--nm", "2:4", "--dry-run", "--json"])
     assert result.exit_code == 0, result.output
     plan = json.loads(result.output)
     assert len(plan["layers"]) == 14 and plan["blocks"] == 2 and plan["incompatible"] == 0
@@ -469,20 +463,74 @@ def test_loaded_model_carries_the_processor_files(checkpoints: dict[str, Path]) 
     assert loaded.structure.blocks_name == "model.language_model.layers"
 
 
-@pytest.mark.parametrize(
-    ("family", "pattern"), [("llava", "model.vision_tower.*"), ("gemma3", "re:.*multi_modal_proj")]
-)
+@pytest.mark.parametrize(("family", "pattern"), [("gemma3", "re:.*multi_modal_proj"), ("llava", "lm_head")])
 @pytest.mark.parametrize("dry_run", [False, True])
-def test_targets_naming_only_the_vision_side_are_refused_in_one_line(
+def test_targets_naming_only_weights_tsenor_leaves_dense_are_refused_in_one_line(
     family: str, pattern: str, dry_run: bool, checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
-    """The vision tower and projector have no inputs in text-only calibration: a --targets pattern naming
-    only them is one line (exit 2) saying so, before any weight is read, nothing written."""
+    """Gemma-3's projector is a bare parameter and the output head is no vision weight: a --targets pattern
+    naming only such weights is one line (exit 2), before any weight is read, nothing written."""
     out = tmp_path / "out"
     args = ["prune", "--model", str(checkpoints[family]), "--nm", "2:4", "--targets", pattern, "--output", str(out)]
-    result = _invoke([*args, "--dry-run"] if dry_run else args)
+    result = invoke([*args, "--dry-run"] if dry_run else args)
     message = str(result.exception)
     assert result.exit_code == 2, result.output
-    assert message.startswith(f"--targets {pattern!r} names only weights outside the decoder blocks (e.g. model.")
-    assert "vision tower, projector" in message and "\n" not in message
+    assert message.startswith(f"--targets {pattern!r} names only weights outside the decoder blocks (e.g. ")
+    assert "vision tower" in message and "\n" not in message
     assert not out.exists()
+
+
+def test_targets_prune_the_vision_tower_by_magnitude(
+    checkpoints: dict[str, Path], calibration_text: Path, tmp_path: Path
+) -> None:
+    """--targets naming LLaVA's vision tower prunes its linears from their magnitudes (the text calibration
+    never reaches them), whatever the method: each keeps exactly the largest-magnitude transposable 2:4
+    entries of its dense weight, its record says why, the dry run lists it, verify passes; the language
+    model, not targeted, is unchanged."""
+    from transformers import AutoTokenizer
+
+    source, out = checkpoints["llava"], tmp_path / "out"
+    args = [
+        "prune",
+        "--model",
+        str(source),
+        "--method",
+        "sparsegpt",
+        "--nm",
+        "2:4",
+        "--targets",
+        "model.vision_tower.*",
+    ]
+    args += ["--nsamples", "2", "--seqlen", "16", "--calib-data", str(calibration_text), "--output", str(out)]
+    dense = auto_class(json_config(source)).from_pretrained(source).eval()
+    linears = {n for n, m in dense.named_modules() if n.startswith("model.vision_tower.") and isinstance(m, nn.Linear)}
+    assert linears
+
+    dry = invoke([*args, "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    listed = {line.split()[0] for line in dry.output.splitlines() if OUTSIDE_REASON in line}
+    assert listed == linears and not out.exists()
+
+    ran = invoke(args)
+    assert ran.exit_code == 0, ran.output
+    report = PruneReport.from_json(json.loads((out / "tsenor_report.json").read_text()))
+    beyond = [r for r in report.layers if r.block == OUTSIDE_BLOCK]
+    assert {r.name for r in beyond} == linears
+    assert all(r.status == "pruned" and r.reason == OUTSIDE_REASON and r.density == 0.5 for r in beyond)
+    assert not [r for r in report.layers if r.block >= 0 and r.status == "pruned"]
+    verified = verify_checkpoint(out)
+    assert verified.ok and {layer.name for layer in verified.layers} == linears
+
+    model = auto_class(json_config(out)).from_pretrained(out).eval()
+    before, after = dense.state_dict(), model.state_dict()
+    for key, tensor in before.items():
+        name = key.removesuffix(".weight")
+        if name not in linears:
+            assert torch.equal(after[key], tensor), key
+            continue
+        expected = magnitude.prune(tensor, None, LayerPruneConfig(PATTERN)).weight
+        assert torch.equal(after[key], expected), key
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer("the image shows a model", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert model.generate(prompt, max_new_tokens=3, do_sample=False).shape == (1, prompt.shape[1] + 3)

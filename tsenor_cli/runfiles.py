@@ -238,6 +238,8 @@ def _optional(obj: Mapping[str, Any], key: str, reader: Any, where: str) -> Any:
 class LayerRecord:
     """One prunable linear of the model, as the report shows it.
 
+    block: the decoder block, −1 for a linear outside the language model that --targets selected
+    (pruning/outside.py).
     name: full module name ("model.layers.3.mlp.down_proj"), or for a matrix that is not an nn.Linear
     the parameter's ("model.layers.3.mlp.experts.gate_up_proj", with ``[e]`` for expert e of a stack);
     status "pruned", "skipped" (with reason: the pattern does not fit) or "ignored" (with reason: left

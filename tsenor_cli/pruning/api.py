@@ -47,6 +47,8 @@ from tsenor_cli.pruning.output import (
     prepare_output,
     write_checkpoint,
 )
+from tsenor_cli.pruning.outside import REASON as OUTSIDE_REASON
+from tsenor_cli.pruning.outside import outside_linears, prune_outside, selected_outside
 from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.plan import dtype_and_device, plan_model, say_ruled, weight_plan
 from tsenor_cli.pruning.refine import refine_pruned_block
@@ -130,12 +132,14 @@ def _observed_plan(
     observed: dict[int, BlockObservation],
     cfg: PruneConfig,
     say: Progress,
+    selectable: Sequence[str] = (),
 ) -> tuple[list[LinearSlot], dict[str, str], dict[str, str], dict[int, list[LayerRecord]]]:
     """The run's weight matrices once the blocks' forwards were watched: (slots, ignored, skipped, the
     records of block parameters that are not matmul weights, per block) (`plan.weight_plan`), and the
     compatibility check as for nn.Linear layers. A kind of weight left dense by a rule is said once on stderr.
+    selectable: the linears outside the language model --targets may name (`pruning/outside.py`).
     """
-    plan = weight_plan(structure, static, observed, cfg)
+    plan = weight_plan(structure, static, observed, cfg, selectable)
     slots, ignored, unused = plan.slots, plan.ignored, plan.unused
     say_ruled(plan)
     candidates = [s for s in slots if s.full_name not in ignored]
@@ -349,8 +353,15 @@ def _prune(
     dtype, device = dtype_and_device(cfg, ctx)
     loaded, slots, calib = _load(cfg, ctx, state, say, team, built, dtype)
     structure = loaded.structure
+    linears = outside_linears(loaded.model, structure)
+    beyond = selected_outside(linears, cfg.targets, cfg.ignore, cfg.pattern) if cfg.targets else ()
     if structure.outside:
-        say(f"left dense, outside the language model {structure.base_name}: {', '.join(structure.outside)}")
+        dense = [name for name in structure.outside if not any(w.name.startswith(f"{name}.") for w in beyond)]
+        if dense:
+            say(f"left dense, outside the language model {structure.base_name}: {', '.join(dense)}")
+    if beyond and team.is_root:
+        # The report says it per record too; a user who asked for --method wanda must see it now.
+        logger.warning("--targets selects %d linear(s) outside the language model: %s", len(beyond), OUTSIDE_REASON)
     seqlen = min(cfg.seqlen, loaded.max_positions or cfg.seqlen)
     if seqlen < cfg.seqlen:
         logger.warning(
@@ -362,10 +373,11 @@ def _prune(
         BlockSource(structure, loaded.checkpoint, output=output, folder=folder, team=team, where=where)
     ) as source:
         begin = _calibrate(cfg, structure, store, state, calib, say, team, device, source)
-        plan = _watch(cfg, structure, slots, begin, say, team, device, source)
+        plan = _watch(cfg, structure, slots, begin, say, team, device, source, list(linears))
         records, refined = _prune_blocks(
             cfg, structure, begin, plan, output, store, state, point, say, after_block, stop, team, device, source
         )
+        records += prune_outside(linears, beyond, cfg.layer, say)
 
         def report(counts: WeightCounts) -> PruneReport:
             return _report(cfg, ctx, counts, records, refined, begin, seqlen, start, team, device)
@@ -474,7 +486,8 @@ def _load(
             fix="the checkpoint is corrupt; re-download or re-convert it (nothing was written)",
         )
         slots = linear_slots(loaded.structure)
-        ignored = excluded_layers([s.full_name for s in slots], cfg.ignore, cfg.targets)
+        selectable = list(outside_linears(loaded.model, loaded.structure))
+        ignored = excluded_layers([s.full_name for s in slots], cfg.ignore, cfg.targets, selectable=selectable)
         # The nn.Linear layers are checked now, before calibration; the other matrices once the forward
         # has shown their orientation and role (`_observed_plan`).
         # A one-output layer is a gate (observe.py), left dense then whatever its shape.
@@ -537,6 +550,7 @@ def _watch(
     team: Team,
     device: torch.device,
     source: BlockSource,
+    selectable: Sequence[str] = (),
 ) -> _BlockPlan:
     """Watch the dense forward of the blocks left to prune (one sample; a streamed run reads each block
     for it and releases it) and settle the run's weight matrices from what they multiply by (`_observed_plan`)."""
@@ -547,7 +561,7 @@ def _watch(
                 structure, begin.hidden[:1], begin.calls, begin.first, device, resident=source.resident
             )
     with team.agreed():
-        slots, ignored, skipped, unused = _observed_plan(structure, slots, observed, cfg, say)
+        slots, ignored, skipped, unused = _observed_plan(structure, slots, observed, cfg, say, selectable)
     matrices = sum(s.matrices for s in slots)
     say(
         f"{structure.model_type}: {len(structure.blocks)} blocks in {structure.blocks_name}, {matrices} weight matrices"

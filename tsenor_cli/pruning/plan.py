@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tsenor_cli.errors import IncompatibleModelError
 from tsenor_cli.progress import Progress, logger
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.engine import (
@@ -27,6 +28,8 @@ from tsenor_cli.pruning.engine import (
 from tsenor_cli.pruning.memory import HostEstimate, check_fits, host_estimate
 from tsenor_cli.pruning.observe import BlockObservation
 from tsenor_cli.pruning.output import free_bytes, human_bytes, output_path
+from tsenor_cli.pruning.outside import OUTSIDE_BLOCK, OutsideWeight, outside_linears, selected_outside
+from tsenor_cli.pruning.outside import REASON as OUTSIDE_REASON
 from tsenor_cli.pruning.probe import probe_blocks
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.selection import excluded_layers, matches
@@ -105,8 +108,8 @@ def estimate_device_memory(
     refine: bool = False,
 ) -> list[MemoryEstimate]:
     """One `MemoryEstimate` per rank. block_params: parameter count of each block; candidates: the linears
-    to prune (at least one); width: bytes per element of the model's dtype (statistics are float32);
-    refine: --refine block (`MemoryEstimate.refine`)."""
+    to prune (none when --targets selects only linears outside the language model); width: bytes per
+    element of the model's dtype (statistics are float32); refine: --refine block (`MemoryEstimate.refine`)."""
     from tsenor_cli.pruning.distributed import shard_bounds
 
     blocks = len(block_params)
@@ -117,12 +120,13 @@ def estimate_device_memory(
     statistics = 4 * max(stats_size)
     kept_features = 0  # per token, the linear inputs a distributed rank keeps for one group
     if world_size > 1:
-        statistics = 2 * statistics + 4 * max(s.in_features**2 + s.in_features for s in candidates)
+        statistics = 2 * statistics + 4 * max((s.in_features**2 + s.in_features for s in candidates), default=0)
         per_block = [sum(s.in_features for s in candidates if s.block == i) for i in range(blocks)]
         # One group's linears read one input (LLaMA's q,k,v; gate,up); without --sequential the block is
         # one group and every linear's input counts (an upper bound: shared inputs are kept once).
-        kept_features = max(s.in_features for s in candidates) if sequential else max(per_block)
-    workspace = max(slot_workspace(s, needs_gram=needs_gram, iterative=iterative) for s in candidates)
+        kept_features = max((s.in_features for s in candidates), default=0) if sequential else max(per_block)
+    # No candidate when --targets selects only linears outside the language model (pruning/outside.py).
+    workspace = max((slot_workspace(s, needs_gram=needs_gram, iterative=iterative) for s in candidates), default=0)
     estimates = []
     for rank, (start, stop) in enumerate(shard_bounds(nsamples, world_size)):
         rows = 1 if offload_activations else stop - start
@@ -159,10 +163,15 @@ class WeightPlan:
 
 
 def weight_plan(
-    structure: ModelStructure, static: Sequence[LinearSlot], observed: dict[int, BlockObservation], cfg: PruneConfig
+    structure: ModelStructure,
+    static: Sequence[LinearSlot],
+    observed: dict[int, BlockObservation],
+    cfg: PruneConfig,
+    selectable: Sequence[str] = (),
 ) -> WeightPlan:
     """Slots of watched blocks take their orientation, experts and role from the watch; routers and gates
-    are left dense unless a --targets pattern names them; the other patterns as for nn.Linear layers."""
+    are left dense unless a --targets pattern names them; the other patterns as for nn.Linear layers.
+    selectable: the linears outside the language model --targets may name (`pruning/outside.py`)."""
     slots: list[LinearSlot] = []
     unused: dict[int, list[LayerRecord]] = {}
     for index in range(len(structure)):
@@ -186,7 +195,7 @@ def weight_plan(
                     LayerRecord(index, full, int(shape[-2]), int(shape[-1]), "ignored", why, param=full)
                 )
     names = [s.full_name for s in slots]
-    ignored = excluded_layers(names, cfg.ignore, cfg.targets)
+    ignored = excluded_layers(names, cfg.ignore, cfg.targets, selectable=selectable)
     targeted = {n for n in names if any(matches(p, n) for p in cfg.targets)}
     ruled: dict[str, int] = {}
     for slot in slots:
@@ -265,7 +274,9 @@ class PrunePlan:
     device_memory: the peak device memory of each rank (one for a single process); device_bytes: the
     largest of them; host_memory: the peak host memory of one process (`memory.HostEstimate`; a streamed
     run holds the weights outside the blocks and one block). blocks_bytes: every block's parameters (what
-    a streamed run without a resume state keeps on disk until the write); stream: the plan is for --stream.
+    a streamed run without a resume state keeps on disk until the write); stream: the plan is for --stream;
+    beyond: the linears outside the language model that --targets selects (pruned by magnitude,
+    `pruning/outside.py`).
     """
 
     model: str
@@ -294,6 +305,7 @@ class PrunePlan:
     probe_bytes: int = 0
     blocks_bytes: int = 0
     stream: bool = False
+    beyond: tuple[OutsideWeight, ...] = ()
 
     @property
     def device_bytes(self) -> int:
@@ -335,6 +347,9 @@ class PrunePlan:
             shape = f"{record.out_features}×{record.in_features}"
             found.append((record.block, record.name, shape, _VERDICTS["not a matmul weight"](record.reason)))
         found.sort(key=lambda row: row[0])  # stable: block by block, each in the order found
+        for weight in self.beyond:
+            verdict = f"NO: {weight.incompatible}" if weight.incompatible else f"yes, {OUTSIDE_REASON}"
+            found.append((OUTSIDE_BLOCK, weight.name, f"{weight.out_features}×{weight.in_features}", verdict))
         return [(name, shape, verdict) for _block, name, shape, verdict in found]
 
     def to_dict(self) -> dict[str, Any]:
@@ -371,6 +386,21 @@ class PrunePlan:
                     "ignored": r.reason,
                 }
                 for r in self.unused
+            ]
+            + [
+                {
+                    "name": w.name,
+                    "shape": [w.out_features, w.in_features],
+                    "experts": 0,
+                    "transposed": False,
+                    "role": None,
+                    "status": "incompatible" if w.incompatible else "prune",
+                    "compatible": w.incompatible is None,
+                    "reason": w.incompatible,
+                    "ignored": None,
+                    "outside": OUTSIDE_REASON,
+                }
+                for w in self.beyond
             ],
             "skipped": len(self.idle),
             "decided_at_prune_time": len(self.pending),
@@ -445,6 +475,12 @@ class PrunePlan:
             processes=processes,
         )
         check_compatibility(self.candidates, cfg.pattern, skip=cfg.skip_incompatible)
+        unfit = [w for w in self.beyond if w.incompatible]
+        if unfit and not cfg.skip_incompatible:
+            raise IncompatibleModelError(
+                f"--targets selects {unfit[0].name}, which cannot take {cfg.pattern.label}: {unfit[0].incompatible}; "
+                "choose an M that divides its dimensions or pass --skip-incompatible (or --ignore) to leave it dense"
+            )
 
 
 def plan_model(
@@ -483,11 +519,13 @@ def plan_model(
     observed: frozenset[str] = frozenset()
     probe_bytes = 0
     names, outside = [s.full_name for s in slots], _outside_weights(model, structure)
+    linears = outside_linears(model, structure)
+    beyond = selected_outside(linears, cfg.targets, cfg.ignore, cfg.pattern) if cfg.targets else ()
     if observe:
         # The patterns first: a typo is found before the probe runs a forward.
-        excluded_layers(names, cfg.ignore, cfg.targets, outside=outside)
+        excluded_layers(names, cfg.ignore, cfg.targets, outside=outside, selectable=list(linears))
         probe = probe_blocks(structure, hidden)
-        accounted = weight_plan(structure, slots, probe.observed, cfg)
+        accounted = weight_plan(structure, slots, probe.observed, cfg, list(linears))
         say_ruled(accounted)
         slots, ignored = accounted.slots, accounted.ignored
         unused = tuple(record for index in sorted(accounted.unused) for record in accounted.unused[index])
@@ -500,7 +538,7 @@ def plan_model(
         observed = frozenset(s.full_name for s in slots if s.block in probe.observed)
         probe_bytes = probe.peak_bytes
     else:
-        ignored = excluded_layers(names, cfg.ignore, cfg.targets, outside=outside)
+        ignored = excluded_layers(names, cfg.ignore, cfg.targets, outside=outside, selectable=list(linears))
     bad = incompatible_slots(_checkable(slots, (ignored, idle, pending), observed), cfg.pattern)
     candidates = [s for s in slots if s.full_name not in ignored and s.full_name not in idle]
     max_pos = config_value(config, "max_position_embeddings")
@@ -555,6 +593,7 @@ def plan_model(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         blocks=len(structure),
+        beyond=beyond,
         checkpoint_bytes=params * width,
         # With --refine the hidden-state files hold the dense stream too.
         resume_bytes=sum(per_block) * width + (4 if cfg.refine.on else 2) * cfg.nsamples * seqlen * hidden * width,

@@ -4,7 +4,8 @@ A pattern is a glob (fnmatch, case-sensitive: ``*.mlp.down_proj``, ``model.layer
 matches only itself) or, with the ``re:`` prefix, a regular expression matched at the start of the name
 (``re.match``, as llm-compressor's ``ignore``/``targets`` do: ``re:.*down_proj$``). Names are the full
 module names of the model ("model.layers.3.self_attn.q_proj"). A pattern that matches no linear of the
-decoder blocks is an error: a typo must not silently prune everything.
+decoder blocks (nor a linear of a vision tower or projector, `pruning/outside.py`) is an error: a typo must
+not silently prune everything.
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ def matches(pattern: str, name: str) -> bool:
 
 
 def excluded_layers(
-    names: Sequence[str], ignore: Sequence[str], targets: Sequence[str], *, outside: Sequence[str] = ()
+    names: Sequence[str],
+    ignore: Sequence[str],
+    targets: Sequence[str],
+    *,
+    outside: Sequence[str] = (),
+    selectable: Sequence[str] = (),
 ) -> dict[str, str]:
     """{full name: reason} of the linears (full module `names`) left dense by `targets` (when given) and `ignore`.
 
@@ -48,17 +54,19 @@ def excluded_layers(
     prune. outside: the names of the model's weight matrices outside the decoder blocks (a multimodal
     model's vision tower and projector, the embeddings, the output head): a pattern that names only
     those gets its own line, as they cannot be pruned (calibration is text through the language model,
-    so they have no inputs to prune with).
+    so they have no inputs to prune with). selectable: the linears outside the language model (vision
+    tower, projector) a pattern may name instead (`pruning/outside.py`); a run whose --targets name only
+    those prunes only those.
     """
     for flag, patterns in (("--targets", targets), ("--ignore", ignore)):
         for pattern in patterns:
-            if not any(matches(pattern, name) for name in names):
+            if not any(matches(pattern, name) for name in (*names, *selectable)):
                 beyond = next((name for name in outside if matches(pattern, name)), None)
                 if beyond is not None:
                     raise UsageError(
-                        f"{flag} {pattern!r} names only weights outside the decoder blocks (e.g. {beyond}); tsenor "
-                        "prunes the language model's blocks, calibrated on text, so a vision tower, projector, "
-                        "embeddings and output head stay dense; drop the pattern"
+                        f"{flag} {pattern!r} names only weights outside the decoder blocks (e.g. {beyond}) that "
+                        "tsenor leaves dense: the embeddings, the output head and matrices that are no nn.Linear "
+                        "(only a vision tower's and projector's linear layers can be targeted); drop the pattern"
                     )
                 example = names[0] if names else "model.layers.0.mlp.down_proj"
                 raise UsageError(
@@ -73,7 +81,8 @@ def excluded_layers(
         hit = next((pattern for pattern in ignore if matches(pattern, name)), None)
         if hit is not None:
             excluded[name] = f"matched --ignore {hit}"
-    if names and len(excluded) == len(names):
+    chosen_outside = any(matches(pattern, name) for pattern in targets for name in selectable)
+    if names and len(excluded) == len(names) and not chosen_outside:
         raise UsageError(
             f"--ignore/--targets leave none of the {len(names)} linear layers to prune; loosen the patterns"
         )
