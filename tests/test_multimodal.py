@@ -534,3 +534,23 @@ def test_targets_prune_the_vision_tower_by_magnitude(
     prompt = tokenizer("the image shows a model", return_tensors="pt").input_ids
     with torch.no_grad():
         assert model.generate(prompt, max_new_tokens=3, do_sample=False).shape == (1, prompt.shape[1] + 3)
+
+
+def test_a_targeted_vision_linear_the_pattern_cannot_take_is_one_line_exit_5(
+    checkpoints: dict[str, Path], calibration_text: Path, tmp_path: Path
+) -> None:
+    """32:64 cannot tile the 32-wide vision tower: refused in one line before any weight is read (dry run
+    too), nothing written; with --skip-incompatible each such linear is recorded skipped with the reason."""
+    out = tmp_path / "out"
+    args = ["prune", "--model", str(checkpoints["llava"]), "--nm", "32:64", "--targets", "model.vision_tower.*"]
+    args += ["--nsamples", "2", "--seqlen", "16", "--calib-data", str(calibration_text), "--output", str(out)]
+    for attempt in ([*args, "--dry-run"], args):
+        result = invoke(attempt)
+        message = str(result.exception)
+        assert result.exit_code == 5 and isinstance(result.exception, IncompatibleModelError), result.output
+        assert message.startswith("--targets selects model.vision_tower.") and "\n" not in message
+        assert not out.exists()
+    assert invoke([*args, "--skip-incompatible"]).exit_code == 0
+    report = PruneReport.from_json(json.loads((out / "tsenor_report.json").read_text()))
+    beyond = [r for r in report.layers if r.block == OUTSIDE_BLOCK]
+    assert beyond and all(r.status == "skipped" and r.reason for r in beyond)

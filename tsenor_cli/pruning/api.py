@@ -48,7 +48,7 @@ from tsenor_cli.pruning.output import (
     write_checkpoint,
 )
 from tsenor_cli.pruning.outside import REASON as OUTSIDE_REASON
-from tsenor_cli.pruning.outside import outside_linears, prune_outside, selected_outside
+from tsenor_cli.pruning.outside import check_outside, outside_linears, prune_outside, selected_outside
 from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.plan import dtype_and_device, plan_model, say_ruled, weight_plan
 from tsenor_cli.pruning.refine import refine_pruned_block
@@ -194,6 +194,7 @@ def prune_model(
                     check_output_location(output)
                 plan = plan_model(cfg, ctx, progress=say, observe=False)
                 check_not_input(output, plan.source)
+                check_outside(plan.beyond, cfg.pattern, skip=cfg.skip_incompatible)
                 # Before the lock and the free-space check: a run that cannot fit allocates nothing.
                 check_fits(
                     plan.host_memory,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tsenor_cli.errors import IncompatibleModelError
 from tsenor_cli.models.structure import ModelStructure
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.progress import Progress
@@ -65,6 +66,17 @@ def selected_outside(
             why = pattern.incompatibility(out_features, in_features)
             chosen.append(OutsideWeight(name, int(out_features), int(in_features), why))
     return tuple(chosen)
+
+
+def check_outside(chosen: Sequence[OutsideWeight], pattern: SparsityPattern, *, skip: bool) -> None:
+    """IncompatibleModelError naming the first `chosen` linear `pattern` cannot tile, unless `skip`
+    (--skip-incompatible: it is then recorded skipped)."""
+    unfit = [w for w in chosen if w.incompatible]
+    if unfit and not skip:
+        raise IncompatibleModelError(
+            f"--targets selects {unfit[0].name}, which cannot take {pattern.label}: {unfit[0].incompatible}; "
+            "choose an M that divides its dimensions or pass --skip-incompatible (or --ignore) to leave it dense"
+        )
 
 
 @torch.no_grad()

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tsenor_cli.errors import IncompatibleModelError
 from tsenor_cli.progress import Progress, logger
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.engine import (
@@ -28,7 +27,13 @@ from tsenor_cli.pruning.engine import (
 from tsenor_cli.pruning.memory import HostEstimate, check_fits, host_estimate
 from tsenor_cli.pruning.observe import BlockObservation
 from tsenor_cli.pruning.output import free_bytes, human_bytes, output_path
-from tsenor_cli.pruning.outside import OUTSIDE_BLOCK, OutsideWeight, outside_linears, selected_outside
+from tsenor_cli.pruning.outside import (
+    OUTSIDE_BLOCK,
+    OutsideWeight,
+    check_outside,
+    outside_linears,
+    selected_outside,
+)
 from tsenor_cli.pruning.outside import REASON as OUTSIDE_REASON
 from tsenor_cli.pruning.probe import probe_blocks
 from tsenor_cli.pruning.registry import get_pruner
@@ -475,12 +480,7 @@ class PrunePlan:
             processes=processes,
         )
         check_compatibility(self.candidates, cfg.pattern, skip=cfg.skip_incompatible)
-        unfit = [w for w in self.beyond if w.incompatible]
-        if unfit and not cfg.skip_incompatible:
-            raise IncompatibleModelError(
-                f"--targets selects {unfit[0].name}, which cannot take {cfg.pattern.label}: {unfit[0].incompatible}; "
-                "choose an M that divides its dimensions or pass --skip-incompatible (or --ignore) to leave it dense"
-            )
+        check_outside(self.beyond, cfg.pattern, skip=cfg.skip_incompatible)
 
 
 def plan_model(
