@@ -11,9 +11,10 @@ a block whose experts see different token distributions better than magnitude pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.engine import (
     MoeOptions,
+    StackInputs,
     block_output,
     capture_block_inputs,
     input_key,
@@ -33,7 +35,7 @@ from tsenor_cli.pruning.engine import (
     unit_input_stats,
 )
 from tsenor_cli.pruning.observe import Geometry, matrices, observe_block
-from tsenor_cli.pruning.stats import ExpertStats
+from tsenor_cli.pruning.stats import ExpertStats, RowBuffer
 from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.pruning.verify import verify_checkpoint
 from tsenor_cli.settings import RunContext
@@ -234,6 +236,99 @@ def test_routed_rows_go_to_their_expert() -> None:
         torch.testing.assert_close(stats.sq_norms[expert], mine.square().sum(0))
         assert int(stats.tokens[expert]) == mine.shape[0]
     assert int(stats.tokens[1]) == 0
+
+
+@pytest.mark.parametrize("zero_rows", [True, False])
+def test_expert_sums_batched_in_buckets_equal_each_experts_own(zero_rows: bool) -> None:
+    """`ExpertStats.add_pieces` pads experts in buckets of similar row counts: with counts from 0 to 40
+    over 9 experts (one absent), three pieces and two all-zero rows, every expert's sums equal its own
+    rows' XᵀX in float64; tokens count the zero rows only when not `zero_rows`."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.repeat_interleave(torch.arange(9), torch.tensor([3, 0, 40, 1, 7, 25, 2, 12, 5]))
+    ids = ids[torch.randperm(ids.numel(), generator=gen)]  # (95,) interleaved
+    rows = torch.randn(ids.numel(), 6, generator=gen)
+    rows[[4, 50]] = 0
+    stats = ExpertStats(9, 6, gram=True, device="cpu", zero_rows=zero_rows)
+    stats.add_pieces([rows[:30], rows[30:31], rows[31:]], [ids[:30], ids[30:31], ids[31:]])
+    for expert in range(9):
+        mine = rows[ids == expert].double()
+        torch.testing.assert_close(stats.require_gram()[expert].double(), mine.T @ mine, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stats.sq_norms[expert].double(), mine.square().sum(0), rtol=1e-5, atol=1e-5)
+        kept = mine.shape[0] - int((mine == 0).all(1).sum()) if zero_rows else mine.shape[0]
+        assert int(stats.tokens[expert]) == kept
+
+
+def test_row_buffer_adds_what_the_calls_add() -> None:
+    """A `RowBuffer` whose budget is reached twice in five calls ends with the sums of five `add` calls."""
+    gen = torch.Generator().manual_seed(6)
+    direct, buffered = ExpertStats(4, 3, gram=True, device="cpu"), ExpertStats(4, 3, gram=True, device="cpu")
+    buffer = RowBuffer(buffered, budget=3 * 9)
+    for _ in range(5):
+        rows, ids = torch.randn(5, 3, generator=gen), torch.randint(0, 4, (5,), generator=gen)
+        direct.add(rows, ids)
+        buffer.add(rows, ids)
+    assert buffer.flush() is buffered
+    torch.testing.assert_close(buffered.require_gram(), direct.require_gram())
+    torch.testing.assert_close(buffered.sq_norms, direct.sq_norms)
+    assert buffered.tokens.tolist() == direct.tokens.tolist()
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_statistics_watched_in_scope_equal_the_whole_blocks_watch(family: str) -> None:
+    """Each unit's scope is a module holding it, and the statistics watched only inside the scopes equal
+    those of a watch over the whole block, every-token ones (--moe-calibration all) included."""
+    model = random_causal_lm(family, **MOE[family])
+    structure = discover_structure(model)
+    inputs = capture_block_inputs(structure, _ids(2, 4), torch.device("cpu"))
+    index = DENSE_BLOCKS.get(family, 0)
+    hidden = inputs.hidden
+    for before in range(index):
+        out = torch.empty_like(hidden)
+        run_block(structure.blocks[before], hidden, inputs.calls[before], out)
+        hidden = out
+    block, call = structure.blocks[index], inputs.calls[index]
+    seen = observe_block(block, lambda: block_output(block, call, hidden[:1]), input_key=input_key)
+    units = {name: unit for name, unit in seen.units.items() if unit.geometry.experts}
+    assert all(unit.scope is not None and name.startswith(unit.scope + ".") for name, unit in units.items())
+    whole = {name: dataclasses.replace(unit, scope=None) for name, unit in units.items()}
+    moe = MoeOptions(calibration="all")
+    scoped = unit_input_stats(block, units, hidden, call, torch.device("cpu"), moe)
+    reference = unit_input_stats(block, whole, hidden, call, torch.device("cpu"), moe)
+    for name in units:
+        got, want = scoped[name], reference[name]
+        assert isinstance(got, StackInputs) and isinstance(want, StackInputs)
+        # Llama-4's experts see every token already: nothing falls back, no every-token pass.
+        assert got.fallback == want.fallback == (frozenset(range(4)) if units[name].routing else frozenset())
+        torch.testing.assert_close(got.routed.require_gram(), want.routed.require_gram(), rtol=0, atol=0)
+        assert got.routed.tokens.tolist() == want.routed.tokens.tolist()
+        assert (got.every is None) == (want.every is None) == (units[name].routing is None)
+        if got.every is not None and want.every is not None:
+            torch.testing.assert_close(got.every.require_gram(), want.every.require_gram(), rtol=0, atol=0)
+
+
+def test_every_token_statistics_count_each_token_once() -> None:
+    """Under --moe-calibration all, every expert of Qwen3-MoE's first stack gets XᵀX of every token that
+    reached the experts, once: one every-token pass per routing module serves both of its stacks."""
+    model = random_causal_lm("qwen3_moe", **MOE["qwen3_moe"])
+    structure = discover_structure(model)
+    inputs = capture_block_inputs(structure, _ids(2, 7), torch.device("cpu"))
+    block, call = structure.blocks[0], inputs.calls[0]
+    seen = observe_block(block, lambda: block_output(block, call, inputs.hidden[:1]), input_key=input_key)
+    units = {name: unit for name, unit in seen.units.items() if unit.geometry.experts}
+    first = next(iter(units))
+    tokens: list[torch.Tensor] = []
+    experts = block.get_submodule(cast(str, units[first].routing))
+    handle = experts.register_forward_pre_hook(lambda _m, args: tokens.append(args[0].reshape(-1, 64)))
+    try:
+        stats = unit_input_stats(block, units, inputs.hidden, call, torch.device("cpu"), MoeOptions(calibration="all"))
+    finally:
+        handle.remove()
+    routed_calls = tokens[: inputs.hidden.shape[0]]  # the routed forward's calls; the every-token re-calls follow
+    x = torch.cat(routed_calls).double()
+    every = cast(StackInputs, stats[first]).every
+    assert every is not None
+    for expert in range(4):
+        torch.testing.assert_close(every.require_gram()[expert].double(), x.T @ x, rtol=1e-5, atol=1e-5)
 
 
 def test_routed_statistics_equal_each_experts_own_inputs() -> None:

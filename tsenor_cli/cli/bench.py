@@ -268,10 +268,10 @@ def bench_moe(
     top_k: int = typer.Option(8, min=1, help="Experts each token is routed to."),
     hidden: int = typer.Option(128, min=32, help="Hidden size (a multiple of 32)."),
     expert_width: int = typer.Option(64, min=32, help="Each expert's intermediate size (a multiple of 32)."),
-    samples: int = typer.Option(8, min=1, help="Calibration samples."),
+    samples: int = typer.Option(32, min=1, help="Calibration samples."),
     seqlen: int = typer.Option(128, min=1, help="Tokens per sample."),
     methods: str = typer.Option("wanda,sparsegpt", help="Methods pruned batched and one by one (comma list)."),
-    repeats: int = typer.Option(3, min=1, help="Timed runs of each; the median is reported."),
+    repeats: int = typer.Option(5, min=1, help="Timed runs of each; the median is reported."),
     output: Path | None = typer.Option(None, help="Write the JSON result here."),
     markdown: Path | None = typer.Option(
         None, help="Write the Markdown section here (docs/measurements/benchmarks-moe.md)."
@@ -305,7 +305,11 @@ Written by `make bench` (`tsenor bench moe`); every number below comes from that
 The sequential engine collects a block's statistics one group at a time because each group's inputs
 depend on the groups pruned before it (the down-projection experts read what the pruned gate/up experts
 produce), so a block with two expert stacks pays two watched passes, as a dense LLaMA block pays one
-(cut short at the group) per group.
+(cut short at the group) per group. The calibration gives each expert more routed rows than its input
+dimension, as a real one does (128 × 2048 tokens); with fewer (8 × 128 tokens here: 128 rows per expert
+on average) about half of the experts fall back to every-token statistics, an extra pass that costs up
+to the `--moe-calibration all` row. The routed statistics cost 9.0× the forward on 2026-11-25 08:46,
+before the watch was limited to the experts module and the rows of several samples were batched.
 
 """
 

@@ -26,9 +26,9 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ from tsenor_cli.pruning.distributed import Team
 from tsenor_cli.pruning.observe import BlockObservation, Unit, Use, every_token, matrices, observe_block, watching
 from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.registry import PrunerSpec
-from tsenor_cli.pruning.stats import ExpertStats, InputStats, reconstruction_error
+from tsenor_cli.pruning.stats import ExpertStats, InputStats, RowBuffer, reconstruction_error
 from tsenor_cli.pruning.types import LayerPruneConfig, LayerRecord, PruneOutcome, SparsityPattern
 
 HIDDEN_KEYWORD = "hidden_states"
@@ -651,24 +651,28 @@ def unit_input_stats(
     stop_early: bool = True,
 ) -> dict[str, InputStats | StackInputs]:
     """inputs: (S, T, H) → statistics of the inputs of each unit (parameters used as matmul weights, by
-    name), gathered by watching the block's forward (`observe.watching`), one sample at a time.
+    name), gathered by watching the block's forward (`observe.watching`, only inside the units' scopes
+    when every unit has one), one sample at a time.
 
     Single matrices get `InputStats` (what nn.Linear's hook path adds up, for Conv1D and bare 2D
-    parameters); stacks of experts `StackInputs`, each row added to the expert it was routed to, in one
-    batched pass per call (`ExpertStats.add`). Experts below `moe.threshold` tokens (or all, under
-    "all") then get every-token statistics from a second pass that re-calls the routing module with every
-    token sent to them (`observe.every_token`), stopped as soon as that call is done.
+    parameters); stacks of experts `StackInputs`, each row added to the expert it was routed to, in
+    batched adds over several samples (`RowBuffer`). Experts below `moe.threshold` tokens (or all, under
+    "all") then get every-token statistics from a second pass per routing module that re-calls it with
+    every token sent to the experts any of its stacks needs (`observe.every_token`), stopped as soon as
+    that call is done.
     """
     singles: dict[str, InputStats] = {}
-    routed: dict[str, ExpertStats] = {}
+    routed: dict[str, RowBuffer] = {}
     channel: list[str] = ["routed"]
-    every: dict[str, ExpertStats] = {}
+    every: dict[str, RowBuffer] = {}
     pending: set[str] = set()
     stacks = {name for name, unit in units.items() if unit.geometry.experts}
 
     def on_use(use: Use) -> None:
         unit = units.get(use.param)
         if unit is None:
+            return
+        if channel[0] == "skip":
             return
         if channel[0] == "every":
             if use.experts is not None and use.param in every:
@@ -681,14 +685,19 @@ def unit_input_stats(
         else:
             if use.param not in routed:
                 g = unit.geometry
-                routed[use.param] = ExpertStats(g.experts, g.in_features, gram=True, device=device)
+                # Without a routing module every token reaches every expert, scaled: not-routed rows are 0.
+                zero_rows = unit.routing is None
+                routed[use.param] = RowBuffer(
+                    ExpertStats(g.experts, g.in_features, gram=True, device=device, zero_rows=zero_rows)
+                )
             routed[use.param].add(use.rows, use.experts)  # under "all" too: the token counts of the report
         pending.discard(use.param)
         if stop_early and not stacks and not pending:
             raise _GroupSeen
 
+    scopes = {unit.scope for unit in units.values()}
     result: dict[str, InputStats | StackInputs] = {}
-    with watching(block, on_use):
+    with watching(block, on_use, scopes=None if None in scopes else cast(set[str], scopes)):
         for j in range(inputs.shape[0]):
             pending.update(units)
             with contextlib.suppress(_GroupSeen):
@@ -697,38 +706,70 @@ def unit_input_stats(
             if name not in singles and name not in routed:
                 raise RuntimeError(f"{name} never ran in the block's forward")
         result.update(singles)
-        for name in [n for n in units if n in stacks]:
-            unit = units[name]
-            g = unit.geometry
-            if unit.routing is None:  # every token reaches every expert already (Llama-4): nothing to add
-                result[name] = StackInputs(routed[name], None, frozenset())
-                continue
-            if moe.calibration == "all":
-                chosen = list(range(g.experts))
+        counts = {name: routed[name].flush() for name in stacks}
+        chosen: dict[str, list[int]] = {}
+        for name in stacks:
+            g = units[name].geometry
+            if units[name].routing is None:  # every token reaches every expert already (Llama-4): nothing to add
+                chosen[name] = []
+            elif moe.calibration == "all":
+                chosen[name] = list(range(g.experts))
             else:
-                chosen = [e for e in range(g.experts) if int(routed[name].tokens[e]) < moe.threshold(g.in_features)]
-            if chosen:
-                every[name] = ExpertStats(g.experts, g.in_features, gram=True, device=device)
-                channel[0] = "every"
-                try:
-                    _every_token_pass(block, unit, torch.tensor(chosen, device=device), inputs, call, device)
-                finally:
-                    channel[0] = "routed"
-            result[name] = StackInputs(routed[name], every.get(name), frozenset(chosen))
+                low = (counts[name].tokens < moe.threshold(g.in_features)).nonzero().flatten()
+                chosen[name] = low.tolist()
+        by_routing: dict[str, list[str]] = {}
+        for name in stacks:
+            if chosen[name]:
+                by_routing.setdefault(cast(str, units[name].routing), []).append(name)
+        every_stats: dict[str, ExpertStats] = {}
+        for routing, names in by_routing.items():
+            for name in names:
+                g = units[name].geometry
+                every[name] = RowBuffer(
+                    ExpertStats(g.experts, g.in_features, gram=True, device=device, zero_rows=False)
+                )
+            wanted = sorted({e for name in names for e in chosen[name]})
+            channel[0] = "skip"  # the routed call before each re-call was counted in the first pass
+            try:
+                _every_token_pass(
+                    block, routing, units[names[0]].geometry.experts, wanted, inputs, call, device, channel
+                )
+            finally:
+                channel[0] = "routed"
+            every_stats.update({name: every.pop(name).flush() for name in names})
+        for name in units:
+            if name in stacks:
+                result[name] = StackInputs(counts[name], every_stats.get(name), frozenset(chosen[name]))
     return result
 
 
 def _every_token_pass(
-    block: nn.Module, unit: Unit, experts: torch.Tensor, inputs: torch.Tensor, call: BlockCall, device: torch.device
+    block: nn.Module,
+    routing: str,
+    total: int,
+    experts: list[int],
+    inputs: torch.Tensor,
+    call: BlockCall,
+    device: torch.device,
+    channel: list[str],
 ) -> None:
-    """Run each sample up to the routing module of `unit`, re-call it with every token sent to `experts`
-    (the caller's watch adds those inputs) and stop the forward there."""
-    assert unit.routing is not None
+    """Run each sample up to the routing module `routing` (of `total` experts), re-call it with every token
+    sent to `experts` (the caller's watch adds those inputs while channel[0] is "every") and stop the
+    forward there."""
 
     def stop() -> None:
         raise _GroupSeen
 
-    with every_token(block, unit.routing, unit.geometry.experts, experts, after=stop):
+    @contextlib.contextmanager
+    def recording() -> Iterator[None]:
+        previous, channel[0] = channel[0], "every"
+        try:
+            yield
+        finally:
+            channel[0] = previous
+
+    chosen = torch.tensor(experts, device=device)
+    with every_token(block, routing, total, chosen, after=stop, around=recording):
         for j in range(inputs.shape[0]):
             with contextlib.suppress(_GroupSeen):
                 block_output(block, call, inputs[j : j + 1].to(device))

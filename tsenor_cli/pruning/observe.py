@@ -31,7 +31,8 @@ matmul weight (a depthwise convolution, a weight used only through a gathered co
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import functools
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -109,7 +110,9 @@ class Unit:
     containing it that received the routing indices, for statistics over every token (None when the
     forward sends every token to every matrix of it, or when it holds one matrix); left: the forward
     multiplies it as the left operand W @ X (module docstring), so an nn.Linear holding it is never
-    called and its inputs are seen only by the watch.
+    called and its inputs are seen only by the watch; scope: the innermost module containing it whose
+    forward was running at every use (None: a use outside every such module, or through a cast copy),
+    so that statistics need watch only that module's forward (`watching(..., scopes=...)`).
     """
 
     param: str
@@ -118,6 +121,7 @@ class Unit:
     role: Role = "weight"
     routing: str | None = None
     left: bool = False
+    scope: str | None = None
 
 
 @dataclass(frozen=True)
@@ -142,7 +146,8 @@ class BlockObservation:
 class Use:
     """One matmul call on a unit: rows (n, in) of its input, and the expert of each row (n,) long, or
     None for a single-matrix parameter; source: the input tensor as the call got it; left: the unit was
-    the left operand (W @ X, rows are X's columns)."""
+    the left operand (W @ X, rows are X's columns); cast: the weight operand was a cast copy of the
+    parameter, not a view of its memory."""
 
     param: str
     geometry: Geometry
@@ -150,6 +155,7 @@ class Use:
     experts: torch.Tensor | None
     source: torch.Tensor
     left: bool = False
+    cast: bool = False
 
 
 def _layout(shape: Sequence[int], strides: Sequence[int]) -> bool | None:
@@ -202,6 +208,10 @@ class _Params:
         name, param = hit
         return name, param, int(tensor.storage_offset()) - int(param.storage_offset())
 
+    def is_cast(self, tensor: torch.Tensor) -> bool:
+        """`tensor` is a cast copy of a parameter (`alias`), not a view of its memory."""
+        return id(tensor) in self.aliases
+
 
 def _geometry(param: torch.Tensor, weight: torch.Tensor, offset: int, usage: Usage) -> tuple[Geometry, list[int]]:
     """The geometry of `param` implied by using `weight` (2D (r, c) or 3D (B, r, c)) as a weight read as
@@ -244,6 +254,10 @@ class _Watch(TorchFunctionMode):
         self.problems = problems  # parameter → why it is not a matmul weight tsenor can prune
         self.touched: dict[str, set[str]] = {}  # parameter → functions that read it
         self._held: list[Any] = []  # tainted tensors stay alive so that their ids are not reused
+        # (parameter, offset, shape, strides, usage, device) → the geometry, the expert of each used matrix
+        # and those as a tensor: a forward repeats the same views, and a 64-expert stack's checks were a
+        # fifth of the watch's cost per call (docs/measurements/benchmarks-moe.md).
+        self._views: dict[tuple[Any, ...], tuple[Geometry, list[int], torch.Tensor]] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -293,12 +307,17 @@ class _Watch(TorchFunctionMode):
             self.problems.setdefault(param_name, f"used by {name} with a {weight.dim()}D weight")
             return None
         try:
-            geometry, experts = _geometry(param, weight, offset, usage)
-            rows, ids = _rows(kind, x, geometry, experts, args, kwargs)
+            key = (param_name, offset, tuple(weight.shape), weight.stride(), usage, x.device)
+            view = self._views.get(key)
+            if view is None:
+                geometry, experts = _geometry(param, weight, offset, usage)
+                view = self._views[key] = (geometry, experts, torch.tensor(experts, dtype=torch.long, device=x.device))
+            geometry = view[0]
+            rows, ids = _rows(kind, x, geometry, view[1], view[2], args, kwargs)
         except UnsupportedUse as exc:
             self.problems.setdefault(param_name, f"used by {name} through {exc}")
             return None
-        self.on_use(Use(param_name, geometry, rows, ids, x, left))
+        self.on_use(Use(param_name, geometry, rows, ids, x, left, self.params.is_cast(x if left else weight)))
         return param_name
 
     def _note_reads(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
@@ -340,17 +359,18 @@ def _rows(
     x: torch.Tensor,
     geometry: Geometry,
     experts: list[int],
+    table: torch.Tensor,
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The input rows (n, in) of a call and the expert of each row (n,) long (None: a single matrix)."""
+    """The input rows (n, in) of a call and the expert of each row (n,) long (None: a single matrix);
+    experts: the expert of each matrix the call used, table: the same (G,) long on x's device."""
     width = geometry.in_features
     rows = x.reshape(-1, width)
     if kind == "single":
         if not geometry.experts:
             return rows, None
         return rows, torch.full((rows.shape[0],), experts[0], dtype=torch.long, device=x.device)
-    table = torch.tensor(experts, dtype=torch.long, device=x.device)  # (G,) expert of each matrix
     if kind == "batched":  # x (B, T, in): batch b went to matrix b
         per = x.shape[-2]
         return rows, table.repeat_interleave(per)
@@ -406,6 +426,9 @@ def observe_block(
     # `_Params`) alive until Python's cycle collector runs, which a streamed run (BlockSource.release) must
     # not wait for: host memory then grew with depth (1.05 GiB of mapped checkpoint at 32 blocks, against
     # 0.66 at 8, docs/measurements/bench-memory.md).
+    active: list[str] = []  # the modules holding parameters whose forward is running, outermost first
+    enclosing: dict[str, set[str]] = {}  # parameter → its modules that were running at every use of it
+
     def on_use(use: Use) -> None:
         unit = units.get(use.param)
         if unit is None:
@@ -415,15 +438,17 @@ def observe_block(
         elif unit.geometry != use.geometry or unit.left != use.left:
             problems.setdefault(use.param, "used with two different shapes or orientations")
         unit.calls += 1
+        # A cast copy may be made outside the module that multiplies it: only views scope the watch.
+        around = set() if use.cast else {m for m in active if use.param.startswith(m + ".")}
+        enclosing[use.param] = enclosing.get(use.param, around) & around
 
     watch = _Watch(params, on_use, problems, taint=True)
     calls: dict[str, tuple[Any, ...]] = {}
-    stacks_of = _modules_holding(block)
-    handles = [
-        module.register_forward_pre_hook(_recorder(name, calls), with_kwargs=True)
-        for name, module in block.named_modules()
-        if name in stacks_of
-    ]
+    holding = [(name, module) for name, module in block.named_modules() if name in _modules_holding(block)]
+    handles = [module.register_forward_pre_hook(_recorder(name, calls), with_kwargs=True) for name, module in holding]
+    for name, module in holding:
+        handles.append(module.register_forward_pre_hook(functools.partial(_enter, active, name)))
+        handles.append(module.register_forward_hook(functools.partial(_leave, active), always_call=True))
     try:
         with watch:
             run()
@@ -439,6 +464,7 @@ def observe_block(
             unit.role = "gate"
         if unit.geometry.experts:
             unit.routing = _find_routing(unit, calls)
+        unit.scope = max(enclosing.get(unit.param, ()), key=len, default=None)
     groups: dict[Any, list[str]] = {}
     for name in units:
         groups.setdefault(keys[name], []).append(name)
@@ -467,6 +493,14 @@ def _modules_holding(block: nn.Module) -> set[str]:
     return names
 
 
+def _enter(active: list[str], name: str, _module: nn.Module, _args: tuple[Any, ...]) -> None:
+    active.append(name)
+
+
+def _leave(active: list[str], _module: nn.Module, _args: tuple[Any, ...], _output: Any) -> None:
+    active.pop()
+
+
 def _recorder(name: str, calls: dict[str, tuple[Any, ...]]) -> Callable[..., None]:
     def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         calls.setdefault(name, (args, kwargs))
@@ -487,10 +521,42 @@ def _find_routing(unit: Unit, calls: Mapping[str, tuple[Any, ...]]) -> str | Non
 
 
 @contextlib.contextmanager
-def watching(block: nn.Module, on_use: Callable[[Use], None]) -> Iterator[None]:
-    """Report every matmul on the block's parameters to `on_use` while the block runs inside."""
-    with _Watch(_Params.of(block), on_use, {}):
+def watching(
+    block: nn.Module, on_use: Callable[[Use], None], *, scopes: Collection[str] | None = None
+) -> Iterator[None]:
+    """Report every matmul on the block's parameters to `on_use` while the block runs inside.
+
+    scopes: watch only while these modules' forwards run (the units' `Unit.scope`), not the whole
+    block's. The watch costs a Python call per torch function: on a tiny Qwen3-MoE block the whole-block
+    watch added a third to its forward, the experts module's alone a few percent
+    (docs/measurements/benchmarks-moe.md)."""
+    watch = _Watch(_Params.of(block), on_use, {})
+    if scopes is None:
+        with watch:
+            yield
+        return
+    depth = [0]  # scopes may nest, and an experts module may be re-called from its own forward hook
+
+    def enter(_module: nn.Module, _args: tuple[Any, ...]) -> None:
+        if depth[0] == 0:
+            watch.__enter__()
+        depth[0] += 1
+
+    def leave(_module: nn.Module, _args: tuple[Any, ...], _output: Any) -> None:
+        depth[0] -= 1
+        if depth[0] == 0:
+            watch.__exit__(None, None, None)
+
+    handles = []
+    for name in scopes:
+        module = block.get_submodule(name)
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    try:
         yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextlib.contextmanager
@@ -500,11 +566,13 @@ def every_token(
     total: int,
     experts: torch.Tensor,
     after: Callable[[], None] | None = None,
+    around: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> Iterator[None]:
     """While inside, each call of the routing module `module_name` is followed by a second call, for the
     statistics only, that sends every token to each of `experts` (1D long, of the `total` experts the
-    module routes among) with weight 1; the block's
-    output stays the routed one. after(): runs once the second call is done (e.g. to stop the forward).
+    module routes among) with weight 1; the block's output stays the routed one. around(): the context
+    the second call runs in (e.g. to tell its matmuls from the routed call's); after(): runs once the
+    second call is done (e.g. to stop the forward).
 
     This is llm-compressor's "calibrate all experts" done without replacing modules: the routing
     arguments are found by their shape and values (`_routing_argument`), not by the module's signature.
@@ -528,7 +596,8 @@ def every_token(
         new_args, new_kwargs = _put(new_args, new_kwargs, weight_key, all_weight)
         busy.append(True)
         try:
-            mod(*new_args, **new_kwargs)
+            with around():
+                mod(*new_args, **new_kwargs)
         finally:
             busy.clear()
         if after is not None:
