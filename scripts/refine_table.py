@@ -1,20 +1,23 @@
 """The Markdown tables of a `--refine block` study (docs/results.md, "Block refinement").
 
-    python scripts/refine_table.py BASELINE_RUN RUN [RUN ...] [--output FILE]
+    python scripts/refine_table.py BASELINE_RUN RUN [RUN ...] [--output FILE] [--plot PNG]
 
 Each RUN is a folder written by `tsenor prune` (tsenor_report.json) and `tsenor eval` (eval.json);
 BASELINE_RUN is the same prune without refinement, made in the same session, which the time ratios
 divide by. Prints (or writes) one row per run (settings, perplexities, prune seconds, ratio, blocks whose
-refinement was kept, summed block errors before and after) and the per-block errors of every refined run.
+refinement was kept, summed block errors before and after) and the per-block errors of every refined run;
+--plot draws those errors (before dashed, after solid) by block.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from pathlib import Path
 
 from tsenor_cli import atomic
+from tsenor_cli.report.plots import plot_refinement
 from tsenor_cli.runfiles import EVAL_FILE, PRUNE_FILE, EvalReport, PruneReport, read_json
 
 
@@ -67,7 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("baseline", type=Path)
     parser.add_argument("runs", type=Path, nargs="+")
     parser.add_argument("--output", type=Path)
+    parser.add_argument("--plot", type=Path, help="also draw the per-block errors of the refined runs here (PNG)")
     args = parser.parse_args(argv)
+    if args.plot is not None:
+        reports = {folder.name: _load(folder)[0] for folder in [args.baseline, *args.runs]}
+        out = io.BytesIO()
+        if plot_refinement(reports, out):
+            atomic.write_bytes(args.plot, out.getvalue())
     text = tables(args.baseline, args.runs)
     if args.output is not None:
         atomic.write_text(args.output, text)

@@ -346,3 +346,10 @@ def test_the_study_table_divides_by_the_baseline_and_lists_each_block(tmp_path: 
     assert "| base | none | 50.00 | 100 | 1.00 | - | - |" in text
     assert "| e1 | 1 epoch(s), lr 0.001 | 40.00 | 150 | 1.50 | 50 | 1/2 |" in text
     assert "| 0 | 0.2000 → 0.1000 |" in text and "| 1 | 0.1000 → 0.3000 (not kept) |" in text
+    # --plot draws the refined run's errors (a PNG) and leaves the table as printed.
+    plot = tmp_path / "refine.png"
+    assert script.main([str(base), str(refined), "--plot", str(plot), "--output", str(tmp_path / "t.md")]) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "t.md").read_text() == text
+    # Without a refined run there is nothing to draw, and no file.
+    assert script.main([str(base), str(base), "--plot", str(tmp_path / "none.png")]) == 0
+    assert not (tmp_path / "none.png").exists()

@@ -10,6 +10,8 @@
   stays readable.
 - `plot_training_loss` / `plot_perplexity_vs_steps`: `tsenor finetune`'s curves against optimizer
   steps, one line per run (scripts/finetune_study.py draws two runs on one plot).
+- `plot_refinement`: `--refine block`'s per-block output error before (dashed) and after (solid)
+  refinement, one colour per run (scripts/refine_table.py).
 """
 
 from __future__ import annotations
@@ -249,3 +251,29 @@ def plot_perplexity_vs_steps(
     return _step_panels(
         renamed, out, "{panel} perplexity", "Perplexity during fine-tuning with the mask fixed", log_y=True
     )
+
+
+def plot_refinement(reports: Mapping[str, PruneReport], out: Path | BinaryIO) -> bool:
+    """Each refined run's block output error (relative, against the dense block on the dense stream)
+    before and after refinement, by block, log scale; False (nothing written) when no run was refined."""
+    refined = {label: report.refinement for label, report in reports.items() if report.refinement}
+    if not refined:
+        return False
+    colours = _colours(refined)
+    fig = Figure(figsize=(7.5, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for label, blocks in refined.items():
+        ordered = sorted(blocks, key=lambda b: b.block)
+        index = [b.block for b in ordered]
+        ax.plot(index, [b.error_before for b in ordered], color=colours[label], linestyle="--", linewidth=1)
+        ax.plot(index, [b.error_after for b in ordered], color=colours[label], marker=".", label=label)
+    _log_y(ax)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("decoder block")
+    ax.set_ylabel("block output error (relative)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small", title="after (solid), before (dashed)", title_fontsize="small")
+    ax.set_title("Block refinement with the mask fixed: each block's calibration error")
+    fig.savefig(out, format="png", dpi=120)
+    return True
