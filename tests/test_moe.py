@@ -122,19 +122,24 @@ def _ids(batch: int, seed: int) -> torch.Tensor:
     return torch.randint(3, 256, (batch, SEQ_LEN), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("family", sorted(MOE))
-def test_watch_finds_expert_stacks_their_orientation_and_the_router(family: str) -> None:
+def _first_moe_block(family: str, ids: torch.Tensor) -> tuple[Any, Any, Any, torch.Tensor]:
+    """(model, its first MoE block, that block's call, its input (S, T, H)): the dense output of the
+    blocks before it."""
     model = random_causal_lm(family, **MOE[family])
     structure = discover_structure(model)
-    inputs = capture_block_inputs(structure, _ids(1, 0), torch.device("cpu"))
-    # The first MoE block, run on the dense output of the blocks before it.
+    inputs = capture_block_inputs(structure, ids, torch.device("cpu"))
     index = DENSE_BLOCKS.get(family, 0)
     hidden = inputs.hidden
     for before in range(index):
         out = torch.empty_like(hidden)
         run_block(structure.blocks[before], hidden, inputs.calls[before], out)
         hidden = out
-    block, call = structure.blocks[index], inputs.calls[index]
+    return model, structure.blocks[index], inputs.calls[index], hidden
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_watch_finds_expert_stacks_their_orientation_and_the_router(family: str) -> None:
+    model, block, call, hidden = _first_moe_block(family, _ids(1, 0))
     seen = observe_block(block, lambda: block_output(block, call, hidden), input_key=input_key)
     stacks = {name: unit for name, unit in seen.units.items() if unit.geometry.experts}
     assert len(stacks) == STACKS.get(family, 2) and all(unit.geometry.experts == 4 for unit in stacks.values())
@@ -277,16 +282,7 @@ def test_row_buffer_adds_what_the_calls_add() -> None:
 def test_statistics_watched_in_scope_equal_the_whole_blocks_watch(family: str) -> None:
     """Each unit's scope is a module holding it, and the statistics watched only inside the scopes equal
     those of a watch over the whole block, every-token ones (--moe-calibration all) included."""
-    model = random_causal_lm(family, **MOE[family])
-    structure = discover_structure(model)
-    inputs = capture_block_inputs(structure, _ids(2, 4), torch.device("cpu"))
-    index = DENSE_BLOCKS.get(family, 0)
-    hidden = inputs.hidden
-    for before in range(index):
-        out = torch.empty_like(hidden)
-        run_block(structure.blocks[before], hidden, inputs.calls[before], out)
-        hidden = out
-    block, call = structure.blocks[index], inputs.calls[index]
+    _, block, call, hidden = _first_moe_block(family, _ids(2, 4))
     seen = observe_block(block, lambda: block_output(block, call, hidden[:1]), input_key=input_key)
     units = {name: unit for name, unit in seen.units.items() if unit.geometry.experts}
     assert all(unit.scope is not None and name.startswith(unit.scope + ".") for name, unit in units.items())
