@@ -5,7 +5,7 @@
 Each RUN is a folder written by `tsenor prune` (tsenor_report.json) and `tsenor eval` (eval.json);
 BASELINE_RUN is the same prune without refinement, made in the same session, which the time ratios
 divide by. Prints (or writes) one row per run (settings, perplexities, prune seconds, ratio, blocks whose
-refinement was kept, summed block errors before and after) and the per-block errors of every refined run;
+refinement was kept; the zero-shot average where a run has one) and the per-block errors of every refined run;
 --plot draws those errors (before dashed, after solid) by block.
 """
 
@@ -32,19 +32,31 @@ def _setting(report: PruneReport) -> str:
     return "none" if refine is None else f"{refine['epochs']} epoch(s), lr {refine['lr']:g}"
 
 
+def _average(ev: EvalReport | None) -> str:
+    """The zero-shot average in % with its task count and document limit, or "-"."""
+    if ev is None or ev.zeroshot is None:
+        return "-"
+    zs = ev.zeroshot
+    return f"{100 * zs.average:.2f} ({len(zs.tasks)} tasks, limit {zs.limit})"
+
+
 def tables(baseline: Path, runs: list[Path]) -> str:
     """The summary table (baseline first) and the per-block table of the refined runs."""
     base, _ = _load(baseline)
     loaded = [(folder, *_load(folder)) for folder in [baseline, *runs]]
     datasets = sorted({name for _, _, ev in loaded if ev is not None for name in ev.perplexity})
-    head = ["run", "refine", *(f"{d} ppl" for d in datasets), "prune s", "× baseline", "refine s", "kept"]
+    zeroshot = any(ev is not None and ev.zeroshot is not None for _, _, ev in loaded)
+    head = ["run", "refine", *(f"{d} ppl" for d in datasets), *(["zero-shot avg"] if zeroshot else [])]
+    head += ["prune s", "× baseline", "refine s", "kept"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for folder, report, ev in loaded:
         ppl = [f"{ev.perplexity[d].ppl:.2f}" if ev is not None and d in ev.perplexity else "-" for d in datasets]
         blocks = report.refinement
         kept = f"{sum(b.kept for b in blocks)}/{len(blocks)}" if blocks else "-"
         refine_s = f"{sum(b.seconds for b in blocks):.0f}" if blocks else "-"
-        row = [folder.name, _setting(report), *ppl, f"{report.seconds:.0f}", f"{report.seconds / base.seconds:.2f}"]
+        avg = [_average(ev)] if zeroshot else []
+        ratio = f"{report.seconds / base.seconds:.2f}"
+        row = [folder.name, _setting(report), *ppl, *avg, f"{report.seconds:.0f}", ratio]
         lines.append("| " + " | ".join([*row, refine_s, kept]) + " |")
     refined = [(folder, report) for folder, report, _ in loaded if report.refinement]
     if refined:

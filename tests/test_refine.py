@@ -320,14 +320,28 @@ def test_the_plan_counts_the_dense_stream_and_the_training_memory(
 def test_the_study_table_divides_by_the_baseline_and_lists_each_block(tmp_path: Path) -> None:
     import importlib.util
 
-    from tsenor_cli.runfiles import EVAL_FILE, BlockRefinement, EvalReport, PerplexityRecord
+    from tsenor_cli.runfiles import (
+        EVAL_FILE,
+        BlockRefinement,
+        EvalReport,
+        PerplexityRecord,
+        TaskScore,
+        ZeroShotResult,
+    )
 
     spec = importlib.util.spec_from_file_location("refine_table", Path(__file__).parents[1] / "scripts/refine_table.py")
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
 
-    def run(name: str, seconds: float, ppl: float, refine: dict[str, Any] | None, blocks: tuple[Any, ...]) -> Path:
+    def run(
+        name: str,
+        seconds: float,
+        ppl: float,
+        refine: dict[str, Any] | None,
+        blocks: tuple[Any, ...],
+        zeroshot: ZeroShotResult | None = None,
+    ) -> Path:
         folder = tmp_path / name
         folder.mkdir()
         settings = {"refine": refine} if refine else {}
@@ -335,7 +349,7 @@ def test_the_study_table_divides_by_the_baseline_and_lists_each_block(tmp_path: 
         report = PruneReport("sparsegpt", pattern, 0.5, settings, (), "c", seconds, None, None, {}, refinement=blocks)
         (folder / PRUNE_FILE).write_text(json.dumps(report.to_json()))
         record = PerplexityRecord(ppl, 1.0, 512, 1, 512, "wt2", None, 1.0)
-        evaluation = EvalReport("m", "m", "llama", "float32", "cpu", 512, 1, {"wikitext2": record}, None, {}, 1.0)
+        evaluation = EvalReport("m", "m", "llama", "float32", "cpu", 512, 1, {"wikitext2": record}, zeroshot, {}, 1.0)
         (folder / EVAL_FILE).write_text(json.dumps(evaluation.to_json()))
         return folder
 
@@ -353,3 +367,10 @@ def test_the_study_table_divides_by_the_baseline_and_lists_each_block(tmp_path: 
     # Without a refined run there is nothing to draw, and no file.
     assert script.main([str(base), str(base), "--plot", str(tmp_path / "none.png")]) == 0
     assert not (tmp_path / "none.png").exists()
+    # A zero-shot average adds a column, "-" for the runs without one.
+    scores = tuple(TaskScore(t, acc, None, None, None, 100, None, "1") for t, acc in (("piqa", 0.6), ("rte", 0.5)))
+    scored = run("zs", 120.0, 45.0, None, (), ZeroShotResult(scores, 0.55, "acc", 0, 100, "offline", "0.4"))
+    text = script.tables(base, [scored])
+    assert "| run | refine | wikitext2 ppl | zero-shot avg | prune s |" in text
+    assert "| base | none | 50.00 | - | 100 | 1.00 | - | - |" in text
+    assert "| zs | none | 45.00 | 55.00 (2 tasks, limit 100) | 120 | 1.20 | - | - |" in text
