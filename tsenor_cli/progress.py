@@ -41,10 +41,19 @@ class _BarSafeHandler(logging.StreamHandler):
     """Writes each record through `tqdm.write`, so a line never lands in the middle of a drawn bar."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        message = self.format(record)
+        # The lock is taken here, outside the try, and tqdm.write told not to take it: tqdm's own write
+        # releases its lock in a `finally` even when acquiring it was interrupted, so a Ctrl-C landing
+        # there turned into "RuntimeError: cannot release un-acquired lock" (exit 1, not 130; seen in CI,
+        # test_real_kill_int_and_term_then_resume_equals_an_uninterrupted_run, 2026-11-25).
+        lock = tqdm.get_lock()
+        lock.acquire()
         try:
-            tqdm.write(self.format(record), file=self.stream)
+            tqdm.write(message, file=self.stream, nolock=True)
         except (OSError, ValueError):  # a closed or broken stream, as logging.StreamHandler handles it
             self.handleError(record)
+        finally:
+            lock.release()
 
 
 def configure_logging(level: int = logging.INFO) -> None:
