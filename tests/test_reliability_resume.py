@@ -33,7 +33,7 @@ from tsenor_cli.locks import lock_path
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.resume import ResumeStore
 from tsenor_cli.pruning.types import LayerRecord
-from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE, DataSource, block_file
+from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, RESUME_DIR, RESUME_STATE_FILE, DataSource, block_file
 from tsenor_cli.settings import RunContext
 
 REPO = Path(__file__).resolve().parents[1]
@@ -260,6 +260,9 @@ def test_rerunning_the_same_command_continues_an_interrupted_run(
     assert result.exit_code == 0, result.output
     assert f"resuming after block 1/{BLOCKS} from {out / RESUME_DIR}" in result.stderr
     assert json.loads((out / PRUNE_FILE).read_text())["resumed_from_block"] == 1
+    summary = (out / PRUNE_MARKDOWN).read_text()
+    assert "s in this attempt, which resumed with blocks 1-1 done (method " in summary
+    assert ", over all attempts)" in summary and "s in this attempt" not in (reference / PRUNE_MARKDOWN).read_text()
     _assert_same_as(out, reference)
 
 

@@ -38,12 +38,25 @@ def prune_summary(report: PruneReport) -> list[str]:
         *lines,
         f"- command: `{report.command or ''}`",
         f"- versions: {', '.join(f'{k} {v}' for k, v in report.versions.items())}",
-        f"- total time: {report.seconds:.1f} s "
-        f"(method {t['method_seconds']:.1f} s, solver {t['solver_seconds']:.1f} s)",
+        _time_line(report, t),
         f"- layers pruned: {t['layers_pruned']}, skipped: {t['layers_skipped']}, ignored: {t['layers_ignored']}",
         *_density_lines(report, t),
         f"- mean relative reconstruction error: {_fmt(t['mean_recon_error'])}; max certified gap: {_fmt(t['max_gap'])}",
     ]
+
+
+def _time_line(report: PruneReport, t: Mapping[str, Any]) -> str:
+    """The wall time of this run, and the method's and solver's seconds summed over the layer records.
+
+    A resumed run's records include the blocks earlier attempts pruned, its wall time does not, so the
+    line says which of the two a reader is looking at (the sum is larger than the wall time otherwise).
+    """
+    parts = f"method {t['method_seconds']:.1f} s, solver {t['solver_seconds']:.1f} s"
+    if not report.resumed_from_block:
+        return f"- total time: {report.seconds:.1f} s ({parts})"
+    done = report.resumed_from_block
+    attempt = f"{report.seconds:.1f} s in this attempt, which resumed with blocks 1-{done} done"
+    return f"- total time: {attempt} ({parts}, over all attempts)"
 
 
 def prune_markdown(report: PruneReport) -> str:
