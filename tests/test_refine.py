@@ -98,8 +98,13 @@ def _block_error(block: Any, call: Any, inputs: torch.Tensor, targets: torch.Ten
 def test_refinement_holds_the_mask_exactly_and_lowers_the_block_error(dtype: torch.dtype, device: torch.device) -> None:
     block, call, inputs, targets, masks = _pruned_block(dtype, device)
     pruned = {name: p.detach().clone() for name, p in block.named_parameters()}
-    record = refine_block(block, 0, inputs, call, targets, masks, RefineConfig("block", 3, 1e-3), seed=0, device=device)
+    outputs = torch.full_like(inputs, float("nan"))
+    cfg = RefineConfig("block", 3, 1e-3)
+    record = refine_block(block, 0, inputs, call, targets, masks, cfg, seed=0, device=device, outputs=outputs)
     assert record.kept and record.error_after < record.error_before and record.steps == 3 * 2  # 6 samples, 4 a step
+    rerun = torch.empty_like(inputs)
+    run_block(block, inputs, call, rerun, device)
+    assert torch.equal(outputs, rerun)  # what the engine would compute: it skips that forward pass
     for name, mask in masks.items():
         weight = block.get_parameter(name).detach()
         assert weight.dtype == dtype
@@ -166,6 +171,39 @@ def test_refinement_that_never_helps_gives_the_checkpoint_of_a_run_without_it(
     diverging = prune_model(_cfg(tiny, calib, tmp_path / "diverging", refine=RefineConfig("block", 1, 10.0)), data_ctx)
     assert [b.kept for b in diverging.refinement] == [False, False]
     assert _sha(tmp_path / "plain" / "model.safetensors") == _sha(tmp_path / "diverging" / "model.safetensors")
+
+
+def test_the_block_outputs_a_kept_refinement_wrote_are_those_the_engine_would_compute(
+    tiny: Path, calib: Path, data_ctx: RunContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kept refinement's last error pass writes the next block's inputs, and the engine skips its own
+    run of the block; a run that drops those outputs and runs the block again ends bit-identical."""
+    from tsenor_cli.pruning import api
+
+    forwards: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        forwards.append(int(args[1].shape[0]))
+        run_block(*args, **kwargs)
+
+    monkeypatch.setattr(api, "run_block", counted)
+    shortcut = prune_model(_cfg(tiny, calib, tmp_path / "shortcut"), data_ctx)
+    assert [b.kept for b in shortcut.refinement] == [True, True]
+    skipping = len(forwards)
+    forwards.clear()
+
+    def rerun(*args: Any, **kwargs: Any) -> tuple[list[Any], bool]:
+        records, _ = refine.refine_pruned_block(*args, **{**kwargs, "outputs": None})
+        return records, False
+
+    monkeypatch.setattr(api, "refine_pruned_block", rerun)
+    again = prune_model(_cfg(tiny, calib, tmp_path / "again"), data_ctx)
+    assert len(forwards) == skipping + 2  # one run of each of the two blocks more
+    assert [(b.error_before, b.error_after) for b in again.refinement] == [
+        (b.error_before, b.error_after) for b in shortcut.refinement
+    ]
+    assert [r.recon_error for r in again.layers] == [r.recon_error for r in shortcut.layers]
+    assert _sha(tmp_path / "again" / "model.safetensors") == _sha(tmp_path / "shortcut" / "model.safetensors")
 
 
 def test_a_run_killed_inside_a_refinement_resumes_to_the_same_checkpoint(

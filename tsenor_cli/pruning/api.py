@@ -593,9 +593,9 @@ def _prune_blocks(
     with --refine block run the dense block on the dense stream (in place: its outputs are the
     refinement's targets and the next block's dense inputs); prune its weight matrices group by group
     (`engine.prune_block`); with --refine block train its remaining weights towards those targets
-    (`refine.refine_pruned_block`); run it once more so the next block sees the pruned outputs; back to
-    the CPU; rank 0 saves the resume state; `source.release` frees a streamed block (kept on disk first
-    when there is no resume state)."""
+    (`refine.refine_pruned_block`); run it once more so the next block sees the pruned outputs (not needed
+    after a kept refinement, whose last error pass wrote them); back to the CPU; rank 0 saves the resume
+    state; `source.release` frees a streamed block (kept on disk first when there is no resume state)."""
     blocks = structure.blocks
     spec = get_pruner(cfg.method)
     moe = MoeOptions(cfg.moe_calibration, cfg.moe_min_tokens)
@@ -638,14 +638,18 @@ def _prune_blocks(
             observation=plan.observed.get(index),
         )
         records += plan.unused.get(index, [])
+        rerun = True
         if dense is not None:
             with team.agreed():
                 args = (block, index, structure.full_name(index, ""), records, hidden, call, dense, cfg.refine)
-                refined += refine_pruned_block(
-                    *args, seed=cfg.seed, device=device, team=team, nsamples=cfg.nsamples, progress=say
+                fresh, written = refine_pruned_block(
+                    *args, seed=cfg.seed, device=device, team=team, nsamples=cfg.nsamples, progress=say, outputs=buffer
                 )
-        with phase("rerun"), team.agreed():
-            run_block(block, hidden, call, buffer, device)  # the next block sees the pruned outputs
+                refined += fresh
+                rerun = not written  # a kept refinement's last error pass already wrote the block's outputs
+        if rerun:
+            with phase("rerun"), team.agreed():
+                run_block(block, hidden, call, buffer, device)  # the next block sees the pruned outputs
         hidden, buffer = buffer, hidden
         block.to("cpu")
         if store is not None:

@@ -109,6 +109,7 @@ def refine_block(
     team: Team | None = None,
     nsamples: int | None = None,
     progress: Progress | None = None,
+    outputs: torch.Tensor | None = None,
 ) -> BlockRefinement:
     """Train `block` (on `device`, pruned) in place towards `targets`; keep the result only if it lowers
     the block's error. Returns the block's record (errors before and after, seconds, steps).
@@ -117,6 +118,10 @@ def refine_block(
     dense block's outputs on the dense stream, this rank's shard of `nsamples` samples (None: all of them,
     one process); masks: {parameter name: (shape) bool, True where pruned} (`block_masks`). Both may be on
     the CPU (--offload-activations): one sample at a time moves to `device`.
+    outputs: (S_r, T, H) or None; the error pass after training writes the refined block's outputs there.
+    When the record says kept, they are the block's outputs as the run keeps it, bit for bit what
+    `engine.run_block` would compute (the same forwards), so the engine need not run the block again
+    (64 of a block's 512 forward-equivalents at the docs/results protocol); otherwise they are not.
     """
     from tsenor_cli.finetune.callback import FixedMask
 
@@ -167,7 +172,7 @@ def refine_block(
             p.data = p.data.to(dtype)
             p.grad = None
             p.requires_grad_(requires_grad)
-    num, den = _errors(block, inputs, call, targets, device, team, bounds[team.rank][0])
+    num, den = _errors(block, inputs, call, targets, device, team, bounds[team.rank][0], outputs)
     after = num / den if den > 0 else 0.0
     kept = math.isfinite(after) and after < before
     if not kept:
@@ -262,17 +267,20 @@ def _errors(
     device: torch.device,
     team: Team,
     first: int,
+    out: torch.Tensor | None = None,
 ) -> tuple[float, float]:
     """(Σ_j ‖f(x_j) − y_j‖², Σ_j ‖y_j‖²) over every rank's samples (this rank's start at sample `first`),
     the block run as the pruned model runs it (its stored dtype); per sample in float64, added in sample
-    order whatever the number of ranks."""
+    order whatever the number of ranks. out: (S_r, T, H) where this rank's block outputs go (None: dropped)."""
     from tsenor_cli.pruning.engine import block_output
 
     mine: dict[str, tuple[float, float]] = {}
     for j in range(inputs.shape[0]):
         y = targets[j : j + 1].to(device).double()
-        out = block_output(block, call, inputs[j : j + 1].to(device)).double()
-        mine[str(first + j)] = (float((out - y).square().sum()), float(y.square().sum()))
+        hidden = block_output(block, call, inputs[j : j + 1].to(device))
+        if out is not None:
+            out[j : j + 1] = hidden
+        mine[str(first + j)] = (float((hidden.double() - y).square().sum()), float(y.square().sum()))
     every = team.gather_objects(mine)
     num = den = 0.0
     for key in sorted(every, key=int):
@@ -296,17 +304,18 @@ def refine_pruned_block(
     team: Team,
     nsamples: int,
     progress: Progress,
-) -> list[BlockRefinement]:
-    """`refine_block` for block `index` once the engine has pruned it: [its record], or [] when its
-    forward does not run on text or none of its matrices was pruned (records: the run's layer records;
-    prefix: the block's full name and a dot), so blocks left dense stay bit-identical."""
+    outputs: torch.Tensor | None = None,
+) -> tuple[list[BlockRefinement], bool]:
+    """`refine_block` for block `index` once the engine has pruned it → ([its record], whether `outputs`
+    now holds the block's outputs on `inputs`, see `refine_block`); ([], False) when its forward does not
+    run on text or none of its matrices was pruned (records: the run's layer records; prefix: the block's
+    full name and a dot), so blocks left dense stay bit-identical."""
     pruned = [r.param or f"{r.name}.weight" for r in records if r.block == index and r.status == "pruned"]
     if not call.runs or not pruned:
-        return []
+        return [], False
     masks = block_masks(block, prefix, pruned)
-    return [
-        refine_block(
-            block, index, inputs, call, targets, masks, cfg, seed=seed, device=device, team=team,
-            nsamples=nsamples, progress=progress,
-        )
-    ]  # fmt: skip
+    record = refine_block(
+        block, index, inputs, call, targets, masks, cfg, seed=seed, device=device, team=team,
+        nsamples=nsamples, progress=progress, outputs=outputs,
+    )  # fmt: skip
+    return [record], outputs is not None and record.kept
