@@ -6,7 +6,8 @@ on text alone and prunes its blocks, while the vision tower and projector stay d
 attention blocks) and Mllama (self- and cross-attention blocks) keep blocks of several classes in one
 list; Mllama's cross-attention block, which its text-only forward skips, is left dense. For each: the
 replayed blocks give the whole model's logits, a 2-block SparseGPT 2:4 prune verifies, loads with the
-source's class and generates, and `tsenor eval --ppl` runs on it.
+source's class and generates, and `tsenor eval --ppl` runs on it. Block refinement trains the language
+model's blocks that run on text and nothing else.
 """
 
 from __future__ import annotations
@@ -210,6 +211,43 @@ def test_two_block_prune_verifies_loads_and_generates(
         generated = model.generate(prompt, max_new_tokens=3, do_sample=False)
     assert generated.shape == (1, prompt.shape[1] + 3)
     assert torch.equal(generated[:, : prompt.shape[1]], prompt)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "mllama"])
+def test_refinement_trains_the_language_model_only(
+    family: str, checkpoints: dict[str, Path], calibration_text: Path, tmp_path: Path
+) -> None:
+    """`--refine block` on a vision-language model: Qwen2-VL's blocks (3D rotary positions in the recorded
+    call) and Mllama's self-attention blocks are refined and verify; Mllama's cross-attention block, which
+    the text-only forward skips, gets no refinement record; the vision tower, the projector and the
+    skipped block stay bit-identical to the source."""
+    from tsenor_cli.pruning.refine import RefineConfig
+
+    source = checkpoints[family]
+    out = tmp_path / "refined"
+    cfg = PruneConfig(
+        model=str(source),
+        layer=LayerPruneConfig(PATTERN),
+        method="sparsegpt",
+        calib_data=str(calibration_text),
+        nsamples=4,
+        seqlen=SEQ_LEN,
+        output=out,
+        refine=RefineConfig("block", 2, 1e-3),
+    )
+    report = prune_model(cfg, LOCAL_CTX)
+    idle = IDLE.get(family, set())
+    structure = discover_structure(random_model(family))
+    assert [b.block for b in report.refinement] == [i for i in range(len(structure.blocks)) if i not in idle]
+    assert all(b.error_after < b.error_before if b.kept else b.error_after >= b.error_before for b in report.refinement)
+    assert any(b.kept for b in report.refinement)
+    assert verify_checkpoint(out).ok
+    before = auto_class(json_config(source)).from_pretrained(source).state_dict()
+    after = auto_class(json_config(out)).from_pretrained(out).state_dict()
+    _, outside = LANGUAGE_MODELS[family]
+    idle_prefixes = tuple(f"{structure.blocks_name}.{index}" for index in idle)
+    untouched = [key for key in before if _under(key, outside + idle_prefixes)]
+    assert untouched and all(torch.equal(after[key], before[key]) for key in untouched)
 
 
 @pytest.mark.parametrize("killed_after", [0, 1])
