@@ -173,6 +173,35 @@ def test_table_rows_hand_checked(runs: list[Path]) -> None:
     ]
 
 
+def test_a_refined_run_gets_a_refine_column_and_sorts_after_its_plain_twin(runs: list[Path], tmp_path: Path) -> None:
+    from tsenor_cli.pruning.refine import RefineConfig
+
+    twin = _prune(2, 4, True, [0.05, 0.06, 0.07, 0.08])
+    twin["settings"] = {**twin["settings"], "refine": RefineConfig("block", 2, 1e-3).result_fields()}
+    refined = _write_run(tmp_path, "t24-refined", _eval({"c4": 50.0, "wikitext2": 40.0, "ptb": 70.0}, None), twin)
+    table = build_table([load_run(p) for p in [refined, *runs]])
+    assert [r.run for r in table.rows] == ["dense", "nm24", "t24", "t24-refined", "t816"]
+    lines = table.to_markdown().splitlines()
+    assert lines[4].startswith("| N:M | Algorithm | Transposable | Refine | C4 | WT2 |")
+    assert lines[5].startswith("| --- | --- | --- | --- | ---: |")
+    assert lines[8].startswith("| 2:4 | alps | yes | none | 60.50 |")
+    refined_cells = "| block (2 epochs, lr 0.001) | 50.00 | 40.00 | 70.00 | - | - | - | - | t24-refined |"
+    assert lines[9] == "| 2:4 | alps | yes " + refined_cells
+    assert [r.method for r in table.rows[2:4]] == ["alps", "alps + refine"]  # one plotted line each
+    rows = list(csv.DictReader(io.StringIO(table.to_csv())))
+    assert [r["refine"] for r in rows] == ["", "", "", "block (2 epochs, lr 0.001)", ""]
+    assert table.to_json()["columns"][8] == "refine"
+
+
+def test_the_published_refined_runs_are_labelled_by_their_settings() -> None:
+    folder = REPO_ROOT / "docs" / "results" / "refine" / "runs"
+    table = build_table([load_run(folder / "alps-2x4-o-none"), load_run(folder / "alps-2x4-o-block")])
+    assert [(r.run, r.refine) for r in table.rows] == [
+        ("alps-2x4-o-none", None),
+        ("alps-2x4-o-block", "block (2 epochs, lr 0.001)"),
+    ]
+
+
 def test_report_writes_csv_json_and_valid_pngs(runs: list[Path], tmp_path: Path) -> None:
     out = tmp_path / "report"
     result = write_report([load_run(p) for p in runs], out)

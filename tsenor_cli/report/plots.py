@@ -2,8 +2,8 @@
 
 - `plot_perplexity_vs_m`: the paper's Figure 3 (upper): perplexity against M at equal sparsity, one
   line per (algorithm, transposable, sparsity); ordinary N:M solid, transposable dashed, one colour per
-  algorithm, one marker per sparsity; dense runs as dotted horizontal references. One panel per
-  perplexity dataset.
+  algorithm (a refined run's "alps + refine" is one of its own), one marker per sparsity; dense runs as
+  dotted horizontal references. One panel per perplexity dataset.
 - `plot_reconstruction_error`: relative reconstruction error as recorded in tsenor_report.json
   (Appendix B.2.3 reports the same quantity), averaged over each decoder block's pruned linears, one
   panel per pattern and one line per run in it (same colours and line styles), so a grid of forty runs
@@ -73,7 +73,7 @@ def plot_perplexity_vs_m(table: Table, path: Path) -> bool:
     if not datasets:
         return False
     names = dict(PPL_COLUMNS)
-    colours = _colours(r.algorithm for r in nm_rows)
+    colours = _colours(r.method for r in nm_rows)
     sparsities = sorted({r.sparsity for r in nm_rows})
     markers = {sp: _MARKERS[i % len(_MARKERS)] for i, sp in enumerate(sparsities)}
     fig = Figure(figsize=(4.6 * len(datasets), 4.2), layout="constrained")
@@ -83,7 +83,7 @@ def plot_perplexity_vs_m(table: Table, path: Path) -> bool:
         lines: dict[tuple[str, bool, float], list[tuple[int, float]]] = defaultdict(list)
         for row in nm_rows:
             if dataset in row.perplexity and row.m is not None:
-                lines[(row.algorithm, row.transposable is True, row.sparsity)].append((row.m, row.perplexity[dataset]))
+                lines[(row.method, row.transposable is True, row.sparsity)].append((row.m, row.perplexity[dataset]))
         for (algorithm, transposable, sparsity), points in sorted(lines.items()):
             points.sort()
             ax.plot(

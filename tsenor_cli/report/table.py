@@ -1,5 +1,9 @@
 """Merge runs into the paper's Table 2 layout: N:M | algorithm | transposable | perplexity | zero-shot | Avg.
 
+A column "Refine" follows "Transposable" in the Markdown when some run was pruned with `--refine block`
+(`refine: block (2 epochs, lr 0.001)`), so that a refined run and its plain twin are told apart by more
+than their folder names; CSV and JSON always carry it (empty / null for a run without refinement).
+
 Perplexity columns are C4, WT2, PTB (then any other dataset found); zero-shot columns are the
 paper's eight tasks in its order (then any other task found). Markdown shows accuracy in percent
 with two decimals as the paper does; CSV and JSON keep the raw values (accuracy as a fraction).
@@ -35,7 +39,8 @@ MISSING = "-"
 
 @dataclass(frozen=True)
 class Row:
-    """One run as a table row; `n`/`m`/`transposable` are None for dense and unstructured runs."""
+    """One run as a table row; `n`/`m`/`transposable` are None for dense and unstructured runs; `refine`
+    names the block refinement the prune ran (None: none)."""
 
     run: str
     model: str
@@ -46,6 +51,12 @@ class Row:
     sparsity: float
     perplexity: dict[str, float]
     accuracy: dict[str, float]
+    refine: str | None = None
+
+    @property
+    def method(self) -> str:
+        """The algorithm, with "+ refine" for a refined run: what the plots draw one line per."""
+        return self.algorithm if self.refine is None else f"{self.algorithm} + refine"
 
     @property
     def pattern(self) -> str:
@@ -70,6 +81,7 @@ class Row:
             self.m if self.m is not None else 0,
             self.transposable is True,
             self.algorithm,
+            self.refine is not None,
             self.run,
         )
 
@@ -80,6 +92,11 @@ class Table:
     ppl_datasets: tuple[str, ...]
     tasks: tuple[str, ...]
 
+    @property
+    def refined(self) -> bool:
+        """Whether some row was refined (the Markdown then has a Refine column)."""
+        return any(row.refine is not None for row in self.rows)
+
     def header(self) -> list[str]:
         """Markdown header labels."""
         ppl_names = dict(PPL_COLUMNS)
@@ -88,6 +105,7 @@ class Table:
             "N:M",
             "Algorithm",
             "Transposable",
+            *(["Refine"] if self.refined else []),
             *(ppl_names.get(d, d) for d in self.ppl_datasets),
             *(task_names.get(t, t) for t in self.tasks),
             "Avg",
@@ -105,6 +123,7 @@ class Table:
             "sparsity",
             "algorithm",
             "transposable",
+            "refine",
             *(f"ppl_{d}" for d in self.ppl_datasets),
             *(f"acc_{t}" for t in self.tasks),
             "average_acc",
@@ -121,6 +140,7 @@ class Table:
                 "sparsity": row.sparsity,
                 "algorithm": row.algorithm,
                 "transposable": row.transposable,
+                "refine": row.refine,
                 **{f"ppl_{d}": row.perplexity.get(d) for d in self.ppl_datasets},
                 **{f"acc_{t}": row.accuracy.get(t) for t in self.tasks},
                 "average_acc": row.average,
@@ -147,7 +167,7 @@ class Table:
     def to_markdown(self) -> str:
         header = self.header()
         n_ppl, n_acc = len(self.ppl_datasets), len(self.tasks) + 1
-        align = ["---"] * 3 + ["---:"] * (n_ppl + n_acc) + ["---"]
+        align = ["---"] * (4 if self.refined else 3) + ["---:"] * (n_ppl + n_acc) + ["---"]
         lines = [
             f"Models: {', '.join(sorted({row.model for row in self.rows}))}",
             "",
@@ -162,6 +182,7 @@ class Table:
                 row.pattern,
                 row.algorithm,
                 MISSING if row.transposable is None else ("yes" if row.transposable else "no"),
+                *([row.refine or "none"] if self.refined else []),
                 *(_fmt(row.perplexity.get(d)) for d in self.ppl_datasets),
                 *(_fmt(_percent(row.accuracy.get(t))) for t in self.tasks),
                 _fmt(_percent(row.average)),
@@ -196,7 +217,16 @@ def row_of(run: Run) -> Row:
         sparsity=prune.sparsity if prune is not None else 0.0,
         perplexity={name: p.ppl for name, p in run.eval.perplexity.items()},
         accuracy={t.name: t.acc for t in zeroshot.tasks} if zeroshot is not None else {},
+        refine=_refine_label(prune.settings.get("refine")) if prune is not None else None,
     )
+
+
+def _refine_label(settings: Any) -> str | None:
+    """tsenor_report.json's settings.refine (`RefineConfig.result_fields`, absent without refinement)
+    → "block (2 epochs, lr 0.001)"; None for a run without it."""
+    if not isinstance(settings, dict) or settings.get("mode", "none") == "none":
+        return None
+    return f"{settings['mode']} ({settings['epochs']} epochs, lr {settings['lr']:g})"
 
 
 def build_table(runs: Sequence[Run]) -> Table:
