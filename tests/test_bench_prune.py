@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from helpers_cli import invoke
 from typer.testing import CliRunner
 
 import tsenor_cli.pruning.phases as phases_module
@@ -17,13 +18,14 @@ from tsenor_cli.bench.prune import (
     _alps_projection,
     _whole_model,
     merge_section,
+    refine_ratios,
     scale_shape,
     shape_config,
     transposable_ratios,
 )
 from tsenor_cli.cli import app
 from tsenor_cli.errors import InputNotFoundError, UsageError
-from tsenor_cli.pruning.phases import PHASES, phase, record_phases
+from tsenor_cli.pruning.phases import PHASES, REFINE_PHASES, phase, record_phases
 
 
 def _clock(monkeypatch: pytest.MonkeyPatch, times: list[float]) -> None:
@@ -95,6 +97,20 @@ def test_transposable_ratios_pair_the_kinds_of_each_method() -> None:
     o_run.kind, lone.method = "ordinary", "wanda"
     t_run.seconds_at_reference_iterations, o_run.seconds_at_reference_iterations = 26.0, 20.0
     assert transposable_ratios([t_run, o_run, lone]) == {"alps": (1.3, 1.3)}
+
+
+def test_refine_ratios_pair_each_refined_run_with_its_plain_twin() -> None:
+    plain, refined, other_kind, lone = _run(10.0), _run(19.0), _run(8.0), _run(30.0)
+    refined.refine = lone.refine = "block"
+    other_kind.kind, lone.method = "ordinary", "wanda"  # ordinary alps has no refined twin, wanda no plain one
+    assert refine_ratios([plain, refined, other_kind, lone]) == {("alps", "transposable 16:32"): (10.0, 19.0)}
+    other_refined = _run(17.0)
+    other_refined.kind, other_refined.refine = "ordinary", "block"
+    # Transposable / ordinary pairs the refined runs among themselves, apart from the plain ones.
+    assert transposable_ratios([plain, refined, other_kind, other_refined]) == {
+        "alps": (10.0 / 8.0, None),
+        "alps + refine": (19.0 / 17.0, None),
+    }
 
 
 def test_whole_model_projection_hand_worked() -> None:
@@ -181,3 +197,38 @@ def test_bench_prune_cpu_smoke(tmp_path: Path, smollm2_path: Path) -> None:
     header = next(line for line in rows if line.startswith("| method | pattern | solver |"))
     table = rows[rows.index(header) : rows.index(header) + 2 + len(runs)]
     assert len({line.count("|") for line in table}) == 1, table  # header, rule and rows line up
+
+
+@pytest.mark.realdata
+@pytest.mark.realmodel
+def test_bench_prune_with_and_without_refinement(tmp_path: Path, smollm2_path: Path) -> None:
+    """`--refine none,block`: each method × kind runs plain and refined; the refined run's refinement and
+    dense-stream forward are phases of their own (zero in the plain run), and the tables give the
+    refined / plain wall time of the pair."""
+    out, md = tmp_path / "e2e.json", tmp_path / "e2e.md"
+    args = ["bench", "prune", "--model", "llama-3.2-1b", "--blocks", "1", "--scale-down", "32", "--nsamples", "4"]
+    args += ["--seqlen", "32", "--methods", "sparsegpt", "--kinds", "ordinary", "--refine", "none,block"]
+    result = CliRunner().invoke(app, [*args, "--output", str(out), "--markdown", str(md)])
+    assert result.exit_code == 0, result.output
+    runs = {run["refine"]: run for run in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"none", "block"} and all(run["verified"] for run in runs.values())
+    for mode, run in runs.items():
+        assert set(run["phases"]) == set(PHASES + REFINE_PHASES)
+        assert sum(run["phases"].values()) + run["other_seconds"] == pytest.approx(run["seconds"])
+        assert all((run["phases"][name] > 0) == (mode == "block") for name in REFINE_PHASES), run["phases"]
+    text = md.read_text()
+    assert "<!-- tsenor bench prune: llama-3.2-1b/1-of-16/scale-32/cpu/sparsegpt/refine-none,block -->" in text
+    ratio = runs["block"]["seconds"] / runs["none"]["seconds"]
+    plain_s, refined_s = f"{runs['none']['seconds']:.1f}", f"{runs['block']['seconds']:.1f}"
+    assert f"| sparsegpt | ordinary 16:32 | {plain_s} | {refined_s} | {ratio:.2f} |" in text
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    header = next(line for line in rows if line.startswith("| method | pattern | solver |"))
+    table = rows[rows.index(header) : rows.index(header) + 4]
+    assert "| dense stream | refine |" in header and table[3].startswith("| sparsegpt + refine | ordinary 16:32 |")
+    assert len({line.count("|") for line in table}) == 1, table
+
+
+def test_bench_prune_refuses_an_unknown_refine_mode() -> None:
+    result = invoke(["bench", "prune", "--refine", "none,layer", "--blocks", "1"])
+    assert result.exit_code == 2
+    assert str(result.exception) == "--refine: unknown layer; choose from none, block"

@@ -23,6 +23,7 @@ everything else scaled by layers / blocks, and labelled a projection.
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import resource
 import shutil
@@ -39,7 +40,8 @@ import torch
 from tsenor_cli.bench.machine import environment
 from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
 from tsenor_cli.progress import Progress, sink
-from tsenor_cli.pruning.phases import PHASES
+from tsenor_cli.pruning.phases import PHASES, REFINE_PHASES
+from tsenor_cli.pruning.refine import REFINE_MODES
 from tsenor_cli.settings import RunContext
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -55,11 +57,14 @@ class E2EConfig:
     """model: a name in configs/models or a path to a config JSON; blocks: build only the first `blocks`
     decoder blocks (None: all); scale_down: divide the widths (`scale_shape`, 1: the published shape; for
     CPU smoke runs); pattern kinds: "transposable" and/or "ordinary" N:M; tokenizer: a folder with the
-    SmolLM2 tokenizer files (None: the embedded model's, materialized), for machines without the package."""
+    SmolLM2 tokenizer files (None: the embedded model's, materialized), for machines without the package;
+    refine: the `--refine` modes to run each method and kind with ("none" and/or "block"); with both, the
+    tables give each refined run's wall time over its plain twin's (issue 28's "≤ 2×" target)."""
 
     model: str
     methods: tuple[str, ...] = METHODS
     kinds: tuple[str, ...] = ("transposable", "ordinary")
+    refine: tuple[str, ...] = ("none",)
     n: int = 16
     m: int = 32
     nsamples: int = 128
@@ -92,6 +97,7 @@ class RunResult:
     estimate_bytes: int
     peak_over_estimate: float | None
     verified: bool
+    refine: str = "none"
     alps_layers: list[dict[str, Any]] = field(default_factory=list)
     alps_iterations_mean: float | None = None
     alps_seconds_per_iteration: float | None = None
@@ -266,6 +272,10 @@ def run_e2e(
     bad_kinds = [x for x in cfg.kinds if x not in ("transposable", "ordinary")]
     if bad_kinds:
         raise UsageError(f"--kinds: unknown {', '.join(bad_kinds)}; choose from transposable, ordinary")
+    bad_modes = [x for x in cfg.refine if x not in REFINE_MODES]
+    if bad_modes or not cfg.refine:
+        raise UsageError(f"--refine: unknown {', '.join(bad_modes) or 'empty list'}; choose from none, block")
+    phase_names = _phase_names(cfg.refine)
     device = resolve_device(cfg.device)
     dtype = parse_dtype(cfg.dtype) or default_dtype(device)
     config, layers = shape_config(cfg.model, cfg.blocks, cfg.scale_down)
@@ -307,65 +317,66 @@ def run_e2e(
         config.save_pretrained(folder)  # the plan and the checkpoint read the shape from here
         tokenizer.save_pretrained(folder)
         runs = []
-        for method in cfg.methods:
-            for kind in cfg.kinds:
-                recipe = {
-                    "model": str(folder),
-                    "nm": f"{cfg.n}:{cfg.m}",
-                    "transposable": kind == "transposable",
-                    "method": method,
-                    "solver": cfg.solver,
-                    "nsamples": cfg.nsamples,
-                    "seqlen": cfg.seqlen,
-                    "seed": cfg.seed,
-                    "dtype": str(dtype).removeprefix("torch."),
-                    "device": str(device),
-                    "output": str(root / f"out-{method}-{kind}"),
-                }
-                prune_cfg = build_config(recipe, force=True, resume=cfg.resume_state, command="tsenor bench prune")
-                pattern = prune_cfg.pattern
-                say(f"{method} {kind} {pattern.label}: building the random model")
-                model = build_random_model(config, device, dtype, cfg.seed)
-                loaded = LoadedModel(model, tokenizer, cfg.model, str(folder), discover_structure(model))
-                plan = plan_model(prune_cfg, ctx)
-                with record_phases(device) as recorder:
-                    start = time.perf_counter()
-                    report = prune_model(prune_cfg, ctx, say, built=loaded)
-                    seconds = time.perf_counter() - start
-                del model, loaded
-                assert prune_cfg.output is not None
-                verified = verify_checkpoint(prune_cfg.output).ok
-                shutil.rmtree(prune_cfg.output)
-                phases = {name: recorder.seconds.get(name, 0.0) for name in PHASES}
-                peak = recorder.peak if device.type == "cuda" else None
-                result = RunResult(
-                    method=method,
-                    kind=kind,
-                    pattern=pattern.label,
-                    solver=prune_cfg.solver_that_runs(device),
-                    seconds=seconds,
-                    phases=phases,
-                    other_seconds=seconds - sum(phases.values()),
-                    peak_bytes=peak,
-                    phase_peak_bytes=dict(recorder.peaks),
-                    estimate_bytes=plan.device_bytes,
-                    peak_over_estimate=peak / plan.device_bytes if peak is not None else None,
-                    verified=verified,
-                )
-                if method == "alps":
-                    iterations = {r.name: r.iterations for r in report.layers if r.status == "pruned"}
-                    ref = reference_iterations(cfg.reference_runs, kind == "transposable", cfg.n, cfg.m)
-                    _alps_projection(result, recorder.layers, iterations, ref)
-                if built_blocks < layers:
-                    params_ratio, blocks_ratio = full_params / built_params, layers / built_blocks
-                    result.projected_whole_seconds = _whole_model(seconds, phases, params_ratio, blocks_ratio)
-                    if result.seconds_at_reference_iterations is not None:
-                        at_ref = result.seconds_at_reference_iterations
-                        result.projected_whole_seconds_at_reference_iterations = _whole_model(
-                            at_ref, phases, params_ratio, blocks_ratio
-                        )
-                say(f"{method} {kind}: {seconds:.1f}s, verified {verified}")
-                runs.append(result)
+        for method, kind, refine in itertools.product(cfg.methods, cfg.kinds, cfg.refine):
+            recipe = {
+                "model": str(folder),
+                "nm": f"{cfg.n}:{cfg.m}",
+                "transposable": kind == "transposable",
+                "method": method,
+                "solver": cfg.solver,
+                "nsamples": cfg.nsamples,
+                "seqlen": cfg.seqlen,
+                "seed": cfg.seed,
+                "dtype": str(dtype).removeprefix("torch."),
+                "device": str(device),
+                "output": str(root / f"out-{method}-{kind}-{refine}"),
+                "refine": refine,
+            }
+            prune_cfg = build_config(recipe, force=True, resume=cfg.resume_state, command="tsenor bench prune")
+            pattern = prune_cfg.pattern
+            say(f"{method} {kind} {pattern.label}, refine {refine}: building the random model")
+            model = build_random_model(config, device, dtype, cfg.seed)
+            loaded = LoadedModel(model, tokenizer, cfg.model, str(folder), discover_structure(model))
+            plan = plan_model(prune_cfg, ctx)
+            with record_phases(device) as recorder:
+                start = time.perf_counter()
+                report = prune_model(prune_cfg, ctx, say, built=loaded)
+                seconds = time.perf_counter() - start
+            del model, loaded
+            assert prune_cfg.output is not None
+            verified = verify_checkpoint(prune_cfg.output).ok
+            shutil.rmtree(prune_cfg.output)
+            phases = {name: recorder.seconds.get(name, 0.0) for name in phase_names}
+            peak = recorder.peak if device.type == "cuda" else None
+            result = RunResult(
+                method=method,
+                kind=kind,
+                pattern=pattern.label,
+                solver=prune_cfg.solver_that_runs(device),
+                seconds=seconds,
+                phases=phases,
+                other_seconds=seconds - sum(phases.values()),
+                peak_bytes=peak,
+                phase_peak_bytes=dict(recorder.peaks),
+                estimate_bytes=plan.device_bytes,
+                peak_over_estimate=peak / plan.device_bytes if peak is not None else None,
+                verified=verified,
+                refine=refine,
+            )
+            if method == "alps":
+                iterations = {r.name: r.iterations for r in report.layers if r.status == "pruned"}
+                ref = reference_iterations(cfg.reference_runs, kind == "transposable", cfg.n, cfg.m)
+                _alps_projection(result, recorder.layers, iterations, ref)
+            if built_blocks < layers:
+                params_ratio, blocks_ratio = full_params / built_params, layers / built_blocks
+                result.projected_whole_seconds = _whole_model(seconds, phases, params_ratio, blocks_ratio)
+                if result.seconds_at_reference_iterations is not None:
+                    at_ref = result.seconds_at_reference_iterations
+                    result.projected_whole_seconds_at_reference_iterations = _whole_model(
+                        at_ref, phases, params_ratio, blocks_ratio
+                    )
+            say(f"{method} {kind} refine {refine}: {seconds:.1f}s, verified {verified}")
+            runs.append(result)
     finally:
         if own_dir:
             shutil.rmtree(root, ignore_errors=True)
@@ -373,6 +384,16 @@ def run_e2e(
     env["cpu_rss_high_water_bytes"] = _rss_high_water()
     config_dict = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     return E2EResult(config=config_dict, environment=env, shape=shape, runs=runs)
+
+
+def _phase_names(refine: Any) -> tuple[str, ...]:
+    """The phase columns: PHASES, and REFINE_PHASES when some run refines (`refine`: the modes run)."""
+    return PHASES + REFINE_PHASES if any(mode != "none" for mode in refine) else PHASES
+
+
+def _label(run: RunResult) -> str:
+    """The method as the tables name it: "alps", or "alps + refine" for a refined run."""
+    return run.method if run.refine == "none" else f"{run.method} + refine"
 
 
 def _gib(value: int | None) -> str:
@@ -389,6 +410,7 @@ def to_markdown(result: E2EResult) -> str:
     device = env.get("gpu", env["device"])
     whole = shape["blocks_built"] == shape["layers"]
     cfg = result.config
+    phase_names = _phase_names(cfg.get("refine", ("none",)))
     scaled = (
         f", widths / {shape['scale_down']} (a smoke run, not the published shape)" if shape["scale_down"] > 1 else ""
     )
@@ -402,15 +424,15 @@ def to_markdown(result: E2EResult) -> str:
         f"was {_gib(env['cpu_rss_high_water_bytes'])} GiB).",
         "",
         "| method | pattern | solver | "
-        + " | ".join(PHASES)
+        + " | ".join(phase_names)
         + " | other | total s | peak GiB | dry-run est. GiB | peak / est. | verified |",
-        "|" + "---|" * (len(PHASES) + 9),
+        "|" + "---|" * (len(phase_names) + 9),
     ]
     for run in result.runs:
         ratio = "n/a" if run.peak_over_estimate is None else f"{run.peak_over_estimate:.2f}"
         lines.append(
-            f"| {run.method} | {run.kind} {run.pattern} | {run.solver or '–'} | "
-            + " | ".join(f"{run.phases[name]:.2f}" for name in PHASES)
+            f"| {_label(run)} | {run.kind} {run.pattern} | {run.solver or '–'} | "
+            + " | ".join(f"{run.phases[name]:.2f}" for name in phase_names)
             + f" | {run.other_seconds:.2f} | {run.seconds:.1f} | {_gib(run.peak_bytes)} | "
             f"{_gib(run.estimate_bytes)} | {ratio} | {'yes' if run.verified else 'NO'} |"
         )
@@ -430,7 +452,8 @@ def to_markdown(result: E2EResult) -> str:
             spi = run.alps_seconds_per_iteration
             ref = run.reference_iterations_mean
             lines.append(
-                f"| {run.kind} {run.pattern} | {run.alps_iterations_mean:.1f} | "
+                f"| {run.kind} {run.pattern}{' + refine' if run.refine != 'none' else ''} | "
+                f"{run.alps_iterations_mean:.1f} | "
                 f"{'–' if spi is None else f'{spi:.4f}'} | {'–' if ref is None else f'{ref:.1f}'} | "
                 f"{run.seconds:.1f} | {_s(run.seconds_at_reference_iterations)} |"
             )
@@ -440,6 +463,12 @@ def to_markdown(result: E2EResult) -> str:
         lines += ["| method | measured | at SmolLM2 iterations |", "|---|---|---|"]
         for method, (measured, at_ref) in ratios.items():
             lines.append(f"| {method} | {measured:.2f} | {'–' if at_ref is None else f'{at_ref:.2f}'} |")
+    refined = refine_ratios(result.runs)
+    if refined:
+        lines += ["", "With / without `--refine block` wall time (same run of the benchmark):", ""]
+        lines += ["| method | pattern | plain s | refined s | refined / plain |", "|---|---|---|---|---|"]
+        for (method, pattern), (plain, with_refine) in refined.items():
+            lines.append(f"| {method} | {pattern} | {plain:.1f} | {with_refine:.1f} | {with_refine / plain:.2f} |")
     if not whole:
         lines += [
             "",
@@ -452,18 +481,18 @@ def to_markdown(result: E2EResult) -> str:
         ]
         for run in result.runs:
             lines.append(
-                f"| {run.method} | {run.kind} {run.pattern} | {_s(run.projected_whole_seconds)} | "
+                f"| {_label(run)} | {run.kind} {run.pattern} | {_s(run.projected_whole_seconds)} | "
                 f"{_s(run.projected_whole_seconds_at_reference_iterations)} |"
             )
     return "\n".join(lines) + "\n"
 
 
 def transposable_ratios(runs: list[RunResult]) -> dict[str, tuple[float, float | None]]:
-    """{method: (transposable seconds / ordinary seconds, the same at SmolLM2's ALPS iterations or None)}
-    for the methods that ran both kinds."""
-    by_key = {(run.method, run.kind): run for run in runs}
+    """{method ("alps", or "alps + refine"): (transposable seconds / ordinary seconds, the same at
+    SmolLM2's ALPS iterations or None)} for the methods that ran both kinds."""
+    by_key = {(_label(run), run.kind): run for run in runs}
     ratios: dict[str, tuple[float, float | None]] = {}
-    for method in dict.fromkeys(run.method for run in runs):
+    for method in dict.fromkeys(_label(run) for run in runs):
         t_run, o_run = by_key.get((method, "transposable")), by_key.get((method, "ordinary"))
         if t_run is None or o_run is None:
             continue
@@ -473,12 +502,27 @@ def transposable_ratios(runs: list[RunResult]) -> dict[str, tuple[float, float |
     return ratios
 
 
+def refine_ratios(runs: list[RunResult]) -> dict[tuple[str, str], tuple[float, float]]:
+    """{(method, "kind pattern"): (plain seconds, refined seconds)} for the method × kind pairs that ran
+    both with and without `--refine block`."""
+    by_key = {(run.method, run.kind, run.refine): run for run in runs}
+    pairs: dict[tuple[str, str], tuple[float, float]] = {}
+    for run in runs:
+        refined = by_key.get((run.method, run.kind, "block"))
+        if run.refine == "none" and refined is not None:
+            pairs[(run.method, f"{run.kind} {run.pattern}")] = (run.seconds, refined.seconds)
+    return pairs
+
+
 def section_key(result: E2EResult) -> str:
-    """What one section of the Markdown file is for: the shape, blocks, device and methods."""
+    """What one section of the Markdown file is for: the shape, blocks, device, methods (and the refine
+    modes, when not only "none")."""
     env, shape = result.environment, result.shape
     scaled = f"/scale-{shape['scale_down']}" if shape["scale_down"] > 1 else ""
     methods = ",".join(result.config["methods"])
-    return f"{shape['model']}/{shape['blocks_built']}-of-{shape['layers']}{scaled}/{env['device']}/{methods}"
+    modes = list(result.config.get("refine", ["none"]))
+    refine = "" if modes == ["none"] else f"/refine-{','.join(modes)}"
+    return f"{shape['model']}/{shape['blocks_built']}-of-{shape['layers']}{scaled}/{env['device']}/{methods}{refine}"
 
 
 def merge_section(existing: str, key: str, table: str) -> str:

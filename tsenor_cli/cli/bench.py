@@ -191,6 +191,10 @@ def bench_prune(
     ),
     methods: str = typer.Option("alps,sparsegpt,wanda", help="Pruning methods (comma list)."),
     kinds: str = typer.Option("transposable,ordinary", help="Pattern kinds (comma list): transposable, ordinary."),
+    refine: str = typer.Option(
+        "none",
+        help="Block refinement modes (comma list): none, block; with both, the refined / plain time of each pair.",
+    ),
     nm: str = typer.Option("16:32", help="The N:M pattern."),
     nsamples: int = typer.Option(128, min=1, help="Calibration samples."),
     seqlen: int = typer.Option(2048, min=1, help="Tokens per calibration sample."),
@@ -239,6 +243,7 @@ def bench_prune(
         model=model,
         methods=tuple(x.strip() for x in methods.split(",") if x.strip()),
         kinds=tuple(x.strip() for x in kinds.split(",") if x.strip()),
+        refine=tuple(x.strip() for x in refine.split(",") if x.strip()),
         n=pattern.n,
         m=pattern.m,
         nsamples=nsamples,

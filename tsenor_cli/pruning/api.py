@@ -617,7 +617,7 @@ def _prune_blocks(
         block.to(device)
         call = begin.calls[index].to(device)
         if dense is not None:
-            with team.agreed():
+            with phase("dense stream"), team.agreed():
                 run_block(block, dense, call, dense, device)  # in place: the dense outputs, refinement's targets
         records += prune_block(
             block,
@@ -640,7 +640,7 @@ def _prune_blocks(
         records += plan.unused.get(index, [])
         rerun = True
         if dense is not None:
-            with team.agreed():
+            with phase("refine"), team.agreed():
                 args = (block, index, structure.full_name(index, ""), records, hidden, call, dense, cfg.refine)
                 fresh, written = refine_pruned_block(
                     *args, seed=cfg.seed, device=device, team=team, nsamples=cfg.nsamples, progress=say, outputs=buffer

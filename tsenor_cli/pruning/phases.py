@@ -21,6 +21,9 @@ import torch
 
 # The phases the engine marks, in the order a block meets them.
 PHASES = ("calibration", "capture", "statistics", "factorize", "mask solver", "updates", "cg", "rerun", "save")
+# The phases only `--refine block` has (pruning/refine.py): the dense block's forward on the dense stream,
+# and the refinement (its error passes and its training).
+REFINE_PHASES = ("dense stream", "refine")
 
 
 @dataclass
@@ -94,7 +97,7 @@ _ACTIVE: contextvars.ContextVar[PhaseRecorder | None] = contextvars.ContextVar("
 
 
 def phase(name: str, layer: str | None = None) -> contextlib.AbstractContextManager[None]:
-    """Mark the code under `with` as phase `name` (one of PHASES) of the active recording, if any.
+    """Mark the code under `with` as phase `name` (one of PHASES or REFINE_PHASES) of the active recording, if any.
 
     layer: the full module name of the linear this phase works on; phases nested inside inherit it.
     """
