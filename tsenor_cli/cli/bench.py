@@ -223,7 +223,7 @@ def bench_prune(
     markdown: Path | None = typer.Option(
         None,
         help="Put the tables into this Markdown file (docs/measurements/benchmarks-e2e.md), replacing the section "
-        "of the same shape, blocks, device and methods.",
+        "of the same shape, blocks, device, methods and refine modes.",
     ),
     force: ForceOpt = False,
     json_out: JsonOpt = False,
