@@ -7,6 +7,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from helpers_cli import invoke
@@ -146,6 +147,24 @@ def test_shipped_shapes_have_the_published_sizes(name: str, params: int, layers:
     assert config.tie_word_embeddings is tied
     assert config.rope_parameters["rope_type"] == "llama3" and config.rope_parameters["rope_theta"] == 500000.0
     assert sum(p.numel() for p in meta_model(config).parameters()) == params
+
+
+@pytest.mark.realmodel
+def test_the_smollm2_shape_is_the_embedded_models(smollm2_path: Path) -> None:
+    """configs/models/smollm2-135m.json, the shape the refinement benchmark runs at, is the embedded
+    checkpoint's own config: the same 134,515,008 parameters (tied embeddings counted once), 30 blocks."""
+    from transformers import AutoConfig
+
+    from tsenor_cli.models.loading import meta_model
+
+    config, layers = shape_config("smollm2-135m", None)
+    embedded = AutoConfig.from_pretrained(smollm2_path)
+
+    def shape(c: Any) -> dict[str, Any]:
+        return {k: v for k, v in c.to_dict().items() if not k.startswith("_")}  # names and paths aside
+
+    assert layers == 30 and shape(config) == shape(embedded)
+    assert sum(p.numel() for p in meta_model(config).parameters()) == 134_515_008
 
 
 def test_scale_shape_divides_widths_and_keeps_head_dim() -> None:

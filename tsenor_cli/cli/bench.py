@@ -187,7 +187,8 @@ def bench_prune(
     ctx: typer.Context,
     model: str = typer.Option(
         "llama-3.2-1b",
-        help="A model shape in configs/models (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b) or a config .json.",
+        help="A model shape in configs/models (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, smollm2-135m) "
+        "or a config .json.",
     ),
     methods: str = typer.Option("alps,sparsegpt,wanda", help="Pruning methods (comma list)."),
     kinds: str = typer.Option("transposable,ordinary", help="Pattern kinds (comma list): transposable, ordinary."),
