@@ -171,6 +171,19 @@ def test_blockwise_replay_reproduces_the_moe_model(family: str) -> None:
     torch.testing.assert_close(logits, expected_logits, rtol=1e-5, atol=1e-5)
 
 
+def _sparsegpt_2_4(source: Path, output: Path, **changes: Any) -> PruneConfig:
+    """SparseGPT transposable 2:4 of `source` on 4 × 64 C4 tokens into `output`, with `changes` on top."""
+    return PruneConfig(
+        model=str(source),
+        layer=LayerPruneConfig(pattern=SparsityPattern.from_nm(2, 4, transposable=True)),
+        method="sparsegpt",
+        nsamples=4,
+        seqlen=64,
+        output=output,
+        **changes,
+    )
+
+
 @pytest.fixture(scope="module")
 def calib_ctx(data_ctx: RunContext) -> RunContext:
     return data_ctx
@@ -186,15 +199,7 @@ def test_sparsegpt_2_4_prunes_every_expert_keeps_routers_dense_and_verifies(
 
     source = make_tiny_llama(tmp_path / "src", model_type=family, **MOE[family])
     out = tmp_path / "out"
-    cfg = PruneConfig(
-        model=str(source),
-        layer=LayerPruneConfig(pattern=SparsityPattern.from_nm(2, 4, transposable=True)),
-        method="sparsegpt",
-        nsamples=4,
-        seqlen=64,
-        output=out,
-    )
-    report = prune_model(cfg, calib_ctx)
+    report = prune_model(_sparsegpt_2_4(source, out), calib_ctx)
     moe_blocks = 2 - DENSE_BLOCKS.get(family, 0)
     experts = [r for r in report.layers if r.expert is not None]
     # Every expert of every stack of every MoE block, each a matrix of its own.
@@ -456,15 +461,7 @@ def test_refinement_trains_fused_experts_with_their_masks_held(
 
     monkeypatch.setattr(refine, "refine_block", watched)
     source = make_tiny_llama(tmp_path / "src", model_type=family, **MOE[family])
-    cfg = PruneConfig(
-        model=str(source),
-        layer=LayerPruneConfig(pattern=SparsityPattern.from_nm(2, 4, transposable=True)),
-        method="sparsegpt",
-        nsamples=4,
-        seqlen=64,
-        output=tmp_path / "out",
-        refine=refine.RefineConfig("block", 2, 1e-3),
-    )
+    cfg = _sparsegpt_2_4(source, tmp_path / "out", refine=refine.RefineConfig("block", 2, 1e-3))
     report = prune_model(cfg, calib_ctx)
     assert [b.block for b in report.refinement] == [0, 1]
     assert all(b.error_after < b.error_before if b.kept else b.error_after >= b.error_before for b in report.refinement)
