@@ -6,7 +6,8 @@ Each RUN is a folder written by `tsenor prune` (tsenor_report.json) and `tsenor 
 BASELINE_RUN is the same prune without refinement, made in the same session, which the time ratios
 divide by. Prints (or writes) one row per run (settings, perplexities, prune seconds, ratio, blocks whose
 refinement was kept; the zero-shot average where a run has one) and the per-block errors of every refined run;
---plot draws those errors (before dashed, after solid) by block.
+--plot draws those errors (before dashed, after solid) by block. A resumed prune's seconds are its last
+attempt's, so no ratio is drawn where the run or the baseline was resumed.
 """
 
 from __future__ import annotations
@@ -55,8 +56,13 @@ def tables(baseline: Path, runs: list[Path]) -> str:
         kept = f"{sum(b.kept for b in blocks)}/{len(blocks)}" if blocks else "-"
         refine_s = f"{sum(b.seconds for b in blocks):.0f}" if blocks else "-"
         avg = [_average(ev)] if zeroshot else []
-        ratio = f"{report.seconds / base.seconds:.2f}"
-        row = [folder.name, _setting(report), *ppl, *avg, f"{report.seconds:.0f}", ratio]
+        # A resumed prune's seconds cover its last attempt only, so no ratio is drawn from it or against it.
+        resumed = report.resumed_from_block is not None or base.resumed_from_block is not None
+        ratio = "-" if resumed else f"{report.seconds / base.seconds:.2f}"
+        seconds = f"{report.seconds:.0f}"
+        if report.resumed_from_block is not None:
+            seconds += f" (last attempt, resumed at block {report.resumed_from_block})"
+        row = [folder.name, _setting(report), *ppl, *avg, seconds, ratio]
         lines.append("| " + " | ".join([*row, refine_s, kept]) + " |")
     refined = [(folder, report) for folder, report, _ in loaded if report.refinement]
     if refined:

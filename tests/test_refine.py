@@ -379,12 +379,15 @@ def test_the_study_table_divides_by_the_baseline_and_lists_each_block(tmp_path: 
         refine: dict[str, Any] | None,
         blocks: tuple[Any, ...],
         zeroshot: ZeroShotResult | None = None,
+        resumed_from_block: int | None = None,
     ) -> Path:
         folder = tmp_path / name
         folder.mkdir()
         settings = {"refine": refine} if refine else {}
         pattern = SparsityPattern.from_nm(16, 32, transposable=True)
-        report = PruneReport("sparsegpt", pattern, 0.5, settings, (), "c", seconds, None, None, {}, refinement=blocks)
+        report = PruneReport(
+            "sparsegpt", pattern, 0.5, settings, (), "c", seconds, None, None, {}, resumed_from_block, refinement=blocks
+        )
         (folder / PRUNE_FILE).write_text(json.dumps(report.to_json()))
         record = PerplexityRecord(ppl, 1.0, 512, 1, 512, "wt2", None, 1.0)
         evaluation = EvalReport("m", "m", "llama", "float32", "cpu", 512, 1, {"wikitext2": record}, zeroshot, {}, 1.0)
@@ -412,3 +415,9 @@ def test_the_study_table_divides_by_the_baseline_and_lists_each_block(tmp_path: 
     assert "| run | refine | wikitext2 ppl | zero-shot avg | prune s |" in text
     assert "| base | none | 50.00 | - | 100 | 1.00 | - | - |" in text
     assert "| zs | none | 45.00 | 55.00 (2 tasks, limit 100) | 120 | 1.20 | - | - |" in text
+    # A resumed prune's seconds are its last attempt's: no ratio from it, nor against a resumed baseline.
+    resumed = run("resumed", 40.0, 40.0, {"mode": "block", "epochs": 1, "lr": 1e-3}, blocks, None, 24)
+    text = script.tables(base, [resumed])
+    assert "| resumed | 1 epoch(s), lr 0.001 | 40.00 | 40 (last attempt, resumed at block 24) | - | 50 | 1/2 |" in text
+    text = script.tables(resumed, [refined])
+    assert "| e1 | 1 epoch(s), lr 0.001 | 40.00 | 150 | - | 50 | 1/2 |" in text
