@@ -9,10 +9,12 @@ import torch
 from typer.testing import CliRunner
 
 from tsenor_cli.bench.speedup import (
+    BACKENDS,
     MODELS,
     SpeedupConfig,
     SpeedupResult,
     Timing,
+    available_backends,
     is_two_four,
     to_markdown,
     two_four_masks,
@@ -122,6 +124,90 @@ def test_timed_linear_has_the_gradients_of_f_linear() -> None:
     x = torch.randn(6, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     dy = torch.randn(6, 4, generator=gen, dtype=torch.float64)
-    got = torch.autograd.grad(_Linear.apply(x, weight, weight.detach(), weight.detach()), [x, weight], dy)
+    w = weight.detach()
+    got = torch.autograd.grad(_Linear.apply(x, weight, lambda a: a @ w.t(), lambda g: g @ w), [x, weight], dy)
     want = torch.autograd.grad(torch.nn.functional.linear(x, weight), [x, weight], dy)
     assert all(torch.allclose(g, w) for g, w in zip(got, want, strict=True))
+
+
+def _fake_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], cusparselt: bool = True) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.backends.cusparselt, "is_available", lambda: cusparselt)
+
+
+def test_cutlass_is_skipped_off_compute_capability_8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The H100 run (9.0) failed every CUTLASS row: torch's CUTLASS semi-structured kernels are for 8.x."""
+    _fake_gpu(monkeypatch, (9, 0))
+    assert available_backends(BACKENDS) == (("cusparselt", "cusparselt-direct"), {"cutlass": "not available on 9.0"})
+    _fake_gpu(monkeypatch, (8, 6))
+    assert available_backends(BACKENDS) == (BACKENDS, {})
+
+
+def test_cusparselt_paths_are_skipped_without_the_library_or_the_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_gpu(monkeypatch, (8, 0), cusparselt=False)
+    runnable, why = available_backends(BACKENDS)
+    assert runnable == ("cutlass",) and set(why) == {"cusparselt", "cusparselt-direct"}
+    assert "no cuSPARSELt" in why["cusparselt"]
+    _fake_gpu(monkeypatch, (9, 0))
+    monkeypatch.delattr(torch, "_cslt_sparse_mm_search")
+    runnable, why = available_backends(BACKENDS)
+    assert runnable == ("cusparselt",)
+    assert "lacks torch._cslt_*" in why["cusparselt-direct"] and why["cutlass"] == "not available on 9.0"
+
+
+def test_direct_path_computes_the_linear_and_its_input_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct path's operands and transposes, with the cuSPARSELt ops replaced by their dense meaning
+    (compress: the weight; sparse_mm(A, B): A·B, transposed with transpose_result; the search: algorithm 0)."""
+    from tsenor_cli.bench.speedup import _operators
+
+    searched = []
+
+    def search(packed: torch.Tensor, dense: torch.Tensor, transpose_result: bool = False) -> int:
+        searched.append((tuple(packed.shape), tuple(dense.shape)))
+        return 0
+
+    def sparse_mm(packed: torch.Tensor, dense: torch.Tensor, transpose_result: bool = False, alg_id: int = 0):
+        product = packed @ dense
+        return product.t() if transpose_result else product
+
+    monkeypatch.setattr(torch, "_cslt_compress", lambda w: w.clone())
+    monkeypatch.setattr(torch, "_cslt_sparse_mm_search", search)
+    monkeypatch.setattr(torch, "_cslt_sparse_mm", sparse_mm)
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(8, 16, generator=gen, dtype=torch.float64)  # (out, in)
+    pruned = weight * two_four_masks(weight)["transposable"]
+    x, dy = (
+        torch.randn(5, 16, generator=gen, dtype=torch.float64),
+        torch.randn(5, 8, generator=gen, dtype=torch.float64),
+    )
+    forward, backward = _operators(pruned, "cusparselt-direct", True, x, dy)
+    assert backward is not None
+    torch.testing.assert_close(forward(x), torch.nn.functional.linear(x, pruned))
+    torch.testing.assert_close(backward(dy), dy @ pruned)
+    assert searched == [((8, 16), (16, 5)), ((16, 8), (8, 5))]  # once per product, at setup
+    assert _operators(pruned, "cusparselt-direct", False, x, dy)[1] is None  # ordinary: dX stays dense
+
+
+def test_markdown_says_why_a_backend_was_not_timed_and_shows_both_cusparselt_paths() -> None:
+    base = _fake_result()
+    direct = tuple(
+        Timing(t.model, t.layer, t.shape, t.tokens, t.op, t.variant, "cusparselt-direct", t.ms * 2 / 5, 1e-4)
+        for t in base.timings
+        if t.backend == "cutlass"
+    )
+    config = base.config | {"backends": ["cutlass", "cusparselt", "cusparselt-direct"]}
+    cusparselt = tuple(t for t in base.timings if t.backend != "cutlass")
+    result = SpeedupResult(
+        config, cusparselt + direct, base.environment, base.date, unavailable={"cutlass": "not available on 9.0"}
+    )
+    text = to_markdown(result)
+    rows = {line.split(" | ")[2]: line for line in text.splitlines() if line.startswith("| gate_proj")}
+    # columns: dense, cutlass ord/trans, cusparselt ord/trans, cusparselt-direct ord/trans
+    assert rows["Y=XWᵀ"].endswith(
+        "| 2.000 ms | not available on 9.0 | not available on 9.0 | failed | failed | 3.12× | 4.00× |"
+    )
+    assert rows["dX=dY·W"].endswith(
+        "| 2.200 ms | = dense | not available on 9.0 | = dense | failed | = dense | 2.75× |"
+    )
+    assert "cutlass not timed: not available on 9.0." in text
+    assert "torch._cslt_sparse_mm" in text and "F.linear(x, W_sparse)" in text

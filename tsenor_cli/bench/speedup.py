@@ -12,9 +12,15 @@ take one 2:4-sparse operand whose groups of 4 run along the reduction dimension:
 Sparse operands are torch's semi-structured tensors (`to_sparse_semi_structured` builds them; here the
 backend classes' `from_dense` are called directly to time CUTLASS and cuSPARSELt side by side). A
 transposable weight is one tensor holding W's compressed form (packed/meta) and Wᵀ's (packed_t/meta_t),
-which is what `.t()` of a semi-structured tensor switches to. Times are CUDA-event medians after
-warm-up, in bf16. Everything needing CUDA happens inside `run_speedup`; the shape tables, masks and
-the Markdown rendering import and run on a CPU.
+which is what `.t()` of a semi-structured tensor switches to. Every call through such a tensor pays
+Python dispatch and layout handling: on the first H100 run (2026-11-27) cuSPARSELt through
+`F.linear(x, semi_structured)` was 0.03–0.5× dense at 4096 tokens. So cuSPARSELt is also timed
+directly (`cusparselt-direct`): the weight compressed once with `torch._cslt_compress`, the product by
+`torch._cslt_sparse_mm` with `transpose_result` (Y comes out (T, out) without a copy) and the algorithm
+chosen once per shape by `torch._cslt_sparse_mm_search`, outside the timing. A backend the GPU or the
+torch build cannot run (torch's CUTLASS kernels need compute capability 8.x) is not timed: its cells
+say why. Times are CUDA-event medians after warm-up, in bf16. Everything needing CUDA happens inside
+`run_speedup`; the shape tables, masks, the backend selection and the Markdown rendering run on a CPU.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ from tsenor_cli.solver import nm_mask, transposable_nm_mask
 
 VARIANTS = ("dense", "ordinary", "transposable")
 VARIANT_LABELS = {"dense": "dense", "ordinary": "ordinary 2:4", "transposable": "transposable 2:4"}
-BACKENDS = ("cutlass", "cusparselt")
+BACKENDS = ("cutlass", "cusparselt", "cusparselt-direct")
+# The torch ops the direct cuSPARSELt path calls (`torch.X` attributes; absent from some builds).
+CSLT_OPS = ("_cslt_compress", "_cslt_sparse_mm", "_cslt_sparse_mm_search")
 OPS = ("Y=XWᵀ", "dX=dY·W", "dW=dYᵀX", "MLP fwd", "MLP fwd+bwd")
 
 
@@ -136,6 +144,8 @@ class SpeedupResult:
     environment: dict[str, Any]
     date: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # {backend: why it was not timed on this GPU, e.g. "not available on 9.0"}
+    unavailable: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -144,6 +154,7 @@ class SpeedupResult:
                 "environment": self.environment,
                 "date": self.date,
                 "notes": list(self.notes),
+                "unavailable": self.unavailable,
                 "timings": [asdict(t) for t in self.timings],
             },
             indent=2,
@@ -170,22 +181,73 @@ def _semi_structured(weight: torch.Tensor, backend: str, *, with_transpose: bool
     )
 
 
+Op = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _cslt_product(weight: torch.Tensor, sample: torch.Tensor) -> Op:
+    """weight (out, in) bf16 CUDA, 2:4 along rows; sample (T, in) → inp (T, in) ↦ inp·weightᵀ (T, out) by
+    `torch._cslt_sparse_mm` on the weight compressed once, with the algorithm searched once for this shape."""
+    packed = torch._cslt_compress(weight.contiguous())
+    # Searched here, outside every timed call: the search runs each candidate algorithm (seconds).
+    alg = torch._cslt_sparse_mm_search(packed, sample.t(), transpose_result=True)
+
+    def product(inp: torch.Tensor) -> torch.Tensor:
+        return torch._cslt_sparse_mm(packed, inp.t(), transpose_result=True, alg_id=alg)
+
+    return product
+
+
+def _operators(
+    pruned: torch.Tensor, backend: str, transposable: bool, x: torch.Tensor, dy: torch.Tensor
+) -> tuple[Op, Op | None]:
+    """pruned (out, in) 2:4 weight, x (T, in), dy (T, out) samples → (X ↦ X·Wᵀ, dY ↦ dY·W or None when the
+    variant leaves dX dense), both on `backend`'s sparse kernels."""
+    if backend == "cusparselt-direct":
+        forward = _cslt_product(pruned, x)
+        return forward, _cslt_product(pruned.t(), dy) if transposable else None
+    sparse = _semi_structured(pruned, backend, with_transpose=transposable)
+    return (lambda inp: F.linear(inp, sparse)), ((lambda grad: grad @ sparse) if transposable else None)
+
+
+def backend_unavailable(backend: str, capability: tuple[int, int]) -> str | None:
+    """Why `backend` cannot run on a GPU of compute `capability` with this torch build (a table cell), or None."""
+    major, minor = capability
+    if backend == "cutlass" and major != 8:
+        # torch's CUTLASS semi-structured kernels: "Supported only on GPUs with compute capability 8.x"
+        # (every CUTLASS row failed so on the H100, 9.0, 2026-11-27).
+        return f"not available on {major}.{minor}"
+    if backend.startswith("cusparselt") and not torch.backends.cusparselt.is_available():
+        return "not available (no cuSPARSELt in this torch)"
+    if backend == "cusparselt-direct" and not all(hasattr(torch, op) for op in CSLT_OPS):
+        return f"not available (torch {torch.__version__} lacks torch._cslt_*)"
+    return None
+
+
+def available_backends(backends: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, str]]:
+    """(the backends this GPU and torch build run, {backend: why not} for the others)."""
+    capability = torch.cuda.get_device_capability()
+    unavailable = {b: why for b in backends if (why := backend_unavailable(b, capability)) is not None}
+    return tuple(b for b in backends if b not in unavailable), unavailable
+
+
 class _Linear(torch.autograd.Function):
-    """Y = X·Wᵀ with `forward_weight`, dX = dY·W with `backward_weight` (each dense or semi-structured),
-    dW = dYᵀ·X dense: one linear layer of a sparse training step."""
+    """Y = forward_op(X), dX = backward_op(dY) (each a dense or sparse product with W), dW = dYᵀ·X dense:
+    one linear layer of a sparse training step."""
 
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, forward_weight: Any, backward_weight: Any
-    ) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, forward_op: Op, backward_op: Op) -> torch.Tensor:
         ctx.save_for_backward(x)
-        ctx.backward_weight = backward_weight
-        return F.linear(x, forward_weight)  # (T, out)
+        ctx.backward_op = backward_op
+        return forward_op(x)  # (T, out)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         (x,) = ctx.saved_tensors
-        return dy @ ctx.backward_weight, dy.t() @ x, None, None  # (T, in), (out, in)
+        return ctx.backward_op(dy), dy.t() @ x, None, None  # (T, in), (out, in)
+
+
+def _dense_ops(weight: torch.Tensor) -> tuple[Op, Op]:
+    return (lambda inp: F.linear(inp, weight)), (lambda grad: grad @ weight)
 
 
 def _time(fn: Callable[[], object], cfg: SpeedupConfig) -> float:
@@ -208,8 +270,18 @@ def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
 
 
+def _failure(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
 def _layer_timings(
-    model: str, layer: str, shape: tuple[int, int], tokens: int, cfg: SpeedupConfig, gen: torch.Generator
+    model: str,
+    layer: str,
+    shape: tuple[int, int],
+    tokens: int,
+    cfg: SpeedupConfig,
+    gen: torch.Generator,
+    backends: tuple[str, ...],
 ) -> list[Timing]:
     """The three matmuls of one linear layer: dense, then each backend × (ordinary, transposable)."""
     out_features, in_features = shape
@@ -226,27 +298,29 @@ def _layer_timings(
     row("Y=XWᵀ", "dense", "cublas", _time(lambda: F.linear(x, weight), cfg))
     row("dX=dY·W", "dense", "cublas", _time(lambda: dy @ weight, cfg))
     row("dW=dYᵀX", "dense", "cublas", _time(lambda: dy.t() @ x, cfg))
-    for backend in cfg.backends:
+    for backend in backends:
         for variant in ("ordinary", "transposable"):
             pruned = weight * masks[variant]
             ops = ("Y=XWᵀ", "dX=dY·W") if variant == "transposable" else ("Y=XWᵀ",)
             try:
-                sparse = _semi_structured(pruned, backend, with_transpose=variant == "transposable")
-                error = _rel_error(F.linear(x, sparse), F.linear(x, pruned))
-                row("Y=XWᵀ", variant, backend, _time(partial(F.linear, x, sparse), cfg), rel_error=error)
-                if variant == "transposable":
-                    error = _rel_error(dy @ sparse, dy @ pruned)
-                    row("dX=dY·W", variant, backend, _time(partial(torch.matmul, dy, sparse), cfg), rel_error=error)
+                forward, backward = _operators(pruned, backend, variant == "transposable", x, dy)
+                error = _rel_error(forward(x), F.linear(x, pruned))
+                row("Y=XWᵀ", variant, backend, _time(partial(forward, x), cfg), rel_error=error)
+                if backward is not None:
+                    error = _rel_error(backward(dy), dy @ pruned)
+                    row("dX=dY·W", variant, backend, _time(partial(backward, dy), cfg), rel_error=error)
             except (RuntimeError, NotImplementedError, ValueError) as exc:
-                # Recorded in the table, not hidden: e.g. cuSPARSELt missing from this torch build.
+                # Recorded in the table, not hidden: e.g. a shape the kernel refuses.
                 done = {r.op for r in rows if r.variant == variant and r.backend == backend}
                 for op in ops:
                     if op not in done:
-                        row(op, variant, backend, None, error=f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+                        row(op, variant, backend, None, error=_failure(exc))
     return rows
 
 
-def _mlp_timings(model: ModelShape, tokens: int, cfg: SpeedupConfig, gen: torch.Generator) -> list[Timing]:
+def _mlp_timings(
+    model: ModelShape, tokens: int, cfg: SpeedupConfig, gen: torch.Generator, backends: tuple[str, ...]
+) -> list[Timing]:
     """A LLaMA MLP block, down(silu(gate(X)) · up(X)), forward and forward+backward, per variant and backend."""
     device = torch.device("cuda")
     shapes = {"gate": (model.intermediate, model.hidden), "up": (model.intermediate, model.hidden)}
@@ -259,47 +333,50 @@ def _mlp_timings(model: ModelShape, tokens: int, cfg: SpeedupConfig, gen: torch.
     label = f"MLP {model.hidden}→{model.intermediate}→{model.hidden}"
     rows: list[Timing] = []
 
-    def block(weights: dict[str, torch.Tensor], fwd: dict[str, Any], bwd: dict[str, Any]) -> torch.Tensor:
-        def lin(name: str, inp: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = _Linear.apply(inp, weights[name], fwd[name], bwd[name])
-            return out
-
-        return lin("down", F.silu(lin("gate", x)) * lin("up", x))  # (T, hidden)
-
     def record(op: str, variant: str, backend: str, ms: float | None, error: str | None = None) -> None:
         shape = (model.hidden, model.intermediate)
         rows.append(Timing(model.name, label, shape, tokens, op, variant, backend, ms, error=error))
 
-    def measure(
-        variant: str, backend: str, weights: dict[str, torch.Tensor], fwd: dict[str, Any], bwd: dict[str, Any]
-    ) -> None:
+    def measure(variant: str, backend: str, weights: dict[str, torch.Tensor], ops: dict[str, tuple[Op, Op]]) -> None:
         params = {k: w.detach().requires_grad_(True) for k, w in weights.items()}
+
+        def block() -> torch.Tensor:
+            def lin(name: str, inp: torch.Tensor) -> torch.Tensor:
+                out: torch.Tensor = _Linear.apply(inp, params[name], *ops[name])
+                return out
+
+            return lin("down", F.silu(lin("gate", x)) * lin("up", x))  # (T, hidden)
 
         def forward() -> None:
             with torch.no_grad():
-                block(params, fwd, bwd)
+                block()
 
         def train_step() -> None:
             # autograd.grad, not backward(): no accumulation into .grad, so only the block's own work is timed.
-            torch.autograd.grad(block(params, fwd, bwd), [x, *params.values()], grad_outputs=dy)
+            torch.autograd.grad(block(), [x, *params.values()], grad_outputs=dy)
 
         record("MLP fwd", variant, backend, _time(forward, cfg))
         record("MLP fwd+bwd", variant, backend, _time(train_step, cfg))
 
-    measure("dense", "cublas", dense, dense, dense)
+    measure("dense", "cublas", dense, {n: _dense_ops(w) for n, w in dense.items()})
+    # Samples of each linear's input and output gradient, for the direct path's algorithm search.
+    inputs = {"gate": x.detach(), "up": x.detach()}
+    inputs["down"] = torch.zeros(tokens, model.intermediate, device=device, dtype=torch.bfloat16)
+    grads = {n: torch.zeros(tokens, s[0], device=device, dtype=torch.bfloat16) for n, s in shapes.items()}
     for variant in ("ordinary", "transposable"):
         pruned = {name: w * two_four_masks(w)[variant] for name, w in dense.items()}
-        for backend in cfg.backends:
+        for backend in backends:
             try:
-                sparse = {
-                    n: _semi_structured(w, backend, with_transpose=variant == "transposable") for n, w in pruned.items()
-                }
-                measure(variant, backend, pruned, sparse, sparse if variant == "transposable" else pruned)
+                ops = {}
+                for n, w in pruned.items():
+                    forward, backward = _operators(w, backend, variant == "transposable", inputs[n], grads[n])
+                    ops[n] = (forward, backward if backward is not None else _dense_ops(w)[1])
+                measure(variant, backend, pruned, ops)
             except (RuntimeError, NotImplementedError, ValueError) as exc:
                 done = {r.op for r in rows if r.variant == variant and r.backend == backend}
                 for op in ("MLP fwd", "MLP fwd+bwd"):
                     if op not in done:
-                        record(op, variant, backend, None, f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
+                        record(op, variant, backend, None, _failure(exc))
     return rows
 
 
@@ -318,8 +395,12 @@ def require_cuda() -> None:
 
 
 def run_speedup(cfg: SpeedupConfig, progress: Progress | None = None) -> SpeedupResult:
-    """Time every linear shape of cfg.models at cfg.tokens, and their MLP blocks (CUDA only)."""
+    """Time every linear shape of cfg.models at cfg.tokens, and their MLP blocks (CUDA only), on the
+    backends of cfg.backends this GPU runs (the others are listed in `unavailable`, not timed)."""
     require_cuda()
+    backends, unavailable = available_backends(cfg.backends)
+    for backend, why in unavailable.items():
+        sink(progress)(f"{backend}: {why}; skipped")
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
     timings: list[Timing] = []
     for name in cfg.models:
@@ -327,15 +408,16 @@ def run_speedup(cfg: SpeedupConfig, progress: Progress | None = None) -> Speedup
         for tokens in cfg.tokens:
             for layer, shape in model.linears().items():
                 sink(progress)(f"{name} {layer} {shape[0]}×{shape[1]}, {tokens} tokens")
-                timings += _layer_timings(name, layer, shape, tokens, cfg, gen)
+                timings += _layer_timings(name, layer, shape, tokens, cfg, gen, backends)
             sink(progress)(f"{name} MLP block, {tokens} tokens")
-            timings += _mlp_timings(model, tokens, cfg, gen)
+            timings += _mlp_timings(model, tokens, cfg, gen, backends)
             torch.cuda.empty_cache()
     return SpeedupResult(
         config=asdict(cfg),
         timings=tuple(timings),
         environment=environment("cuda" if torch.cuda.is_available() else "cpu"),
         date=datetime.now(UTC).isoformat(timespec="seconds"),
+        unavailable=unavailable,
     )
 
 
@@ -349,11 +431,23 @@ def _cell(dense_ms: float | None, timing: Timing | None) -> str:
     return f"{dense_ms / timing.ms:.2f}×"
 
 
-def to_markdown(result: SpeedupResult) -> str:
-    """One table per model: rows = (layer, tokens, op), columns = dense ms and each variant's speedup."""
-    env = result.environment
-    backends = tuple(result.config["backends"])
-    by_key = {(t.model, t.layer, t.tokens, t.op, t.variant, t.backend): t for t in result.timings}
+def _dense_only(op: str, variant: str) -> bool:
+    """Whether `variant` runs `op` as the dense GEMM by construction (no sparse operand: not measured)."""
+    return op == "dW=dYᵀX" or (op == "dX=dY·W" and variant == "ordinary")
+
+
+BACKEND_NOTES = {
+    "cusparselt": "cusparselt: cuSPARSELt through torch's semi-structured tensor (`F.linear(x, W_sparse)`, "
+    "`dY @ W_sparse`), as a model calls it; each call pays Python dispatch and layout handling.",
+    "cusparselt-direct": "cusparselt-direct: the cuSPARSELt kernel itself, `torch._cslt_sparse_mm` on the weight "
+    "compressed once (`torch._cslt_compress`) with `transpose_result=True`, the algorithm chosen once per shape "
+    "by `torch._cslt_sparse_mm_search` outside the timing.",
+    "cutlass": "cutlass: torch's CUTLASS semi-structured kernels (compute capability 8.x only).",
+}
+
+
+def _header(result: SpeedupResult) -> list[str]:
+    env, cfg = result.environment, result.config
     lines = [
         "# 2:4 sparse matmul speedups: dense vs ordinary vs transposable",
         "",
@@ -362,8 +456,8 @@ def to_markdown(result: SpeedupResult) -> str:
         f"- device: {env.get('gpu', env.get('device', '?'))} "
         f"(compute capability {env.get('compute_capability', '?')}); "
         f"torch {env['torch']}, CUDA {env.get('cuda', 'none')}, cuSPARSELt {env.get('cusparselt', '?')}; {result.date}",
-        f"- bf16, random weights and activations; CUDA-event median of {result.config['repeats']} spans of "
-        f"{result.config['inner']} calls after {result.config['warmup']} warm-up calls",
+        f"- bf16, random weights and activations; CUDA-event median of {cfg['repeats']} spans of "
+        f"{cfg['inner']} calls after {cfg['warmup']} warm-up calls",
         "- speedup = dense time / sparse time (>1 is faster). Ordinary 2:4 can only make Y = X·Wᵀ sparse: "
         "its Wᵀ is not 2:4, so dX = dY·W stays dense (1.00× by construction, not measured). "
         "Transposable 2:4 also runs dX = dY·W on the sparse Wᵀ (packed_t/meta_t). dW = dYᵀ·X has no "
@@ -372,8 +466,19 @@ def to_markdown(result: SpeedupResult) -> str:
         "three dW), through the same kernels.",
         "- **M > 4 has no tensor-core path today**: sparse tensor cores (Ampere, Hopper) take 2:4 only, so "
         "16:32 (transposable or not) buys accuracy, not speed, on current GPUs; only 2:4 is timed here.",
-        "",
     ]
+    lines += [f"- {BACKEND_NOTES[b]}" for b in cfg["backends"] if b in BACKEND_NOTES]
+    lines += [f"- {backend} not timed: {why}." for backend, why in result.unavailable.items()]
+    lines += [f"- {note}" for note in result.notes]
+    return [*lines, ""]
+
+
+def to_markdown(result: SpeedupResult) -> str:
+    """One table per model: rows = (layer, tokens, op), columns = dense ms and each variant's speedup
+    per backend (a backend this GPU cannot run says why in its cells)."""
+    backends = tuple(result.config["backends"])
+    by_key = {(t.model, t.layer, t.tokens, t.op, t.variant, t.backend): t for t in result.timings}
+    lines = _header(result)
     failures = [t for t in result.timings if t.error]
     for model in result.config["models"]:
         head = ["layer (out×in)", "tokens", "op", "dense"]
@@ -389,11 +494,12 @@ def to_markdown(result: SpeedupResult) -> str:
                 cells = [f"{layer} ({shape[0]}×{shape[1]})", str(tokens), op, _cell(None, dense)]
                 for backend in backends:
                     for variant in ("ordinary", "transposable"):
-                        timing = by_key.get((model, layer, tokens, op, variant, backend))
-                        if timing is None and op in ("dW=dYᵀX", "dX=dY·W"):
+                        if _dense_only(op, variant):
                             cells.append("= dense")
+                        elif backend in result.unavailable:
+                            cells.append(result.unavailable[backend])
                         else:
-                            cells.append(_cell(dense.ms, timing))
+                            cells.append(_cell(dense.ms, by_key.get((model, layer, tokens, op, variant, backend))))
                 lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     if failures:

@@ -141,7 +141,11 @@ def _commands(text: str) -> tuple[str, ...]:
 def bench_speedup(
     models: str = typer.Option("llama-3.2-1b,llama-3.1-8b", help="Model shapes (comma list)."),
     tokens: str = typer.Option("4096,16384", help="Tokens per matmul (batch × sequence), comma list."),
-    backends: str = typer.Option("cutlass,cusparselt", help="Semi-structured sparse backends (comma list)."),
+    backends: str = typer.Option(
+        "cutlass,cusparselt,cusparselt-direct",
+        help="Sparse backends (comma list): cutlass, cusparselt (torch's semi-structured tensor), "
+        "cusparselt-direct (torch._cslt_sparse_mm); those this GPU cannot run are listed, not timed.",
+    ),
     warmup: int = typer.Option(10, min=0, help="Untimed calls before timing."),
     repeats: int = typer.Option(30, min=1, help="Timed spans; the median is reported."),
     inner: int = typer.Option(5, min=1, help="Calls per timed span."),
