@@ -110,3 +110,92 @@ def test_bench_moe_small(tmp_path: Path) -> None:
     before = out.read_text()
     again = invoke(args)
     assert again.exit_code == 4 and "--force" in str(again.exception) and out.read_text() == before
+
+
+def _no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every bench's run fail the test: the refusals below must come before any work."""
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the benchmark ran before its options were checked")
+
+    import tsenor_cli.bench.memory as memory
+    import tsenor_cli.bench.moe as moe
+    import tsenor_cli.bench.prune as prune
+
+    monkeypatch.setattr(moe, "run_moe_bench", never)
+    monkeypatch.setattr(memory, "run_memory_bench", never)
+    monkeypatch.setattr(prune, "run_e2e", never)
+    monkeypatch.setattr(prune, "build_random_model", never)
+
+
+# The issue-41 audit: each ended after (or instead of) the work with "unexpected OSError/RuntimeError/…".
+UNWRITABLE = [
+    ["bench", "moe", "--output", "/proc/tsenor-bench.json"],
+    ["bench", "moe", "--markdown", "/proc/tsenor-bench.md"],
+    ["bench", "memory", "--output", "/proc/tsenor-bench.json"],
+    ["bench", "prune", "--output", "/proc/tsenor-bench.json"],
+    ["bench", "prune", "--work-dir", "/proc/tsenor-bench-work"],
+]
+
+
+@pytest.mark.parametrize("args", UNWRITABLE, ids=lambda a: f"{a[1]}{a[2]}")
+def test_an_unwritable_output_is_refused_before_the_work(args: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from helpers_cli import invoke
+
+    _no_work(monkeypatch)
+    result = invoke(args)
+    assert result.exit_code == 4, result.output
+    message = str(result.exception)
+    assert "not writable" in message and "/proc" in message and "\n" not in message
+
+
+def test_an_output_that_is_a_folder_is_refused_before_the_work_even_with_force(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from helpers_cli import invoke
+
+    _no_work(monkeypatch)
+    result = invoke(["bench", "moe", "--output", str(tmp_path), "--force"])
+    assert result.exit_code == 4
+    assert "is a folder; pass a file path" in str(result.exception)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["bench", "moe", "--top-k", "8", "--experts", "4"], "--top-k 8 must be between 1 and --experts 4"),
+        (["bench", "moe", "--hidden", "33"], "--hidden 33 must be a multiple of 32"),
+        (["bench", "moe", "--expert-width", "48"], "--expert-width 48 must be a multiple of 32"),
+        (["bench", "memory", "--blocks", ""], "--blocks must list depths of at least 1"),
+        (["bench", "memory", "--blocks", "0"], "--blocks must list depths of at least 1"),
+        (["bench", "memory", "--width", "65"], "--width must be a multiple of 64"),
+        (["bench", "prune", "--nm", "3:5", "--blocks", "1", "--scale-down", "32"], "M=5 does not divide"),
+    ],
+)
+def test_bad_bench_options_are_one_line_and_exit_2(args: list[str], says: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from helpers_cli import invoke
+
+    import tsenor_cli.bench.prune as prune
+
+    monkeypatch.setattr(prune, "build_random_model", lambda *a, **k: pytest.fail("built a model"))
+    result = invoke(args)
+    assert result.exit_code == 2, result.output
+    message = str(result.exception)
+    assert says in message and "\n" not in message
+    assert "--skip-incompatible" not in message  # a flag bench prune does not have
+
+
+@pytest.mark.parametrize(("model", "factor"), [("smollm2-135m", 4), ("llama-3.2-3b", 16)])
+def test_scale_down_suggests_only_factors_that_work(model: str, factor: int) -> None:
+    import re
+
+    from tsenor_cli.bench.prune import config_path, scale_shape
+
+    raw = json.loads(config_path(model).read_text())
+    with pytest.raises(UsageError, match="use one of") as refused:
+        scale_shape(raw, factor)
+    suggested = [int(x) for x in re.search(r"use one of ([\d, ]+)", str(refused.value)).group(1).split(", ")]
+    assert suggested
+    for good in suggested:
+        scaled = scale_shape(raw, good)
+        assert scaled["hidden_size"] * good == raw["hidden_size"]

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from tsenor_cli.bench.machine import environment
-from tsenor_cli.errors import BadInputError
+from tsenor_cli.errors import BadInputError, UsageError
 
 MODES = ("whole", "streamed")
 COMMANDS = ("eval", "prune")
@@ -53,6 +53,15 @@ class MemoryConfig:
     commands: tuple[str, ...] = COMMANDS
     prune_nsamples: int = 4
     prune_seqlen: int = 64
+
+    def __post_init__(self) -> None:
+        # Checked here, before any model is built (a depth of 0 used to be refused only by the prune, exit 7).
+        if not self.blocks or min(self.blocks) < 1:
+            raise UsageError(f"--blocks must list depths of at least 1, e.g. 8,16,32; got {list(self.blocks)}")
+        if self.width % 64 or self.heads < 1 or self.width % self.heads:
+            raise UsageError(f"--width must be a multiple of 64 (heads of 64), e.g. 1024; got {self.width}")
+        if self.intermediate % 4:
+            raise UsageError(f"the MLP width must be a multiple of 4 (the 2:4 prune); got {self.intermediate}")
 
 
 def _tokenizer_dir() -> Path:

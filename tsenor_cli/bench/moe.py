@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from tsenor_cli.bench.machine import environment
+from tsenor_cli.errors import UsageError
 from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.engine import (
@@ -69,6 +70,15 @@ class MoeBenchConfig:
     m: int = 32
     repeats: int = 5
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.experts:
+            raise UsageError(f"--top-k {self.top_k} must be between 1 and --experts {self.experts}")
+        for option, width in (("--hidden", self.hidden), ("--expert-width", self.expert_width)):
+            if width < self.m or width % self.m:
+                raise UsageError(f"{option} {width} must be a multiple of {self.m} (the {self.n}:{self.m} pattern)")
+        if not self.methods:
+            raise UsageError("--methods must name at least one pruning method, e.g. wanda,sparsegpt")
 
 
 @dataclass

@@ -31,6 +31,7 @@ import statistics
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -135,20 +136,33 @@ def config_path(model: str) -> Path:
     return named
 
 
+def _scale_problem(raw: dict[str, Any], factor: int) -> str | None:
+    """Why `factor` cannot divide the shape `raw` (a config dict), or None when it can."""
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads"):
+        if raw[key] % factor:
+            return f"does not divide {key}={raw[key]}"
+    heads = raw["num_attention_heads"] // factor
+    kv = max(1, int(raw.get("num_key_value_heads", raw["num_attention_heads"])) // factor)
+    if heads % kv:
+        return f"leaves {heads} heads for {kv} KV heads"
+    return None
+
+
 def scale_shape(raw: dict[str, Any], factor: int) -> dict[str, Any]:
     """The config dict with hidden, intermediate and attention-head counts divided by `factor` (head_dim,
     vocabulary and layers kept; key/value heads down to at least 1), for a small run of the same kind."""
     if factor == 1:
         return raw
+    problem = _scale_problem(raw, factor)
+    if problem is not None:
+        # Suggest only factors that work for this shape (a fixed "16" fails on 9 or 24 heads).
+        fits = [f for f in range(2, raw["num_attention_heads"] + 1) if _scale_problem(raw, f) is None]
+        hint = f"use one of {', '.join(map(str, fits))}" if fits else "this shape has none but 1 (no scaling)"
+        raise UsageError(f"--scale-down {factor} {problem}; {hint}")
     scaled = dict(raw)
     for key in ("hidden_size", "intermediate_size", "num_attention_heads"):
-        if raw[key] % factor:
-            raise UsageError(f"--scale-down {factor} does not divide {key}={raw[key]}; use a power of two such as 16")
         scaled[key] = raw[key] // factor
-    kv = max(1, int(raw.get("num_key_value_heads", raw["num_attention_heads"])) // factor)
-    if scaled["num_attention_heads"] % kv:
-        raise UsageError(f"--scale-down {factor} leaves {scaled['num_attention_heads']} heads for {kv} KV heads")
-    scaled["num_key_value_heads"] = kv
+    scaled["num_key_value_heads"] = max(1, int(raw.get("num_key_value_heads", raw["num_attention_heads"])) // factor)
     scaled.setdefault("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
     return scaled
 
@@ -248,24 +262,8 @@ def _whole_model(seconds: float, phases: dict[str, float], params_ratio: float, 
     return fixed + save * params_ratio + (seconds - fixed - save) * blocks_ratio
 
 
-def run_e2e(
-    cfg: E2EConfig, ctx: RunContext, work_dir: Path | None = None, progress: Progress | None = None
-) -> E2EResult:
-    """Build the shape, and for each method × kind run `prune_model` on a fresh copy of the random model
-    with the phases recorded; verify each checkpoint. work_dir: where the model folder and outputs go
-    (a temporary folder when None, removed at the end)."""
-    from transformers import AutoTokenizer
-
-    from tsenor_cli.models.embedded import materialize
-    from tsenor_cli.models.loading import LoadedModel, default_dtype, meta_model, parse_dtype, resolve_device
-    from tsenor_cli.models.structure import discover_structure
-    from tsenor_cli.pruning.api import prune_model
-    from tsenor_cli.pruning.phases import record_phases
-    from tsenor_cli.pruning.plan import plan_model
-    from tsenor_cli.pruning.recipe import build_config
-    from tsenor_cli.pruning.verify import verify_checkpoint
-
-    say = sink(progress)
+def _check_choices(cfg: E2EConfig) -> None:
+    """UsageError for an unknown method, pattern kind or refine mode in `cfg`."""
     unknown = [x for x in cfg.methods if x not in METHODS]
     if unknown:
         raise UsageError(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
@@ -275,11 +273,31 @@ def run_e2e(
     bad_modes = [x for x in cfg.refine if x not in REFINE_MODES]
     if bad_modes or not cfg.refine:
         raise UsageError(f"--refine: unknown {', '.join(bad_modes) or 'empty list'}; choose from none, block")
-    phase_names = _phase_names(cfg.refine)
-    device = resolve_device(cfg.device)
-    dtype = parse_dtype(cfg.dtype) or default_dtype(device)
-    config, layers = shape_config(cfg.model, cfg.blocks, cfg.scale_down)
-    built_blocks = int(config.num_hidden_layers)
+
+
+def check_pattern_fits(config: Any, n: int, m: int, kinds: tuple[str, ...], model: str) -> None:
+    """UsageError, before any model is built, when M does not divide the widths the pattern runs along:
+    every linear's input width (hidden, intermediate, heads × head_dim), and for transposable its output
+    width too (the key/value projections' kv heads × head_dim)."""
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    kv = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    widths = {int(config.hidden_size), int(config.intermediate_size), int(config.num_attention_heads) * head_dim}
+    if "transposable" in kinds:
+        widths.add(kv * head_dim)
+    bad = sorted(w for w in widths if w % m)
+    if bad:
+        raise UsageError(
+            f"--nm {n}:{m}: M={m} does not divide the linear widths {', '.join(map(str, bad))} of {model}; "
+            "choose an M that divides them, e.g. --nm 16:32 or 2:4"
+        )
+
+
+def _tokenizer(cfg: E2EConfig, ctx: RunContext, config: Any) -> Any:
+    """The SmolLM2 tokenizer (cfg.tokenizer's folder, or the embedded model's), checked against the vocabulary."""
+    from transformers import AutoTokenizer
+
+    from tsenor_cli.models.embedded import materialize
+
     if cfg.tokenizer is not None and not (cfg.tokenizer / "tokenizer.json").is_file():
         raise InputNotFoundError(
             f"--tokenizer {cfg.tokenizer} holds no tokenizer.json; pass a folder with the SmolLM2 tokenizer files"
@@ -291,24 +309,50 @@ def run_e2e(
             f"the SmolLM2 tokenizer has {len(tokenizer)} ids, more than the {config.vocab_size} of {cfg.model}; "
             "pass a model shape whose vocabulary is at least that large"
         )
+    return tokenizer
+
+
+def _shape(cfg: E2EConfig, config: Any, layers: int, dtype: torch.dtype, tokenizer: Any) -> dict[str, Any]:
+    """What the run's model is: the shape, the built and whole parameter counts, dtype and tokenizer."""
+    from tsenor_cli.models.loading import meta_model
+
     full_config, _ = shape_config(cfg.model, None, cfg.scale_down)
-    full_params = sum(p.numel() for p in meta_model(full_config).parameters())
-    built_params = sum(p.numel() for p in meta_model(config).parameters())
-    shape = {
+    return {
         "model": cfg.model,
         "config": str(config_path(cfg.model)),
         "layers": layers,
-        "blocks_built": built_blocks,
+        "blocks_built": int(config.num_hidden_layers),
         "scale_down": cfg.scale_down,
         "hidden": int(config.hidden_size),
         "intermediate": int(config.intermediate_size),
         "vocab": int(config.vocab_size),
-        "params": full_params,
-        "params_built": built_params,
+        "params": sum(p.numel() for p in meta_model(full_config).parameters()),
+        "params_built": sum(p.numel() for p in meta_model(config).parameters()),
         "dtype": str(dtype).removeprefix("torch."),
         "tokenizer": f"SmolLM2's tokenizer, {len(tokenizer)} ids used unchanged as ids < {config.vocab_size}",
     }
-    say(f"{cfg.model}: {built_blocks}/{layers} blocks, {built_params / 1e9:.3f}B of {full_params / 1e9:.3f}B params")
+
+
+def run_e2e(
+    cfg: E2EConfig, ctx: RunContext, work_dir: Path | None = None, progress: Progress | None = None
+) -> E2EResult:
+    """Build the shape, and for each method × kind run `prune_model` on a fresh copy of the random model
+    with the phases recorded; verify each checkpoint. work_dir: where the model folder and outputs go
+    (a temporary folder when None, removed at the end)."""
+    from tsenor_cli.models.loading import default_dtype, parse_dtype, resolve_device
+
+    say = sink(progress)
+    _check_choices(cfg)
+    device = resolve_device(cfg.device)
+    dtype = parse_dtype(cfg.dtype) or default_dtype(device)
+    config, layers = shape_config(cfg.model, cfg.blocks, cfg.scale_down)
+    check_pattern_fits(config, cfg.n, cfg.m, cfg.kinds, cfg.model)
+    tokenizer = _tokenizer(cfg, ctx, config)
+    shape = _shape(cfg, config, layers, dtype, tokenizer)
+    say(
+        f"{cfg.model}: {shape['blocks_built']}/{layers} blocks, "
+        f"{shape['params_built'] / 1e9:.3f}B of {shape['params'] / 1e9:.3f}B params"
+    )
     say(f"calibration tokens: {shape['tokenizer']}")
     own_dir = work_dir is None
     root = Path(tempfile.mkdtemp(prefix="tsenor-bench-prune-")) if work_dir is None else work_dir
@@ -316,67 +360,12 @@ def run_e2e(
         folder = root / "model"
         config.save_pretrained(folder)  # the plan and the checkpoint read the shape from here
         tokenizer.save_pretrained(folder)
-        runs = []
-        for method, kind, refine in itertools.product(cfg.methods, cfg.kinds, cfg.refine):
-            recipe = {
-                "model": str(folder),
-                "nm": f"{cfg.n}:{cfg.m}",
-                "transposable": kind == "transposable",
-                "method": method,
-                "solver": cfg.solver,
-                "nsamples": cfg.nsamples,
-                "seqlen": cfg.seqlen,
-                "seed": cfg.seed,
-                "dtype": str(dtype).removeprefix("torch."),
-                "device": str(device),
-                "output": str(root / f"out-{method}-{kind}-{refine}"),
-                "refine": refine,
-            }
-            prune_cfg = build_config(recipe, force=True, resume=cfg.resume_state, command="tsenor bench prune")
-            pattern = prune_cfg.pattern
-            say(f"{method} {kind} {pattern.label}, refine {refine}: building the random model")
-            model = build_random_model(config, device, dtype, cfg.seed)
-            loaded = LoadedModel(model, tokenizer, cfg.model, str(folder), discover_structure(model))
-            plan = plan_model(prune_cfg, ctx)
-            with record_phases(device) as recorder:
-                start = time.perf_counter()
-                report = prune_model(prune_cfg, ctx, say, built=loaded)
-                seconds = time.perf_counter() - start
-            del model, loaded
-            assert prune_cfg.output is not None
-            verified = verify_checkpoint(prune_cfg.output).ok
-            shutil.rmtree(prune_cfg.output)
-            phases = {name: recorder.seconds.get(name, 0.0) for name in phase_names}
-            peak = recorder.peak if device.type == "cuda" else None
-            result = RunResult(
-                method=method,
-                kind=kind,
-                pattern=pattern.label,
-                solver=prune_cfg.solver_that_runs(device),
-                seconds=seconds,
-                phases=phases,
-                other_seconds=seconds - sum(phases.values()),
-                peak_bytes=peak,
-                phase_peak_bytes=dict(recorder.peaks),
-                estimate_bytes=plan.device_bytes,
-                peak_over_estimate=peak / plan.device_bytes if peak is not None else None,
-                verified=verified,
-                refine=refine,
+        runs = [
+            _one_run(
+                cfg, ctx, _Target(folder, root, config, tokenizer, device, dtype, shape), method, kind, refine, say
             )
-            if method == "alps":
-                iterations = {r.name: r.iterations for r in report.layers if r.status == "pruned"}
-                ref = reference_iterations(cfg.reference_runs, kind == "transposable", cfg.n, cfg.m)
-                _alps_projection(result, recorder.layers, iterations, ref)
-            if built_blocks < layers:
-                params_ratio, blocks_ratio = full_params / built_params, layers / built_blocks
-                result.projected_whole_seconds = _whole_model(seconds, phases, params_ratio, blocks_ratio)
-                if result.seconds_at_reference_iterations is not None:
-                    at_ref = result.seconds_at_reference_iterations
-                    result.projected_whole_seconds_at_reference_iterations = _whole_model(
-                        at_ref, phases, params_ratio, blocks_ratio
-                    )
-            say(f"{method} {kind} refine {refine}: {seconds:.1f}s, verified {verified}")
-            runs.append(result)
+            for method, kind, refine in itertools.product(cfg.methods, cfg.kinds, cfg.refine)
+        ]
     finally:
         if own_dir:
             shutil.rmtree(root, ignore_errors=True)
@@ -384,6 +373,98 @@ def run_e2e(
     env["cpu_rss_high_water_bytes"] = _rss_high_water()
     config_dict = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     return E2EResult(config=config_dict, environment=env, shape=shape, runs=runs)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """What every run of one `run_e2e` prunes: the saved shape folder, the work root, the transformers
+    config, the tokenizer, the compute device and dtype, and the shape record."""
+
+    folder: Path
+    root: Path
+    config: Any
+    tokenizer: Any
+    device: torch.device
+    dtype: torch.dtype
+    shape: dict[str, Any]
+
+
+def _one_run(
+    cfg: E2EConfig, ctx: RunContext, target: _Target, method: str, kind: str, refine: str, say: Callable[[str], None]
+) -> RunResult:
+    """One `prune_model` run of `method` × `kind` × `refine` on a fresh random model, timed phase by
+    phase, its checkpoint verified then removed, the ALPS and whole-model projections filled in."""
+    from tsenor_cli.models.loading import LoadedModel
+    from tsenor_cli.models.structure import discover_structure
+    from tsenor_cli.pruning.api import prune_model
+    from tsenor_cli.pruning.phases import record_phases
+    from tsenor_cli.pruning.plan import plan_model
+    from tsenor_cli.pruning.recipe import build_config
+    from tsenor_cli.pruning.verify import verify_checkpoint
+
+    recipe = {
+        "model": str(target.folder),
+        "nm": f"{cfg.n}:{cfg.m}",
+        "transposable": kind == "transposable",
+        "method": method,
+        "solver": cfg.solver,
+        "nsamples": cfg.nsamples,
+        "seqlen": cfg.seqlen,
+        "seed": cfg.seed,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "device": str(target.device),
+        "output": str(target.root / f"out-{method}-{kind}-{refine}"),
+        "refine": refine,
+    }
+    prune_cfg = build_config(recipe, force=True, resume=cfg.resume_state, command="tsenor bench prune")
+    say(f"{method} {kind} {prune_cfg.pattern.label}, refine {refine}: building the random model")
+    model = build_random_model(target.config, target.device, target.dtype, cfg.seed)
+    loaded = LoadedModel(model, target.tokenizer, cfg.model, str(target.folder), discover_structure(model))
+    plan = plan_model(prune_cfg, ctx)
+    with record_phases(target.device) as recorder:
+        start = time.perf_counter()
+        report = prune_model(prune_cfg, ctx, say, built=loaded)
+        seconds = time.perf_counter() - start
+    del model, loaded
+    assert prune_cfg.output is not None
+    verified = verify_checkpoint(prune_cfg.output).ok
+    shutil.rmtree(prune_cfg.output)
+    phases = {name: recorder.seconds.get(name, 0.0) for name in _phase_names(cfg.refine)}
+    peak = recorder.peak if target.device.type == "cuda" else None
+    result = RunResult(
+        method=method,
+        kind=kind,
+        pattern=prune_cfg.pattern.label,
+        solver=prune_cfg.solver_that_runs(target.device),
+        seconds=seconds,
+        phases=phases,
+        other_seconds=seconds - sum(phases.values()),
+        peak_bytes=peak,
+        phase_peak_bytes=dict(recorder.peaks),
+        estimate_bytes=plan.device_bytes,
+        peak_over_estimate=peak / plan.device_bytes if peak is not None else None,
+        verified=verified,
+        refine=refine,
+    )
+    if method == "alps":
+        iterations = {r.name: r.iterations for r in report.layers if r.status == "pruned"}
+        ref = reference_iterations(cfg.reference_runs, kind == "transposable", cfg.n, cfg.m)
+        _alps_projection(result, recorder.layers, iterations, ref)
+    _project_whole(result, target.shape)
+    say(f"{method} {kind} refine {refine}: {seconds:.1f}s, verified {verified}")
+    return result
+
+
+def _project_whole(result: RunResult, shape: dict[str, Any]) -> None:
+    """Fill result's whole-model projections when only the first blocks were built."""
+    if shape["blocks_built"] >= shape["layers"]:
+        return
+    params_ratio, blocks_ratio = shape["params"] / shape["params_built"], shape["layers"] / shape["blocks_built"]
+    result.projected_whole_seconds = _whole_model(result.seconds, result.phases, params_ratio, blocks_ratio)
+    if result.seconds_at_reference_iterations is not None:
+        result.projected_whole_seconds_at_reference_iterations = _whole_model(
+            result.seconds_at_reference_iterations, result.phases, params_ratio, blocks_ratio
+        )
 
 
 def _phase_names(refine: Any) -> tuple[str, ...]:
@@ -402,6 +483,33 @@ def _gib(value: int | None) -> str:
 
 def _s(value: float | None) -> str:
     return "–" if value is None else f"{value:.1f}"
+
+
+def _alps_lines(runs: list[RunResult]) -> list[str]:
+    """The ALPS iterations table (none when no run was ALPS)."""
+    alps = [run for run in runs if run.alps_iterations_mean is not None]
+    if not alps:
+        return []
+    lines = [
+        "",
+        "ALPS: mean iterations per layer on these random weights, loop seconds per iteration (updates + "
+        "mask solver), and the run at the mean iterations of the same linear on the real SmolLM2 "
+        "(docs/results/runs):",
+        "",
+        "| pattern | iterations (random) | s / iteration | iterations (SmolLM2) | measured s "
+        "| s at SmolLM2 iterations |",
+        "|---|---|---|---|---|---|",
+    ]
+    for run in alps:
+        spi = run.alps_seconds_per_iteration
+        ref = run.reference_iterations_mean
+        lines.append(
+            f"| {run.kind} {run.pattern}{' + refine' if run.refine != 'none' else ''} | "
+            f"{run.alps_iterations_mean:.1f} | "
+            f"{'–' if spi is None else f'{spi:.4f}'} | {'–' if ref is None else f'{ref:.1f}'} | "
+            f"{run.seconds:.1f} | {_s(run.seconds_at_reference_iterations)} |"
+        )
+    return lines
 
 
 def to_markdown(result: E2EResult) -> str:
@@ -436,27 +544,7 @@ def to_markdown(result: E2EResult) -> str:
             + f" | {run.other_seconds:.2f} | {run.seconds:.1f} | {_gib(run.peak_bytes)} | "
             f"{_gib(run.estimate_bytes)} | {ratio} | {'yes' if run.verified else 'NO'} |"
         )
-    alps = [run for run in result.runs if run.alps_iterations_mean is not None]
-    if alps:
-        lines += [
-            "",
-            "ALPS: mean iterations per layer on these random weights, loop seconds per iteration (updates + "
-            "mask solver), and the run at the mean iterations of the same linear on the real SmolLM2 "
-            "(docs/results/runs):",
-            "",
-            "| pattern | iterations (random) | s / iteration | iterations (SmolLM2) | measured s "
-            "| s at SmolLM2 iterations |",
-            "|---|---|---|---|---|---|",
-        ]
-        for run in alps:
-            spi = run.alps_seconds_per_iteration
-            ref = run.reference_iterations_mean
-            lines.append(
-                f"| {run.kind} {run.pattern}{' + refine' if run.refine != 'none' else ''} | "
-                f"{run.alps_iterations_mean:.1f} | "
-                f"{'–' if spi is None else f'{spi:.4f}'} | {'–' if ref is None else f'{ref:.1f}'} | "
-                f"{run.seconds:.1f} | {_s(run.seconds_at_reference_iterations)} |"
-            )
+    lines += _alps_lines(result.runs)
     ratios = transposable_ratios(result.runs)
     if ratios:
         lines += ["", "Transposable / ordinary wall time (same run of the benchmark):", ""]

@@ -28,6 +28,41 @@ the methods and how the defaults were chosen.
 """
 
 
+def _check_outputs(
+    force: bool, files: dict[str, Path | None], merged: Path | None = None, folder: Path | None = None
+) -> None:
+    """Refuse, before any work, output locations the run could not write at its end.
+
+    files: {option: a file the run writes (replaced only with --force)}; merged: a Markdown file the run
+    merges its section into (kept otherwise, so no --force needed); folder: --work-dir. Writability is
+    `pruning.output.check_output_location`'s probe, the one `tsenor prune` runs on its --output."""
+    from tsenor_cli.pruning.output import check_output_location
+
+    for option, path in [*files.items(), ("--markdown", merged)]:
+        if path is None:
+            continue
+        if path.is_dir():
+            raise OutputExistsError(f"{option} {path} is a folder; pass a file path, e.g. {path / 'bench.json'}")
+        if path.exists() and not force and path is not merged:
+            raise OutputExistsError(f"{option} {path} exists; pass --force to overwrite it")
+        # An existing file is replaced by a temporary beside it: its folder must take new files.
+        check_output_location(path.parent if path.exists() else path)
+    if folder is not None:
+        check_output_location(folder)
+
+
+def _require_device(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {device} was asked for but CUDA is not available; use --device cpu")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma list's non-empty items, stripped."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
 def _patterns(text: str) -> tuple[SparsityPattern, ...]:
     return tuple(SparsityPattern.parse(p) for p in text.split(",") if p.strip())
 
@@ -70,15 +105,10 @@ def bench_solver(
     json_out: JsonOpt = False,
 ) -> None:
     """Quality of every mask method against `exact` on real tiles, and speed ratios on one matrix."""
-    import torch
-
     from tsenor_cli.bench.solver import BenchConfig, run_bench, to_markdown
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {device} was asked for but CUDA is not available; use --device cpu")
-    for path in (output, markdown):
-        if path is not None and path.exists() and not force:
-            raise OutputExistsError(f"{path} exists; pass --force to overwrite it")
+    _require_device(device)
+    _check_outputs(force, {"--output": output, "--markdown": markdown})
     model_dir = _model_dir(ctx, model)
     if quick:
         patterns, tiles, time_size, time_patterns, large_size = "2:4,8:16", min(tiles, 24), 128, "8:16", 0
@@ -154,11 +184,13 @@ def bench_speedup(
     markdown: Path | None = typer.Option(
         None, help="Write the Markdown tables here (docs/measurements/benchmarks-speedup.md)."
     ),
+    force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Forward/backward matmul speedups of ordinary and transposable 2:4 over dense (CUDA only)."""
     from tsenor_cli.bench.speedup import SpeedupConfig, require_cuda, run_speedup, to_markdown
 
+    _check_outputs(force, {"--output": output, "--markdown": markdown})
     cfg = SpeedupConfig(
         models=("llama-3.2-1b",) if quick else tuple(x.strip() for x in models.split(",") if x.strip()),
         tokens=(4096,) if quick else _int_list(tokens, "--tokens"),
@@ -234,21 +266,17 @@ def bench_prune(
     json_out: JsonOpt = False,
 ) -> None:
     """Prune a LLaMA-shaped model with random weights end to end: seconds and peak memory per phase."""
-    import torch
-
     from tsenor_cli.bench.prune import E2EConfig, merge_section, run_e2e, section_key, to_markdown
     from tsenor_cli.progress import logger
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {device} was asked for but CUDA is not available; use --device cpu")
-    if output is not None and output.exists() and not force:
-        raise OutputExistsError(f"{output} exists; pass --force to overwrite it")
+    _require_device(device)
+    _check_outputs(force, {"--output": output}, merged=markdown, folder=work_dir)
     pattern = SparsityPattern.parse(nm)
     cfg = E2EConfig(
         model=model,
-        methods=tuple(x.strip() for x in methods.split(",") if x.strip()),
-        kinds=tuple(x.strip() for x in kinds.split(",") if x.strip()),
-        refine=tuple(x.strip() for x in refine.split(",") if x.strip()),
+        methods=_names(methods),
+        kinds=_names(kinds),
+        refine=_names(refine),
         n=pattern.n,
         m=pattern.m,
         nsamples=nsamples,
@@ -295,9 +323,7 @@ def bench_moe(
     from tsenor_cli.progress import logger
     from tsenor_cli.pruning.registry import get_pruner
 
-    for path in (output, markdown):
-        if path is not None and path.exists() and not force:
-            raise OutputExistsError(f"{path} exists; pass --force to overwrite it")
+    _check_outputs(force, {"--output": output, "--markdown": markdown})
     names = tuple(get_pruner(x.strip()).name for x in methods.split(",") if x.strip())
     cfg = MoeBenchConfig(experts, top_k, hidden, expert_width, samples, seqlen, names, repeats=repeats)
     result = run_moe_bench(cfg, logger.info)
@@ -348,9 +374,7 @@ def bench_memory(
     from tsenor_cli.cli import command_line
     from tsenor_cli.progress import logger
 
-    for target in (output, markdown):
-        if target is not None and target.exists() and not force:
-            raise OutputExistsError(f"{target} exists; pass --force to overwrite it")
+    _check_outputs(force, {"--output": output, "--markdown": markdown})
     cfg = MemoryConfig(
         blocks=_int_list(blocks, "--blocks"),
         width=width,
