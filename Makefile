@@ -15,7 +15,8 @@ TSENOR_PAPER ?= $(abspath ../shared/paper/tsenor.tex)
 PYTEST_ARGS ?=
 
 .PHONY: install test quality bench bench-memory bench-gpu bench-gpu-e2e bench-gpu-e2e-1b-alps bench-gpu-e2e-1b-sparsegpt \
-	bench-gpu-e2e-1b-wanda bench-gpu-e2e-8b bench-gpu-solver bench-gpu-speedup demo results clean model
+	bench-gpu-e2e-1b-wanda bench-gpu-e2e-8b bench-gpu-solver bench-gpu-speedup demo results clean model \
+	gpu-check gpu-check-prepare
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -89,7 +90,22 @@ bench-gpu-solver: $(GPU_DEPS)
 
 # 2:4 sparse matmul speedups (needs 2:4 sparse tensor cores).
 bench-gpu-speedup: $(GPU_DEPS)
-	$(TSENOR) bench speedup --output docs/bench-speedup.json --markdown docs/measurements/benchmarks-speedup.md
+	$(TSENOR) bench speedup --output docs/bench-speedup.json --markdown docs/measurements/benchmarks-speedup.md --force
+
+# The prepared GPU check (docs/measurements/gpu.md): `make gpu-check-prepare` here builds .gpu/ (the
+# tokenizer, the data, a tile pool; about 15 MiB), then on a bare GPU machine with its own Python, one
+# command of at most 8 minutes: make gpu-check OUT=../shared/gpu/DATE-DEVICE
+# DEVICE=cpu runs the same steps at toy sizes on the CPU (CI's tests/test_gpu_check.py).
+OUT ?= gpu-check-out
+DEVICE ?= cuda
+WHEELS ?=
+GPU_PY ?= python3
+
+gpu-check-prepare: install
+	$(PY) scripts/gpu_check.py prepare --carry .gpu $(if $(WHEELS),--wheels $(WHEELS))
+
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) scripts/gpu_check.py run --device $(DEVICE) --carry .gpu --out $(OUT)
 
 demo: install
 	bash scripts/demo.sh
