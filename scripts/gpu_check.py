@@ -33,11 +33,13 @@ import sys
 import time
 import zipfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[1]
 CARRY = ROOT / ".gpu"
 REPORT = "gpu-check"
@@ -57,7 +59,9 @@ SOLVER_TARGETS = {"8:16": 0.05, "16:32": 0.08}
 PEAK_TARGET, SAVE_SHARE_TARGET, WHOLE_1B_TARGET, WHOLE_8B_TARGET = 1.25, 0.10, 300.0, 2700.0
 TO_TARGETS = {"alps": 1.3, "sparsegpt": 1.5}
 SPEEDUP_TARGET = 1.15
-WARM = "tsenor warm (1% noise)"  # scripts/bench_cuda.py's row of a warm re-solve
+WARM = "tsenor warm (1% noise)"
+# The run's 8 minutes on one GPU, less the start (imports, the tiny models) and the last report write.
+GPU_BUDGET, MIN_STEP_S = 450, 10  # scripts/bench_cuda.py's row of a warm re-solve
 # CUDA against the CPU on the same fp32 tiny model: the masks may differ only where two scores tie
 # within float rounding, the perplexities by rounding.
 MASK_AGREEMENT, PPL_RTOL = 0.999, 1e-3
@@ -74,6 +78,7 @@ class Sizes:
     few_blocks: str
     big_model: tuple[str, ...]
     caps: dict[str, int]
+    finetune_steps: str = "20"
 
 
 GPU = Sizes(
@@ -83,7 +88,8 @@ GPU = Sizes(
     whole_blocks=(),
     few_blocks="1",
     big_model=("--model", "llama-3.1-8b", "--blocks", "1"),
-    caps={"solver": 60, "whole": 170, "to": 90, "8b": 60, "speedup": 50, "path": 40},
+    # From the first H100 run: 124 s for the whole 1B prune, 24.8 s for an 8B block (+ start and build).
+    caps={"solver": 60, "whole": 170, "to": 100, "8b": 60, "speedup": 50, "path": 45},
 )
 CPU = Sizes(
     solver_size=128,
@@ -94,6 +100,7 @@ CPU = Sizes(
     big_model=("--model", "llama-3.1-8b", "--blocks", "1"),
     # Generous: a shared 2-core CI machine; a quiet one needs about a third.
     caps={"solver": 90, "whole": 120, "to": 240, "8b": 90, "speedup": 10, "path": 150},
+    finetune_steps="5",
 )
 
 
@@ -349,6 +356,14 @@ def _sides(run: Run) -> list[str]:
     return ["cuda", "cpu"] if run.device == "cuda" else ["cpu"]
 
 
+def each_side(run: Run, fn: Callable[[str], T]) -> dict[str, T]:
+    """{device: fn(device)} for each side, the two sides at once (the CPU side leaves the GPU alone, and
+    in series the path steps would not fit the 8 minutes)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {d: pool.submit(fn, d) for d in _sides(run)}
+        return {d: f.result() for d, f in futures.items()}
+
+
 def _prune(run: Run, name: str, model: str, device: str, args: list[str]) -> Path:
     out = run.scratch / f"{name}-{device}"
     run.call(
@@ -388,6 +403,17 @@ def _masks(folder: Path) -> dict[str, Any]:
     return masks
 
 
+def transposable_two_four(zeros: Any) -> bool:
+    """zeros (R, C) bool: exactly 2 kept in every 4 consecutive entries of every row and of every column."""
+    kept = ~zeros
+    rows, cols = kept.shape
+    if rows % 4 or cols % 4:
+        return False
+    along_rows = (kept.reshape(rows, cols // 4, 4).sum(-1) == 2).all()
+    along_cols = (kept.t().reshape(cols, rows // 4, 4).sum(-1) == 2).all()
+    return bool(along_rows and along_cols)
+
+
 def agreement(a: Path, b: Path) -> tuple[float, int]:
     """(the smallest share of entries whose pruned/kept state is the same in both checkpoints, the
     number of pruned matrices compared); (0.0, 0) when the two prune different matrices."""
@@ -400,11 +426,13 @@ def agreement(a: Path, b: Path) -> tuple[float, int]:
 
 def _mask_step(run: Run, name: str, model: str, args: list[str]) -> dict[str, Any]:
     """Prune `model` on each side with `args`; the masks must agree across sides."""
-    outs = [_prune(run, name, model, device, args) for device in _sides(run)]
-    checks = [
-        fact(f"{name} on {d}: wrote a pruned checkpoint", bool(_masks(o)), "yes" if _masks(o) else "NO")
-        for d, o in zip(_sides(run), outs, strict=True)
-    ]
+    outs = list(each_side(run, lambda device: _prune(run, name, model, device, args)).values())
+    checks = []
+    for d, out in zip(_sides(run), outs, strict=True):
+        masks = _masks(out)
+        good = bool(masks) and all(transposable_two_four(z) for z in masks.values())
+        shown = f"{len(masks)} matrices" if good else f"NO ({len(masks)} pruned matrices)"
+        checks.append(fact(f"{name} on {d}: every pruned matrix transposable 2:4", good, shown))
     if len(outs) == 2:
         share, count = agreement(*outs)
         checks.append(
@@ -463,7 +491,7 @@ def step_eval(run: Run) -> dict[str, Any]:
         record["note"] = "zero-shot skipped: lm-eval is not installed on this machine"
     else:
         task = ["--tasks", "piqa", "--limit", "20" if run.device == "cuda" else "4"]
-    results = {d: _eval(run, f"eval-{d}", model, ["--device", d, *task]) for d in _sides(run)}
+    results = each_side(run, lambda d: _eval(run, f"eval-{d}", model, ["--device", d, *task]))
     ppl = {d: float(r["perplexity"]["wikitext2"]["ppl"]) for d, r in results.items()}
     checks = [check(f"wikitext2 perplexity on {d} (finite)", v, 1e9) for d, v in ppl.items()]
     if len(ppl) == 2:
@@ -499,7 +527,7 @@ def step_refine(run: Run) -> dict[str, Any]:
         run, "refine", TINY["llama"], ["--method", "wanda", "--refine", "block", "--refine-epochs", "1", *_no_stream()]
     )
     if len(_sides(run)) == 2:
-        ppl = {d: _ppl(run, f"refine-eval-{d}", run.scratch / f"refine-{d}", ["--device", "cpu"]) for d in _sides(run)}
+        ppl = each_side(run, lambda d: _ppl(run, f"refine-eval-{d}", run.scratch / f"refine-{d}", ["--device", "cpu"]))
         record["ppl"] = ppl
         # Adam on two devices: rounding grows over the steps, so a looser bound than the plain forward.
         ratio = abs(ppl["cuda"] - ppl["cpu"]) / ppl["cpu"]
@@ -518,35 +546,21 @@ def step_vlm(run: Run) -> dict[str, Any]:
 
 
 def step_finetune(run: Run) -> dict[str, Any]:
-    """`tsenor finetune` for 20 steps on each side: the mask held exactly (no pruned entry nonzero)."""
-    checks = []
-    for d in _sides(run):
+    """`tsenor finetune` for 20 steps (5 on the CPU) on each side: the mask held exactly (no pruned entry nonzero)."""
+
+    def side(d: str) -> dict[str, Any]:
         pruned = _prune(run, "finetune-input", TINY["llama"], d, ["--method", "magnitude", *_no_stream()])
         out = run.scratch / f"finetune-{d}"
-        run.call(
-            f"finetune-{d}",
-            [
-                "finetune",
-                str(pruned),
-                "--output",
-                str(out),
-                "--max-steps",
-                "20",
-                "--seqlen",
-                "64",
-                "--batch-size",
-                "2",
-                "--device",
-                d,
-                "--ppl",
-                "none",
-                "--force",
-            ],
-        )
+        steps = ["--max-steps", run.sizes.finetune_steps, "--seqlen", "64", "--batch-size", "2", "--ppl", "none"]
+        run.call(f"finetune-{d}", ["finetune", str(pruned), "--output", str(out), *steps, "--device", d, "--force"])
         before, after = _masks(pruned), _masks(out)
         held = bool(before) and set(before) == set(after) and all(bool((after[k] >= before[k]).all()) for k in before)
-        checks.append(fact(f"finetune on {d}: every pruned entry still zero", held, "yes" if held else "NO"))
-    return {"checks": checks}
+        return fact(f"finetune on {d}: every pruned entry still zero", held, "yes" if held else "NO")
+
+    return {"checks": list(each_side(run, side).values())}
+
+
+DEVICE_MAP = {"cuda": ["--device-map", "auto"], "cpu": ["--device", "cpu"]}
 
 
 def step_device_map(run: Run) -> dict[str, Any]:
@@ -554,8 +568,8 @@ def step_device_map(run: Run) -> dict[str, Any]:
     if run.device != "cuda":
         return {"skipped": "--device-map auto spreads a model over GPUs; there is none in CPU mode"}
     model = run.carry / "models" / TINY["llama"]
-    spread = _ppl(run, "device-map", model, ["--device-map", "auto"])
-    cpu = _ppl(run, "device-map-cpu", model, ["--device", "cpu"])
+    ppl = each_side(run, lambda d: _ppl(run, f"device-map-{d}", model, DEVICE_MAP[d]))
+    spread, cpu = ppl["cuda"], ppl["cpu"]
     return {"checks": [_close("wikitext2 perplexity (--device-map auto)", spread, cpu)], "ppl": [spread, cpu]}
 
 
@@ -616,14 +630,19 @@ def _commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
-def run_step(run: Run, step: Step) -> dict[str, Any]:
-    """One step under its cap → its record: status, seconds, checks and what it measured."""
+def _skip(why: str) -> dict[str, Any]:
+    return {"status": "skipped", "note": why}
+
+
+def run_step(run: Run, step: Step, budget_left: float | None = None) -> dict[str, Any]:
+    """One step under its cap (or what is left of the run's budget, if less) → its record: status,
+    seconds, checks and what it measured."""
     run.folder = run.out / "steps" / step.name
     run.folder.mkdir(parents=True, exist_ok=True)
     run.scratch = run.carry / "scratch" / step.name
     shutil.rmtree(run.scratch, ignore_errors=True)
     run.scratch.mkdir(parents=True)
-    cap = run.sizes.caps[step.cap]
+    cap = run.sizes.caps[step.cap] if budget_left is None else min(run.sizes.caps[step.cap], int(budget_left))
     run.deadline = time.monotonic() + cap
     start = time.monotonic()
     record: dict[str, Any] = {"name": step.name, "title": step.title, "cap_s": cap}
@@ -735,9 +754,16 @@ def run_all(args: argparse.Namespace) -> int:
     run = Run(args.out.resolve(), args.device, carry, GPU if args.device == "cuda" else CPU)
     env = environment(args.device)
     chosen = [s for s in STEPS if not args.steps or s.name in args.steps]
+    budget = args.budget if args.budget is not None else (GPU_BUDGET if args.device == "cuda" else 0)
+    end = time.monotonic() + budget if budget else None
     for step in chosen:
         print(f"== {step.name} (cap {run.sizes.caps[step.cap]} s)", flush=True)
-        run.steps.append(run_step(run, step))
+        left = None if end is None else end - time.monotonic()
+        if left is not None and left < MIN_STEP_S:
+            note = f"the run's budget of {budget} s was spent"
+            run.steps.append({"name": step.name, "title": step.title, "cap_s": 0, "seconds": 0.0} | _skip(note))
+        else:
+            run.steps.append(run_step(run, step, left))
         print(
             f"   {run.steps[-1]['status']} in {run.steps[-1]['seconds']} s {run.steps[-1].get('note', '')}", flush=True
         )
@@ -804,6 +830,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     r.add_argument("--carry", type=Path, default=CARRY)
+    r.add_argument(
+        "--budget",
+        type=int,
+        help=f"seconds for the run; a step gets at most what is left (default: {GPU_BUDGET} on CUDA, none on CPU)",
+    )
     r.add_argument("--steps", nargs="*", default=[], help="only these steps (default: all)")
     args = parser.parse_args(argv)
     return prepare(args) if args.command == "prepare" else run_all(args)

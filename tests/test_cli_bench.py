@@ -135,6 +135,8 @@ UNWRITABLE = [
     ["bench", "memory", "--output", "/proc/tsenor-bench.json"],
     ["bench", "prune", "--output", "/proc/tsenor-bench.json"],
     ["bench", "prune", "--work-dir", "/proc/tsenor-bench-work"],
+    ["bench", "speedup", "--markdown", "/proc/tsenor-bench.md"],
+    ["bench", "solver", "--output", "/proc/tsenor-bench.json"],
 ]
 
 

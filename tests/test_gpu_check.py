@@ -48,6 +48,14 @@ def test_agreement_is_the_smallest_share_of_entries_pruned_alike(gpu_check: Modu
     assert gpu_check.agreement(tmp_path / "a", other) == (0.0, 0)
 
 
+def test_transposable_two_four_on_hand_made_masks(gpu_check: ModuleType) -> None:
+    kept = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 1], [1, 1, 0, 0], [0, 0, 1, 1]], dtype=torch.bool)
+    assert gpu_check.transposable_two_four(~kept)
+    rows_only = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    assert not gpu_check.transposable_two_four(~rows_only)  # 2 of 4 per row, 4 or 0 per column
+    assert not gpu_check.transposable_two_four(~kept[:, :3].contiguous())  # not a multiple of 4
+
+
 def test_a_check_meets_or_misses_its_target(gpu_check: ModuleType) -> None:
     assert gpu_check.check("s", 0.04, 0.05)["ok"] and not gpu_check.check("s", 0.06, 0.05)["ok"]
     assert gpu_check.check("x", 1.2, 1.15, at_most=False)["ok"]
