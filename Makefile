@@ -95,11 +95,12 @@ bench-gpu-speedup: $(GPU_DEPS)
 # The prepared GPU check (docs/measurements/gpu.md): `make gpu-check-prepare` here builds .gpu/ (the
 # tokenizer, the data, a tile pool; about 15 MiB), then on a bare GPU machine with its own Python, one
 # command of at most 8 minutes: make gpu-check OUT=../shared/gpu/DATE-DEVICE
-# DEVICE=cpu runs the same steps at toy sizes on the CPU (CI's tests/test_gpu_check.py).
+# DEVICE=cpu runs the same steps at toy sizes on the CPU (after gpu-check-prepare; tests/test_gpu_check.py).
 OUT ?= gpu-check-out
 DEVICE ?= cuda
 WHEELS ?=
-GPU_PY ?= python3
+# The GPU machine's own Python there; the venv's for the CPU mode here.
+GPU_PY ?= $(if $(filter cpu,$(DEVICE)),$(PY),python3)
 
 gpu-check-prepare: install
 	$(PY) scripts/gpu_check.py prepare --carry .gpu $(if $(WHEELS),--wheels $(WHEELS))
