@@ -593,7 +593,7 @@ STEPS = (
     Step("refine", "prune --refine block", "path", step_refine),
     Step("moe", "tiny MoE", "path", step_moe),
     Step("vlm", "tiny VLM", "path", step_vlm),
-    Step("finetune", "tsenor finetune, 20 steps, mask held", "path", step_finetune),
+    Step("finetune", "tsenor finetune, the mask held", "path", step_finetune),
     Step("device-map", "eval --device-map auto", "path", step_device_map),
 )
 
