@@ -87,6 +87,26 @@ def test_a_step_past_its_cap_is_cut_off_and_the_report_keeps_the_steps_before(
     assert "| second | cut off |" in (run.out / "gpu-check.md").read_text()
 
 
+def test_steps_past_the_run_budget_are_skipped_and_say_so(gpu_check: ModuleType, tmp_path: Path) -> None:
+    carry, out = tmp_path / "carry", tmp_path / "out"
+    for rel in (
+        "tokenizer/tokenizer.json",
+        "pool.safetensors",
+        *(f"models/{m}/config.json" for m in gpu_check.TINY.values()),
+    ):
+        (carry / rel).parent.mkdir(parents=True, exist_ok=True)
+        (carry / rel).write_text("{}")  # present: the run neither refuses the carry nor builds the models
+    assert gpu_check.main(["run", "--device", "cpu", "--carry", str(carry), "--out", str(out), "--budget", "5"]) == 0
+    report = json.loads((out / "gpu-check.json").read_text())
+    assert [s["name"] for s in report["steps"]] == [s.name for s in gpu_check.STEPS]
+    assert all(s["status"] == "skipped" and "budget of 5 s was spent" in s["note"] for s in report["steps"])
+
+
+def test_a_carry_folder_without_the_prepared_inputs_is_refused(gpu_check: ModuleType, tmp_path: Path) -> None:
+    assert gpu_check.main(["run", "--device", "cpu", "--carry", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.realmodel
 @pytest.mark.realdata
