@@ -12,7 +12,7 @@ minutes and die inside torch's allocator. `check_fits` compares the plan's host 
 (`HostEstimate`) with the memory this process may still take (`available_host_bytes`: the kernel's
 MemAvailable, or the cgroup's remaining limit under SLURM or a container when that is smaller) and
 the device estimate with the device's total memory; an estimate beyond its limit is refused with one
-line (`UsageError`, exit 2: the fix is a smaller option value).
+line (`DoesNotFitError`, exit 5) naming the flags that would make it fit.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tsenor_cli.errors import UsageError
+from tsenor_cli.errors import DoesNotFitError
 from tsenor_cli.pruning.output import human_bytes
 
 if TYPE_CHECKING:
@@ -298,7 +298,8 @@ class HostEstimate:
     outside the decoder blocks and the largest block: `streamed`); tokens: the calibration token
     ids (S, T) and the (S, T) index that cuts them out of the text (every process reads all samples);
     activations: the calibration activations when they live on the CPU: on a CPU run the device
-    estimate's (`MemoryEstimate.activations`), with --offload-activations the rank's hidden states
+    estimate's (`MemoryEstimate.activations`; every sample's even with --offload-activations, which
+    moves nothing there), with --offload-activations on a GPU the rank's hidden states
     entering and leaving a block, (S_r, T, H) twice (a distributed group's kept inputs not counted: an
     estimate that errs low refuses no run that fits), and with --refine the dense stream (S_r, T, H) too;
     work: on a CPU run, the rank's statistics, method buffers and refinement
@@ -352,8 +353,8 @@ def host_estimate(
     width: bytes per element of the model's dtype; rows: that rank's calibration samples (S_r); params:
     the parameters the process holds (streamed: outside the blocks and the largest block)."""
     on_cpu = device.type == "cpu"
-    if on_cpu:
-        activations = device_estimate.activations
+    if on_cpu:  # --offload-activations moves nothing on a CPU run: every sample stays in host memory
+        activations = max(device_estimate.activations, (3 if refine else 2) * rows * seqlen * hidden_size * width)
     elif offload_activations:
         activations = (3 if refine else 2) * rows * seqlen * hidden_size * width
     else:
@@ -399,11 +400,58 @@ def available_host_bytes() -> int:
     return available if cgroup is None else min(available, cgroup)
 
 
+# Planning for a GPU from a machine without one (a login node): the usual cards' memory, in their
+# nominal decimal gigabytes (below what torch reports for each, so a plan that fits one fits it).
+KNOWN_GPUS: tuple[tuple[str, int], ...] = (
+    ("24 GB (RTX 4090, A10G, L4)", 24 * 10**9),
+    ("40 GB (A100 40GB)", 40 * 10**9),
+    ("48 GB (L40S, RTX 6000 Ada)", 48 * 10**9),
+    ("80 GB (A100 80GB, H100)", 80 * 10**9),
+    ("141 GB (H200)", 141 * 10**9),
+)
+
+
+def device_present(device: torch.device) -> bool:
+    """Whether this machine has `device` (the CPU always; a CUDA device when torch sees one)."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.is_available() and (device.index is None or device.index < torch.cuda.device_count())
+
+
 def device_total_bytes(device: torch.device) -> int | None:
     """The total memory of a CUDA device, None for the CPU (its memory is the host's)."""
     if device.type != "cuda":
         return None
     return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+def fit_problem(
+    host: HostEstimate,
+    device_bytes: int,
+    device: torch.device,
+    *,
+    nsamples: int,
+    seqlen: int,
+    processes: int = 1,
+    host_limit: int | None,
+    device_limit: int | None,
+) -> str | None:
+    """Why the run cannot fit, in one clause ("--nsamples S × --seqlen T needs about X of host memory
+    (...), but Y are available"), or None when it fits. host_limit / device_limit: the bytes available
+    (None: not checked; a CPU run's device is the host)."""
+    sizes = f"--nsamples {nsamples} × --seqlen {seqlen}"
+    if host_limit is not None and host.total * processes > host_limit:
+        each = f" in each of {processes} processes" if processes > 1 else ""
+        return (
+            f"{sizes} needs about {human_bytes(host.total * processes)} of host memory ({host.describe()}{each}), "
+            f"but {human_bytes(host_limit)} are available"
+        )
+    if device_limit is not None and device_bytes > device_limit:
+        return (
+            f"{sizes} needs about {human_bytes(device_bytes)} of {device} memory per process, but the device "
+            f"has {human_bytes(device_limit)}"
+        )
+    return None
 
 
 def check_fits(
@@ -417,26 +465,33 @@ def check_fits(
     processes: int = 1,
     host_available: int | None = None,
     device_total: int | None = None,
+    fix: str | None = None,
 ) -> None:
-    """UsageError (one line: the estimate, the limit, the fix) when the run cannot fit.
+    """DoesNotFitError (one line: the estimate, the limit, the fix) when the run cannot fit.
 
     host: one process's estimate; processes: how many of them run on this machine at once (a dry run of
     --nproc K: K; each process of a run checks its own share); device_bytes: the largest rank's device
     peak (`PrunePlan.device_bytes`). host_available and device_total default to this machine's
-    (`available_host_bytes`, `device_total_bytes`); tests pass their own.
+    (`available_host_bytes`, `device_total_bytes`); tests pass their own. fix: what to pass instead
+    (`PrunePlan.fixes` computes it from the plan); by default smaller sizes, or --offload-activations.
     """
-    sizes = f"--nsamples {nsamples} × --seqlen {seqlen}"
     limit = available_host_bytes() if host_available is None else host_available
-    if host.total * processes > limit:
-        each = f" in each of {processes} processes" if processes > 1 else ""
-        raise UsageError(
-            f"{sizes} needs about {human_bytes(host.total * processes)} of host memory ({host.describe()}{each}), but "
-            f"{human_bytes(limit)} are available; pass a smaller --nsamples or --seqlen (nothing was written)"
-        )
     total = device_total_bytes(device) if device_total is None else device_total
-    if total is not None and device_bytes > total:
-        fix = "pass a smaller --nsamples or --seqlen" + ("" if offload_activations else ", or --offload-activations")
-        raise UsageError(
-            f"{sizes} needs about {human_bytes(device_bytes)} of {device} memory per process, but the device "
-            f"has {human_bytes(total)}; {fix} (nothing was written)"
+    problem = fit_problem(
+        host,
+        device_bytes,
+        device,
+        nsamples=nsamples,
+        seqlen=seqlen,
+        processes=processes,
+        host_limit=limit,
+        device_limit=total,
+    )
+    if problem is None:
+        return
+    if fix is None:
+        on_device = host.total * processes <= limit
+        fix = "pass a smaller --nsamples or --seqlen" + (
+            ", or --offload-activations" if on_device and not offload_activations else ""
         )
+    raise DoesNotFitError(f"{problem}; {fix} (nothing was written)")

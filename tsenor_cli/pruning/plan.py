@@ -8,13 +8,14 @@ and ends as the run would (`PrunePlan.check`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tsenor_cli.errors import UsageError
+from tsenor_cli.errors import DoesNotFitError, IncompatibleModelError, UsageError
 from tsenor_cli.progress import Progress, logger
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.engine import (
@@ -25,11 +26,15 @@ from tsenor_cli.pruning.engine import (
     observed_slots,
 )
 from tsenor_cli.pruning.memory import (
+    KNOWN_GPUS,
     HostEstimate,
     MemoryEstimate,
     MethodCost,
-    check_fits,
+    available_host_bytes,
+    device_present,
+    device_total_bytes,
     estimate_device_memory,
+    fit_problem,
     host_estimate,
 )
 from tsenor_cli.pruning.observe import BlockObservation
@@ -206,7 +211,10 @@ class PrunePlan:
     run holds the weights outside the blocks and one block). blocks_bytes: every block's parameters (what
     a streamed run without a resume state keeps on disk until the write); stream: the plan is for --stream;
     beyond: the linears outside the language model that --targets selects (pruned by magnitude,
-    `pruning/outside.py`).
+    `pruning/outside.py`). seqlen is --seqlen capped at the model's positions. What a run can take from
+    the plan instead of recomputing it: sizing (the estimates' inputs, `fixes` re-estimates other
+    flags), weights (the probe's `WeightPlan`: slots, ignored, unused, ruled; None without the probe),
+    world_size (the processes it was made for), modules (the full names of the blocks' nn.Linear layers).
     """
 
     model: str
@@ -239,6 +247,7 @@ class PrunePlan:
     sizing: Sizing | None = None
     weights: WeightPlan | None = None
     world_size: int = 1
+    modules: frozenset[str] = frozenset()
 
     @property
     def device_bytes(self) -> int:
@@ -353,6 +362,8 @@ class PrunePlan:
             "stream": self.stream,
             "blocks": self.blocks,
             "device": self.device,
+            "device_present": device_present(torch.device(self.device)),
+            "fits_gpus": [name for name, size in KNOWN_GPUS if size >= self.device_bytes],
             "dtype": self.dtype,
         }
 
@@ -376,6 +387,13 @@ class PrunePlan:
             + (" per process" if several else "")
             + (", activations offloaded" if cfg.offload_activations else "")
         )
+        if not device_present(torch.device(self.device)):
+            fitting = [name for name, size in KNOWN_GPUS if size >= self.device_bytes]
+            yield (
+                f"{self.device} is not on this machine: the run needs a GPU with {human_bytes(self.device_bytes)} "
+                f"per process and {human_bytes(host.total)} of host memory on its machine; "
+                + (f"fits GPUs of {', '.join(fitting)}" if fitting else "fits no GPU of up to 141 GB")
+            )
         kept = (
             f", pruned blocks until the write {human_bytes(self.blocks_bytes)}" if cfg.stream and not cfg.resume else ""
         )
@@ -392,23 +410,112 @@ class PrunePlan:
                 + (f" + refine {human_bytes(estimate.refine)}" if estimate.refine else "")
             )
 
-    def check(self, cfg: PruneConfig, processes: int) -> None:
-        """The run's own error (its exit code too) when the run would not fit in memory (`processes` of it
-        on this machine), stop on an incompatible layer or have nothing to prune, so a dry run fails where
-        the run would."""
-        from tsenor_cli.models.loading import resolve_device
+    def limits(self) -> tuple[int | None, int | None]:
+        """(host bytes available, device bytes) the plan is checked against: this machine's when it has
+        the plan's device; for a GPU it lacks (a login node planning a GPU job) the host is not the
+        run's and is not checked, and the device is the largest of `KNOWN_GPUS`."""
+        device = torch.device(self.device)
+        if device_present(device):
+            return available_host_bytes(), device_total_bytes(device)
+        return None, max(size for _name, size in KNOWN_GPUS)
 
-        check_fits(
+    def fit_problem(self, cfg: PruneConfig, processes: int, limits: tuple[int | None, int | None]) -> str | None:
+        """Why this plan does not fit `limits` (`memory.fit_problem`), None when it fits."""
+        return fit_problem(
             self.host_memory,
             self.device_bytes,
-            resolve_device(self.device),
+            torch.device(self.device),
             nsamples=cfg.nsamples,
             seqlen=self.seqlen,
-            offload_activations=cfg.offload_activations,
             processes=processes,
+            host_limit=limits[0],
+            device_limit=limits[1],
         )
+
+    def fixes(self, cfg: PruneConfig, processes: int, limits: tuple[int | None, int | None]) -> list[str]:
+        """The flags that would make the run fit `limits`, each computed from the plan: --stream,
+        --dtype bf16 and --offload-activations alone where they apply, else the fewest of them together,
+        then the largest --nsamples and --seqlen that fit alone."""
+        if self.sizing is None:
+            return []
+        sizing, device = self.sizing, torch.device(self.device)
+
+        def fits(changed: PruneConfig) -> bool:
+            memory, host = sizing.estimate(changed, min(changed.seqlen, self.seqlen), device, self.world_size)
+            device_bytes = max(estimate.total for estimate in memory)
+            problem = fit_problem(
+                host,
+                device_bytes,
+                device,
+                nsamples=changed.nsamples,
+                seqlen=changed.seqlen,
+                processes=processes,
+                host_limit=limits[0],
+                device_limit=limits[1],
+            )
+            return problem is None
+
+        changes: dict[str, Callable[[PruneConfig], PruneConfig]] = {}
+        if not cfg.stream:
+            changes["--stream"] = lambda c: replace(c, stream=True)
+        if self.dtype == "float32":
+            changes["--dtype bf16"] = lambda c: replace(c, dtype="bf16")
+        if not cfg.offload_activations:
+            changes["--offload-activations"] = lambda c: replace(c, offload_activations=True)
+        found: list[str] = []
+        for size in range(1, len(changes) + 1):
+            for combo in itertools.combinations(changes, size):
+                changed = cfg
+                for flag in combo:
+                    changed = changes[flag](changed)
+                if fits(changed):
+                    found.append(" ".join(combo))
+            if found:
+                break
+        sizes: tuple[tuple[str, int, Callable[[int], PruneConfig]], ...] = (
+            ("--nsamples", cfg.nsamples, lambda v: replace(cfg, nsamples=v)),
+            ("--seqlen", self.seqlen, lambda v: replace(cfg, seqlen=v)),
+        )
+        for flag, value, smaller in sizes:
+            low, high = 0, value - 1  # the largest smaller value that fits, by bisection (the estimate grows with it)
+            while low < high:
+                middle = (low + high + 1) // 2
+                low, high = (middle, high) if fits(smaller(middle)) else (low, middle - 1)
+            if low:
+                found.append(f"{flag} {low}")
+        return found
+
+    def check(self, cfg: PruneConfig, processes: int) -> None:
+        """The run's own error (its exit code too) when the run would not fit in memory (`processes` of it
+        on this machine, or on the largest known GPU when this machine lacks the device: `limits`), would
+        stop on an incompatible layer or a matrix --nproc cannot prune, or has nothing to prune, so a dry
+        run fails where the run would. A refusal to fit names the flags that would (`fixes`)."""
+        limits = self.limits()
+        problem = self.fit_problem(cfg, processes, limits)
+        if problem is not None:
+            fixes = self.fixes(cfg, processes, limits)
+            fix = f"pass {' or '.join(fixes)}" if fixes else "no flag of tsenor makes it fit: prune a smaller model"
+            raise DoesNotFitError(f"{problem}; {fix} (nothing was written)")
+        self.check_processes()
         check_compatibility(self.candidates, cfg.pattern, skip=cfg.skip_incompatible)
         check_outside(self.beyond, cfg.pattern, skip=cfg.skip_incompatible)
+
+    def check_processes(self) -> None:
+        """IncompatibleModelError when the plan is for several processes (--nproc, torchrun) and would prune
+        a matrix that is not an nn.Linear (an expert stack, Conv1D or bare parameter): their statistics
+        are not summed across ranks (`engine.prune_block`). Known before any work: expert stacks from the
+        checkpoint's shapes, the others once the probe has watched them."""
+        if self.world_size <= 1:
+            return
+        dense = (self.ignored, self.idle, self.pending)
+        for slot in self.slots:
+            known = slot.experts or slot.full_name in self.observed
+            linear = slot.full_name in self.modules
+            if not linear and known and not any(slot.full_name in reasons for reasons in dense):
+                raise IncompatibleModelError(
+                    f"{slot.full_name} is not an nn.Linear (an expert stack, Conv1D or bare parameter); --nproc "
+                    "prunes nn.Linear layers only: run with one process (nothing was written)"
+                )
 
 
 @dataclass(frozen=True)
@@ -467,7 +574,8 @@ class Sizing:
 
 @dataclass(frozen=True)
 class _Accounted:
-    """The plan's weight matrices (`_account`); weights: the probe's `WeightPlan`, None without it."""
+    """The plan's weight matrices (`_account`); weights: the probe's `WeightPlan`, None without it;
+    modules: the full names of the blocks' nn.Linear layers."""
 
     slots: list[LinearSlot]
     ignored: dict[str, str]
@@ -477,6 +585,7 @@ class _Accounted:
     observed: frozenset[str] = frozenset()
     probe_bytes: int = 0
     weights: WeightPlan | None = None
+    modules: frozenset[str] = frozenset()
 
 
 def _account(
@@ -486,9 +595,10 @@ def _account(
     see `plan_model`. linears: those outside the language model."""
     slots = linear_slots(structure)
     names, outside = [s.full_name for s in slots], _outside_weights(model, structure)
+    modules = frozenset(s.full_name for s in slots if not s.param)
     if not observe:
         ignored = excluded_layers(names, cfg.ignore, cfg.targets, outside=outside, selectable=list(linears))
-        return _Accounted(slots, ignored)
+        return _Accounted(slots, ignored, modules=modules)
     # The patterns first: a typo is found before the probe runs a forward.
     excluded_layers(names, cfg.ignore, cfg.targets, outside=outside, selectable=list(linears))
     probe = probe_blocks(structure, hidden)
@@ -506,7 +616,7 @@ def _account(
         elif slot.block in probe.pending and slot.param:
             pending[slot.full_name] = probe.pending[slot.block]
     observed = frozenset(s.full_name for s in slots if s.block in probe.observed)
-    return _Accounted(slots, ignored, unused, idle, pending, observed, probe.peak_bytes, accounted)
+    return _Accounted(slots, ignored, unused, idle, pending, observed, probe.peak_bytes, accounted, modules)
 
 
 def plan_model(
@@ -586,4 +696,5 @@ def plan_model(
         sizing=sizing,
         weights=found.weights,
         world_size=ranks,
+        modules=found.modules,
     )
