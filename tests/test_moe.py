@@ -397,7 +397,7 @@ def test_routed_statistics_reconstruct_a_moe_block_better_than_magnitude(tmp_pat
 def test_experts_pruned_in_chunks_equal_one_by_one(
     method: str, tmp_path: Path, calib_ctx: RunContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The experts of a stack go to the method in batched chunks (`engine.expert_chunk`); a budget that
+    """The experts of a stack go to the method in batched chunks (`memory.expert_chunk`); a budget that
     allows one expert per chunk gives the same checkpoint (masks equal, weights to round-off) and the
     same per-expert records, so batching changes the speed only."""
     from safetensors.torch import load_file
