@@ -214,7 +214,8 @@ class PrunePlan:
     `pruning/outside.py`). seqlen is --seqlen capped at the model's positions. What a run can take from
     the plan instead of recomputing it: sizing (the estimates' inputs, `fixes` re-estimates other
     flags), weights (the probe's `WeightPlan`: slots, ignored, unused, ruled; None without the probe),
-    world_size (the processes it was made for), modules (the full names of the blocks' nn.Linear layers).
+    world_size (the processes it was made for), modules (the full names of the blocks' nn.Linear layers),
+    outside (the names of the linears outside the language model --targets may select).
     """
 
     model: str
@@ -248,6 +249,7 @@ class PrunePlan:
     weights: WeightPlan | None = None
     world_size: int = 1
     modules: frozenset[str] = frozenset()
+    outside: tuple[str, ...] = ()
 
     @property
     def device_bytes(self) -> int:
@@ -697,4 +699,5 @@ def plan_model(
         weights=found.weights,
         world_size=ranks,
         modules=found.modules,
+        outside=tuple(linears),
     )
