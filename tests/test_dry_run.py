@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from helpers_cli import invoke
 from helpers_tiny import make_tiny_llama, make_tiny_model
 from test_moe import MOE
 
 from tsenor_cli.models.loading import meta_model
 from tsenor_cli.models.structure import discover_structure
+from tsenor_cli.pruning import plan as plan_module
 from tsenor_cli.pruning import probe
 
 SEQ_LEN = 24
@@ -116,3 +118,57 @@ def test_a_block_the_text_forward_skips_is_planned_as_skipped(tmp_path: Path) ->
         block = int(layer["name"].removeprefix("model.language_model.layers.").split(".")[0])
         assert layer["status"] == ("skipped" if block == 1 else "prune"), layer
     assert plan["skipped"] == 7
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="plans a GPU job from a machine without one")
+def test_a_gpu_run_is_planned_on_a_machine_without_a_gpu(tiny: Path) -> None:
+    """The plan is arithmetic: --device cuda is planned here (bf16, the GPU's default), the GPU's memory
+    said against the usual cards, and the host of this machine is not the run's, so it is not checked."""
+    result = invoke(["prune", "--model", str(tiny), "--nm", "2:4", "--device", "cuda", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.stdout.splitlines() if line.startswith("cuda is not on this machine"))
+    assert "fits GPUs of 24 GB" in line and line.endswith("141 GB (H200)")
+    plan = _plan(tiny, "--device", "cuda")
+    assert plan["device"] == "cuda" and plan["dtype"] == "bfloat16" and plan["device_present"] is False
+    assert plan["fits_gpus"][-1] == "141 GB (H200)"
+
+
+def test_a_plan_that_does_not_fit_names_the_flags_that_would(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exit 5 with the plan printed; each flag the refusal names makes the same dry run fit (exit 0), and
+    flags that do not fit are not named."""
+    host = _plan(tiny, "--nsamples", "64")["estimated_host_bytes_per_process"]
+    # One byte short of the plan: a smaller calibration set, bf16 weights or --stream (one block fewer held) fit.
+    monkeypatch.setattr(plan_module, "available_host_bytes", lambda: host["total"] - 1)
+    args = ["prune", "--model", str(tiny), "--nm", "2:4", "--nsamples", "64", "--dry-run"]
+    refused = invoke(args)
+    assert refused.exit_code == 5, refused.output
+    assert "estimated memory: host" in refused.stdout  # the plan first
+    message = str(refused.exception)
+    assert message.startswith("--nsamples 64 × --seqlen 512 needs about") and message.endswith("(nothing was written)")
+    fixes = message.split("; pass ")[1].removesuffix(" (nothing was written)").split(" or ")
+    assert fixes[:2] == ["--stream", "--dtype bf16"] and fixes[2].startswith("--nsamples ")
+    for fix in fixes:
+        flag, *value = fix.split(" ")
+        changed = list(args)
+        if flag in changed:
+            changed[changed.index(flag) + 1] = value[0]
+        else:
+            changed += [flag, *value]
+        assert invoke(changed).exit_code == 0, fix
+    fewer = int(fixes[2].split(" ")[1])
+    one_more = [*args[:-2], str(fewer + 1), "--dry-run"]
+    assert invoke(one_more).exit_code == 5  # the largest --nsamples that fits
+
+
+def test_a_fused_moe_with_several_processes_is_refused_by_the_plan(tiny: Path, tmp_path: Path) -> None:
+    """--nproc prunes nn.Linear layers only: a fused expert stack is refused by the plan, before any work,
+    and once; one process, or nn.Linear layers only, are planned."""
+    source = make_tiny_llama(tmp_path / "src", model_type="mixtral", **MOE["mixtral"])
+    result = invoke(["prune", "--model", str(source), "--nm", "2:4", "--nproc", "2", "--dry-run"])
+    assert result.exit_code == 5, result.output
+    assert str(result.exception).startswith("model.layers.0.mlp.experts.gate_up_proj is not an nn.Linear")
+    assert str(result.exception).endswith(
+        "--nproc prunes nn.Linear layers only: run with one process (nothing was written)"
+    )
+    assert invoke(["prune", "--model", str(source), "--nm", "2:4", "--dry-run"]).exit_code == 0
+    assert invoke(["prune", "--model", str(tiny), "--nm", "2:4", "--nproc", "2", "--dry-run"]).exit_code == 0

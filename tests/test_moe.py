@@ -397,20 +397,20 @@ def test_routed_statistics_reconstruct_a_moe_block_better_than_magnitude(tmp_pat
 def test_experts_pruned_in_chunks_equal_one_by_one(
     method: str, tmp_path: Path, calib_ctx: RunContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The experts of a stack go to the method in batched chunks (`engine.expert_chunk`); a budget that
+    """The experts of a stack go to the method in batched chunks (`memory.expert_chunk`); a budget that
     allows one expert per chunk gives the same checkpoint (masks equal, weights to round-off) and the
     same per-expert records, so batching changes the speed only."""
     from safetensors.torch import load_file
 
-    from tsenor_cli.pruning import engine
+    from tsenor_cli.pruning import memory
     from tsenor_cli.pruning.registry import get_pruner
     from tsenor_cli.runfiles import PRUNE_FILE, PruneReport, read_json
 
     source = make_tiny_llama(tmp_path / "src", model_type="mixtral", num_layers=1, **MOE["mixtral"])
-    assert engine.expert_chunk(128, 64, get_pruner(method)) >= 4  # the default: Mixtral's 4 experts in one call
+    assert memory.expert_chunk(128, 64, get_pruner(method)) >= 4  # the default: Mixtral's 4 experts in one call
     outputs = {}
-    for label, budget in (("batched", engine.EXPERT_BATCH_BYTES), ("single", 1)):
-        monkeypatch.setattr(engine, "EXPERT_BATCH_BYTES", budget)
+    for label, budget in (("batched", memory.EXPERT_BATCH_BYTES), ("single", 1)):
+        monkeypatch.setattr(memory, "EXPERT_BATCH_BYTES", budget)
         cfg = PruneConfig(
             model=str(source),
             layer=LayerPruneConfig(pattern=SparsityPattern.from_nm(2, 4, transposable=True), alps_max_iter=40),
@@ -493,15 +493,16 @@ def test_a_stacks_workspace_is_one_chunk_of_experts() -> None:
     """The plan's workspace for a 256-expert stack at DeepSeek-V3's width (2048 × 7168) is one chunk's
     buffers and statistics, not 256 experts' (which would be 256 × 0.6 GB for ALPS), and a stack no
     bigger than a chunk counts every expert."""
-    from tsenor_cli.pruning import engine
-    from tsenor_cli.pruning.engine import LinearSlot, matrix_workspace, slot_workspace
+    from tsenor_cli.pruning.engine import LinearSlot
+    from tsenor_cli.pruning.memory import EXPERT_BATCH_BYTES, MethodCost, matrix_workspace, slot_workspace
 
     def slot(experts: int, out: int, inp: int) -> LinearSlot:
         return LinearSlot(1, "mlp.experts.down_proj", "model.layers.1.mlp.experts.down_proj", out, inp, experts=experts)
 
-    each = matrix_workspace(2048, 7168, needs_gram=True, iterative=True)
-    big = slot_workspace(slot(256, 2048, 7168), needs_gram=True, iterative=True)
-    chunk = max(1, engine.EXPERT_BATCH_BYTES // each)
+    alps, sparsegpt = MethodCost(needs_gram=True, iterative=True), MethodCost(needs_gram=True, iterative=False)
+    each = matrix_workspace(2048, 7168, alps)
+    big = slot_workspace(slot(256, 2048, 7168), alps)
+    chunk = max(1, EXPERT_BATCH_BYTES // each)
     assert big == chunk * (each + 4 * (7168**2 + 7168)) and chunk < 256
-    small = slot_workspace(slot(4, 64, 32), needs_gram=True, iterative=False)
-    assert small == 4 * (matrix_workspace(64, 32, needs_gram=True, iterative=False) + 4 * (32**2 + 32))
+    small = slot_workspace(slot(4, 64, 32), sparsegpt)
+    assert small == 4 * (matrix_workspace(64, 32, sparsegpt) + 4 * (32**2 + 32))

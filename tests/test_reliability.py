@@ -513,7 +513,7 @@ def test_sizes_that_cannot_fit_are_refused_before_any_allocation(
     env = {**os.environ, "PEAK_FILE": str(peak_file)}
     proc = subprocess.run([sys.executable, "-c", child, *argv], capture_output=True, text=True, env=env)
     stderr = proc.stderr
-    assert proc.returncode == 2, stderr
+    assert proc.returncode == 5, stderr
     line = error_line(stderr)
     assert line.startswith("error: --nsamples 1000000000 × --seqlen 32 needs about 15.4 TiB of host memory (model ")
     assert line.endswith("are available; pass a smaller --nsamples or --seqlen (nothing was written)")
@@ -525,7 +525,7 @@ def test_sizes_that_cannot_fit_are_refused_before_any_allocation(
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--dry-run"])
     printed = capsys.readouterr()
-    assert exit_info.value.code == 2 and error_line(printed.err).split(", but ")[0] == line.split(", but ")[0]
+    assert exit_info.value.code == 5 and error_line(printed.err).split(", but ")[0] == line.split(", but ")[0]
     assert "estimated memory: host 15.4 TiB (model " in printed.out  # the plan is printed first
 
 

@@ -48,6 +48,14 @@ class IncompatibleModelError(TsenorError, ValueError):
     exit_code = 5
 
 
+class DoesNotFitError(UsageError):
+    """The run's memory estimate exceeds the machine's (`pruning/memory.check_fits`): the message names the
+    flags that would make it fit. Exit 5, as a model that does not fit the pattern: the options are
+    valid, the run cannot happen as asked."""
+
+    exit_code = 5
+
+
 class VerificationError(TsenorError):
     """A checkpoint whose weights violate the recorded sparsity pattern (exit 6)."""
 

@@ -37,6 +37,7 @@ from tsenor_cli.errors import BadInputError, IncompatibleModelError
 from tsenor_cli.models.structure import ModelStructure
 from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.distributed import Team
+from tsenor_cli.pruning.memory import expert_chunk
 from tsenor_cli.pruning.observe import BlockObservation, Unit, Use, every_token, matrices, observe_block, watching
 from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.registry import PrunerSpec
@@ -833,38 +834,6 @@ def _prune_linear(
     progress: Progress,
 ) -> LayerRecord:
     return _prune_matrix(linear.weight.data, slot, stats, spec, layer_cfg, device, progress)
-
-
-def matrix_workspace(out_features: int, in_features: int, *, needs_gram: bool, iterative: bool) -> int:
-    """Bytes a method's buffers take for one (out, in) matrix: weights, mask and ADMM/OBS state (float32),
-    and with a Gram matrix its damped/normalized copy and inverse or eigenvectors (float64)."""
-    work = 4 * out_features * in_features * (8 if iterative else 3)
-    if needs_gram:
-        work += 3 * 8 * in_features**2
-    return work
-
-
-# The experts of a stack go to the method together in chunks whose buffers stay under this many bytes
-# (`matrix_workspace` per expert): the solver and the method's products then run once per chunk instead
-# of once per expert, while a 256-expert stack at DeepSeek-V3's width (7168 × 2048) still needs only a
-# few experts' buffers at a time.
-EXPERT_BATCH_BYTES = 1 << 30
-
-
-def expert_chunk(out_features: int, in_features: int, spec: PrunerSpec) -> int:
-    """How many experts of an (out, in) stack one batched call takes (`EXPERT_BATCH_BYTES`)."""
-    each = matrix_workspace(out_features, in_features, needs_gram=spec.needs_gram, iterative=spec.iterative)
-    return max(1, EXPERT_BATCH_BYTES // each)
-
-
-def slot_workspace(slot: LinearSlot, *, needs_gram: bool, iterative: bool) -> int:
-    """Bytes of method buffers while `slot` is pruned: one matrix's, or for a stack one chunk of experts'
-    (`expert_chunk`) with the chunk's copy of their statistics (`ExpertStats.select`)."""
-    each = matrix_workspace(slot.out_features, slot.in_features, needs_gram=needs_gram, iterative=iterative)
-    if not slot.experts:
-        return each
-    batch = min(slot.experts, max(1, EXPERT_BATCH_BYTES // each))
-    return batch * (each + 4 * (slot.in_features**2 + slot.in_features))
 
 
 def _record_outcome(

@@ -1,29 +1,293 @@
-"""Whether a run fits the machine, from the plan's own estimates, before anything is allocated.
+"""The one memory estimate of a run (device and host), and whether the run fits the machine.
+
+The device estimate (`estimate_device_memory` → `MemoryEstimate` per rank) is built from what the code
+allocates, term by term: the block, the calibration activations, the input statistics, and the
+method's working set for the largest matrix (`matrix_workspace`: the dense copy, the method's
+buffers, its factorization's workspace, the mask solver's, the engine's error check), each the peak of
+the phase that holds the most. `tests/test_memory_estimate.py` holds it against a CPU accounting of
+every allocation (torch.profiler's memory events, internal LAPACK workspaces included) of real runs.
 
 A prune whose calibration set cannot fit (``--nsamples 1000000000``) would otherwise allocate for
 minutes and die inside torch's allocator. `check_fits` compares the plan's host estimate
 (`HostEstimate`) with the memory this process may still take (`available_host_bytes`: the kernel's
 MemAvailable, or the cgroup's remaining limit under SLURM or a container when that is smaller) and
 the device estimate with the device's total memory; an estimate beyond its limit is refused with one
-line (`UsageError`, exit 2: the fix is a smaller option value).
+line (`DoesNotFitError`, exit 5) naming the flags that would make it fit.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from tsenor_cli.errors import UsageError
+from tsenor_cli.errors import DoesNotFitError
 from tsenor_cli.pruning.output import human_bytes
 
 if TYPE_CHECKING:
-    from tsenor_cli.pruning.plan import MemoryEstimate
+    from tsenor_cli.pattern import SparsityPattern
+    from tsenor_cli.pruning.engine import LinearSlot
+    from tsenor_cli.pruning.registry import PrunerSpec
 
 TOKEN_BYTES = 8  # int64 token ids
+
+# The mask solver's peak beyond the scores it is given, in float32 copies of them (4·out·in bytes),
+# by the solver that runs (`solver.resolve_method`): torch.profiler's CPU accounting of magnitude
+# pruning alone (dense copy + scores + solver), at 2:4 to 16:32 on 64..512-wide matrices; tsenor's is
+# its worst there (16-26 copies by shape, so up to 1.5x high; the Triton kernels it runs on CUDA fuse
+# some of them: the H100's ADMM phase held about 10). `tests/test_memory_estimate.py` holds each entry.
+SOLVER_COPIES: dict[str, float] = {
+    "flow": 7.6,
+    "exhaustive": 7.6,
+    "exact": 10.2,
+    "two_approx": 10.4,
+    "bi_nm": 12.5,
+    "tsenor-reference": 13.2,
+    "tsenor": 24.5,
+}
+# A row-wise top-n (N:M and unstructured patterns): the top-k's indices and values.
+TOPK_COPIES = 1.5
+# cuSOLVER's syevd (the eigendecomposition ALPS runs on CUDA) holds more than LAPACK's 1+6n+2n² doubles:
+# the H100 run (2026-11-27, ../shared/gpu/2026-11-27-h100/e2e-1b-whole.json and e2e-8b.json,
+# torch.cuda.max_memory_allocated of the factorize phase) held 15.1·4n² + 4·out·n bytes besides the
+# block and activations at both n = 8192 (LLaMA-3.2-1B's down_proj) and n = 14336 (8B's): 8n² bytes
+# more than the 11·4n² + 4·out·n counted here for LAPACK, so its workspace is taken as 4n² doubles.
+EIGH_CUDA_SQUARES = 4
+# cuBLAS and cuBLASLt keep their workspaces in torch's caching allocator on CUDA (counted by
+# max_memory_allocated: the measured peaks above sit 45-50 MB over the rest of this estimate).
+CUDA_LIBRARY_BYTES = 64 << 20
+# SparseGPT's lazy batch of columns (`LayerPruneConfig.blocksize`'s default).
+LAZY_COLUMNS = 128
+
+
+@dataclass(frozen=True)
+class MethodCost:
+    """What a method's working set depends on besides the matrix's shape.
+
+    needs_gram / iterative: the method's (`PrunerSpec`: SparseGPT reads XᵀX, ALPS reads it and
+    iterates); solver_copies: the mask solver's peak in float32 copies of its scores (`SOLVER_COPIES`,
+    `TOPK_COPIES` for patterns that are not transposable); cuda: the run's device is a GPU (its
+    eigendecomposition's and libraries' workspaces); cast: the model's dtype is not float32 (the error
+    check holds a float32 copy of the stored weight); columns: the columns SparseGPT chooses a mask for
+    at once (M, or its lazy batch for unstructured patterns).
+    """
+
+    needs_gram: bool
+    iterative: bool
+    solver_copies: float = SOLVER_COPIES["tsenor"]
+    cuda: bool = True
+    cast: bool = True
+    columns: int = 32
+
+    @staticmethod
+    def of(spec: PrunerSpec, pattern: SparsityPattern, solver: str, *, device: torch.device, width: int) -> MethodCost:
+        """The cost of `spec` on `pattern` with `--solver solver` on `device` (width: bytes per element of
+        the model's dtype)."""
+        from tsenor_cli.solver import resolve_method
+
+        copies = TOPK_COPIES
+        if pattern.kind == "transposable":
+            name = resolve_method(solver, device, pattern.m).name
+            copies = SOLVER_COPIES.get(name, max(SOLVER_COPIES.values()))
+        columns = pattern.m if pattern.kind != "unstructured" else LAZY_COLUMNS
+        return MethodCost(spec.needs_gram, spec.iterative, copies, device.type == "cuda", width != 4, columns)
+
+
+def eigh_workspace(n: int, *, cuda: bool) -> int:
+    """Bytes `torch.linalg.eigh` of an (n, n) float64 matrix holds beyond its input and its results:
+    LAPACK dsyevd's work (1 + 6n + 2n² doubles) and iwork (3 + 5n ints), on CUDA cuSOLVER's
+    (`EIGH_CUDA_SQUARES`)."""
+    squares = EIGH_CUDA_SQUARES if cuda else 2
+    return 8 * (1 + 6 * n + squares * n * n) + 4 * (3 + 5 * n)
+
+
+def matrix_workspace(out_features: int, in_features: int, cost: MethodCost) -> int:
+    """Peak bytes while one (out, in) matrix is pruned, beyond its statistics (XᵀX and norms, counted
+    in `MemoryEstimate.statistics`), read from the code of `engine._prune_matrix` and the methods:
+    the largest of the phases below. F = 4·out·in (a float32 matrix), G = 4·in² (a float32 Gram
+    matrix), B = out·in (a bool mask), S = the solver's peak (`MethodCost.solver_copies`·F).
+
+    - every method, the error check (`engine._record_outcome`): the dense copy, the pruned weight and
+      mask, the stored weight in float32 when cast, ΔW, ΔW·H and its product: (5 + cast)F + B;
+    - magnitude, Wanda: the dense copy, the scores and the solver: 2F + S;
+    - SparseGPT, factorize: the dense copy, its working copy, damped H, its Cholesky factor, H⁻¹ and
+      its upper factor (on CUDA one more: cholesky_inverse solves against an identity): 2F + 4G (+G);
+      the column loop: both copies, Hinv, the pruned and kept masks, the result, the lazy batch's
+      w1/q1/err1 (rebound while the old ones live: 4 of them), its mask, the column update and the
+      batch update temporaries (F): 4F + G + 2B + 17·out·b (b = 128 columns) + the slab's solver;
+    - ALPS, factorize: the dense copy, damped H, Ĥ, Ĥ in float64, its eigenvectors and the
+      eigendecomposition's workspace (`eigh_workspace`): F + 6G + W;
+      the ADMM: H, Ĥ, Q (2G), (Ĥ+ρI)⁻¹ and the state (dense, B̂, Y, D, V, W, Z, the last solve's
+      tiles; three masks): at a ρ change the new inverse's two float64 temporaries (+4G): 9G + 8F + 3B;
+      at a projection the scores, the
+      solver and the safeguard's per-tile copies: 5G + 10F + 3B + S; the CG: 5G + 16F + 3B.
+    """
+    f, b = 4 * out_features * in_features, out_features * in_features
+    g = 4 * in_features * in_features
+    solver = int(cost.solver_copies * f)
+    record = (6 if cost.cast else 5) * f + b
+    if not cost.needs_gram:
+        return max(record, 2 * f + solver)
+    if not cost.iterative:
+        factorize = 2 * f + (5 if cost.cuda else 4) * g
+        batch = min(LAZY_COLUMNS, in_features)
+        slab = int(cost.solver_copies * 4 * out_features * min(cost.columns, in_features)) + 32 * out_features
+        loop = 4 * f + g + 2 * b + 17 * out_features * batch + slab
+        return max(record, factorize, loop)
+    factorize = f + 6 * g + eigh_workspace(in_features, cuda=cost.cuda) + 32 * in_features
+    admm = max(9 * g + 8 * f + 3 * b, 5 * g + 10 * f + 3 * b + solver, 5 * g + 16 * f + 3 * b)
+    return max(record, factorize, admm)
+
+
+# The experts of a stack go to the method together in chunks whose buffers stay under this many bytes
+# (`matrix_workspace` per expert): the solver and the method's products then run once per chunk instead
+# of once per expert, while a 256-expert stack at DeepSeek-V3's width (7168 × 2048) still needs only a
+# few experts' buffers at a time.
+EXPERT_BATCH_BYTES = 1 << 30
+
+
+def expert_chunk(out_features: int, in_features: int, spec: PrunerSpec) -> int:
+    """How many experts of an (out, in) stack one batched call takes (`EXPERT_BATCH_BYTES`, each expert's
+    workspace as on a GPU with the tsenor solver: the largest)."""
+    each = matrix_workspace(out_features, in_features, MethodCost(spec.needs_gram, spec.iterative))
+    return max(1, EXPERT_BATCH_BYTES // each)
+
+
+def slot_workspace(slot: LinearSlot, cost: MethodCost) -> int:
+    """Bytes of method buffers while `slot` is pruned: one matrix's, or for a stack one chunk of experts'
+    (`expert_chunk`) with the chunk's copy of their statistics (`ExpertStats.select`)."""
+    each = matrix_workspace(slot.out_features, slot.in_features, cost)
+    if not slot.experts:
+        return each
+    chunk = matrix_workspace(slot.out_features, slot.in_features, MethodCost(cost.needs_gram, cost.iterative))
+    batch = min(slot.experts, max(1, EXPERT_BATCH_BYTES // chunk))
+    return batch * (each + 4 * (slot.in_features**2 + slot.in_features))
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak device memory of one rank (bytes), by what holds it.
+
+    block: the largest decoder block's parameters; activations: this rank's calibration hidden states
+    entering and leaving the block, (S_r, T, H) twice, or one sample's with --offload-activations, plus
+    in a distributed run the group's linear inputs kept for the ordered sums (S_r, T, in) (on the CPU
+    with --offload-activations); statistics: the input statistics (XᵀX and column norms) of a block's
+    linears taken as one group, in a distributed run twice (the sums in flight to the next rank) plus one
+    linear's being added; workspace: the method's working set for the largest matrix
+    (`matrix_workspace`), for a stack of experts that of one batched chunk (`slot_workspace`), or one
+    sample's block forward when larger (`forward_bytes`), on CUDA with the libraries' workspaces, and the
+    block's call arguments (mask, rotary embeddings). With
+    --refine block, activations also hold the dense stream (S_r, T, H) (one sample with
+    --offload-activations), and refine: the largest block in float32 with its gradients and Adam's two
+    moments, its weights before refinement in the run's dtype, and one sample's forward kept for
+    backward (each of the block's matrices' input and output, float32).
+    """
+
+    rank: int
+    block: int
+    activations: int
+    statistics: int
+    workspace: int
+    refine: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.block + self.activations + self.statistics + self.workspace + self.refine
+
+    def to_dict(self) -> dict[str, int]:
+        return {
+            "rank": self.rank,
+            "block": self.block,
+            "activations": self.activations,
+            "statistics": self.statistics,
+            "workspace": self.workspace,
+            "refine": self.refine,
+            "total": self.total,
+        }
+
+
+def forward_bytes(candidates: Sequence[LinearSlot], *, seqlen: int, width: int, heads: int) -> int:
+    """Bytes one sample's block forward holds at its peak (the statistics passes and the rerun run one
+    sample at a time): every linear's output (T, out) of the largest block, the (T, T) attention weights
+    of each head in float32 (an eager or math attention; fused kernels hold less), and the statistics'
+    float32 copy of a linear's input and its square (T, in) twice."""
+    blocks = {s.block for s in candidates}
+    outputs = max((sum(s.matrices * s.out_features for s in candidates if s.block == b) for b in blocks), default=0)
+    widest = max((s.in_features for s in candidates), default=0)
+    return seqlen * outputs * width + heads * seqlen * seqlen * 4 + 2 * seqlen * widest * 4
+
+
+def estimate_device_memory(
+    block_params: Sequence[int],
+    candidates: Sequence[LinearSlot],
+    cost: MethodCost,
+    *,
+    nsamples: int,
+    seqlen: int,
+    hidden_size: int,
+    width: int,
+    heads: int = 0,
+    world_size: int = 1,
+    offload_activations: bool = False,
+    sequential: bool = True,
+    refine: bool = False,
+) -> list[MemoryEstimate]:
+    """One `MemoryEstimate` per rank. block_params: parameter count of each block; candidates: the linears
+    to prune (none when --targets selects only linears outside the language model); cost: the method's
+    (`MethodCost.of`); width: bytes per element of the model's dtype (statistics are float32); heads:
+    the attention heads (`forward_bytes`); refine: --refine block (`MemoryEstimate.refine`).
+
+    The workspace is the larger of the method's working set for the largest matrix (`slot_workspace`)
+    and one sample's forward (`forward_bytes`), which never run at once. These are torch's allocated
+    bytes (`torch.cuda.max_memory_allocated`, the H100 run's measure); what the caching allocator
+    reserves beyond them (its fragmentation: the H100 run did not record it) is not estimated, so a
+    GPU filled to the estimate's last percent may still run out.
+    """
+    from tsenor_cli.pruning.distributed import shard_bounds
+
+    blocks = len(block_params)
+    # The engine holds one sequential group's statistics at a time (its linears share their input's);
+    # the plan does not know the groups before a watch, so every linear of the block counts: exact
+    # without --sequential, at most one block's other Gram matrices high with it (LLaMA-3.2-1B: 101 MB
+    # over down_proj's 268 MB). A stack of E experts holds E Gram matrices at once (engine.ExpertStats).
+    stats_size = [
+        sum(s.matrices * (s.in_features**2 + s.in_features) for s in candidates if s.block == i) for i in range(blocks)
+    ]
+    statistics = 4 * max(stats_size)
+    kept_features = 0  # per token, the linear inputs a distributed rank keeps for one group
+    if world_size > 1:
+        statistics = 2 * statistics + 4 * max((s.in_features**2 + s.in_features for s in candidates), default=0)
+        per_block = [sum(s.in_features for s in candidates if s.block == i) for i in range(blocks)]
+        # One group's linears read one input (LLaMA's q,k,v; gate,up); without --sequential the block is
+        # one group and every linear's input counts (an upper bound: shared inputs are kept once).
+        kept_features = max((s.in_features for s in candidates), default=0) if sequential else max(per_block)
+    # No candidate when --targets selects only linears outside the language model (pruning/outside.py).
+    method = max((slot_workspace(s, cost) for s in candidates), default=0)
+    workspace = max(method, forward_bytes(candidates, seqlen=seqlen, width=width, heads=heads))
+    workspace += CUDA_LIBRARY_BYTES if cost.cuda else 0
+    # What the model passes each block beside its hidden states (`engine.BlockCall`), held on the device
+    # through the block: a (T, T) mask and the rotary cos and sin (T, head_dim), float32 (an upper bound).
+    workspace += 4 * seqlen * seqlen + 2 * 4 * seqlen * hidden_size
+    estimates = []
+    for rank, (start, stop) in enumerate(shard_bounds(nsamples, world_size)):
+        rows = 1 if offload_activations else stop - start
+        activations = 2 * rows * seqlen * hidden_size * width  # block inputs and outputs
+        if not offload_activations:
+            activations += (stop - start) * seqlen * kept_features * width
+        training = 0
+        if refine:
+            activations += rows * seqlen * hidden_size * width  # the dense stream
+            features = max(
+                sum(s.matrices * (s.in_features + s.out_features) for s in candidates if s.block == i)
+                for i in range(blocks)
+            )
+            training = max(block_params) * (4 * 4 + width) + 4 * seqlen * (features + 4 * hidden_size)
+        estimates.append(MemoryEstimate(rank, max(block_params) * width, activations, statistics, workspace, training))
+    return estimates
 
 
 @dataclass(frozen=True)
@@ -34,7 +298,8 @@ class HostEstimate:
     outside the decoder blocks and the largest block: `streamed`); tokens: the calibration token
     ids (S, T) and the (S, T) index that cuts them out of the text (every process reads all samples);
     activations: the calibration activations when they live on the CPU: on a CPU run the device
-    estimate's (`MemoryEstimate.activations`), with --offload-activations the rank's hidden states
+    estimate's (`MemoryEstimate.activations`; every sample's even with --offload-activations, which
+    moves nothing there), with --offload-activations on a GPU the rank's hidden states
     entering and leaving a block, (S_r, T, H) twice (a distributed group's kept inputs not counted: an
     estimate that errs low refuses no run that fits), and with --refine the dense stream (S_r, T, H) too;
     work: on a CPU run, the rank's statistics, method buffers and refinement
@@ -88,8 +353,8 @@ def host_estimate(
     width: bytes per element of the model's dtype; rows: that rank's calibration samples (S_r); params:
     the parameters the process holds (streamed: outside the blocks and the largest block)."""
     on_cpu = device.type == "cpu"
-    if on_cpu:
-        activations = device_estimate.activations
+    if on_cpu:  # --offload-activations moves nothing on a CPU run: every sample stays in host memory
+        activations = max(device_estimate.activations, (3 if refine else 2) * rows * seqlen * hidden_size * width)
     elif offload_activations:
         activations = (3 if refine else 2) * rows * seqlen * hidden_size * width
     else:
@@ -135,11 +400,58 @@ def available_host_bytes() -> int:
     return available if cgroup is None else min(available, cgroup)
 
 
+# Planning for a GPU from a machine without one (a login node): the usual cards' memory, in their
+# nominal decimal gigabytes (below what torch reports for each, so a plan that fits one fits it).
+KNOWN_GPUS: tuple[tuple[str, int], ...] = (
+    ("24 GB (RTX 4090, A10G, L4)", 24 * 10**9),
+    ("40 GB (A100 40GB)", 40 * 10**9),
+    ("48 GB (L40S, RTX 6000 Ada)", 48 * 10**9),
+    ("80 GB (A100 80GB, H100)", 80 * 10**9),
+    ("141 GB (H200)", 141 * 10**9),
+)
+
+
+def device_present(device: torch.device) -> bool:
+    """Whether this machine has `device` (the CPU always; a CUDA device when torch sees one)."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.is_available() and (device.index is None or device.index < torch.cuda.device_count())
+
+
 def device_total_bytes(device: torch.device) -> int | None:
     """The total memory of a CUDA device, None for the CPU (its memory is the host's)."""
     if device.type != "cuda":
         return None
     return int(torch.cuda.get_device_properties(device).total_memory)
+
+
+def fit_problem(
+    host: HostEstimate,
+    device_bytes: int,
+    device: torch.device,
+    *,
+    nsamples: int,
+    seqlen: int,
+    processes: int = 1,
+    host_limit: int | None,
+    device_limit: int | None,
+) -> str | None:
+    """Why the run cannot fit, in one clause ("--nsamples S × --seqlen T needs about X of host memory
+    (...), but Y are available"), or None when it fits. host_limit / device_limit: the bytes available
+    (None: not checked; a CPU run's device is the host)."""
+    sizes = f"--nsamples {nsamples} × --seqlen {seqlen}"
+    if host_limit is not None and host.total * processes > host_limit:
+        each = f" in each of {processes} processes" if processes > 1 else ""
+        return (
+            f"{sizes} needs about {human_bytes(host.total * processes)} of host memory ({host.describe()}{each}), "
+            f"but {human_bytes(host_limit)} are available"
+        )
+    if device_limit is not None and device_bytes > device_limit:
+        return (
+            f"{sizes} needs about {human_bytes(device_bytes)} of {device} memory per process, but the device "
+            f"has {human_bytes(device_limit)}"
+        )
+    return None
 
 
 def check_fits(
@@ -153,26 +465,33 @@ def check_fits(
     processes: int = 1,
     host_available: int | None = None,
     device_total: int | None = None,
+    fix: str | None = None,
 ) -> None:
-    """UsageError (one line: the estimate, the limit, the fix) when the run cannot fit.
+    """DoesNotFitError (one line: the estimate, the limit, the fix) when the run cannot fit.
 
     host: one process's estimate; processes: how many of them run on this machine at once (a dry run of
     --nproc K: K; each process of a run checks its own share); device_bytes: the largest rank's device
     peak (`PrunePlan.device_bytes`). host_available and device_total default to this machine's
-    (`available_host_bytes`, `device_total_bytes`); tests pass their own.
+    (`available_host_bytes`, `device_total_bytes`); tests pass their own. fix: what to pass instead
+    (`PrunePlan.fixes` computes it from the plan); by default smaller sizes, or --offload-activations.
     """
-    sizes = f"--nsamples {nsamples} × --seqlen {seqlen}"
     limit = available_host_bytes() if host_available is None else host_available
-    if host.total * processes > limit:
-        each = f" in each of {processes} processes" if processes > 1 else ""
-        raise UsageError(
-            f"{sizes} needs about {human_bytes(host.total * processes)} of host memory ({host.describe()}{each}), but "
-            f"{human_bytes(limit)} are available; pass a smaller --nsamples or --seqlen (nothing was written)"
-        )
     total = device_total_bytes(device) if device_total is None else device_total
-    if total is not None and device_bytes > total:
-        fix = "pass a smaller --nsamples or --seqlen" + ("" if offload_activations else ", or --offload-activations")
-        raise UsageError(
-            f"{sizes} needs about {human_bytes(device_bytes)} of {device} memory per process, but the device "
-            f"has {human_bytes(total)}; {fix} (nothing was written)"
+    problem = fit_problem(
+        host,
+        device_bytes,
+        device,
+        nsamples=nsamples,
+        seqlen=seqlen,
+        processes=processes,
+        host_limit=limit,
+        device_limit=total,
+    )
+    if problem is None:
+        return
+    if fix is None:
+        on_device = host.total * processes <= limit
+        fix = "pass a smaller --nsamples or --seqlen" + (
+            ", or --offload-activations" if on_device and not offload_activations else ""
         )
+    raise DoesNotFitError(f"{problem}; {fix} (nothing was written)")

@@ -8,12 +8,14 @@ and ends as the run would (`PrunePlan.check`).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tsenor_cli.errors import DoesNotFitError, IncompatibleModelError, UsageError
 from tsenor_cli.progress import Progress, logger
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.engine import (
@@ -22,9 +24,19 @@ from tsenor_cli.pruning.engine import (
     incompatible_slots,
     linear_slots,
     observed_slots,
-    slot_workspace,
 )
-from tsenor_cli.pruning.memory import HostEstimate, check_fits, host_estimate
+from tsenor_cli.pruning.memory import (
+    KNOWN_GPUS,
+    HostEstimate,
+    MemoryEstimate,
+    MethodCost,
+    available_host_bytes,
+    device_present,
+    device_total_bytes,
+    estimate_device_memory,
+    fit_problem,
+    host_estimate,
+)
 from tsenor_cli.pruning.observe import BlockObservation
 from tsenor_cli.pruning.output import free_bytes, human_bytes, output_path
 from tsenor_cli.pruning.outside import (
@@ -45,109 +57,27 @@ if TYPE_CHECKING:
     from tsenor_cli.models.structure import ModelStructure
 
 
-def dtype_and_device(cfg: PruneConfig, ctx: RunContext | None = None) -> tuple[torch.dtype, torch.device]:
+def dtype_and_device(
+    cfg: PruneConfig, ctx: RunContext | None = None, *, present: bool = True
+) -> tuple[torch.dtype, torch.device]:
     """The run's dtype and this rank's device: in a distributed run `--device cuda` means the GPU of the
-    rank's LOCAL_RANK (one GPU per process)."""
+    rank's LOCAL_RANK (one GPU per process). present: refuse a device this machine lacks (a run);
+    False for a plan, which is arithmetic and may be made on a machine without the device."""
     from tsenor_cli.models.loading import default_dtype, parse_dtype, resolve_device
 
-    device = resolve_device(cfg.device)
+    device = resolve_device(cfg.device) if present else planned_device(cfg.device)
     if ctx is not None and ctx.distributed.distributed and device.type == "cuda" and device.index is None:
-        device = resolve_device(f"cuda:{ctx.distributed.local_rank}")
+        device = torch.device(f"cuda:{ctx.distributed.local_rank}")
     dtype = parse_dtype(cfg.dtype)
     return (dtype if dtype is not None else default_dtype(device)), device
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Peak device memory of one rank (bytes), by what holds it.
-
-    block: the largest decoder block's parameters; activations: this rank's calibration hidden states
-    entering and leaving the block, (S_r, T, H) twice, or one sample's with --offload-activations, plus
-    in a distributed run the group's linear inputs kept for the ordered sums (S_r, T, in) (on the CPU
-    with --offload-activations); statistics: the input statistics (XᵀX and column norms) of a block's
-    linears taken as one group, in a distributed run twice (the sums in flight to the next rank) plus one
-    linear's being added; workspace: the method's buffers for the largest matrix (weights, mask,
-    ADMM/OBS state, damped H and its factorization), for a stack of experts those of one batched chunk
-    (`engine.slot_workspace`). With --refine block, activations also hold the dense stream (S_r, T, H)
-    (one sample with --offload-activations), and refine: the largest block in float32 with its gradients
-    and Adam's two moments, its weights before refinement in the run's dtype, and one sample's forward
-    kept for backward (each of the block's matrices' input and output, float32).
-    """
-
-    rank: int
-    block: int
-    activations: int
-    statistics: int
-    workspace: int
-    refine: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.block + self.activations + self.statistics + self.workspace + self.refine
-
-    def to_dict(self) -> dict[str, int]:
-        return {
-            "rank": self.rank,
-            "block": self.block,
-            "activations": self.activations,
-            "statistics": self.statistics,
-            "workspace": self.workspace,
-            "refine": self.refine,
-            "total": self.total,
-        }
-
-
-def estimate_device_memory(
-    block_params: Sequence[int],
-    candidates: Sequence[LinearSlot],
-    *,
-    nsamples: int,
-    seqlen: int,
-    hidden_size: int,
-    width: int,
-    needs_gram: bool,
-    iterative: bool,
-    world_size: int = 1,
-    offload_activations: bool = False,
-    sequential: bool = True,
-    refine: bool = False,
-) -> list[MemoryEstimate]:
-    """One `MemoryEstimate` per rank. block_params: parameter count of each block; candidates: the linears
-    to prune (none when --targets selects only linears outside the language model); width: bytes per
-    element of the model's dtype (statistics are float32); refine: --refine block (`MemoryEstimate.refine`)."""
-    from tsenor_cli.pruning.distributed import shard_bounds
-
-    blocks = len(block_params)
-    # A stack of E experts holds E Gram matrices at once (engine.ExpertStats).
-    stats_size = [
-        sum(s.matrices * (s.in_features**2 + s.in_features) for s in candidates if s.block == i) for i in range(blocks)
-    ]
-    statistics = 4 * max(stats_size)
-    kept_features = 0  # per token, the linear inputs a distributed rank keeps for one group
-    if world_size > 1:
-        statistics = 2 * statistics + 4 * max((s.in_features**2 + s.in_features for s in candidates), default=0)
-        per_block = [sum(s.in_features for s in candidates if s.block == i) for i in range(blocks)]
-        # One group's linears read one input (LLaMA's q,k,v; gate,up); without --sequential the block is
-        # one group and every linear's input counts (an upper bound: shared inputs are kept once).
-        kept_features = max((s.in_features for s in candidates), default=0) if sequential else max(per_block)
-    # No candidate when --targets selects only linears outside the language model (pruning/outside.py).
-    workspace = max((slot_workspace(s, needs_gram=needs_gram, iterative=iterative) for s in candidates), default=0)
-    estimates = []
-    for rank, (start, stop) in enumerate(shard_bounds(nsamples, world_size)):
-        rows = 1 if offload_activations else stop - start
-        activations = 2 * rows * seqlen * hidden_size * width  # block inputs and outputs
-        if not offload_activations:
-            activations += (stop - start) * seqlen * kept_features * width
-        training = 0
-        if refine:
-            activations += rows * seqlen * hidden_size * width  # the dense stream
-            features = max(
-                sum(s.matrices * (s.in_features + s.out_features) for s in candidates if s.block == i)
-                for i in range(blocks)
-            )
-            training = max(block_params) * (4 * 4 + width) + 4 * seqlen * (features + 4 * hidden_size)
-        estimates.append(MemoryEstimate(rank, max(block_params) * width, activations, statistics, workspace, training))
-    return estimates
+def planned_device(name: str) -> torch.device:
+    """The device `name` names, whether or not this machine has it (UsageError for what is no device)."""
+    try:
+        return torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from exc
 
 
 @dataclass(frozen=True)
@@ -281,7 +211,11 @@ class PrunePlan:
     run holds the weights outside the blocks and one block). blocks_bytes: every block's parameters (what
     a streamed run without a resume state keeps on disk until the write); stream: the plan is for --stream;
     beyond: the linears outside the language model that --targets selects (pruned by magnitude,
-    `pruning/outside.py`).
+    `pruning/outside.py`). seqlen is --seqlen capped at the model's positions. What a run can take from
+    the plan instead of recomputing it: sizing (the estimates' inputs, `fixes` re-estimates other
+    flags), weights (the probe's `WeightPlan`: slots, ignored, unused, ruled; None without the probe),
+    world_size (the processes it was made for), modules (the full names of the blocks' nn.Linear layers),
+    outside (the names of the linears outside the language model --targets may select).
     """
 
     model: str
@@ -311,6 +245,11 @@ class PrunePlan:
     blocks_bytes: int = 0
     stream: bool = False
     beyond: tuple[OutsideWeight, ...] = ()
+    sizing: Sizing | None = None
+    weights: WeightPlan | None = None
+    world_size: int = 1
+    modules: frozenset[str] = frozenset()
+    outside: tuple[str, ...] = ()
 
     @property
     def device_bytes(self) -> int:
@@ -425,6 +364,8 @@ class PrunePlan:
             "stream": self.stream,
             "blocks": self.blocks,
             "device": self.device,
+            "device_present": device_present(torch.device(self.device)),
+            "fits_gpus": [name for name, size in KNOWN_GPUS if size >= self.device_bytes],
             "dtype": self.dtype,
         }
 
@@ -448,6 +389,13 @@ class PrunePlan:
             + (" per process" if several else "")
             + (", activations offloaded" if cfg.offload_activations else "")
         )
+        if not device_present(torch.device(self.device)):
+            fitting = [name for name, size in KNOWN_GPUS if size >= self.device_bytes]
+            yield (
+                f"{self.device} is not on this machine: the run needs a GPU with {human_bytes(self.device_bytes)} "
+                f"per process and {human_bytes(host.total)} of host memory on its machine; "
+                + (f"fits GPUs of {', '.join(fitting)}" if fitting else "fits no GPU of up to 141 GB")
+            )
         kept = (
             f", pruned blocks until the write {human_bytes(self.blocks_bytes)}" if cfg.stream and not cfg.resume else ""
         )
@@ -464,23 +412,213 @@ class PrunePlan:
                 + (f" + refine {human_bytes(estimate.refine)}" if estimate.refine else "")
             )
 
-    def check(self, cfg: PruneConfig, processes: int) -> None:
-        """The run's own error (its exit code too) when the run would not fit in memory (`processes` of it
-        on this machine), stop on an incompatible layer or have nothing to prune, so a dry run fails where
-        the run would."""
-        from tsenor_cli.models.loading import resolve_device
+    def limits(self) -> tuple[int | None, int | None]:
+        """(host bytes available, device bytes) the plan is checked against: this machine's when it has
+        the plan's device; for a GPU it lacks (a login node planning a GPU job) the host is not the
+        run's and is not checked, and the device is the largest of `KNOWN_GPUS`."""
+        device = torch.device(self.device)
+        if device_present(device):
+            return available_host_bytes(), device_total_bytes(device)
+        return None, max(size for _name, size in KNOWN_GPUS)
 
-        check_fits(
+    def fit_problem(self, cfg: PruneConfig, processes: int, limits: tuple[int | None, int | None]) -> str | None:
+        """Why this plan does not fit `limits` (`memory.fit_problem`), None when it fits."""
+        return fit_problem(
             self.host_memory,
             self.device_bytes,
-            resolve_device(self.device),
+            torch.device(self.device),
             nsamples=cfg.nsamples,
             seqlen=self.seqlen,
-            offload_activations=cfg.offload_activations,
             processes=processes,
+            host_limit=limits[0],
+            device_limit=limits[1],
         )
+
+    def fixes(self, cfg: PruneConfig, processes: int, limits: tuple[int | None, int | None]) -> list[str]:
+        """The flags that would make the run fit `limits`, each computed from the plan: --stream,
+        --dtype bf16 and --offload-activations alone where they apply, else the fewest of them together,
+        then the largest --nsamples and --seqlen that fit alone."""
+        if self.sizing is None:
+            return []
+        sizing, device = self.sizing, torch.device(self.device)
+
+        def fits(changed: PruneConfig) -> bool:
+            memory, host = sizing.estimate(changed, min(changed.seqlen, self.seqlen), device, self.world_size)
+            device_bytes = max(estimate.total for estimate in memory)
+            problem = fit_problem(
+                host,
+                device_bytes,
+                device,
+                nsamples=changed.nsamples,
+                seqlen=changed.seqlen,
+                processes=processes,
+                host_limit=limits[0],
+                device_limit=limits[1],
+            )
+            return problem is None
+
+        changes: dict[str, Callable[[PruneConfig], PruneConfig]] = {}
+        if not cfg.stream:
+            changes["--stream"] = lambda c: replace(c, stream=True)
+        if self.dtype == "float32":
+            changes["--dtype bf16"] = lambda c: replace(c, dtype="bf16")
+        if not cfg.offload_activations:
+            changes["--offload-activations"] = lambda c: replace(c, offload_activations=True)
+        found: list[str] = []
+        for size in range(1, len(changes) + 1):
+            for combo in itertools.combinations(changes, size):
+                changed = cfg
+                for flag in combo:
+                    changed = changes[flag](changed)
+                if fits(changed):
+                    found.append(" ".join(combo))
+            if found:
+                break
+        sizes: tuple[tuple[str, int, Callable[[int], PruneConfig]], ...] = (
+            ("--nsamples", cfg.nsamples, lambda v: replace(cfg, nsamples=v)),
+            ("--seqlen", self.seqlen, lambda v: replace(cfg, seqlen=v)),
+        )
+        for flag, value, smaller in sizes:
+            low, high = 0, value - 1  # the largest smaller value that fits, by bisection (the estimate grows with it)
+            while low < high:
+                middle = (low + high + 1) // 2
+                low, high = (middle, high) if fits(smaller(middle)) else (low, middle - 1)
+            if low:
+                found.append(f"{flag} {low}")
+        return found
+
+    def check(self, cfg: PruneConfig, processes: int) -> None:
+        """The run's own error (its exit code too) when the run would not fit in memory (`processes` of it
+        on this machine, or on the largest known GPU when this machine lacks the device: `limits`), would
+        stop on an incompatible layer or a matrix --nproc cannot prune, or has nothing to prune, so a dry
+        run fails where the run would. A refusal to fit names the flags that would (`fixes`)."""
+        limits = self.limits()
+        problem = self.fit_problem(cfg, processes, limits)
+        if problem is not None:
+            fixes = self.fixes(cfg, processes, limits)
+            fix = f"pass {' or '.join(fixes)}" if fixes else "no flag of tsenor makes it fit: prune a smaller model"
+            raise DoesNotFitError(f"{problem}; {fix} (nothing was written)")
+        self.check_processes()
         check_compatibility(self.candidates, cfg.pattern, skip=cfg.skip_incompatible)
         check_outside(self.beyond, cfg.pattern, skip=cfg.skip_incompatible)
+
+    def check_processes(self) -> None:
+        """IncompatibleModelError when the plan is for several processes (--nproc, torchrun) and would prune
+        a matrix that is not an nn.Linear (an expert stack, Conv1D or bare parameter): their statistics
+        are not summed across ranks (`engine.prune_block`). Known before any work: expert stacks from the
+        checkpoint's shapes, the others once the probe has watched them."""
+        if self.world_size <= 1:
+            return
+        dense = (self.ignored, self.idle, self.pending)
+        for slot in self.slots:
+            known = slot.experts or slot.full_name in self.observed
+            linear = slot.full_name in self.modules
+            if not linear and known and not any(slot.full_name in reasons for reasons in dense):
+                raise IncompatibleModelError(
+                    f"{slot.full_name} is not an nn.Linear (an expert stack, Conv1D or bare parameter); --nproc "
+                    "prunes nn.Linear layers only: run with one process (nothing was written)"
+                )
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What the memory estimates are computed from, so the plan can estimate other settings of the same
+    model (`PrunePlan.fixes`): the candidates to prune, each block's parameter count, the model's, the
+    hidden size and the attention heads."""
+
+    candidates: tuple[LinearSlot, ...]
+    per_block: tuple[int, ...]
+    params: int
+    hidden: int
+    heads: int
+
+    def estimate(
+        self, cfg: PruneConfig, seqlen: int, device: torch.device, world_size: int
+    ) -> tuple[list[MemoryEstimate], HostEstimate]:
+        """(each rank's device estimate, one process's host estimate) of `cfg` at `seqlen` (capped)."""
+        from tsenor_cli.models.loading import default_dtype, parse_dtype
+
+        dtype = parse_dtype(cfg.dtype) or default_dtype(device)
+        width = torch.finfo(dtype).bits // 8
+        spec = get_pruner(cfg.method)
+        memory = estimate_device_memory(
+            self.per_block,
+            self.candidates,
+            MethodCost.of(spec, cfg.pattern, cfg.layer.solver, device=device, width=width),
+            nsamples=cfg.nsamples,
+            seqlen=seqlen,
+            hidden_size=self.hidden,
+            width=width,
+            heads=self.heads,
+            world_size=world_size,
+            offload_activations=cfg.offload_activations,
+            sequential=cfg.sequential,
+            refine=cfg.refine.on,
+        )
+        # A streamed run holds the parameters outside the blocks and one block (the largest) at a time.
+        blocks = sum(self.per_block)
+        held = self.params - blocks + max(self.per_block, default=0) if cfg.stream else self.params
+        host = host_estimate(
+            memory[0],  # shard_bounds gives rank 0 the most samples
+            device=device,
+            params=held,
+            streamed=cfg.stream,
+            nsamples=cfg.nsamples,
+            seqlen=seqlen,
+            hidden_size=self.hidden,
+            width=width,
+            rows=-(-cfg.nsamples // len(memory)),
+            offload_activations=cfg.offload_activations,
+            refine=cfg.refine.on,
+        )
+        return memory, host
+
+
+@dataclass(frozen=True)
+class _Accounted:
+    """The plan's weight matrices (`_account`); weights: the probe's `WeightPlan`, None without it;
+    modules: the full names of the blocks' nn.Linear layers."""
+
+    slots: list[LinearSlot]
+    ignored: dict[str, str]
+    unused: tuple[LayerRecord, ...] = ()
+    idle: dict[str, str] = field(default_factory=dict)
+    pending: dict[str, str] = field(default_factory=dict)
+    observed: frozenset[str] = frozenset()
+    probe_bytes: int = 0
+    weights: WeightPlan | None = None
+    modules: frozenset[str] = frozenset()
+
+
+def _account(
+    cfg: PruneConfig, model: Any, structure: ModelStructure, hidden: int, linears: Sequence[str], observe: bool
+) -> _Accounted:
+    """The weight matrices of the blocks and their fate; with `observe`, as the probe watched them, with
+    see `plan_model`. linears: those outside the language model."""
+    slots = linear_slots(structure)
+    names, outside = [s.full_name for s in slots], _outside_weights(model, structure)
+    modules = frozenset(s.full_name for s in slots if not s.param)
+    if not observe:
+        ignored = excluded_layers(names, cfg.ignore, cfg.targets, outside=outside, selectable=list(linears))
+        return _Accounted(slots, ignored, modules=modules)
+    # The patterns first: a typo is found before the probe runs a forward.
+    excluded_layers(names, cfg.ignore, cfg.targets, outside=outside, selectable=list(linears))
+    probe = probe_blocks(structure, hidden)
+    accounted = weight_plan(structure, slots, probe.observed, cfg, list(linears))
+    say_ruled(accounted)
+    slots, ignored = accounted.slots, accounted.ignored
+    unused = tuple(record for index in sorted(accounted.unused) for record in accounted.unused[index])
+    idle: dict[str, str] = {}
+    pending: dict[str, str] = {}
+    for slot in slots:
+        if slot.block in probe.idle:
+            idle[slot.full_name] = (
+                f"its block ({type(structure.blocks[slot.block]).__name__}) never runs in the text-only forward"
+            )
+        elif slot.block in probe.pending and slot.param:
+            pending[slot.full_name] = probe.pending[slot.block]
+    observed = frozenset(s.full_name for s in slots if s.block in probe.observed)
+    return _Accounted(slots, ignored, unused, idle, pending, observed, probe.peak_bytes, accounted, modules)
 
 
 def plan_model(
@@ -501,81 +639,33 @@ def plan_model(
     watches the real blocks). The sequential groups are not used, so the Gram-matrix estimate takes all
     of a block's pruned matrices at once: exact without --sequential, an upper bound with it.
     world_size: the processes the device memory is estimated for (default: this run's, `ctx.distributed`).
+    The device need not be present: the plan is arithmetic (`planned_device`).
     """
     from tsenor_cli.models.loading import config_value, meta_model, read_config, resolve_source
     from tsenor_cli.models.structure import discover_structure
 
-    dtype, device = dtype_and_device(cfg, ctx)
+    dtype, device = dtype_and_device(cfg, ctx, present=False)
     source, is_local = resolve_source(cfg.model, ctx, progress=progress)
     # load_model's own reading, so the plan fails with the run's line
     config = read_config(cfg.model, source, is_local, ctx, trust_remote_code=cfg.trust_remote_code)
     model = meta_model(config, trust_remote_code=cfg.trust_remote_code)
     structure = discover_structure(model)
     hidden = int(config_value(config, "hidden_size"))
-    slots = linear_slots(structure)
-    unused: tuple[LayerRecord, ...] = ()
-    idle: dict[str, str] = {}
-    pending: dict[str, str] = {}
-    observed: frozenset[str] = frozenset()
-    probe_bytes = 0
-    names, outside = [s.full_name for s in slots], _outside_weights(model, structure)
     linears = outside_linears(model, structure)
     beyond = selected_outside(linears, cfg.targets, cfg.ignore, cfg.pattern) if cfg.targets else ()
-    if observe:
-        # The patterns first: a typo is found before the probe runs a forward.
-        excluded_layers(names, cfg.ignore, cfg.targets, outside=outside, selectable=list(linears))
-        probe = probe_blocks(structure, hidden)
-        accounted = weight_plan(structure, slots, probe.observed, cfg, list(linears))
-        say_ruled(accounted)
-        slots, ignored = accounted.slots, accounted.ignored
-        unused = tuple(record for index in sorted(accounted.unused) for record in accounted.unused[index])
-        for slot in slots:
-            if slot.block in probe.idle:
-                kind = type(structure.blocks[slot.block]).__name__
-                idle[slot.full_name] = f"its block ({kind}) never runs in the text-only forward"
-            elif slot.block in probe.pending and slot.param:
-                pending[slot.full_name] = probe.pending[slot.block]
-        observed = frozenset(s.full_name for s in slots if s.block in probe.observed)
-        probe_bytes = probe.peak_bytes
-    else:
-        ignored = excluded_layers(names, cfg.ignore, cfg.targets, outside=outside, selectable=list(linears))
-    bad = incompatible_slots(_checkable(slots, (ignored, idle, pending), observed), cfg.pattern)
-    candidates = [s for s in slots if s.full_name not in ignored and s.full_name not in idle]
+    found = _account(cfg, model, structure, hidden, list(linears), observe)
+    slots, ignored, idle = found.slots, found.ignored, found.idle
+    bad = incompatible_slots(_checkable(slots, (ignored, idle, found.pending), found.observed), cfg.pattern)
+    candidates = tuple(s for s in slots if s.full_name not in ignored and s.full_name not in idle)
     max_pos = config_value(config, "max_position_embeddings")
     seqlen = min(cfg.seqlen, int(max_pos)) if max_pos else cfg.seqlen
     width = torch.finfo(dtype).bits // 8
+    per_block = tuple(sum(p.numel() for p in b.parameters()) for b in structure.blocks)
     params = sum(p.numel() for p in model.parameters())
-    per_block = [sum(p.numel() for p in b.parameters()) for b in structure.blocks]
-    spec = get_pruner(cfg.method)
-    memory = estimate_device_memory(
-        per_block,
-        candidates,
-        nsamples=cfg.nsamples,
-        seqlen=seqlen,
-        hidden_size=hidden,
-        width=width,
-        needs_gram=spec.needs_gram,
-        iterative=spec.iterative,
-        world_size=world_size if world_size is not None else ctx.distributed.world_size,
-        offload_activations=cfg.offload_activations,
-        sequential=cfg.sequential,
-        refine=cfg.refine.on,
-    )
-    # A streamed run holds the parameters outside the blocks and one block (the largest) at a time.
-    held = params - sum(per_block) + max(per_block, default=0) if cfg.stream else params
-    host = host_estimate(
-        memory[0],  # shard_bounds gives rank 0 the most samples
-        device=device,
-        params=held,
-        streamed=cfg.stream,
-        nsamples=cfg.nsamples,
-        seqlen=seqlen,
-        hidden_size=hidden,
-        width=width,
-        rows=-(-cfg.nsamples // len(memory)),
-        offload_activations=cfg.offload_activations,
-        refine=cfg.refine.on,
-    )
+    heads = int(config_value(config, "num_attention_heads") or 0)
+    sizing = Sizing(candidates, per_block, params, hidden, heads)
+    ranks = world_size if world_size is not None else ctx.distributed.world_size
+    memory, host = sizing.estimate(cfg, seqlen, device, ranks)
     return PrunePlan(
         model=cfg.model,
         method=cfg.method,
@@ -598,11 +688,16 @@ def plan_model(
         # With --refine the hidden-state files hold the dense stream too.
         resume_bytes=sum(per_block) * width + (4 if cfg.refine.on else 2) * cfg.nsamples * seqlen * hidden * width,
         host_memory=host,
-        unused=unused,
+        unused=found.unused,
         idle=idle,
-        pending=pending,
-        observed=observed,
-        probe_bytes=probe_bytes,
+        pending=found.pending,
+        observed=found.observed,
+        probe_bytes=found.probe_bytes,
         blocks_bytes=sum(per_block) * width,
         stream=cfg.stream,
+        sizing=sizing,
+        weights=found.weights,
+        world_size=ranks,
+        modules=found.modules,
+        outside=tuple(linears),
     )

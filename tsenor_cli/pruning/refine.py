@@ -27,7 +27,7 @@ Adam step: one process's sums, bit for bit, so the checkpoint is one process's t
 the steps depend on (seed, block, samples) only, so a run killed inside a block's refinement and
 resumed redoes that block from its saved input and ends identical.
 
-Memory (in the plan, `plan.estimate_device_memory`): the dense stream (S_r, T, H) beside the pruned one,
+Memory (in the plan, `memory.estimate_device_memory`): the dense stream (S_r, T, H) beside the pruned one,
 a float32 copy of the block with its gradients and Adam's two moments plus a copy of the weights
 before refinement, and one sample's forward kept for backward.
 """
