@@ -35,6 +35,7 @@ from tsenor_cli.pruning.engine import (
     run_block,
     unit_input_stats,
 )
+from tsenor_cli.pruning.method_options import ALPSOptions
 from tsenor_cli.pruning.observe import Geometry, matrices, observe_block
 from tsenor_cli.pruning.stats import ExpertStats, RowBuffer
 from tsenor_cli.pruning.types import LayerPruneConfig
@@ -413,7 +414,10 @@ def test_experts_pruned_in_chunks_equal_one_by_one(
         monkeypatch.setattr(engine, "EXPERT_BATCH_BYTES", budget)
         cfg = PruneConfig(
             model=str(source),
-            layer=LayerPruneConfig(pattern=SparsityPattern.from_nm(2, 4, transposable=True), alps_max_iter=40),
+            layer=LayerPruneConfig(
+                SparsityPattern.from_nm(2, 4, transposable=True),
+                options=ALPSOptions(max_iter=40) if method == "alps" else None,
+            ),
             method=method,
             nsamples=4,
             seqlen=32,

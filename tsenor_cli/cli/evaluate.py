@@ -1,12 +1,13 @@
-"""`tsenor eval --model M`: perplexity (WikiText2, PTB, C4) and optional zero-shot tasks."""
+"""`tsenor eval MODEL`: perplexity (WikiText2, PTB, C4) and optional zero-shot tasks."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
-from tsenor_cli import atomic
 from tsenor_cli.cli import Command, app, command_line, run_context
 from tsenor_cli.cli.options import (
     DEVICE,
@@ -19,6 +20,8 @@ from tsenor_cli.cli.options import (
     JsonOpt,
     LimitOpt,
     MaxWindowsOpt,
+    ModelAliasOpt,
+    ModelArg,
     OfflineOpt,
     OutputDirOpt,
     PplOpt,
@@ -28,18 +31,19 @@ from tsenor_cli.cli.options import (
     parse_limit,
     parse_ppl_datasets,
     parse_tasks,
+    pick_model,
 )
 from tsenor_cli.errors import EXIT_SIGINT, Interrupted
-from tsenor_cli.evaluation.runner import EvalConfig, eval_target, evaluate_model
-from tsenor_cli.models.loading import load_model, parse_dtype
-from tsenor_cli.progress import logger
-from tsenor_cli.report.markdown import eval_table
+
+if TYPE_CHECKING:
+    from tsenor_cli.runfiles import EvalReport
 
 
 @app.command("eval", cls=Command)
 def eval_cmd(
     ctx: typer.Context,
-    model: str = typer.Option(..., "--model", help="Embedded name (smollm2-135m), local checkpoint dir, or hub id."),
+    model: ModelArg = None,
+    model_option: ModelAliasOpt = None,
     ppl: PplOpt = PPL,
     tasks: TasksOpt = None,
     num_fewshot: int = typer.Option(0, "--num-fewshot", min=0, help="Few-shot examples for zero-shot tasks."),
@@ -69,7 +73,11 @@ def eval_cmd(
     offline: OfflineOpt = False,
 ) -> None:
     """Evaluate a model: perplexity (SparseGPT protocol) and optional lm-eval zero-shot tasks."""
+    from tsenor_cli.evaluation.runner import EvalConfig, eval_target, evaluate_model
+    from tsenor_cli.models.loading import load_model, parse_dtype
+
     # Validate every option before the (slow) model load, so a typo fails at once.
+    model = pick_model(model, model_option)
     cfg = EvalConfig(
         ppl_datasets=parse_ppl_datasets(ppl),
         tasks=parse_tasks(tasks),
@@ -99,11 +107,17 @@ def eval_cmd(
     except KeyboardInterrupt:
         # eval.json is written only once every metric is in, so nothing is left half-done.
         raise Interrupted("interrupted while evaluating; nothing was written", EXIT_SIGINT) from None
+    _write_and_print(report, target, as_json=as_json)
+
+
+def _write_and_print(report: EvalReport, target: Path | None, *, as_json: bool) -> None:
+    """eval.json at `target` (when given), and the table or the JSON on stdout."""
+    from tsenor_cli import atomic
+    from tsenor_cli.progress import logger
+    from tsenor_cli.report.markdown import eval_table
+
     payload = report.to_json()
     if target is not None:
         atomic.write_json(target, payload)
         logger.info("wrote %s", target)
-    if as_json:
-        typer.echo(json.dumps(payload, indent=2))
-    else:
-        typer.echo(eval_table(report))
+    typer.echo(json.dumps(payload, indent=2) if as_json else eval_table(report))
