@@ -62,7 +62,9 @@ def summary(report: FinetuneReport) -> str:
 
 
 # `--bf16`: the old spelling of `--dtype bf16`; hidden, accepted for one release.
-Bf16AliasOpt = Annotated[bool, typer.Option("--bf16", hidden=True)]
+Bf16AliasOpt = Annotated[
+    bool, typer.Option("--bf16", hidden=True, help="Old spelling of --dtype bf16, accepted for one release.")
+]
 
 
 @app.command("finetune", cls=Command)

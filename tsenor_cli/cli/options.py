@@ -67,7 +67,8 @@ def field_parameters(fields: Iterable[Field]) -> list[inspect.Parameter]:
         main.append(inspect.Parameter(field.name, keyword, default=default, annotation=field_annotation(field)))
         for i, alias in enumerate(field.aliases):
             kind: Any = list[str] | None if field.kind is list else field.kind | None
-            option = typer.Option(alias, hidden=True)
+            current = field.metavar if field.positional else field.cli_flag
+            option = typer.Option(alias, hidden=True, help=f"Old name of {current}, accepted for one release.")
             name = f"{field.name}{ALIAS_SUFFIX}{i}"
             hidden.append(inspect.Parameter(name, keyword, default=None, annotation=Annotated[kind, option]))
     return main + hidden
@@ -153,7 +154,9 @@ TasksOpt = Annotated[str | None, typer.Option("--tasks", help="Zero-shot tasks (
 LimitOpt = Annotated[str | None, typer.Option("--limit", help="Zero-shot documents per task (count or fraction).")]
 ModelArg = Annotated[str | None, typer.Argument(metavar="MODEL", show_default=False, help=FIELDS["model"].help)]
 # `--model X`: the model's flag before it became the first argument; hidden, accepted for one release.
-ModelAliasOpt = Annotated[str | None, typer.Option("--model", hidden=True)]
+ModelAliasOpt = Annotated[
+    str | None, typer.Option("--model", hidden=True, help="Old name of MODEL, accepted for one release.")
+]
 DataDirOpt = Annotated[
     Path | None,
     typer.Option(

@@ -46,7 +46,9 @@ def report_cmd(
     output: OutputDirOpt = None,
     as_json: JsonOpt = False,
     # `--format json`: the old spelling of --json; hidden, accepted for one release.
-    fmt: ReportFormat | None = typer.Option(None, "--format", hidden=True),
+    fmt: ReportFormat | None = typer.Option(
+        None, "--format", hidden=True, help="Old spelling of --json (--format json), accepted for one release."
+    ),
     force: ForceOpt = False,
 ) -> None:
     """Merge runs into one table (perplexity + zero-shot, as the paper's Table 2) and plot them.
