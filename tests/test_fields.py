@@ -306,3 +306,19 @@ def test_finetune_dtype_and_its_old_bf16_flag(monkeypatch: pytest.MonkeyPatch, t
     assert result.exit_code == 2 and "--bf16 and --dtype fp32 disagree" in str(result.exception)
     assert command.FinetuneConfig is FinetuneConfig
     assert json.dumps(seen[0].result_fields())  # the resume key still records bf16
+
+
+def test_sweep_axes_take_method_options_and_torch_dtype_names() -> None:
+    """A sweep file's base and axes are recipes: a method option is an axis like any other setting."""
+    from tsenor_cli.sweep.spec import check_recipes, parse_sweep
+
+    grid = {"base": {"model": "m", "nm": "2:4", "dtype": "float32"}, "axes": {"alps_rho0": [0.1, 0.2]}}
+    spec = parse_sweep(grid, "s.yaml")
+    runs = spec.runs()
+    assert [run.name for run in runs] == ["alps_rho0-0.1", "alps_rho0-0.2"]
+    check_recipes(spec, runs)
+    options = [build_config(run.recipe_dict(), force=False, resume=True, command="x").layer.options for run in runs]
+    assert options == [ALPSOptions(rho0=0.1), ALPSOptions(rho0=0.2)]
+    bad = parse_sweep({"base": {"model": "m", "nm": "2:4", "method": "wanda"}, "axes": {"alps_rho0": [0.2]}}, "s.yaml")
+    with pytest.raises(UsageError, match=r"--alps-rho0 is not an option of --method wanda; its options: none"):
+        check_recipes(bad, bad.runs())

@@ -42,6 +42,13 @@ def _solvers() -> tuple[str, ...]:
     return tuple(METHODS)
 
 
+def _check_dtype(value: str) -> None:
+    """auto or a dtype name `models.loading.parse_dtype` reads (fp32, bf16, fp16, or float32 … as torch spells them)."""
+    from tsenor_cli.models.loading import parse_dtype
+
+    parse_dtype(value)
+
+
 def _check_shard_size(value: str) -> None:
     from tsenor_cli.models.saving import parse_size
 
@@ -67,13 +74,12 @@ MODEL, PATTERN, DATA, SELECT, OUT, MEMORY, REFINE, MOE = (
     "Refinement (--refine block)",
     "Mixture of experts",
 )
-DTYPES = ("auto", "fp32", "bf16", "fp16")
 # Every setting of a pruning run; anything else in a recipe is refused.
 PRUNE_FIELDS: tuple[Field, ...] = (
     Field("model", str, None, "Embedded name (smollm2-135m), checkpoint folder or hub id (here or in --config).",
           MODEL, positional=True, aliases=("--model",), metavar="MODEL"),
     Field("dtype", str, "auto", "Weights' dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16.", MODEL,
-          choices=DTYPES),
+          metavar="<auto|fp32|bf16|fp16>", check=_check_dtype),
     Field("device", str, "cpu", "Compute device: cpu, cuda or cuda:N.", MODEL,
           metavar="[cpu|cuda|cuda:N]", result=False),
     Field("trust_remote_code", bool, False, "Allow the checkpoint's own model code (off by default).", MODEL,
