@@ -99,11 +99,11 @@ class Field:
         if choices is not None and value not in choices:
             raise UsageError(f"{flag} {value!r} is not one of {', '.join(choices)}; pick one of them")
         if self.kind in (int, float) and not isinstance(value, bool):
+            default = "" if self.default is None else f" (default {self.default})"
             if self.minimum is not None and value < self.minimum:
-                default = "" if self.default is None else f" (default {self.default})"
-                raise UsageError(f"{flag} {value} must be >= {self.minimum:g}{default}")
+                raise UsageError(f"{flag} {value} must be >= {self.minimum:g}; pass {self.minimum:g} or more{default}")
             if self.positive and not (math.isfinite(value) and value > 0):
-                raise UsageError(f"{flag} {value} must be a positive number (default {self.default:g})")
+                raise UsageError(f"{flag} {value} must be a positive number; pass one above 0{default}")
         if self.check is not None:
             self.check(value)
 

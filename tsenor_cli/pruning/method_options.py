@@ -33,10 +33,12 @@ class MethodOptions:
                 or not isinstance(value, int | float)
                 or (want is int and isinstance(value, float))
             ):
-                raise UsageError(f"method option {item.name} must be a {want.__name__}, got {value!r}")
+                raise UsageError(f"method option {item.name} must be a {want.__name__}, got {value!r}; pass a number")
             least = item.metadata.get("minimum")
             if not math.isfinite(value) or (least is not None and value < least):
-                raise UsageError(f"method option {item.name} {value} must be >= {least:g} (default {item.default})")
+                raise UsageError(
+                    f"method option {item.name} {value} must be finite and >= {least:g}; pass e.g. {item.default}"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

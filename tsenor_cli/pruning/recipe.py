@@ -117,8 +117,9 @@ PRUNE_FIELDS: tuple[Field, ...] = (
     Field("refine", str, "none", "After each block is pruned: none or block. 'block' trains the block's remaining "
           "weights (the mask fixed) so that its output matches the dense block's on the calibration samples.",
           REFINE, choices=("none", "block")),
-    Field("refine_epochs", int, 2, "Passes over the calibration samples per block.", REFINE, minimum=1),
-    Field("refine_lr", float, 1e-3, "Adam's learning rate.", REFINE, positive=True),
+    # RefineConfig (pruning/refine.py) checks the epochs and learning rate when the config is built.
+    Field("refine_epochs", int, 2, "Passes over the calibration samples per block.", REFINE),
+    Field("refine_lr", float, 1e-3, "Adam's learning rate.", REFINE),
     Field("moe_calibration", str, "routed", "Statistics of expert matrices: 'routed' (the tokens the router "
           "sends each expert) or 'all' (every calibration token through every expert, for the statistics only).",
           MOE, choices=("routed", "all")),
