@@ -97,7 +97,7 @@ class Field:
         flag = self.cli_flag
         choices = self.choice_list()
         if choices is not None and value not in choices:
-            raise UsageError(f"{flag} {value!r} is not one of {', '.join(choices)}; pick one of them")
+            raise UsageError(f"unknown {flag} {value!r}; choose one of: {', '.join(choices)}")
         if self.kind in (int, float) and not isinstance(value, bool):
             default = "" if self.default is None else f" (default {self.default})"
             if self.minimum is not None and value < self.minimum:

@@ -105,7 +105,7 @@ class PruneConfig:
         refine = {"refine": self.refine.result_fields()} if self.refine.on else {}
         # The table's result fields carried by this dataclass (PRUNE_FIELDS, `Field.result`).
         settings = {
-            item.name: getattr(self, item.name)
+            item.name: _plain(getattr(self, item.name))
             for item in fields(self)
             if item.metadata.get("setting") is not None and item.metadata["setting"].result
         }
@@ -123,3 +123,8 @@ class PruneConfig:
         """sha256 of `result_fields`, the key of a resume state."""
         blob = json.dumps(self.result_fields(), sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()
+
+
+def _plain(value: object) -> object:
+    """A setting's value as JSON has it (the ignore/targets tuples as lists)."""
+    return list(value) if isinstance(value, tuple) else value

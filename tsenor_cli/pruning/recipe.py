@@ -117,7 +117,7 @@ PRUNE_FIELDS: tuple[Field, ...] = (
     Field("refine", str, "none", "After each block is pruned: none or block. 'block' trains the block's remaining "
           "weights (the mask fixed) so that its output matches the dense block's on the calibration samples.",
           REFINE, choices=("none", "block")),
-    # RefineConfig (pruning/refine.py) checks the epochs and learning rate when the config is built.
+    # RefineConfig (pruning/refine.py) checks the mode, epochs and learning rate when the config is built.
     Field("refine_epochs", int, 2, "Passes over the calibration samples per block.", REFINE),
     Field("refine_lr", float, 1e-3, "Adam's learning rate.", REFINE),
     Field("moe_calibration", str, "routed", "Statistics of expert matrices: 'routed' (the tokens the router "
@@ -239,9 +239,9 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
             "a model is required; pass MODEL (smollm2-135m, a checkpoint folder or a hub id) or model: in the recipe"
         )
     carried = {f.name for f in dataclasses.fields(PruneConfig) if "setting" in f.metadata}
-    for key, value in values.items():
-        if key not in carried:  # PruneConfig checks its own fields when it is built
-            FIELDS[key].validate(value)
+    # PruneConfig checks its own fields when it is built, RefineConfig the refine settings.
+    for key in [k for k in values if k not in carried | {"refine", "refine_epochs", "refine_lr"}]:
+        FIELDS[key].validate(values[key])
     pattern = _pattern(values)
     options = method_options(str(values["method"]), values)
     _check_calibration(str(values["calib_data"]))
