@@ -322,3 +322,18 @@ def test_sweep_axes_take_method_options_and_torch_dtype_names() -> None:
     bad = parse_sweep({"base": {"model": "m", "nm": "2:4", "method": "wanda"}, "axes": {"alps_rho0": [0.2]}}, "s.yaml")
     with pytest.raises(UsageError, match=r"--alps-rho0 is not an option of --method wanda; its options: none"):
         check_recipes(bad, bad.runs())
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["prune", "m", "--nm", "2:4", "--nsamples", "0"], "--nsamples 0 must be >= 1; pass 1 or more (default 128)"),
+        (["prune", "--nm", "2:4"], "a model is required; pass MODEL"),
+        (["eval"], "a model is required; pass MODEL"),
+        (["eval", "a", "--model", "b"], "MODEL a and --model b both given"),
+    ],
+)
+def test_settings_are_checked_once_at_config_build_with_one_line(argv: list[str], expected: str) -> None:
+    result = invoke(argv)
+    assert result.exit_code == 2 and isinstance(result.exception, UsageError), result.output
+    assert str(result.exception).startswith(expected) and "\n" not in str(result.exception)

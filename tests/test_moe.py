@@ -478,7 +478,7 @@ def test_refinement_trains_fused_experts_with_their_masks_held(
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        (["--moe-calibration", "every"], "--moe-calibration 'every' is not one of routed, all"),
+        (["--moe-calibration", "every"], "unknown --moe-calibration 'every'; choose one of: routed, all"),
         (["--moe-min-tokens", "0"], "--moe-min-tokens"),
     ],
 )

@@ -105,9 +105,9 @@ def prune_args(model: Path, calib: Path, output: Path, *extra: str) -> list[str]
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["prune", "--model", "m", "--nm", "2:4", "--nsamples", "0"], "Invalid value for '--nsamples'"),
+        (["prune", "m", "--nm", "2:4", "--nproc", "0"], "Invalid value for '--nproc'"),
         (["prune", "--model", "m", "--bogus"], "No such option: --bogus"),
-        (["eval"], "Missing option '--model'"),
+        (["eval", "m", "--max-windows", "0"], "Invalid value for '--max-windows'"),
         (["verify"], "Missing argument"),
     ],
 )
