@@ -122,12 +122,12 @@ def test_click_usage_errors_are_one_line(argv: list[str], expected: str, capsys:
 def test_unexpected_exception_is_one_line_with_the_debug_hint(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    import tsenor_cli.cli.verify as verify_cli
+    import tsenor_cli.pruning.verify as verify_lib  # the command imports it when it runs
 
     def broken(_directory: Path) -> None:
         raise RuntimeError("first line\nsecond line")
 
-    monkeypatch.setattr(verify_cli, "verify_checkpoint", broken)
+    monkeypatch.setattr(verify_lib, "verify_checkpoint", broken)
     code, err = run_cli(["verify", str(tmp_path)], capsys)
     assert code == 1
     line = error_line(err)

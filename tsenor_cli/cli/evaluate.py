@@ -27,6 +27,7 @@ from tsenor_cli.cli.options import (
     PplOpt,
     TasksOpt,
     TrustRemoteCodeOpt,
+    in_panel,
     parse_batch_size,
     parse_limit,
     parse_ppl_datasets,
@@ -39,33 +40,44 @@ if TYPE_CHECKING:
     from tsenor_cli.runfiles import EvalReport
 
 
+MODEL, PERPLEXITY, ZEROSHOT = "Model", "Perplexity", "Zero-shot (lm-eval)"
+
+
 @app.command("eval", cls=Command)
 def eval_cmd(
     ctx: typer.Context,
     model: ModelArg = None,
     model_option: ModelAliasOpt = None,
-    ppl: PplOpt = PPL,
-    tasks: TasksOpt = None,
-    num_fewshot: int = typer.Option(0, "--num-fewshot", min=0, help="Few-shot examples for zero-shot tasks."),
-    limit: LimitOpt = None,
-    batch_size: str = typer.Option("auto", "--batch-size", help="Batch size (integer or 'auto')."),
-    seqlen: int | None = typer.Option(None, "--seqlen", help="Perplexity window (default 2048, capped by the model)."),
-    max_windows: MaxWindowsOpt = None,
-    dtype: DtypeOpt = DTYPE,
-    device: DeviceOpt = DEVICE,
+    dtype: in_panel(DtypeOpt, MODEL) = DTYPE,  # type: ignore[valid-type]
+    device: in_panel(DeviceOpt, MODEL) = DEVICE,  # type: ignore[valid-type]
+    trust_remote_code: in_panel(TrustRemoteCodeOpt, MODEL) = False,  # type: ignore[valid-type]
     stream: bool = typer.Option(
         False,
         "--stream",
+        rich_help_panel=MODEL,
         help="Perplexity block by block: one decoder block in memory at a time, read from the checkpoint's "
         "safetensors when its turn comes (for models larger than host or GPU memory; not with --tasks).",
     ),
     device_map: str | None = typer.Option(
         None,
         "--device-map",
+        rich_help_panel=MODEL,
         help="'auto': spread the whole model over the GPUs present, then the CPU (accelerate), for zero-shot "
         "tasks on a model larger than one GPU; --device is then not used.",
     ),
-    trust_remote_code: TrustRemoteCodeOpt = False,
+    ppl: in_panel(PplOpt, PERPLEXITY) = PPL,  # type: ignore[valid-type]
+    seqlen: int | None = typer.Option(
+        None, "--seqlen", rich_help_panel=PERPLEXITY, help="Perplexity window (default 2048, capped by the model)."
+    ),
+    max_windows: in_panel(MaxWindowsOpt, PERPLEXITY) = None,  # type: ignore[valid-type]
+    tasks: in_panel(TasksOpt, ZEROSHOT) = None,  # type: ignore[valid-type]
+    num_fewshot: int = typer.Option(
+        0, "--num-fewshot", min=0, rich_help_panel=ZEROSHOT, help="Few-shot examples for zero-shot tasks."
+    ),
+    limit: in_panel(LimitOpt, ZEROSHOT) = None,  # type: ignore[valid-type]
+    batch_size: str = typer.Option(
+        "auto", "--batch-size", rich_help_panel=ZEROSHOT, help="Batch size (integer or 'auto')."
+    ),
     output: OutputDirOpt = None,
     force: ForceOpt = False,
     as_json: JsonOpt = False,

@@ -21,6 +21,7 @@ from tsenor_cli.cli.options import (
     PplOpt,
     TasksOpt,
     given_values,
+    in_panel,
     parse_limit,
     parse_list,
     parse_ppl_datasets,
@@ -61,6 +62,7 @@ def summary(report: FinetuneReport) -> str:
     return "\n".join(lines)
 
 
+EVAL = "Evaluation (before and after)"
 # `--bf16`: the old spelling of `--dtype bf16`; hidden, accepted for one release.
 Bf16AliasOpt = Annotated[
     bool, typer.Option("--bf16", hidden=True, help="Old spelling of --dtype bf16, accepted for one release.")
@@ -75,10 +77,10 @@ def finetune_cmd(
     output: OutputDirOpt = None,
     force: ForceOpt = False,
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last checkpoint."),
-    ppl: PplOpt = PPL,
-    max_windows: MaxWindowsOpt = None,
-    tasks: TasksOpt = None,
-    limit: LimitOpt = None,
+    ppl: in_panel(PplOpt, EVAL) = PPL,  # type: ignore[valid-type]
+    max_windows: in_panel(MaxWindowsOpt, EVAL) = None,  # type: ignore[valid-type]
+    tasks: in_panel(TasksOpt, EVAL) = None,  # type: ignore[valid-type]
+    limit: in_panel(LimitOpt, EVAL) = None,  # type: ignore[valid-type]
     bf16: Bf16AliasOpt = False,
     as_json: JsonOpt = False,
     data_dir: DataDirOpt = None,

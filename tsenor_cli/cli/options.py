@@ -152,7 +152,12 @@ MaxWindowsOpt = Annotated[
 ]
 TasksOpt = Annotated[str | None, typer.Option("--tasks", help="Zero-shot tasks (comma list), e.g. piqa,arc_easy.")]
 LimitOpt = Annotated[str | None, typer.Option("--limit", help="Zero-shot documents per task (count or fraction).")]
-ModelArg = Annotated[str | None, typer.Argument(metavar="MODEL", show_default=False, help=FIELDS["model"].help)]
+ModelArg = Annotated[
+    str | None,
+    typer.Argument(
+        metavar="MODEL", show_default=False, help="Embedded name (smollm2-135m), checkpoint folder or hub id."
+    ),
+]
 # `--model X`: the model's flag before it became the first argument; hidden, accepted for one release.
 ModelAliasOpt = Annotated[
     str | None, typer.Option("--model", hidden=True, help="Old name of MODEL, accepted for one release.")
