@@ -130,6 +130,7 @@ def test_no_flag_or_default_is_written_a_second_time() -> None:
         assert not (flags & declared) - allowed, f"{path} declares {flags & declared}"
     configs = (
         ("pruning/config.py", PRUNE_FIELDS, PRUNE_CONVERTED),
+        ("pruning/types.py", PRUNE_FIELDS, set()),
         ("finetune/config.py", FINETUNE_FIELDS, FINETUNE_OWN),
     )
     for path, fields, converted in configs:

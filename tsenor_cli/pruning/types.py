@@ -14,10 +14,13 @@ from typing import TypeVar
 
 import torch
 
+from tsenor_cli.fields import default_of
+
 # The pattern (tsenor_cli/pattern.py) and LayerRecord (the run files it is written to) are defined where
 # they are read and written; the engine and resume code import them from here.
 from tsenor_cli.pattern import SparsityPattern as SparsityPattern
 from tsenor_cli.pruning.method_options import MethodOptions
+from tsenor_cli.pruning.recipe import PRUNE_FIELDS
 from tsenor_cli.runfiles import LayerRecord as LayerRecord
 
 O = TypeVar("O", bound=MethodOptions)
@@ -34,7 +37,7 @@ class LayerPruneConfig:
     """
 
     pattern: SparsityPattern
-    solver: str = "auto"
+    solver: str = default_of(PRUNE_FIELDS, "solver")
     options: MethodOptions | None = None
 
     def method_options(self, kind: type[O]) -> O:
