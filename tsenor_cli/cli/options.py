@@ -1,9 +1,11 @@
-"""Options that several commands take, defined once as `Annotated` aliases (as the `hf` CLI does), and
-the parsers of the evaluation options `eval`, `prune --eval` and `finetune` share.
+"""Flags generated from a settings table, the options several commands share (`Annotated` aliases, as
+the `hf` CLI does), and the parsers of the evaluation options `eval`, `prune --eval` and `finetune` share.
 
-A command declares ``device: DeviceOpt = DEVICE``: the flag, its help and its default come from here,
-so `prune`, `eval`, `finetune` and `bench` cannot drift apart (tests/test_cli_options.py checks every
-command that takes one of these has the same default and help).
+`with_fields(TABLE)` gives a command taking `**settings` one flag per `Field` (name, help, panel, shown
+choices, default) plus a hidden option per old name; `given_values` returns the settings typed on the
+command line. A command declares a shared option as ``device: DeviceOpt = DEVICE``: the flag, its help
+and its default come from here (the device, dtype and trust-remote-code ones from prune's fields), so
+`prune`, `eval`, `finetune` and `bench` cannot drift apart (tests/test_cli_options.py, tests/test_fields.py).
 """
 
 from __future__ import annotations
