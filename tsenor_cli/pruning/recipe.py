@@ -247,7 +247,7 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
     _check_calibration(str(values["calib_data"]))
     if values["refine"] == "none" and {"refine_epochs", "refine_lr"} & recipe.keys():
         given = " and ".join(f"--{k.replace('_', '-')}" for k in ("refine_epochs", "refine_lr") if k in recipe)
-        logger.warning("warning: %s apply with --refine block only; without it they are ignored", given)
+        logger.warning("ignoring %s: only --refine block reads it; add --refine block or drop it", given)
     output = values["output"]
     plain = {name: values[name] for name in carried} | {
         "model": str(values["model"]),
