@@ -30,6 +30,7 @@ from tsenor_cli.pruning.registry import PRUNERS, get_pruner
 from tsenor_cli.yamlfile import read_yaml
 
 if TYPE_CHECKING:
+    from tsenor_cli.pattern import SparsityPattern
     from tsenor_cli.pruning.config import PruneConfig
     from tsenor_cli.pruning.method_options import MethodOptions
 
@@ -149,7 +150,8 @@ def method_fields() -> tuple[Field, ...]:
     return tuple(found)
 
 
-ALL_FIELDS: tuple[Field, ...] = PRUNE_FIELDS + method_fields()
+METHOD_FIELDS: tuple[Field, ...] = method_fields()
+ALL_FIELDS: tuple[Field, ...] = PRUNE_FIELDS + METHOD_FIELDS
 FIELDS: dict[str, Field] = by_name(ALL_FIELDS)
 # Every recipe key and the type of its value, and the value of each key a recipe leaves unset (None: no
 # default; model and one of nm/sparsity are required; a method option unset takes the method's default).
@@ -186,20 +188,20 @@ def method_options(method: str, values: Mapping[str, Any]) -> MethodOptions:
     """The `METHOD_OPTION` values of a recipe → the chosen method's options; an option of another method
     is one UsageError line naming the chosen method's options."""
     spec = get_pruner(method)
-    given = {k: v for k, v in values.items() if k in FIELDS and FIELDS[k] not in PRUNE_FIELDS and v is not None}
+    options = {f.name for f in METHOD_FIELDS}
+    given = {k: v for k, v in values.items() if k in options and v is not None}
     prefix = f"{method}_"
-    own = [
-        f"--{name.replace('_', '-')}" for name in FIELDS if name.startswith(prefix) and FIELDS[name] not in PRUNE_FIELDS
-    ]
     stray = [key for key in given if not key.startswith(prefix)]
     if stray:
-        flag = "--" + stray[0].replace("_", "-")
-        valid = ", ".join(own) if own else "none"
-        raise UsageError(f"{flag} is not an option of --method {method}; its options: {valid}")
+        own = [f.cli_flag for f in METHOD_FIELDS if f.name.startswith(prefix)]
+        raise UsageError(
+            f"--{stray[0].replace('_', '-')} is not an option of --method {method}; its options: "
+            f"{', '.join(own) if own else 'none'}"
+        )
     return spec.options(**{key.removeprefix(prefix): value for key, value in given.items()})
 
 
-def _pattern(values: Mapping[str, Any]) -> Any:
+def _pattern(values: Mapping[str, Any]) -> SparsityPattern:
     from tsenor_cli.pattern import SparsityPattern
 
     nm, sparsity = values["nm"], values["sparsity"]
