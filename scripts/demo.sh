@@ -28,17 +28,17 @@ fi
 EVAL_ARGS=(--ppl wikitext2,ptb --seqlen "$SEQLEN" --max-windows "$WINDOWS" --tasks "$TASKS" --limit "$LIMIT" --force)
 
 step "2/6 dense model: perplexity (WikiText2, PTB; ${WINDOWS}×${SEQLEN} tokens) and zero-shot ($TASKS, $LIMIT each)"
-"$TSENOR" eval --model "$MODEL" "${EVAL_ARGS[@]}" --output "$OUT/dense"
+"$TSENOR" eval "$MODEL" "${EVAL_ARGS[@]}" --output "$OUT/dense"
 
 step "3/6 prune: ALPS, transposable 16:32, ${NSAMPLES}×${SEQLEN} local C4 calibration"
-"$TSENOR" prune --model "$MODEL" --nm 16:32 --method alps --solver auto \
-  --calib-data c4 --nsamples "$NSAMPLES" --seqlen "$SEQLEN" --seed 0 --output "$OUT/alps-16x32" --force
+"$TSENOR" prune "$MODEL" --nm 16:32 --method alps --solver auto \
+  --data c4 --nsamples "$NSAMPLES" --seqlen "$SEQLEN" --seed 0 --output "$OUT/alps-16x32" --force
 
 step "4/6 verify: every 32×32 tile keeps at most 16 per row and column"
 "$TSENOR" verify "$OUT/alps-16x32" | tail -n 5
 
 step "5/6 pruned model: the same evaluation"
-"$TSENOR" eval --model "$OUT/alps-16x32" "${EVAL_ARGS[@]}" --output "$OUT/alps-16x32"
+"$TSENOR" eval "$OUT/alps-16x32" "${EVAL_ARGS[@]}" --output "$OUT/alps-16x32"
 
 step "6/6 comparison"
 "$TSENOR" report "$OUT/dense" "$OUT/alps-16x32" --output "$OUT/report" --force

@@ -14,7 +14,7 @@ from tsenor_cli.cli import app, reference
 from tsenor_cli.progress import logger
 
 SHARED = (
-    "--device", "--dtype", "--output", "--force", "--json", "--ppl", "--max-windows", "--data-dir", "--offline",
+    "--device", "--output", "--force", "--json", "--ppl", "--max-windows", "--data-dir", "--offline",
     "--trust-remote-code",
 )  # fmt: skip
 PACKAGE = Path(__file__).resolve().parents[1] / "tsenor_cli"
@@ -26,7 +26,7 @@ def test_shared_options_have_one_default_and_help_everywhere() -> None:
     for name, command in commands.items():
         for param in command.params:
             for flag in getattr(param, "opts", []):
-                if flag in SHARED:
+                if flag in (*SHARED, "--dtype"):
                     seen[flag][name] = (param.default, getattr(param, "help", None))
     # bench writes JSON/Markdown *files* with --output FILE: a different option that keeps the name.
     seen["--output"] = {k: v for k, v in seen["--output"].items() if not k.startswith("bench ")}
@@ -34,6 +34,9 @@ def test_shared_options_have_one_default_and_help_everywhere() -> None:
         assert len(seen[flag]) >= 2, f"{flag} is taken by {sorted(seen[flag])}: not shared"
         values = set(seen[flag].values())
         assert len(values) == 1, f"{flag} differs between commands: {seen[flag]}"
+    # --dtype: the weights' dtype everywhere but finetune, where it is the compute dtype (bf16 autocast).
+    dtypes = {name: value for name, value in seen["--dtype"].items() if name != "finetune"}
+    assert len(dtypes) >= 2 and len(set(dtypes.values())) == 1, seen["--dtype"]
 
 
 def test_no_command_imports_typer_private_modules() -> None:
@@ -69,7 +72,8 @@ def test_help_shows_flags_without_placeholders_and_marks_required_options() -> N
         assert "<list[" not in result.output, name  # repeatable options name what they take
         usage = result.output.splitlines()[0]
         assert usage.startswith("Usage: ") and "{" not in usage, usage  # arguments as SWEEP_FILE, not {sweep_file}
-    assert "[required]" in runner.invoke(app, ["eval", "--help"]).output  # --model
+    assert runner.invoke(app, ["eval", "--help"]).output.splitlines()[0].endswith(" [OPTIONS] [MODEL]")
+    assert "[required]" in runner.invoke(app, ["finetune", "--help"]).output  # RUN_DIR
     assert runner.invoke(app, ["sweep", "run", "--help"]).output.splitlines()[0].endswith(" [OPTIONS] SWEEP_FILE")
     assert runner.invoke(app, ["report", "--help"]).output.splitlines()[0].endswith(" [OPTIONS] RUN_DIRS...")
     assert "--ignore <pattern>" in runner.invoke(app, ["prune", "--help"]).output

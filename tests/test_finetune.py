@@ -173,7 +173,7 @@ def test_finetune_cli_keeps_the_mask_and_lowers_the_loss(pruned: Path, text_file
     assert verified.exit_code == 0 and "satisfy 8:16" in verified.output
 
 
-@pytest.mark.parametrize("overrides", [{"bf16": True}, {"grad_accum": 2}], ids=["bf16", "grad_accum2"])
+@pytest.mark.parametrize("overrides", [{"dtype": "bf16"}, {"grad_accum": 2}], ids=["bf16", "grad_accum2"])
 def test_mask_holds_under_bf16_and_gradient_accumulation(
     pruned: Path, text_file: Path, tmp_path: Path, overrides: dict[str, object]
 ) -> None:

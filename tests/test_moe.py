@@ -35,6 +35,7 @@ from tsenor_cli.pruning.engine import (
     run_block,
     unit_input_stats,
 )
+from tsenor_cli.pruning.method_options import ALPSOptions
 from tsenor_cli.pruning.observe import Geometry, matrices, observe_block
 from tsenor_cli.pruning.stats import ExpertStats, RowBuffer
 from tsenor_cli.pruning.types import LayerPruneConfig
@@ -413,7 +414,10 @@ def test_experts_pruned_in_chunks_equal_one_by_one(
         monkeypatch.setattr(memory, "EXPERT_BATCH_BYTES", budget)
         cfg = PruneConfig(
             model=str(source),
-            layer=LayerPruneConfig(pattern=SparsityPattern.from_nm(2, 4, transposable=True), alps_max_iter=40),
+            layer=LayerPruneConfig(
+                SparsityPattern.from_nm(2, 4, transposable=True),
+                options=ALPSOptions(max_iter=40) if method == "alps" else None,
+            ),
             method=method,
             nsamples=4,
             seqlen=32,
@@ -474,7 +478,7 @@ def test_refinement_trains_fused_experts_with_their_masks_held(
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        (["--moe-calibration", "every"], "--moe-calibration 'every' is not one of routed, all"),
+        (["--moe-calibration", "every"], "unknown --moe-calibration 'every'; choose one of: routed, all"),
         (["--moe-min-tokens", "0"], "--moe-min-tokens"),
     ],
 )

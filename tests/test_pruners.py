@@ -8,6 +8,7 @@ import torch
 from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPattern, reconstruction_error
 from tsenor_cli.pruning.alps import conjugate_gradient, inner_solver_options
 from tsenor_cli.pruning.masks import keep_better_tiles
+from tsenor_cli.pruning.method_options import ALPSOptions, SparseGPTOptions
 from tsenor_cli.pruning.stats import ExpertStats, damped_gram
 from tsenor_cli.solver import solve, to_blocks
 
@@ -72,7 +73,8 @@ def test_a_stack_prunes_as_each_matrix_alone(method: str, kind: str, device: tor
         inputs.append(x)
         stats.add(x, torch.full((x.shape[0],), e, device=device))
     solver = "flow" if device.type == "cpu" else "auto"
-    cfg = LayerPruneConfig(PATTERNS[kind], solver=solver, alps_switch_iter=0, alps_update_iter=1)
+    options = ALPSOptions(switch_iter=0, update_iter=1) if method == "alps" else None
+    cfg = LayerPruneConfig(PATTERNS[kind], solver=solver, options=options)
     spec = PRUNERS[method]
     batched = spec.prune_batch(weights.clone(), stats, cfg)
     assert len(batched) == experts
@@ -128,8 +130,12 @@ def test_sparsegpt_lazy_blocks_equal_column_by_column(kind: str) -> None:
     """The lazy batch update is an exact reordering of OBS: any block width gives the same result."""
     w, x = _problem(16, 64, 256, seed=4, device=torch.device("cpu"))
     stats = InputStats.from_inputs(x)
-    wide = PRUNERS["sparsegpt"].prune(w, stats, LayerPruneConfig(PATTERNS[kind], solver="exhaustive", blocksize=128))
-    narrow = PRUNERS["sparsegpt"].prune(w, stats, LayerPruneConfig(PATTERNS[kind], solver="exhaustive", blocksize=4))
+    wide = PRUNERS["sparsegpt"].prune(
+        w, stats, LayerPruneConfig(PATTERNS[kind], "exhaustive", SparseGPTOptions(blocksize=128))
+    )
+    narrow = PRUNERS["sparsegpt"].prune(
+        w, stats, LayerPruneConfig(PATTERNS[kind], "exhaustive", SparseGPTOptions(blocksize=4))
+    )
     assert torch.equal(wide.mask, narrow.mask)
     torch.testing.assert_close(wide.weight, narrow.weight, rtol=1e-4, atol=1e-5)
 
@@ -160,9 +166,9 @@ def test_alps_weights_are_optimal_on_their_support_and_beat_one_shot_methods() -
     gram = stats.require_gram()
     cfg = LayerPruneConfig(PATTERNS["transposable"], solver="exhaustive")
     alps = PRUNERS["alps"].prune(w, stats, cfg)
-    assert 1 <= alps.iterations <= cfg.alps_max_iter
+    assert 1 <= alps.iterations <= ALPSOptions().max_iter
     # CG refinement reaches the damped least-squares optimum on the chosen support.
-    best = _refit(w, alps.mask, damped_gram(gram, cfg.percdamp))
+    best = _refit(w, alps.mask, damped_gram(gram, ALPSOptions().percdamp))
     assert reconstruction_error(w, alps.weight, gram) <= 1.02 * reconstruction_error(w, best, gram) + 1e-7
     errors = {m: reconstruction_error(w, PRUNERS[m].prune(w, stats, cfg).weight, gram) for m in PRUNERS}
     assert errors["alps"] < errors["sparsegpt"] < errors["wanda"]
@@ -194,7 +200,9 @@ def test_alps_with_cheap_inner_projections_stays_close_to_full_projections() -> 
     gram = stats.require_gram()
     pattern = SparsityPattern.from_nm(8, 16, transposable=True)
     cheap = PRUNERS["alps"].prune(w, stats, LayerPruneConfig(pattern))
-    full = PRUNERS["alps"].prune(w, stats, LayerPruneConfig(pattern, alps_inner_sweeps=30, alps_inner_iterations=25))
+    full = PRUNERS["alps"].prune(
+        w, stats, LayerPruneConfig(pattern, options=ALPSOptions(inner_sweeps=30, inner_iterations=25))
+    )
     assert reconstruction_error(w, cheap.weight, gram) <= 1.05 * reconstruction_error(w, full.weight, gram)
 
 

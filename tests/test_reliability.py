@@ -105,9 +105,9 @@ def prune_args(model: Path, calib: Path, output: Path, *extra: str) -> list[str]
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["prune", "--model", "m", "--nm", "2:4", "--nsamples", "0"], "Invalid value for '--nsamples'"),
+        (["prune", "m", "--nm", "2:4", "--nproc", "0"], "Invalid value for '--nproc'"),
         (["prune", "--model", "m", "--bogus"], "No such option: --bogus"),
-        (["eval"], "Missing option '--model'"),
+        (["eval", "m", "--max-windows", "0"], "Invalid value for '--max-windows'"),
         (["verify"], "Missing argument"),
     ],
 )
@@ -122,12 +122,12 @@ def test_click_usage_errors_are_one_line(argv: list[str], expected: str, capsys:
 def test_unexpected_exception_is_one_line_with_the_debug_hint(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    import tsenor_cli.cli.verify as verify_cli
+    import tsenor_cli.pruning.verify as verify_lib  # the command imports it when it runs
 
     def broken(_directory: Path) -> None:
         raise RuntimeError("first line\nsecond line")
 
-    monkeypatch.setattr(verify_cli, "verify_checkpoint", broken)
+    monkeypatch.setattr(verify_lib, "verify_checkpoint", broken)
     code, err = run_cli(["verify", str(tmp_path)], capsys)
     assert code == 1
     line = error_line(err)

@@ -430,12 +430,13 @@ def test_stop_signals_are_recorded_and_a_second_one_stops_at_once() -> None:
 def test_ctrl_c_during_eval_is_one_line_and_writes_nothing(
     tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from tsenor_cli.cli import evaluate, main
+    from tsenor_cli.cli import main
+    from tsenor_cli.evaluation import runner  # the command imports evaluate_model from here when it runs
 
     def interrupted(*_args: object, **_kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(evaluate, "evaluate_model", interrupted)
+    monkeypatch.setattr(runner, "evaluate_model", interrupted)
     monkeypatch.setattr(sys, "argv", ["tsenor", "eval", "--model", str(tiny), "--output", str(tmp_path)])
     with pytest.raises(SystemExit) as exited:
         main()

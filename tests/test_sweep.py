@@ -174,7 +174,7 @@ BAD_SWEEPS: dict[str, tuple[dict[str, Any], str]] = {
     "unknown slurm key": ({"base": {"model": "m", "nm": "2:4"}, "slurm": {"gpus": 1}}, "slurm: unknown key 'gpus'"),
     "nm and sparsity": ({"base": {"model": "m", "nm": "2:4", "sparsity": 0.5}}, "run 'run': pass exactly one of"),
     "unknown method": ({"base": {"model": "m", "nm": "2:4"}, "axes": {"method": ["obs"]}}, "run 'method-obs': unknown"),
-    "no model": ({"base": {"nm": "2:4"}}, "--model is required"),
+    "no model": ({"base": {"nm": "2:4"}}, "a model is required"),
 }
 
 

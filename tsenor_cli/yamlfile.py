@@ -16,6 +16,8 @@ def read_yaml(path: Path, what: str, example: str) -> Any:
     what names the file in errors ("--config recipe.yaml", "sweep file s.yaml"); example is a file the
     user could pass instead. A missing file is `InputNotFoundError`, malformed YAML `UsageError`.
     """
+    if path.is_dir():
+        raise UsageError(f"{what} is a folder; pass a YAML file such as {example}")
     if not path.is_file():
         raise InputNotFoundError(f"{what} does not exist; pass a YAML file such as {example}")
     try:

@@ -17,22 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 from tsenor_cli import __version__, settings
 from tsenor_cli.errors import DEBUG_HINT, EXIT_SIGINT, Interrupted, PeerError, TsenorError, one_line
 from tsenor_cli.progress import configure_logging, quiet_libraries
 from tsenor_cli.settings import RunContext
 
-app = typer.Typer(
-    name="tsenor",
-    help="Prune decoder language models to transposable N:M sparsity with the TSENOR mask solver.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    # Plain click help: flags without a `<bool>` metavar, required options marked, no box drawing.
-    rich_markup_mode=None,
-)
+# The root options that may also follow the command name (`RootGroup`).
+ROOT_FLAGS = ("-q", "--quiet", "-v", "--verbose", "--debug")
 
 
 class Command(TyperCommand):
@@ -54,19 +47,49 @@ class Command(TyperCommand):
         return pieces
 
     def format_options(self, ctx: Any, formatter: Any) -> None:
-        arguments, options = [], []
+        """Arguments, then the options in their panels (`rich_help_panel`, in order of first use), then the
+        rest under "Options"; plain text, as click writes it (Typer draws panels only with rich markup)."""
+        from tsenor_cli.cli.options import LAZY_CHOICES
+
+        sections: dict[str, list[tuple[str, str]]] = {"Arguments": []}
         for param in self.get_params(ctx):
+            if param.metavar in LAZY_CHOICES:  # listing these needs the library: only when help is shown
+                param.metavar = "<" + "|".join(LAZY_CHOICES[param.metavar].choice_list() or ()) + ">"
             record = param.get_help_record(ctx)
             if record is None:
                 continue
             if param.param_type_name == "argument":
-                arguments.append((self._argument_name(param), record[1]))
+                sections["Arguments"].append((self._argument_name(param), record[1]))
             else:
-                options.append(record)
-        for title, rows in (("Arguments", arguments), ("Options", options)):
+                sections.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(record)
+        sections["Options"] = sections.pop("Options", [])  # the general options after the panels
+        for title, rows in sections.items():
             if rows:
                 with formatter.section(title):
                     formatter.write_dl(rows)
+
+
+class RootGroup(TyperGroup):
+    """The `tsenor` group: its -q/-v/--debug may also follow the command name (`tsenor prune -q ...`),
+    where they are moved in front of it before parsing (up to a `--`)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        end = args.index("--") if "--" in args else len(args)
+        flags = [a for a in args[:end] if a in ROOT_FLAGS]
+        args = [*flags, *(a for a in args[:end] if a not in ROOT_FLAGS), *args[end:]]
+        return super().parse_args(ctx, args)
+
+
+app = typer.Typer(
+    name="tsenor",
+    cls=RootGroup,
+    help="Prune decoder language models to transposable N:M sparsity with the TSENOR mask solver.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    # Plain click help: flags without a `<bool>` metavar, required options marked, no box drawing.
+    rich_markup_mode=None,
+)
 
 
 @dataclass

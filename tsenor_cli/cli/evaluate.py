@@ -1,12 +1,13 @@
-"""`tsenor eval --model M`: perplexity (WikiText2, PTB, C4) and optional zero-shot tasks."""
+"""`tsenor eval MODEL`: perplexity (WikiText2, PTB, C4) and optional zero-shot tasks."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
-from tsenor_cli import atomic
 from tsenor_cli.cli import Command, app, command_line, run_context
 from tsenor_cli.cli.options import (
     DEVICE,
@@ -19,49 +20,64 @@ from tsenor_cli.cli.options import (
     JsonOpt,
     LimitOpt,
     MaxWindowsOpt,
+    ModelAliasOpt,
+    ModelArg,
     OfflineOpt,
     OutputDirOpt,
     PplOpt,
     TasksOpt,
     TrustRemoteCodeOpt,
+    in_panel,
     parse_batch_size,
     parse_limit,
     parse_ppl_datasets,
     parse_tasks,
+    pick_model,
 )
 from tsenor_cli.errors import EXIT_SIGINT, Interrupted
-from tsenor_cli.evaluation.runner import EvalConfig, eval_target, evaluate_model
-from tsenor_cli.models.loading import load_model, parse_dtype
-from tsenor_cli.progress import logger
-from tsenor_cli.report.markdown import eval_table
+
+if TYPE_CHECKING:
+    from tsenor_cli.runfiles import EvalReport
+
+
+MODEL, PERPLEXITY, ZEROSHOT = "Model", "Perplexity", "Zero-shot (lm-eval)"
 
 
 @app.command("eval", cls=Command)
 def eval_cmd(
     ctx: typer.Context,
-    model: str = typer.Option(..., "--model", help="Embedded name (smollm2-135m), local checkpoint dir, or hub id."),
-    ppl: PplOpt = PPL,
-    tasks: TasksOpt = None,
-    num_fewshot: int = typer.Option(0, "--num-fewshot", min=0, help="Few-shot examples for zero-shot tasks."),
-    limit: LimitOpt = None,
-    batch_size: str = typer.Option("auto", "--batch-size", help="Batch size (integer or 'auto')."),
-    seqlen: int | None = typer.Option(None, "--seqlen", help="Perplexity window (default 2048, capped by the model)."),
-    max_windows: MaxWindowsOpt = None,
-    dtype: DtypeOpt = DTYPE,
-    device: DeviceOpt = DEVICE,
+    model: ModelArg = None,
+    model_option: ModelAliasOpt = None,
+    dtype: in_panel(DtypeOpt, MODEL) = DTYPE,  # type: ignore[valid-type]
+    device: in_panel(DeviceOpt, MODEL) = DEVICE,  # type: ignore[valid-type]
+    trust_remote_code: in_panel(TrustRemoteCodeOpt, MODEL) = False,  # type: ignore[valid-type]
     stream: bool = typer.Option(
         False,
         "--stream",
+        rich_help_panel=MODEL,
         help="Perplexity block by block: one decoder block in memory at a time, read from the checkpoint's "
         "safetensors when its turn comes (for models larger than host or GPU memory; not with --tasks).",
     ),
     device_map: str | None = typer.Option(
         None,
         "--device-map",
+        rich_help_panel=MODEL,
         help="'auto': spread the whole model over the GPUs present, then the CPU (accelerate), for zero-shot "
         "tasks on a model larger than one GPU; --device is then not used.",
     ),
-    trust_remote_code: TrustRemoteCodeOpt = False,
+    ppl: in_panel(PplOpt, PERPLEXITY) = PPL,  # type: ignore[valid-type]
+    seqlen: int | None = typer.Option(
+        None, "--seqlen", rich_help_panel=PERPLEXITY, help="Perplexity window (default 2048, capped by the model)."
+    ),
+    max_windows: in_panel(MaxWindowsOpt, PERPLEXITY) = None,  # type: ignore[valid-type]
+    tasks: in_panel(TasksOpt, ZEROSHOT) = None,  # type: ignore[valid-type]
+    num_fewshot: int = typer.Option(
+        0, "--num-fewshot", min=0, rich_help_panel=ZEROSHOT, help="Few-shot examples for zero-shot tasks."
+    ),
+    limit: in_panel(LimitOpt, ZEROSHOT) = None,  # type: ignore[valid-type]
+    batch_size: str = typer.Option(
+        "auto", "--batch-size", rich_help_panel=ZEROSHOT, help="Batch size (integer or 'auto')."
+    ),
     output: OutputDirOpt = None,
     force: ForceOpt = False,
     as_json: JsonOpt = False,
@@ -69,7 +85,11 @@ def eval_cmd(
     offline: OfflineOpt = False,
 ) -> None:
     """Evaluate a model: perplexity (SparseGPT protocol) and optional lm-eval zero-shot tasks."""
+    from tsenor_cli.evaluation.runner import EvalConfig, eval_target, evaluate_model
+    from tsenor_cli.models.loading import load_model, parse_dtype
+
     # Validate every option before the (slow) model load, so a typo fails at once.
+    model = pick_model(model, model_option)
     cfg = EvalConfig(
         ppl_datasets=parse_ppl_datasets(ppl),
         tasks=parse_tasks(tasks),
@@ -99,11 +119,17 @@ def eval_cmd(
     except KeyboardInterrupt:
         # eval.json is written only once every metric is in, so nothing is left half-done.
         raise Interrupted("interrupted while evaluating; nothing was written", EXIT_SIGINT) from None
+    _write_and_print(report, target, as_json=as_json)
+
+
+def _write_and_print(report: EvalReport, target: Path | None, *, as_json: bool) -> None:
+    """eval.json at `target` (when given), and the table or the JSON on stdout."""
+    from tsenor_cli import atomic
+    from tsenor_cli.progress import logger
+    from tsenor_cli.report.markdown import eval_table
+
     payload = report.to_json()
     if target is not None:
         atomic.write_json(target, payload)
         logger.info("wrote %s", target)
-    if as_json:
-        typer.echo(json.dumps(payload, indent=2))
-    else:
-        typer.echo(eval_table(report))
+    typer.echo(json.dumps(payload, indent=2) if as_json else eval_table(report))

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from tsenor_cli.cli import Command, app, command_line, run_context
 from tsenor_cli.cli.options import (
-    DEVICE,
     PPL,
     DataDirOpt,
-    DeviceOpt,
     ForceOpt,
     JsonOpt,
     LimitOpt,
@@ -21,15 +20,19 @@ from tsenor_cli.cli.options import (
     OutputDirOpt,
     PplOpt,
     TasksOpt,
-    TrustRemoteCodeOpt,
+    given_values,
+    in_panel,
     parse_limit,
     parse_list,
     parse_ppl_datasets,
+    with_fields,
 )
 from tsenor_cli.data.sources import NAMED_TEXTS
 from tsenor_cli.errors import InputNotFoundError, UsageError
-from tsenor_cli.finetune.run import FinetuneConfig
-from tsenor_cli.runfiles import FinetuneReport
+from tsenor_cli.finetune.config import FINETUNE_FIELDS, FinetuneConfig
+
+if TYPE_CHECKING:
+    from tsenor_cli.runfiles import FinetuneReport
 
 
 def _check_data(data: str) -> None:
@@ -59,71 +62,49 @@ def summary(report: FinetuneReport) -> str:
     return "\n".join(lines)
 
 
+EVAL = "Evaluation (before and after)"
+# `--bf16`: the old spelling of `--dtype bf16`; hidden, accepted for one release.
+Bf16AliasOpt = Annotated[
+    bool, typer.Option("--bf16", hidden=True, help="Old spelling of --dtype bf16, accepted for one release.")
+]
+
+
 @app.command("finetune", cls=Command)
+@with_fields(FINETUNE_FIELDS)
 def finetune_cmd(
     ctx: typer.Context,
     run_dir: Path = typer.Argument(..., help="Checkpoint folder written by tsenor prune (its --output)."),
     output: OutputDirOpt = None,
     force: ForceOpt = False,
-    data: str = typer.Option("c4", "--data", help="Training text: c4, wikitext2, ptb or a text/jsonl file."),
-    seqlen: int = typer.Option(512, "--seqlen", min=2, help="Tokens per training window."),
-    max_steps: int = typer.Option(200, "--max-steps", min=1, help="Optimizer steps."),
-    lr: float = typer.Option(2e-5, "--lr", help="Peak learning rate (AdamW, linear decay to 0)."),
-    batch_size: int = typer.Option(4, "--batch-size", min=1, help="Windows per micro-batch (per process)."),
-    grad_accum: int = typer.Option(1, "--grad-accum", min=1, help="Micro-batches per optimizer step."),
-    warmup: int = typer.Option(0, "--warmup", min=0, help="Linear warm-up steps."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the document order, data order and Trainer."),
-    bf16: bool = typer.Option(False, "--bf16", help="bf16 autocast (weights stay fp32 while training)."),
-    ppl: PplOpt = PPL,
-    max_windows: MaxWindowsOpt = None,
-    tasks: TasksOpt = None,
-    limit: LimitOpt = None,
-    eval_every: int = typer.Option(0, "--eval-every", min=0, help="Perplexity every K steps (0: before/after)."),
-    save_every: int = typer.Option(100, "--save-every", min=0, help="Checkpoint for --resume every K steps."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run from its last checkpoint."),
-    teacher: str | None = typer.Option(
-        None, "--teacher", help="Distil from this dense model (the one pruned): hub id, folder or embedded name."
-    ),
-    distill_weight: float = typer.Option(
-        1.0, "--distill-weight", help="Share of the distillation loss; the rest is cross-entropy (needs --teacher)."
-    ),
-    distill_temperature: float = typer.Option(
-        1.0, "--distill-temperature", help="Softmax temperature of the distillation loss (needs --teacher)."
-    ),
-    device: DeviceOpt = DEVICE,
-    trust_remote_code: TrustRemoteCodeOpt = False,
+    ppl: in_panel(PplOpt, EVAL) = PPL,  # type: ignore[valid-type]
+    max_windows: in_panel(MaxWindowsOpt, EVAL) = None,  # type: ignore[valid-type]
+    tasks: in_panel(TasksOpt, EVAL) = None,  # type: ignore[valid-type]
+    limit: in_panel(LimitOpt, EVAL) = None,  # type: ignore[valid-type]
+    bf16: Bf16AliasOpt = False,
     as_json: JsonOpt = False,
     data_dir: DataDirOpt = None,
     offline: OfflineOpt = False,
+    **settings: Any,
 ) -> None:
     """Fine-tune a pruned checkpoint with its sparsity pattern fixed; verify passes on the result."""
     if output is None:
         raise UsageError("--output is required; pass the folder for the fine-tuned checkpoint")
-    _check_data(data)
+    given = given_values(ctx, FINETUNE_FIELDS)
+    if bf16:
+        if given.get("dtype", "bf16") != "bf16":
+            raise UsageError(f"--bf16 and --dtype {given['dtype']} disagree; pass --dtype bf16 alone")
+        given["dtype"] = "bf16"
+    _check_data(given.get("data", FINETUNE_FIELDS[0].default))
     run_ctx = run_context(ctx, data_dir, offline)
     cfg = FinetuneConfig(
         run_dir=run_dir.expanduser(),
         output=output.expanduser(),
-        data=data,
-        seqlen=seqlen,
-        max_steps=max_steps,
-        lr=lr,
-        batch_size=batch_size,
-        grad_accum=grad_accum,
-        warmup=warmup,
-        seed=seed,
-        bf16=bf16,
+        **given,
         ppl_datasets=parse_ppl_datasets(ppl),
         max_windows=max_windows,
         tasks=parse_list(tasks, "--tasks"),
         limit=parse_limit(limit),
-        eval_every=eval_every,
-        save_every=save_every,
-        device=device,
-        trust_remote_code=trust_remote_code,
-        teacher=teacher,
-        distill_weight=distill_weight,
-        distill_temperature=distill_temperature,
         force=force,
         resume=resume,
         command=command_line(),

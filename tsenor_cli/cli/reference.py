@@ -46,6 +46,18 @@ def _default(param: Any) -> str:
     return f"`{value}`" if not isinstance(value, bool) else f"`{str(value).lower()}`"
 
 
+def _choices(param: Any) -> str:
+    """The choices a setting's help shows (`<a|b|c>`), as `a`, `b`, `c`."""
+    from tsenor_cli.cli.options import LAZY_CHOICES
+
+    metavar = param.metavar or ""
+    if metavar in LAZY_CHOICES:
+        return ", ".join(f"`{c}`" for c in LAZY_CHOICES[metavar].choice_list() or ())
+    if "|" in metavar:
+        return ", ".join(f"`{c}`" for c in metavar.strip("<>[]").split("|"))
+    return ""
+
+
 def render() -> str:
     """The Markdown page: one section per command, its arguments and options as a table."""
     from tsenor_cli.cli import app
@@ -55,8 +67,10 @@ def render() -> str:
         "# Command-line reference",
         "",
         "Generated from the commands by `python -m tsenor_cli.cli.reference`; the test suite checks it is current.",
-        "Options shared by several commands are defined once (`tsenor_cli/cli/options.py`). Errors are one line",
-        "(`error: …`) with the exit codes listed in `docs/reliability.md`.",
+        "Options shared by several commands are defined once (`tsenor_cli/cli/options.py`), the settings of",
+        "prune and finetune in their field lists (`pruning/recipe.py`, `finetune/config.py`); (hidden) marks an old",
+        "name kept for one release. Errors are one line (`error: …`) with the exit codes listed in",
+        "`docs/reliability.md`.",
         "",
     ]
     for name, command in commands(root):
@@ -69,7 +83,9 @@ def render() -> str:
             elif param.param_type_name == "option":
                 flags = [*param.opts, *param.secondary_opts]
                 label = ", ".join(f"`{f}`" for f in flags)
-                help_text = param.help or ""
+                help_text = ("(hidden) " if param.hidden else "") + (param.help or "")
+                choices = _choices(param)
+                help_text += f" Choices: {choices}." if choices else ""
             else:
                 continue
             lines.append(f"| {label} | {_default(param)} | {_cell(help_text)} |")

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from tsenor_cli.cli import Command, app
-from tsenor_cli.cli.options import ForceOpt, OutputDirOpt
+from tsenor_cli.cli.options import ForceOpt, JsonOpt, OutputDirOpt
 from tsenor_cli.errors import UsageError
 from tsenor_cli.report import load_run, write_report
 
@@ -44,7 +44,11 @@ def report_cmd(
         "(the --output of tsenor sweep: their finished runs).",
     ),
     output: OutputDirOpt = None,
-    fmt: ReportFormat = typer.Option(ReportFormat.markdown, "--format", help="What to print on stdout."),
+    as_json: JsonOpt = False,
+    # `--format json`: the old spelling of --json; hidden, accepted for one release.
+    fmt: ReportFormat | None = typer.Option(
+        None, "--format", hidden=True, help="Old spelling of --json (--format json), accepted for one release."
+    ),
     force: ForceOpt = False,
 ) -> None:
     """Merge runs into one table (perplexity + zero-shot, as the paper's Table 2) and plot them.
@@ -58,9 +62,7 @@ def report_cmd(
     for note in result.skipped:
         typer.echo(f"skipped {note}", err=True)
     typer.echo(f"wrote {', '.join(result.files)} to {result.directory}", err=True)
-    if fmt is ReportFormat.markdown:
-        typer.echo(result.table.to_markdown(), nl=False)
-    elif fmt is ReportFormat.json:
+    if as_json or fmt is ReportFormat.json:
         typer.echo(json.dumps(result.table.to_json(), indent=2))
     else:
-        raise AssertionError(f"unhandled format {fmt}")
+        typer.echo(result.table.to_markdown(), nl=False)

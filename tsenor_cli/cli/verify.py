@@ -10,7 +10,6 @@ import typer
 from tsenor_cli.cli import Command, app
 from tsenor_cli.cli.options import JsonOpt
 from tsenor_cli.errors import VerificationError
-from tsenor_cli.pruning.verify import verify_checkpoint
 
 
 @app.command("verify", cls=Command)
@@ -19,6 +18,8 @@ def verify_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Check each M×M tile keeps at most N per row and column (exactly N where weights were non-zero)."""
+    from tsenor_cli.pruning.verify import verify_checkpoint
+
     report = verify_checkpoint(directory)
     meta, pattern = report.sparsity, report.pattern
     named = f"{pattern.label} ({pattern.kind})"

@@ -17,13 +17,14 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.runfiles import DataFile, DataKind, DataSource
 from tsenor_cli.settings import RunContext
+
+if TYPE_CHECKING:  # torch is imported where it is used: `tsenor --help` reads this module's names
+    import torch
 
 DatasetName = Literal["wikitext2", "ptb", "c4"]
 DATASET_NAMES: tuple[DatasetName, ...] = ("wikitext2", "ptb", "c4")
@@ -295,12 +296,16 @@ def hub_rows(
 
 def encode(tokenizer: object, text: str) -> torch.Tensor:
     """text → token ids (N,) long, as ``tokenizer(text)`` gives them (with the tokenizer's special tokens)."""
+    import torch
+
     ids = tokenizer(text, verbose=False, return_attention_mask=False)["input_ids"]  # type: ignore[operator]
     return torch.tensor(ids, dtype=torch.long)
 
 
 def encode_documents(tokenizer: object, docs: tuple[str, ...], separator: int) -> torch.Tensor:
     """Documents → one token stream (N,) long: each document without special tokens, then `separator`."""
+    import torch
+
     encoded = tokenizer(list(docs), add_special_tokens=False, verbose=False, return_attention_mask=False)  # type: ignore[operator]
     pieces = [torch.tensor([*ids, separator], dtype=torch.long) for ids in encoded["input_ids"]]
     return torch.cat(pieces)

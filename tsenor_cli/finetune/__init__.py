@@ -5,7 +5,23 @@
 callback (callback.py) on packed windows of the calibration text (data.py).
 """
 
-from tsenor_cli.finetune.run import FinetuneConfig, finetune
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tsenor_cli.finetune.config import FinetuneConfig
 from tsenor_cli.runfiles import FinetuneReport
 
+if TYPE_CHECKING:
+    from tsenor_cli.finetune.run import finetune as finetune
+
 __all__ = ["FinetuneConfig", "FinetuneReport", "finetune"]
+
+
+def __getattr__(name: str) -> Any:
+    # `finetune` loads transformers' Trainer: imported when first used, so `tsenor --help` does not (PEP 562).
+    if name == "finetune":
+        from tsenor_cli.finetune.run import finetune
+
+        return finetune
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

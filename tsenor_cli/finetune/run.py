@@ -15,10 +15,8 @@ checkpoint-N/ (every `save_every` steps), which `resume` continues from.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -32,9 +30,9 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tsenor_cli import atomic
-from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import EXIT_RESUMABLE, EXIT_SIGINT, Interrupted, UsageError
 from tsenor_cli.finetune.callback import PPL_LOG_PREFIX, CurveCallback, FixedMask, MaskCallback
+from tsenor_cli.finetune.config import FinetuneConfig as FinetuneConfig
 from tsenor_cli.finetune.data import TrainingText, WindowDataset, training_windows
 from tsenor_cli.finetune.distill import DistillTrainer, check_teacher
 from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsity
@@ -72,110 +70,6 @@ PPL_PNG = "finetune_ppl.png"
 # Trainer's defaults, recorded in the report because they decide the result.
 SCHEDULER = "linear"
 MAX_GRAD_NORM = 1.0
-
-
-@dataclass(frozen=True)
-class FinetuneConfig:
-    """One fine-tuning run. data: c4 | wikitext2 | ptb | a text file; seqlen: training window length.
-
-    Each optimizer step sees batch_size × grad_accum windows per process. eval_every K > 0 adds the
-    perplexity of `ppl_datasets` every K steps to the curve (0: before and after only). save_every K > 0
-    writes Trainer's checkpoint every K steps into OUTPUT/.tsenor-resume/ (0: never; then `resume`
-    has nothing to continue from). device: cpu or cuda (Trainer's; under torchrun, each rank's GPU).
-    trust_remote_code: run the checkpoint's (and the teacher's) own model code (config.json auto_map).
-    """
-
-    run_dir: Path
-    output: Path
-    data: str = "c4"
-    seqlen: int = 512
-    max_steps: int = 200
-    lr: float = 2e-5
-    batch_size: int = 4
-    grad_accum: int = 1
-    warmup: int = 0
-    seed: int = 0
-    bf16: bool = False
-    ppl_datasets: tuple[DatasetName, ...] = ("wikitext2",)
-    max_windows: int | None = None
-    tasks: tuple[str, ...] = ()
-    limit: int | float | None = None
-    eval_every: int = 0
-    save_every: int = 100
-    device: str = "cpu"
-    trust_remote_code: bool = False
-    teacher: str | None = None
-    distill_weight: float = 1.0
-    distill_temperature: float = 1.0
-    force: bool = False
-    resume: bool = False
-    command: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.seqlen < 2:
-            raise UsageError(f"--seqlen {self.seqlen} must be at least 2")
-        for option, value in (
-            ("--max-steps", self.max_steps),
-            ("--batch-size", self.batch_size),
-            ("--grad-accum", self.grad_accum),
-        ):
-            if value < 1:
-                raise UsageError(f"{option} {value} must be at least 1")
-        for option, value in (("--warmup", self.warmup), ("--eval-every", self.eval_every)):
-            if value < 0:
-                raise UsageError(f"{option} {value} must be >= 0")
-        if self.save_every < 0:
-            raise UsageError(f"--save-every {self.save_every} must be >= 0 (0: no checkpoints)")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise UsageError(f"--lr {self.lr} must be a positive number, e.g. 2e-5")
-        if self.warmup > self.max_steps:
-            raise UsageError(f"--warmup {self.warmup} exceeds --max-steps {self.max_steps}; pass fewer warm-up steps")
-        unknown = [d for d in self.ppl_datasets if d not in DATASET_NAMES]
-        if unknown:
-            raise UsageError(f"unknown --ppl dataset(s) {', '.join(unknown)}; use {','.join(DATASET_NAMES)} or none")
-        if self.eval_every and not self.ppl_datasets:
-            raise UsageError("--eval-every needs perplexity datasets; pass --ppl wikitext2 or drop --eval-every")
-        if self.max_windows is not None and self.max_windows < 1:
-            raise UsageError(f"--max-windows {self.max_windows} must be positive")
-        if not 0.0 < self.distill_weight <= 1.0:
-            raise UsageError(
-                f"--distill-weight {self.distill_weight} must be in (0, 1] (1: distillation only; "
-                "drop --teacher for plain fine-tuning)"
-            )
-        if not (self.distill_temperature > 0 and math.isfinite(self.distill_temperature)):
-            raise UsageError(f"--distill-temperature {self.distill_temperature} must be positive; pass e.g. 1 or 2")
-        if self.teacher is None and (self.distill_weight != 1.0 or self.distill_temperature != 1.0):
-            raise UsageError("--distill-weight/--distill-temperature need --teacher; pass the dense model")
-        if self.device not in ("cpu", "cuda"):
-            raise UsageError(
-                f"--device {self.device!r}: use cpu or cuda (pick GPUs with CUDA_VISIBLE_DEVICES, or torchrun)"
-            )
-
-    def result_fields(self) -> dict[str, Any]:
-        """What decides the fine-tuned weights and the recorded curves (what a resumed run must share)."""
-        return {
-            "run_dir": str(self.run_dir.resolve()),
-            "data": self.data,
-            "seqlen": self.seqlen,
-            "max_steps": self.max_steps,
-            "lr": self.lr,
-            "batch_size": self.batch_size,
-            "grad_accum": self.grad_accum,
-            "warmup": self.warmup,
-            "seed": self.seed,
-            "bf16": self.bf16,
-            "ppl_datasets": list(self.ppl_datasets),
-            "max_windows": self.max_windows,
-            "tasks": list(self.tasks),
-            "limit": self.limit,
-            "eval_every": self.eval_every,
-            "teacher": self.teacher,
-            "distill_weight": self.distill_weight,
-            "distill_temperature": self.distill_temperature,
-        }
-
-    def result_hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.result_fields(), sort_keys=True).encode()).hexdigest()
 
 
 def _checkpoint_dtype(run_dir: Path) -> torch.dtype:

@@ -2,21 +2,43 @@
 
 Each method module holds a pure `prune(weight, stats, cfg) -> PruneOutcome`; `PRUNERS` maps the
 `--method` names to them. `tsenor_cli.pruning.api.prune_model` runs a whole model.
+
+The names below are imported when first used (PEP 562), so that importing a torch-free module of this
+package (`recipe`, `registry`, `method_options`: what `tsenor --help` reads) does not load torch.
 """
 
-from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.registry import PRUNERS, PrunerSpec, get_pruner
-from tsenor_cli.pruning.stats import InputStats, reconstruction_error
-from tsenor_cli.pruning.types import LayerPruneConfig, MaskSolveInfo, PruneOutcome
+from __future__ import annotations
 
-__all__ = [
-    "PRUNERS",
-    "InputStats",
-    "LayerPruneConfig",
-    "MaskSolveInfo",
-    "PruneOutcome",
-    "PrunerSpec",
-    "SparsityPattern",
-    "get_pruner",
-    "reconstruction_error",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tsenor_cli.pattern import SparsityPattern as SparsityPattern
+    from tsenor_cli.pruning.registry import PRUNERS as PRUNERS
+    from tsenor_cli.pruning.registry import PrunerSpec as PrunerSpec
+    from tsenor_cli.pruning.registry import get_pruner as get_pruner
+    from tsenor_cli.pruning.stats import InputStats as InputStats
+    from tsenor_cli.pruning.stats import reconstruction_error as reconstruction_error
+    from tsenor_cli.pruning.types import LayerPruneConfig as LayerPruneConfig
+    from tsenor_cli.pruning.types import MaskSolveInfo as MaskSolveInfo
+    from tsenor_cli.pruning.types import PruneOutcome as PruneOutcome
+
+_EXPORTS = {
+    "PRUNERS": "tsenor_cli.pruning.registry",
+    "PrunerSpec": "tsenor_cli.pruning.registry",
+    "get_pruner": "tsenor_cli.pruning.registry",
+    "InputStats": "tsenor_cli.pruning.stats",
+    "reconstruction_error": "tsenor_cli.pruning.stats",
+    "LayerPruneConfig": "tsenor_cli.pruning.types",
+    "MaskSolveInfo": "tsenor_cli.pruning.types",
+    "PruneOutcome": "tsenor_cli.pruning.types",
+    "SparsityPattern": "tsenor_cli.pattern",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

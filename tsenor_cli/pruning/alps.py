@@ -22,6 +22,7 @@ import torch
 from tsenor_cli.progress import bar, logger
 from tsenor_cli.pruning.linalg import symmetric_eigh
 from tsenor_cli.pruning.masks import SolveTally, choose_mask, keep_better_tiles, solve_info
+from tsenor_cli.pruning.method_options import ALPSOptions
 from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.stats import Statistics, damped_gram
 from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome, split_outcomes
@@ -131,9 +132,10 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
     """
     if stats is None:
         raise ValueError("alps needs the Gram matrix of the layer inputs; collect statistics with gram=True")
+    opts = cfg.method_options(ALPSOptions)
     with phase("factorize"):
         gram = stats.require_gram().to(weights.device)
-        h = damped_gram(gram, cfg.percdamp)  # (..., in, in)
+        h = damped_gram(gram, opts.percdamp)  # (..., in, in)
         scale = h.diagonal(dim1=-2, dim2=-1).sqrt()  # (..., in) D
         h_hat = h / scale[..., :, None] / scale[..., None, :]  # (..., in, in) unit diagonal
         evals, evecs = symmetric_eigh(h_hat.double())  # Λ (..., in), Q (..., in, in); thread-count independent
@@ -150,18 +152,16 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
     d = b_hat * mask
     v = torch.zeros_like(b_hat)
     kept_total = mask.sum((-2, -1)).clamp_min(1).double()  # (...,)
-    rho = torch.full(lead, cfg.alps_rho0, dtype=torch.float64, device=b_hat.device)  # (...,)
+    rho = torch.full(lead, opts.rho0, dtype=torch.float64, device=b_hat.device)  # (...,)
     inv = inverse(rho)
     checked_mask = mask
     safeguarded = torch.zeros(tally.matrices, dtype=torch.long, device=b_hat.device)
     running = torch.ones(lead, dtype=torch.bool, device=b_hat.device)  # (...,) matrices still iterating
     iterations = torch.zeros(lead, dtype=torch.long, device=b_hat.device)
     w_t = b_hat
-    inner = inner_solver_options(
-        cfg.solver, cfg.alps_inner_sweeps, cfg.alps_inner_iterations, b_hat.device, cfg.pattern.m
-    )
-    steps = bar(total=cfg.alps_max_iter, desc="ADMM", unit="it", leave=False)
-    for t in range(cfg.alps_max_iter):
+    inner = inner_solver_options(cfg.solver, opts.inner_sweeps, opts.inner_iterations, b_hat.device, cfg.pattern.m)
+    steps = bar(total=opts.max_iter, desc="ADMM", unit="it", leave=False)
+    for t in range(opts.max_iter):
         iterations += running.long()
         steps.update()
         rho_w = rho.to(torch.float32)[..., None, None]  # (..., 1, 1)
@@ -173,7 +173,7 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
         mask = _freeze(running, new_mask, mask)
         d = _freeze(running, z * mask, d)
         v = _freeze(running, v + rho_w * (w_t - d), v)
-        if (t + 1) % cfg.alps_update_iter == 0:
+        if (t + 1) % opts.update_iter == 0:
             change = (mask ^ checked_mask).sum((-2, -1)).double() / kept_total  # (...,)
             checked_mask = mask
             factor = torch.full_like(rho, 1.1)  # float64, as Python's float arithmetic was
@@ -185,8 +185,8 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
                 f"rho {float(rho.max()):.3g}, support change {float(change.max()):.2e}", refresh=False
             )
             logger.debug("ADMM iter %d: rho %s, support change %s", t + 1, rho.tolist(), change.tolist())
-            if t >= cfg.alps_switch_iter:
-                running = running & ~(change < cfg.alps_stop_change)
+            if t >= opts.switch_iter:
+                running = running & ~(change < opts.stop_change)
                 if not bool(running.any()):
                     break
 
@@ -194,7 +194,7 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
     final_mask, final_result, block_obj, kept = _project(w_t, cfg, result, mask, tally)
     safeguarded += kept
     with phase("cg"):
-        refined = conjugate_gradient(h_hat, y, final_mask, w_t * final_mask, cfg.alps_cg_iters)
+        refined = conjugate_gradient(h_hat, y, final_mask, w_t * final_mask, opts.cg_iters)
     new_weight = refined / scale[..., None, :]
     infos = None
     if final_result is not None and block_obj is not None:

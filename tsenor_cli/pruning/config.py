@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tsenor_cli.errors import UsageError
+from tsenor_cli.fields import default_of, validate_settings
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.output import MAX_SHARD_SIZE
+from tsenor_cli.pruning.recipe import FIELDS, PRUNE_FIELDS
 from tsenor_cli.pruning.refine import RefineConfig
 from tsenor_cli.pruning.registry import get_pruner
-from tsenor_cli.pruning.selection import check_patterns
 from tsenor_cli.pruning.types import LayerPruneConfig
 
 if TYPE_CHECKING:
     import torch
 
-
-MOE_CALIBRATIONS = ("routed", "all")
+    from tsenor_cli.pruning.method_options import MethodOptions
 
 
 @dataclass(frozen=True)
@@ -48,51 +47,44 @@ class PruneConfig:
 
     model: str
     layer: LayerPruneConfig
-    method: str = "alps"
-    calib_data: str = "c4"
-    nsamples: int = 128
-    seqlen: int = 2048
-    seed: int = 0
-    dtype: str | None = None
-    device: str = "cpu"
-    trust_remote_code: bool = False
-    sequential: bool = True
-    skip_incompatible: bool = False
-    ignore: tuple[str, ...] = ()
-    targets: tuple[str, ...] = ()
+    method: str = default_of(PRUNE_FIELDS, "method")
+    calib_data: str = default_of(PRUNE_FIELDS, "calib_data")
+    nsamples: int = default_of(PRUNE_FIELDS, "nsamples")
+    seqlen: int = default_of(PRUNE_FIELDS, "seqlen")
+    seed: int = default_of(PRUNE_FIELDS, "seed")
+    dtype: str | None = None  # the recipe's "auto" is None here
+    device: str = default_of(PRUNE_FIELDS, "device")
+    trust_remote_code: bool = default_of(PRUNE_FIELDS, "trust_remote_code")
+    sequential: bool = default_of(PRUNE_FIELDS, "sequential")
+    skip_incompatible: bool = default_of(PRUNE_FIELDS, "skip_incompatible")
+    ignore: tuple[str, ...] = default_of(PRUNE_FIELDS, "ignore")
+    targets: tuple[str, ...] = default_of(PRUNE_FIELDS, "targets")
     output: Path | None = None
     force: bool = False
     resume: bool = True
     command: str | None = None
-    offload_activations: bool = False
-    moe_calibration: str = "routed"
-    moe_min_tokens: int | None = None
-    stream: bool = False
-    max_shard_size: str = MAX_SHARD_SIZE
+    offload_activations: bool = default_of(PRUNE_FIELDS, "offload_activations")
+    moe_calibration: str = default_of(PRUNE_FIELDS, "moe_calibration")
+    moe_min_tokens: int | None = default_of(PRUNE_FIELDS, "moe_min_tokens")
+    stream: bool = default_of(PRUNE_FIELDS, "stream")
+    max_shard_size: str = default_of(PRUNE_FIELDS, "max_shard_size")
     refine: RefineConfig = field(default_factory=RefineConfig)
 
     def __post_init__(self) -> None:
-        get_pruner(self.method)
-        from tsenor_cli.solver import METHODS
-
-        if self.layer.solver not in METHODS:
-            raise UsageError(f"unknown --solver {self.layer.solver!r}; choose one of: {', '.join(METHODS)}")
-        if self.nsamples < 1:
-            raise UsageError(f"--nsamples {self.nsamples} must be >= 1; the paper uses 128")
-        if self.seqlen < 1:
-            raise UsageError(f"--seqlen {self.seqlen} must be >= 1; the paper uses 2048")
-        if self.moe_calibration not in MOE_CALIBRATIONS:
+        """Each setting's own checks (`pruning/recipe.PRUNE_FIELDS`), the solver's, and the method's options."""
+        validate_settings(self)
+        FIELDS["solver"].validate(self.layer.solver)
+        spec = get_pruner(self.method)
+        if self.layer.options is not None and not isinstance(self.layer.options, spec.options):
             raise UsageError(
-                f"--moe-calibration {self.moe_calibration!r} is not one of {', '.join(MOE_CALIBRATIONS)}; "
-                "use routed (default) or all"
+                f"{type(self.layer.options).__name__} are not the options of --method {self.method}; "
+                f"pass {spec.options.__name__}"
             )
-        if self.moe_min_tokens is not None and self.moe_min_tokens < 1:
-            raise UsageError(f"--moe-min-tokens {self.moe_min_tokens} must be >= 1 (default: the input dimension)")
-        from tsenor_cli.models.saving import parse_size
 
-        parse_size(self.max_shard_size)
-        check_patterns(self.ignore, "--ignore")
-        check_patterns(self.targets, "--targets")
+    @property
+    def options_kind(self) -> type[MethodOptions]:
+        """The options dataclass of this run's method."""
+        return get_pruner(self.method).options
 
     @property
     def pattern(self) -> SparsityPattern:
@@ -111,27 +103,19 @@ class PruneConfig:
         """The fields that decide the pruned weights (what a resumed run must share). `refine` only when on,
         so runs without it keep the hash they had before it existed."""
         refine = {"refine": self.refine.result_fields()} if self.refine.on else {}
+        # The table's result fields carried by this dataclass (PRUNE_FIELDS, `Field.result`).
+        settings = {
+            item.name: _plain(getattr(self, item.name))
+            for item in fields(self)
+            if item.metadata.get("setting") is not None and item.metadata["setting"].result
+        }
+        pattern = self.pattern
         return {
             "model": self.model,
-            "layer": {k: getattr(self.layer, k) for k in self.layer.__dataclass_fields__ if k != "pattern"},
-            "pattern": {
-                "kind": self.pattern.kind,
-                "n": self.pattern.n,
-                "m": self.pattern.m,
-                "sparsity": self.pattern.sparsity,
-            },
-            "method": self.method,
-            "calib_data": self.calib_data,
-            "nsamples": self.nsamples,
-            "seqlen": self.seqlen,
-            "seed": self.seed,
             "dtype": self.dtype,
-            "sequential": self.sequential,
-            "skip_incompatible": self.skip_incompatible,
-            "ignore": list(self.ignore),
-            "targets": list(self.targets),
-            "moe_calibration": self.moe_calibration,
-            "moe_min_tokens": self.moe_min_tokens,
+            "layer": {"solver": self.layer.solver, "options": self.layer.method_options(self.options_kind).to_dict()},
+            "pattern": {"kind": pattern.kind, "n": pattern.n, "m": pattern.m, "sparsity": pattern.sparsity},
+            **settings,
             **refine,
         }
 
@@ -139,3 +123,8 @@ class PruneConfig:
         """sha256 of `result_fields`, the key of a resume state."""
         blob = json.dumps(self.result_fields(), sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()
+
+
+def _plain(value: object) -> object:
+    """A setting's value as JSON has it (the ignore/targets tuples as lists)."""
+    return list(value) if isinstance(value, tuple) else value

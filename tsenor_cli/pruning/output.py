@@ -22,6 +22,7 @@ from tsenor_cli import atomic
 from tsenor_cli.errors import OutputBusyError, OutputExistsError, OutputUnwritableError, UsageError
 from tsenor_cli.locks import folder_lock
 from tsenor_cli.models.saving import save_streamed
+from tsenor_cli.pruning.recipe import FIELDS
 from tsenor_cli.pruning.resume import ResumeStore
 from tsenor_cli.report.markdown import prune_markdown
 from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, RESUME_DIR, SPARSITY_KEY, PruneReport, read_json
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 # The output's default shard size (`--max-shard-size`): transformers' own default is 50GB; tsenor has
 # written 2GB shards since its first release.
-MAX_SHARD_SIZE = "2GB"
+MAX_SHARD_SIZE: str = FIELDS["max_shard_size"].default  # declared with the other settings (recipe.py)
 # What marks a folder as a tsenor run that --force may replace: a finished run's report (prune and
 # finetune both write it) or an interrupted run's resume state.
 RUN_MARKERS = (PRUNE_FILE, RESUME_DIR)

@@ -46,15 +46,17 @@ from torch import nn
 from tsenor_cli.errors import UsageError
 from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.distributed import Team, shard_bounds
+from tsenor_cli.pruning.recipe import FIELDS
 from tsenor_cli.runfiles import BlockRefinement, LayerRecord
 
 if TYPE_CHECKING:
     from tsenor_cli.pruning.engine import BlockCall
 
-REFINE_MODES = ("none", "block")
-# Chosen by the pilot of docs/results.md ("Block refinement: pilot").
-DEFAULT_EPOCHS = 2
-DEFAULT_LR = 1e-3
+# Declared with the other settings (pruning/recipe.PRUNE_FIELDS); the defaults were chosen by the pilot of
+# docs/results.md ("Block refinement: pilot").
+REFINE_MODES: tuple[str, ...] = tuple(FIELDS["refine"].choice_list() or ())
+DEFAULT_EPOCHS: int = FIELDS["refine_epochs"].default
+DEFAULT_LR: float = FIELDS["refine_lr"].default
 # Samples per Adam step, fixed so that a run's steps do not depend on the number of processes.
 SAMPLES_PER_STEP = 4
 

@@ -1,16 +1,24 @@
-"""The registry of pruning methods; the CLI's `--method` choices come from `PRUNERS`."""
+"""The registry of pruning methods; the CLI's `--method` choices and method flags come from `PRUNERS`.
+
+Torch-free: each method's module (`prune`, `prune_batch`, `NEEDS_GRAM`) is imported when first used,
+so `tsenor --help` lists the methods and their options without loading torch.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
-import torch
+import importlib
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol
 
 from tsenor_cli.errors import UsageError
-from tsenor_cli.pruning import alps, magnitude, sparsegpt, wanda
-from tsenor_cli.pruning.stats import Statistics
-from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome
+from tsenor_cli.pruning.method_options import ALPSOptions, MethodOptions, SparseGPTOptions
+
+if TYPE_CHECKING:
+    import torch
+
+    from tsenor_cli.pruning.stats import Statistics
+    from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome
 
 
 class PruneFn(Protocol):
@@ -30,48 +38,56 @@ class PruneBatchFn(Protocol):
 
 @dataclass(frozen=True)
 class PrunerSpec:
-    """name: the --method value; needs_gram: whether `prune` reads XᵀX (else only ‖X_j‖ or nothing);
-    needs_data: whether calibration data changes the result; iterative: reports ADMM iterations;
-    prune_batch: the same method on a stack of matrices at once (each with its own statistics), the
-    results within round-off of `prune` on each matrix alone.
+    """name: the --method value; module: `tsenor_cli.pruning.<module>`, holding `prune`, `prune_batch` and
+    `NEEDS_GRAM` (whether `prune` reads XᵀX, else only ‖X_j‖ or nothing); needs_data: whether calibration
+    data changes the result; iterative: reports ADMM iterations; options: the method's options dataclass
+    (`pruning/method_options.py`). `prune_batch` gives the same method on a stack of matrices at once
+    (each with its own statistics), within round-off of `prune` on each matrix alone.
 
     `prune(weight, stats, cfg)` must not modify `stats`: linears that read one input share one
     `InputStats` (`engine.group_input_stats`, `Team.ordered_statistics`)."""
 
     name: str
     description: str
-    prune: PruneFn
-    prune_batch: PruneBatchFn
-    needs_gram: bool
+    module: str
     needs_data: bool
     iterative: bool = False
+    options: type[MethodOptions] = field(default=MethodOptions)
+
+    @property
+    def _module(self) -> ModuleType:
+        return importlib.import_module(f"tsenor_cli.pruning.{self.module}")
+
+    @property
+    def prune(self) -> PruneFn:
+        fn: PruneFn = self._module.prune
+        return fn
+
+    @property
+    def prune_batch(self) -> PruneBatchFn:
+        fn: PruneBatchFn = self._module.prune_batch
+        return fn
+
+    @property
+    def needs_gram(self) -> bool:
+        return bool(self._module.NEEDS_GRAM)
 
 
 PRUNERS: dict[str, PrunerSpec] = {
     spec.name: spec
     for spec in (
+        PrunerSpec("magnitude", "keep the largest |W|", "magnitude", needs_data=False),
+        PrunerSpec("wanda", "keep the largest |W|·‖X_j‖ (Wanda)", "wanda", needs_data=True),
         PrunerSpec(
-            "magnitude", "keep the largest |W|", magnitude.prune, magnitude.prune_batch, magnitude.NEEDS_GRAM, False
-        ),
-        PrunerSpec(
-            "wanda", "keep the largest |W|·‖X_j‖ (Wanda)", wanda.prune, wanda.prune_batch, wanda.NEEDS_GRAM, True
-        ),
-        PrunerSpec(
-            "sparsegpt",
-            "OBS with lazy updates (SparseGPT)",
-            sparsegpt.prune,
-            sparsegpt.prune_batch,
-            sparsegpt.NEEDS_GRAM,
-            True,
+            "sparsegpt", "OBS with lazy updates (SparseGPT)", "sparsegpt", needs_data=True, options=SparseGPTOptions
         ),
         PrunerSpec(
             "alps",
             "ADMM + conjugate gradient (ALPS, Proposition 1)",
-            alps.prune,
-            alps.prune_batch,
-            alps.NEEDS_GRAM,
-            True,
-            True,
+            "alps",
+            needs_data=True,
+            iterative=True,
+            options=ALPSOptions,
         ),
     )
 }

@@ -13,6 +13,7 @@ import torch
 
 from tsenor_cli.pruning.linalg import inverse_cholesky_upper
 from tsenor_cli.pruning.masks import SolveTally, choose_mask
+from tsenor_cli.pruning.method_options import SparseGPTOptions
 from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.stats import Statistics, damped_gram
 from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome, split_outcomes
@@ -30,16 +31,16 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
     """
     if stats is None:
         raise ValueError("sparsegpt needs the Gram matrix of the layer inputs; collect statistics with gram=True")
-    pattern = cfg.pattern
+    pattern, opts = cfg.pattern, cfg.method_options(SparseGPTOptions)
     gram = stats.require_gram().to(weights.device)  # (..., in, in)
     w = weights.to(torch.float32).clone()  # (..., out, in)
     cols = w.shape[-1]
     # Inputs that never fire: their weights cannot matter.
     w.masked_fill_((gram.diagonal(dim1=-2, dim2=-1) == 0).unsqueeze(-2), 0.0)
     with phase("factorize"):
-        hinv = inverse_cholesky_upper(damped_gram(gram, cfg.percdamp))  # (..., in, in) upper
+        hinv = inverse_cholesky_upper(damped_gram(gram, opts.percdamp))  # (..., in, in) upper
     grouped = pattern.kind in ("transposable", "nm")
-    blocksize = cfg.blocksize
+    blocksize = opts.blocksize
     if grouped and blocksize % pattern.m:
         # The lazy-update block must hold whole groups of M columns.
         blocksize = max(pattern.m, (blocksize // pattern.m) * pattern.m)

@@ -10,13 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+
+from tsenor_cli.fields import default_of
 
 # The pattern (tsenor_cli/pattern.py) and LayerRecord (the run files it is written to) are defined where
 # they are read and written; the engine and resume code import them from here.
 from tsenor_cli.pattern import SparsityPattern as SparsityPattern
+from tsenor_cli.pruning.method_options import MethodOptions
+from tsenor_cli.pruning.recipe import PRUNE_FIELDS
 from tsenor_cli.runfiles import LayerRecord as LayerRecord
+
+O = TypeVar("O", bound=MethodOptions)
 
 
 @dataclass(frozen=True)
@@ -25,27 +32,21 @@ class LayerPruneConfig:
 
     solver: a `tsenor_cli.solver.METHODS` name, used for transposable masks; "auto" picks by device
       (exact `flow` on the CPU, `tsenor` on CUDA, `exhaustive` for M = 4; solver/auto.py).
-    percdamp: Hessian dampening as a share of mean diag(H) (SparseGPT and ALPS use 1%).
-    blocksize: SparseGPT's lazy-update block width (rounded to a multiple of M).
-    alps_*: the ALPS ADMM schedule (mazumder-lab/ALPS): ρ₀, iteration cap, ρ-update period,
-      earliest stop, stop threshold on the support change, and conjugate-gradient refinement steps;
-      alps_inner_sweeps, alps_inner_iterations: the `tsenor` cycle-cancelling sweeps and Sinkhorn
-        iterations of the intermediate projections where `tsenor` runs (`auto` on CUDA); with `flow`
-        (`auto` on the CPU) every projection is exact (alps.inner_solver_options).
+    options: the method's own options (`pruning/method_options.py`: percdamp and blocksize for SparseGPT,
+      the ADMM schedule for ALPS); None: the method's defaults.
     """
 
     pattern: SparsityPattern
-    solver: str = "auto"
-    percdamp: float = 0.01
-    blocksize: int = 128
-    alps_rho0: float = 0.1
-    alps_max_iter: int = 300
-    alps_update_iter: int = 3
-    alps_switch_iter: int = 30
-    alps_stop_change: float = 3e-4
-    alps_cg_iters: int = 10
-    alps_inner_sweeps: int = 2
-    alps_inner_iterations: int = 0
+    solver: str = default_of(PRUNE_FIELDS, "solver")
+    options: MethodOptions | None = None
+
+    def method_options(self, kind: type[O]) -> O:
+        """The options of the method that reads them (`kind`): `options`, or its defaults when None."""
+        if self.options is None:
+            return kind()
+        if not isinstance(self.options, kind):
+            raise TypeError(f"{type(self.options).__name__} given to a method that reads {kind.__name__}")
+        return self.options
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ class RunJob:
 
     def eval_command(self) -> list[str]:
         model = self.model if self.dense else str(self.run_dir / MODEL_DIR)
-        return self.command("eval", "--model", model, *self.eval_args, "--output", str(self.run_dir), "--force")
+        return self.command("eval", model, *self.eval_args, "--output", str(self.run_dir), "--force")
 
 
 class ChildWatch:
