@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
+import math
 import os
 import threading
 from collections.abc import Iterator
@@ -110,3 +112,8 @@ def test_quiet_eval_with_a_zero_shot_task_prints_only_its_result(tiny: Path, dat
     assert lines[0].startswith(f"model {tiny} (llama, float32, cpu)") and lines[-1].startswith("took ")
     assert lines[1:-1] == plain.stdout.splitlines()[1:-1]  # the table: task, piqa's scores, the average
     assert [line.split()[0] for line in lines[1:-1]] == ["task", "piqa", "average"]
+    # piqa's acc with lm-eval's standard error, recorded in eval.json: 4 documents, sqrt(p(1-p)/3).
+    acc, stderr = float(lines[2].split()[1]), float(lines[2].split()[3])
+    assert stderr == pytest.approx(math.sqrt(acc * (1 - acc) / 3), abs=1e-4)
+    recorded = json.loads((tmp_path / "quiet" / "eval.json").read_text())["zeroshot"]["tasks"]["piqa"]
+    assert recorded["acc_stderr"] == pytest.approx(stderr, abs=1e-4)
