@@ -324,6 +324,8 @@ def test_the_checkpoint_identity_follows_the_files_not_the_path(tiny: Path, tmp_
     weights.write_bytes(bytes(raw))
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert checkpoint_identity(str(second)) != checkpoint_identity(str(first))
+    assert checkpoint_identity("smollm2-135m") is None  # the embedded model: made from the package's GGUF
+    assert checkpoint_identity(str(tmp_path / "missing" / "model")) is None  # neither a folder nor a hub id
 
 
 def test_force_starts_over_from_a_damaged_or_foreign_state(

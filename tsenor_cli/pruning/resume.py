@@ -110,7 +110,10 @@ def checkpoint_identity(model: str) -> dict[str, Any] | None:
         return {"files": files}
     from huggingface_hub import try_to_load_from_cache
 
-    cached = try_to_load_from_cache(model, "config.json")
+    try:
+        cached = try_to_load_from_cache(model, "config.json")
+    except ValueError:  # HFValidationError: no hub id either, e.g. a missing folder (the loader says so)
+        return None
     return {"hub_commit": Path(cached).parent.name} if isinstance(cached, str) else None
 
 
