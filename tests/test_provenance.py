@@ -40,11 +40,12 @@ def test_clean_checkout_gives_head_and_an_edit_marks_it_dirty(tmp_path: Path) ->
     assert source_revision(pkg) == head
 
 
-def test_outside_git_or_untracked_package_gives_none(tmp_path: Path) -> None:
+def test_outside_git_or_untracked_package_gives_none(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "__init__.py").write_text("")
     assert source_revision(plain) is None
+    assert capfd.readouterr() == ("", "")  # git's "fatal: not a git repository" stays in the pipe
     # A package directory inside some repository that does not track it (a venv's site-packages).
     pkg = _repo(tmp_path)
     inner = pkg.parent / "venv" / "site-packages" / "tsenor_cli"

@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -149,6 +150,10 @@ def test_damaged_or_foreign_state_is_one_line(tmp_path: Path) -> None:
         "garbage state.json": lambda root: (root / RESUME_STATE_FILE).write_text("{not json"),
         "truncated hidden states": lambda root: (root / "hidden_0000.safetensors").write_bytes(b"\0" * 10),
         "missing block file": lambda root: (root / block_file(0)).unlink(),
+        # The last bytes are the block's weights: the same size, the header intact, other values.
+        "block file changed at the same size": lambda root: (root / block_file(0)).write_bytes(
+            (root / block_file(0)).read_bytes()[:-4] + b"\x00\x00\x80\x7f"
+        ),
         "state.json without a field": lambda root: (root / RESUME_STATE_FILE).write_text(
             json.dumps({k: v for k, v in json.loads((root / RESUME_STATE_FILE).read_text()).items() if k != "records"})
         ),
@@ -264,6 +269,63 @@ def test_rerunning_the_same_command_continues_an_interrupted_run(
     assert "s in this attempt, which resumed with blocks 1-1 done (method " in summary
     assert ", over all attempts)" in summary and "s in this attempt" not in (reference / PRUNE_MARKDOWN).read_text()
     _assert_same_as(out, reference)
+
+
+def test_a_checkpoint_replaced_at_the_same_path_is_another_input(
+    tiny: Path, calib: Path, data_ctx: RunContext, data_dir: Path, tmp_path: Path
+) -> None:
+    """Audit item 1: kill a prune after block 1, copy another checkpoint's model.safetensors over the input,
+    rerun: refused with a line naming --force (was: resumed, mixing blocks of both); with --force the run
+    starts over and equals a fresh run of the new input. A finished run whose input changed is not "nothing
+    to do" but refused the same way."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny, model)
+    other = make_tiny_llama(tmp_path / "other", num_layers=BLOCKS, seed=1)
+    out = tmp_path / "out"
+    _killed_after_first_block(model, calib, out, data_ctx)
+    shutil.copyfile(other / "model.safetensors", model / "model.safetensors")
+    args = [*_args(model, calib, out), "--data-dir", str(data_dir)]
+    replaced = invoke(args)
+    assert replaced.exit_code == 4, replaced.output
+    assert "from another input checkpoint (its files changed since)" in str(replaced.exception)
+    assert "pass --force to start over" in str(replaced.exception)
+    assert (out / RESUME_DIR / RESUME_STATE_FILE).is_file()  # kept for the user to decide
+    forced = invoke([*args, "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert "--force: discarding" in forced.stderr
+    fresh = tmp_path / "fresh"
+    prune_model(sparsegpt_config(model, calib, fresh, resume=False), data_ctx)
+    assert _sha(out / "model.safetensors") == _sha(fresh / "model.safetensors")
+    again = invoke(args)
+    assert again.exit_code == 0 and "nothing to do" in again.stderr  # the same input: done
+    shutil.copyfile(tiny / "model.safetensors", model / "model.safetensors")
+    changed = invoke(args)
+    assert changed.exit_code == 4 and "nothing to do" not in changed.stderr
+    assert "already holds a tsenor run; pass --force" in str(changed.exception)
+
+
+def test_the_checkpoint_identity_follows_the_files_not_the_path(tiny: Path, tmp_path: Path) -> None:
+    """Same files → same identity (a copy keeping the times too); a rewrite of one file, or another header
+    under a restored time, → another."""
+    from tsenor_cli.pruning.resume import checkpoint_identity
+
+    first = shutil.copytree(tiny, tmp_path / "a")  # copy2: contents and modification times
+    second = shutil.copytree(tiny, tmp_path / "b")
+    assert checkpoint_identity(str(first)) == checkpoint_identity(str(second)) is not None
+    names = set(checkpoint_identity(str(first))["files"])  # type: ignore[index]
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= names
+    weights = second / "model.safetensors"
+    stat = weights.stat()
+    weights.write_bytes(weights.read_bytes())  # the same bytes rewritten: a new modification time
+    assert checkpoint_identity(str(second)) != checkpoint_identity(str(first))
+    raw = bytearray(weights.read_bytes())
+    raw[9:13] = raw[9:13].swapcase()  # one header name changed, same size
+    assert bytes(raw) != weights.read_bytes()
+    weights.write_bytes(bytes(raw))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert checkpoint_identity(str(second)) != checkpoint_identity(str(first))
+    assert checkpoint_identity("smollm2-135m") is None  # the embedded model: made from the package's GGUF
+    assert checkpoint_identity(str(tmp_path / "missing" / "model")) is None  # neither a folder nor a hub id
 
 
 def test_force_starts_over_from_a_damaged_or_foreign_state(

@@ -163,12 +163,18 @@ def test_table_rows_hand_checked(runs: list[Path]) -> None:
     assert table.ppl_datasets == ("c4", "wikitext2", "ptb")
     assert table.tasks == ("piqa", "hellaswag", "boolq")  # paper order, only tasks some run has
     lines = table.to_markdown().splitlines()
-    assert lines[4] == "| N:M | Algorithm | Transposable | C4 | WT2 | PTB | PIQA | HS | BoolQ | Avg | Run |"
+    # The shared protocol: the fixture's 64-token windows (no cap), limit 200, offline data.
+    assert lines[1] == (
+        "Protocol: perplexity on every window of 64 tokens (offline data); "
+        "zero-shot 0-shot on limit 200 documents per task (offline tasks)"
+    )
+    assert lines[5] == "| N:M | Algorithm | Transposable | C4 | WT2 | PTB | PIQA | HS | BoolQ | Avg | Run |"
     # Avg: (60 + 40 + 62) / 3 = 54.00; (55 + 35 + 60) / 3 = 50.00; (52 + 30 + 61) / 3 = 47.67.
-    assert lines[6:] == [
-        "| dense | dense | - | 30.00 | 20.00 | 40.00 | 60.00 | 40.00 | 62.00 | 54.00 | dense |",
-        "| 2:4 | alps | no | 50.00 | 35.50 | 70.00 | 55.00 | 35.00 | 60.00 | 50.00 | nm24 |",
-        "| 2:4 | alps | yes | 60.50 | 45.25 | 80.00 | 52.00 | 30.00 | 61.00 | 47.67 | t24 |",
+    # Each accuracy with the fixture's standard error 0.03 = 3.00 points.
+    assert lines[7:] == [
+        "| dense | dense | - | 30.00 | 20.00 | 40.00 | 60.00 ± 3.00 | 40.00 ± 3.00 | 62.00 ± 3.00 | 54.00 | dense |",
+        "| 2:4 | alps | no | 50.00 | 35.50 | 70.00 | 55.00 ± 3.00 | 35.00 ± 3.00 | 60.00 ± 3.00 | 50.00 | nm24 |",
+        "| 2:4 | alps | yes | 60.50 | 45.25 | 80.00 | 52.00 ± 3.00 | 30.00 ± 3.00 | 61.00 ± 3.00 | 47.67 | t24 |",
         "| 8:16 | alps | yes | 40.00 | 28.00 | - | - | - | - | - | t816 |",
     ]
 
@@ -182,11 +188,11 @@ def test_a_refined_run_gets_a_refine_column_and_sorts_after_its_plain_twin(runs:
     table = build_table([load_run(p) for p in [refined, *runs]])
     assert [r.run for r in table.rows] == ["dense", "nm24", "t24", "t24-refined", "t816"]
     lines = table.to_markdown().splitlines()
-    assert lines[4].startswith("| N:M | Algorithm | Transposable | Refine | C4 | WT2 |")
-    assert lines[5].startswith("| --- | --- | --- | --- | ---: |")
-    assert lines[8].startswith("| 2:4 | alps | yes | none | 60.50 |")
+    assert lines[5].startswith("| N:M | Algorithm | Transposable | Refine | C4 | WT2 |")
+    assert lines[6].startswith("| --- | --- | --- | --- | ---: |")
+    assert lines[9].startswith("| 2:4 | alps | yes | none | 60.50 |")
     refined_cells = "| block (2 epochs, lr 0.001) | 50.00 | 40.00 | 70.00 | - | - | - | - | t24-refined |"
-    assert lines[9] == "| 2:4 | alps | yes " + refined_cells
+    assert lines[10] == "| 2:4 | alps | yes " + refined_cells
     assert [r.method for r in table.rows[2:4]] == ["alps", "alps + refine"]  # one plotted line each
     rows = list(csv.DictReader(io.StringIO(table.to_csv())))
     assert [r["refine"] for r in rows] == ["", "", "", "block (2 epochs, lr 0.001)", ""]
@@ -202,6 +208,58 @@ def test_the_published_refined_runs_are_labelled_by_their_settings() -> None:
     ]
 
 
+def _with_protocol(eval_obj: dict[str, Any], seqlen: int, max_windows: int | None) -> dict[str, Any]:
+    """An eval.json evaluated at another window length and cap (its records say the same)."""
+    changed = copy.deepcopy(eval_obj)
+    changed["seqlen"], changed["max_windows"] = seqlen, max_windows
+    for record in changed["perplexity"].values():
+        record["seqlen"] = seqlen
+        record["windows"] = max_windows or record["windows"]
+    return changed
+
+
+def test_runs_of_different_protocols_are_refused_or_shown_with_allow_mixed(tmp_path: Path) -> None:
+    """The issue's case: a dense run at 512 tokens × 1 window beside a pruned one at 128 × 2 (21.98 vs 222.40)."""
+    dense = _write_run(tmp_path, "dense", _with_protocol(_eval({"wikitext2": 21.98}, None), 512, 1), None)
+    pruned = _write_run(
+        tmp_path, "t24", _with_protocol(_eval({"wikitext2": 222.40}, None), 128, 2), _prune(2, 4, True, [0.1] * 4)
+    )
+    runs = [load_run(dense), load_run(pruned)]
+    with pytest.raises(UsageError) as refused:
+        build_table(runs)
+    assert str(refused.value) == (
+        "the runs were evaluated under different protocols (dense: perplexity on at most 1 window of 512 tokens "
+        "(offline data); t24: perplexity on at most 2 windows of 128 tokens (offline data)), so their numbers do "
+        "not compare; re-evaluate them with the same tsenor eval options, or pass --allow-mixed to show each "
+        "run's protocol"
+    )
+    result = CliRunner().invoke(app, ["report", str(dense), str(pruned), "--output", str(tmp_path / "out")])
+    assert isinstance(result.exception, UsageError) and not (tmp_path / "out").exists()
+    result = CliRunner().invoke(
+        app, ["report", str(dense), str(pruned), "--output", str(tmp_path / "out"), "--allow-mixed"]
+    )
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[1] == "Protocol: mixed, see the Protocol column"
+    assert lines[5] == "| N:M | Algorithm | Transposable | WT2 | Avg | Protocol | Run |"
+    assert lines[7] == (
+        "| dense | dense | - | 21.98 | - | perplexity on at most 1 window of 512 tokens (offline data) | dense |"
+    )
+    assert lines[8].endswith("| 222.40 | - | perplexity on at most 2 windows of 128 tokens (offline data) | t24 |")
+    payload = json.loads((tmp_path / "out" / "table.json").read_text())
+    assert payload["protocol"] is None
+    assert [(r["eval_seqlen"], r["eval_max_windows"]) for r in payload["rows"]] == [(512, 1), (128, 2)]
+    # Another zero-shot limit is another protocol too; a run without zero-shot conflicts with none.
+    zs_a = _write_run(tmp_path, "zs-a", _eval({"wikitext2": 20.0}, {"piqa": 0.6}), None)
+    other = _eval({"wikitext2": 30.0}, {"piqa": 0.5})
+    other["zeroshot"]["limit"] = 100
+    zs_b = _write_run(tmp_path, "zs-b", other, _prune(2, 4, True, [0.1] * 4))
+    ppl_only = _write_run(tmp_path, "ppl-only", _eval({"wikitext2": 25.0}, None), _prune(2, 4, False, [0.1] * 4))
+    assert not build_table([load_run(zs_a), load_run(ppl_only)]).mixed
+    with pytest.raises(UsageError, match=r"zs-a: .*limit 200 documents.*zs-b: .*limit 100 documents"):
+        build_table([load_run(zs_a), load_run(zs_b)])
+
+
 def test_report_writes_csv_json_and_valid_pngs(runs: list[Path], tmp_path: Path) -> None:
     out = tmp_path / "report"
     result = write_report([load_run(p) for p in runs], out)
@@ -213,10 +271,13 @@ def test_report_writes_csv_json_and_valid_pngs(runs: list[Path], tmp_path: Path)
     assert [r["run"] for r in rows] == ["dense", "nm24", "t24", "t816"]
     assert rows[2]["nm"] == "2:4" and rows[2]["transposable"] == "True" and rows[2]["sparsity"] == "0.5"
     assert float(rows[2]["ppl_wikitext2"]) == 45.25 and float(rows[2]["acc_piqa"]) == 0.52
+    assert float(rows[2]["acc_stderr_piqa"]) == 0.03 and rows[3]["acc_stderr_piqa"] == ""
+    assert (rows[0]["eval_seqlen"], rows[0]["eval_max_windows"], rows[0]["eval_limit"]) == ("64", "", "200")
     assert float(rows[2]["average_acc"]) == pytest.approx((0.52 + 0.30 + 0.61) / 3)
     assert rows[3]["ppl_ptb"] == "" and rows[3]["average_acc"] == ""
     payload = json.loads((out / "table.json").read_text())
     assert payload["columns"][:3] == ["run", "model", "nm"] and len(payload["rows"]) == 4
+    assert payload["protocol"].startswith("perplexity on every window of 64 tokens")
     for name in ("perplexity_vs_m.png", "reconstruction_error.png"):
         data = (out / name).read_bytes()
         assert data.startswith(PNG_MAGIC)

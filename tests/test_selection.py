@@ -54,6 +54,22 @@ def test_excluded_layers_reasons() -> None:
     }
 
 
+def test_targets_and_ignore_that_cancel_out_are_refused_with_or_without_outside_linears() -> None:
+    """Issue 41 audit item 5: --targets and --ignore naming the same linears leave nothing to prune, on a
+    multimodal model (vision linears selectable) as on a text model; a vision linear --targets names and
+    --ignore leaves is something to prune."""
+    vision = ["model.vision_tower.layers.0.mlp.fc1", "model.vision_tower.layers.0.mlp.fc2"]
+    refused = r"--ignore/--targets leave none of the 6 linear layers to prune; loosen the patterns"
+    with pytest.raises(UsageError, match=refused):
+        excluded_layers(NAMES, ["*"], ["*"])
+    with pytest.raises(UsageError, match=refused):
+        excluded_layers(NAMES, ["*"], ["*"], selectable=vision)
+    with pytest.raises(UsageError, match=refused):
+        excluded_layers(NAMES, ["model.vision_tower.*"], ["model.vision_tower.*"], selectable=vision)
+    kept = excluded_layers(NAMES, ["*.fc1"], ["model.vision_tower.*"], selectable=vision)
+    assert set(kept) == set(NAMES)  # the decoder untouched, fc2 pruned
+
+
 def test_bad_patterns_are_one_line_usage_errors() -> None:
     with pytest.raises(UsageError, match=r"--ignore '\*\.mlp\.dwn_proj' matches no linear layer"):
         excluded_layers(NAMES, ["*.mlp.dwn_proj"], ())
@@ -182,3 +198,22 @@ def test_many_ignored_layers_are_counted_by_reason_in_the_summary() -> None:
     assert "- ignored (left dense): 13 not matched by --targets; 1 matched --ignore *.o (each in the table)" in markdown
     assert "- density: model 0.9000 (90 of 100 parameters nonzero), decoder weight matrices 0.8333" in markdown
     assert markdown.count("| ignored: ") == 14
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_targets_and_ignore_that_cancel_out_on_a_multimodal_model_are_refused(
+    dry_run: bool, calib: Path, tmp_path: Path
+) -> None:
+    """The audit's case on a tiny LLaVA: --targets '*' --ignore '*' (and the vision tower named by both) was
+    a dense copy with exit 0; now exit 2 with the text model's line, nothing written."""
+    from helpers_tiny import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "llava", "llava")
+    out = tmp_path / "out"
+    base = ["prune", "--model", str(model), "--nm", "2:4", "--nsamples", "2", "--seqlen", "16"]
+    base += ["--calib-data", str(calib), "--output", str(out), *(["--dry-run"] if dry_run else [])]
+    for pattern in ("*", "model.vision_tower.*"):
+        result = invoke([*base, "--targets", pattern, "--ignore", pattern])
+        assert result.exit_code == 2, result.output
+        assert "leave none of the" in str(result.exception) and "loosen the patterns" in str(result.exception)
+        assert not out.exists()

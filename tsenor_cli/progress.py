@@ -12,9 +12,11 @@ that route them elsewhere; `sink` turns the ``None`` default into the logger.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
@@ -72,14 +74,51 @@ def configure_logging(level: int = logging.INFO) -> None:
 
 
 def quiet_libraries() -> None:
-    """`tsenor -q`: hide the progress bars and info lines of the libraries tsenor calls too (transformers'
-    "Loading weights" bar, hub downloads, datasets' preparation), leaving their warnings and errors."""
+    """`tsenor -q`: hide the progress bars, info lines and warnings of the libraries tsenor calls too
+    (transformers' "Loading weights" bar, hub downloads, datasets' preparation, lm-eval's notes), leaving
+    their errors; lm-eval's own bars and subprocesses are silenced around its call (`quiet_foreign_output`)."""
     import datasets
     import huggingface_hub.utils
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
-    transformers_logging.set_verbosity_warning()
+    transformers_logging.set_verbosity_error()
     huggingface_hub.utils.disable_progress_bars()
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_warning()
+    datasets.logging.set_verbosity_error()
+    # lm-eval logs through the standard logging tree under "lm_eval" (its warnings about passing an
+    # in-memory model and overriding num_fewshot come on every run).
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+
+
+def is_quiet() -> bool:
+    """Whether this invocation runs with `-q`: `configure_logging` set the ``tsenor`` logger to warnings
+    only (a library caller that configured nothing is not quiet)."""
+    return logger.level > logging.INFO
+
+
+@contextlib.contextmanager
+def quiet_foreign_output() -> Iterator[None]:
+    """Under `-q`, the process's stderr (file descriptor 2) goes to /dev/null within the block; otherwise
+    nothing changes.
+
+    For a library call that writes to stderr past every logging switch: lm-eval draws its tqdm bars with
+    an explicit ``disable=False`` (so neither ``TQDM_DISABLE`` nor a logger level reaches them) and runs
+    ``git describe`` in the working directory with stderr not captured ("fatal: not a git repository"
+    outside a checkout; lm_eval/loggers/utils.py). Its failures are exceptions, raised after the block has
+    put stderr back, so the error line still shows. Nothing of tsenor's own runs inside such a call.
+    """
+    if not is_quiet():
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -76,8 +76,9 @@ LOG_FILE = "log.txt"
 STATUS_VERSION = 1
 FINETUNE_STATE_VERSION = 1
 # 3: the block files and hidden-state files are named by block and listed with their sizes. Files of this
-# format written before `schema_version` carry the same number as ``version``.
-PRUNE_STATE_VERSION = 3
+# format written before `schema_version` carry the same number as ``version``. 4: and with their sha256
+# (`digests`: a file damaged at the same size is seen), keyed by the input checkpoint's identity too.
+PRUNE_STATE_VERSION = 4
 LAYER_STATUSES = ("pruned", "skipped", "ignored")
 
 DataKind = Literal["offline", "file", "hub"]
@@ -852,7 +853,7 @@ class ResumeState:
     next_block, None once every block is done; files: {file name: size in bytes} of every file the state
     relies on; records: the layer records so far; calibration: the calibration's description and
     calibration_source its `DataSource`; refinement: the records of the blocks refined so far
-    (`--refine block`).
+    (`--refine block`); digests: {file name: sha256} of the same files.
     """
 
     config_hash: str
@@ -864,6 +865,7 @@ class ResumeState:
     calibration: str
     calibration_source: DataSource
     refinement: tuple[BlockRefinement, ...] = ()
+    digests: dict[str, str] = field(default_factory=dict)
     schema_version: int = PRUNE_STATE_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -878,6 +880,7 @@ class ResumeState:
             "calibration": self.calibration,
             "calibration_source": self.calibration_source.to_json(),
             "refinement": [block.to_json() for block in self.refinement],
+            "digests": self.digests,
         }
 
     @staticmethod
@@ -899,6 +902,7 @@ class ResumeState:
                 calibration=str(raw["calibration"]),
                 calibration_source=DataSource.from_json(raw["calibration_source"], where),
                 refinement=tuple(BlockRefinement.from_json(block, where) for block in raw.get("refinement", [])),
+                digests={str(name): str(digest) for name, digest in dict(raw["digests"]).items()},
                 schema_version=int(cls.version_of(raw)),
             )
         except SchemaError:

@@ -201,8 +201,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except TsenorError as exc:
         if state.debug:
             raise
-        if isinstance(exc, PeerError) and not _is_root_process():
-            sys.exit(exc.exit_code)  # rank 0 prints the failing rank's line; one line for the whole run
+        if isinstance(exc, PeerError | Interrupted) and not _is_root_process():
+            sys.exit(exc.exit_code)  # rank 0 prints the failing rank's line or the stop's; one for the run
         # An interruption is not an error in the input: its line says what was saved, unprefixed.
         typer.echo(str(exc) if isinstance(exc, Interrupted) else f"error: {one_line(str(exc))}", err=True)
         sys.exit(exc.exit_code)

@@ -183,18 +183,9 @@ def _print_result(report: PruneReport, evaluation: EvalReport | None, *, as_json
 
 
 def _launch(ctx: typer.Context, cfg: PruneConfig, nproc: int) -> None:
-    """Run this same command in `nproc` processes (torchrun's launcher) and exit with its status: 0, or
-    the failing rank's exit code after rank 0's `error:` line."""
+    """Run this same command in `nproc` processes (`pruning/launch.py`) and exit with the run's status."""
     from tsenor_cli.cli import launch_arguments
-    from tsenor_cli.models.loading import resolve_device
-    from tsenor_cli.pruning.distributed import launch
+    from tsenor_cli.pruning.launch import launch_prune
 
-    # Checked here too, so the line comes once and not from every process.
-    if cfg.nsamples < nproc:
-        raise UsageError(
-            f"--nsamples {cfg.nsamples} is fewer than --nproc {nproc}; pass at least one calibration sample per process"
-        )
-    resolve_device(cfg.device)
-    code = launch(launch_arguments(ctx), nproc)
-    if code:
+    if code := launch_prune(launch_arguments(ctx), cfg, nproc):
         raise typer.Exit(code)

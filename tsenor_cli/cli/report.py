@@ -50,6 +50,12 @@ def report_cmd(
         None, "--format", hidden=True, help="Old spelling of --json (--format json), accepted for one release."
     ),
     force: ForceOpt = False,
+    allow_mixed: bool = typer.Option(
+        False,
+        "--allow-mixed",
+        help="Put runs evaluated under different protocols (window length and count, zero-shot limit and "
+        "shots, data source) in one table, each row's protocol in a column; refused without it.",
+    ),
 ) -> None:
     """Merge runs into one table (perplexity + zero-shot, as the paper's Table 2) and plot them.
 
@@ -58,7 +64,7 @@ def report_cmd(
     if output is None:
         raise UsageError("--output is required; pass the folder for table.md/.csv/.json and the plots")
     runs = [load_run(path) for path in _expand_sweeps(run_dirs)]
-    result = write_report(runs, output, force=force)
+    result = write_report(runs, output, force=force, allow_mixed=allow_mixed)
     for note in result.skipped:
         typer.echo(f"skipped {note}", err=True)
     typer.echo(f"wrote {', '.join(result.files)} to {result.directory}", err=True)

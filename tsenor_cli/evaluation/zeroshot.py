@@ -24,7 +24,7 @@ from typing import Any
 from tsenor_cli.data.sources import data_folder, file_source
 from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.evaluation.tasks.converters import TASK_FILES, resolve_files
-from tsenor_cli.progress import sink
+from tsenor_cli.progress import quiet_foreign_output, sink
 from tsenor_cli.runfiles import DataSource, TaskScore, TaskSource, ZeroShotResult
 from tsenor_cli.settings import RunContext
 
@@ -120,6 +120,40 @@ def _metric(values: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
+def _task_manager(root: Path | None) -> tuple[Any, str]:
+    """lm-eval's TaskManager for the task source (`task_source`'s folder, or None for the hub's tasks)
+    and the words that name it in the progress line."""
+    from lm_eval.tasks import TaskManager
+
+    if root is not None:
+        manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata={"data_dir": str(root)})
+        return manager, f"offline tasks from {root}"
+    return TaskManager(), "lm-eval hub tasks"
+
+
+def _score(name: str, results: Mapping[str, Any], root: Path | None) -> TaskScore:
+    """Task `name`'s scores in lm-eval's `results`, with the data it read (the offline files under `root`,
+    or the hub dataset of its config)."""
+    values = results["results"][name]
+    acc = _metric(values, "acc")
+    if acc is None:
+        raise RuntimeError(f"lm-eval reported no acc for {name}")
+    return TaskScore(
+        name=name,
+        acc=acc,
+        acc_stderr=_metric(values, "acc_stderr"),
+        acc_norm=_metric(values, "acc_norm"),
+        acc_norm_stderr=_metric(values, "acc_norm_stderr"),
+        n_samples=int(results["n-samples"][name]["effective"]),
+        data_source=(
+            file_source("offline", resolve_files(name, root))
+            if root is not None
+            else _hub_task_source(results["configs"][name])
+        ),
+        version=str(results["versions"][name]),
+    )
+
+
 def run_zeroshot(
     model: Any,
     tokenizer: Any,
@@ -136,7 +170,8 @@ def run_zeroshot(
 
     `limit` caps documents per task (an int count, or a fraction in (0, 1)); lm-eval takes the first
     documents of each split. `seed` seeds only lm-eval's few-shot sampler (its own random.Random):
-    loglikelihood scoring draws no random numbers, so no global RNG is touched.
+    loglikelihood scoring draws no random numbers, so no global RNG is touched. Each task's score keeps
+    lm-eval's standard errors (`acc_stderr`, `acc_norm_stderr`; the report prints acc ± stderr).
     """
     names = validate_tasks(tasks)
     _validate_limit(limit)
@@ -147,30 +182,24 @@ def run_zeroshot(
 
     import lm_eval
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
-    if root is not None:
-        manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata={"data_dir": str(root)})
-        where = f"offline tasks from {root}"
-    else:
-        manager = TaskManager()
-        where = "lm-eval hub tasks"
+    manager, where = _task_manager(root)
     sink(progress)(f"zero-shot: {', '.join(names)} ({where}, limit={limit}, batch size {size})")
-
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=size)
     try:
-        results = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=list(names),
-            num_fewshot=num_fewshot,
-            limit=limit,
-            task_manager=manager,
-            log_samples=False,
-            random_seed=None,
-            numpy_random_seed=None,
-            torch_random_seed=None,
-            fewshot_random_seed=seed,
-        )
+        with quiet_foreign_output():
+            results = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=list(names),
+                num_fewshot=num_fewshot,
+                limit=limit,
+                task_manager=manager,
+                log_samples=False,
+                random_seed=None,
+                numpy_random_seed=None,
+                torch_random_seed=None,
+                fewshot_random_seed=seed,
+            )
     except OSError as exc:
         if root is not None:
             raise
@@ -182,30 +211,10 @@ def run_zeroshot(
         ) from exc
     if results is None:
         raise RuntimeError("lm-eval returned no results on rank 0")
-
     scores = []
     for name in names:
-        values = results["results"][name]
-        acc = _metric(values, "acc")
-        if acc is None:
-            raise RuntimeError(f"lm-eval reported no acc for {name}")
-        scores.append(
-            TaskScore(
-                name=name,
-                acc=acc,
-                acc_stderr=_metric(values, "acc_stderr"),
-                acc_norm=_metric(values, "acc_norm"),
-                acc_norm_stderr=_metric(values, "acc_norm_stderr"),
-                n_samples=int(results["n-samples"][name]["effective"]),
-                data_source=(
-                    file_source("offline", resolve_files(name, root))
-                    if root is not None
-                    else _hub_task_source(results["configs"][name])
-                ),
-                version=str(results["versions"][name]),
-            )
-        )
-        sink(progress)(f"zero-shot: {name} acc={acc:.4f} (n={scores[-1].n_samples})")
+        scores.append(_score(name, results, root))
+        sink(progress)(f"zero-shot: {name} acc={scores[-1].acc:.4f} (n={scores[-1].n_samples})")
     return ZeroShotResult(
         tasks=tuple(scores),
         average=average_acc(scores),

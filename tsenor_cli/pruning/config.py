@@ -120,8 +120,15 @@ class PruneConfig:
         }
 
     def result_hash(self) -> str:
-        """sha256 of `result_fields`, the key of a resume state."""
-        blob = json.dumps(self.result_fields(), sort_keys=True, default=str).encode()
+        """sha256 of `result_fields` and the input checkpoint's identity (`resume.checkpoint_identity`: its
+        files' sizes, times and safetensors headers), the key of a resume state and of a finished run: a
+        checkpoint replaced at the same path is another input, whose run is neither continued nor taken
+        for done."""
+        from tsenor_cli.pruning.resume import checkpoint_identity
+
+        identity = checkpoint_identity(self.model)
+        key = self.result_fields() if identity is None else {**self.result_fields(), "model_identity": identity}
+        blob = json.dumps(key, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()
 
 

@@ -74,69 +74,6 @@ def assign_owners(
     return owners
 
 
-def without_option(args: Sequence[str], option: str) -> list[str]:
-    """`args` less every ``option VALUE`` and ``option=VALUE``."""
-    kept: list[str] = []
-    skip = False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg == option:
-            skip = True
-        elif not arg.startswith(option + "="):
-            kept.append(arg)
-    return kept
-
-
-def launch(args: Sequence[str], nproc: int) -> int:
-    """Run ``python -m tsenor_cli ARGS`` (less --nproc) in `nproc` processes on this node with torch's
-    elastic launcher, what torchrun runs (a c10d rendezvous on a free local port, no restarts).
-
-    Returns 0, or the exit code of the lowest rank that exited by itself: the ranks of a failed run all
-    exit with the failing rank's code (`Team.agreed`), and rank 0 has printed its line. When every failed
-    rank was killed by a signal, none printed anything: PeerError with exit code 128 + the signal.
-    """
-    import logging
-    import sys
-    import uuid
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from tsenor_cli.settings import default_worker_threads
-
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"tsenor-{uuid.uuid4().hex}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=0,
-    )
-    default_worker_threads(nproc)
-    # The launcher logs each failed worker; the ranks print the run's one error line already.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    try:
-        elastic_launch(config, sys.executable)("-m", "tsenor_cli", *without_option(args, "--nproc"))
-    except ChildFailedError as exc:
-        # The ranks of a failed run all exit with the agreed code, but the first to exit makes torchrun
-        # SIGTERM the rest: a rank still shutting down shows as killed (-15) although it agreed too. So
-        # any rank's own exit code wins over a signal; only a run where every failed rank was killed by
-        # a signal (out of memory, preemption) reports one.
-        exited = sorted(rank for rank, failure in exc.failures.items() if failure.exitcode > 0)
-        if exited:
-            return exc.failures[exited[0]].exitcode
-        rank = min(exc.failures)
-        code = exc.failures[rank].exitcode
-        raise PeerError(
-            f"process {rank} of {nproc} was killed by signal {-code} (e.g. out of memory); rerunning the same "
-            "command continues from the last saved block",
-            128 - code,
-        ) from None
-    return 0
-
-
 @dataclass(frozen=True)
 class _Failure:
     """What one rank tells the others about its error (exceptions do not all pickle)."""

@@ -7,24 +7,30 @@ After block i is pruned the store writes, each file atomically (tsenor_cli.atomi
    written after the last block, which nothing reads), and with `--refine block` under ``dense`` the
    dense model's hidden states there (the dense stream, pruning/refine.py);
 3. ``state.json`` (its schema is `runfiles.ResumeState`): the commit point. It names the next block,
-   the hidden-states file to read and the size of every file it relies on, plus the layer records and
-   the calibration source;
+   the hidden-states file to read and the size and sha256 of every file it relies on, plus the layer
+   records and the calibration source;
 4. the previous ``hidden_<i-1>.safetensors`` is deleted.
 
 Files are named by block and never rewritten with other contents, so a kill at any point leaves the
 state.json of step 3 before or after, and every file that one names complete: resuming never reads a
 block's own output as its input. What a kill leaves unnamed (a new file before its state.json, the
 previous hidden states before step 4, a temporary) is deleted when the state is next opened. A
-state.json that cannot be read or names a missing or wrongly sized file is damaged: one line
-(`ResumeStateError`), never a traceback.
+state.json that cannot be read or names a missing file, or one of another size or sha256, is damaged:
+one line (`ResumeStateError`), never a traceback.
+
+The state belongs to one run's settings and one input: its key (`PruneConfig.result_hash`) takes the
+input checkpoint's identity (`checkpoint_identity`), so a checkpoint replaced at the same path between
+a kill and the rerun is another run, never continued with blocks pruned from the old weights.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -49,6 +55,75 @@ from tsenor_cli.runfiles import (
 _OWN_FILE = re.compile(
     rf"\.?({re.escape(RESUME_STATE_FILE)}|(block|hidden)_[0-9]{{4}}\.safetensors)(\.tmp-[0-9]+-[A-Za-z0-9_]+)?"
 )
+
+
+# The files of a checkpoint folder that decide the pruned weights: the weights, their index, the config and
+# the tokenizer (which turns the calibration text into tokens).
+_INPUT_FILES = (
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "pytorch_model*.bin",
+    "pytorch_model*.bin.index.json",
+    "config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def _safetensors_header(path: Path) -> bytes:
+    """The header of a safetensors file (its 8-byte length and the JSON of names, dtypes, shapes, offsets);
+    b"" when the file is too short to hold one (the loader reports the damage)."""
+    with path.open("rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            return b""
+        return head + handle.read(int.from_bytes(head, "little"))
+
+
+def checkpoint_identity(model: str) -> dict[str, Any] | None:
+    """What tells this input checkpoint from another at the same path, without reading its weights:
+
+    - a local folder: for each file that decides the weights (`_INPUT_FILES`) its size and modification
+      time (any rewrite, a `cp` of another checkpoint over it included, moves it) and for safetensors the
+      sha256 of the header (shapes and dtypes, even under a preserved time);
+    - a hub id in the local cache: the snapshot's commit, which names the files' contents;
+    - None for an embedded model (made from the GGUF inside the package) and a hub id not cached yet.
+
+    Reading the headers takes milliseconds even for a sharded 8B checkpoint; hashing its 16 GB of weights
+    would take a minute on every run and rerun.
+    """
+    from tsenor_cli.models.embedded import is_embedded
+
+    if is_embedded(model):
+        return None
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        files: dict[str, Any] = {}
+        for path in sorted({p for pattern in _INPUT_FILES for p in folder.glob(pattern) if p.is_file()}):
+            stat = path.stat()
+            entry: dict[str, Any] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+            if path.name.endswith(".safetensors"):
+                entry["header_sha256"] = hashlib.sha256(_safetensors_header(path)).hexdigest()
+            files[path.name] = entry
+        return {"files": files}
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(model, "config.json")
+    except ValueError:  # HFValidationError: no hub id either, e.g. a missing folder (the loader says so)
+        return None
+    return {"hub_commit": Path(cached).parent.name} if isinstance(cached, str) else None
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, read in 4 MiB pieces."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while piece := handle.read(4 << 20):
+            digest.update(piece)
+    return digest.hexdigest()
 
 
 class ResumeStore:
@@ -120,8 +195,9 @@ class ResumeStore:
             )
         if raw.get("config_hash") != config_hash:
             raise ResumeStateError(
-                f"the resume state in {self.root} was made with different settings; rerun with the same "
-                "flags to continue it, or pass --force to start over"
+                f"the resume state in {self.root} was made with different settings or from another input "
+                "checkpoint (its files changed since); rerun the same command on the same checkpoint to "
+                "continue it, or pass --force to start over"
             )
         try:
             state = ResumeState.from_json(raw, RESUME_STATE_FILE)
@@ -145,6 +221,8 @@ class ResumeStore:
                 raise self._damaged(f"{name} is missing")
             if path.stat().st_size != size:
                 raise self._damaged(f"{name} has {path.stat().st_size} bytes, {RESUME_STATE_FILE} says {size}")
+            if file_sha256(path) != state.digests.get(name):
+                raise self._damaged(f"{name} does not have the sha256 {RESUME_STATE_FILE} records")
         return state
 
     def save_block(
@@ -171,18 +249,21 @@ class ResumeStore:
         """
         self.root.mkdir(parents=True, exist_ok=True)
         files = dict(previous.files) if previous is not None else {}
+        digests = dict(previous.digests) if previous is not None else {}
         old_hidden = previous.hidden if previous is not None else None
         if old_hidden is not None:
             del files[old_hidden]
+            digests.pop(old_hidden, None)
         name = block_file(index)
         atomic.save_safetensors(dict(block.state_dict()), self.root / name)
-        files[name] = (self.root / name).stat().st_size
+        files[name], digests[name] = (self.root / name).stat().st_size, file_sha256(self.root / name)
         new_hidden = None
         if hidden is not None:
             new_hidden = hidden_file(index)
             streams = {"hidden": hidden} if dense is None else {"hidden": hidden, "dense": dense}
             atomic.save_safetensors(streams, self.root / new_hidden)
-            files[new_hidden] = (self.root / new_hidden).stat().st_size
+            path = self.root / new_hidden
+            files[new_hidden], digests[new_hidden] = path.stat().st_size, file_sha256(path)
         state = ResumeState(
             config_hash,
             index + 1,
@@ -193,6 +274,7 @@ class ResumeStore:
             calibration,
             calibration_source,
             tuple(refinement),
+            digests,
         )
         atomic.write_json(self.state_path, state.to_json(), indent=1)
         if old_hidden is not None:

@@ -81,7 +81,13 @@ def excluded_layers(
         hit = next((pattern for pattern in ignore if matches(pattern, name)), None)
         if hit is not None:
             excluded[name] = f"matched --ignore {hit}"
-    chosen_outside = any(matches(pattern, name) for pattern in targets for name in selectable)
+    # An outside linear counts only if --ignore leaves it too (`outside.selected_outside`'s rule): on a
+    # multimodal model, --targets and --ignore naming the same vision linears used to pass here and write
+    # a dense copy ("0 layers pruned", exit 0) where a text model's run was refused (issue 41 audit item 5).
+    chosen_outside = any(
+        any(matches(pattern, name) for pattern in targets) and not any(matches(pattern, name) for pattern in ignore)
+        for name in selectable
+    )
     if names and len(excluded) == len(names) and not chosen_outside:
         raise UsageError(
             f"--ignore/--targets leave none of the {len(names)} linear layers to prune; loosen the patterns"

@@ -39,8 +39,9 @@ def _check_output(output: Path, runs: Sequence[Run], force: bool) -> None:
         raise OutputExistsError(f"{output} already exists; pass --force to replace it or choose another --output")
 
 
-def write_report(runs: Sequence[Run], output: Path, *, force: bool = False) -> ReportOutput:
-    """Write table.md, table.csv, table.json and the PNG plots into `output` (atomically)."""
+def write_report(runs: Sequence[Run], output: Path, *, force: bool = False, allow_mixed: bool = False) -> ReportOutput:
+    """Write table.md, table.csv, table.json and the PNG plots into `output` (atomically); runs evaluated
+    under different protocols are refused unless `allow_mixed` (`report.table.build_table`)."""
     # Imported here: matplotlib is for the plots only, and `tsenor prune` imports report.markdown.
     from tsenor_cli.report.plots import (
         PERPLEXITY_PNG,
@@ -50,7 +51,7 @@ def write_report(runs: Sequence[Run], output: Path, *, force: bool = False) -> R
     )
 
     _check_output(output, runs, force)
-    table = build_table(runs)
+    table = build_table(runs, allow_mixed=allow_mixed)
     files = ["table.md", "table.csv", "table.json"]
     skipped = []
     with atomic.atomic_dir(output, replace=True) as tmp:

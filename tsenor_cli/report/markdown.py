@@ -142,11 +142,12 @@ def eval_table(report: EvalReport) -> str:
             kind = entry.data_source.kind if entry.data_source is not None else "unrecorded"
             lines.append(f"{name:<10} {ppl:>12} {entry.windows:>8} {entry.tokens:>9}  {kind}")
     if report.zeroshot is not None:
-        lines.append(f"{'task':<14} {'acc':>8} {'acc_norm':>9}")
+        lines.append(f"{'task':<14} {'acc':>8} {'acc_norm':>9} {'± acc':>8}")
         for task in report.zeroshot.tasks:
-            # WinoGrande, RTE, BoolQ define only acc
+            # WinoGrande, RTE, BoolQ define only acc; "± acc" is lm-eval's standard error of acc.
             norm_text = "-" if task.acc_norm is None else f"{task.acc_norm:.4f}"
-            lines.append(f"{task.name:<14} {task.acc:>8.4f} {norm_text:>9}")
+            stderr_text = "-" if task.acc_stderr is None else f"{task.acc_stderr:.4f}"
+            lines.append(f"{task.name:<14} {task.acc:>8.4f} {norm_text:>9} {stderr_text:>8}")
         lines.append(f"{'average (acc)':<14} {report.zeroshot.average:>8.4f}")
     lines.extend(f"data {name}: {entry.data}" for name, entry in report.perplexity.items())
     lines.append(f"took {report.seconds:.1f} s")

@@ -9,6 +9,14 @@ paper's eight tasks in its order (then any other task found). Markdown shows acc
 with two decimals as the paper does; CSV and JSON keep the raw values (accuracy as a fraction).
 "Avg" is recomputed from the row's per-task ``acc`` values, the same rule as
 `tsenor_cli.evaluation.zeroshot.average_acc`: the unweighted mean over the tasks the run scored.
+A zero-shot cell shows lm-eval's standard error beside the accuracy (``52.00 ± 1.57``) when eval.json
+records one; CSV and JSON carry it as ``acc_stderr_<task>``.
+
+Numbers evaluated under different protocols (perplexity window length and window cap, zero-shot
+document limit and shots, where the data came from) do not compare: 21.98 at 512 tokens beside 222.40
+at 128 tokens reads as a 10x loss that is mostly the window. `build_table` refuses such runs in one
+table unless `allow_mixed`; the shared protocol is a line above the Markdown table, a mixed one a
+"Protocol" column, and CSV/JSON carry each row's protocol fields either way.
 """
 
 from __future__ import annotations
@@ -17,11 +25,11 @@ import csv
 import io
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tsenor_cli.errors import UsageError
-from tsenor_cli.runfiles import Run
+from tsenor_cli.runfiles import EvalReport, Run
 
 PPL_COLUMNS: tuple[tuple[str, str], ...] = (("c4", "C4"), ("wikitext2", "WT2"), ("ptb", "PTB"))
 TASK_COLUMNS: tuple[tuple[str, str], ...] = (
@@ -35,6 +43,70 @@ TASK_COLUMNS: tuple[tuple[str, str], ...] = (
     ("boolq", "BoolQ"),
 )
 MISSING = "-"
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How one run was evaluated: the part of eval.json that decides what its numbers mean.
+
+    seqlen / max_windows / ppl_data: the perplexity windows' length, their cap per dataset (None: every
+    window of the split) and where the text came from (the data sources' kinds, e.g. "offline"); all
+    None when the run has no perplexity. limit / num_fewshot / zeroshot_data: lm-eval's documents per
+    task (None: whole splits), its shots and its task source; all None without zero-shot results.
+    """
+
+    seqlen: int | None
+    max_windows: int | None
+    ppl_data: str | None
+    limit: int | float | None
+    num_fewshot: int | None
+    zeroshot_data: str | None
+
+    @classmethod
+    def of(cls, report: EvalReport) -> Protocol:
+        kinds = sorted({p.data_source.kind if p.data_source else "unrecorded" for p in report.perplexity.values()})
+        zs = report.zeroshot
+        return cls(
+            seqlen=report.seqlen if report.perplexity else None,
+            max_windows=report.max_windows if report.perplexity else None,
+            ppl_data="+".join(kinds) if kinds else None,
+            limit=zs.limit if zs is not None else None,
+            num_fewshot=zs.num_fewshot if zs is not None else None,
+            zeroshot_data=zs.source if zs is not None else None,
+        )
+
+    @property
+    def perplexity_part(self) -> str | None:
+        if self.seqlen is None:
+            return None
+        cap = self.max_windows
+        windows = "every window" if cap is None else f"at most {cap} window{'' if cap == 1 else 's'}"
+        return f"perplexity on {windows} of {self.seqlen} tokens ({self.ppl_data} data)"
+
+    @property
+    def zeroshot_part(self) -> str | None:
+        if self.zeroshot_data is None:
+            return None
+        docs = "whole splits" if self.limit is None else f"limit {self.limit:g} documents per task"
+        return f"zero-shot {self.num_fewshot}-shot on {docs} ({self.zeroshot_data} tasks)"
+
+    def describe(self) -> str:
+        parts = [p for p in (self.perplexity_part, self.zeroshot_part) if p is not None]
+        return "; ".join(parts) if parts else "nothing evaluated"
+
+    def record(self) -> dict[str, Any]:
+        """The CSV/JSON columns of the protocol."""
+        return {
+            "eval_seqlen": self.seqlen,
+            "eval_max_windows": self.max_windows,
+            "eval_ppl_data": self.ppl_data,
+            "eval_limit": self.limit,
+            "eval_num_fewshot": self.num_fewshot,
+            "eval_zeroshot_data": self.zeroshot_data,
+        }
+
+
+PROTOCOL_KEYS: tuple[str, ...] = tuple(Protocol(None, None, None, None, None, None).record())
 
 
 @dataclass(frozen=True)
@@ -52,6 +124,8 @@ class Row:
     perplexity: dict[str, float]
     accuracy: dict[str, float]
     refine: str | None = None
+    stderr: dict[str, float | None] = field(default_factory=dict)
+    protocol: Protocol = Protocol(None, None, None, None, None, None)
 
     @property
     def method(self) -> str:
@@ -88,9 +162,13 @@ class Row:
 
 @dataclass(frozen=True)
 class Table:
+    """The merged rows; `mixed`: the rows were evaluated under different protocols (`allow_mixed`), so the
+    Markdown has a Protocol column instead of one protocol line."""
+
     rows: tuple[Row, ...]
     ppl_datasets: tuple[str, ...]
     tasks: tuple[str, ...]
+    mixed: bool = False
 
     @property
     def refined(self) -> bool:
@@ -109,6 +187,7 @@ class Table:
             *(ppl_names.get(d, d) for d in self.ppl_datasets),
             *(task_names.get(t, t) for t in self.tasks),
             "Avg",
+            *(["Protocol"] if self.mixed else []),
             "Run",
         ]
 
@@ -126,7 +205,9 @@ class Table:
             "refine",
             *(f"ppl_{d}" for d in self.ppl_datasets),
             *(f"acc_{t}" for t in self.tasks),
+            *(f"acc_stderr_{t}" for t in self.tasks),
             "average_acc",
+            *PROTOCOL_KEYS,
         ]
 
     def records(self) -> list[dict[str, Any]]:
@@ -143,7 +224,9 @@ class Table:
                 "refine": row.refine,
                 **{f"ppl_{d}": row.perplexity.get(d) for d in self.ppl_datasets},
                 **{f"acc_{t}": row.accuracy.get(t) for t in self.tasks},
+                **{f"acc_stderr_{t}": row.stderr.get(t) for t in self.tasks},
                 "average_acc": row.average,
+                **row.protocol.record(),
             }
             for row in self.rows
         ]
@@ -153,6 +236,7 @@ class Table:
             "columns": self.record_keys(),
             "average_metric": "acc",
             "models": sorted({row.model for row in self.rows}),
+            "protocol": None if self.mixed or not self.rows else self.rows[0].protocol.describe(),
             "rows": self.records(),
         }
 
@@ -167,12 +251,14 @@ class Table:
     def to_markdown(self) -> str:
         header = self.header()
         n_ppl, n_acc = len(self.ppl_datasets), len(self.tasks) + 1
-        align = ["---"] * (4 if self.refined else 3) + ["---:"] * (n_ppl + n_acc) + ["---"]
+        align = ["---"] * (4 if self.refined else 3) + ["---:"] * (n_ppl + n_acc) + ["---"] * (2 if self.mixed else 1)
+        protocol = "mixed, see the Protocol column" if self.mixed else self.rows[0].protocol.describe()
         lines = [
             f"Models: {', '.join(sorted({row.model for row in self.rows}))}",
+            f"Protocol: {protocol}",
             "",
-            "Perplexity (lower is better); zero-shot accuracy in % (lm-eval `acc`, higher is better); "
-            "Avg = unweighted mean of acc over the run's tasks.",
+            "Perplexity (lower is better); zero-shot accuracy in % ± lm-eval's standard error (`acc`, higher "
+            "is better); Avg = unweighted mean of acc over the run's tasks.",
             "",
             "| " + " | ".join(header) + " |",
             "| " + " | ".join(align) + " |",
@@ -184,8 +270,9 @@ class Table:
                 MISSING if row.transposable is None else ("yes" if row.transposable else "no"),
                 *([row.refine or "none"] if self.refined else []),
                 *(_fmt(row.perplexity.get(d)) for d in self.ppl_datasets),
-                *(_fmt(_percent(row.accuracy.get(t))) for t in self.tasks),
+                *(_accuracy_cell(row.accuracy.get(t), row.stderr.get(t)) for t in self.tasks),
                 _fmt(_percent(row.average)),
+                *([row.protocol.describe()] if self.mixed else []),
                 row.run,
             ]
             lines.append("| " + " | ".join(cells) + " |")
@@ -198,6 +285,13 @@ def _percent(value: float | None) -> float | None:
 
 def _fmt(value: float | None) -> str:
     return MISSING if value is None else f"{value:.2f}"
+
+
+def _accuracy_cell(acc: float | None, stderr: float | None) -> str:
+    """Accuracy in percent, with lm-eval's standard error when recorded: "52.00 ± 1.57"."""
+    if acc is None or stderr is None:
+        return _fmt(_percent(acc))
+    return f"{100.0 * acc:.2f} ± {100.0 * stderr:.2f}"
 
 
 def _ordered(found: set[str], preferred: Sequence[str]) -> tuple[str, ...]:
@@ -218,6 +312,8 @@ def row_of(run: Run) -> Row:
         perplexity={name: p.ppl for name, p in run.eval.perplexity.items()},
         accuracy={t.name: t.acc for t in zeroshot.tasks} if zeroshot is not None else {},
         refine=_refine_label(prune.settings.get("refine")) if prune is not None else None,
+        stderr={t.name: t.acc_stderr for t in zeroshot.tasks} if zeroshot is not None else {},
+        protocol=Protocol.of(run.eval),
     )
 
 
@@ -229,16 +325,43 @@ def _refine_label(settings: Any) -> str | None:
     return f"{settings['mode']} ({settings['epochs']} epochs, lr {settings['lr']:g})"
 
 
-def build_table(runs: Sequence[Run]) -> Table:
-    """Rows sorted as the paper's tables; columns are the union over runs (blank where a run lacks one)."""
+def _mixed(rows: Sequence[Row]) -> bool:
+    """Whether the rows' protocols disagree: the perplexity settings of the rows with perplexity, or the
+    zero-shot settings of the rows with zero-shot results (a run lacking one kind conflicts with none)."""
+    protocols = [row.protocol for row in rows]
+    ppl = {(p.seqlen, p.max_windows, p.ppl_data) for p in protocols if p.seqlen is not None}
+    zs = {(p.limit, p.num_fewshot, p.zeroshot_data) for p in protocols if p.zeroshot_data is not None}
+    return len(ppl) > 1 or len(zs) > 1
+
+
+def _mixed_error(rows: Sequence[Row]) -> UsageError:
+    groups: dict[str, list[str]] = {}
+    for row in rows:
+        groups.setdefault(row.protocol.describe(), []).append(row.run)
+    listed = "; ".join(f"{', '.join(names)}: {protocol}" for protocol, names in groups.items())
+    return UsageError(
+        f"the runs were evaluated under different protocols ({listed}), so their numbers do not compare; "
+        "re-evaluate them with the same tsenor eval options, or pass --allow-mixed to show each run's protocol"
+    )
+
+
+def build_table(runs: Sequence[Run], *, allow_mixed: bool = False) -> Table:
+    """Rows sorted as the paper's tables; columns are the union over runs (blank where a run lacks one).
+
+    UsageError when the runs were evaluated under different protocols, unless `allow_mixed`.
+    """
     if not runs:
         raise UsageError("no runs to report; pass at least one run directory")
     labels = [run.label for run in runs]
     if len(set(labels)) != len(labels):
         raise UsageError(f"run directory names repeat ({', '.join(labels)}); rows are labelled by name, rename one")
     rows = sorted((row_of(run) for run in runs), key=Row.sort_key)
+    mixed = _mixed(rows)
+    if mixed and not allow_mixed:
+        raise _mixed_error(rows)
     return Table(
         rows=tuple(rows),
         ppl_datasets=_ordered({d for r in rows for d in r.perplexity}, [k for k, _ in PPL_COLUMNS]),
         tasks=_ordered({t for r in rows for t in r.accuracy}, [k for k, _ in TASK_COLUMNS]),
+        mixed=mixed,
     )
