@@ -22,6 +22,7 @@ from tsenor_cli.models.saving import (
     shard_header,
     write_weights,
 )
+from tsenor_cli.pattern import SparsityPattern
 
 # Two MoE layouts (tests/test_moe.py has them all): fused (E, out, in) stacks, and gpt-oss's (E, in, out) with biases.
 MOE = {
@@ -158,15 +159,17 @@ def test_prune_output_folder_is_what_save_pretrained_wrote(tmp_path: Path, tiny:
 
     from tsenor_cli.models.loading import load_model
     from tsenor_cli.pruning.output import MAX_SHARD_SIZE, SPARSITY_KEY, write_model_folder
+    from tsenor_cli.runfiles import SPARSITY_FILE, SparsityRecord
 
     loaded = load_model(str(tiny), LOCAL_CTX)
-    sparsity = {"pattern": "2:4", "pruned_weights": {}}
+    sparsity = SparsityRecord.of("magnitude", SparsityPattern.parse("2:4"), [], solver=None, solver_requested=None)
     write_model_folder(loaded.model, loaded.tokenizer, tmp_path / "out", sparsity, {"extra.txt": "x"})
     reference = tmp_path / "reference"
-    setattr(loaded.model.config, SPARSITY_KEY, sparsity)
+    setattr(loaded.model.config, SPARSITY_KEY, sparsity.summary())
     loaded.model.save_pretrained(reference, max_shard_size=MAX_SHARD_SIZE, save_original_format=False)
     loaded.tokenizer.save_pretrained(reference)
     (reference / "extra.txt").write_text("x")
+    (reference / SPARSITY_FILE).write_text(json.dumps(sparsity.to_json(), indent=1) + "\n")
     _assert_same_folders(tmp_path / "out", reference)
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     expected = loaded.model.state_dict()

@@ -10,7 +10,7 @@ import typer
 from tsenor_cli.cli import Command, app
 from tsenor_cli.cli.options import JsonOpt
 from tsenor_cli.errors import VerificationError
-from tsenor_cli.pruning.verify import verify_checkpoint
+from tsenor_cli.pruning.verify import dense_lines, verify_checkpoint
 
 
 @app.command("verify", cls=Command)
@@ -20,13 +20,13 @@ def verify_cmd(
 ) -> None:
     """Check each M×M tile keeps at most N per row and column (exactly N where weights were non-zero)."""
     report = verify_checkpoint(directory)
-    meta, pattern = report.sparsity, report.pattern
+    pattern = report.pattern
     named = f"{pattern.label} ({pattern.kind})"
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
         unit = {"transposable": "tiles", "nm": "groups", "unstructured": "layer"}[pattern.kind]
-        typer.echo(f"{directory}: {meta['method']} {named}")
+        typer.echo(f"{directory}: {report.sparsity.method} {named}")
         typer.echo(f"{'layer':<44} {'shape':>11} {unit:>8} {'>N (error)':>11} {'<N (info)':>10} {'density':>8}  status")
         for c in report.layers:
             status = "ok" if c.ok else (c.problem or "VIOLATION")
@@ -35,6 +35,8 @@ def verify_cmd(
         under = sum(c.under for c in report.layers)
         if under:
             typer.echo(f"info: {under} rows/columns keep fewer than N (weights that were already zero)")
+        for line in dense_lines(report):
+            typer.echo(line)
     if not report.ok:
         bad = [c.name for c in report.layers if not c.ok]
         raise VerificationError(

@@ -692,7 +692,7 @@ def _finetune_report(
             "saved_dtype": str(inputs.saved_dtype).removeprefix("torch."),
         },
         run_dir=str(cfg.run_dir),
-        pattern={k: v for k, v in sparsity.meta.items() if not k.endswith("_modules")},
+        pattern=sparsity.record.summary(),
         data=inputs.text.description,
         data_source=inputs.text.source.to_json(),
         windows=inputs.available,
@@ -745,4 +745,4 @@ def _write_output(
             files[name] = png
     say(f"writing {cfg.output}")
     loaded.model.to(saved_dtype)
-    write_model_folder(loaded.model, loaded.tokenizer, cfg.output, sparsity.meta, files)
+    write_model_folder(loaded.model, loaded.tokenizer, cfg.output, sparsity.record, files)

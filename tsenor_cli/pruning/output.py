@@ -24,10 +24,22 @@ from tsenor_cli.locks import folder_lock
 from tsenor_cli.models.saving import save_streamed
 from tsenor_cli.pruning.resume import ResumeStore
 from tsenor_cli.report.markdown import prune_markdown
-from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, RESUME_DIR, SPARSITY_KEY, PruneReport, read_json
+from tsenor_cli.runfiles import (
+    PRUNE_FILE,
+    PRUNE_MARKDOWN,
+    RESUME_DIR,
+    SPARSITY_FILE,
+    SPARSITY_KEY,
+    LayerRecord,
+    PruneReport,
+    SparsityRecord,
+    read_json,
+)
 
 if TYPE_CHECKING:
     import torch
+
+    from tsenor_cli.pruning.config import PruneConfig
 
 # The output's default shard size (`--max-shard-size`): transformers' own default is 50GB; tsenor has
 # written 2GB shards since its first release.
@@ -146,7 +158,7 @@ def finished_run(output: Path, result_hash: str) -> PruneReport | None:
     if not report_path.is_file() or (output / RESUME_DIR).exists():
         return None
     report = PruneReport.from_json(read_json(report_path), str(report_path))
-    return report if report.settings.get("result_hash") == result_hash else None
+    return report if report.result_hash == result_hash else None
 
 
 def prepare_output(
@@ -201,11 +213,22 @@ def check_not_input(output: Path, source: str) -> None:
         raise UsageError(f"--output {output} is inside the input checkpoint {src}; choose a directory outside it")
 
 
+def sparsity_record(cfg: PruneConfig, records: list[LayerRecord], solver: str | None) -> SparsityRecord:
+    """The checkpoint's sparsity record (`runfiles.SparsityRecord`: `SPARSITY_FILE`, summarised in config.json).
+
+    solver: the transposable solver that ran (`PruneConfig.solver_that_runs`), None for other patterns;
+    the record keeps the name asked for ("auto") beside it."""
+    p = cfg.pattern
+    return SparsityRecord.of(
+        cfg.method, p, records, solver=solver, solver_requested=cfg.layer.solver if p.transposable else None
+    )
+
+
 def write_model_folder(
     model: Any,
     tokenizer: Any,
     output: Path,
-    sparsity: dict[str, Any],
+    sparsity: SparsityRecord,
     files: Mapping[str, str | bytes] | Callable[[], Mapping[str, str | bytes]],
     *,
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -228,7 +251,7 @@ def write_model_folder(
     `atomic.atomic_dir` gives every file 0644 and every folder 0755 (the temporary folder is made
     private; a checkpoint is meant to be shared)."""
     with atomic.atomic_dir(output, replace=True) as tmp:
-        setattr(model.config, SPARSITY_KEY, sparsity)
+        setattr(model.config, SPARSITY_KEY, sparsity.summary())
         # save_pretrained's default (save_original_format=True, transformers 5.24) runs
         # `revert_weight_conversion` on the state dict: the checkpoint conversion mapping backwards,
         # applied to any model whose class has one, however it was loaded (Mixtral's fused gate_up_proj
@@ -243,6 +266,7 @@ def write_model_folder(
         # published per-expert layout do not load.
         save_streamed(tmp, model, tensors, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(tmp)
+        (tmp / SPARSITY_FILE).write_text(json.dumps(sparsity.to_json(), indent=1) + "\n", encoding="utf-8")
         for name, content in (files() if callable(files) else files).items():
             if isinstance(content, bytes):
                 (tmp / name).write_bytes(content)
@@ -255,7 +279,7 @@ def write_checkpoint(
     tokenizer: Any,
     output: Path,
     report: PruneReport | Callable[[], PruneReport],
-    sparsity: dict[str, Any],
+    sparsity: SparsityRecord,
     processor_files: Mapping[str, bytes] | None = None,
     *,
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
