@@ -174,3 +174,26 @@ def test_prune_output_folder_is_what_save_pretrained_wrote(tmp_path: Path, tiny:
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     expected = loaded.model.state_dict()
     assert all(torch.equal(tensor, expected[key]) for key, tensor in again.state_dict().items())
+
+
+def test_the_checkpoints_generation_config_is_kept_by_a_streamed_and_a_whole_load(tmp_path: Path, tiny: Path) -> None:
+    """Audit item 2: the EOS list and sampling settings of generation_config.json reach the output whether
+    the model was loaded whole or streamed (whose skeleton is built from config.json alone)."""
+    import shutil
+
+    from tsenor_cli.models.loading import load_model
+    from tsenor_cli.pruning.output import write_model_folder
+    from tsenor_cli.runfiles import GENERATION_CONFIG_FILE, SparsityRecord
+
+    source = tmp_path / "source"
+    shutil.copytree(tiny, source)
+    settings = {"eos_token_id": [2, 7], "bos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    (source / GENERATION_CONFIG_FILE).write_text(json.dumps(settings))
+    sparsity = SparsityRecord.of("magnitude", SparsityPattern.parse("2:4"), [], solver=None, solver_requested=None)
+    for stream in (False, True):
+        loaded = load_model(str(source), LOCAL_CTX, stream=stream)
+        out = tmp_path / f"out-{stream}"
+        tensors = loaded.checkpoint.iter_read(loaded.checkpoint.keys()) if loaded.checkpoint is not None else None
+        write_model_folder(loaded.model, loaded.tokenizer, out, sparsity, {}, tensors=tensors)
+        written = json.loads((out / GENERATION_CONFIG_FILE).read_text())
+        assert {key: written.get(key) for key in settings} == settings, f"stream={stream}"

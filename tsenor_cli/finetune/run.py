@@ -14,7 +14,6 @@ checkpoint-N/ (every `save_every` steps), which `resume` continues from.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import io
 import json
@@ -31,22 +30,15 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from tsenor_cli import atomic
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
-from tsenor_cli.errors import EXIT_RESUMABLE, EXIT_SIGINT, Interrupted, UsageError
+from tsenor_cli.errors import Interrupted, UsageError
 from tsenor_cli.finetune.callback import PPL_LOG_PREFIX, CurveCallback, FixedMask, MaskCallback
 from tsenor_cli.finetune.data import TrainingText, WindowDataset, training_windows
 from tsenor_cli.finetune.distill import DistillTrainer, check_teacher
 from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsity
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.progress import Progress, sink
-from tsenor_cli.pruning.output import (
-    check_not_input,
-    check_output_location,
-    output_lock,
-    prepare_output,
-    write_model_folder,
-)
+from tsenor_cli.pruning.output import check_not_input, interruption, output_run, write_model_folder
 from tsenor_cli.pruning.report import versions
 from tsenor_cli.runfiles import (
     CONFIG_FILE,
@@ -328,39 +320,24 @@ def finetune(
     stop = stop if stop is not None else StopRequest()
     point = _RunPoint(max_steps=cfg.max_steps)
     state_dir = cfg.output / RESUME_DIR
-    existed = cfg.output.exists()
-    finished = False
-    try:
+
+    def interrupted(signal_name: str | None) -> Interrupted:
+        return point.interrupted(cfg, state_dir, signal_name)
+
+    with output_run(cfg.output, interrupted, say=say, stop=stop, remove_empty=(state_dir,)) as run:
         sparsity = read_run_sparsity(cfg.run_dir)
-        check_output_location(cfg.output)
+        run.check_location()
         check_not_input(cfg.output, str(cfg.run_dir))
         args = _training_args(cfg, state_dir)
-        main = args.process_index == 0
         # One writer per output folder, as for prune (docs/reliability.md): the main process holds the lock
         # from the folder check to the final swap; the other ranks of a torchrun/accelerate launch write
         # nothing.
-        with output_lock(cfg.output) if main else contextlib.nullcontext():
+        main = args.process_index == 0
+        with run.locked(owner=main):
             if main:
-                for line in atomic.recover(cfg.output):
-                    say(line)
-            prepare_output(cfg.output, force=cfg.force, resume=cfg.resume)
-            report = _train(cfg, ctx, args, sparsity, state_dir, say, start, after_save, stop, point)
-            finished = True
-            return report
-    except KeyboardInterrupt:
-        raise point.interrupted(cfg, state_dir, stop.name) from None
-    finally:
-        if not finished:
-            _remove_if_empty(state_dir, cfg.output if not existed else None)
-
-
-def _remove_if_empty(*folders: Path | None) -> None:
-    """rmdir each folder that is empty: what a stopped or failed run made and left nothing in (Trainer
-    creates its output folder, the resume state's, before the first checkpoint), so that a rerun is not
-    taken for the continuation of an interrupted one."""
-    for folder in folders:
-        if folder is not None and folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()
+                run.recover()
+            run.prepare(force=cfg.force, resume=cfg.resume)
+            return _train(cfg, ctx, args, sparsity, state_dir, say, start, after_save, stop, point)
 
 
 @dataclass
@@ -375,7 +352,6 @@ class _RunPoint:
 
     def interrupted(self, cfg: FinetuneConfig, state_dir: Path, signal_name: str | None) -> Interrupted:
         """The `Interrupted` error for a stop here: by `signal_name` (exit 75) or by Ctrl-C (None, exit 130)."""
-        verb = f"stopped by {signal_name}" if signal_name is not None else "interrupted"
         where = {
             "starting": "before fine-tuning began",
             "evaluating before": "while evaluating the checkpoint before fine-tuning",
@@ -383,8 +359,7 @@ class _RunPoint:
             "stopped": f"after step {self.step}/{self.max_steps}",
             "evaluating after": "while evaluating after fine-tuning",
         }[self.phase]
-        code = EXIT_RESUMABLE if signal_name is not None else EXIT_SIGINT
-        return Interrupted(f"{verb} {where}; {_saved(cfg, state_dir)}", code)
+        return interruption(signal_name, where, _saved(cfg, state_dir))
 
 
 def _saved(cfg: FinetuneConfig, state_dir: Path) -> str:

@@ -27,6 +27,7 @@ from tsenor_cli.models.checkpoint import INDEX_NAME, PICKLE_PATTERN, WEIGHTS_NAM
 from tsenor_cli.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, is_embedded, materialize
 from tsenor_cli.models.structure import ModelStructure, discover_structure
 from tsenor_cli.progress import logger, sink
+from tsenor_cli.runfiles import GENERATION_CONFIG_FILE
 from tsenor_cli.settings import RunContext
 
 DTYPES: dict[str, torch.dtype] = {
@@ -474,6 +475,7 @@ def _load_streamed(
     from tsenor_cli.models.streaming import check_names, load_resident, skeleton
 
     model = skeleton(auto_class(config), config, dtype, trust_remote_code=hub["trust_remote_code"])
+    _checkpoint_generation_config(model, Path(source))
     check_names(model, checkpoint)
     structure = discover_structure(model)
     load_resident(model, structure, checkpoint, device)
@@ -486,3 +488,12 @@ def _load_streamed(
         processor_files=files,
         checkpoint=checkpoint,
     )
+
+
+def _checkpoint_generation_config(model: Any, folder: Path) -> None:
+    """Give a model built from its config the checkpoint's own generation settings (its EOS list, sampling
+    defaults), as from_pretrained does: the output's generation_config.json is written from them."""
+    from transformers import GenerationConfig
+
+    if model.can_generate() and (folder / GENERATION_CONFIG_FILE).is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)

@@ -1,5 +1,7 @@
 """The output folder: checked and locked before any work, replaced atomically at the very end.
 
+One lifecycle for `tsenor prune` and `tsenor finetune` outputs: `output_run` (an `OutputRun`).
+
 Before a model is loaded: the location must be creatable and writable (`check_output_location`) with
 room for the checkpoint and the resume state (`check_free_space`). For the whole run, including the
 final swap, an exclusive lock (`output_lock`) keeps a second run off the same folder; under it the
@@ -9,22 +11,34 @@ leftovers of a killed run are recovered (`atomic.recover`) and what the folder h
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tsenor_cli import atomic
-from tsenor_cli.errors import OutputBusyError, OutputExistsError, OutputUnwritableError, UsageError
+from tsenor_cli.errors import (
+    EXIT_RESUMABLE,
+    EXIT_SIGINT,
+    Interrupted,
+    OutputBusyError,
+    OutputExistsError,
+    OutputUnwritableError,
+    UsageError,
+)
+from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.locks import folder_lock
 from tsenor_cli.models.saving import save_streamed
+from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.resume import ResumeStore
 from tsenor_cli.report.markdown import prune_markdown
 from tsenor_cli.runfiles import (
+    INDEX_NAME,
     PRUNE_FILE,
     PRUNE_MARKDOWN,
     RESUME_DIR,
@@ -124,20 +138,39 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def check_free_space(output: Path, checkpoint_bytes: int, resume_bytes: int, blocks_bytes: int = 0) -> None:
+def copied_bytes(source: str) -> int:
+    """Bytes of what the output copies from a local checkpoint folder `source` besides its weights: the
+    tokenizer (a Llama-3 tokenizer.json alone is 9 MB), the processor and generation settings, the model
+    card; 0 for a hub id (its files are not on disk yet)."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return 0
+    weights = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+    return sum(
+        p.stat().st_size
+        for p in folder.iterdir()
+        if p.is_file() and not p.name.endswith(weights) and p.name != INDEX_NAME
+    )
+
+
+def check_free_space(
+    output: Path, checkpoint_bytes: int, resume_bytes: int, blocks_bytes: int = 0, *, copied: int = 0
+) -> None:
     """OutputUnwritableError unless the file system of `output` has room for the run's writes.
 
-    checkpoint_bytes: the checkpoint (built beside the old folder, which stays until the swap);
+    checkpoint_bytes: the checkpoint's weights (built beside the old folder, which stays until the swap);
     resume_bytes: what the resume state still has to write (0 without one); blocks_bytes: the pruned
-    blocks a streamed run without a resume state keeps on disk until the write (`pruning/streamed.py`).
+    blocks a streamed run without a resume state keeps on disk until the write (`pruning/streamed.py`);
+    copied: the tokenizer and other files written beside the weights (`copied_bytes`).
     """
-    need, free = checkpoint_bytes + resume_bytes + blocks_bytes, free_bytes(output)
+    need, free = checkpoint_bytes + resume_bytes + blocks_bytes + copied, free_bytes(output)
     if need > free:
         saving = f"; --no-resume-state saves {human_bytes(resume_bytes)}" if resume_bytes else ""
         blocks = f", pruned blocks kept until the write {human_bytes(blocks_bytes)}" if blocks_bytes else ""
+        files = f", tokenizer and other files {human_bytes(copied)}" if copied else ""
         raise OutputUnwritableError(
             f"not enough free space for --output {output}: the run writes about {human_bytes(need)} "
-            f"(checkpoint {human_bytes(checkpoint_bytes)}, resume state {human_bytes(resume_bytes)}{blocks}), "
+            f"(checkpoint {human_bytes(checkpoint_bytes)}, resume state {human_bytes(resume_bytes)}{blocks}{files}), "
             f"{human_bytes(free)} are free; free some space or choose another --output{saving}"
         )
 
@@ -200,6 +233,77 @@ def prepare_output(
     return store
 
 
+def interruption(signal_name: str | None, where: str, saved: str) -> Interrupted:
+    """The `Interrupted` error of a run stopped `where` ("at block 3/8"), saying what was `saved` and how
+    to continue: by `signal_name` (exit 75, the run can be continued) or by Ctrl-C (None, exit 130)."""
+    verb = f"stopped by {signal_name}" if signal_name is not None else "interrupted"
+    return Interrupted(f"{verb} {where}; {saved}", EXIT_RESUMABLE if signal_name is not None else EXIT_SIGINT)
+
+
+class OutputRun:
+    """The output folder of one prune or finetune run, for the run's whole life (`output_run`): its location
+    checked before any work (`check_location`), the lock held (`locked`) and a killed run's leftovers
+    recovered (`recover`), what it holds checked (`prepare`) or found finished (`finished`). The process that owns
+    the folder (rank 0 of several) locks, recovers and writes; the others only read it."""
+
+    def __init__(self, output: Path, say: Progress) -> None:
+        self.output = output_path(output)
+        self.say = say
+
+    def check_location(self) -> None:
+        check_output_location(self.output)
+
+    @contextmanager
+    def locked(self, *, owner: bool = True) -> Iterator[None]:
+        """Hold the folder's lock (`output_lock`) when `owner`; a process that does not own the folder
+        goes on without it."""
+        with output_lock(self.output) if owner else nullcontext():
+            yield
+
+    def recover(self) -> None:
+        """Put back or clear what a killed run left half-swapped (`atomic.recover`); under the lock."""
+        for line in atomic.recover(self.output):
+            self.say(line)
+
+    def prepare(self, *, force: bool, resume: bool, continue_hint: str = "pass --resume to continue it") -> ResumeStore:
+        return prepare_output(self.output, force=force, resume=resume, continue_hint=continue_hint)
+
+    def finished(self, result_hash: str) -> PruneReport | None:
+        return finished_run(self.output, result_hash)
+
+
+@contextmanager
+def output_run(
+    output: Path,
+    interrupted: Callable[[str | None], Interrupted],
+    *,
+    say: Progress,
+    stop: StopRequest | None = None,
+    remove_empty: Sequence[Path] = (),
+) -> Iterator[OutputRun]:
+    """The lifecycle of a run's output folder, one for `tsenor prune` and `tsenor finetune`.
+
+    Ctrl-C inside becomes `interrupted(signal name or None)`: the run's line saying where it stopped and
+    what it saved (`interruption`). A run that does not finish removes the folders of `remove_empty`
+    that it left empty, and the output folder itself when it made it and left nothing in it, so that a
+    rerun is not taken for the continuation of an interrupted run (finetune's Trainer creates its folders
+    before the first checkpoint).
+    """
+    run = OutputRun(output, say)
+    existed = run.output.exists()
+    finished = False
+    try:
+        yield run
+        finished = True
+    except KeyboardInterrupt:
+        raise interrupted(stop.name if stop is not None else None) from None
+    finally:
+        if not finished and remove_empty:
+            for folder in (*remove_empty, *(() if existed else (run.output,))):
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+
+
 def check_not_input(output: Path, source: str) -> None:
     """The input checkpoint is never touched: refuse an output that is, contains or lies inside it (a
     checkpoint written into its input folder would change what that folder holds)."""
@@ -222,6 +326,22 @@ def sparsity_record(cfg: PruneConfig, records: list[LayerRecord], solver: str | 
     return SparsityRecord.of(
         cfg.method, p, records, solver=solver, solver_requested=cfg.layer.solver if p.transposable else None
     )
+
+
+@contextmanager
+def _disk_full_is_one_line(output: Path) -> Iterator[None]:
+    """A full disk (or quota) while the checkpoint is written → OutputUnwritableError; `atomic.atomic_dir`
+    has removed the partial copy by then, so `output` is as it was (and a resume state in it stays)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise OutputUnwritableError(
+            f"the disk holding --output {output} filled up while the checkpoint was written "
+            f"({exc.strerror or exc}); nothing was changed in {output}: free some space (about "
+            f"{human_bytes(free_bytes(output))} are free now) and rerun, or choose another --output"
+        ) from exc
 
 
 def write_model_folder(
@@ -250,7 +370,7 @@ def write_model_folder(
     the LLaMA-like families the two are the same.
     `atomic.atomic_dir` gives every file 0644 and every folder 0755 (the temporary folder is made
     private; a checkpoint is meant to be shared)."""
-    with atomic.atomic_dir(output, replace=True) as tmp:
+    with _disk_full_is_one_line(output), atomic.atomic_dir(output, replace=True) as tmp:
         setattr(model.config, SPARSITY_KEY, sparsity.summary())
         # save_pretrained's default (save_original_format=True, transformers 5.24) runs
         # `revert_weight_conversion` on the state dict: the checkpoint conversion mapping backwards,
