@@ -10,7 +10,7 @@ import typer
 from tsenor_cli.cli import Command, app
 from tsenor_cli.cli.options import JsonOpt
 from tsenor_cli.errors import VerificationError
-from tsenor_cli.pruning.verify import dense_lines, verify_checkpoint
+from tsenor_cli.pruning.verify import dense_lines, load_lines, verify_checkpoint
 
 
 @app.command("verify", cls=Command)
@@ -35,13 +35,19 @@ def verify_cmd(
         under = sum(c.under for c in report.layers)
         if under:
             typer.echo(f"info: {under} rows/columns keep fewer than N (weights that were already zero)")
-        for line in dense_lines(report):
+        for line in [*dense_lines(report), *load_lines(report)]:
             typer.echo(line)
-    if not report.ok:
-        bad = [c.name for c in report.layers if not c.ok]
+    bad = [c.name for c in report.layers if not c.ok]
+    if bad:
         raise VerificationError(
             f"{len(bad)} weight(s) violate {named}, first: {bad[0]}; "
             "the checkpoint was modified after pruning — re-run tsenor prune"
+        )
+    unloaded = [load for load in report.loads if not load.ok]
+    if unloaded:
+        raise VerificationError(
+            f"{unloaded[0].name} finds {len(unloaded[0].missing)} weight(s) of the checkpoint missing "
+            f"(e.g. {unloaded[0].missing[0]}) and would initialise them at random; re-run tsenor prune"
         )
     if not as_json:
         typer.echo(f"all {len(report.layers)} pruned weights satisfy {named}")

@@ -38,14 +38,15 @@ from tsenor_cli.finetune.distill import DistillTrainer, check_teacher
 from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsity
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.progress import Progress, sink
+from tsenor_cli.pruning.card import card_text
 from tsenor_cli.pruning.output import check_not_input, interruption, output_run, write_model_folder
 from tsenor_cli.pruning.report import versions
 from tsenor_cli.runfiles import (
-    CONFIG_FILE,
     EVAL_FILE,
     FINETUNE_FILE,
     FINETUNE_STATE_FILE,
     FINETUNE_STATE_VERSION,
+    MODEL_CARD,
     PRUNE_FILE,
     PRUNE_MARKDOWN,
     RESUME_DIR,
@@ -168,14 +169,6 @@ class FinetuneConfig:
 
     def result_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.result_fields(), sort_keys=True).encode()).hexdigest()
-
-
-def _checkpoint_dtype(run_dir: Path) -> torch.dtype:
-    """The dtype the run's weights are stored in (config.json `dtype`, `torch_dtype` before transformers 5)."""
-    from tsenor_cli.models.loading import parse_dtype
-
-    config = json.loads((run_dir / CONFIG_FILE).read_text())
-    return parse_dtype(str(config.get("dtype") or config.get("torch_dtype") or "float32")) or torch.float32
 
 
 def _load_state(state_dir: Path, cfg: FinetuneConfig) -> FinetuneState | None:
@@ -517,10 +510,10 @@ def _load_inputs(cfg: FinetuneConfig, ctx: RunContext, args: Any, sparsity: RunS
         from tsenor_cli.evaluation.zeroshot import validate_tasks
 
         validate_tasks(cfg.tasks)
-    saved_dtype = _checkpoint_dtype(cfg.run_dir)
     loaded = load_model(
         str(cfg.run_dir), ctx, dtype=torch.float32, device="cpu", trust_remote_code=cfg.trust_remote_code, progress=say
     )
+    saved_dtype = loaded.source_dtype or torch.float32
     if loaded.max_positions is not None and cfg.seqlen > loaded.max_positions:
         raise UsageError(
             f"--seqlen {cfg.seqlen} exceeds the model's max_position_embeddings {loaded.max_positions}; "
@@ -710,8 +703,10 @@ def _write_output(
     }
     if (cfg.run_dir / PRUNE_MARKDOWN).is_file():
         files[PRUNE_MARKDOWN] = (cfg.run_dir / PRUNE_MARKDOWN).read_bytes()
+    evaluation = EvalReport.from_json(report.eval_after) if report.eval_after is not None else None
     if report.eval_after is not None:
         files[EVAL_FILE] = json.dumps(report.eval_after, indent=2) + "\n"
+    files[MODEL_CARD] = card_text(sparsity.report, evaluation=evaluation, finetuned=report)
     for name, png in (
         (LOSS_PNG, _png(lambda out: plot_training_loss({label: report.loss_curve}, out))),
         (PPL_PNG, _png(lambda out: plot_perplexity_vs_steps({label: report.ppl_curve}, out))),
@@ -720,4 +715,4 @@ def _write_output(
             files[name] = png
     say(f"writing {cfg.output}")
     loaded.model.to(saved_dtype)
-    write_model_folder(loaded.model, loaded.tokenizer, cfg.output, sparsity.record, files)
+    write_model_folder(loaded.model, loaded.tokenizer, cfg.output, sparsity.record, files, layout=loaded.layout)

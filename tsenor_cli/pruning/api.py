@@ -383,7 +383,10 @@ def _write(
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> None:
     """Rank 0 writes the checkpoint and its reports (`output.write_checkpoint`; `report` may be a function
-    making the report once the weights are written); tensors: the weights one at a time (a streamed run)."""
+    making the report once the weights are written); tensors: the weights one at a time (a streamed run).
+    The weights are written in --dtype, else the checkpoint's own dtype, under the source's key layout."""
+    from tsenor_cli.models.loading import output_dtype
+
     with phase("save"), team.agreed():
         if team.is_root:
             write_checkpoint(
@@ -395,6 +398,8 @@ def _write(
                 loaded.processor_files,
                 tensors=tensors,
                 max_shard_size=cfg.max_shard_size,
+                dtype=output_dtype(cfg.dtype, loaded.source_dtype, loaded.model.dtype),
+                layout=loaded.layout,
             )
 
 

@@ -33,12 +33,14 @@ from tsenor_cli.errors import (
 )
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.locks import folder_lock
-from tsenor_cli.models.saving import save_streamed
+from tsenor_cli.models.saving import drop_stray_keys, save_streamed, save_tokenizer
 from tsenor_cli.progress import Progress
+from tsenor_cli.pruning.card import card_text
 from tsenor_cli.pruning.resume import ResumeStore
 from tsenor_cli.report.markdown import prune_markdown
 from tsenor_cli.runfiles import (
     INDEX_NAME,
+    MODEL_CARD,
     PRUNE_FILE,
     PRUNE_MARKDOWN,
     RESUME_DIR,
@@ -353,6 +355,8 @@ def write_model_folder(
     *,
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
     max_shard_size: str = MAX_SHARD_SIZE,
+    dtype: torch.dtype | None = None,
+    layout: Mapping[str, str] | None = None,
 ) -> None:
     """save_pretrained's files (safetensors, sharded; written tensor by tensor by `models.saving.save_streamed`,
     byte for byte what save_pretrained writes) + tokenizer + `files` ({name: content}, or a function giving
@@ -360,32 +364,27 @@ def write_model_folder(
     existing `output`: prepare_output allowed it).
 
     tensors: the weights as (key, tensor) one at a time (`pruning/streamed.py`: a model whose blocks are on
-    the meta device); None: `model`'s own.
+    the meta device); None: `model`'s own. dtype: the dtype the floating weights are written in
+    (`models.loading.output_dtype`: --dtype, else the checkpoint's own); None: the model's.
+    What the source's conversion or our loading left in the config and the tokenizer's settings
+    (`models.saving.STRAY_CONFIG_KEYS`, `STRAY_TOKENIZER_KEYS`) is not written.
 
-    The tensors are saved under the model's own parameter names (what ``save_original_format=False``
-    writes, see the comment below), the names `tsenor_sparsity` lists and `tsenor verify` reads:
-    transformers 5 would otherwise write some families' legacy names (LLaVA, Gemma-3 and Mllama's
-    ``language_model.model.layers…`` for the module ``model.language_model.layers…``, Mixtral's
-    per-expert ``w1/w2/w3`` for the fused stacks). It loads back with the same class either way; for
-    the LLaMA-like families the two are the same.
+    layout: {the model's own key: the key to write} (`LoadedModel.layout`, `models.saving.source_layout`):
+    the tensors are saved under the source checkpoint's own names, so every class that loaded the source
+    loads the output with the same keys (Mllama's ``language_model.model.layers…`` loads as
+    ``MllamaForConditionalGeneration`` and, text only, as ``MllamaForCausalLM``; written under the
+    model's names ``model.language_model.layers…`` the second finds none of its weights). None: the
+    model's own names (``save_original_format=False``), which load with the model's own class: a hub
+    source, pickle weights, or a layout transformers converts (Mixtral's per-expert ``w1/w2/w3`` merged
+    into fused stacks) rather than renames. `tsenor_sparsity.json` lists the model's own parameter names;
+    `tsenor verify` maps them to the files' keys the same way.
     `atomic.atomic_dir` gives every file 0644 and every folder 0755 (the temporary folder is made
     private; a checkpoint is meant to be shared)."""
     with _disk_full_is_one_line(output), atomic.atomic_dir(output, replace=True) as tmp:
         setattr(model.config, SPARSITY_KEY, sparsity.summary())
-        # save_pretrained's default (save_original_format=True, transformers 5.24) runs
-        # `revert_weight_conversion` on the state dict: the checkpoint conversion mapping backwards,
-        # applied to any model whose class has one, however it was loaded (Mixtral's fused gate_up_proj
-        # split into per-expert w1/w3, LLaVA's model.language_model.* renamed language_model.model.*).
-        # from_pretrained applies the mapping only to keys that match it, so both layouts load with the
-        # same class bit for bit (checked on tiny Mixtral, LLaVA and DBRX). Keeping the model's own names
-        # (what save_streamed writes, byte for byte save_pretrained(save_original_format=False)) keeps
-        # each file key equal to the parameter name that `tsenor_sparsity.pruned_weights` lists, so
-        # `tsenor verify` reads each pruned matrix straight from the files; with the legacy layout it
-        # would have to build the whole model through the mapping. The cost: for families with a
-        # mapping the files are transformers-5 names, which transformers 4 and tools that read the
-        # published per-expert layout do not load.
-        save_streamed(tmp, model, tensors, max_shard_size=max_shard_size)
-        tokenizer.save_pretrained(tmp)
+        drop_stray_keys(model.config)
+        save_streamed(tmp, model, tensors, max_shard_size=max_shard_size, dtype=dtype, layout=layout)
+        save_tokenizer(tokenizer, tmp)
         (tmp / SPARSITY_FILE).write_text(json.dumps(sparsity.to_json(), indent=1) + "\n", encoding="utf-8")
         for name, content in (files() if callable(files) else files).items():
             if isinstance(content, bytes):
@@ -404,17 +403,33 @@ def write_checkpoint(
     *,
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
     max_shard_size: str = MAX_SHARD_SIZE,
+    dtype: torch.dtype | None = None,
+    layout: Mapping[str, str] | None = None,
 ) -> None:
-    """The pruned checkpoint with its reports (tsenor_report.json / .md), written atomically.
+    """The pruned checkpoint with its reports (tsenor_report.json / .md) and model card, written atomically.
 
     report: the report, or a function making it once the weights are written (a streamed run counts the
     nonzeros of the tensors as they pass). processor_files: {name: content} of the source's processor
     files (`models.loading.PROCESSOR_FILES`: a multimodal model's image processor and processor
-    settings), copied unchanged. tensors, max_shard_size: `write_model_folder`'s."""
+    settings), copied unchanged. tensors, max_shard_size, dtype, layout: `write_model_folder`'s."""
 
     def files() -> dict[str, str | bytes]:
         made = report() if callable(report) else report
         found: dict[str, str | bytes] = {**(processor_files or {})}
-        return found | {PRUNE_FILE: json.dumps(made.to_json(), indent=2) + "\n", PRUNE_MARKDOWN: prune_markdown(made)}
+        return found | {
+            PRUNE_FILE: json.dumps(made.to_json(), indent=2) + "\n",
+            PRUNE_MARKDOWN: prune_markdown(made),
+            MODEL_CARD: card_text(made),
+        }
 
-    write_model_folder(model, tokenizer, output, sparsity, files, tensors=tensors, max_shard_size=max_shard_size)
+    write_model_folder(
+        model,
+        tokenizer,
+        output,
+        sparsity,
+        files,
+        tensors=tensors,
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        layout=layout,
+    )

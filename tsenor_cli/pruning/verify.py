@@ -51,12 +51,28 @@ class LayerCheck:
 
 
 @dataclass(frozen=True)
+class ClassLoad:
+    """How one transformers class loads the checkpoint: the weights it expects and finds under no key of
+    the files (`missing`: they would be initialised at random), and the layout it reads them through
+    ({its parameter name: the files' key}; None when transformers converts the keys rather than renames)."""
+
+    name: str
+    missing: tuple[str, ...]
+    layout: dict[str, str] | None
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing
+
+
+@dataclass(frozen=True)
 class VerifyReport:
     """directory: the checkpoint; sparsity: its sparsity record; layers: the check of each pruned weight."""
 
     directory: str
     sparsity: SparsityRecord
     layers: tuple[LayerCheck, ...]
+    loads: tuple[ClassLoad, ...] = ()
 
     @property
     def pattern(self) -> SparsityPattern:
@@ -69,7 +85,7 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return all(layer.ok for layer in self.layers)
+        return all(layer.ok for layer in self.layers) and all(load.ok for load in self.loads)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +94,7 @@ class VerifyReport:
             "sparsity": self.sparsity.summary(),
             "layers": [asdict(c) for c in self.layers],
             "dense": [asdict(w) for w in self.dense],
+            "loads": [{"class": load.name, "missing": list(load.missing)} for load in self.loads],
         }
 
 
@@ -99,21 +116,25 @@ def _weight_files(directory: Path) -> dict[str, Path]:
 class _Parameters:
     """The model's parameters as tsenor pruned them, read from a checkpoint folder.
 
-    A parameter saved under its own name is read from its safetensors file. When save_pretrained wrote
-    another key layout (transformers 5 saves fused experts back in their original per-expert keys, and
-    renames some modules, e.g. PhiMoE's router), the model is loaded once with its own class, which
-    applies transformers' conversion mapping, and the parameters are taken from it: no renaming here.
+    A parameter is read from its safetensors file under the key its class's conversion mapping renames
+    to its name (`layout`: the output is written in its source's layout, e.g. Mllama's
+    ``language_model.model.layers…``), or under its own name. When the files hold another layout that
+    is not a renaming (a checkpoint of an older tsenor saved fused experts back in their per-expert keys),
+    the model is loaded once with its own class, which applies transformers' conversion, and the
+    parameters are taken from it.
     """
 
-    def __init__(self, directory: Path, files: dict[str, Path]) -> None:
+    def __init__(self, directory: Path, files: dict[str, Path], layout: dict[str, str] | None) -> None:
         self.directory = directory
         self.files = files
+        self.layout = layout or {}
         self.loaded: dict[str, torch.Tensor] | None = None
 
     def tensor(self, name: str) -> torch.Tensor | None:
-        if name in self.files:
-            with safe_open(str(self.files[name]), framework="pt") as handle:
-                return handle.get_tensor(name)
+        key = self.layout.get(name, name)
+        if key in self.files:
+            with safe_open(str(self.files[key]), framework="pt") as handle:
+                return handle.get_tensor(key)
         if self.loaded is None:
             self.loaded = _load_parameters(self.directory)
         return self.loaded.get(name)
@@ -194,9 +215,33 @@ def verify_checkpoint(directory: Path) -> VerifyReport:
             )
     if not record.pruned:
         raise VerificationError(f"{directory} records no pruned weights; nothing to verify")
-    params = _Parameters(directory, files)
+    loads = _class_loads(directory, list(files))
+    params = _Parameters(directory, files, loads[0].layout if loads else None)
     checks = [_check(entry, params.matrix(entry), record.pattern) for entry in record.pruned]
-    return VerifyReport(str(directory), record, tuple(checks))
+    return VerifyReport(str(directory), record, tuple(checks), tuple(loads))
+
+
+def _class_loads(directory: Path, keys: list[str]) -> list[ClassLoad]:
+    """How each class that loads a checkpoint of this config (`loading.loading_classes`; the class its
+    config.json names first) maps the files' keys: the weights it would find missing."""
+    import transformers
+
+    from tsenor_cli.models.loading import loading_classes
+    from tsenor_cli.models.saving import saved_tensors, source_layout
+
+    config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    named = [getattr(transformers, n, None) for n in getattr(config, "architectures", None) or ()]
+    loads = []
+    for cls in dict.fromkeys([c for c in named if c is not None] + loading_classes(config)):
+        with torch.device("meta"):
+            model = cls(config)
+        layout = source_layout(model, keys)
+        if layout is None:  # not a renaming: transformers converts these keys when it loads them
+            loads.append(ClassLoad(cls.__name__, (), None))
+            continue
+        missing = tuple(spec.key for spec in saved_tensors(model) if spec.key not in layout)
+        loads.append(ClassLoad(cls.__name__, missing, {own: key for own, key in layout.items()}))
+    return loads
 
 
 def _check(entry: PrunedWeight, weight: torch.Tensor | None, pattern: SparsityPattern) -> LayerCheck:
@@ -210,6 +255,16 @@ def _check(entry: PrunedWeight, weight: torch.Tensor | None, pattern: SparsityPa
     groups, over, under = check_weight(weight, pattern)
     density = float((weight != 0).float().mean())
     return LayerCheck(entry.name, (int(rows), int(cols)), groups, over, under, density)
+
+
+def load_lines(report: VerifyReport) -> list[str]:
+    """One line per class that loads the checkpoint: it finds every weight, or how many are missing."""
+    return [
+        f"loads as {load.name}: every weight found"
+        if load.ok
+        else f"loads as {load.name}: {len(load.missing)} weight(s) missing, e.g. {load.missing[0]}"
+        for load in report.loads
+    ]
 
 
 def dense_lines(report: VerifyReport) -> list[str]:
