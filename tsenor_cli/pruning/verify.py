@@ -27,6 +27,7 @@ from tsenor_cli.runfiles import (
     DenseWeight,
     PrunedWeight,
     SparsityRecord,
+    read_json,
     read_sparsity,
 )
 from tsenor_cli.solver import to_blocks
@@ -229,6 +230,8 @@ def _class_loads(directory: Path, keys: list[str]) -> list[ClassLoad]:
     from tsenor_cli.models.loading import loading_classes
     from tsenor_cli.models.saving import saved_tensors, source_layout
 
+    if read_json(directory / CONFIG_FILE).get("auto_map"):
+        return []  # its own model code: verify runs no code it brings (`load_lines` says it was not checked)
     config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
     named = [getattr(transformers, n, None) for n in getattr(config, "architectures", None) or ()]
     loads = []
@@ -259,6 +262,8 @@ def _check(entry: PrunedWeight, weight: torch.Tensor | None, pattern: SparsityPa
 
 def load_lines(report: VerifyReport) -> list[str]:
     """One line per class that loads the checkpoint: it finds every weight, or how many are missing."""
+    if not report.loads:
+        return ["loads: not checked (the checkpoint brings its own model code, which verify does not run)"]
     return [
         f"loads as {load.name}: every weight found"
         if load.ok

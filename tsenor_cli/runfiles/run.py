@@ -36,7 +36,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from tsenor_cli import atomic
 from tsenor_cli.errors import InputNotFoundError, VerificationError
@@ -206,11 +206,6 @@ class PruneReport:
         value = self.settings.get("result_hash")
         return value if isinstance(value, str) else None
 
-    def setting(self, key: str, kind: type) -> Any:
-        """settings[key] when it is a `kind`, else None (a report of an older tsenor may lack it)."""
-        value = self.settings.get(key)
-        return value if isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool) else None
-
     @property
     def pruned(self) -> list[LayerRecord]:
         return [r for r in self.layers if r.status == "pruned"]
@@ -331,13 +326,16 @@ class PrunedWeight:
         return cls(**_read(cls, obj, where, shape=tuple(shape) if shape is not None else None))
 
 
+DenseStatus = Literal["skipped", "ignored"]
+
+
 @dataclass(frozen=True)
 class DenseWeight:
     """A weight the run left dense: status "skipped" (the pattern does not fit, or the block never ran)
     or "ignored" (by choice or by a rule), with the layer record's reason (None in older checkpoints)."""
 
     name: str
-    status: Literal["skipped", "ignored"]
+    status: DenseStatus
     reason: str | None = None
 
     @classmethod
@@ -390,7 +388,9 @@ class SparsityRecord:
                 for r in records
                 if r.status == "pruned"
             ),
-            dense=tuple(DenseWeight(r.name, r.status, r.reason) for r in records if r.status != "pruned"),  # type: ignore[arg-type]
+            dense=tuple(
+                DenseWeight(r.name, cast(DenseStatus, r.status), r.reason) for r in records if r.status != "pruned"
+            ),
             tsenor_version=__version__,
         )
 
