@@ -10,6 +10,7 @@ lock a killed process held is released when its file descriptor is closed, as th
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -67,3 +68,59 @@ class KillSwitch:
         finally:
             for op, function in real.items():
                 setattr(os, op, function)
+
+
+class FullDisk:
+    """A file system that fills up: files opened for writing under `root` (builtins.open, io.open and so
+    pathlib's open) raise OSError(ENOSPC) once `budget` bytes were written to them in all, as a write to a
+    full disk does. `written` counts the bytes that went through."""
+
+    def __init__(self, root: Path, budget: int) -> None:
+        self.root = str(root)
+        self.budget = budget
+        self.written = 0
+
+    def _wrap(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        disk = self
+
+        class Filling:
+            def __init__(self, handle: Any) -> None:
+                self._handle = handle
+
+            def write(self, data: Any) -> int:
+                size = len(data) if not isinstance(data, memoryview) else data.nbytes
+                if disk.written + size > disk.budget:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                disk.written += size
+                return int(self._handle.write(data))
+
+            def __enter__(self) -> Filling:
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                self._handle.close()
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self._handle, name)
+
+        def opened(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            handle = real(file, mode, *args, **kwargs)
+            writing = any(flag in mode for flag in "wax+")
+            if writing and isinstance(file, str | os.PathLike) and os.fspath(file).startswith(self.root):
+                return Filling(handle)
+            return handle
+
+        return opened
+
+    @contextmanager
+    def armed(self) -> Iterator[FullDisk]:
+        """Within: writes under `root` count against the budget (the real open is put back on exit)."""
+        import builtins
+        import io
+
+        real = io.open
+        builtins.open = io.open = self._wrap(real)  # type: ignore[assignment]
+        try:
+            yield self
+        finally:
+            builtins.open = io.open = real

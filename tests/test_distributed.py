@@ -46,7 +46,7 @@ from tsenor_cli.pruning.distributed import assign_owners, shard_bounds, shared_i
 from tsenor_cli.pruning.launch import run_status, without_option
 from tsenor_cli.pruning.plan import plan_model
 from tsenor_cli.pruning.types import LayerPruneConfig
-from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE
+from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE, read_sparsity
 from tsenor_cli.settings import DistributedContext, RunContext
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,7 +137,9 @@ def _spawn(tmp: Path, jobs: list[dict[str, Any]], ctx: RunContext) -> list[dict[
 
 
 def _pruned_weights(output: Path) -> dict[str, torch.Tensor]:
-    pruned = json.loads((output / "config.json").read_text())["tsenor_sparsity"]["pruned_modules"]
+    record = read_sparsity(output)
+    assert record is not None
+    pruned = record.pruned_modules
     tensors = load_file(str(output / "model.safetensors"))
     return {name: tensors[f"{name}.weight"] for name in pruned}
 

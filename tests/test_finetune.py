@@ -30,7 +30,7 @@ from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.pruning.verify import verify_checkpoint
-from tsenor_cli.runfiles import RESUME_DIR, SCHEMA_VERSION, FinetuneReport, SchemaError
+from tsenor_cli.runfiles import RESUME_DIR, SCHEMA_VERSION, SPARSITY_FILE, FinetuneReport, SchemaError, read_sparsity
 from tsenor_cli.settings import RunContext
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -93,7 +93,9 @@ def _weights_hash(path: Path) -> str:
 
 
 def _pruned_modules(path: Path) -> list[str]:
-    return list(json.loads((path / "config.json").read_text())["tsenor_sparsity"]["pruned_modules"])
+    record = read_sparsity(path)
+    assert record is not None
+    return list(record.pruned_modules)
 
 
 def _check_mask_kept(pruned: Path, out: Path) -> None:
@@ -164,6 +166,7 @@ def test_finetune_cli_keeps_the_mask_and_lowers_the_loss(pruned: Path, text_file
     assert (out / "tsenor_report.json").read_bytes() == (pruned / "tsenor_report.json").read_bytes()
     source_meta = json.loads((pruned / "config.json").read_text())["tsenor_sparsity"]
     assert json.loads((out / "config.json").read_text())["tsenor_sparsity"] == source_meta
+    assert (out / SPARSITY_FILE).read_bytes() == (pruned / SPARSITY_FILE).read_bytes()
     for png in ("finetune_loss.png", "finetune_ppl.png"):
         assert (out / png).read_bytes().startswith(b"\x89PNG")
     assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644

@@ -13,7 +13,6 @@ a block whose experts see different token distributions better than magnitude pr
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any, cast
 
@@ -40,6 +39,7 @@ from tsenor_cli.pruning.observe import Geometry, matrices, observe_block
 from tsenor_cli.pruning.stats import ExpertStats, RowBuffer
 from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.pruning.verify import verify_checkpoint
+from tsenor_cli.runfiles import read_sparsity
 from tsenor_cli.settings import RunContext
 
 # model_type → config overrides for 4 experts, top-2 (Llama-4: top-1, every token through every expert).
@@ -224,8 +224,8 @@ def test_sparsegpt_2_4_prunes_every_expert_keeps_routers_dense_and_verifies(
         kept += int(torch.count_nonzero(weight))
         dense += weight.numel()
     assert kept / dense == pytest.approx(0.5, abs=0.03)
-    meta = json.loads((out / "config.json").read_text())["tsenor_sparsity"]
-    assert len(meta["pruned_weights"]) == len(report.pruned)
+    record = read_sparsity(out)
+    assert record is not None and len(record.pruned) == len(report.pruned)
     generated = loaded.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
     assert generated.shape == (1, 6)
 

@@ -213,6 +213,55 @@ def test_two_block_prune_verifies_loads_and_generates(
     assert torch.equal(generated[:, : prompt.shape[1]], prompt)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_class_that_loads_the_source_loads_the_output(
+    family: str, checkpoints: dict[str, Path], pruned: dict[str, tuple[Path, PruneReport]]
+) -> None:
+    """Issue 41 item 7: the output is written in the source's key layout, so each class that loads the
+    source (Mllama: MllamaForConditionalGeneration, and text only MllamaForCausalLM) finds the same keys
+    in the output, none missing; `tsenor verify` checks the same through each class's key map."""
+    from tsenor_cli.models.loading import loading_classes
+
+    source = checkpoints[family]
+    out, _ = pruned[family]
+    classes = loading_classes(json_config(source))
+    assert classes and (family != "mllama" or {c.__name__ for c in classes} >= {"MllamaForCausalLM"})
+    for cls in classes:
+        dense, dense_info = cls.from_pretrained(source, output_loading_info=True)
+        model, info = cls.from_pretrained(out, output_loading_info=True)
+        assert not info["missing_keys"] and not dense_info["missing_keys"], cls.__name__
+        assert sorted(info["unexpected_keys"]) == sorted(dense_info["unexpected_keys"]), cls.__name__
+        assert model.state_dict().keys() == dense.state_dict().keys()
+        assert any(not torch.equal(model.state_dict()[k], v) for k, v in dense.state_dict().items())  # pruned
+    verified = verify_checkpoint(out)
+    assert {load.name for load in verified.loads} >= {cls.__name__ for cls in classes}
+    assert verified.ok and all(load.ok for load in verified.loads)
+
+
+def test_verify_finds_the_weights_a_class_would_miss(
+    checkpoints: dict[str, Path], pruned: dict[str, tuple[Path, PruneReport]], tmp_path: Path
+) -> None:
+    """A Mllama output under the model's own names (what tsenor wrote before): MllamaForCausalLM maps none
+    of them and would start from random text weights; verify says so and fails (exit 6)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out, _ = pruned["mllama"]
+    own = tmp_path / "own-names"
+    shutil.copytree(out, own)
+    layout = {key: name for name, key in (verify_checkpoint(out).loads[0].layout or {}).items()}
+    tensors = load_file(str(own / "model.safetensors"))
+    save_file({layout.get(k, k): v for k, v in tensors.items()}, str(own / "model.safetensors"), {"format": "pt"})
+    verified = verify_checkpoint(own)
+    text_only = next(load for load in verified.loads if load.name == "MllamaForCausalLM")
+    assert not verified.ok and not text_only.ok and all(c.ok for c in verified.layers)
+    assert len(text_only.missing) > 10 and text_only.missing[0].startswith(("model.", "lm_head"))
+    result = invoke(["verify", str(own)])
+    assert result.exit_code == 6
+    assert "MllamaForCausalLM finds" in str(result.exception) and "at random" in str(result.exception)
+
+
 @pytest.mark.parametrize("family", ["qwen2_vl", "mllama"])
 def test_refinement_trains_the_language_model_only(
     family: str, checkpoints: dict[str, Path], calibration_text: Path, tmp_path: Path

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 from helpers_cli import invoke
-from helpers_faults import Killed, KillSwitch
+from helpers_faults import FullDisk, Killed, KillSwitch
 from safetensors.torch import load_file
 from typer.testing import Result
 
 from tsenor_cli import atomic
-from tsenor_cli.errors import OutputBusyError
+from tsenor_cli.errors import OutputBusyError, OutputUnwritableError
 from tsenor_cli.locks import lock_path
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning import output as output_module
@@ -230,3 +230,47 @@ def test_recover_touches_only_the_temporaries_of_its_output(tmp_path: Path) -> N
     assert len(done) == 2
     kept = [".out.lock", ".out.tmp-x-abc", ".outer.tmp-1-abc", "out.tmp-1-a"]
     assert sorted(p.name for p in tmp_path.iterdir()) == kept
+
+
+# ---------------------------------------------------------------- a full disk
+
+
+def test_the_space_check_counts_the_files_copied_beside_the_weights(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizer, generation settings and other small files are part of the write (audit item 6)."""
+    weights = {"model.safetensors", "model.safetensors.index.json"}
+    expected = sum(p.stat().st_size for p in tiny.iterdir() if p.is_file() and p.name not in weights)
+    copied = output_module.copied_bytes(str(tiny))
+    assert copied == expected and copied > 0
+    assert output_module.copied_bytes("HuggingFaceTB/SmolLM2-135M") == 0  # a hub id: nothing on disk yet
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(output_module.shutil, "disk_usage", lambda _path: usage(10**9, 10**9 - 1000, 1000))
+    output_module.check_free_space(tmp_path / "out", 900, 0)  # the weights alone fit
+    with pytest.raises(OutputUnwritableError, match=r"tokenizer and other files 200\.0 B"):
+        output_module.check_free_space(tmp_path / "out", 900, 0, copied=200)
+
+
+def test_a_disk_that_fills_up_during_the_write_is_one_line_and_changes_nothing(
+    tiny: Path, calib: Path, tmp_path: Path
+) -> None:
+    """Audit item 6: ENOSPC while the checkpoint is written → exit 4 with one line; a finished output that
+    --force was replacing stays byte for byte, the resume state of a fresh run stays to continue from."""
+    out = tmp_path / "out"
+    assert _prune(tiny, calib, out).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    with FullDisk(tmp_path / ".out.tmp", budget=4096).armed() as disk:
+        full = _prune(tiny, calib, out, "--force", "--method", "magnitude")
+    assert disk.written <= 4096
+    assert full.exit_code == 4, full.output
+    assert _line(full).startswith(f"the disk holding --output {out.resolve()} filled up while the checkpoint")
+    assert "No space left on device" in _line(full) and "nothing was changed" in _line(full)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporaries left
+    fresh = tmp_path / "fresh"
+    with FullDisk(tmp_path / ".fresh.tmp", budget=4096).armed():
+        assert _prune(tiny, calib, fresh).exit_code == 4
+    assert (fresh / RESUME_DIR).is_dir()  # every block saved: the rerun only writes
+    again = _prune(tiny, calib, fresh)
+    assert again.exit_code == 0, again.output
+    assert (fresh / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()

@@ -10,11 +10,14 @@ import pytest
 
 from tsenor_cli.errors import SchemaError
 from tsenor_cli.runfiles import (
+    CONFIG_FILE,
     FINETUNE_STATE_FILE,
     FINETUNE_STATE_VERSION,
     PRUNE_STATE_VERSION,
     RESUME_DIR,
     RESUME_STATE_FILE,
+    SPARSITY_FILE,
+    SPARSITY_KEY,
     STATUS_FILE,
     SUBMISSION_FILE,
     BlockRefinement,
@@ -23,9 +26,11 @@ from tsenor_cli.runfiles import (
     LayerRecord,
     ResumeState,
     RunStatus,
+    SparsityRecord,
     Submission,
     block_file,
     hidden_file,
+    read_sparsity,
     read_status,
     read_submission,
     resume_progress,
@@ -94,3 +99,73 @@ def test_prune_resume_state_round_trips_and_reads_the_files_written_as_version()
     assert ResumeState.from_json(legacy, RESUME_STATE_FILE) == state
     with pytest.raises(SchemaError, match=r"state\.json lacks or mistypes 'files'"):
         ResumeState.from_json({k: v for k, v in written.items() if k != "files"}, RESUME_STATE_FILE)
+
+
+def _sparsity_record() -> SparsityRecord:
+    from tsenor_cli.pattern import SparsityPattern
+
+    records = [
+        LayerRecord(0, "model.layers.0.mlp.up_proj", 8, 4, "pruned"),
+        LayerRecord(0, "model.layers.0.mlp.experts.gate_up_proj[1]", 8, 4, "pruned", param="x.gate_up_proj", expert=1),
+        LayerRecord(0, "model.layers.0.mlp.gate", 1, 4, "ignored", reason="a gate"),
+        LayerRecord(1, "model.layers.1.cross_attn.q_proj", 8, 4, "skipped", reason="never runs"),
+    ]
+    pattern = SparsityPattern.parse("2:4", transposable=True)
+    return SparsityRecord.of("wanda", pattern, records, solver="flow", solver_requested="auto")
+
+
+def test_sparsity_record_round_trips_and_config_json_keeps_a_summary(tmp_path: Path) -> None:
+    record = _sparsity_record()
+    assert [w.param for w in record.pruned] == ["model.layers.0.mlp.up_proj.weight", "x.gate_up_proj"]
+    assert record.pruned[1].expert == 1 and record.pruned[1].shape == (8, 4)
+    assert [(w.status, w.reason) for w in record.dense] == [("ignored", "a gate"), ("skipped", "never runs")]
+    (tmp_path / CONFIG_FILE).write_text(json.dumps({SPARSITY_KEY: record.summary()}))
+    (tmp_path / SPARSITY_FILE).write_text(json.dumps(record.to_json()))
+    assert read_sparsity(tmp_path) == record
+    summary = record.summary()
+    assert (summary["weights_pruned"], summary["weights_dense"], summary["record"]) == (2, 2, SPARSITY_FILE)
+    assert "pruned" not in summary and len(json.dumps(summary)) < 400
+
+
+def test_sparsity_in_config_json_of_older_checkpoints_still_reads(tmp_path: Path) -> None:
+    """Before v0.3 config.json held the whole record: `pruned_weights` (v0.2) or `pruned_modules` only."""
+    record = _sparsity_record()
+    v02 = {
+        **record.pattern.metadata(),
+        "method": "wanda",
+        "solver": "flow",
+        "solver_requested": "auto",
+        "pruned_modules": list(record.pruned_modules),
+        "pruned_weights": [{**w.to_json()} for w in record.pruned],
+        "skipped_modules": ["model.layers.1.cross_attn.q_proj"],
+        "ignored_modules": ["model.layers.0.mlp.gate"],
+        "tsenor_version": "0.2.0",
+    }
+    (tmp_path / CONFIG_FILE).write_text(json.dumps({SPARSITY_KEY: v02}))
+    old = read_sparsity(tmp_path)
+    assert old is not None and old.pruned == record.pruned and old.pattern == record.pattern
+    assert {(w.name, w.status) for w in old.dense} == {(w.name, w.status) for w in record.dense}
+    v01 = {k: v for k, v in v02.items() if k != "pruned_weights"}
+    (tmp_path / CONFIG_FILE).write_text(json.dumps({SPARSITY_KEY: v01}))
+    oldest = read_sparsity(tmp_path)
+    assert oldest is not None
+    assert [(w.param, w.shape) for w in oldest.pruned] == [(f"{n}.weight", None) for n in record.pruned_modules]
+    (tmp_path / CONFIG_FILE).write_text(json.dumps({"model_type": "llama"}))
+    assert read_sparsity(tmp_path) is None
+
+
+def test_a_missing_or_contradicting_sparsity_file_is_one_error(tmp_path: Path) -> None:
+    from tsenor_cli.errors import InputNotFoundError, VerificationError
+    from tsenor_cli.pattern import SparsityPattern
+
+    record = _sparsity_record()
+    (tmp_path / CONFIG_FILE).write_text(json.dumps({SPARSITY_KEY: record.summary()}))
+    with pytest.raises(InputNotFoundError, match=f"lacks {SPARSITY_FILE}"):
+        read_sparsity(tmp_path)
+    other = {**record.to_json(), **SparsityPattern.parse("4:8", transposable=True).metadata()}
+    (tmp_path / SPARSITY_FILE).write_text(json.dumps(other))
+    with pytest.raises(VerificationError, match="record different patterns"):
+        read_sparsity(tmp_path)
+    (tmp_path / SPARSITY_FILE).write_text(json.dumps({**record.to_json(), "schema_version": 9}))
+    with pytest.raises(SchemaError, match="upgrade tsenor"):
+        read_sparsity(tmp_path)

@@ -22,6 +22,7 @@ from tsenor_cli.models.saving import (
     shard_header,
     write_weights,
 )
+from tsenor_cli.pattern import SparsityPattern
 
 # Two MoE layouts (tests/test_moe.py has them all): fused (E, out, in) stacks, and gpt-oss's (E, in, out) with biases.
 MOE = {
@@ -158,16 +159,98 @@ def test_prune_output_folder_is_what_save_pretrained_wrote(tmp_path: Path, tiny:
 
     from tsenor_cli.models.loading import load_model
     from tsenor_cli.pruning.output import MAX_SHARD_SIZE, SPARSITY_KEY, write_model_folder
+    from tsenor_cli.runfiles import SPARSITY_FILE, SparsityRecord
 
     loaded = load_model(str(tiny), LOCAL_CTX)
-    sparsity = {"pattern": "2:4", "pruned_weights": {}}
+    sparsity = SparsityRecord.of("magnitude", SparsityPattern.parse("2:4"), [], solver=None, solver_requested=None)
     write_model_folder(loaded.model, loaded.tokenizer, tmp_path / "out", sparsity, {"extra.txt": "x"})
     reference = tmp_path / "reference"
-    setattr(loaded.model.config, SPARSITY_KEY, sparsity)
+    setattr(loaded.model.config, SPARSITY_KEY, sparsity.summary())
     loaded.model.save_pretrained(reference, max_shard_size=MAX_SHARD_SIZE, save_original_format=False)
     loaded.tokenizer.save_pretrained(reference)
+    # transformers 5 saves how the tokenizer was loaded; the output leaves that out (nothing else differs)
+    settings = json.loads((reference / "tokenizer_config.json").read_text())
+    assert settings.pop("local_files_only") is True and settings.pop("is_local") is True
+    (reference / "tokenizer_config.json").write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
     (reference / "extra.txt").write_text("x")
+    (reference / SPARSITY_FILE).write_text(json.dumps(sparsity.to_json(), indent=1) + "\n")
     _assert_same_folders(tmp_path / "out", reference)
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     expected = loaded.model.state_dict()
     assert all(torch.equal(tensor, expected[key]) for key, tensor in again.state_dict().items())
+
+
+def test_the_checkpoints_generation_config_is_kept_by_a_streamed_and_a_whole_load(tmp_path: Path, tiny: Path) -> None:
+    """Audit item 2: the EOS list and sampling settings of generation_config.json reach the output whether
+    the model was loaded whole or streamed (whose skeleton is built from config.json alone)."""
+    import shutil
+
+    from tsenor_cli.models.loading import load_model
+    from tsenor_cli.pruning.output import write_model_folder
+    from tsenor_cli.runfiles import GENERATION_CONFIG_FILE, SparsityRecord
+
+    source = tmp_path / "source"
+    shutil.copytree(tiny, source)
+    settings = {"eos_token_id": [2, 7], "bos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    (source / GENERATION_CONFIG_FILE).write_text(json.dumps(settings))
+    sparsity = SparsityRecord.of("magnitude", SparsityPattern.parse("2:4"), [], solver=None, solver_requested=None)
+    for stream in (False, True):
+        loaded = load_model(str(source), LOCAL_CTX, stream=stream)
+        out = tmp_path / f"out-{stream}"
+        tensors = loaded.checkpoint.iter_read(loaded.checkpoint.keys()) if loaded.checkpoint is not None else None
+        write_model_folder(loaded.model, loaded.tokenizer, out, sparsity, {}, tensors=tensors)
+        written = json.loads((out / GENERATION_CONFIG_FILE).read_text())
+        assert {key: written.get(key) for key in settings} == settings, f"stream={stream}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_writing_in_another_dtype_is_save_pretrained_of_the_cast_model(tmp_path: Path, dtype: torch.dtype) -> None:
+    """save_streamed(dtype=…) of an fp32 model writes what model.to(dtype).save_pretrained writes, the
+    floating tensors cast as they pass (a bf16 checkpoint pruned in fp32 on the CPU is saved in bf16)."""
+    model = random_causal_lm(seed=3)
+    streamed = tmp_path / "streamed"
+    save_streamed(streamed, model, dtype=dtype)
+    reference = tmp_path / "reference"
+    model.to(dtype).save_pretrained(reference, save_original_format=False)
+    _assert_same_folders(streamed, reference)
+    assert json.loads((streamed / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
+
+
+def test_output_dtype_is_the_checkpoints_unless_asked(tmp_path: Path, tiny: Path) -> None:
+    """--dtype auto means the checkpoint's dtype (transformers' "auto"), whatever the run computes in."""
+    from tsenor_cli.models.loading import load_model, output_dtype
+
+    source = tmp_path / "bf16"
+    random_causal_lm(seed=1).to(torch.bfloat16).save_pretrained(source)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (source / name).write_bytes((tiny / name).read_bytes())
+    loaded = load_model(str(source), LOCAL_CTX, dtype=torch.float32)
+    assert loaded.model.dtype == torch.float32 and loaded.source_dtype == torch.bfloat16
+    assert output_dtype(None, loaded.source_dtype, torch.float32) == torch.bfloat16
+    assert output_dtype("auto", loaded.source_dtype, torch.float32) == torch.bfloat16
+    assert output_dtype("fp32", loaded.source_dtype, torch.bfloat16) == torch.float32
+    assert output_dtype(None, None, torch.float32) == torch.float32
+    streamed = load_model(str(source), LOCAL_CTX, dtype=torch.float32, stream=True)
+    assert streamed.source_dtype == torch.bfloat16
+
+
+def test_the_output_carries_no_conversion_or_loading_keys(tmp_path: Path, tiny: Path) -> None:
+    """No `_model_name_or_path` from a GGUF conversion in config.json, no `local_files_only` from our
+    offline loading in tokenizer_config.json (issue 41, Output)."""
+    import shutil
+
+    from tsenor_cli.models.loading import load_model
+    from tsenor_cli.pruning.output import write_model_folder
+    from tsenor_cli.runfiles import SparsityRecord
+
+    source = tmp_path / "source"
+    shutil.copytree(tiny, source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "_model_name_or_path": "Smollm2 135M 8k Lc100K"}))
+    loaded = load_model(str(source), LOCAL_CTX)
+    sparsity = SparsityRecord.of("magnitude", SparsityPattern.parse("2:4"), [], solver=None, solver_requested=None)
+    write_model_folder(loaded.model, loaded.tokenizer, tmp_path / "out", sparsity, {})
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "_model_name_or_path" not in written and written["hidden_size"] == config["hidden_size"]
+    tokenizer = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert not {"local_files_only", "is_local"} & set(tokenizer) and "eos_token" in tokenizer

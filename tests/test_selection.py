@@ -16,6 +16,7 @@ from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.selection import check_patterns, excluded_layers, matches
 from tsenor_cli.pruning.types import LayerPruneConfig
+from tsenor_cli.runfiles import read_sparsity
 
 NAMES = [f"model.layers.{b}.{local}" for b in (0, 1) for local in ("self_attn.q_proj", "mlp.up_proj", "mlp.down_proj")]
 
@@ -123,8 +124,11 @@ def test_ignored_layers_stay_dense_and_are_reported(tiny: Path, calib: Path, tmp
     assert "| model.layers.0.mlp.down_proj | 64×128 | ignored: matched --ignore *.mlp.down_proj |" in markdown
     assert "- density: model " in markdown and "decoder weight matrices 0.6389" in markdown
 
-    meta = json.loads((out / "config.json").read_text())["tsenor_sparsity"]
-    assert meta["ignored_modules"] == ignored and meta["skipped_modules"] == []
+    record = read_sparsity(out)
+    assert record is not None and [w.name for w in record.dense] == ignored
+    assert {w.status for w in record.dense} == {"ignored"} and all(
+        w.reason is not None and w.reason.startswith("matched --ignore") for w in record.dense
+    )
     verified = invoke(["verify", str(out), "--json"])
     assert verified.exit_code == 0, verified.output
     checked = [layer["name"] for layer in json.loads(verified.output)["layers"]]

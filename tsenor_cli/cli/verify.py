@@ -18,16 +18,16 @@ def verify_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Check each M×M tile keeps at most N per row and column (exactly N where weights were non-zero)."""
-    from tsenor_cli.pruning.verify import verify_checkpoint
+    from tsenor_cli.pruning.verify import dense_lines, load_lines, verify_checkpoint
 
     report = verify_checkpoint(directory)
-    meta, pattern = report.sparsity, report.pattern
+    pattern = report.pattern
     named = f"{pattern.label} ({pattern.kind})"
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
         unit = {"transposable": "tiles", "nm": "groups", "unstructured": "layer"}[pattern.kind]
-        typer.echo(f"{directory}: {meta['method']} {named}")
+        typer.echo(f"{directory}: {report.sparsity.method} {named}")
         typer.echo(f"{'layer':<44} {'shape':>11} {unit:>8} {'>N (error)':>11} {'<N (info)':>10} {'density':>8}  status")
         for c in report.layers:
             status = "ok" if c.ok else (c.problem or "VIOLATION")
@@ -36,11 +36,19 @@ def verify_cmd(
         under = sum(c.under for c in report.layers)
         if under:
             typer.echo(f"info: {under} rows/columns keep fewer than N (weights that were already zero)")
-    if not report.ok:
-        bad = [c.name for c in report.layers if not c.ok]
+        for line in [*dense_lines(report), *load_lines(report)]:
+            typer.echo(line)
+    bad = [c.name for c in report.layers if not c.ok]
+    if bad:
         raise VerificationError(
             f"{len(bad)} weight(s) violate {named}, first: {bad[0]}; "
             "the checkpoint was modified after pruning — re-run tsenor prune"
+        )
+    unloaded = [load for load in report.loads if not load.ok]
+    if unloaded:
+        raise VerificationError(
+            f"{unloaded[0].name} finds {len(unloaded[0].missing)} weight(s) of the checkpoint missing "
+            f"(e.g. {unloaded[0].missing[0]}) and would initialise them at random; re-run tsenor prune"
         )
     if not as_json:
         typer.echo(f"all {len(report.layers)} pruned weights satisfy {named}")

@@ -1,18 +1,17 @@
 """The fixed mask of a pruned checkpoint: its zeros, checked against the pattern its run recorded.
 
-A run directory written by `tsenor prune` records the pattern twice: config.json `tsenor_sparsity`
-(kind, N, M, the pruned modules; what `tsenor verify` reads) and tsenor_report.json (`pattern`,
-`sparsity`). Fine-tuning needs both to agree and the weights' zeros to satisfy them, so that what
-it keeps fixed is the pattern the run was pruned to. Weights that were already zero before pruning
-stay zero (they cannot be told apart from pruned ones); `tsenor verify` counts them as "fewer than N".
+A run directory written by `tsenor prune` records the pattern twice: its sparsity record
+(`runfiles.read_sparsity`: tsenor_sparsity.json, or config.json's `tsenor_sparsity` before v0.3; what
+`tsenor verify` reads) and tsenor_report.json (`PruneReport.pattern`, `sparsity`). Fine-tuning needs both
+to agree and the weights' zeros to satisfy them, so that what it keeps fixed is the pattern the run was
+pruned to. Weights that were already zero before pruning stay zero (they cannot be told apart from pruned
+ones); `tsenor verify` counts them as "fewer than N".
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -20,18 +19,30 @@ from torch import nn
 from tsenor_cli.errors import InputNotFoundError, UsageError, VerificationError
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.verify import check_weight
-from tsenor_cli.runfiles import CONFIG_FILE, PRUNE_FILE, SPARSITY_KEY
+from tsenor_cli.runfiles import (
+    CONFIG_FILE,
+    PRUNE_FILE,
+    SPARSITY_KEY,
+    PruneReport,
+    SchemaError,
+    SparsityRecord,
+    read_json,
+    read_sparsity,
+)
 
 
 @dataclass(frozen=True)
 class RunSparsity:
-    """A run directory's recorded sparsity: config.json `tsenor_sparsity` (`meta`, and the `pattern` it
-    names) and the raw tsenor_report.json."""
+    """A run directory's recorded sparsity: its sparsity record (`record`, and the `pattern` it names) and
+    its tsenor_report.json (`report`)."""
 
     directory: Path
-    meta: dict[str, Any]
-    report: dict[str, Any]
-    pattern: SparsityPattern
+    record: SparsityRecord
+    report: PruneReport
+
+    @property
+    def pattern(self) -> SparsityPattern:
+        return self.record.pattern
 
     @property
     def label(self) -> str:
@@ -39,33 +50,19 @@ class RunSparsity:
 
     @property
     def modules(self) -> tuple[str, ...]:
-        return tuple(self.meta.get("pruned_modules", ()))
+        return self.record.pruned_modules
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{path} is not valid JSON ({exc.msg}); re-run tsenor prune to rewrite it") from exc
-    if not isinstance(data, dict):
-        raise UsageError(f"{path} does not hold a JSON object; re-run tsenor prune to rewrite it")
-    return data
-
-
-def _report_pattern(report: dict[str, Any], where: str) -> SparsityPattern | None:
+def _report_pattern(report: PruneReport) -> SparsityPattern | None:
     """The pattern tsenor_report.json records (`pattern`, or `sparsity` for unstructured), None when it names none."""
-    raw = report.get("pattern")
-    if raw is not None:
-        return SparsityPattern.from_report_json(raw, where)
-    sparsity = report.get("sparsity")
-    if isinstance(sparsity, bool) or not isinstance(sparsity, int | float) or not 0.0 < sparsity < 1.0:
-        return None
-    return SparsityPattern.unstructured(float(sparsity))
+    if report.pattern is not None:
+        return report.pattern
+    return SparsityPattern.unstructured(report.sparsity) if 0.0 < report.sparsity < 1.0 else None
 
 
 def read_run_sparsity(run_dir: Path) -> RunSparsity:
     """The recorded pattern of `run_dir`; one-line errors for a missing folder, a dense checkpoint,
-    a folder without a pattern, and config.json and tsenor_report.json that disagree."""
+    a folder without a pattern, and a sparsity record and tsenor_report.json that disagree."""
     config_path, report_path = run_dir / CONFIG_FILE, run_dir / PRUNE_FILE
     if not run_dir.is_dir():
         raise InputNotFoundError(f"run directory {run_dir} does not exist; pass the --output folder of tsenor prune")
@@ -73,27 +70,30 @@ def read_run_sparsity(run_dir: Path) -> RunSparsity:
         raise InputNotFoundError(
             f"{run_dir} holds no checkpoint (no config.json); pass the --output folder of tsenor prune"
         )
-    meta = _read_json(config_path).get(SPARSITY_KEY)
-    if meta is None and not report_path.is_file():
+    try:
+        record = read_sparsity(run_dir)
+        report = PruneReport.from_json(read_json(report_path), str(report_path)) if report_path.is_file() else None
+    except SchemaError as exc:
+        raise UsageError(f"{exc}; re-run tsenor prune to rewrite it") from exc
+    if record is None and report is None:
         raise UsageError(
             f"{run_dir} is a dense checkpoint (no {SPARSITY_KEY} in config.json, no {PRUNE_FILE}); prune it "
             f"first with `tsenor prune --model {run_dir} --nm 16:32 --output PRUNED`, then fine-tune PRUNED"
         )
-    if not isinstance(meta, dict) or not report_path.is_file():
-        missing = PRUNE_FILE if isinstance(meta, dict) else f"{SPARSITY_KEY} in config.json"
+    if record is None or report is None:
+        missing = PRUNE_FILE if record is not None else f"{SPARSITY_KEY} in config.json"
         raise InputNotFoundError(
             f"{run_dir} records no sparsity pattern ({missing} is missing); pass a folder written by tsenor prune"
         )
-    report = _read_json(report_path)
-    pattern = SparsityPattern.from_metadata(meta, f"{config_path} {SPARSITY_KEY}")
-    if _report_pattern(report, str(report_path)) != pattern:
+    if _report_pattern(report) != record.pattern:
         raise VerificationError(
-            f"{report_path} (pattern {report.get('pattern')}, sparsity {report.get('sparsity')}) and config.json "
-            f"({meta.get('pattern')} {meta.get('kind')}) record different patterns; re-run tsenor prune"
+            f"{report_path} (pattern {report.pattern.label if report.pattern else None}, sparsity {report.sparsity}) "
+            f"and the sparsity record ({record.pattern.label} {record.pattern.kind}) record different patterns; "
+            "re-run tsenor prune"
         )
-    if not meta.get("pruned_modules"):
-        raise VerificationError(f"{config_path} lists no pruned modules; there is no mask to keep fixed")
-    return RunSparsity(run_dir, meta, report, pattern)
+    if not record.pruned:
+        raise VerificationError(f"{run_dir} records no pruned weights; there is no mask to keep fixed")
+    return RunSparsity(run_dir, record, report)
 
 
 def pruned_masks(model: nn.Module, sparsity: RunSparsity) -> dict[str, torch.Tensor]:

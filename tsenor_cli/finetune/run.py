@@ -14,7 +14,6 @@ checkpoint-N/ (every `save_every` steps), which `resume` continues from.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import statistics
@@ -29,8 +28,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from tsenor_cli import atomic
-from tsenor_cli.errors import EXIT_RESUMABLE, EXIT_SIGINT, Interrupted, UsageError
+from tsenor_cli.errors import Interrupted, UsageError
 from tsenor_cli.finetune.callback import PPL_LOG_PREFIX, CurveCallback, FixedMask, MaskCallback
 from tsenor_cli.finetune.config import FinetuneConfig as FinetuneConfig
 from tsenor_cli.finetune.data import TrainingText, WindowDataset, training_windows
@@ -38,20 +36,15 @@ from tsenor_cli.finetune.distill import DistillTrainer, check_teacher
 from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsity
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.progress import Progress, sink
-from tsenor_cli.pruning.output import (
-    check_not_input,
-    check_output_location,
-    output_lock,
-    prepare_output,
-    write_model_folder,
-)
+from tsenor_cli.pruning.card import card_text
+from tsenor_cli.pruning.output import check_not_input, interruption, output_run, write_model_folder
 from tsenor_cli.pruning.report import versions
 from tsenor_cli.runfiles import (
-    CONFIG_FILE,
     EVAL_FILE,
     FINETUNE_FILE,
     FINETUNE_STATE_FILE,
     FINETUNE_STATE_VERSION,
+    MODEL_CARD,
     PRUNE_FILE,
     PRUNE_MARKDOWN,
     RESUME_DIR,
@@ -72,12 +65,6 @@ SCHEDULER = "linear"
 MAX_GRAD_NORM = 1.0
 
 
-def _checkpoint_dtype(run_dir: Path) -> torch.dtype:
-    """The dtype the run's weights are stored in (config.json `dtype`, `torch_dtype` before transformers 5)."""
-    from tsenor_cli.models.loading import parse_dtype
-
-    config = json.loads((run_dir / CONFIG_FILE).read_text())
-    return parse_dtype(str(config.get("dtype") or config.get("torch_dtype") or "float32")) or torch.float32
 
 
 def _load_state(state_dir: Path, cfg: FinetuneConfig) -> FinetuneState | None:
@@ -222,39 +209,24 @@ def finetune(
     stop = stop if stop is not None else StopRequest()
     point = _RunPoint(max_steps=cfg.max_steps)
     state_dir = cfg.output / RESUME_DIR
-    existed = cfg.output.exists()
-    finished = False
-    try:
+
+    def interrupted(signal_name: str | None) -> Interrupted:
+        return point.interrupted(cfg, state_dir, signal_name)
+
+    with output_run(cfg.output, interrupted, say=say, stop=stop, remove_empty=(state_dir,)) as run:
         sparsity = read_run_sparsity(cfg.run_dir)
-        check_output_location(cfg.output)
+        run.check_location()
         check_not_input(cfg.output, str(cfg.run_dir))
         args = _training_args(cfg, state_dir)
-        main = args.process_index == 0
         # One writer per output folder, as for prune (docs/reliability.md): the main process holds the lock
         # from the folder check to the final swap; the other ranks of a torchrun/accelerate launch write
         # nothing.
-        with output_lock(cfg.output) if main else contextlib.nullcontext():
+        main = args.process_index == 0
+        with run.locked(owner=main):
             if main:
-                for line in atomic.recover(cfg.output):
-                    say(line)
-            prepare_output(cfg.output, force=cfg.force, resume=cfg.resume)
-            report = _train(cfg, ctx, args, sparsity, state_dir, say, start, after_save, stop, point)
-            finished = True
-            return report
-    except KeyboardInterrupt:
-        raise point.interrupted(cfg, state_dir, stop.name) from None
-    finally:
-        if not finished:
-            _remove_if_empty(state_dir, cfg.output if not existed else None)
-
-
-def _remove_if_empty(*folders: Path | None) -> None:
-    """rmdir each folder that is empty: what a stopped or failed run made and left nothing in (Trainer
-    creates its output folder, the resume state's, before the first checkpoint), so that a rerun is not
-    taken for the continuation of an interrupted one."""
-    for folder in folders:
-        if folder is not None and folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()
+                run.recover()
+            run.prepare(force=cfg.force, resume=cfg.resume)
+            return _train(cfg, ctx, args, sparsity, state_dir, say, start, after_save, stop, point)
 
 
 @dataclass
@@ -269,7 +241,6 @@ class _RunPoint:
 
     def interrupted(self, cfg: FinetuneConfig, state_dir: Path, signal_name: str | None) -> Interrupted:
         """The `Interrupted` error for a stop here: by `signal_name` (exit 75) or by Ctrl-C (None, exit 130)."""
-        verb = f"stopped by {signal_name}" if signal_name is not None else "interrupted"
         where = {
             "starting": "before fine-tuning began",
             "evaluating before": "while evaluating the checkpoint before fine-tuning",
@@ -277,8 +248,7 @@ class _RunPoint:
             "stopped": f"after step {self.step}/{self.max_steps}",
             "evaluating after": "while evaluating after fine-tuning",
         }[self.phase]
-        code = EXIT_RESUMABLE if signal_name is not None else EXIT_SIGINT
-        return Interrupted(f"{verb} {where}; {_saved(cfg, state_dir)}", code)
+        return interruption(signal_name, where, _saved(cfg, state_dir))
 
 
 def _saved(cfg: FinetuneConfig, state_dir: Path) -> str:
@@ -436,10 +406,10 @@ def _load_inputs(cfg: FinetuneConfig, ctx: RunContext, args: Any, sparsity: RunS
         from tsenor_cli.evaluation.zeroshot import validate_tasks
 
         validate_tasks(cfg.tasks)
-    saved_dtype = _checkpoint_dtype(cfg.run_dir)
     loaded = load_model(
         str(cfg.run_dir), ctx, dtype=torch.float32, device="cpu", trust_remote_code=cfg.trust_remote_code, progress=say
     )
+    saved_dtype = loaded.source_dtype or torch.float32
     if loaded.max_positions is not None and cfg.seqlen > loaded.max_positions:
         raise UsageError(
             f"--seqlen {cfg.seqlen} exceeds the model's max_position_embeddings {loaded.max_positions}; "
@@ -586,7 +556,7 @@ def _finetune_report(
             "saved_dtype": str(inputs.saved_dtype).removeprefix("torch."),
         },
         run_dir=str(cfg.run_dir),
-        pattern={k: v for k, v in sparsity.meta.items() if not k.endswith("_modules")},
+        pattern=sparsity.record.summary(),
         data=inputs.text.description,
         data_source=inputs.text.source.to_json(),
         windows=inputs.available,
@@ -629,8 +599,10 @@ def _write_output(
     }
     if (cfg.run_dir / PRUNE_MARKDOWN).is_file():
         files[PRUNE_MARKDOWN] = (cfg.run_dir / PRUNE_MARKDOWN).read_bytes()
+    evaluation = EvalReport.from_json(report.eval_after) if report.eval_after is not None else None
     if report.eval_after is not None:
         files[EVAL_FILE] = json.dumps(report.eval_after, indent=2) + "\n"
+    files[MODEL_CARD] = card_text(sparsity.report, evaluation=evaluation, finetuned=report)
     for name, png in (
         (LOSS_PNG, _png(lambda out: plot_training_loss({label: report.loss_curve}, out))),
         (PPL_PNG, _png(lambda out: plot_perplexity_vs_steps({label: report.ppl_curve}, out))),
@@ -639,4 +611,4 @@ def _write_output(
             files[name] = png
     say(f"writing {cfg.output}")
     loaded.model.to(saved_dtype)
-    write_model_folder(loaded.model, loaded.tokenizer, cfg.output, sparsity.meta, files)
+    write_model_folder(loaded.model, loaded.tokenizer, cfg.output, sparsity.record, files, layout=loaded.layout)

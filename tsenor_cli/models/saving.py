@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -67,6 +67,13 @@ def saved_tensors(model: Any) -> list[TensorSpec]:
         kept.pop(ignored, None)
     return [TensorSpec(key, tuple(tensor.shape), tensor.dtype) for key, tensor in kept.items()]
 
+
+# Left in a config by the conversion that made the source (transformers' GGUF loader names the GGUF's
+# model there), not settings of the model.
+STRAY_CONFIG_KEYS = ("_model_name_or_path",)
+# How the tokenizer was loaded (transformers 5 records its from_pretrained flags in init_kwargs), not
+# settings of the tokenizer: a copy of the output must not load offline-only.
+STRAY_TOKENIZER_KEYS = ("local_files_only", "is_local", "trust_remote_code", "cache_dir", "force_download", "token")
 
 # huggingface_hub's units for a shard size ("2GB", "500MB"): decimal, as its parse_size_to_int reads them.
 SIZE_UNITS = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3}
@@ -246,12 +253,25 @@ def model_tensors(model: Any, specs: Sequence[TensorSpec]) -> Iterable[tuple[str
     return ((spec.key, state[spec.key]) for spec in specs)
 
 
+def _cast_spec(spec: TensorSpec, dtype: torch.dtype | None) -> TensorSpec:
+    """`spec` as written in `dtype`: floating tensors take it, the others (ids, masks) keep theirs."""
+    if dtype is None or not spec.dtype.is_floating_point:
+        return spec
+    return TensorSpec(spec.key, spec.shape, dtype)
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
 def save_streamed(
     folder: Path,
     model: Any,
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
     *,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    dtype: torch.dtype | None = None,
+    layout: Mapping[str, str] | None = None,
 ) -> list[str]:
     """What ``model.save_pretrained(folder, max_shard_size=…, save_original_format=False)`` writes, with the
     weights from `tensors` (key, tensor) one at a time (None: from `model` itself); returns the shard names.
@@ -259,25 +279,77 @@ def save_streamed(
     model: the transformers model the checkpoint is of, whole or a skeleton on the meta device (its
     config, generation config, class, dtype, parameter count and tied weights are what is read from it);
     its config gets ``dtype`` and ``architectures`` as save_pretrained sets them. tensors: every tensor of
-    `saved_tensors(model)` once (`write_weights`). Write into a temporary folder (`atomic.atomic_dir`):
-    a failure leaves the files incomplete.
+    `saved_tensors(model)` once (`write_weights`). dtype: write the floating tensors in it, as
+    ``model.to(dtype).save_pretrained(…)`` would (None: as they are), each cast as it passes. layout:
+    {own key: key to write} (`source_layout`: the source checkpoint's names; a key it lacks keeps its own).
+    Write into a temporary folder (`atomic.atomic_dir`): a failure leaves the files incomplete.
     """
     from transformers.dynamic_module_utils import custom_object_save
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    specs = saved_tensors(model)
-    model.config.dtype = str(model.dtype).removeprefix("torch.")
+    original = saved_tensors(model)
+    named = layout or {}
+    specs = [_cast_spec(TensorSpec(named.get(s.key, s.key), s.shape, s.dtype), dtype) for s in original]
+    model.config.dtype = str(dtype or model.dtype).removeprefix("torch.")
     model.config.architectures = [type(model).__name__]
     if model.is_remote_code():
         custom_object_save(model, str(folder), config=model.config)
     model.config.save_pretrained(folder)
     if model.can_generate():
         model.generation_config.save_pretrained(folder)
+    given = model_tensors(model, original) if tensors is None else tensors
     return write_weights(
         folder,
         specs,
-        model_tensors(model, specs) if tensors is None else tensors,
+        ((named.get(key, key), tensor if dtype is None else _cast(tensor, dtype)) for key, tensor in given),
         max_shard_size=max_shard_size,
         total_parameters=int(model.num_parameters()),
     )
+
+
+def drop_stray_keys(config: Any) -> None:
+    """Remove `STRAY_CONFIG_KEYS` from a transformers config (and its text config) before it is saved."""
+    getter = getattr(config, "get_text_config", None)
+    for where in {id(c): c for c in (config, getter(decoder=True) if getter is not None else config)}.values():
+        for key in STRAY_CONFIG_KEYS:
+            if key in vars(where):
+                delattr(where, key)
+
+
+def save_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """tokenizer.save_pretrained without `STRAY_TOKENIZER_KEYS` in its tokenizer_config.json."""
+    from transformers.tokenization_utils_base import TOKENIZER_CONFIG_FILE
+
+    tokenizer.save_pretrained(folder)
+    path = folder / TOKENIZER_CONFIG_FILE
+    if path.is_file():
+        settings = json.loads(path.read_text(encoding="utf-8"))
+        kept = {key: value for key, value in settings.items() if key not in STRAY_TOKENIZER_KEYS}
+        if kept != settings:
+            path.write_text(json.dumps(kept, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def source_layout(model: Any, keys: Iterable[str]) -> dict[str, str] | None:
+    """{the model's own key: the checkpoint key it was loaded from} for a checkpoint holding `keys`: each key
+    renamed as from_pretrained renames it (transformers' conversion mapping for the model's class, e.g.
+    Mllama's ``language_model.model.layers.0…`` → ``model.language_model.layers.0…``), so that the output
+    can be written in the source's layout and load with every class the source loads with.
+
+    None when the layout is not a renaming: a key that transformers converts (Mixtral's per-expert
+    ``w1/w2/w3`` merged into fused stacks), or two keys renamed onto one. model: real or on the meta device.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    own = model.state_dict()
+    layout: dict[str, str] = {}
+    for key in keys:
+        renamed, converted = rename_source_key(key, renamings, converters, model.base_model_prefix, own)
+        if converted is not None or renamed in layout:
+            return None
+        layout[renamed] = key
+    return layout

@@ -45,6 +45,7 @@ from tsenor_cli.pruning.output import (
     output_lock,
     output_path,
     prepare_output,
+    sparsity_record,
     write_checkpoint,
 )
 from tsenor_cli.pruning.outside import REASON as OUTSIDE_REASON
@@ -66,6 +67,7 @@ from tsenor_cli.runfiles import (
     EvalReport,
     PruneReport,
     ResumeState,
+    SparsityRecord,
 )
 from tsenor_cli.settings import RunContext
 
@@ -91,39 +93,6 @@ def dense_calibration_inputs(
     loaded = load_model(model, ctx, dtype=torch.float32, device="cpu", trust_remote_code=False)
     calib = calibration_batches(calib_data, loaded.tokenizer, ctx, nsamples=nsamples, seqlen=seqlen, seed=seed)
     return loaded, capture_block_inputs(loaded.structure, calib.input_ids, torch.device("cpu"))
-
-
-def sparsity_metadata(cfg: PruneConfig, records: list[LayerRecord], solver: str | None) -> dict[str, Any]:
-    """What config.json records under `tsenor_sparsity` (read back by `tsenor verify`).
-
-    solver: the transposable solver that ran (`PruneConfig.solver_that_runs`), None for other
-    patterns; `solver_requested` keeps the name asked for ("auto")."""
-    from tsenor_cli import __version__
-
-    p = cfg.pattern
-    return {
-        "method": cfg.method,
-        **p.metadata(),
-        "solver": solver,
-        "solver_requested": cfg.layer.solver if p.transposable else None,
-        "pruned_modules": [r.name for r in records if r.status == "pruned"],
-        # Where each pruned matrix lives in the model's own parameters (`tsenor verify` reads them back
-        # through transformers' loading, whatever key layout save_pretrained gave the files).
-        "pruned_weights": [
-            {
-                "name": r.name,
-                "param": r.param or f"{r.name}.weight",
-                "expert": r.expert,
-                "transposed": r.transposed,
-                "shape": [r.out_features, r.in_features],
-            }
-            for r in records
-            if r.status == "pruned"
-        ],
-        "skipped_modules": [r.name for r in records if r.status == "skipped"],
-        "ignored_modules": [r.name for r in records if r.status == "ignored"],
-        "tsenor_version": __version__,
-    }
 
 
 def _observed_plan(
@@ -385,7 +354,7 @@ def _prune(
 
         say(f"writing {output}")
         point.writing = True
-        metadata = sparsity_metadata(cfg, records, cfg.solver_that_runs(device))
+        metadata = sparsity_record(cfg, records, cfg.solver_that_runs(device))
         if not source.streamed:
             whole = report(WeightCounts.of(loaded.model, structure))
             _write(cfg, loaded, output, whole, metadata, team)
@@ -409,12 +378,15 @@ def _write(
     loaded: LoadedModel,
     output: Path,
     report: PruneReport | Callable[[], PruneReport],
-    metadata: dict[str, Any],
+    metadata: SparsityRecord,
     team: Team,
     tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> None:
     """Rank 0 writes the checkpoint and its reports (`output.write_checkpoint`; `report` may be a function
-    making the report once the weights are written); tensors: the weights one at a time (a streamed run)."""
+    making the report once the weights are written); tensors: the weights one at a time (a streamed run).
+    The weights are written in --dtype, else the checkpoint's own dtype, under the source's key layout."""
+    from tsenor_cli.models.loading import output_dtype
+
     with phase("save"), team.agreed():
         if team.is_root:
             write_checkpoint(
@@ -426,6 +398,8 @@ def _write(
                 loaded.processor_files,
                 tensors=tensors,
                 max_shard_size=cfg.max_shard_size,
+                dtype=output_dtype(cfg.dtype, loaded.source_dtype, loaded.model.dtype),
+                layout=loaded.layout,
             )
 
 

@@ -1,4 +1,5 @@
-"""Check a pruned checkpoint against the sparsity recorded in its config.json (`tsenor verify`).
+"""Check a pruned checkpoint against its sparsity record (`tsenor verify`; `runfiles.read_sparsity`:
+tsenor_sparsity.json, or config.json's ``tsenor_sparsity`` in checkpoints before v0.3).
 
 For transposable N:M every M×M tile of every pruned weight may keep at most N per row and per column;
 our solvers always keep exactly N, so fewer than N only happens where weights were already zero before
@@ -18,7 +19,17 @@ from safetensors import safe_open
 from tsenor_cli.errors import InputNotFoundError, UsageError, VerificationError
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.finite import check_finite
-from tsenor_cli.runfiles import CONFIG_FILE, SPARSITY_KEY
+from tsenor_cli.runfiles import (
+    CONFIG_FILE,
+    INDEX_NAME,
+    SPARSITY_KEY,
+    WEIGHTS_NAME,
+    DenseWeight,
+    PrunedWeight,
+    SparsityRecord,
+    read_json,
+    read_sparsity,
+)
 from tsenor_cli.solver import to_blocks
 
 
@@ -41,38 +52,63 @@ class LayerCheck:
 
 
 @dataclass(frozen=True)
-class VerifyReport:
-    """directory: the checkpoint; sparsity: config.json's `tsenor_sparsity` as written; pattern: its pattern."""
+class ClassLoad:
+    """How one transformers class loads the checkpoint: the weights it expects and finds under no key of
+    the files (`missing`: they would be initialised at random), and the layout it reads them through
+    ({its parameter name: the files' key}; None when transformers converts the keys rather than renames)."""
 
-    directory: str
-    sparsity: dict[str, Any]
-    pattern: SparsityPattern
-    layers: tuple[LayerCheck, ...]
+    name: str
+    missing: tuple[str, ...]
+    layout: dict[str, str] | None
 
     @property
     def ok(self) -> bool:
-        return all(layer.ok for layer in self.layers)
+        return not self.missing
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """directory: the checkpoint; sparsity: its sparsity record; layers: the check of each pruned weight."""
+
+    directory: str
+    sparsity: SparsityRecord
+    layers: tuple[LayerCheck, ...]
+    loads: tuple[ClassLoad, ...] = ()
+
+    @property
+    def pattern(self) -> SparsityPattern:
+        return self.sparsity.pattern
+
+    @property
+    def dense(self) -> tuple[DenseWeight, ...]:
+        """The weights the run left dense, with their status and reason."""
+        return self.sparsity.dense
+
+    @property
+    def ok(self) -> bool:
+        return all(layer.ok for layer in self.layers) and all(load.ok for load in self.loads)
 
     def to_dict(self) -> dict[str, Any]:
-        meta = {k: v for k, v in self.sparsity.items() if not k.endswith("_modules")}
         return {
             "directory": self.directory,
             "ok": self.ok,
-            "sparsity": meta,
+            "sparsity": self.sparsity.summary(),
             "layers": [asdict(c) for c in self.layers],
+            "dense": [asdict(w) for w in self.dense],
+            "loads": [{"class": load.name, "missing": list(load.missing)} for load in self.loads],
         }
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:
     """{tensor name: safetensors file} from the index of a sharded checkpoint or its single file."""
-    index = directory / "model.safetensors.index.json"
+    index = directory / INDEX_NAME
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         return {name: directory / file for name, file in weight_map.items()}
-    single = directory / "model.safetensors"
+    single = directory / WEIGHTS_NAME
     if not single.is_file():
         raise InputNotFoundError(
-            f"{directory} holds no model.safetensors(.index.json); pass a checkpoint written by tsenor prune"
+            f"{directory} holds no {WEIGHTS_NAME} nor {INDEX_NAME}; pass a checkpoint written by tsenor prune"
         )
     with safe_open(str(single), framework="pt") as handle:
         return {name: single for name in handle.keys()}  # noqa: SIM118  (safe_open has no __iter__)
@@ -81,41 +117,43 @@ def _weight_files(directory: Path) -> dict[str, Path]:
 class _Parameters:
     """The model's parameters as tsenor pruned them, read from a checkpoint folder.
 
-    A parameter saved under its own name is read from its safetensors file. When save_pretrained wrote
-    another key layout (transformers 5 saves fused experts back in their original per-expert keys, and
-    renames some modules, e.g. PhiMoE's router), the model is loaded once with its own class, which
-    applies transformers' conversion mapping, and the parameters are taken from it: no renaming here.
+    A parameter is read from its safetensors file under the key its class's conversion mapping renames
+    to its name (`layout`: the output is written in its source's layout, e.g. Mllama's
+    ``language_model.model.layers…``), or under its own name. When the files hold another layout that
+    is not a renaming (a checkpoint of an older tsenor saved fused experts back in their per-expert keys),
+    the model is loaded once with its own class, which applies transformers' conversion, and the
+    parameters are taken from it.
     """
 
-    def __init__(self, directory: Path, files: dict[str, Path]) -> None:
+    def __init__(self, directory: Path, files: dict[str, Path], layout: dict[str, str] | None) -> None:
         self.directory = directory
         self.files = files
+        self.layout = layout or {}
         self.loaded: dict[str, torch.Tensor] | None = None
 
     def tensor(self, name: str) -> torch.Tensor | None:
-        if name in self.files:
-            with safe_open(str(self.files[name]), framework="pt") as handle:
-                return handle.get_tensor(name)
+        key = self.layout.get(name, name)
+        if key in self.files:
+            with safe_open(str(self.files[key]), framework="pt") as handle:
+                return handle.get_tensor(key)
         if self.loaded is None:
             self.loaded = _load_parameters(self.directory)
         return self.loaded.get(name)
 
-    def matrix(self, entry: dict[str, Any]) -> torch.Tensor | None:
-        """The (out, in) matrix of one `pruned_weights` entry, or None when the checkpoint lacks it."""
-        tensor = self.tensor(str(entry["param"]))
+    def matrix(self, entry: PrunedWeight) -> torch.Tensor | None:
+        """The (out, in) matrix of one pruned weight, or None when the checkpoint lacks it."""
+        tensor = self.tensor(entry.param)
         if tensor is None:
             return None
-        expert = entry.get("expert")
-        shape = entry.get("shape")
-        if shape is None:  # a module's weight, (out, in)
+        if entry.shape is None:  # a module's weight, (out, in)
             return tensor
-        out_features, in_features = int(shape[0]), int(shape[1])
-        stored = (in_features, out_features) if entry.get("transposed") else (out_features, in_features)
+        out_features, in_features = entry.shape
+        stored = (in_features, out_features) if entry.transposed else (out_features, in_features)
         if tensor.numel() % (stored[0] * stored[1]):
             return None
         stack = tensor.reshape(-1, *stored)  # (count, a, b)
-        matrix = stack[int(expert) if expert is not None else 0]
-        return matrix.T if entry.get("transposed") else matrix
+        matrix = stack[entry.expert if entry.expert is not None else 0]
+        return matrix.T if entry.transposed else matrix
 
 
 def _load_parameters(directory: Path) -> dict[str, torch.Tensor]:
@@ -156,22 +194,18 @@ def check_weight(weight: torch.Tensor, pattern: SparsityPattern) -> tuple[int, i
 
 
 def verify_checkpoint(directory: Path) -> VerifyReport:
-    """Read config.json's `tsenor_sparsity` and check every pruned weight; raises only on unusable input."""
+    """Read the checkpoint's sparsity record and check every pruned weight; raises only on unusable input."""
     if not directory.exists():
         raise InputNotFoundError(f"{directory} does not exist; pass a checkpoint directory written by tsenor prune")
     if not directory.is_dir():
         raise UsageError(f"{directory} is a file; pass the checkpoint directory written by tsenor prune")
-    config_path = directory / CONFIG_FILE
-    if not config_path.is_file():
-        raise InputNotFoundError(f"{directory} has no config.json; pass a checkpoint directory written by tsenor prune")
-    meta = json.loads(config_path.read_text()).get(SPARSITY_KEY)
-    if not isinstance(meta, dict):
+    record = read_sparsity(directory)
+    if record is None:
         # Not a failed verification (exit 6): there is nothing to verify against, the wrong folder was passed.
         raise UsageError(
-            f"{directory} is not a tsenor checkpoint (its config.json records no {SPARSITY_KEY}); "
+            f"{directory} is not a tsenor checkpoint (its {CONFIG_FILE} records no {SPARSITY_KEY}); "
             "pass a folder written by tsenor prune"
         )
-    pattern = SparsityPattern.from_metadata(meta, f"{config_path} {SPARSITY_KEY}")
     files = _weight_files(directory)
     for path in sorted(set(files.values())):
         with safe_open(str(path), framework="pt") as handle:
@@ -180,30 +214,71 @@ def verify_checkpoint(directory: Path) -> VerifyReport:
                 where=str(path),
                 fix="the checkpoint is corrupt; re-run tsenor prune",
             )
-    checks: list[LayerCheck] = []
-    entries = meta.get("pruned_weights")
-    if entries is None:  # written before v0.2: nn.Linear module names, keys "<module>.weight"
-        entries = [
-            {"param": f"{module}.weight", "expert": None, "transposed": False}
-            for module in meta.get("pruned_modules", [])
-        ]
-        labels = list(meta.get("pruned_modules", []))
-    else:
-        labels = [str(e["name"]) for e in entries]
-    params = _Parameters(directory, files)
-    for label, entry in zip(labels, entries, strict=True):
-        weight = params.matrix(entry)
-        if weight is None:
-            checks.append(LayerCheck(label, (0, 0), 0, 0, 0, 0.0, "weight missing from the checkpoint"))
+    if not record.pruned:
+        raise VerificationError(f"{directory} records no pruned weights; nothing to verify")
+    loads = _class_loads(directory, list(files))
+    params = _Parameters(directory, files, loads[0].layout if loads else None)
+    checks = [_check(entry, params.matrix(entry), record.pattern) for entry in record.pruned]
+    return VerifyReport(str(directory), record, tuple(checks), tuple(loads))
+
+
+def _class_loads(directory: Path, keys: list[str]) -> list[ClassLoad]:
+    """How each class that loads a checkpoint of this config (`loading.loading_classes`; the class its
+    config.json names first) maps the files' keys: the weights it would find missing."""
+    import transformers
+
+    from tsenor_cli.models.loading import loading_classes
+    from tsenor_cli.models.saving import saved_tensors, source_layout
+
+    if read_json(directory / CONFIG_FILE).get("auto_map"):
+        return []  # its own model code: verify runs no code it brings (`load_lines` says it was not checked)
+    config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    named = [getattr(transformers, n, None) for n in getattr(config, "architectures", None) or ()]
+    loads = []
+    for cls in dict.fromkeys([c for c in named if c is not None] + loading_classes(config)):
+        with torch.device("meta"):
+            model = cls(config)
+        layout = source_layout(model, keys)
+        if layout is None:  # not a renaming: transformers converts these keys when it loads them
+            loads.append(ClassLoad(cls.__name__, (), None))
             continue
-        rows, cols = weight.shape
-        problem = pattern.incompatibility(rows, cols)
-        if problem is not None:
-            checks.append(LayerCheck(label, (rows, cols), 0, 0, 0, 0.0, problem))
-            continue
-        groups, over, under = check_weight(weight, pattern)
-        density = float((weight != 0).float().mean())
-        checks.append(LayerCheck(label, (int(rows), int(cols)), groups, over, under, density))
-    if not checks:
-        raise VerificationError(f"{config_path} lists no pruned modules; nothing to verify")
-    return VerifyReport(str(directory), meta, pattern, tuple(checks))
+        missing = tuple(spec.key for spec in saved_tensors(model) if spec.key not in layout)
+        loads.append(ClassLoad(cls.__name__, missing, {own: key for own, key in layout.items()}))
+    return loads
+
+
+def _check(entry: PrunedWeight, weight: torch.Tensor | None, pattern: SparsityPattern) -> LayerCheck:
+    """The check of one pruned weight (`weight`: its (out, in) matrix, None when the checkpoint lacks it)."""
+    if weight is None:
+        return LayerCheck(entry.name, (0, 0), 0, 0, 0, 0.0, "weight missing from the checkpoint")
+    rows, cols = weight.shape
+    problem = pattern.incompatibility(rows, cols)
+    if problem is not None:
+        return LayerCheck(entry.name, (rows, cols), 0, 0, 0, 0.0, problem)
+    groups, over, under = check_weight(weight, pattern)
+    density = float((weight != 0).float().mean())
+    return LayerCheck(entry.name, (int(rows), int(cols)), groups, over, under, density)
+
+
+def load_lines(report: VerifyReport) -> list[str]:
+    """One line per class that loads the checkpoint: it finds every weight, or how many are missing."""
+    if not report.loads:
+        return ["loads: not checked (the checkpoint brings its own model code, which verify does not run)"]
+    return [
+        f"loads as {load.name}: every weight found"
+        if load.ok
+        else f"loads as {load.name}: {len(load.missing)} weight(s) missing, e.g. {load.missing[0]}"
+        for load in report.loads
+    ]
+
+
+def dense_lines(report: VerifyReport) -> list[str]:
+    """One line per (status, reason) of the weights the run left dense: how many, the first two names."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for weight in report.dense:
+        groups.setdefault((weight.status, weight.reason or "no reason recorded"), []).append(weight.name)
+    lines = []
+    for (status, reason), names in groups.items():
+        shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+        lines.append(f"dense: {len(names)} {status} ({reason}): {shown}")
+    return lines

@@ -1,17 +1,14 @@
-"""The run folder and the sweep folder, defined once: every file name and every file's schema.
+"""The run folder, defined once: every file name and every file's schema.
 
 A run folder (`tsenor prune --output`, `tsenor finetune --output`) holds the checkpoint (`CONFIG_FILE`
-with the pattern under `SPARSITY_KEY`, written by `tsenor_cli.pattern.SparsityPattern.metadata`), the
-reports ``tsenor_report.json`` (`PruneReport`) and ``tsenor_report.md`` (`PRUNE_REPORTS`; the Markdown is
-rendered by `tsenor_cli.report.markdown`), ``eval.json`` (`EvalReport`), ``finetune.json``
-(`FinetuneReport`), and while a run is unfinished its resume state in `RESUME_DIR`: a prune's
-`RESUME_STATE_FILE` (`ResumeState`, beside the `block_file` and `hidden_file` it names;
+with a short summary of the sparsity under `SPARSITY_KEY`, the weights in `WEIGHTS_NAME` or the shards
+`INDEX_NAME` names, the model card `MODEL_CARD`), the per-weight sparsity record `SPARSITY_FILE`
+(`SparsityRecord`), the reports ``tsenor_report.json`` (`PruneReport`) and ``tsenor_report.md``
+(`PRUNE_REPORTS`; the Markdown is rendered by `tsenor_cli.report.markdown`), ``eval.json`` (`EvalReport`),
+``finetune.json`` (`FinetuneReport`), and while a run is unfinished its resume state in `RESUME_DIR`: a
+prune's `RESUME_STATE_FILE` (`ResumeState`, beside the `block_file` and `hidden_file` it names;
 `pruning/resume.ResumeStore` checks it against those files) or a finetune's `FINETUNE_STATE_FILE`
-(`FinetuneState`).
-
-A sweep folder holds `SWEEP_FILE` and `RUNS_DIR`/NAME per run: `RECIPE_FILE`, the run folder in
-`MODEL_DIR`, `EVAL_FILE` and the prune reports beside it, `LOG_FILE`, `STATUS_FILE` (`RunStatus`) and
-`SUBMISSION_FILE` (`Submission`).
+(`FinetuneState`). The sweep folder's files are in `runfiles/sweep.py`.
 
 Every file is written through `tsenor_cli.atomic` (the one writer).
 
@@ -34,28 +31,43 @@ missing field or a wrong type is one `SchemaError` line naming the file and the 
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
-import types
-import typing
-from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, cast
 
 from tsenor_cli import atomic
-from tsenor_cli.errors import InputNotFoundError
-from tsenor_cli.errors import SchemaError as SchemaError
+from tsenor_cli.errors import InputNotFoundError, VerificationError
 from tsenor_cli.pattern import SparsityPattern
+from tsenor_cli.runfiles.schema import (
+    SCHEMA_VERSION,
+    ContextRecord,
+    DataSource,
+    SchemaError,
+    TaskSource,
+    _field,
+    _flat_json,
+    _object,
+    _optional,
+    _read,
+    _typed,
+    _version,
+    read_json,
+    read_json_file,
+)
 
-if TYPE_CHECKING:
-    from tsenor_cli.settings import RunContext
-
-SCHEMA_VERSION = 3
 # ---------------------------------------------------------------- the files of a run folder
 CONFIG_FILE = "config.json"
-SPARSITY_KEY = "tsenor_sparsity"  # config.json's record of the pattern and the pruned weights
+SPARSITY_KEY = "tsenor_sparsity"  # config.json's summary of the sparsity (before v0.3: the whole record)
+SPARSITY_FILE = "tsenor_sparsity.json"  # the per-weight sparsity record (`SparsityRecord`)
+MODEL_CARD = "README.md"  # the Hub's model card (pruning/card.py)
+# The checkpoint's weights: one file, or shards named by the index (transformers' names, the order in
+# which from_pretrained looks for them).
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 EVAL_FILE = "eval.json"
 PRUNE_FILE = "tsenor_report.json"
 PRUNE_MARKDOWN = "tsenor_report.md"
@@ -64,172 +76,14 @@ FINETUNE_FILE = "finetune.json"
 RESUME_DIR = ".tsenor-resume"
 RESUME_STATE_FILE = "state.json"  # a prune's resume state (pruning/resume.py)
 FINETUNE_STATE_FILE = "finetune_state.json"  # a finetune's, beside Trainer's checkpoint-N folders
-# ---------------------------------------------------------------- the files of a sweep folder
-SWEEP_FILE = "sweep.yaml"
-RUNS_DIR = "runs"
-RECIPE_FILE = "recipe.yaml"
-MODEL_DIR = "model"
-STATUS_FILE = "status.json"
-SUBMISSION_FILE = "submission.json"
-LOG_FILE = "log.txt"
 # Versions of the small state files (each carries its own `schema_version`).
-STATUS_VERSION = 1
 FINETUNE_STATE_VERSION = 1
 # 3: the block files and hidden-state files are named by block and listed with their sizes. Files of this
 # format written before `schema_version` carry the same number as ``version``. 4: and with their sha256
 # (`digests`: a file damaged at the same size is seen), keyed by the input checkpoint's identity too.
 PRUNE_STATE_VERSION = 4
+SPARSITY_VERSION = 1  # tsenor_sparsity.json's
 LAYER_STATUSES = ("pruned", "skipped", "ignored")
-
-DataKind = Literal["offline", "file", "hub"]
-TaskSource = Literal["hub", "offline"]
-
-
-# ---------------------------------------------------------------- reading helpers
-
-
-def _type_name(hint: Any) -> str:
-    if get_origin(hint) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in get_args(hint))
-    if get_origin(hint) is Literal:
-        return " or ".join(repr(a) for a in get_args(hint))
-    if hint is type(None):
-        return "null"
-    origin = get_origin(hint) or hint
-    return getattr(origin, "__name__", str(hint))
-
-
-def _typed(value: Any, hint: Any, key: str, where: str) -> Any:
-    """`value` checked against the annotation `hint` (JSON scalars, unions, Literal, dict); ints are
-    accepted where floats are expected, booleans never as numbers."""
-    origin = get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in get_args(hint):
-            return None
-        for option in get_args(hint):
-            if option is type(None):
-                continue
-            try:
-                return _typed(value, option, key, where)
-            except SchemaError:
-                continue
-        raise SchemaError(f"{where}: field {key!r} must be {_type_name(hint)}, got {value!r}")
-    if origin is Literal:
-        if isinstance(value, str) and value in get_args(hint):
-            return value
-        raise SchemaError(f"{where}: field {key!r} is {value!r}, expected {_type_name(hint)}")
-    if hint is Any:
-        return value
-    kind = origin or hint
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if value is None:
-        raise SchemaError(f"{where}: field {key!r} is null, expected {_type_name(hint)}")
-    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
-        raise SchemaError(f"{where}: field {key!r} must be {_type_name(hint)}, got {type(value).__name__}")
-    return value
-
-
-def _read(cls: type, obj: Mapping[str, Any], where: str, **given: Any) -> dict[str, Any]:
-    """Keyword arguments for dataclass `cls` from the JSON object `obj`: `given` as is, every other
-    field read under its own name and checked against its annotation; a field with a default may be
-    absent (v2-only fields)."""
-    hints = get_type_hints(cls)
-    values = dict(given)
-    for f in fields(cls):
-        if f.name in given:
-            continue
-        if f.name not in obj:
-            if f.default is not MISSING or f.default_factory is not MISSING:
-                continue
-            raise SchemaError(f"{where}: missing field {f.name!r}")
-        values[f.name] = _typed(obj[f.name], hints[f.name], f.name, where)
-    return values
-
-
-def _field(obj: Mapping[str, Any], key: str, hint: Any, where: str) -> Any:
-    """obj[key] checked against `hint`; a missing key is an error."""
-    if key not in obj:
-        raise SchemaError(f"{where}: missing field {key!r}")
-    return _typed(obj[key], hint, key, where)
-
-
-def _object(value: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(value, dict):
-        raise SchemaError(f"{where}: expected a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _version(obj: Mapping[str, Any], where: str) -> int:
-    version = obj.get("schema_version", 1)
-    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= SCHEMA_VERSION:
-        raise SchemaError(
-            f"{where}: schema_version {version!r} is not one this tsenor reads (1 to {SCHEMA_VERSION}); "
-            "upgrade tsenor or re-create the run"
-        )
-    return version
-
-
-def _flat_json(record: Any) -> dict[str, Any]:
-    return {f.name: getattr(record, f.name) for f in fields(record)}
-
-
-# ---------------------------------------------------------------- shared records
-
-
-@dataclass(frozen=True)
-class DataFile:
-    """One file a dataset was read from, with the sha256 of its bytes."""
-
-    path: str
-    sha256: str
-
-
-@dataclass(frozen=True)
-class DataSource:
-    """Where one dataset came from.
-
-    kind: "offline" (the data folder), "file" (a user file) or "hub" (the HF hub).
-    files: the files read, for offline and file sources (empty when a v1 file did not record them).
-    hub: the hub dataset, e.g. "allenai/c4 split=train file=en/c4-train.00000-of-01024.json.gz".
-    """
-
-    kind: DataKind
-    files: tuple[DataFile, ...] = ()
-    hub: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "files": [_flat_json(f) for f in self.files], "hub": self.hub}
-
-    @classmethod
-    def from_json(cls, obj: Any, where: str) -> DataSource:
-        obj = _object(obj, where)
-        raw_files = _field(obj, "files", list, where)
-        files = tuple(
-            DataFile(**_read(DataFile, _object(f, where), f"{where}: files[{i}]")) for i, f in enumerate(raw_files)
-        )
-        return cls(**_read(cls, obj, where, files=files))
-
-
-@dataclass(frozen=True)
-class ContextRecord:
-    """The run's inputs that are not results settings: the data folder and the hub policy (settings.RunContext)."""
-
-    data_dir: str | None
-    offline: bool
-
-    @classmethod
-    def of(cls, ctx: RunContext) -> ContextRecord:
-        return cls(data_dir=str(ctx.data_dir) if ctx.data_dir is not None else None, offline=ctx.offline)
-
-    @classmethod
-    def from_json(cls, obj: Any, where: str) -> ContextRecord:
-        return cls(**_read(cls, _object(obj, where), where))
-
-
-def _optional(obj: Mapping[str, Any], key: str, reader: Any, where: str) -> Any:
-    value = obj.get(key)
-    return None if value is None else reader(value, f"{where}: {key}")
 
 
 # ---------------------------------------------------------------- tsenor_report.json
@@ -347,6 +201,13 @@ class PruneReport:
     schema_version: int = SCHEMA_VERSION
 
     @property
+    def result_hash(self) -> str | None:
+        """The sha256 of the result-deciding settings (`PruneConfig.result_hash`), None in a report of a
+        tsenor that did not record it."""
+        value = self.settings.get("result_hash")
+        return value if isinstance(value, str) else None
+
+    @property
     def pruned(self) -> list[LayerRecord]:
         return [r for r in self.layers if r.status == "pruned"]
 
@@ -434,6 +295,214 @@ class PruneReport:
 
 def _ratio(part: int | None, whole: int | None) -> float | None:
     return None if part is None or not whole else part / whole
+
+
+# ---------------------------------------------------------------- tsenor_sparsity.json (+ config.json's summary)
+
+
+@dataclass(frozen=True)
+class PrunedWeight:
+    """One pruned matrix of the checkpoint.
+
+    name: its layer record's name; param: the parameter (= the checkpoint key) holding it; expert: its
+    index in a stack of experts, else None; transposed: the parameter stores (in, out) matrices; shape:
+    [out, in], None for a record of a checkpoint that listed module names only (the whole ``param``).
+    """
+
+    name: str
+    param: str
+    expert: int | None = None
+    transposed: bool = False
+    shape: tuple[int, int] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**_flat_json(self), "shape": list(self.shape) if self.shape is not None else None}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> PrunedWeight:
+        obj = _object(obj, where)
+        shape = _typed(obj.get("shape"), list | None, "shape", where)
+        if shape is not None and (len(shape) != 2 or not all(isinstance(s, int) and s > 0 for s in shape)):
+            raise SchemaError(f"{where}: field 'shape' must be [out, in], got {shape!r}")
+        return cls(**_read(cls, obj, where, shape=tuple(shape) if shape is not None else None))
+
+
+DenseStatus = Literal["skipped", "ignored"]
+
+
+@dataclass(frozen=True)
+class DenseWeight:
+    """A weight the run left dense: status "skipped" (the pattern does not fit, or the block never ran)
+    or "ignored" (by choice or by a rule), with the layer record's reason (None in older checkpoints)."""
+
+    name: str
+    status: DenseStatus
+    reason: str | None = None
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> DenseWeight:
+        return cls(**_read(cls, _object(obj, where), where))
+
+
+@dataclass(frozen=True)
+class SparsityRecord:
+    """A pruned checkpoint's sparsity: the pattern, how it was reached and every weight pruned or left dense.
+
+    Written to `SPARSITY_FILE` (the whole record) with a short `summary` in config.json under
+    `SPARSITY_KEY`; checkpoints of tsenor before v0.3 hold the whole record in config.json, with
+    ``pruned_weights`` (v0.2) or ``pruned_modules`` only: `read_sparsity` reads all three.
+    solver: the transposable solver that ran, solver_requested the one asked for ("auto"); None for
+    other patterns.
+    """
+
+    method: str
+    pattern: SparsityPattern
+    solver: str | None
+    solver_requested: str | None
+    pruned: tuple[PrunedWeight, ...]
+    dense: tuple[DenseWeight, ...]
+    tsenor_version: str | None
+    schema_version: int = SPARSITY_VERSION
+
+    @classmethod
+    def of(
+        cls,
+        method: str,
+        pattern: SparsityPattern,
+        records: Sequence[LayerRecord],
+        *,
+        solver: str | None,
+        solver_requested: str | None,
+    ) -> SparsityRecord:
+        """The record of a run that pruned `records` (its layer records, every status)."""
+        from tsenor_cli import __version__
+
+        return cls(
+            method=method,
+            pattern=pattern,
+            solver=solver,
+            solver_requested=solver_requested,
+            pruned=tuple(
+                PrunedWeight(
+                    r.name, r.param or f"{r.name}.weight", r.expert, r.transposed, (r.out_features, r.in_features)
+                )
+                for r in records
+                if r.status == "pruned"
+            ),
+            dense=tuple(
+                DenseWeight(r.name, cast(DenseStatus, r.status), r.reason) for r in records if r.status != "pruned"
+            ),
+            tsenor_version=__version__,
+        )
+
+    @property
+    def pruned_modules(self) -> tuple[str, ...]:
+        """The names of the pruned matrices (a module's name for an nn.Linear weight)."""
+        return tuple(w.name for w in self.pruned)
+
+    def summary(self) -> dict[str, Any]:
+        """config.json's `SPARSITY_KEY`: the pattern, method, solver and counts, and where the record is."""
+        return {
+            "method": self.method,
+            **self.pattern.metadata(),
+            "solver": self.solver,
+            "solver_requested": self.solver_requested,
+            "weights_pruned": len(self.pruned),
+            "weights_dense": len(self.dense),
+            "record": SPARSITY_FILE,
+            "tsenor_version": self.tsenor_version,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": SPARSITY_VERSION,
+            **{k: v for k, v in self.summary().items() if k not in ("weights_pruned", "weights_dense", "record")},
+            "pruned": [w.to_json() for w in self.pruned],
+            "dense": [_flat_json(w) for w in self.dense],
+        }
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = SPARSITY_FILE) -> SparsityRecord:
+        obj = _object(obj, where)
+        version = obj.get("schema_version")
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= SPARSITY_VERSION:
+            raise SchemaError(
+                f"{where}: schema_version {version!r} is not one this tsenor reads (1 to {SPARSITY_VERSION}); "
+                "upgrade tsenor or re-create the run"
+            )
+        pruned = _field(obj, "pruned", list, where)
+        dense = _field(obj, "dense", list, where)
+        return cls(
+            **_read(
+                cls,
+                obj,
+                where,
+                schema_version=version,
+                pattern=SparsityPattern.from_metadata(obj, where),
+                pruned=tuple(PrunedWeight.from_json(w, f"{where}: pruned[{i}]") for i, w in enumerate(pruned)),
+                dense=tuple(DenseWeight.from_json(w, f"{where}: dense[{i}]") for i, w in enumerate(dense)),
+            )
+        )
+
+    @classmethod
+    def from_config(cls, meta: Mapping[str, Any], where: str) -> SparsityRecord:
+        """The whole record as config.json held it before v0.3 (``pruned_weights`` entries, or
+        ``pruned_modules`` names whose weight is ``<module>.weight``; the dense ones by name only)."""
+        entries = meta.get("pruned_weights")
+        if isinstance(entries, list):
+            pruned = tuple(PrunedWeight.from_json(e, f"{where}: pruned_weights[{i}]") for i, e in enumerate(entries))
+        else:
+            names = _typed(meta.get("pruned_modules", []), list, "pruned_modules", where)
+            pruned = tuple(PrunedWeight(str(name), f"{name}.weight") for name in names)
+        dense = tuple(
+            DenseWeight(str(name), status)
+            for status in ("skipped", "ignored")
+            for name in _typed(meta.get(f"{status}_modules", []), list, f"{status}_modules", where)
+        )
+        version = meta.get("tsenor_version")
+        return cls(
+            method=str(meta.get("method", "unknown")),
+            pattern=SparsityPattern.from_metadata(meta, where),
+            solver=_typed(meta.get("solver"), str | None, "solver", where),
+            solver_requested=_typed(meta.get("solver_requested"), str | None, "solver_requested", where),
+            pruned=pruned,
+            dense=dense,
+            tsenor_version=str(version) if version is not None else None,
+            schema_version=0,
+        )
+
+
+def read_sparsity(directory: Path) -> SparsityRecord | None:
+    """The sparsity record of the checkpoint in `directory`: `SPARSITY_FILE`, or the whole record in
+    config.json (checkpoints before v0.3); None when config.json records no sparsity (a dense checkpoint).
+
+    InputNotFoundError without config.json, or when config.json's summary names a record file that is
+    missing; SchemaError for a file that is not a record; VerificationError when the file and config.json
+    name different patterns.
+    """
+    config_path, record_path = directory / CONFIG_FILE, directory / SPARSITY_FILE
+    if not config_path.is_file():
+        raise InputNotFoundError(
+            f"{directory} has no {CONFIG_FILE}; pass a checkpoint directory written by tsenor prune"
+        )
+    meta = read_json(config_path).get(SPARSITY_KEY)
+    if meta is None:
+        return None
+    where = f"{config_path} {SPARSITY_KEY}"
+    meta = _object(meta, where)
+    if "record" not in meta:
+        return SparsityRecord.from_config(meta, where)
+    if not record_path.is_file():
+        raise InputNotFoundError(
+            f"{directory} lacks {SPARSITY_FILE}, which its {CONFIG_FILE} names; copy the whole checkpoint folder"
+        )
+    record = SparsityRecord.from_json(read_json(record_path), str(record_path))
+    if SparsityPattern.from_metadata(meta, where) != record.pattern:
+        raise VerificationError(
+            f"{record_path} ({record.pattern.label} {record.pattern.kind}) and {CONFIG_FILE} "
+            f"({meta.get('pattern')} {meta.get('kind')}) record different patterns; re-run tsenor prune"
+        )
+    return record
 
 
 # ---------------------------------------------------------------- eval.json
@@ -688,17 +757,6 @@ class Run:
         return self.path.name
 
 
-def read_json(path: Path) -> Mapping[str, Any]:
-    """A run file's JSON object; not JSON or not an object → SchemaError naming the file."""
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise SchemaError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); re-create the run") from exc
-    if not isinstance(obj, dict):
-        raise SchemaError(f"{path} holds a JSON {type(obj).__name__}, expected an object; re-create the run")
-    return obj
-
-
 def load_run(path: Path) -> Run:
     """Read a run directory; no directory or no eval.json → InputNotFoundError."""
     if not path.is_dir():
@@ -714,75 +772,6 @@ def load_run(path: Path) -> Run:
         eval=EvalReport.from_json(read_json(eval_path), str(eval_path)),
         prune=PruneReport.from_json(read_json(prune_path), str(prune_path)) if prune_path.is_file() else None,
     )
-
-
-def read_json_file(path: Path) -> Mapping[str, Any] | None:
-    """A small state file's JSON object, None when the file does not exist."""
-    return read_json(path) if path.is_file() else None
-
-
-# ---------------------------------------------------------------- sweep folder: status.json, submission.json
-
-
-@dataclass(frozen=True)
-class RunStatus:
-    """``status.json``: written by a sweep's run itself (times are Unix seconds; job_id None when run locally).
-
-    state: running, then done or failed with the one-line `error`, or pending when a signal stopped it.
-    """
-
-    state: str
-    attempt: int = 0
-    job_id: str | None = None
-    host: str | None = None
-    pid: int | None = None
-    step: str | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
-    error: str | None = None
-    note: str | None = None
-    schema_version: int = STATUS_VERSION
-
-    def to_json(self) -> dict[str, Any]:
-        return {**_flat_json(self), "schema_version": STATUS_VERSION}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> RunStatus:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
-
-
-@dataclass(frozen=True)
-class Submission:
-    """``submission.json``: written by the SLURM executor once sbatch returned the job id."""
-
-    job_id: str
-    submitted_at: float
-    schema_version: int = STATUS_VERSION
-
-    def to_json(self) -> dict[str, Any]:
-        return {**_flat_json(self), "schema_version": STATUS_VERSION}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Submission:
-        return cls(job_id=str(data["job_id"]), submitted_at=float(data["submitted_at"]))
-
-
-def read_status(run_dir: Path) -> RunStatus | None:
-    data = read_json_file(run_dir / STATUS_FILE)
-    return None if data is None else RunStatus.from_json(data)
-
-
-def write_status(run_dir: Path, status: RunStatus) -> None:
-    atomic.write_json(run_dir / STATUS_FILE, status.to_json())
-
-
-def read_submission(run_dir: Path) -> Submission | None:
-    data = read_json_file(run_dir / SUBMISSION_FILE)
-    return None if data is None else Submission.from_json(data)
-
-
-def write_submission(run_dir: Path, submission: Submission) -> None:
-    atomic.write_json(run_dir / SUBMISSION_FILE, submission.to_json())
 
 
 def resume_progress(run_folder: Path) -> int | None:
