@@ -136,10 +136,11 @@ def test_a_gpu_run_is_planned_on_a_machine_without_a_gpu(tiny: Path) -> None:
 def test_a_plan_that_does_not_fit_names_the_flags_that_would(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Exit 5 with the plan printed; each flag the refusal names makes the same dry run fit (exit 0), and
     flags that do not fit are not named."""
-    host = _plan(tiny, "--nsamples", "64")["estimated_host_bytes_per_process"]
+    # Whole loads (--no-stream), so that streaming is one of the fixes the refusal can name.
+    host = _plan(tiny, "--nsamples", "64", "--no-stream")["estimated_host_bytes_per_process"]
     # One byte short of the plan: a smaller calibration set, bf16 weights or --stream (one block fewer held) fit.
     monkeypatch.setattr(plan_module, "available_host_bytes", lambda: host["total"] - 1)
-    args = ["prune", "--model", str(tiny), "--nm", "2:4", "--nsamples", "64", "--dry-run"]
+    args = ["prune", "--model", str(tiny), "--no-stream", "--nm", "2:4", "--nsamples", "64", "--dry-run"]
     refused = invoke(args)
     assert refused.exit_code == 5, refused.output
     assert "estimated memory: host" in refused.stdout  # the plan first
