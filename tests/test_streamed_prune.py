@@ -19,10 +19,11 @@ from helpers_tiny import LOCAL_CTX, sparsegpt_config
 from tsenor_cli.models.checkpoint import INDEX_NAME
 from tsenor_cli.models.loading import load_model
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning import streamed as streamed_module
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.plan import plan_model
 from tsenor_cli.pruning.types import LayerPruneConfig
+from tsenor_cli.pruning.writer import CheckpointSink
+from tsenor_cli.replay import BlockSource
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR
 from tsenor_cli.settings import RunContext
 
@@ -48,7 +49,7 @@ def _report(folder: Path) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def whole(model: Path, calib: Path, data_ctx: RunContext, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("whole") / "out"
-    prune_model(sparsegpt_config(model, calib, out, resume=False), data_ctx)
+    prune_model(sparsegpt_config(model, calib, out, resume=False, stream=False), data_ctx)
     return out
 
 
@@ -58,16 +59,16 @@ def test_streamed_prune_writes_the_whole_load_files_one_block_at_a_time(
 ) -> None:
     out = tmp_path / "out"
     holding: list[list[int]] = []
-    original_load = streamed_module.BlockSource.load
+    original_load = BlockSource.load
 
-    def load(self: streamed_module.BlockSource, index: int) -> torch.nn.Module:
-        block = original_load(self, index)
+    def load(self: BlockSource, index: int, to: torch.device | None = None) -> torch.nn.Module:
+        block = original_load(self, index, to)
         blocks = self.structure.blocks
         holding.append([i for i, b in enumerate(blocks) if any(not p.is_meta for p in b.parameters())])
         return block
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(streamed_module.BlockSource, "load", load)
+        patch.setattr(BlockSource, "load", load)
         prune_model(sparsegpt_config(model, calib, out, resume=resume, stream=True), data_ctx)
     # capture (block 0), the watch pass (every block), the loop (every block): one block at a time
     assert holding == [[0], [0], [1], [2], [0], [1], [2]]
@@ -125,7 +126,7 @@ def test_killed_streamed_run_without_resume_state_leaves_its_blocks_to_recover(
 
     # A SIGKILL runs no cleanup: the folder of pruned blocks stays beside the output.
     with pytest.MonkeyPatch.context() as patch, pytest.raises(Killed):
-        patch.setattr(streamed_module.BlockSource, "close", lambda self: None)
+        patch.setattr(CheckpointSink, "close", lambda self: None)
         prune_model(sparsegpt_config(model, calib, out, stream=True, resume=False), data_ctx, after_block=kill)
     left = [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
     assert len(left) == 1 and sorted(p.name for p in left[0].iterdir()) == [
@@ -154,7 +155,7 @@ def test_pickle_checkpoint_is_loaded_whole_with_one_line(
 
 
 def test_dry_run_host_memory_is_one_block_when_streamed(model: Path, calib: Path, data_ctx: RunContext) -> None:
-    whole_plan = plan_model(sparsegpt_config(model, calib, None), data_ctx)
+    whole_plan = plan_model(sparsegpt_config(model, calib, None, stream=False), data_ctx)
     streamed_plan = plan_model(sparsegpt_config(model, calib, None, stream=True), data_ctx)
     per_block = whole_plan.blocks_bytes // BLOCKS
     assert streamed_plan.host_memory.model == whole_plan.host_memory.model - (BLOCKS - 1) * per_block

@@ -36,17 +36,12 @@ import torch
 from tsenor_cli.bench.machine import environment
 from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.progress import Progress
-from tsenor_cli.pruning.engine import (
-    MoeOptions,
-    block_output,
-    capture_block_inputs,
-    input_key,
-    unit_input_stats,
-)
+from tsenor_cli.pruning.gather import MoeOptions, unit_input_stats
 from tsenor_cli.pruning.observe import matrices, observe_block
 from tsenor_cli.pruning.registry import PruneFn, get_pruner
 from tsenor_cli.pruning.stats import ExpertStats
 from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.replay import block_output, capture_block_inputs, input_key
 
 # Issue 26's target: the routed statistics of all experts cost at most this many dense forwards.
 STATS_TARGET = 1.5

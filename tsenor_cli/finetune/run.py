@@ -34,10 +34,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from tsenor_cli import atomic
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import EXIT_RESUMABLE, EXIT_SIGINT, Interrupted, UsageError
-from tsenor_cli.finetune.callback import PPL_LOG_PREFIX, CurveCallback, FixedMask, MaskCallback
+from tsenor_cli.finetune.callback import PPL_LOG_PREFIX, CurveCallback, MaskCallback
 from tsenor_cli.finetune.data import TrainingText, WindowDataset, training_windows
 from tsenor_cli.finetune.distill import DistillTrainer, check_teacher
 from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsity
+from tsenor_cli.fixedmask import FixedMask
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.pruning.output import (

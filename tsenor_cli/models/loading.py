@@ -439,12 +439,16 @@ def load_model(
 
 def _stream_checkpoint(name: str, source: str, is_local: bool) -> Checkpoint | None:
     """The checkpoint a streamed load reads its blocks from (its headers checked), None for a folder of
-    pickle weights (loaded whole, with a warning line); UsageError for a hub id."""
+    pickle weights (loaded whole, with a warning line) or a hub id (loaded whole, with an info line)."""
     if not is_local:
-        raise UsageError(
-            f"--stream reads a local checkpoint folder, and {name} is a hub id; download it "
-            f"(hf download {name} --local-dir DIR) and pass --model DIR"
+        # Streaming is the default, so a hub id is not refused: it loads whole, and the line says how to stream it.
+        logger.info(
+            "%s is a hub id; streaming reads a local safetensors folder, so it is loaded whole "
+            "(hf download %s --local-dir DIR, then --model DIR, streams it)",
+            name,
+            name,
         )
+        return None
     folder = Path(source)
     if (
         not (folder / WEIGHTS_NAME).is_file()

@@ -67,7 +67,7 @@ class PruneConfig:
     offload_activations: bool = False
     moe_calibration: str = "routed"
     moe_min_tokens: int | None = None
-    stream: bool = False
+    stream: bool = True
     max_shard_size: str = MAX_SHARD_SIZE
     refine: RefineConfig = field(default_factory=RefineConfig)
 

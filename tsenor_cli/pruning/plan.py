@@ -16,14 +16,7 @@ import torch
 
 from tsenor_cli.progress import Progress, logger
 from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.engine import (
-    LinearSlot,
-    check_compatibility,
-    incompatible_slots,
-    linear_slots,
-    observed_slots,
-    slot_workspace,
-)
+from tsenor_cli.pruning.engine import slot_workspace
 from tsenor_cli.pruning.memory import HostEstimate, check_fits, host_estimate
 from tsenor_cli.pruning.observe import BlockObservation
 from tsenor_cli.pruning.output import free_bytes, human_bytes, output_path
@@ -38,6 +31,13 @@ from tsenor_cli.pruning.outside import REASON as OUTSIDE_REASON
 from tsenor_cli.pruning.probe import probe_blocks
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.selection import excluded_layers, matches
+from tsenor_cli.pruning.slots import (
+    LinearSlot,
+    check_compatibility,
+    incompatible_slots,
+    linear_slots,
+    observed_slots,
+)
 from tsenor_cli.pruning.types import LayerRecord
 from tsenor_cli.settings import RunContext
 

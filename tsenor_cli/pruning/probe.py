@@ -35,9 +35,9 @@ from torch import nn
 
 from tsenor_cli.errors import IncompatibleModelError
 from tsenor_cli.models.structure import ModelStructure
-from tsenor_cli.pruning.engine import block_output, capture_block_calls, input_key
 from tsenor_cli.pruning.memory import available_host_bytes
 from tsenor_cli.pruning.observe import BlockObservation, observe_block
+from tsenor_cli.replay import block_output, capture_block_calls, input_key
 
 PROBE_TOKENS = 8
 PROBE_BYTES = 4 << 30
