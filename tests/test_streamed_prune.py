@@ -181,3 +181,53 @@ def test_streamed_prune_of_smollm2_equals_the_whole_load(
     prune_model(sparsegpt_config(smollm2_path, calib, streamed_out, resume=False, stream=True, **options), data_ctx)
     assert _weights(streamed_out) == _weights(whole_out)
     assert [_report(streamed_out)["totals"][k] for k in COUNTS] == [_report(whole_out)["totals"][k] for k in COUNTS]
+
+
+def test_prune_eval_evaluates_the_pruned_checkpoint_block_by_block(
+    model: Path, calib: Path, data_dir: Path, data_ctx: RunContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tsenor prune --stream --eval`: the evaluation reads the pruned checkpoint block by block too (its
+    load keeps the blocks on the meta device, one block holds weights at a time, the whole-model
+    perplexity never runs), and its perplexity is the whole load's evaluation of the same checkpoint."""
+    from helpers_cli import invoke
+
+    from tsenor_cli.evaluation import runner
+    from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
+    from tsenor_cli.models import loading
+    from tsenor_cli.runfiles import EVAL_FILE
+
+    out = tmp_path / "out"
+    loads: list[tuple[str, bool]] = []
+    holding: list[list[int]] = []
+    original_load_model, original_block = loading.load_model, BlockSource.load
+
+    def load_model_seen(name: str, *args: object, **kwargs: object) -> loading.LoadedModel:
+        loaded = original_load_model(name, *args, **kwargs)
+        loads.append((name, loaded.checkpoint is not None))
+        return loaded
+
+    def load_block_seen(self: BlockSource, index: int, to: torch.device | None = None) -> torch.nn.Module:
+        block = original_block(self, index, to)
+        if loads and loads[-1][0] == str(out):  # the evaluation's reads
+            holding.append(
+                [i for i, b in enumerate(self.structure.blocks) if any(not p.is_meta for p in b.parameters())]
+            )
+        return block
+
+    def whole_perplexity(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the evaluation ran the whole model's perplexity")
+
+    monkeypatch.setattr(loading, "load_model", load_model_seen)
+    monkeypatch.setattr(BlockSource, "load", load_block_seen)
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "perplexity", whole_perplexity)
+        args = ["prune", "--model", str(model), "--method", "sparsegpt", "--nm", "2:4", "--solver", "exhaustive"]
+        args += ["--nsamples", "4", "--seqlen", "32", "--calib-data", str(calib), "--output", str(out)]
+        args += ["--stream", "--eval", "--ppl", "wikitext2", "--max-windows", "2", "--data-dir", str(data_dir)]
+        result = invoke([*args, "--offline"])
+    assert result.exit_code == 0, result.output
+    assert loads == [(str(model), True), (str(out), True)]
+    assert holding == [[0], [1], [2]]  # block 0 for the capture (and its replay), then each block alone
+    streamed = json.loads((out / EVAL_FILE).read_text())["perplexity"]["wikitext2"]["ppl"]
+    whole = evaluate_model(original_load_model(str(out), data_ctx), EvalConfig(("wikitext2",), max_windows=2), data_ctx)
+    assert streamed == pytest.approx(whole.perplexity["wikitext2"].ppl, rel=1e-5)

@@ -138,30 +138,15 @@ def refine_block(
     for p in params:
         p.data = p.data.float()
         p.requires_grad_(True)
-    optimizer = torch.optim.Adam(params, lr=cfg.lr, foreach=False)
     scale = den / total  # mean ‖y_j‖²: each sample's term of the objective is ‖f(x_j) − y_j‖² / scale
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    steps = 0
     was_training = block.training
     block.train(False)  # dropout off: the target is the deterministic dense output
     fixed.apply()
     fixed.attach()
     try:
-        for _ in range(cfg.epochs):
-            order = torch.randperm(total, generator=generator).tolist()
-            for first in range(0, total, SAMPLES_PER_STEP):
-                step = order[first : first + SAMPLES_PER_STEP]
-                if team.distributed:
-                    args = (block, params, inputs, call, targets, step, bounds, device, team, scale * len(step))
-                    _ordered_gradients(*args)
-                else:
-                    _accumulate(block, inputs, call, targets, step, device, scale * len(step))
-                    for p in params:  # as the distributed sum has them: zeros, not None (Adam steps both alike)
-                        p.grad = _grad(p)
-                _step(optimizer)
-                fixed.apply()
-                optimizer.zero_grad(set_to_none=True)
-                steps += 1
+        steps = _train(
+            block, params, fixed, inputs, call, targets, cfg, index, seed, total, scale, bounds, device, team
+        )
     finally:
         fixed.detach()
         block.train(was_training)
@@ -184,6 +169,45 @@ def refine_block(
             f"  refined block {index}: error {before:.4g} → {after:.4g} ({verdict}), {steps} steps, {seconds:.1f}s"
         )
     return record
+
+
+def _train(
+    block: nn.Module,
+    params: list[nn.Parameter],
+    fixed: FixedMask,
+    inputs: torch.Tensor,
+    call: BlockCall,
+    targets: torch.Tensor,
+    cfg: RefineConfig,
+    index: int,
+    seed: int,
+    total: int,
+    scale: float,
+    bounds: list[tuple[int, int]],
+    device: torch.device,
+    team: Team,
+) -> int:
+    """The Adam steps of `refine_block` (module docstring: the order of the samples from (seed, block)
+    alone, `SAMPLES_PER_STEP` per step, the mask written again after each) → how many were taken."""
+    optimizer = torch.optim.Adam(params, lr=cfg.lr, foreach=False)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    steps = 0
+    for _ in range(cfg.epochs):
+        order = torch.randperm(total, generator=generator).tolist()
+        for first in range(0, total, SAMPLES_PER_STEP):
+            step = order[first : first + SAMPLES_PER_STEP]
+            if team.distributed:
+                args = (block, params, inputs, call, targets, step, bounds, device, team, scale * len(step))
+                _ordered_gradients(*args)
+            else:
+                _accumulate(block, inputs, call, targets, step, device, scale * len(step))
+                for p in params:  # as the distributed sum has them: zeros, not None (Adam steps both alike)
+                    p.grad = _grad(p)
+            _step(optimizer)
+            fixed.apply()
+            optimizer.zero_grad(set_to_none=True)
+            steps += 1
+    return steps
 
 
 def _accumulate(
