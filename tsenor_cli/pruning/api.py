@@ -1,5 +1,7 @@
-"""Library entry points: `prune_model(cfg, ctx) -> PruneReport` and `prune_and_evaluate` (`tsenor prune
---eval`); the dry run's `plan_model` is in pruning/plan.py.
+"""Library entry points: `prune(model, cfg) -> PruneReport` (the Python API: a path or a model in memory,
+docs/guide/python-api.md), `prune_model(cfg, ctx) -> PruneReport` (the run: checks, plan, lock, then
+`run.PruneRun`) and `prune_and_evaluate` (`tsenor prune --eval`); the dry run's `plan_model` is in
+pruning/plan.py.
 
 `ctx` (settings.RunContext) says where calibration data and hub models may come from.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +45,44 @@ from tsenor_cli.settings import RunContext
 
 if TYPE_CHECKING:
     from tsenor_cli.models.loading import LoadedModel
+
+
+def prune(
+    model: str | Path | Any,
+    cfg: PruneConfig,
+    *,
+    tokenizer: Any = None,
+    ctx: RunContext | None = None,
+    progress: Progress | None = None,
+) -> PruneReport:
+    """The Python entry point (docs/guide/python-api.md), as llm-compressor users call ``oneshot``: prune
+    `model` under `cfg` into `cfg.output` → the run's report (what tsenor_report.json holds).
+
+    model: a checkpoint folder, an embedded name or a hub id (replaces `cfg.model`), or a transformers
+    model already in memory (a `PreTrainedModel`): then it is pruned in place and written to
+    `cfg.output`, its config and tokenizer read from the folder it was loaded from
+    (``model.name_or_path``; `tokenizer`, when given, is used instead of that folder's). ctx: where
+    data and hub models come from (default: the environment, `RunContext.from_environment`)."""
+    from tsenor_cli.models.loading import LoadedModel
+    from tsenor_cli.models.structure import discover_structure
+
+    ctx = ctx if ctx is not None else RunContext.from_environment()
+    if isinstance(model, str | Path):
+        return prune_model(replace(cfg, model=str(model)), ctx, progress)
+    folder = str(getattr(model, "name_or_path", "") or "")
+    if not folder or not Path(folder, "config.json").is_file():
+        raise UsageError(
+            "a model in memory is pruned with the config and tokenizer of the folder it was loaded from, and this "
+            f"one's name_or_path ({folder or 'empty'}) holds no config.json; save it (save_pretrained), pass the folder"
+        )
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    built = LoadedModel(
+        model=model.eval(), tokenizer=tokenizer, name=folder, source=folder, structure=discover_structure(model)
+    )
+    return prune_model(replace(cfg, model=folder), ctx, progress, built=built)
 
 
 def dense_calibration_inputs(
