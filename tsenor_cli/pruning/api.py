@@ -190,6 +190,7 @@ def prune_model(
                     store=store if cfg.resume else None, state=state, stop=stop, after_block=after_block,
                     built=built, started=start, metadata=sparsity_metadata,
                 )  # fmt: skip
+                run.timings.add("plan", time.perf_counter() - start)  # the checks, the plan, the lock
                 return run.execute()
     except KeyboardInterrupt:
         raise point.interrupted(output, saving=cfg.resume, signal_name=stop.name if stop else None) from None

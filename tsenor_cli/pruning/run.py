@@ -96,7 +96,19 @@ class RunPoint:
 
 
 # The run's phases in the order a run meets them; `Timings.line` prints them in this order.
-RUN_PHASES = ("load", "calibrate", "watch", "statistics", "method", "solver", "refine", "rerun", "save", "write")
+RUN_PHASES = (
+    "plan",
+    "load",
+    "calibrate",
+    "watch",
+    "statistics",
+    "method",
+    "solver",
+    "refine",
+    "rerun",
+    "save",
+    "write",
+)
 
 
 @dataclass
