@@ -117,7 +117,7 @@ def check_free_space(output: Path, checkpoint_bytes: int, resume_bytes: int, blo
 
     checkpoint_bytes: the checkpoint (built beside the old folder, which stays until the swap);
     resume_bytes: what the resume state still has to write (0 without one); blocks_bytes: the pruned
-    blocks a streamed run without a resume state keeps on disk until the write (`pruning/streamed.py`).
+    blocks a streamed run without a resume state keeps on disk until the write (`pruning/writer.py`).
     """
     need, free = checkpoint_bytes + resume_bytes + blocks_bytes, free_bytes(output)
     if need > free:
@@ -216,7 +216,7 @@ def write_model_folder(
     them once the weights are written), built in a temp sibling and renamed into place (replacing an
     existing `output`: prepare_output allowed it).
 
-    tensors: the weights as (key, tensor) one at a time (`pruning/streamed.py`: a model whose blocks are on
+    tensors: the weights as (key, tensor) one at a time (`pruning/writer.py`: a model whose blocks are on
     the meta device); None: `model`'s own.
 
     The tensors are saved under the model's own parameter names (what ``save_original_format=False``
