@@ -19,7 +19,8 @@ import torch
 
 from tsenor_cli import atomic
 from tsenor_cli.errors import EXIT_RESUMABLE, EXIT_SIGINT, Interrupted, ResumeStateError, UsageError
-from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model, load_for_evaluation
+from tsenor_cli.evaluation import runner
+from tsenor_cli.evaluation.runner import EvalConfig
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.pruning.config import PruneConfig
@@ -287,8 +288,8 @@ def prune_and_evaluate(
         return report, None
     try:
         with stop.at_once() if stop is not None else contextlib.nullcontext():
-            loaded = load_for_evaluation(str(cfg.output), ctx, eval_cfg, dtype=cfg.dtype, device=cfg.device)
-            evaluation = evaluate_model(loaded, eval_cfg, ctx)
+            loaded = runner.load_for_evaluation(str(cfg.output), ctx, eval_cfg, dtype=cfg.dtype, device=cfg.device)
+            evaluation = runner.evaluate_model(loaded, eval_cfg, ctx)
     except KeyboardInterrupt:
         how = f"stopped by {stop.name}" if stop is not None and stop.name else "interrupted"
         raise Interrupted(
