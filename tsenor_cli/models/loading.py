@@ -415,7 +415,9 @@ def load_model(
         before_weights(config, tokenizer)
     files = processor_files(source, is_local, ctx)
     if checkpoint is not None:
-        return _load_streamed(name, source, config, tokenizer, files, checkpoint, torch_dtype, torch_device, hub)
+        streamed = _load_streamed(name, source, config, tokenizer, files, checkpoint, torch_dtype, torch_device, hub)
+        if streamed is not None:
+            return streamed
     placement = {} if device_map is None else {"device_map": device_map}
     try:
         model = auto_class(config).from_pretrained(source, dtype=torch_dtype, **placement, **hub)
@@ -472,13 +474,23 @@ def _load_streamed(
     dtype: torch.dtype,
     device: torch.device,
     hub: dict[str, Any],
-) -> LoadedModel:
+) -> LoadedModel | None:
     """The model of `config` with what lies outside its decoder blocks read from `checkpoint` onto `device`
-    and its blocks on the meta device (`models/streaming.py`)."""
-    from tsenor_cli.models.streaming import check_names, load_resident, skeleton
+    and its blocks on the meta device (`models/streaming.py`); None, with one warning line, when the
+    checkpoint stores its tensors under other names than the model's parameters (transformers renames them
+    on load): it cannot be read block by block, so the caller loads it whole."""
+    from tsenor_cli.models.streaming import first_missing, load_resident, skeleton
 
     model = skeleton(auto_class(config), config, dtype, trust_remote_code=hub["trust_remote_code"])
-    check_names(model, checkpoint)
+    missing = first_missing(model, checkpoint)
+    if missing is not None:
+        logger.warning(
+            "%s holds no tensor %s: its tensors are stored under other names than the model's modules "
+            "(transformers renames them on load), so it cannot be read block by block and is loaded whole",
+            name,
+            missing,
+        )
+        return None
     structure = discover_structure(model)
     load_resident(model, structure, checkpoint, device)
     return LoadedModel(
