@@ -425,7 +425,6 @@ class PruneRun:
             self.point.current = index
             records += self.prune_one(index, pruner, plan, begin, records, hidden, buffer, refine)
             hidden, buffer = buffer, hidden
-            self.point.done, self.point.current = index + 1, None
             if self.after_block is not None:
                 self.after_block(index)
         return records, tuple(refine.refined) if refine is not None else begin.refinement
@@ -464,6 +463,8 @@ class PruneRun:
         self.source.park(index)
         if self.store is not None:
             self._save(index, block, [*records, *mine], begin, out, refine)
+        # Done once committed: an interruption from here on says the resume state holds this block.
+        self.point.done, self.point.current = index + 1, None
         self.sink.keep(index, block)
         self.source.release(index)
         self.say(self._block_line(index, mine, time.perf_counter() - start))
