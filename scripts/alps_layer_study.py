@@ -17,7 +17,7 @@ import torch
 
 from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPattern, reconstruction_error
 from tsenor_cli.pruning.api import dense_calibration_inputs
-from tsenor_cli.pruning.engine import run_block
+from tsenor_cli.replay import run_block
 from tsenor_cli.settings import RunContext
 
 

@@ -25,8 +25,8 @@ import torch
 from tsenor_cli import atomic
 from tsenor_cli.pruning import InputStats, SparsityPattern
 from tsenor_cli.pruning.api import dense_calibration_inputs
-from tsenor_cli.pruning.engine import run_block
 from tsenor_cli.pruning.masks import choose_mask
+from tsenor_cli.replay import run_block
 from tsenor_cli.settings import RunContext
 
 # Outlier channels: the share of the score held by this fraction of a layer's input channels.

@@ -294,7 +294,7 @@ def blockwise_forward(model: Any, input_ids: torch.Tensor) -> tuple[torch.Tensor
     after the blocks (final norm, logit scaling or soft-capping) is its own.
     """
     from tsenor_cli.models.structure import discover_structure
-    from tsenor_cli.pruning.engine import capture_block_inputs, run_block
+    from tsenor_cli.replay import capture_block_inputs, run_block
 
     structure = discover_structure(model)
     inputs = capture_block_inputs(structure, input_ids, torch.device("cpu"))

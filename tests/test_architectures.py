@@ -29,16 +29,10 @@ from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.engine import (
-    BlockCall,
-    call_difference,
-    capture_block_calls,
-    capture_block_inputs,
-    linear_groups,
-    run_block,
-)
+from tsenor_cli.pruning.gather import linear_groups
 from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.pruning.verify import verify_checkpoint
+from tsenor_cli.replay import BlockCall, call_difference, capture_block_calls, capture_block_inputs, run_block
 
 FAMILIES = sorted(ARCHITECTURES)
 LLAMA_GROUPS = (

@@ -30,6 +30,7 @@ from helpers_cli import invoke
 from helpers_tiny import make_tiny_llama
 from safetensors.torch import load_file
 
+from tsenor_cli import replay
 from tsenor_cli.errors import (
     DEBUG_HINT,
     EXIT_RESUMABLE,
@@ -40,7 +41,7 @@ from tsenor_cli.errors import (
 )
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning import api, engine
+from tsenor_cli.pruning import api, engine, gather
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.distributed import assign_owners, shard_bounds, shared_input_classes
 from tsenor_cli.pruning.launch import run_status, without_option
@@ -401,16 +402,16 @@ def test_dry_run_memory_components_match_the_tensors_of_a_run(
     linears = dict(structure.block_linears(0, block))
     cpu = torch.device("cpu")
     for estimate, (start, stop) in zip(plan.device_memory, shard_bounds(5, WORLD), strict=True):
-        inputs = engine.capture_block_inputs(structure, ids[start:stop], cpu)
-        kept = engine.group_inputs(block, linears, inputs.hidden, inputs.calls[0], cpu, keep=cpu)
+        inputs = replay.capture_block_inputs(structure, ids[start:stop], cpu)
+        kept = gather.group_inputs(block, linears, inputs.hidden, inputs.calls[0], cpu, keep=cpu)
         # Inputs, the output buffer and the kept linear inputs; --no-sequential counts every linear's
         # input, an upper bound of what is kept (q/k/v and gate/up share one tensor).
         every_linear = sum(x.nbytes for xs in kept.values() for x in xs)
         assert estimate.activations == 2 * inputs.hidden.nbytes + every_linear
         shared_once = sum({id(x): x.nbytes for xs in kept.values() for x in xs}.values())
         assert shared_once < every_linear
-    inputs = engine.capture_block_inputs(structure, ids, cpu)
-    stats = engine.group_input_stats(block, linears, inputs.hidden, inputs.calls[0], cpu)
+    inputs = replay.capture_block_inputs(structure, ids, cpu)
+    stats = gather.group_input_stats(block, linears, inputs.hidden, inputs.calls[0], cpu)
     # The estimate counts one Gram per linear; q/k/v and gate/up share one (an upper bound).
     one_rank = sum(s.sq_norms.nbytes + s.require_gram().nbytes for s in stats.values())
     largest = max(s.sq_norms.nbytes + s.require_gram().nbytes for s in stats.values())

@@ -127,14 +127,11 @@ def test_statistics_passes_stop_early_with_identical_results(tiny: Path) -> None
     import copy
 
     from tsenor_cli.models.loading import load_model
-    from tsenor_cli.pruning.engine import (
-        capture_block_inputs,
-        group_input_stats,
-        linear_groups,
-        linear_slots,
-        prune_block,
-    )
+    from tsenor_cli.pruning.engine import BlockPruner
+    from tsenor_cli.pruning.gather import group_input_stats, linear_groups
     from tsenor_cli.pruning.registry import get_pruner
+    from tsenor_cli.pruning.slots import linear_slots
+    from tsenor_cli.replay import capture_block_inputs
 
     loaded = load_model(str(tiny), LOCAL_CTX)
     structure = loaded.structure
@@ -176,21 +173,17 @@ def test_statistics_passes_stop_early_with_identical_results(tiny: Path) -> None
     results = {}
     for stop_early in (True, False):
         pruned = copy.deepcopy(block)
-        records = prune_block(
-            pruned,
-            0,
+        pruner = BlockPruner(
             structure,
             slots,
-            skipped,
-            hidden,
-            call,
             get_pruner("sparsegpt"),  # updates the kept weights, so later groups depend on earlier ones
             layer_cfg,
-            sequential=True,
-            device=cpu,
-            progress=lambda _msg: None,
+            cpu,
+            lambda _msg: None,
+            skipped=skipped,
             stop_early=stop_early,
         )
+        records = pruner.prune(pruned, 0, hidden, call)
         results[stop_early] = (pruned.state_dict(), [(r.status, r.recon_error, r.density) for r in records])
     (early_weights, early_records), (full_weights, full_records) = results[True], results[False]
     assert early_records == full_records and early_records[2][0] == "skipped"

@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tsenor_cli.errors import Interrupted, TsenorError
-from tsenor_cli.finetune.callback import FixedMask
 from tsenor_cli.finetune.run import FinetuneConfig, finetune, last_complete_checkpoint
+from tsenor_cli.fixedmask import FixedMask
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.api import prune_model

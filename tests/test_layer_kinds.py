@@ -25,8 +25,9 @@ from torch import nn
 
 from tsenor_cli.errors import IncompatibleModelError
 from tsenor_cli.models.structure import discover_structure
-from tsenor_cli.pruning.engine import MoeOptions, block_output, capture_block_inputs, input_key, unit_input_stats
+from tsenor_cli.pruning.gather import MoeOptions, unit_input_stats
 from tsenor_cli.pruning.observe import Use, observe_block, watching
+from tsenor_cli.replay import block_output, capture_block_inputs, input_key
 
 SEQ_LEN = 24
 # Each block: c_attn (3H × H), attention's c_proj (H × H), c_fc (4H × H), the MLP's c_proj (H × 4H), as (out, in).

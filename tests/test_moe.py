@@ -25,20 +25,13 @@ from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.engine import (
-    MoeOptions,
-    StackInputs,
-    block_output,
-    capture_block_inputs,
-    input_key,
-    run_block,
-    unit_input_stats,
-)
+from tsenor_cli.pruning.gather import MoeOptions, StackInputs, unit_input_stats
 from tsenor_cli.pruning.method_options import ALPSOptions
 from tsenor_cli.pruning.observe import Geometry, matrices, observe_block
 from tsenor_cli.pruning.stats import ExpertStats, RowBuffer
 from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.pruning.verify import verify_checkpoint
+from tsenor_cli.replay import block_output, capture_block_inputs, input_key, run_block
 from tsenor_cli.runfiles import read_sparsity
 from tsenor_cli.settings import RunContext
 
@@ -497,8 +490,8 @@ def test_a_stacks_workspace_is_one_chunk_of_experts() -> None:
     """The plan's workspace for a 256-expert stack at DeepSeek-V3's width (2048 × 7168) is one chunk's
     buffers and statistics, not 256 experts' (which would be 256 × 0.6 GB for ALPS), and a stack no
     bigger than a chunk counts every expert."""
-    from tsenor_cli.pruning.engine import LinearSlot
     from tsenor_cli.pruning.memory import EXPERT_BATCH_BYTES, MethodCost, matrix_workspace, slot_workspace
+    from tsenor_cli.pruning.slots import LinearSlot
 
     def slot(experts: int, out: int, inp: int) -> LinearSlot:
         return LinearSlot(1, "mlp.experts.down_proj", "model.layers.1.mlp.experts.down_proj", out, inp, experts=experts)

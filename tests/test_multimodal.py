@@ -46,11 +46,11 @@ from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning import magnitude
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.engine import BlockCall, capture_block_calls, capture_block_inputs, run_block
 from tsenor_cli.pruning.outside import OUTSIDE_BLOCK
 from tsenor_cli.pruning.outside import REASON as OUTSIDE_REASON
 from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.pruning.verify import verify_checkpoint
+from tsenor_cli.replay import BlockCall, capture_block_calls, capture_block_inputs, run_block
 from tsenor_cli.runfiles import PruneReport
 
 FAMILIES = sorted(MULTIMODAL)
@@ -508,7 +508,7 @@ def test_a_block_list_that_never_runs_on_text_is_refused_in_one_line() -> None:
 def test_an_idle_call_survives_the_move_to_a_device_and_differs_from_a_running_one() -> None:
     idle = BlockCall.idle().to(torch.device("cpu"))
     assert not idle.runs and idle.args == () and idle.kwargs == {}
-    from tsenor_cli.pruning.engine import call_difference
+    from tsenor_cli.replay import call_difference
 
     assert call_difference(idle, BlockCall((), {})) == "decision to run the block at all"
     assert call_difference(idle, BlockCall.idle()) is None

@@ -23,12 +23,12 @@ from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning import refine
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.engine import capture_block_inputs, run_block
 from tsenor_cli.pruning.plan import plan_model
 from tsenor_cli.pruning.recipe import build_config, validate_recipe
 from tsenor_cli.pruning.refine import RefineConfig, block_masks, refine_block
 from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.pruning.verify import verify_checkpoint
+from tsenor_cli.replay import capture_block_inputs, run_block
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE, PruneReport
 from tsenor_cli.settings import RunContext
 from tsenor_cli.sweep.spec import load_sweep
@@ -178,7 +178,7 @@ def test_the_block_outputs_a_kept_refinement_wrote_are_those_the_engine_would_co
 ) -> None:
     """A kept refinement's last error pass writes the next block's inputs, and the engine skips its own
     run of the block; a run that drops those outputs and runs the block again ends bit-identical."""
-    from tsenor_cli.pruning import api
+    from tsenor_cli.pruning import run as pruning_run
 
     forwards: list[int] = []
 
@@ -186,7 +186,7 @@ def test_the_block_outputs_a_kept_refinement_wrote_are_those_the_engine_would_co
         forwards.append(int(args[1].shape[0]))
         run_block(*args, **kwargs)
 
-    monkeypatch.setattr(api, "run_block", counted)
+    monkeypatch.setattr(pruning_run, "run_block", counted)
     shortcut = prune_model(_cfg(tiny, calib, tmp_path / "shortcut"), data_ctx)
     assert [b.kept for b in shortcut.refinement] == [True, True]
     skipping = len(forwards)
@@ -196,7 +196,7 @@ def test_the_block_outputs_a_kept_refinement_wrote_are_those_the_engine_would_co
         records, _ = refine.refine_pruned_block(*args, **{**kwargs, "outputs": None})
         return records, False
 
-    monkeypatch.setattr(api, "refine_pruned_block", rerun)
+    monkeypatch.setattr(pruning_run, "refine_pruned_block", rerun)
     again = prune_model(_cfg(tiny, calib, tmp_path / "again"), data_ctx)
     assert len(forwards) == skipping + 2  # one run of each of the two blocks more
     assert [(b.error_before, b.error_after) for b in again.refinement] == [

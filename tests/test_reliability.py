@@ -538,6 +538,7 @@ def test_host_and_device_estimates_by_hand(tiny: Path, data_ctx: RunContext) -> 
         method="sparsegpt",
         nsamples=4,
         seqlen=32,
+        stream=False,  # the whole model held: the estimate's model term is every parameter
     )
     plan = plan_model(cfg, data_ctx)
     host = plan.host_memory

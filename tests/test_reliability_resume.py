@@ -410,7 +410,7 @@ def test_ctrl_c_before_pruning_during_the_write_and_during_prune_eval(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from tsenor_cli.evaluation import runner
-    from tsenor_cli.pruning import api
+    from tsenor_cli.pruning import api, engine, writer
 
     def ctrl_c(*_args: object, **_kwargs: object) -> None:
         raise KeyboardInterrupt
@@ -423,7 +423,7 @@ def test_ctrl_c_before_pruning_during_the_write_and_during_prune_eval(
     assert list(tmp_path.iterdir()) == []
 
     with monkeypatch.context() as patch, pytest.raises(Interrupted) as first_block:
-        patch.setattr(api, "prune_block", ctrl_c)
+        patch.setattr(engine.BlockPruner, "prune", ctrl_c)
         prune_model(sparsegpt_config(tiny, calib, out), data_ctx)
     assert str(first_block.value) == (
         f"interrupted at block 1/{BLOCKS}; no block was finished: rerunning the same command starts over"
@@ -431,7 +431,7 @@ def test_ctrl_c_before_pruning_during_the_write_and_during_prune_eval(
     assert list(tmp_path.iterdir()) == []
 
     with monkeypatch.context() as patch, pytest.raises(Interrupted) as writing:
-        patch.setattr(api, "write_checkpoint", ctrl_c)
+        patch.setattr(writer, "write_checkpoint", ctrl_c)
         prune_model(sparsegpt_config(tiny, calib, out), data_ctx)
     assert str(writing.value) == (
         f"interrupted while writing {out}; every block is saved in the resume state: "

@@ -12,7 +12,7 @@ import torch
 from helpers_cli import invoke
 from helpers_tiny import ARCHITECTURES, LOCAL_CTX, make_tiny_llama
 
-from tsenor_cli.errors import BadInputError, IncompatibleModelError, InputNotFoundError, UsageError
+from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
 from tsenor_cli.evaluation.perplexity import perplexity
 from tsenor_cli.evaluation.streamed import streamed_perplexity
 from tsenor_cli.models.checkpoint import INDEX_NAME
@@ -127,14 +127,27 @@ def test_cli_stream_matches_whole_and_refuses_bad_checkpoints(
     refused(sharded, BadInputError, "is truncated or corrupt", "--stream")
     shards[-1].unlink()
     refused(sharded, InputNotFoundError, f"names the shard {shards[-1].name}, which is missing", "--stream")
+
+
+def test_a_checkpoint_under_other_names_is_loaded_whole_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tensors stored under other names than the modules' (transformers renames them on load: legacy
+    multimodal names, per-expert MoE keys) cannot be read block by block: streaming being the default, the
+    load goes on whole, with one line naming the first missing tensor, before any weight is read."""
+    from safetensors.torch import save_file
+
+    folder = make_tiny_llama(tmp_path / "m", num_layers=2)
     renamed = tmp_path / "renamed"
     shutil.copytree(folder, renamed)
     model = load_model(str(folder), LOCAL_CTX).model
-    from safetensors.torch import save_file
-
     legacy = {f"legacy.{k}": v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(legacy, str(renamed / "model.safetensors"))
-    refused(renamed, IncompatibleModelError, "holds no tensor model.embed_tokens.weight", "--stream")
+    with caplog.at_level("WARNING", logger="tsenor"):
+        loaded = load_model(str(renamed), LOCAL_CTX, stream=True)
+    assert loaded.checkpoint is None and _resident_blocks(loaded) == [0, 1]
+    lines = [r.getMessage() for r in caplog.records if "block by block" in r.getMessage()]
+    assert len(lines) == 1 and "holds no tensor model.embed_tokens.weight" in lines[0] and "loaded whole" in lines[0]
 
 
 def test_pickle_checkpoint_is_loaded_whole_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -158,3 +171,14 @@ def test_device_map_auto_loads_the_whole_model_where_accelerate_places_it(tmp_pa
     plain = perplexity(load_model(str(folder), LOCAL_CTX).model, ids, seqlen=SEQLEN, device="cpu")
     device = next(mapped.model.parameters()).device
     assert perplexity(mapped.model, ids, seqlen=SEQLEN, device=device).ppl == pytest.approx(plain.ppl, rel=1e-5)
+
+
+def test_a_hub_id_is_loaded_whole_with_one_info_line(caplog: pytest.LogCaptureFixture) -> None:
+    """Streaming is the default, so a hub id (no local safetensors folder to read blocks from) is not
+    refused: the load goes on whole, and the line says how to stream it."""
+    from tsenor_cli.models.loading import _stream_checkpoint
+
+    with caplog.at_level("INFO", logger="tsenor"):
+        assert _stream_checkpoint("org/model", "org/model", is_local=False) is None
+    lines = [r for r in caplog.records if "hub id" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelname == "INFO" and "loaded whole" in lines[0].getMessage()

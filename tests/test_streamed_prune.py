@@ -19,10 +19,11 @@ from helpers_tiny import LOCAL_CTX, sparsegpt_config
 from tsenor_cli.models.checkpoint import INDEX_NAME
 from tsenor_cli.models.loading import load_model
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning import streamed as streamed_module
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.plan import plan_model
 from tsenor_cli.pruning.types import LayerPruneConfig
+from tsenor_cli.pruning.writer import CheckpointSink
+from tsenor_cli.replay import BlockSource
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR
 from tsenor_cli.settings import RunContext
 
@@ -48,7 +49,7 @@ def _report(folder: Path) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def whole(model: Path, calib: Path, data_ctx: RunContext, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("whole") / "out"
-    prune_model(sparsegpt_config(model, calib, out, resume=False), data_ctx)
+    prune_model(sparsegpt_config(model, calib, out, resume=False, stream=False), data_ctx)
     return out
 
 
@@ -58,16 +59,16 @@ def test_streamed_prune_writes_the_whole_load_files_one_block_at_a_time(
 ) -> None:
     out = tmp_path / "out"
     holding: list[list[int]] = []
-    original_load = streamed_module.BlockSource.load
+    original_load = BlockSource.load
 
-    def load(self: streamed_module.BlockSource, index: int) -> torch.nn.Module:
-        block = original_load(self, index)
+    def load(self: BlockSource, index: int, to: torch.device | None = None) -> torch.nn.Module:
+        block = original_load(self, index, to)
         blocks = self.structure.blocks
         holding.append([i for i, b in enumerate(blocks) if any(not p.is_meta for p in b.parameters())])
         return block
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(streamed_module.BlockSource, "load", load)
+        patch.setattr(BlockSource, "load", load)
         prune_model(sparsegpt_config(model, calib, out, resume=resume, stream=True), data_ctx)
     # capture (block 0), the watch pass (every block), the loop (every block): one block at a time
     assert holding == [[0], [0], [1], [2], [0], [1], [2]]
@@ -125,7 +126,7 @@ def test_killed_streamed_run_without_resume_state_leaves_its_blocks_to_recover(
 
     # A SIGKILL runs no cleanup: the folder of pruned blocks stays beside the output.
     with pytest.MonkeyPatch.context() as patch, pytest.raises(Killed):
-        patch.setattr(streamed_module.BlockSource, "close", lambda self: None)
+        patch.setattr(CheckpointSink, "close", lambda self: None)
         prune_model(sparsegpt_config(model, calib, out, stream=True, resume=False), data_ctx, after_block=kill)
     left = [p for p in tmp_path.iterdir() if p.name.startswith(".out.tmp-")]
     assert len(left) == 1 and sorted(p.name for p in left[0].iterdir()) == [
@@ -154,7 +155,7 @@ def test_pickle_checkpoint_is_loaded_whole_with_one_line(
 
 
 def test_dry_run_host_memory_is_one_block_when_streamed(model: Path, calib: Path, data_ctx: RunContext) -> None:
-    whole_plan = plan_model(sparsegpt_config(model, calib, None), data_ctx)
+    whole_plan = plan_model(sparsegpt_config(model, calib, None, stream=False), data_ctx)
     streamed_plan = plan_model(sparsegpt_config(model, calib, None, stream=True), data_ctx)
     per_block = whole_plan.blocks_bytes // BLOCKS
     assert streamed_plan.host_memory.model == whole_plan.host_memory.model - (BLOCKS - 1) * per_block
@@ -180,3 +181,53 @@ def test_streamed_prune_of_smollm2_equals_the_whole_load(
     prune_model(sparsegpt_config(smollm2_path, calib, streamed_out, resume=False, stream=True, **options), data_ctx)
     assert _weights(streamed_out) == _weights(whole_out)
     assert [_report(streamed_out)["totals"][k] for k in COUNTS] == [_report(whole_out)["totals"][k] for k in COUNTS]
+
+
+def test_prune_eval_evaluates_the_pruned_checkpoint_block_by_block(
+    model: Path, calib: Path, data_dir: Path, data_ctx: RunContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tsenor prune --stream --eval`: the evaluation reads the pruned checkpoint block by block too (its
+    load keeps the blocks on the meta device, one block holds weights at a time, the whole-model
+    perplexity never runs), and its perplexity is the whole load's evaluation of the same checkpoint."""
+    from helpers_cli import invoke
+
+    from tsenor_cli.evaluation import runner
+    from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
+    from tsenor_cli.models import loading
+    from tsenor_cli.runfiles import EVAL_FILE
+
+    out = tmp_path / "out"
+    loads: list[tuple[str, bool]] = []
+    holding: list[list[int]] = []
+    original_load_model, original_block = loading.load_model, BlockSource.load
+
+    def load_model_seen(name: str, *args: object, **kwargs: object) -> loading.LoadedModel:
+        loaded = original_load_model(name, *args, **kwargs)
+        loads.append((name, loaded.checkpoint is not None))
+        return loaded
+
+    def load_block_seen(self: BlockSource, index: int, to: torch.device | None = None) -> torch.nn.Module:
+        block = original_block(self, index, to)
+        if loads and loads[-1][0] == str(out):  # the evaluation's reads
+            holding.append(
+                [i for i, b in enumerate(self.structure.blocks) if any(not p.is_meta for p in b.parameters())]
+            )
+        return block
+
+    def whole_perplexity(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the evaluation ran the whole model's perplexity")
+
+    monkeypatch.setattr(loading, "load_model", load_model_seen)
+    monkeypatch.setattr(BlockSource, "load", load_block_seen)
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "perplexity", whole_perplexity)
+        args = ["prune", "--model", str(model), "--method", "sparsegpt", "--nm", "2:4", "--solver", "exhaustive"]
+        args += ["--nsamples", "4", "--seqlen", "32", "--calib-data", str(calib), "--output", str(out)]
+        args += ["--stream", "--eval", "--ppl", "wikitext2", "--max-windows", "2", "--data-dir", str(data_dir)]
+        result = invoke([*args, "--offline"])
+    assert result.exit_code == 0, result.output
+    assert loads == [(str(model), True), (str(out), True)]
+    assert holding == [[0], [1], [2]]  # block 0 for the capture (and its replay), then each block alone
+    streamed = json.loads((out / EVAL_FILE).read_text())["perplexity"]["wikitext2"]["ppl"]
+    whole = evaluate_model(original_load_model(str(out), data_ctx), EvalConfig(("wikitext2",), max_windows=2), data_ctx)
+    assert streamed == pytest.approx(whole.perplexity["wikitext2"].ppl, rel=1e-5)

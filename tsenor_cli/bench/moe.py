@@ -2,11 +2,11 @@
 
 The block is a Qwen3-MoE decoder block at tiny width (issue 26: 64 experts, top-8) built from the
 installed transformers' config with seeded random weights; its calibration inputs are the embeddings
-of random token ids, captured as `tsenor prune` captures them (`engine.capture_block_inputs`). Measured
+of random token ids, captured as `tsenor prune` captures them (`replay.capture_block_inputs`). Measured
 in one process, so compare the ratios, not the seconds (shared 2-core machines):
 
 - statistics / dense: collecting the routed statistics (Gram matrices and norms) of every expert of
-  every stack (`engine.unit_input_stats` with the default options: one forward per sample, watched
+  every stack (`gather.unit_input_stats` with the default options: one forward per sample, watched
   inside the experts module only, plus the every-token pass for experts below the token threshold, if
   any) against one dense forward of the block over the same samples. The default calibration
   (32 × 128 tokens, 512 routed rows per expert on average) gives every expert more rows than its input
@@ -37,17 +37,12 @@ from tsenor_cli.bench.machine import environment
 from tsenor_cli.errors import UsageError
 from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.progress import Progress
-from tsenor_cli.pruning.engine import (
-    MoeOptions,
-    block_output,
-    capture_block_inputs,
-    input_key,
-    unit_input_stats,
-)
+from tsenor_cli.pruning.gather import MoeOptions, unit_input_stats
 from tsenor_cli.pruning.observe import matrices, observe_block
 from tsenor_cli.pruning.registry import PruneFn, get_pruner
 from tsenor_cli.pruning.stats import ExpertStats
 from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.replay import block_output, capture_block_inputs, input_key
 
 # Issue 26's target: the routed statistics of all experts cost at most this many dense forwards.
 STATS_TARGET = 1.5

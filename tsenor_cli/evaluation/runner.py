@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+import torch
+
 from tsenor_cli.data.eval_text import eval_token_stream
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import OutputExistsError, UsageError
@@ -33,7 +35,8 @@ STREAM_TASKS = (
 @dataclass(frozen=True)
 class EvalConfig:
     """What to evaluate. seqlen None = min(2048, the model's max positions); command: the command line,
-    recorded in eval.json."""
+    recorded in eval.json; stream: evaluate perplexity block by block when the model is a safetensors
+    checkpoint on disk and no zero-shot task needs the whole model (`load_for_evaluation`)."""
 
     ppl_datasets: tuple[DatasetName, ...] = DATASET_NAMES
     tasks: tuple[str, ...] = ()
@@ -43,6 +46,7 @@ class EvalConfig:
     seqlen: int | None = None
     max_windows: int | None = None
     command: str | None = None
+    stream: bool = True
 
     def __post_init__(self) -> None:
         unknown = [d for d in self.ppl_datasets if d not in DATASET_NAMES]
@@ -123,6 +127,36 @@ def effective_seqlen(loaded: LoadedModel, seqlen: int | None) -> int:
     return seqlen
 
 
+def load_for_evaluation(
+    model: str,
+    ctx: RunContext,
+    cfg: EvalConfig,
+    *,
+    dtype: str | None,
+    device: str,
+    trust_remote_code: bool = False,
+    device_map: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> LoadedModel:
+    """The model to evaluate under `cfg`: streamed (blocks on the meta device, read one at a time by
+    `evaluation/streamed.py`) when `cfg.stream` and only perplexity is asked for and no --device-map
+    places it; a pickle checkpoint or a hub id is then loaded whole with one line saying so
+    (`models.loading.load_model`). Zero-shot tasks need the whole model: loaded whole."""
+    from tsenor_cli.models.loading import load_model, parse_dtype
+
+    stream = cfg.stream and not cfg.tasks and device_map is None
+    return load_model(
+        model,
+        ctx,
+        dtype=parse_dtype(dtype),
+        device=device,
+        trust_remote_code=trust_remote_code,
+        device_map=device_map,
+        stream=stream,
+        progress=progress,
+    )
+
+
 def evaluate_model(
     loaded: LoadedModel,
     cfg: EvalConfig,
@@ -138,54 +172,7 @@ def evaluate_model(
     started = time.perf_counter()
     seqlen = effective_seqlen(loaded, cfg.seqlen)
     device = next(loaded.model.parameters()).device
-    ppl_batch = cfg.batch_size if isinstance(cfg.batch_size, int) else 1
-    say = sink(progress)
-    # Every stream first: the window count of the whole evaluation is known before the first window, so
-    # the first window's time gives an estimate of it all (`_WindowClock`).
-    streams = {}
-    for name in cfg.ppl_datasets:
-        t0 = time.perf_counter()
-        text = eval_token_stream(name, loaded.tokenizer, ctx, seqlen=seqlen)
-        say(f"{name}: {text.tokens} tokens ({text.description})")
-        streams[name] = (text, time.perf_counter() - t0)
-    counts = {name: window_count(text.tokens, seqlen, cfg.max_windows) for name, (text, _) in streams.items()}
-    clock = _WindowClock(sum(counts.values()), say, every_window=progress is not None)
-    if clock.total:
-        parts = ", ".join(f"{name} {count}" for name, count in counts.items())
-        say(f"perplexity: {_windows(clock.total)} of {seqlen} tokens ({parts})")
-    results: dict[str, PerplexityRecord] = {}
-    for name, (text, spent) in streams.items():
-        t0 = time.perf_counter()
-        if loaded.checkpoint is not None:
-            result = streamed_perplexity(
-                loaded,
-                text.input_ids,
-                seqlen=seqlen,
-                max_windows=cfg.max_windows,
-                device=device,
-                progress=clock.reporter(name),
-            )
-        else:
-            result = perplexity(
-                loaded.model,
-                text.input_ids,
-                seqlen=seqlen,
-                max_windows=cfg.max_windows,
-                device=device,
-                batch_size=ppl_batch,
-                progress=clock.reporter(name),
-            )
-        results[name] = PerplexityRecord(
-            ppl=result.ppl,
-            nll_sum=result.nll_sum,
-            tokens=result.tokens,
-            windows=result.windows,
-            seqlen=result.seqlen,
-            data=text.description,
-            data_source=text.source,
-            seconds=spent + time.perf_counter() - t0,
-        )
-        say(f"{name}: ppl {result.ppl:.3f} over {result.windows} windows of {seqlen}")
+    results = _perplexities(loaded, cfg, ctx, seqlen, device, progress)
     zeroshot = None
     if cfg.tasks:
         zeroshot = _run_zeroshot(loaded, cfg, ctx, progress)
@@ -204,6 +191,58 @@ def evaluate_model(
         command=cfg.command,
         context=ContextRecord.of(ctx),
     )
+
+
+def _perplexities(
+    loaded: LoadedModel,
+    cfg: EvalConfig,
+    ctx: RunContext,
+    seqlen: int,
+    device: torch.device,
+    progress: Callable[[str], None] | None,
+) -> dict[str, PerplexityRecord]:
+    """{dataset: its perplexity record} for cfg.ppl_datasets, streamed block by block when the model was
+    loaded with ``stream=True``."""
+    ppl_batch = cfg.batch_size if isinstance(cfg.batch_size, int) else 1
+    say = sink(progress)
+    # Every stream first: the window count of the whole evaluation is known before the first window, so
+    # the first window's time gives an estimate of it all (`_WindowClock`).
+    streams = {}
+    for name in cfg.ppl_datasets:
+        t0 = time.perf_counter()
+        text = eval_token_stream(name, loaded.tokenizer, ctx, seqlen=seqlen)
+        say(f"{name}: {text.tokens} tokens ({text.description})")
+        streams[name] = (text, time.perf_counter() - t0)
+    counts = {name: window_count(text.tokens, seqlen, cfg.max_windows) for name, (text, _) in streams.items()}
+    clock = _WindowClock(sum(counts.values()), say, every_window=progress is not None)
+    if clock.total:
+        parts = ", ".join(f"{name} {count}" for name, count in counts.items())
+        say(f"perplexity: {_windows(clock.total)} of {seqlen} tokens ({parts})")
+    results: dict[str, PerplexityRecord] = {}
+    for name, (text, spent) in streams.items():
+        t0 = time.perf_counter()
+        report, limit = clock.reporter(name), cfg.max_windows
+        if loaded.checkpoint is not None:
+            result = streamed_perplexity(
+                loaded, text.input_ids, seqlen=seqlen, max_windows=limit, device=device, progress=report
+            )
+        else:
+            result = perplexity(
+                loaded.model, text.input_ids, seqlen=seqlen, max_windows=limit, device=device,
+                batch_size=ppl_batch, progress=report,
+            )  # fmt: skip
+        results[name] = PerplexityRecord(
+            ppl=result.ppl,
+            nll_sum=result.nll_sum,
+            tokens=result.tokens,
+            windows=result.windows,
+            seqlen=result.seqlen,
+            data=text.description,
+            data_source=text.source,
+            seconds=spent + time.perf_counter() - t0,
+        )
+        say(f"{name}: ppl {result.ppl:.3f} over {result.windows} windows of {seqlen}")
+    return results
 
 
 def window_count(tokens: int, seqlen: int, max_windows: int | None) -> int:

@@ -4,11 +4,11 @@
 model is loaded with its blocks on the meta device (`models/streaming.py`); then, for one dataset's
 windows (W, T):
 
-1. block 0 is read, and the engine's capture (`pruning/engine.capture_block_inputs`) runs the model's own
+1. block 0 is read, and the capture (`replay.capture_block_inputs`, as pruning captures) runs the model's own
    forward up to block 0 on each window: the hidden states (W, T, H) entering the blocks, and what the
    forward passes each block besides them (masks, rotary embeddings: the same for every window of T tokens);
 2. each block in turn is read onto the device, replayed on every window (`run_block`, one window at a
-   time, as the pruning engine replays it) and released;
+   time, as pruning replays it; `replay.BlockSource`, streamed) and released;
 3. the model's own forward runs once more per window with every block's forward swapped for a stand-in
    that returns the replayed output, so the final norm, the output head and anything the model does after
    its blocks (logit scaling, soft-capping) are its own code, found by running it, never by name; the loss
@@ -30,9 +30,9 @@ import torch
 
 from tsenor_cli.evaluation.perplexity import PerplexityResult, cut_windows, result_of, window_nll
 from tsenor_cli.models.loading import LoadedModel
-from tsenor_cli.models.streaming import load_block, release_block
 from tsenor_cli.models.structure import ModelStructure
-from tsenor_cli.pruning.engine import BlockCall, capture_block_inputs, output_like, run_block
+from tsenor_cli.replay import BlockCall, BlockSource, capture_block_inputs, forwards_replaced, run_block
+from tsenor_cli.replay.calls import output_like
 
 
 @contextlib.contextmanager
@@ -43,25 +43,15 @@ def _blocks_returning(
     forward runs) returns hidden[0], the (1, T, H) output of the last block for the current window; every
     other block returns its input. template: a real block output, whose type the model's loop expects."""
 
-    def stand_in(index: int) -> Callable[..., Any]:
+    def stand_in(index: int, _real: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
             given, _ = BlockCall.split(args, kwargs)
             return output_like(template, hidden[0] if index == first else given)
 
         return forward
 
-    # As capture_block_calls does: the stand-ins shadow the class's forward in the instance's __dict__.
-    previous = [vars(block).get("forward") for block in structure.blocks]
-    try:
-        for index, block in enumerate(structure.blocks):
-            vars(block)["forward"] = stand_in(index)
+    with forwards_replaced(structure.blocks, stand_in):
         yield
-    finally:
-        for block, before in zip(structure.blocks, previous, strict=True):
-            if before is None:
-                vars(block).pop("forward", None)
-            else:
-                vars(block)["forward"] = before
 
 
 @torch.no_grad()
@@ -85,17 +75,18 @@ def streamed_perplexity(
         raise ValueError("streamed_perplexity needs a model loaded with stream=True")
     windows = cut_windows(input_ids, seqlen=seqlen, max_windows=max_windows).to(device)  # (W, T)
     count = len(structure.blocks)
-    load_block(structure, 0, checkpoint, device)  # the capture runs block 0 once to learn its output type
+    source = BlockSource(structure, device, checkpoint=checkpoint)
+    first_block = source.load(0)  # the capture runs block 0 once to learn its output type
     inputs = capture_block_inputs(structure, windows, device)
     hidden = inputs.hidden  # (W, T, H): each block's output overwrites its input, window by window
     template: list[Any] = []
     for index, call in enumerate(inputs.calls):
-        block = structure.blocks[index] if index == 0 else load_block(structure, index, checkpoint, device)
+        block = first_block if index == 0 else source.load(index)
         if call.runs and not template:
             args, kwargs = call.bind(hidden[:1])
             template.append(block(*args, **kwargs))
         run_block(block, hidden, call, hidden)
-        release_block(structure, index)
+        source.release(index)
         if blocks_progress is not None:
             blocks_progress(index + 1, count)
     first = next(index for index, call in enumerate(inputs.calls) if call.runs)

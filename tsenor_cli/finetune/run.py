@@ -29,11 +29,12 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tsenor_cli.errors import Interrupted, UsageError
-from tsenor_cli.finetune.callback import PPL_LOG_PREFIX, CurveCallback, FixedMask, MaskCallback
+from tsenor_cli.finetune.callback import PPL_LOG_PREFIX, CurveCallback, MaskCallback
 from tsenor_cli.finetune.config import FinetuneConfig as FinetuneConfig
 from tsenor_cli.finetune.data import TrainingText, WindowDataset, training_windows
 from tsenor_cli.finetune.distill import DistillTrainer, check_teacher
 from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsity
+from tsenor_cli.fixedmask import FixedMask
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.pruning.card import card_text
@@ -63,8 +64,6 @@ PPL_PNG = "finetune_ppl.png"
 # Trainer's defaults, recorded in the report because they decide the result.
 SCHEDULER = "linear"
 MAX_GRAD_NORM = 1.0
-
-
 
 
 def _load_state(state_dir: Path, cfg: FinetuneConfig) -> FinetuneState | None:

@@ -458,7 +458,8 @@ def load_model(
     files = processor_files(source, is_local, ctx)
     if checkpoint is not None:
         streamed = _load_streamed(name, source, config, tokenizer, files, checkpoint, torch_dtype, torch_device, hub)
-        return dataclasses.replace(streamed, source_dtype=stored, layout=layout)
+        if streamed is not None:
+            return dataclasses.replace(streamed, source_dtype=stored, layout=layout)
     placement = {} if device_map is None else {"device_map": device_map}
     try:
         model = auto_class(config).from_pretrained(source, dtype=torch_dtype, **placement, **hub)
@@ -489,12 +490,16 @@ def load_model(
 
 def _stream_checkpoint(name: str, source: str, is_local: bool) -> Checkpoint | None:
     """The checkpoint a streamed load reads its blocks from (its headers checked), None for a folder of
-    pickle weights (loaded whole, with a warning line); UsageError for a hub id."""
+    pickle weights (loaded whole, with a warning line) or a hub id (loaded whole, with an info line)."""
     if not is_local:
-        raise UsageError(
-            f"--stream reads a local checkpoint folder, and {name} is a hub id; download it "
-            f"(hf download {name} --local-dir DIR) and pass --model DIR"
+        # Streaming is the default, so a hub id is not refused: it loads whole, and the line says how to stream it.
+        logger.info(
+            "%s is a hub id; streaming reads a local safetensors folder, so it is loaded whole "
+            "(hf download %s --local-dir DIR, then --model DIR, streams it)",
+            name,
+            name,
         )
+        return None
     folder = Path(source)
     if (
         not (folder / WEIGHTS_NAME).is_file()
@@ -518,14 +523,24 @@ def _load_streamed(
     dtype: torch.dtype,
     device: torch.device,
     hub: dict[str, Any],
-) -> LoadedModel:
+) -> LoadedModel | None:
     """The model of `config` with what lies outside its decoder blocks read from `checkpoint` onto `device`
-    and its blocks on the meta device (`models/streaming.py`)."""
-    from tsenor_cli.models.streaming import check_names, load_resident, skeleton
+    and its blocks on the meta device (`models/streaming.py`); None, with one warning line, when the
+    checkpoint stores its tensors under other names than the model's parameters (transformers renames them
+    on load): it cannot be read block by block, so the caller loads it whole."""
+    from tsenor_cli.models.streaming import first_missing, load_resident, skeleton
 
     model = skeleton(auto_class(config), config, dtype, trust_remote_code=hub["trust_remote_code"])
     _checkpoint_generation_config(model, Path(source))
-    check_names(model, checkpoint)
+    missing = first_missing(model, checkpoint)
+    if missing is not None:
+        logger.warning(
+            "%s holds no tensor %s: its tensors are stored under other names than the model's modules "
+            "(transformers renames them on load), so it cannot be read block by block and is loaded whole",
+            name,
+            missing,
+        )
+        return None
     structure = discover_structure(model)
     load_resident(model, structure, checkpoint, device)
     return LoadedModel(

@@ -10,10 +10,10 @@ the device, and `release_block` puts its parameters back on the meta device once
 Tensors are matched to parameters by their names in the model's state dict, which are the checkpoint's
 keys for every family whose checkpoint transformers loads without renaming (the LLaMA-like ones). A
 checkpoint stored under other names (legacy multimodal ``language_model.model.…``, per-expert MoE keys that
-transformers fuses on load) lacks some of those keys: it is refused in one line naming the first, before
-any weight is read. Tied parameters (one object under several names, e.g. a tied output head) are read
-once, from whichever of their names the checkpoint holds, and stay one object. Each tensor takes the
-dtype its skeleton parameter has.
+transformers fuses on load) lacks some of those keys: `models.loading.load_model` then loads it whole, with
+one line naming the first, before any weight is read. Tied parameters (one object under several names,
+e.g. a tied output head) are read once, from whichever of their names the checkpoint holds, and stay one
+object. Each tensor takes the dtype its skeleton parameter has.
 
 `release_block` also hands the heap's free memory back to the OS (`trim_heap`). glibc raises its mmap
 threshold each time a large buffer allocated by mmap is freed, so the next buffers of that size come from
@@ -99,12 +99,13 @@ def _load(root: nn.Module, prefix: str, names: list[list[str]], checkpoint: Chec
             _set(root, name, value)
 
 
-def check_names(model: nn.Module, checkpoint: Checkpoint) -> None:
-    """IncompatibleModelError (one line, the first missing name) unless `checkpoint` holds every parameter
-    of `model` under its state-dict name (one name of each tied group): checked before any weight is read."""
+def first_missing(model: nn.Module, checkpoint: Checkpoint) -> str | None:
+    """The first parameter of `model` (one name of each tied group) that `checkpoint` does not hold under its
+    state-dict name, None when it holds them all: checked before any weight is read."""
     for group in _tied_groups(model.named_parameters(remove_duplicate=False)):
         if _key_of(group, "", checkpoint) is None:
-            raise _missing(group[0], checkpoint)
+            return group[0]
+    return None
 
 
 def _block_prefixes(structure: ModelStructure) -> tuple[str, ...]:

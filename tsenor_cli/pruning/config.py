@@ -34,9 +34,9 @@ class PruneConfig:
     command: the command line, recorded in the report.
     offload_activations: keep the calibration activations on the CPU between blocks and move one sample
     at a time to the device (same result, less device memory); not a result field.
-    moe_calibration / moe_min_tokens: how expert matrices get their statistics (engine.MoeOptions).
+    moe_calibration / moe_min_tokens: how expert matrices get their statistics (gather.MoeOptions).
     stream: read each decoder block from the checkpoint's safetensors when the loop reaches it, and write
-    the output from the pruned blocks' files (host memory of one block, not one model; pruning/streamed.py);
+    the output from the pruned blocks' files (host memory of one block, not one model; pruning/writer.py);
     max_shard_size: the output's safetensors shard size ("2GB"; `models.saving.parse_size`). Neither is a
     result field: both give the same weights.
     refine: block-wise reconstruction after each block is pruned (pruning/refine.py); off by default.

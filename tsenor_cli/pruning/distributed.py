@@ -185,7 +185,7 @@ class Team:
         group pipeline through the ranks (rank 0 starts the next linear while rank 1 adds the first).
         Linears whose kept inputs are the same tensors (`group_inputs` keeps one copy for q/k/v, and one
         for gate/up) share one chain of sums, sent to each of their owners, as one process shares one
-        `InputStats` among them (`engine.group_input_stats`).
+        `InputStats` among them (`gather.group_input_stats`).
         """
         import torch.distributed as dist
 

@@ -30,8 +30,8 @@ from tsenor_cli.pruning.output import human_bytes
 
 if TYPE_CHECKING:
     from tsenor_cli.pattern import SparsityPattern
-    from tsenor_cli.pruning.engine import LinearSlot
     from tsenor_cli.pruning.registry import PrunerSpec
+    from tsenor_cli.pruning.slots import LinearSlot
 
 TOKEN_BYTES = 8  # int64 token ids
 

@@ -163,7 +163,7 @@ def check_free_space(
 
     checkpoint_bytes: the checkpoint's weights (built beside the old folder, which stays until the swap);
     resume_bytes: what the resume state still has to write (0 without one); blocks_bytes: the pruned
-    blocks a streamed run without a resume state keeps on disk until the write (`pruning/streamed.py`);
+    blocks a streamed run without a resume state keeps on disk until the write (`pruning/writer.py`);
     copied: the tokenizer and other files written beside the weights (`copied_bytes`).
     """
     need, free = checkpoint_bytes + resume_bytes + blocks_bytes + copied, free_bytes(output)
@@ -364,7 +364,7 @@ def write_model_folder(
     them once the weights are written), built in a temp sibling and renamed into place (replacing an
     existing `output`: prepare_output allowed it).
 
-    tensors: the weights as (key, tensor) one at a time (`pruning/streamed.py`: a model whose blocks are on
+    tensors: the weights as (key, tensor) one at a time (`pruning/writer.py`: a model whose blocks are on
     the meta device); None: `model`'s own. dtype: the dtype the floating weights are written in
     (`models.loading.output_dtype`: --dtype, else the checkpoint's own); None: the model's.
     What the source's conversion or our loading left in the config and the tokenizer's settings

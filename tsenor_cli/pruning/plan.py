@@ -18,13 +18,6 @@ import torch
 from tsenor_cli.errors import DoesNotFitError, IncompatibleModelError, UsageError
 from tsenor_cli.progress import Progress, logger
 from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.engine import (
-    LinearSlot,
-    check_compatibility,
-    incompatible_slots,
-    linear_slots,
-    observed_slots,
-)
 from tsenor_cli.pruning.memory import (
     KNOWN_GPUS,
     HostEstimate,
@@ -50,6 +43,13 @@ from tsenor_cli.pruning.outside import REASON as OUTSIDE_REASON
 from tsenor_cli.pruning.probe import probe_blocks
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.selection import excluded_layers, matches
+from tsenor_cli.pruning.slots import (
+    LinearSlot,
+    check_compatibility,
+    incompatible_slots,
+    linear_slots,
+    observed_slots,
+)
 from tsenor_cli.pruning.types import LayerRecord
 from tsenor_cli.settings import RunContext
 

@@ -8,7 +8,7 @@ with seeded random values (not the checkpoint's: nothing is read), to
 
 - the language model's modules outside the blocks other than its token embedding (rotary embeddings,
   norms: small), so its forward can run on random input embeddings (``inputs_embeds``) and record what
-  it passes each block (`engine.capture_block_calls`), including which blocks never run on text;
+  it passes each block (`replay.capture_block_calls`), including which blocks never run on text;
 - one block of each kind at a time (same class, same parameter names and shapes: LLaMA has one kind,
   DeepSeek-V3 a dense and a MoE kind, Jamba up to four), watched in one forward of `PROBE_TOKENS`
   random hidden states; its observation stands for every block of its kind. Every block of a kind has
@@ -35,9 +35,9 @@ from torch import nn
 
 from tsenor_cli.errors import IncompatibleModelError
 from tsenor_cli.models.structure import ModelStructure
-from tsenor_cli.pruning.engine import block_output, capture_block_calls, input_key
 from tsenor_cli.pruning.memory import available_host_bytes
 from tsenor_cli.pruning.observe import BlockObservation, observe_block
+from tsenor_cli.replay import block_output, capture_block_calls, input_key
 
 PROBE_TOKENS = 8
 PROBE_BYTES = 4 << 30

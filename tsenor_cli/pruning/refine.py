@@ -6,7 +6,7 @@ linears are pruned, `refine_block` trains the block's remaining weights with Ada
 block's output on its calibration inputs (the pruned stream: what the pruned blocks before it
 computed) matches the dense block's output on the dense inputs (the dense stream), the target that also
 lets a block correct what the blocks before it got wrong. The pruned weights are held at exactly 0 by
-`tsenor finetune`'s mechanism (`finetune.callback.FixedMask`: the gradient is zeroed at pruned positions
+`tsenor finetune`'s mechanism (`fixedmask.FixedMask`: the gradient is zeroed at pruned positions
 as it is produced, and the mask is written into the weights after every step).
 
 Objective: the relative squared error of the block output, Σ_j ‖f(x_j) − y_j‖² / Σ_j ‖y_j‖² over the
@@ -38,19 +38,17 @@ import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tsenor_cli.errors import UsageError
+from tsenor_cli.fixedmask import FixedMask
 from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.distributed import Team, shard_bounds
 from tsenor_cli.pruning.recipe import FIELDS
+from tsenor_cli.replay import BlockCall, block_output
 from tsenor_cli.runfiles import BlockRefinement, LayerRecord
-
-if TYPE_CHECKING:
-    from tsenor_cli.pruning.engine import BlockCall
 
 # Declared with the other settings (pruning/recipe.PRUNE_FIELDS); the defaults were chosen by the pilot of
 # docs/results.md ("Block refinement: pilot").
@@ -122,12 +120,10 @@ def refine_block(
     the CPU (--offload-activations): one sample at a time moves to `device`.
     outputs: (S_r, T, H) or None; the error pass after training writes the refined block's outputs there.
     When the record says kept, they are the block's outputs as the run keeps it, bit for bit what
-    `engine.run_block` would compute (the same forwards), so the engine need not run the block again
+    `replay.run_block` would compute (the same forwards), so the engine need not run the block again
     (one forward pass over the samples: 43 s of a 745 s SparseGPT O16:32 prune, docs/results.md);
     otherwise they are not.
     """
-    from tsenor_cli.finetune.callback import FixedMask
-
     team = team if team is not None else Team.solo(device)
     total = int(inputs.shape[0]) if nsamples is None else nsamples
     bounds = shard_bounds(total, team.world_size)
@@ -144,30 +140,15 @@ def refine_block(
     for p in params:
         p.data = p.data.float()
         p.requires_grad_(True)
-    optimizer = torch.optim.Adam(params, lr=cfg.lr, foreach=False)
     scale = den / total  # mean ‖y_j‖²: each sample's term of the objective is ‖f(x_j) − y_j‖² / scale
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    steps = 0
     was_training = block.training
     block.train(False)  # dropout off: the target is the deterministic dense output
     fixed.apply()
     fixed.attach()
     try:
-        for _ in range(cfg.epochs):
-            order = torch.randperm(total, generator=generator).tolist()
-            for first in range(0, total, SAMPLES_PER_STEP):
-                step = order[first : first + SAMPLES_PER_STEP]
-                if team.distributed:
-                    args = (block, params, inputs, call, targets, step, bounds, device, team, scale * len(step))
-                    _ordered_gradients(*args)
-                else:
-                    _accumulate(block, inputs, call, targets, step, device, scale * len(step))
-                    for p in params:  # as the distributed sum has them: zeros, not None (Adam steps both alike)
-                        p.grad = _grad(p)
-                _step(optimizer)
-                fixed.apply()
-                optimizer.zero_grad(set_to_none=True)
-                steps += 1
+        steps = _train(
+            block, params, fixed, inputs, call, targets, cfg, index, seed, total, scale, bounds, device, team
+        )
     finally:
         fixed.detach()
         block.train(was_training)
@@ -192,6 +173,45 @@ def refine_block(
     return record
 
 
+def _train(
+    block: nn.Module,
+    params: list[nn.Parameter],
+    fixed: FixedMask,
+    inputs: torch.Tensor,
+    call: BlockCall,
+    targets: torch.Tensor,
+    cfg: RefineConfig,
+    index: int,
+    seed: int,
+    total: int,
+    scale: float,
+    bounds: list[tuple[int, int]],
+    device: torch.device,
+    team: Team,
+) -> int:
+    """The Adam steps of `refine_block` (module docstring: the order of the samples from (seed, block)
+    alone, `SAMPLES_PER_STEP` per step, the mask written again after each) → how many were taken."""
+    optimizer = torch.optim.Adam(params, lr=cfg.lr, foreach=False)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    steps = 0
+    for _ in range(cfg.epochs):
+        order = torch.randperm(total, generator=generator).tolist()
+        for first in range(0, total, SAMPLES_PER_STEP):
+            step = order[first : first + SAMPLES_PER_STEP]
+            if team.distributed:
+                args = (block, params, inputs, call, targets, step, bounds, device, team, scale * len(step))
+                _ordered_gradients(*args)
+            else:
+                _accumulate(block, inputs, call, targets, step, device, scale * len(step))
+                for p in params:  # as the distributed sum has them: zeros, not None (Adam steps both alike)
+                    p.grad = _grad(p)
+            _step(optimizer)
+            fixed.apply()
+            optimizer.zero_grad(set_to_none=True)
+            steps += 1
+    return steps
+
+
 def _accumulate(
     block: nn.Module,
     inputs: torch.Tensor,
@@ -203,8 +223,6 @@ def _accumulate(
 ) -> None:
     """Add the gradient of Σ_rows ‖f(x_j) − y_j‖² / scale into the parameters' .grad, one sample per
     forward (the recorded arguments are for batch 1)."""
-    from tsenor_cli.pruning.engine import block_output
-
     with torch.enable_grad():
         for j in rows:
             x = inputs[j : j + 1].to(device=device, dtype=torch.float32)
@@ -275,8 +293,6 @@ def _errors(
     """(Σ_j ‖f(x_j) − y_j‖², Σ_j ‖y_j‖²) over every rank's samples (this rank's start at sample `first`),
     the block run as the pruned model runs it (its stored dtype); per sample in float64, added in sample
     order whatever the number of ranks. out: (S_r, T, H) where this rank's block outputs go (None: dropped)."""
-    from tsenor_cli.pruning.engine import block_output
-
     mine: dict[str, tuple[float, float]] = {}
     for j in range(inputs.shape[0]):
         y = targets[j : j + 1].to(device).double()

@@ -45,7 +45,7 @@ class PrunerSpec:
     (each with its own statistics), within round-off of `prune` on each matrix alone.
 
     `prune(weight, stats, cfg)` must not modify `stats`: linears that read one input share one
-    `InputStats` (`engine.group_input_stats`, `Team.ordered_statistics`)."""
+    `InputStats` (`gather.group_input_stats`, `Team.ordered_statistics`)."""
 
     name: str
     description: str
