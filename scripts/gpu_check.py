@@ -342,14 +342,8 @@ def step_speedup(run: Run) -> dict[str, Any]:
 
 
 def _no_stream() -> list[str]:
-    """Explicitly not streamed: `--no-stream` where prune has it (streaming became the default then);
-    before that change the flag does not exist and not passing --stream is the same thing."""
-    sources = (ROOT / "tsenor_cli" / "cli").glob("*.py")
-    return (
-        [*_no_stream()]
-        if any('"--no-stream"' in p.read_text() or "/--no-stream" in p.read_text() for p in sources)
-        else []
-    )
+    """Explicitly not streamed (streaming is the default wherever the checkpoint is safetensors)."""
+    return ["--no-stream"]
 
 
 def _sides(run: Run) -> list[str]:

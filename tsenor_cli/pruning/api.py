@@ -23,17 +23,17 @@ from tsenor_cli.evaluation import runner
 from tsenor_cli.evaluation.runner import EvalConfig
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.progress import Progress, sink
+from tsenor_cli.pruning.card import refresh_card
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.distributed import Team, joined
 from tsenor_cli.pruning.memory import check_fits
 from tsenor_cli.pruning.output import (
+    OutputRun,
     check_free_space,
     check_not_input,
-    check_output_location,
-    finished_run,
-    output_lock,
+    copied_bytes,
     output_path,
-    prepare_output,
+    output_run,
 )
 from tsenor_cli.pruning.outside import check_outside
 from tsenor_cli.pruning.plan import PrunePlan, dtype_and_device, plan_model
@@ -142,29 +142,30 @@ def prune_model(
     output = output_path(cfg.output)
     point = RunPoint()
     dtype, device = dtype_and_device(cfg, ctx)
-    try:
-        with joined(place, device) as team:
-            plan = _checked_plan(cfg, ctx, output, team, device, say)
-            # Only rank 0 touches the output folder: it alone holds the lock and writes every file.
-            with output_lock(output) if team.is_root else contextlib.nullcontext():
-                opened = _open_output(cfg, output, plan, team, say)
-                if isinstance(opened, PruneReport):
-                    return opened
-                store, state = opened
-                point.blocks, point.done = plan.blocks, state.next_block if state is not None else 0
-                run = PruneRun(
-                    cfg, ctx, plan, output=output, team=team, device=device, dtype=dtype, say=say, point=point,
-                    store=store if cfg.resume else None, state=state, stop=stop, after_block=after_block,
-                    built=built, started=start,
-                )  # fmt: skip
-                run.timings.add("plan", time.perf_counter() - start)  # the checks, the plan, the lock
-                return run.execute()
-    except KeyboardInterrupt:
-        raise point.interrupted(output, saving=cfg.resume, signal_name=stop.name if stop else None) from None
+
+    def interrupted(signal_name: str | None) -> Interrupted:
+        return point.interrupted(output, saving=cfg.resume, signal_name=signal_name)
+
+    with output_run(output, interrupted, say=say, stop=stop) as folder, joined(place, device) as team:
+        plan = _checked_plan(cfg, ctx, folder, team, device, say)
+        # Only rank 0 touches the output folder: it alone holds the lock and writes every file.
+        with folder.locked(owner=team.is_root):
+            opened = _open_output(cfg, folder, plan, team, say)
+            if isinstance(opened, PruneReport):
+                return opened
+            store, state = opened
+            point.blocks, point.done = plan.blocks, state.next_block if state is not None else 0
+            run = PruneRun(
+                cfg, ctx, plan, output=output, team=team, device=device, dtype=dtype, say=say, point=point,
+                store=store if cfg.resume else None, state=state, stop=stop, after_block=after_block,
+                built=built, started=start,
+            )  # fmt: skip
+            run.timings.add("plan", time.perf_counter() - start)  # the checks, the plan, the lock
+            return run.execute()
 
 
 def _checked_plan(
-    cfg: PruneConfig, ctx: RunContext, output: Path, team: Team, device: torch.device, say: Progress
+    cfg: PruneConfig, ctx: RunContext, folder: OutputRun, team: Team, device: torch.device, say: Progress
 ) -> PrunePlan:
     """The run's plan (`plan_model`, made once: the run uses it), with what can be refused before the
     lock: the output location (writable, not the input), the --targets selection outside the language
@@ -172,10 +173,11 @@ def _checked_plan(
     cannot fit allocates nothing)."""
     with team.agreed():
         if team.is_root:
-            check_output_location(output)
+            folder.check_location()
         plan = plan_model(cfg, ctx, progress=say, observe=False)
-        check_not_input(output, plan.source)
+        check_not_input(folder.output, plan.source)
         check_outside(plan.beyond, cfg.pattern, skip=cfg.skip_incompatible)
+        plan.check_processes()  # a matrix --nproc cannot prune is refused once, before any work
         check_fits(
             plan.host_memory,
             plan.device_bytes,
@@ -188,32 +190,32 @@ def _checked_plan(
 
 
 def _open_output(
-    cfg: PruneConfig, output: Path, plan: PrunePlan, team: Team, say: Progress
+    cfg: PruneConfig, folder: OutputRun, plan: PrunePlan, team: Team, say: Progress
 ) -> PruneReport | tuple[ResumeStore, ResumeState | None]:
     """Under the lock (rank 0): recover a killed run's leftovers; the report of a finished run of the same
     settings (nothing to do); else the output's resume store, checked (`prepare_output`) with room for the
     checkpoint and resume state, and the interrupted run's state to continue (None: start fresh)."""
+    output = folder.output
     state: ResumeState | None = None
     done: PruneReport | None = None
     with team.agreed():
         if team.is_root:
-            for line in atomic.recover(output):
-                say(line)
-            done = None if cfg.force else finished_run(output, cfg.result_hash())
+            folder.recover()
+            done = None if cfg.force else folder.finished(cfg.result_hash())
     done = team.broadcast_object(done)
     if done is not None:
         say(f"{output} already holds this run, finished with the same settings; nothing to do")
         return done
     with team.agreed():
         if team.is_root:
-            store = prepare_output(
-                output, force=cfg.force, resume=cfg.resume, continue_hint="drop --no-resume-state to continue it"
+            store = folder.prepare(
+                force=cfg.force, resume=cfg.resume, continue_hint="drop --no-resume-state to continue it"
             )
             state = _open_state(store, cfg, plan.blocks, say) if cfg.resume else None
             to_write = max(0, plan.resume_bytes - store.size()) if cfg.resume else 0
             # A streamed run without a resume state keeps its pruned blocks on disk until the write.
             kept = plan.blocks_bytes if cfg.stream and not cfg.resume else 0
-            check_free_space(output, plan.checkpoint_bytes, to_write, kept)
+            check_free_space(output, plan.checkpoint_bytes, to_write, kept, copied=copied_bytes(plan.source))
         else:
             store = ResumeStore(output)
     return store, team.broadcast_object(state)
@@ -264,4 +266,5 @@ def prune_and_evaluate(
             EXIT_RESUMABLE if stop is not None and stop.name else EXIT_SIGINT,
         ) from None
     atomic.write_json(cfg.output / EVAL_FILE, evaluation.to_json())
+    refresh_card(cfg.output)  # the model card's evaluation table
     return report, evaluation

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tsenor_cli.errors import EXIT_RESUMABLE, EXIT_SIGINT, Interrupted
+from tsenor_cli.errors import Interrupted
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.progress import Progress, bar, logger
 from tsenor_cli.pruning.config import PruneConfig
@@ -37,7 +37,7 @@ from tsenor_cli.pruning.engine import BlockPruner
 from tsenor_cli.pruning.finite import check_finite
 from tsenor_cli.pruning.gather import MoeOptions, observe_blocks
 from tsenor_cli.pruning.observe import BlockObservation
-from tsenor_cli.pruning.output import sparsity_record
+from tsenor_cli.pruning.output import interruption, sparsity_record
 from tsenor_cli.pruning.outside import REASON as OUTSIDE_REASON
 from tsenor_cli.pruning.outside import outside_linears, prune_outside
 from tsenor_cli.pruning.phases import phase
@@ -75,10 +75,8 @@ class RunPoint:
     def interrupted(self, output: Path, *, saving: bool, signal_name: str | None) -> Interrupted:
         """The `Interrupted` error for a stop here: by `signal_name` (exit 75) or by Ctrl-C (None, exit 130)."""
         total = self.blocks
-        verb = f"stopped by {signal_name}" if signal_name is not None else "interrupted"
-        code = EXIT_RESUMABLE if signal_name is not None else EXIT_SIGINT
         if not total:
-            return Interrupted(f"{verb} before pruning began; nothing was written", code)
+            return interruption(signal_name, "before pruning began", "nothing was written")
         if self.writing:
             where = f"while writing {output}"
         elif self.current is not None:
@@ -93,7 +91,7 @@ class RunPoint:
             saved = f"the resume state holds blocks 1-{self.done}: rerun the same command to continue"
         else:
             saved = "no block was finished: rerunning the same command starts over"
-        return Interrupted(f"{verb} {where}; {saved}", code)
+        return interruption(signal_name, where, saved)
 
 
 # The run's phases in the order a run meets them; `Timings.line` prints them in this order.
