@@ -153,8 +153,8 @@ def complete_feasibility(mask: torch.Tensor, weights: torch.Tensor, n: int) -> C
 
     On CUDA each step's cost is its launches and host syncs (the profile of issue 42): a step reads
     the device once (how many blocks still have deficits, and the invariant check), applies its
-    changes by masked scatters instead of `nonzero` + indexing, and finished blocks stay in the batch
-    as no-ops until they are half of it. Blocks never interact, so every block's steps, and the mask,
+    changes by masked scatters instead of `nonzero` + indexing, and on CUDA finished blocks stay in
+    the batch as no-ops until they are half of it. Blocks never interact, so every block's steps, and the mask,
     are those of one block completed alone.
     """
     B, M, _ = mask.shape
@@ -196,8 +196,10 @@ def complete_feasibility(mask: torch.Tensor, weights: torch.Tensor, n: int) -> C
         _set_where(sub, ip * M + jp, do_swap, False)
         _set_where(sub, i * M + jp, do_swap, True)
         _set_where(sub, ip * M + j, do_swap, True)
-        if 2 * live_count <= b:
-            # Compact: write the finished blocks back and keep the rest (a sync, at most log2(B) times).
+        if live_count < b and (2 * live_count <= b or not sub.is_cuda):
+            # Compact: write the finished blocks back and keep the rest. On CUDA a sync, so only once
+            # half the batch is done (at most log2(B) times); on the CPU, where ops cost their data,
+            # at every step.
             still = (sub.view(b, M, M).sum(dim=2) < n).any(dim=1)  # (b,)
             mask[active] = sub.view(b, M, M)
             forced[active] = sub_forced
