@@ -151,11 +151,12 @@ def complete_feasibility(mask: torch.Tensor, weights: torch.Tensor, n: int) -> C
     deficit row and one deficit column by one, so the loop ends after at most the total deficit
     (<= n·M) steps. Raises ValueError if a row or column holds more than n.
 
-    On CUDA each step's cost is its launches and host syncs (the profile of issue 42): a step reads
-    the device once (how many blocks still have deficits, and the invariant check), applies its
-    changes by masked scatters instead of `nonzero` + indexing, and on CUDA finished blocks stay in
-    the batch as no-ops until they are half of it. Blocks never interact, so every block's steps, and the mask,
-    are those of one block completed alone.
+    On CUDA each step's cost is its launches, host syncs and passes over the batch (the profile of
+    issue 42): a step reads the device once (how many blocks still have deficits or need a swap,
+    and the invariant check of the step before), applies its additions by a masked scatter instead
+    of `nonzero` + indexing, searches swaps only in the blocks that need one, and on CUDA finished
+    blocks stay in the batch as no-ops until they are half of it. Blocks never interact, so every
+    block's steps, and the mask, are those of one block completed alone.
     """
     B, M, _ = mask.shape
     too_many = (mask.sum(dim=2) > n).any(dim=1) | (mask.sum(dim=1) > n).any(dim=1)  # (B,)
@@ -170,6 +171,7 @@ def complete_feasibility(mask: torch.Tensor, weights: torch.Tensor, n: int) -> C
     sub = mask[active].reshape(-1, M * M)  # (b, M²)
     w = weights[active].double()  # (b, M, M)
     sub_forced = torch.zeros(active.numel(), dtype=torch.bool, device=mask.device)  # (b,)
+    broken = torch.zeros((), dtype=torch.bool, device=mask.device)  # a swap was needed and none existed
     while active.numel() > 0:
         b = active.numel()
         square = sub.view(b, M, M)
@@ -179,23 +181,27 @@ def complete_feasibility(mask: torch.Tensor, weights: torch.Tensor, n: int) -> C
         add_best, add_flat = w.masked_fill(~pair_free, float("-inf")).reshape(b, M * M).max(dim=1)  # (b,)
         do_add = add_best > float("-inf")
         do_swap = live & ~do_add
-        i, j = _first_true(row_def), _first_true(col_def)
-        gain, ip, jp = _best_swap(square, w, i, j)
-        broken = do_swap & (gain == float("-inf"))
-        live_count, broken_count = torch.stack([live.sum(), broken.sum()]).tolist()  # the step's one sync
-        if broken_count:
+        # The step's one device read (a second only in steps where some block needs a swap).
+        live_count, swap_count, failed = torch.stack([live.sum(), do_swap.sum(), broken.long()]).tolist()
+        if failed:
             raise RuntimeError("complete_feasibility found no valid swap; the mask invariant is broken")
         if live_count == 0:
             mask[active] = square
             forced[active] = sub_forced
             break
         steps += 1
-        sub_forced |= do_swap & (gain <= 0)
         _set_where(sub, add_flat, do_add, True)
-        # The swap's three entries are distinct (i' != i, j' != j by eq. (localscore)'s validity).
-        _set_where(sub, ip * M + jp, do_swap, False)
-        _set_where(sub, i * M + jp, do_swap, True)
-        _set_where(sub, ip * M + j, do_swap, True)
+        if swap_count:
+            # Swaps are rare after a rounding: the (k, M, M) search runs on those blocks only.
+            sw = do_swap.nonzero().squeeze(1)  # (k,)
+            i, j = _first_true(row_def[sw]), _first_true(col_def[sw])  # (k,)
+            gain, ip, jp = _best_swap(square[sw], w[sw], i, j)
+            broken = broken | (gain == float("-inf")).any()
+            sub_forced[sw] |= gain <= 0
+            # The swap's three entries are distinct (i' != i, j' != j by eq. (localscore)'s validity).
+            sub[sw, ip * M + jp] = False
+            sub[sw, i * M + jp] = True
+            sub[sw, ip * M + j] = True
         if live_count < b and (2 * live_count <= b or not sub.is_cuda):
             # Compact: write the finished blocks back and keep the rest. On CUDA a sync, so only once
             # half the batch is done (at most log2(B) times); on the CPU, where ops cost their data,
@@ -204,4 +210,6 @@ def complete_feasibility(mask: torch.Tensor, weights: torch.Tensor, n: int) -> C
             mask[active] = sub.view(b, M, M)
             forced[active] = sub_forced
             active, sub, w, sub_forced = active[still], sub[still], w[still], sub_forced[still]
+    if bool(broken):
+        raise RuntimeError("complete_feasibility found no valid swap; the mask invariant is broken")
     return Completion(mask=mask, forced_blocks=int(forced.sum()), steps=steps)
