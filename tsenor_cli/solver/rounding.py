@@ -206,7 +206,7 @@ def complete_feasibility(mask: torch.Tensor, weights: torch.Tensor, n: int) -> C
             # Compact: write the finished blocks back and keep the rest. On CUDA a sync, so only once
             # half the batch is done (at most log2(B) times); on the CPU, where ops cost their data,
             # at every step.
-            still = (sub.view(b, M, M).sum(dim=2) < n).any(dim=1)  # (b,)
+            still = (sub.view(b, M, M).sum(dim=2) < n).any(dim=1).nonzero().squeeze(1)  # (b',) one read
             mask[active] = sub.view(b, M, M)
             forced[active] = sub_forced
             active, sub, w, sub_forced = active[still], sub[still], w[still], sub_forced[still]
