@@ -192,7 +192,7 @@ def complete_feasibility(mask: torch.Tensor, weights: torch.Tensor, n: int) -> C
         steps += 1
         _set_where(sub, add_flat, do_add, True)
         if swap_count:
-            # Swaps are rare after a rounding: the (k, M, M) search runs on those blocks only.
+            # The (k, M, M) swap search runs only on the k blocks that need a swap.
             sw = do_swap.nonzero().squeeze(1)  # (k,)
             i, j = _first_true(row_def[sw]), _first_true(col_def[sw])  # (k,)
             gain, ip, jp = _best_swap(square[sw], w[sw], i, j)
