@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors import safe_open
 
 from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPattern, reconstruction_error
 from tsenor_cli.pruning.alps import conjugate_gradient, inner_solver_options
+from tsenor_cli.pruning.linalg import inverse_cholesky_upper
 from tsenor_cli.pruning.masks import keep_better_tiles
 from tsenor_cli.pruning.method_options import ALPSOptions, SparseGPTOptions
 from tsenor_cli.pruning.stats import ExpertStats, damped_gram
@@ -138,6 +142,47 @@ def test_sparsegpt_lazy_blocks_equal_column_by_column(kind: str) -> None:
     )
     assert torch.equal(wide.mask, narrow.mask)
     torch.testing.assert_close(wide.weight, narrow.weight, rtol=1e-4, atol=1e-5)
+
+
+def _sparsegpt_column_by_column(w: torch.Tensor, gram: torch.Tensor, n: int, m: int, percdamp: float) -> torch.Tensor:
+    """The transposable SparseGPT of paper Section 4 without lazy batches, one slab solve per M columns:
+    w (out, in) → the mask (out, in) bool (the reference for the batched code path)."""
+    w = w.clone().masked_fill_((gram.diagonal() == 0)[None, :], 0.0)
+    hinv = inverse_cholesky_upper(damped_gram(gram, percdamp))  # (in, in) upper
+    mask = torch.zeros_like(w, dtype=torch.bool)
+    for i0 in range(0, w.shape[1], m):
+        d = hinv.diagonal()[i0 : i0 + m]  # (M,)
+        mask[:, i0 : i0 + m] = solve(w[:, i0 : i0 + m].square() / d.square(), n, m, method="flow").mask
+        for i in range(i0, i0 + m):
+            err = torch.where(mask[:, i], torch.zeros_like(w[:, i]), w[:, i]) / hinv[i, i]  # (out,)
+            w[:, i:] -= err[:, None] * hinv[i, None, i:]
+    return mask
+
+
+@pytest.mark.parametrize("source", ["random", "smollm2"])
+@pytest.mark.parametrize(("n", "m"), [(2, 4), (8, 16), (16, 32)])
+def test_sparsegpt_transposable_slab_solves_equal_column_by_column(
+    source: str, n: int, m: int, smollm2_path: Path
+) -> None:
+    """Every lazy block width (one slab, several, 128, and 30 and 100, not multiples of M: rounded down to whole
+    slabs) gives the masks of one exact slab solve per M columns with plain OBS updates between them."""
+    if source == "random":
+        w, x = _problem(64, 192, 512, seed=n, device=torch.device("cpu"))
+    else:
+        with safe_open(str(smollm2_path / "model.safetensors"), "pt") as f:
+            w = f.get_tensor("model.layers.2.self_attn.k_proj.weight").float()[:, :192]  # (192, 192) real
+        _, x = _problem(64, 192, 512, seed=n, device=torch.device("cpu"))
+    stats = InputStats.from_inputs(x)
+    pattern = SparsityPattern.from_nm(n, m, transposable=True)
+    cfg = LayerPruneConfig(pattern, solver="flow")
+    want = _sparsegpt_column_by_column(w, stats.require_gram(), n, m, cfg.percdamp)
+    weights = []
+    for blocksize in sorted({m, 3 * m, 30, 100, 128}):
+        out = PRUNERS["sparsegpt"].prune(w, stats, LayerPruneConfig(pattern, solver="flow", blocksize=blocksize))
+        assert torch.equal(out.mask, want), f"blocksize {blocksize}"
+        weights.append(out.weight)
+    for other in weights[1:]:
+        torch.testing.assert_close(other, weights[0], rtol=1e-4, atol=1e-5)
 
 
 def test_sparsegpt_updates_beat_masking_alone() -> None:

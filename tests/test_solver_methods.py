@@ -227,6 +227,24 @@ def test_complete_feasibility_forced_swap() -> None:
     assert float((w * done.mask).sum()) < float((w * stuck).sum())
 
 
+@pytest.mark.parametrize(("n", "m"), [(2, 4), (8, 16), (16, 32)])
+def test_complete_feasibility_batch_equals_each_block_alone(n: int, m: int) -> None:
+    """Blocks never interact: a batch mixing full, nearly full and empty starts (so the batch shrinks
+    while it runs) gives every block the mask, forced swap and step count it gets alone."""
+    gen = torch.Generator().manual_seed(m)
+    w = torch.rand(24, m, m, generator=gen)
+    rows = _topn_mask(w, n, dim=2)
+    start = _topn_mask(w.masked_fill(~rows, float("-inf")), n, dim=1) & rows  # rowcol rounding: deficits
+    start[:8] = False  # empty: the longest repairs
+    start[8:12] = complete_feasibility(start[8:12], w[8:12], n).mask  # already feasible: no step
+    done = complete_feasibility(start, w, n)
+    alone = [complete_feasibility(start[b : b + 1], w[b : b + 1], n) for b in range(24)]
+    assert torch.equal(done.mask, torch.cat([a.mask for a in alone]))
+    assert done.steps == max(a.steps for a in alone) > 0
+    assert done.forced_blocks == sum(a.forced_blocks for a in alone)
+    assert all(a.steps == 0 for a in alone[8:12])
+
+
 def test_complete_feasibility_rejects_overfull() -> None:
     with pytest.raises(ValueError, match="at most n=1"):
         complete_feasibility(torch.ones(1, 3, 3, dtype=torch.bool), torch.rand(1, 3, 3), 1)

@@ -25,7 +25,7 @@ from tsenor_cli.pruning.masks import SolveTally, choose_mask, keep_better_tiles,
 from tsenor_cli.pruning.method_options import ALPSOptions
 from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.stats import Statistics, damped_gram
-from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome, split_outcomes
+from tsenor_cli.pruning.types import LayerPruneConfig, MaskSolveInfo, PruneOutcome, split_outcomes
 from tsenor_cli.solver import SolveResult, resolve_method
 
 NEEDS_GRAM = True
@@ -121,6 +121,29 @@ def _freeze(running: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torc
     return torch.where(running[..., None, None], new, old)
 
 
+def _grow_rho(rho: torch.Tensor, change: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+    """rho, change: (...,) float64, running: (...,) bool → the next ρ of each running matrix: ×1.1, ×1.2 from a
+    support change above 0.5%, ×1.3 above 10%, at most RHO_MAX; stopped matrices keep theirs."""
+    factor = torch.full_like(rho, 1.1)  # float64, as Python's float arithmetic was
+    factor[change > 0.005] = 1.2
+    factor[change > 0.1] = 1.3
+    return torch.where(running, (rho * factor).clamp_max(RHO_MAX), rho)
+
+
+def _final_infos(
+    tally: SolveTally, final_result: SolveResult | None, block_obj: torch.Tensor | None
+) -> list[MaskSolveInfo] | None:
+    """One certificate per matrix, that of the final mask alone; seconds and calls count every projection."""
+    if final_result is None or block_obj is None:
+        return None
+    obj = tally.per_matrix(block_obj)
+    ub = tally.per_matrix(final_result.block_upper_bound)
+    return [
+        solve_info([float(o)], [float(u)], [tally.seconds / tally.matrices], calls=tally.calls)
+        for o, u in zip(obj.tolist(), ub.tolist(), strict=True)
+    ]
+
+
 def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> list[PruneOutcome]:
     """weights: (..., out, in), one matrix or a stack with Gram matrices (..., in, in) → one
     `PruneOutcome` per matrix from ADMM + CG; `iterations` counts each matrix's ADMM steps.
@@ -176,10 +199,7 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
         if (t + 1) % opts.update_iter == 0:
             change = (mask ^ checked_mask).sum((-2, -1)).double() / kept_total  # (...,)
             checked_mask = mask
-            factor = torch.full_like(rho, 1.1)  # float64, as Python's float arithmetic was
-            factor[change > 0.005] = 1.2
-            factor[change > 0.1] = 1.3
-            rho = torch.where(running, (rho * factor).clamp_max(RHO_MAX), rho)
+            rho = _grow_rho(rho, change, running)
             inv = inverse(rho)
             steps.set_postfix_str(
                 f"rho {float(rho.max()):.3g}, support change {float(change.max()):.2e}", refresh=False
@@ -196,19 +216,10 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
     with phase("cg"):
         refined = conjugate_gradient(h_hat, y, final_mask, w_t * final_mask, opts.cg_iters)
     new_weight = refined / scale[..., None, :]
-    infos = None
-    if final_result is not None and block_obj is not None:
-        # The certificate is that of the final mask alone; seconds and calls count every projection.
-        obj = tally.per_matrix(block_obj)
-        ub = tally.per_matrix(final_result.block_upper_bound)
-        infos = [
-            solve_info([float(o)], [float(u)], [tally.seconds / tally.matrices], calls=tally.calls)
-            for o, u in zip(obj.tolist(), ub.tolist(), strict=True)
-        ]
     return split_outcomes(
         new_weight * final_mask,
         final_mask,
-        infos,
+        _final_infos(tally, final_result, block_obj),
         iterations=iterations.reshape(-1).tolist(),
         safeguard_tiles=safeguarded.tolist(),
     )

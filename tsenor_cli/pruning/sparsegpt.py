@@ -49,6 +49,14 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
     tally = SolveTally(w[..., 0, 0].numel(), w.device)
     # OBS is sequential over columns by construction: each column's update depends on the error of
     # the previous ones, so this loop (and the one inside) cannot be vectorized away.
+    # What the solves batch (issue 42): SparseGPT "traverses W left-to-right in groups of M columns,
+    # pruning each group according to OBS scores, and updating W^G and remaining columns accordingly"
+    # (paper Section 4). The scores of slab k are the weights after the updates from the pruning errors
+    # of every column left of it, in the same rows, so the tiles of slab k depend on the masks of slab
+    # k−1, and one slab's tiles are all that is independent at any point: all its rows, and all the
+    # matrices of a stack, go to the solver in one call. Solving two slabs in one call would score the
+    # second on weights without the first's updates, a different mask. So a matrix takes in/M calls;
+    # what each costs on a GPU is the solver's launches and host syncs (solver/rounding.py).
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)
         w1 = w[..., i1:i2].clone()  # (..., out, b)

@@ -84,8 +84,7 @@ def solve(
     block_ub = coordinate_upper_bound(blocks, n) if sol.upper_bound is None else sol.upper_bound.double()
     # A bound below the objective can only be round-off of an optimal block; never report a negative gap.
     block_ub = torch.maximum(block_ub, block_obj)
-    objective = float(block_obj.sum())
-    upper = float(block_ub.sum())
+    objective, upper = torch.stack([block_obj.sum(), block_ub.sum()]).tolist()  # one device read
     gap = (upper - objective) / upper if upper > 0 else 0.0
     return SolveResult(
         mask=from_blocks(mask_blocks, rows, cols),

@@ -130,6 +130,15 @@ def local_search(mask: torch.Tensor, weights: torch.Tensor, n: int, steps: int) 
     return mask
 
 
+def _set_where(flat: torch.Tensor, pos: torch.Tensor, where: torch.Tensor, value: bool) -> None:
+    """In place on flat (b, K) bool: flat[k, pos[k]] = value in the rows k where `where` (b,) holds.
+
+    A gather and a scatter instead of `nonzero` + indexing: no host sync on CUDA."""
+    old = flat.gather(1, pos[:, None])  # (b, 1)
+    new = old | where[:, None] if value else old & ~where[:, None]
+    flat.scatter_(1, pos[:, None], new)
+
+
 def complete_feasibility(mask: torch.Tensor, weights: torch.Tensor, n: int) -> Completion:
     """mask: (B, M, M) bool with at most n per row and column, weights: (B, M, M) non-negative →
     `Completion` whose mask (B, M, M) has exactly n per row and column.
@@ -141,9 +150,17 @@ def complete_feasibility(mask: torch.Tensor, weights: torch.Tensor, n: int) -> C
     kept), so it holds n ones, which cannot all lie among the < n ones of row i. Every step raises one
     deficit row and one deficit column by one, so the loop ends after at most the total deficit
     (<= n·M) steps. Raises ValueError if a row or column holds more than n.
+
+    On CUDA each step's cost is its launches, host syncs and passes over the batch (the profile of
+    issue 42): a step reads the device once (how many blocks still have deficits or need a swap,
+    and the invariant check of the step before), applies its additions by a masked scatter instead
+    of `nonzero` + indexing, searches swaps only in the blocks that need one, and on CUDA finished
+    blocks stay in the batch as no-ops until they are half of it. Blocks never interact, so every
+    block's steps, and the mask, are those of one block completed alone.
     """
     B, M, _ = mask.shape
-    if bool((mask.sum(dim=2) > n).any()) or bool((mask.sum(dim=1) > n).any()):
+    too_many = (mask.sum(dim=2) > n).any(dim=1) | (mask.sum(dim=1) > n).any(dim=1)  # (B,)
+    if bool(too_many.any()):
         raise ValueError(f"complete_feasibility needs at most n={n} kept per row and column; got more")
     mask = mask.clone()
     forced = torch.zeros(B, dtype=torch.bool, device=mask.device)
@@ -151,28 +168,48 @@ def complete_feasibility(mask: torch.Tensor, weights: torch.Tensor, n: int) -> C
     # Work only on the blocks that still have deficits (usually a small share after greedy).
     row_def, _ = _deficits(mask, n)
     active = row_def.any(dim=1).nonzero().squeeze(1)  # (b,); row and column deficits have equal totals
-    sub = mask[active]  # (b, M, M)
+    sub = mask[active].reshape(-1, M * M)  # (b, M²)
     w = weights[active].double()  # (b, M, M)
+    sub_forced = torch.zeros(active.numel(), dtype=torch.bool, device=mask.device)  # (b,)
+    broken = torch.zeros((), dtype=torch.bool, device=mask.device)  # a swap was needed and none existed
     while active.numel() > 0:
-        steps += 1
         b = active.numel()
-        row_def, col_def = _deficits(sub, n)
-        pair_free = row_def[:, :, None] & col_def[:, None, :] & ~sub  # (b, M, M)
-        add_score = w.masked_fill(~pair_free, float("-inf")).reshape(b, M * M)
-        add_best, add_flat = add_score.max(dim=1)  # (b,)
+        square = sub.view(b, M, M)
+        row_def, col_def = _deficits(square, n)
+        live = row_def.any(dim=1)  # (b,)
+        pair_free = row_def[:, :, None] & col_def[:, None, :] & ~square  # (b, M, M)
+        add_best, add_flat = w.masked_fill(~pair_free, float("-inf")).reshape(b, M * M).max(dim=1)  # (b,)
         do_add = add_best > float("-inf")
-        add_b = do_add.nonzero().squeeze(1)
-        sub[add_b, add_flat[add_b] // M, add_flat[add_b] % M] = True
-
-        do_swap = ~do_add
-        i, j = _first_true(row_def), _first_true(col_def)
-        gain, ip, jp = _best_swap(sub, w, i, j)
-        if bool((do_swap & (gain == float("-inf"))).any()):
+        do_swap = live & ~do_add
+        # The step's one device read (a second only in steps where some block needs a swap).
+        live_count, swap_count, failed = torch.stack([live.sum(), do_swap.sum(), broken.long()]).tolist()
+        if failed:
             raise RuntimeError("complete_feasibility found no valid swap; the mask invariant is broken")
-        forced[active] |= do_swap & (gain <= 0)
-        _apply_swap(sub, do_swap, i, j, ip, jp)
-
-        mask[active] = sub
-        still = (sub.sum(dim=2) < n).any(dim=1)  # (b,)
-        active, sub, w = active[still], sub[still], w[still]
+        if live_count == 0:
+            mask[active] = square
+            forced[active] = sub_forced
+            break
+        steps += 1
+        _set_where(sub, add_flat, do_add, True)
+        if swap_count:
+            # The (k, M, M) swap search runs only on the k blocks that need a swap.
+            sw = do_swap.nonzero().squeeze(1)  # (k,)
+            i, j = _first_true(row_def[sw]), _first_true(col_def[sw])  # (k,)
+            gain, ip, jp = _best_swap(square[sw], w[sw], i, j)
+            broken = broken | (gain == float("-inf")).any()
+            sub_forced[sw] |= gain <= 0
+            # The swap's three entries are distinct (i' != i, j' != j by eq. (localscore)'s validity).
+            sub[sw, ip * M + jp] = False
+            sub[sw, i * M + jp] = True
+            sub[sw, ip * M + j] = True
+        if live_count < b and (2 * live_count <= b or not sub.is_cuda):
+            # Compact: write the finished blocks back and keep the rest. On CUDA a sync, so only once
+            # half the batch is done (at most log2(B) times); on the CPU, where ops cost their data,
+            # at every step.
+            still = (sub.view(b, M, M).sum(dim=2) < n).any(dim=1).nonzero().squeeze(1)  # (b',) one read
+            mask[active] = sub.view(b, M, M)
+            forced[active] = sub_forced
+            active, sub, w, sub_forced = active[still], sub[still], w[still], sub_forced[still]
+    if bool(broken):
+        raise RuntimeError("complete_feasibility found no valid swap; the mask invariant is broken")
     return Completion(mask=mask, forced_blocks=int(forced.sum()), steps=steps)

@@ -28,9 +28,12 @@ def validate_scores(scores: torch.Tensor, n: int, m: int) -> None:
         )
     if rows == 0 or cols == 0:
         raise ValueError(f"scores of shape ({rows}, {cols}) are empty; pass a non-empty matrix")
-    if not bool(torch.isfinite(scores).all()):
+    # Both checks in one device read: a host sync per check is a cost of every small solve on CUDA
+    # (SparseGPT's per-slab calls, issue 42).
+    nonfinite, negative = torch.stack([~torch.isfinite(scores).all(), (scores < 0).any()]).tolist()
+    if nonfinite:
         raise ValueError("scores contain NaN or Inf; clean the input (e.g. torch.nan_to_num) before solving")
-    if bool((scores < 0).any()):
+    if negative:
         raise ValueError("scores must be non-negative (e.g. |W| or W**2); pass scores.abs()")
 
 

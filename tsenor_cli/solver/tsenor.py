@@ -367,6 +367,29 @@ def _bound(w: torch.Tensor, u: torch.Tensor, v: torch.Tensor, n: int, bound: Bou
     raise ValueError(f"unknown bound {bound!r}; choose 'coordinate' or 'potentials'")
 
 
+def _check_choices(rounding: str | None, bound: str | None, sinkhorn: str | None) -> None:
+    """Raise ValueError naming the choices for an unknown `rounding`, `bound` or `sinkhorn` of `tsenor`."""
+    if rounding is not None and rounding not in ("auto", "greedy", "rowcol"):
+        raise ValueError(f"unknown rounding {rounding!r}; choose 'auto', 'greedy' or 'rowcol'")
+    if bound is not None and bound not in ("coordinate", "potentials"):
+        raise ValueError(f"unknown bound {bound!r}; choose 'coordinate' or 'potentials'")
+    if sinkhorn is not None and sinkhorn not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown sinkhorn backend {sinkhorn!r}; choose 'auto', 'torch' or 'triton'")
+
+
+def _start(
+    w: torch.Tensor, scale: torch.Tensor, n: int, tau: float, stages: int | None, init: DualState | None
+) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+    """w: (B, M, M) normalized blocks, scale: (B,) their maxima → (u0, v0) (B, M) initial potentials and
+    the temperatures to run: the final one only from `init` (its potentials rescaled to these units),
+    else the ε-scaling schedule from the row-wise top-n threshold, a dual point close to the answer."""
+    if init is not None:
+        ratio = (init.scale.to(w) / scale)[:, None]  # (B, 1): old units → new units
+        return init.row.to(w) * ratio, init.col.to(w) * ratio, [tau]
+    u0 = w.topk(n, dim=2).values[:, :, n - 1] - 0.5 / tau
+    return u0, w.new_zeros(w.shape[:2]), _tau_schedule(tau, 4 if stages is None else stages)
+
+
 @register(
     "tsenor",
     "the paper's TSENOR: ε-scaled entropic OT with capacities (Alg. 1) + greedy rounding + feasibility completion "
@@ -403,12 +426,7 @@ def tsenor(
     With `init` (the state of an earlier solve on similar scores) only the final stage runs, and
     the cycle search starts from the earlier mask instead of a fresh rounding.
     """
-    if rounding is not None and rounding not in ("auto", "greedy", "rowcol"):
-        raise ValueError(f"unknown rounding {rounding!r}; choose 'auto', 'greedy' or 'rowcol'")
-    if bound is not None and bound not in ("coordinate", "potentials"):
-        raise ValueError(f"unknown bound {bound!r}; choose 'coordinate' or 'potentials'")
-    if sinkhorn is not None and sinkhorn not in ("auto", "torch", "triton"):
-        raise ValueError(f"unknown sinkhorn backend {sinkhorn!r}; choose 'auto', 'torch' or 'triton'")
+    _check_choices(rounding, bound, sinkhorn)
     B, M, _ = blocks.shape
     per_slice = blocks_per_slice(max_elements, _chunks(blocks.device).slice, M)
     if per_slice < B:
@@ -440,15 +458,7 @@ def tsenor(
     iterations = 25 if iterations is None else iterations
     tol = 1e-3 if tol is None else tol
     sweeps = 30 if sweeps is None else sweeps
-    if init is not None:
-        ratio = (init.scale.to(work) / scale)[:, None]  # (B, 1): old units → new units
-        u0, v0 = init.row.to(work) * ratio, init.col.to(work) * ratio
-        taus = [tau]
-    else:
-        # Start from the row-wise top-n threshold: a dual point close to the answer.
-        u0 = w.topk(n, dim=2).values[:, :, n - 1] - 0.5 / tau
-        v0 = w.new_zeros(B, M)
-        taus = _tau_schedule(tau, 4 if stages is None else stages)
+    u0, v0, taus = _start(w, scale, n, tau, stages, init)
     u, v, its = _sinkhorn(sinkhorn or "auto", w, n, taus, iterations, tol, u0, v0)
 
     if init is not None and init.mask is not None:
