@@ -51,12 +51,14 @@ def eval_cmd(
     dtype: in_panel(DtypeOpt, MODEL) = DTYPE,  # type: ignore[valid-type]
     device: in_panel(DeviceOpt, MODEL) = DEVICE,  # type: ignore[valid-type]
     trust_remote_code: in_panel(TrustRemoteCodeOpt, MODEL) = False,  # type: ignore[valid-type]
-    stream: bool = typer.Option(
-        False,
-        "--stream",
+    stream: bool | None = typer.Option(
+        None,
+        "--stream/--no-stream",
+        show_default="stream where it can",
         rich_help_panel=MODEL,
         help="Perplexity block by block: one decoder block in memory at a time, read from the checkpoint's "
-        "safetensors when its turn comes (for models larger than host or GPU memory; not with --tasks).",
+        "safetensors when its turn comes. By default wherever it can (a safetensors folder, perplexity only, "
+        "no --device-map); --stream insists (refused with --tasks), --no-stream loads the model whole.",
     ),
     device_map: str | None = typer.Option(
         None,
@@ -85,8 +87,7 @@ def eval_cmd(
     offline: OfflineOpt = False,
 ) -> None:
     """Evaluate a model: perplexity (SparseGPT protocol) and optional lm-eval zero-shot tasks."""
-    from tsenor_cli.evaluation.runner import EvalConfig, eval_target, evaluate_model
-    from tsenor_cli.models.loading import load_model, parse_dtype
+    from tsenor_cli.evaluation.runner import EvalConfig, eval_target, evaluate_model, load_for_evaluation
 
     # Validate every option before the (slow) model load, so a typo fails at once.
     model = pick_model(model, model_option)
@@ -99,22 +100,16 @@ def eval_cmd(
         seqlen=seqlen,
         max_windows=max_windows,
         command=command_line(),
+        stream=stream is not False,
     )
     run_ctx = run_context(ctx, data_dir, offline)
-    cfg.check(run_ctx, stream=stream, device_map=device_map)
-    torch_dtype = parse_dtype(dtype)
+    cfg.check(run_ctx, stream=bool(stream), device_map=device_map)
     target = eval_target(output, force=force)
     try:
-        loaded = load_model(
-            model,
-            run_ctx,
-            dtype=torch_dtype,
-            device=device,
-            trust_remote_code=trust_remote_code,
-            check_tokenizer=True,
-            stream=stream,
-            device_map=device_map,
-        )
+        loaded = load_for_evaluation(
+            model, run_ctx, cfg, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
+            device_map=device_map, check_tokenizer=True,
+        )  # fmt: skip
         report = evaluate_model(loaded, cfg, run_ctx)
     except KeyboardInterrupt:
         # eval.json is written only once every metric is in, so nothing is left half-done.

@@ -137,6 +137,7 @@ def load_for_evaluation(
     trust_remote_code: bool = False,
     device_map: str | None = None,
     progress: Callable[[str], None] | None = None,
+    check_tokenizer: bool = False,
 ) -> LoadedModel:
     """The model to evaluate under `cfg`: streamed (blocks on the meta device, read one at a time by
     `evaluation/streamed.py`) when `cfg.stream` and only perplexity is asked for and no --device-map
@@ -154,6 +155,7 @@ def load_for_evaluation(
         device_map=device_map,
         stream=stream,
         progress=progress,
+        check_tokenizer=check_tokenizer,
     )
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -282,8 +282,10 @@ class PruneRun:
             metadata = sparsity_record(cfg, records, cfg.solver_that_runs(self.device))
             with self.timings.phase("write"):
                 report = self.sink.write(lambda counts: self.report(counts, records, refined, begin), metadata)
-        self.say(self.timings.line(time.perf_counter() - self.started))
-        return report
+        seconds = time.perf_counter() - self.started
+        self.say(self.timings.line(seconds))
+        # The file was written with the phases up to its making; the caller's summary gets them all.
+        return replace(report, seconds=seconds, phases=dict(self.timings.seconds))
 
     def _finite_block(self, block: nn.Module, index: int) -> None:
         """The check of each block a streamed run reads from the checkpoint: its weights finite."""
@@ -547,6 +549,7 @@ class PruneRun:
             linear_params=counts.linear_params,
             linear_nonzero=counts.linear_nonzero,
             refinement=refined,
+            phases=dict(self.timings.seconds),
         )
 
 
