@@ -26,6 +26,7 @@ from tsenor_cli.pruning import phases
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.memory import SOLVER_COPIES, MethodCost, matrix_workspace
+from tsenor_cli.pruning.method_options import ALPSOptions
 from tsenor_cli.pruning.plan import plan_model
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.types import LayerPruneConfig
@@ -92,13 +93,14 @@ def test_the_device_estimate_bounds_what_a_run_allocates(
     pattern = SparsityPattern.from_nm(4, 8, transposable=transposable)
     cfg = PruneConfig(
         model=str(model),
-        layer=LayerPruneConfig(pattern, alps_max_iter=30),
+        layer=LayerPruneConfig(pattern, options=ALPSOptions(max_iter=30) if method == "alps" else None),
         method=method,
         calib_data=str(calibration_text),
         nsamples=4,
         seqlen=64,
         output=tmp_path / "out",
         resume=False,
+        stream=False,  # a whole load: a streamed one reads each block in the loop (one more block, on the host)
     )
     estimate = plan_model(cfg, LOCAL_CTX).device_memory[0]
     measured = _loop_peak(*_live_bytes(lambda: prune_model(cfg, LOCAL_CTX))) + estimate.block

@@ -174,11 +174,12 @@ def test_sparsegpt_transposable_slab_solves_equal_column_by_column(
         _, x = _problem(64, 192, 512, seed=n, device=torch.device("cpu"))
     stats = InputStats.from_inputs(x)
     pattern = SparsityPattern.from_nm(n, m, transposable=True)
-    cfg = LayerPruneConfig(pattern, solver="flow")
-    want = _sparsegpt_column_by_column(w, stats.require_gram(), n, m, cfg.percdamp)
+    want = _sparsegpt_column_by_column(w, stats.require_gram(), n, m, SparseGPTOptions().percdamp)
     weights = []
     for blocksize in sorted({m, 3 * m, 30, 100, 128}):
-        out = PRUNERS["sparsegpt"].prune(w, stats, LayerPruneConfig(pattern, solver="flow", blocksize=blocksize))
+        out = PRUNERS["sparsegpt"].prune(
+            w, stats, LayerPruneConfig(pattern, solver="flow", options=SparseGPTOptions(blocksize=blocksize))
+        )
         assert torch.equal(out.mask, want), f"blocksize {blocksize}"
         weights.append(out.weight)
     for other in weights[1:]:

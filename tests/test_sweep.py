@@ -125,7 +125,7 @@ def test_make_results_skips_every_committed_run() -> None:
 
 
 def test_readme_sweep_file_parses() -> None:
-    readme = (REPO_ROOT / "README.md").read_text()
+    readme = (REPO_ROOT / "docs" / "guide" / "usage.md").read_text()  # the sweep file users copy
     block = re.search(r"```yaml\n(# my-sweep\.yaml.*?)```", readme, re.S)
     assert block is not None
     spec = parse_sweep(yaml.safe_load(block.group(1)), "README")

@@ -427,8 +427,6 @@ def load_model(
     IncompatibleModelError for a model without a decoder block list of nn.Linear-holding blocks
     (checked on the model built from its config on the meta device, before the weights are read).
     """
-    from transformers import AutoTokenizer
-
     torch_device = resolve_device(device)
     torch_dtype = dtype if dtype is not None else default_dtype(torch_device)
     source, is_local = resolve_source(name, ctx, progress=progress)
@@ -442,15 +440,7 @@ def load_model(
     checkpoint = _stream_checkpoint(name, source, is_local) if stream else None
     layout = _source_layout(meta, Path(source), checkpoint) if is_local else None
     sink(progress)(f"loading {name} ({config.model_type}, {torch_dtype}) on {torch_device}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **hub)
-    except (OSError, ValueError) as exc:  # transformers raises ValueError when no tokenizer file is found
-        if is_local:
-            raise InputNotFoundError(
-                f"cannot load the tokenizer of {source} ({exc}); copy the tokenizer files of its base model "
-                "(tokenizer.json or tokenizer.model, tokenizer_config.json) into it"
-            ) from exc
-        raise hub_error(name, ctx) from exc
+    tokenizer = _load_tokenizer(name, source, is_local, ctx, hub)
     if check_tokenizer:
         check_vocabulary(name, tokenizer, embedding_rows(meta))
     if before_weights is not None:
@@ -460,18 +450,7 @@ def load_model(
         streamed = _load_streamed(name, source, config, tokenizer, files, checkpoint, torch_dtype, torch_device, hub)
         if streamed is not None:
             return dataclasses.replace(streamed, source_dtype=stored, layout=layout)
-    placement = {} if device_map is None else {"device_map": device_map}
-    try:
-        model = auto_class(config).from_pretrained(source, dtype=torch_dtype, **placement, **hub)
-    except SafetensorError as exc:
-        raise BadInputError(f"the weights of {name} are corrupt ({exc}); re-download or re-copy them") from exc
-    except OSError as exc:
-        if is_local:
-            raise InputNotFoundError(
-                f"cannot load the checkpoint in {source} ({exc}); "
-                "it needs config.json, *.safetensors and tokenizer files"
-            ) from exc
-        raise hub_error(name, ctx) from exc
+    model = _load_whole(name, source, is_local, ctx, config, torch_dtype, device_map, hub)
     if device_map is None:
         model = model.to(torch_device)
     model.eval()
@@ -486,6 +465,47 @@ def load_model(
         source_dtype=stored,
         layout=layout,
     )
+
+
+def _load_tokenizer(name: str, source: str, is_local: bool, ctx: RunContext, hub: dict[str, Any]) -> Any:
+    """The tokenizer of `source`; a local folder without tokenizer files is one line naming them."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source, **hub)
+    except (OSError, ValueError) as exc:  # transformers raises ValueError when no tokenizer file is found
+        if is_local:
+            raise InputNotFoundError(
+                f"cannot load the tokenizer of {source} ({exc}); copy the tokenizer files of its base model "
+                "(tokenizer.json or tokenizer.model, tokenizer_config.json) into it"
+            ) from exc
+        raise hub_error(name, ctx) from exc
+
+
+def _load_whole(
+    name: str,
+    source: str,
+    is_local: bool,
+    ctx: RunContext,
+    config: Any,
+    dtype: torch.dtype,
+    device_map: str | None,
+    hub: dict[str, Any],
+) -> Any:
+    """The whole model of `source` on the CPU (or placed by `device_map`); a corrupt or missing weight
+    file is one line."""
+    placement = {} if device_map is None else {"device_map": device_map}
+    try:
+        return auto_class(config).from_pretrained(source, dtype=dtype, **placement, **hub)
+    except SafetensorError as exc:
+        raise BadInputError(f"the weights of {name} are corrupt ({exc}); re-download or re-copy them") from exc
+    except OSError as exc:
+        if is_local:
+            raise InputNotFoundError(
+                f"cannot load the checkpoint in {source} ({exc}); "
+                "it needs config.json, *.safetensors and tokenizer files"
+            ) from exc
+        raise hub_error(name, ctx) from exc
 
 
 def _stream_checkpoint(name: str, source: str, is_local: bool) -> Checkpoint | None:
