@@ -266,8 +266,12 @@ def test_rerunning_the_same_command_continues_an_interrupted_run(
     assert f"resuming after block 1/{BLOCKS} from {out / RESUME_DIR}" in result.stderr
     assert json.loads((out / PRUNE_FILE).read_text())["resumed_from_block"] == 1
     summary = (out / PRUNE_MARKDOWN).read_text()
-    assert "s in this attempt, which resumed with blocks 1-1 done (method " in summary
-    assert ", over all attempts)" in summary and "s in this attempt" not in (reference / PRUNE_MARKDOWN).read_text()
+    assert "s in this attempt, which resumed with blocks 1-1 done (" in summary  # this attempt's phases
+    assert (
+        "); method " in summary
+        and "s over all attempts" in summary
+        and "s in this attempt" not in (reference / PRUNE_MARKDOWN).read_text()
+    )
     _assert_same_as(out, reference)
 
 

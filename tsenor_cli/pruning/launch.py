@@ -26,7 +26,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -112,10 +111,10 @@ def run_status(codes: Mapping[int, int], nproc: int) -> int:
 
 
 def _free_port() -> int:
-    """A TCP port free on this host now, for rank 0's rendezvous store (as torchrun picks one)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A TCP port free on this host now, for rank 0's rendezvous store: torchrun's own choice of one."""
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    return int(get_free_port())
 
 
 def _start_ranks(args: Sequence[str], nproc: int) -> list[subprocess.Popen[bytes]]:

@@ -51,18 +51,22 @@ def _time_line(report: PruneReport, t: Mapping[str, Any]) -> str:
     A resumed run's records include the blocks earlier attempts pruned, its wall time does not, so the
     line says which of the two a reader is looking at (the sum is larger than the wall time otherwise).
     """
-    parts = f"method {t['method_seconds']:.1f} s, solver {t['solver_seconds']:.1f} s"
+    totals = f"method {t['method_seconds']:.1f} s, solver {t['solver_seconds']:.1f} s"
+    parts = totals
     if report.phases:
-        # The run's phases, each timed once and none inside another: with "other" they add up to the total.
+        # The run's phases, each timed once and none inside another; "other" is the rest (phases under
+        # 0.05 s included), so the parts add up to the total.
         shown = [(name, s) for name, s in report.phases.items() if s >= 0.05]
-        other = max(report.seconds - sum(report.phases.values()), 0.0)
+        other = max(report.seconds - sum(s for _name, s in shown), 0.0)
         parts = ", ".join(f"{name} {s:.1f} s" for name, s in (*shown, ("other", other)))
     if not report.resumed_from_block:
         return f"- total time: {report.seconds:.1f} s ({parts})"
     done = report.resumed_from_block
     attempt = f"{report.seconds:.1f} s in this attempt, which resumed with blocks 1-{done} done"
+    if not report.phases:
+        return f"- total time: {attempt} ({parts}, over all attempts)"
     # The phases are this attempt's; the layer records' method and solver sums cover every attempt.
-    return f"- total time: {attempt} ({parts}{'' if report.phases else ', over all attempts'})"
+    return f"- total time: {attempt} ({parts}); {totals} over all attempts"
 
 
 def prune_markdown(report: PruneReport) -> str:
