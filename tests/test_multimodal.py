@@ -31,7 +31,7 @@ from helpers_tiny import (
 from safetensors.torch import load_file
 from torch import nn
 
-from tsenor_cli.errors import IncompatibleModelError
+from tsenor_cli.errors import IncompatibleModelError, UsageError
 from tsenor_cli.models.loading import (
     LoadedModel,
     auto_class,
@@ -641,3 +641,23 @@ def test_a_targeted_vision_linear_the_pattern_cannot_take_is_one_line_exit_5(
     report = PruneReport.from_json(json.loads((out / "tsenor_report.json").read_text()))
     beyond = [r for r in report.layers if r.block == OUTSIDE_BLOCK]
     assert beyond and all(r.status == "skipped" and r.reason for r in beyond)
+
+
+def test_targets_only_in_blocks_the_text_never_runs_are_refused(
+    checkpoints: dict[str, Path], calibration_text: Path, tmp_path: Path
+) -> None:
+    """--targets naming only Mllama's cross-attention block (which the text-only forward skips) would
+    write a dense copy: refused in one line, nothing written (issue 41)."""
+    cfg = PruneConfig(
+        model=str(checkpoints["mllama"]),
+        layer=LayerPruneConfig(PATTERN),
+        method="sparsegpt",
+        calib_data=str(calibration_text),
+        nsamples=2,
+        seqlen=SEQ_LEN,
+        output=tmp_path / "out",
+        targets=(f"*.layers.{next(iter(IDLE['mllama']))}.*",),
+    )
+    with pytest.raises(UsageError, match=r"never runs .*nothing would be pruned"):
+        prune_model(cfg, LOCAL_CTX)
+    assert not (tmp_path / "out" / "model.safetensors").exists()

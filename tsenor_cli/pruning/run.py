@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tsenor_cli.errors import Interrupted
+from tsenor_cli.errors import Interrupted, UsageError
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.progress import Progress, bar, logger
 from tsenor_cli.pruning.config import PruneConfig
@@ -395,6 +395,8 @@ class PruneRun:
             say_ruled(accounted)
             candidates = [s for s in accounted.slots if s.full_name not in accounted.ignored]
             skipped = check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)
+            if cfg.targets and begin.first == 0:
+                _check_targets_run(candidates, begin.calls, has_outside=bool(self.plan.beyond))
         matrices = sum(s.matrices for s in accounted.slots)
         blocks = f"{len(structure.blocks)} blocks in {structure.blocks_name}"
         self.say(f"{structure.model_type}: {blocks}, {matrices} weight matrices")
@@ -551,6 +553,20 @@ class PruneRun:
             refinement=refined,
             phases=dict(self.timings.seconds),
         )
+
+
+def _check_targets_run(candidates: Sequence[LinearSlot], calls: Sequence[BlockCall], *, has_outside: bool) -> None:
+    """A --targets selection whose every matrix lies in blocks the text-only forward never runs (Mllama's
+    cross-attention layers) would prune nothing: refused, as a selection that matches nothing is
+    (`selection.excluded_layers`), instead of writing a dense copy with exit 0."""
+    if has_outside or not candidates or any(calls[s.block].runs for s in candidates):
+        return
+    names = sorted({s.full_name for s in candidates})
+    shown = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
+    raise UsageError(
+        f"--targets selects only weights of blocks the text-only forward never runs ({shown}): they stay "
+        "dense, so nothing would be pruned; target the layers the text reaches, or drop --targets"
+    )
 
 
 def _check_loaded(cfg: PruneConfig, loaded: LoadedModel) -> None:
