@@ -318,15 +318,7 @@ def test_a_run_killed_around_the_skipped_block_resumes_to_the_same_checkpoint(
         if index == killed_after:
             raise Killed
 
-    cfg = PruneConfig(
-        model=str(checkpoints["mllama"]),
-        layer=LayerPruneConfig(PATTERN),
-        method="sparsegpt",
-        calib_data=str(calibration_text),
-        nsamples=2,
-        seqlen=SEQ_LEN,
-        output=tmp_path / "resumed",
-    )
+    cfg = _mllama_sparsegpt(checkpoints["mllama"], calibration_text, tmp_path / "resumed")
     with pytest.raises(Killed):
         prune_model(cfg, LOCAL_CTX, after_block=kill)
     report = prune_model(cfg, LOCAL_CTX)
@@ -648,16 +640,23 @@ def test_targets_only_in_blocks_the_text_never_runs_are_refused(
 ) -> None:
     """--targets naming only Mllama's cross-attention block (which the text-only forward skips) would
     write a dense copy: refused in one line, nothing written (issue 41)."""
-    cfg = PruneConfig(
-        model=str(checkpoints["mllama"]),
+    cfg = _mllama_sparsegpt(
+        checkpoints["mllama"], calibration_text, tmp_path / "out", targets=(f"*.layers.{next(iter(IDLE['mllama']))}.*",)
+    )
+    with pytest.raises(UsageError, match=r"never runs .*nothing would be pruned"):
+        prune_model(cfg, LOCAL_CTX)
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def _mllama_sparsegpt(model: Path, calibration_text: Path, output: Path, **options: Any) -> PruneConfig:
+    """SparseGPT at PATTERN on 2 × SEQ_LEN tokens of the tiny Mllama, into `output` (with `options`)."""
+    return PruneConfig(
+        model=str(model),
         layer=LayerPruneConfig(PATTERN),
         method="sparsegpt",
         calib_data=str(calibration_text),
         nsamples=2,
         seqlen=SEQ_LEN,
-        output=tmp_path / "out",
-        targets=(f"*.layers.{next(iter(IDLE['mllama']))}.*",),
+        output=output,
+        **options,
     )
-    with pytest.raises(UsageError, match=r"never runs .*nothing would be pruned"):
-        prune_model(cfg, LOCAL_CTX)
-    assert not (tmp_path / "out" / "model.safetensors").exists()
