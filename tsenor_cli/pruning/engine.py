@@ -305,10 +305,13 @@ class BlockPruner:
         with phase("statistics"), team.agreed():
             seen = watch_idle(block, running, inputs[:1].to(self.device), input_key=input_key)
         self.progress(idle_line(self.structure, index, seen))
-        records = {name: left for name, left in ((n, self._left_dense(s)) for n, s in by_param.items()) if left}
-        for name in seen.observation.order:
-            if name in by_param and name not in records:
-                _check_runs_once(by_param[name], seen.observation.units[name].calls)
+        records: dict[str, list[LayerRecord]] = {}
+        for name, slot in by_param.items():
+            left = self._left_dense(slot)
+            if left is not None:
+                records[name] = left
+            elif name in seen.observation.units:
+                _check_runs_once(slot, seen.observation.units[name].calls)
         # The forward cannot run past where it stopped: each statistics pass ends once its group has run.
         reached = replace(self, stop_early=True)._prune_groups(
             block, index, by_param, seen.observation, records, inputs, running, team
@@ -319,7 +322,8 @@ class BlockPruner:
             for name, slot in by_param.items():
                 if name not in records:
                     records[name] = prune_unreached(block, slot, self.layer_cfg, seen, self.progress)
-        return [record for name in (*reached, *by_param) if name in records for record in records.pop(name)]
+        unreached = [name for name in by_param if name not in reached]
+        return [record for name in (*reached, *unreached) for record in records[name]]
 
     def _observe(self, block: nn.Module, inputs: torch.Tensor, call: BlockCall) -> BlockObservation:
         with phase("statistics"):
