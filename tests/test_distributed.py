@@ -609,3 +609,24 @@ def test_ctrl_c_sigterm_and_kill_of_prune_nproc_then_resume(calib: Path, data_ct
     alone = invoke([*without_option(args, "--nproc"), "--output", str(single), "--no-resume-state"])
     assert alone.exit_code == 0, alone.output
     assert _sha(out / "model.safetensors") == _sha(single / "model.safetensors")
+
+
+def test_two_processes_prune_mllamas_skipped_block_as_one_does(
+    calib: Path, data_ctx: RunContext, tmp_path: Path
+) -> None:
+    """The block Mllama's text-only forward skips (pruning/idle.py) under --nproc: its q_proj's statistics
+    summed across the ranks in the single process's order, its other linears by magnitude on every rank;
+    the checkpoint is the single process's, bit for bit."""
+    from helpers_tiny import make_tiny_model
+
+    source = make_tiny_model(tmp_path / "mllama", "mllama")
+    single, dist = tmp_path / "single", tmp_path / "dist"
+    api.prune_model(_cfg(source, calib, single, "sparsegpt", True, seqlen=24), data_ctx)
+    outcomes = _spawn(
+        tmp_path, [{"name": "mllama", "cfg": _cfg(source, calib, dist, "sparsegpt", True, seqlen=24)}], data_ctx
+    )
+    assert all(outcome["mllama"] == "ok" for outcome in outcomes), outcomes
+    assert _sha(single / "model.safetensors") == _sha(dist / "model.safetensors")
+    layers = json.loads((dist / PRUNE_FILE).read_text())["layers"]
+    idle = [layer for layer in layers if ".layers.1." in layer["name"]]
+    assert len(idle) == 7 and all(layer["status"] == "pruned" for layer in idle)

@@ -111,13 +111,19 @@ def test_blocks_too_large_to_probe_are_decided_at_prune_time(monkeypatch: pytest
     assert all(row.endswith("  yes") for row in rows if row not in pending) and len(rows) == 14
 
 
-def test_a_block_the_text_forward_skips_is_planned_as_skipped(tmp_path: Path) -> None:
+def test_a_block_the_text_forward_skips_is_planned_as_pruned(tmp_path: Path) -> None:
+    """Mllama's cross-attention block: its linears are pruned (pruning/idle.py), the table says how."""
     source = make_tiny_model(tmp_path / "mllama", "mllama")
     plan = _plan(source)
-    for layer in plan["layers"]:
-        block = int(layer["name"].removeprefix("model.language_model.layers.").split(".")[0])
-        assert layer["status"] == ("skipped" if block == 1 else "prune"), layer
-    assert plan["skipped"] == 7
+    assert {layer["status"] for layer in plan["layers"]} == {"prune"} and plan["skipped"] == 0
+    result = invoke(["prune", "--model", str(source), "--nm", "2:4", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.stdout.splitlines() if line.startswith("model.language_model.layers.")]
+    idle = [row for row in rows if row.startswith("model.language_model.layers.1.")]
+    assert len(rows) == 21 and len(idle) == 7
+    how = "yes, its block (MllamaCrossAttentionDecoderLayer) never runs on text: calibrated on the text reaching"
+    assert all(how in row and row.endswith("else by magnitude") for row in idle)
+    assert all(row.endswith("  yes") for row in rows if row not in idle)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="plans a GPU job from a machine without one")

@@ -4,7 +4,8 @@ Gemma-3, LLaVA, Qwen2-VL, Qwen2.5-VL, Idefics3, SmolVLM and Mllama (a vision tow
 text decoder) load whole with their own class; the engine finds their language model, calibrates it
 on text alone and prunes its blocks, while the vision tower and projector stay dense. Jamba (Mamba and
 attention blocks) and Mllama (self- and cross-attention blocks) keep blocks of several classes in one
-list; Mllama's cross-attention block, which its text-only forward skips, is left dense. For each: the
+list; Mllama's cross-attention block, which its text-only forward skips, is pruned from the text that
+reaches it where its own forward gets, else by magnitude (`pruning/idle.py`). For each: the
 replayed blocks give the whole model's logits, a 2-block SparseGPT 2:4 prune verifies, loads with the
 source's class and generates, and `tsenor eval --ppl` runs on it. Block refinement trains the language
 model's blocks that run on text and nothing else.
@@ -31,7 +32,7 @@ from helpers_tiny import (
 from safetensors.torch import load_file
 from torch import nn
 
-from tsenor_cli.errors import IncompatibleModelError, UsageError
+from tsenor_cli.errors import IncompatibleModelError
 from tsenor_cli.models.loading import (
     LoadedModel,
     auto_class,
@@ -46,6 +47,7 @@ from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning import magnitude
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
+from tsenor_cli.pruning.idle import MAGNITUDE_REASON, TEXT_REASON
 from tsenor_cli.pruning.outside import OUTSIDE_BLOCK
 from tsenor_cli.pruning.outside import REASON as OUTSIDE_REASON
 from tsenor_cli.pruning.types import LayerPruneConfig
@@ -188,10 +190,12 @@ def test_two_block_prune_verifies_loads_and_generates(
         block = int(name.removeprefix(f"{structure.blocks_name}.").split(".")[0])
         if name not in expected:
             assert record.status == "pruned" or record.reason, name
-        elif block in idle:
-            assert record.status == "skipped" and "never runs in the text-only forward" in str(record.reason)
         else:
             assert record.status == "pruned" and record.density == pytest.approx(0.5), name
+        if block in idle:  # Mllama's cross-attention: its forward on text stops after q_proj
+            how = TEXT_REASON if name.endswith(".q_proj") else MAGNITUDE_REASON
+            assert str(record.reason).startswith(how), (name, record.reason)
+            assert (record.recon_error is not None) == (how == TEXT_REASON), name
     verified = verify_checkpoint(out)
     assert verified.ok and len(verified.layers) == sum(r.status == "pruned" for r in report.layers)
 
@@ -200,9 +204,8 @@ def test_two_block_prune_verifies_loads_and_generates(
     assert type(model) is type(dense)
     name, outside = LANGUAGE_MODELS[family]
     before, after = dense.state_dict(), model.state_dict()
-    idle_prefixes = tuple(f"{structure.blocks_name}.{index}" for index in idle)
     for key, tensor in before.items():
-        if _under(key, outside + idle_prefixes):  # vision tower, projector, skipped blocks: untouched
+        if _under(key, outside):  # vision tower, projector: untouched
             assert torch.equal(after[key], tensor), key
     assert (out / PROCESSOR_FILE[0]).read_text() == PROCESSOR_FILE[1]
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -268,8 +271,8 @@ def test_refinement_trains_the_language_model_only(
 ) -> None:
     """`--refine block` on a vision-language model: Qwen2-VL's blocks (3D rotary positions in the recorded
     call) and Mllama's self-attention blocks are refined and verify; Mllama's cross-attention block, which
-    the text-only forward skips, gets no refinement record; the vision tower, the projector and the
-    skipped block stay bit-identical to the source."""
+    the text-only forward skips, is pruned but gets no refinement record (no forward of the model gives
+    it outputs to refine towards); the vision tower and the projector stay bit-identical to the source."""
     from tsenor_cli.pruning.refine import RefineConfig
 
     source = checkpoints[family]
@@ -294,9 +297,10 @@ def test_refinement_trains_the_language_model_only(
     before = auto_class(json_config(source)).from_pretrained(source).state_dict()
     after = auto_class(json_config(out)).from_pretrained(out).state_dict()
     _, outside = LANGUAGE_MODELS[family]
-    idle_prefixes = tuple(f"{structure.blocks_name}.{index}" for index in idle)
-    untouched = [key for key in before if _under(key, outside + idle_prefixes)]
+    untouched = [key for key in before if _under(key, outside)]
     assert untouched and all(torch.equal(after[key], before[key]) for key in untouched)
+    idle_linears = [r for r in report.layers if r.block in idle]
+    assert all(r.status == "pruned" for r in idle_linears) and len(idle_linears) == (7 if idle else 0)
 
 
 @pytest.mark.parametrize("killed_after", [0, 1])
@@ -633,19 +637,6 @@ def test_a_targeted_vision_linear_the_pattern_cannot_take_is_one_line_exit_5(
     report = PruneReport.from_json(json.loads((out / "tsenor_report.json").read_text()))
     beyond = [r for r in report.layers if r.block == OUTSIDE_BLOCK]
     assert beyond and all(r.status == "skipped" and r.reason for r in beyond)
-
-
-def test_targets_only_in_blocks_the_text_never_runs_are_refused(
-    checkpoints: dict[str, Path], calibration_text: Path, tmp_path: Path
-) -> None:
-    """--targets naming only Mllama's cross-attention block (which the text-only forward skips) would
-    write a dense copy: refused in one line, nothing written (issue 41)."""
-    cfg = _mllama_sparsegpt(
-        checkpoints["mllama"], calibration_text, tmp_path / "out", targets=(f"*.layers.{next(iter(IDLE['mllama']))}.*",)
-    )
-    with pytest.raises(UsageError, match=r"never runs .*nothing would be pruned"):
-        prune_model(cfg, LOCAL_CTX)
-    assert not (tmp_path / "out" / "model.safetensors").exists()
 
 
 def _mllama_sparsegpt(model: Path, calibration_text: Path, output: Path, **options: Any) -> PruneConfig:

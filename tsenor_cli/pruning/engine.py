@@ -14,7 +14,7 @@ import functools
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -30,11 +30,12 @@ from tsenor_cli.pruning.gather import (
     group_inputs,
     unit_input_stats,
 )
+from tsenor_cli.pruning.idle import idle_line, prune_unreached, text_record, watch_idle
 from tsenor_cli.pruning.memory import expert_chunk
 from tsenor_cli.pruning.observe import BlockObservation, Unit, matrices, observe_block
 from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.registry import PrunerSpec
-from tsenor_cli.pruning.slots import LinearSlot, dense_records, idle_records
+from tsenor_cli.pruning.slots import LinearSlot, dense_records
 from tsenor_cli.pruning.stats import InputStats, reconstruction_error
 from tsenor_cli.pruning.types import LayerPruneConfig, LayerRecord, PruneOutcome
 from tsenor_cli.replay import BlockCall, block_output, input_key
@@ -246,7 +247,7 @@ class BlockPruner:
         """
         team = self.team if self.team is not None else Team.solo(self.device)
         if not call.runs:
-            return idle_records(index, self.structure, self.slots, self.ignored, self.progress)
+            return self._prune_idle(block, index, inputs, call, team)
         by_param = {slot.param_name: slot for slot in self.slots if slot.block == index}
         records: dict[str, list[LayerRecord]] = {}
         with team.agreed():
@@ -258,6 +259,23 @@ class BlockPruner:
                 else:
                     unit = observed.units.get(name)
                     _check_runs_once(slot, unit.calls if unit is not None else 0)
+        order = self._prune_groups(block, index, by_param, observed, records, inputs, call, team)
+        never_ran = [name for name in by_param if name not in order]
+        return [record for name in (*order, *never_ran) for record in records[name]]
+
+    def _prune_groups(
+        self,
+        block: nn.Module,
+        index: int,
+        by_param: Mapping[str, LinearSlot],
+        observed: BlockObservation,
+        records: dict[str, list[LayerRecord]],
+        inputs: torch.Tensor,
+        call: BlockCall,
+        team: Team,
+    ) -> tuple[str, ...]:
+        """Prune the matrices of `by_param` that `observed` saw run and `records` does not hold yet, group by
+        group, their records added to `records` → the observed order of `by_param`'s matrices."""
         order = tuple(name for name in observed.order if name in by_param)
         groups = tuple(tuple(n for n in g if n in by_param) for g in observed.groups) if self.sequential else (order,)
         linears = self.structure.block_linears(index, block)
@@ -273,8 +291,39 @@ class BlockPruner:
             else:
                 local = {by_param[n].local_name: by_param[n] for n in active}
                 records.update(self._prune_linears(block, local, linears, inputs, call, team))
-        never_ran = [name for name in by_param if name not in order]
-        return [record for name in (*order, *never_ran) for record in records[name]]
+        return order
+
+    def _prune_idle(
+        self, block: nn.Module, index: int, inputs: torch.Tensor, call: BlockCall, team: Team
+    ) -> list[LayerRecord]:
+        """Block `index`, which the model's text-only forward skips (`pruning/idle.py`): its own forward on
+        `inputs`, the text hidden states that reach it, with the arguments the model passes its running
+        blocks (`BlockCall.running`); the matrices the text reaches are pruned by the method on their
+        statistics, the others by magnitude → its records, those the text reached first."""
+        by_param = {slot.param_name: slot for slot in self.slots if slot.block == index}
+        running = call.running()
+        with phase("statistics"), team.agreed():
+            seen = watch_idle(block, running, inputs[:1].to(self.device), input_key=input_key)
+        self.progress(idle_line(self.structure, index, seen))
+        records: dict[str, list[LayerRecord]] = {}
+        for name, slot in by_param.items():
+            left = self._left_dense(slot)
+            if left is not None:
+                records[name] = left
+            elif name in seen.observation.units:
+                _check_runs_once(slot, seen.observation.units[name].calls)
+        # The forward cannot run past where it stopped: each statistics pass ends once its group has run.
+        reached = replace(self, stop_early=True)._prune_groups(
+            block, index, by_param, seen.observation, records, inputs, running, team
+        )
+        for name in reached:
+            records[name] = [text_record(record) for record in records[name]]
+        with phase("updates"), team.agreed():
+            for name, slot in by_param.items():
+                if name not in records:
+                    records[name] = prune_unreached(block, slot, self.layer_cfg, seen, self.progress)
+        unreached = [name for name in by_param if name not in reached]
+        return [record for name in (*reached, *unreached) for record in records[name]]
 
     def _observe(self, block: nn.Module, inputs: torch.Tensor, call: BlockCall) -> BlockObservation:
         with phase("statistics"):

@@ -310,6 +310,6 @@ def observe_blocks(
 ) -> dict[int, BlockObservation]:
     """sample: (1, T, H) the input of block `first` → {block: what its dense forward showed} for blocks
     `first`.., each run on the dense output of the one before (`observe.observe_block`), each read from
-    `source` for it and released after (`replay.watch.watch_blocks`). An idle block (`idle_records`)
+    `source` for it and released after (`replay.watch.watch_blocks`). An idle block (`pruning/idle.py`)
     passes its input on unchanged."""
     return watch_blocks(source, sample, calls, first, functools.partial(observe_block, input_key=input_key))

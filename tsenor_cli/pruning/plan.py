@@ -18,6 +18,7 @@ import torch
 from tsenor_cli.errors import DoesNotFitError, IncompatibleModelError, UsageError
 from tsenor_cli.progress import Progress, logger
 from tsenor_cli.pruning.config import PruneConfig
+from tsenor_cli.pruning.idle import UNKNOWN_ORIENTATION
 from tsenor_cli.pruning.memory import (
     KNOWN_GPUS,
     HostEstimate,
@@ -168,6 +169,17 @@ def _outside_weights(model: Any, structure: ModelStructure) -> list[str]:
     return found
 
 
+def _idle_reason(structure: ModelStructure, index: int) -> str:
+    """How the run prunes an nn.Linear of idle block `index` (`pruning/idle.py`)."""
+    kind = type(structure.blocks[index]).__name__
+    return f"its block ({kind}) never runs on text: calibrated on the text reaching its own forward, else by magnitude"
+
+
+def _idle_dense(idle: dict[str, str], modules: frozenset[str]) -> dict[str, str]:
+    """The entries of `idle` (slots of blocks the text-only forward skips) that are no nn.Linear (`modules`)."""
+    return {name: reason for name, reason in idle.items() if name not in modules}
+
+
 def _checkable(
     slots: Sequence[LinearSlot], dense: Sequence[dict[str, str]], observed: frozenset[str]
 ) -> list[LinearSlot]:
@@ -184,7 +196,7 @@ def _checkable(
 
 # How the dry run's table words each status of `PrunePlan.verdict`.
 _VERDICTS: dict[str, Callable[[str | None], str]] = {
-    "prune": lambda _reason: "yes",
+    "prune": lambda reason: "yes" if reason is None else f"yes, {reason}",
     "incompatible": lambda reason: f"NO: {reason}",
     "ignored": lambda reason: f"ignored: {reason}",
     "skipped": lambda reason: f"skipped: {reason}",
@@ -200,9 +212,11 @@ class PrunePlan:
     slots: every weight matrix of the decoder blocks (a stack of experts is one); incompatible / ignored:
     {full name: reason}; unused: the block parameters of two or more dimensions that are not matmul
     weights (records "ignored" with what read them); idle: {full name: reason} of the slots of blocks the
-    text-only forward never runs; pending: {full name: reason} of the slots whose orientation and role are
-    decided at prune time; observed: the slots the probe watched (`pruning/probe.py`); probe_bytes: the
-    most bytes the probe gave real storage at once (random values, not the checkpoint's).
+    text-only forward never runs, pruned (`pruning/idle.py`) but for those that are no nn.Linear
+    (`idle_dense`: no forward shows their orientation); pending: {full name: reason} of the slots whose
+    orientation and role are decided at prune time; observed: the slots the probe watched
+    (`pruning/probe.py`); probe_bytes: the most bytes the probe gave real storage at once (random values,
+    not the checkpoint's).
     checkpoint_bytes: the pruned checkpoint's weights; resume_bytes: the most the resume state holds at
     once (every block's parameters and two (S, T, H) hidden-state files while one replaces the other,
     each with the dense stream's too with --refine block).
@@ -258,15 +272,21 @@ class PrunePlan:
     @property
     def candidates(self) -> list[LinearSlot]:
         """The slots the run would prune whose shape and role are known now (the compatibility check's)."""
-        return _checkable(self.slots, (self.ignored, self.idle, self.pending), self.observed)
+        return _checkable(self.slots, (self.ignored, self.idle_dense, self.pending), self.observed)
+
+    @property
+    def idle_dense(self) -> dict[str, str]:
+        """{full name: reason} of the slots of idle blocks left dense: those that are no nn.Linear."""
+        return _idle_dense(self.idle, self.modules)
 
     def verdict(self, name: str) -> tuple[str, str | None]:
         """(status, reason) of the slot or parameter `name`: "prune", "ignored" (--ignore/--targets, a
-        router or gate rule), "incompatible", "skipped" (its block never runs on text), "not a matmul
-        weight", or "decided at prune time" (a block the probe could not watch)."""
+        router or gate rule), "incompatible", "skipped" (no nn.Linear in a block that never runs on text),
+        "not a matmul weight", "decided at prune time" (a block the probe could not watch), or "prune" (with
+        a reason for an nn.Linear of a block that never runs on text: how it is pruned)."""
         for status, reasons in (
             ("ignored", self.ignored),
-            ("skipped", self.idle),
+            ("skipped", self.idle_dense),
             ("decided at prune time", self.pending),
             ("incompatible", self.incompatible),
         ):
@@ -275,7 +295,7 @@ class PrunePlan:
         for record in self.unused:
             if record.name == name:
                 return "not a matmul weight", record.reason
-        return "prune", None
+        return "prune", self.idle.get(name)
 
     def rows(self) -> list[tuple[str, str, str]]:
         """The dry run's table: (name, shape, verdict) for every weight matrix of the decoder blocks, the
@@ -346,7 +366,7 @@ class PrunePlan:
                 }
                 for w in self.beyond
             ],
-            "skipped": len(self.idle),
+            "skipped": len(self.idle_dense),
             "decided_at_prune_time": len(self.pending),
             "probe_bytes": self.probe_bytes,
             "incompatible": len(self.incompatible),
@@ -509,7 +529,7 @@ class PrunePlan:
         checkpoint's shapes, the others once the probe has watched them."""
         if self.world_size <= 1:
             return
-        dense = (self.ignored, self.idle, self.pending)
+        dense = (self.ignored, self.idle_dense, self.pending)
         for slot in self.slots:
             known = slot.experts or slot.full_name in self.observed
             linear = slot.full_name in self.modules
@@ -612,9 +632,7 @@ def _account(
     pending: dict[str, str] = {}
     for slot in slots:
         if slot.block in probe.idle:
-            idle[slot.full_name] = (
-                f"its block ({type(structure.blocks[slot.block]).__name__}) never runs in the text-only forward"
-            )
+            idle[slot.full_name] = UNKNOWN_ORIENTATION if slot.param else _idle_reason(structure, slot.block)
         elif slot.block in probe.pending and slot.param:
             pending[slot.full_name] = probe.pending[slot.block]
     observed = frozenset(s.full_name for s in slots if s.block in probe.observed)
@@ -654,7 +672,7 @@ def plan_model(
     linears = outside_linears(model, structure)
     beyond = selected_outside(linears, cfg.targets, cfg.ignore, cfg.pattern) if cfg.targets else ()
     found = _account(cfg, model, structure, hidden, list(linears), observe)
-    slots, ignored, idle = found.slots, found.ignored, found.idle
+    slots, ignored, idle = found.slots, found.ignored, _idle_dense(found.idle, found.modules)
     bad = incompatible_slots(_checkable(slots, (ignored, idle, found.pending), found.observed), cfg.pattern)
     candidates = tuple(s for s in slots if s.full_name not in ignored and s.full_name not in idle)
     max_pos = config_value(config, "max_position_embeddings")
@@ -689,7 +707,7 @@ def plan_model(
         resume_bytes=sum(per_block) * width + (4 if cfg.refine.on else 2) * cfg.nsamples * seqlen * hidden * width,
         host_memory=host,
         unused=found.unused,
-        idle=idle,
+        idle=found.idle,
         pending=found.pending,
         observed=found.observed,
         probe_bytes=found.probe_bytes,

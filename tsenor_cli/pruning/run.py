@@ -556,16 +556,17 @@ class PruneRun:
 
 
 def _check_targets_run(candidates: Sequence[LinearSlot], calls: Sequence[BlockCall], *, has_outside: bool) -> None:
-    """A --targets selection whose every matrix lies in blocks the text-only forward never runs (Mllama's
-    cross-attention layers) would prune nothing: refused, as a selection that matches nothing is
-    (`selection.excluded_layers`), instead of writing a dense copy with exit 0."""
-    if has_outside or not candidates or any(calls[s.block].runs for s in candidates):
+    """A --targets selection that leaves no matrix to prune (every one it names is left dense: not a
+    matmul weight of its block's forward, or no nn.Linear in a block the text-only forward skips, whose
+    orientation no forward shows: `idle.prune_unreached`) is refused, as a selection that matches nothing
+    is (`selection.excluded_layers`), instead of writing a dense copy with exit 0. Weights of blocks the
+    text-only forward skips (Mllama's cross-attention layers) are prunable (`pruning/idle.py`)."""
+    if has_outside or any(calls[s.block].runs or not s.param for s in candidates):
         return
-    names = sorted({s.full_name for s in candidates})
-    shown = ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
+    shown = ", ".join(sorted({s.full_name for s in candidates})[:3]) or "no weight matrix of the decoder blocks"
     raise UsageError(
-        f"--targets selects only weights of blocks the text-only forward never runs ({shown}): they stay "
-        "dense, so nothing would be pruned; target the layers the text reaches, or drop --targets"
+        f"--targets selects nothing tsenor can prune ({shown}: each is left dense), so nothing would be "
+        "pruned; target nn.Linear layers or other matmul weights of the decoder blocks, or drop --targets"
     )
 
 

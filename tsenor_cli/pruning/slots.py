@@ -1,18 +1,17 @@
 """The weight matrices of the decoder blocks (`LinearSlot`): found without running anything
 (`linear_slots`), then as the watched forward used them (`observed_slots`); which cannot take the
-pattern (`check_compatibility`); and the records of those left dense (`dense_records`, `idle_records`).
+pattern (`check_compatibility`); and the records of those left dense (`dense_records`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
 from tsenor_cli.errors import IncompatibleModelError
 from tsenor_cli.models.structure import ModelStructure
-from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.observe import BlockObservation
 from tsenor_cli.pruning.types import LayerRecord, SparsityPattern
 
@@ -161,27 +160,4 @@ def dense_records(slot: LinearSlot, status: str, reason: str) -> list[LayerRecor
             transposed=slot.transposed,
         )
         for expert in experts
-    ]
-
-
-def idle_records(
-    index: int,
-    structure: ModelStructure,
-    slots: Sequence[LinearSlot],
-    ignored: Mapping[str, str],
-    progress: Progress,
-) -> list[LayerRecord]:
-    """The records of block `index`, which the model's forward does not run on text-only input
-    (`BlockCall.runs` False; Mllama's cross-attention layers): its linears have no calibration inputs
-    and stay dense, each "skipped" with the reason, or "ignored" when the user excluded it."""
-    kind = type(structure.blocks[index]).__name__
-    reason = f"its block ({kind}) never runs in the text-only forward, so it has no calibration inputs"
-    progress(f"  {structure.blocks_name}.{index} ({kind}) never runs on text: left dense")
-    return [
-        record
-        for slot in slots
-        if slot.block == index
-        for record in dense_records(
-            slot, "ignored" if slot.full_name in ignored else "skipped", ignored.get(slot.full_name, reason)
-        )
     ]

@@ -10,7 +10,11 @@ states differ between samples.
 
 A block the forward does not run on text (Mllama's cross-attention layers, skipped without image
 features) is recorded as such (`BlockCall.runs` False): its replay passes the hidden states on
-unchanged, as the model's forward does.
+unchanged, as the model's forward does. Its record lends it the arguments the model passes the
+running block nearest before it (after it, when none runs before): transformers 5's Mllama text model
+calls every decoder layer with the same keywords, so that is what the block would get on text, and
+pruning runs the idle block's own forward with them (`BlockCall.running`) to see which of its
+matrices the text reaches (`pruning/idle.py`).
 
 Used by pruning (`pruning/engine.py`), the streamed evaluation (`evaluation/streamed.py`), refinement
 and the dry run's probe alike; this package imports nothing from them.
@@ -39,8 +43,8 @@ class BlockCall:
 
     args: the positional arguments after the hidden states; kwargs: the keyword arguments;
     hidden_keyword: None when the hidden states are the first positional argument, else their keyword.
-    runs: False for a block the model's forward skips on this input (`BlockCall.idle`): no arguments,
-    and replaying it returns the hidden states unchanged.
+    runs: False for a block the model's forward skips on this input (`BlockCall.idle`, `BlockCall.lent`):
+    replaying it returns the hidden states unchanged, whatever arguments it carries.
     """
 
     args: tuple[Any, ...]
@@ -52,6 +56,14 @@ class BlockCall:
     def idle() -> BlockCall:
         """The record of a block the model's forward did not run."""
         return BlockCall((), {}, None, runs=False)
+
+    def lent(self) -> BlockCall:
+        """The record of a block the model's forward did not run, carrying this running call's arguments."""
+        return BlockCall(self.args, self.kwargs, self.hidden_keyword, runs=False)
+
+    def running(self) -> BlockCall:
+        """This call with the block's own forward run on replay, even when the model skips the block."""
+        return BlockCall(self.args, self.kwargs, self.hidden_keyword, runs=True)
 
     @staticmethod
     def split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, BlockCall]:
@@ -169,8 +181,9 @@ def capture_block_calls(
     forward is swapped, for this one call, for a recorder that returns its input unchanged, so no block
     computes and the record costs the embedding and mask/rotary set-up; block 0's real output, computed
     once, shows the return type the model's loop expects. Returns one BlockCall per block, on the
-    model's device; a block the forward never ran gets `BlockCall.idle()` (IncompatibleModelError when
-    no block ran).
+    model's device; a block the forward never ran gets the arguments of the running block nearest before
+    it (after it when none runs before), not to run (`BlockCall.lent`; IncompatibleModelError when no
+    block ran).
     """
     blocks = structure.blocks
     inputs: dict[str, torch.Tensor]
@@ -215,7 +228,13 @@ def capture_block_calls(
             f"the forward of {type(structure.base).__name__} never ran a block of {structure.blocks_name} on "
             "text-only input; tsenor needs the decoder blocks to run on text"
         )
-    return tuple(calls.get(index, BlockCall.idle()) for index in range(len(blocks)))
+    return tuple(calls[index] if index in calls else _lender(calls, index).lent() for index in range(len(blocks)))
+
+
+def _lender(calls: dict[int, BlockCall], index: int) -> BlockCall:
+    """The call of the running block nearest before block `index`, else the first one after it."""
+    before = [i for i in calls if i < index]
+    return calls[max(before)] if before else calls[min(calls)]
 
 
 @torch.no_grad()
