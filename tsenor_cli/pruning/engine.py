@@ -31,7 +31,7 @@ from tsenor_cli.pruning.gather import (
     unit_input_stats,
 )
 from tsenor_cli.pruning.idle import idle_line, prune_unreached, text_record, watch_idle
-from tsenor_cli.pruning.memory import expert_chunk
+from tsenor_cli.pruning.memory import MethodCost, expert_chunk, matrix_workspace, slot_workspace
 from tsenor_cli.pruning.observe import BlockObservation, Unit, matrices, observe_block
 from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.registry import PrunerSpec
@@ -87,20 +87,20 @@ def _prune_stacked(
     if len(linears) == 1:
         return [_prune_linear(linears[0], slots[0], stats, pruner)]
     weights = [linear.weight.data for linear in linears]
-    dense = [weight.to(torch.float32).clone() for weight in weights]  # each (out_i, in)
+    parts = [slot.out_features for slot in slots]
+    stacked = torch.cat([weight.to(torch.float32) for weight in weights])  # (Σ out, in): the dense copy
     if not bool(torch.isfinite(stats.sq_norms).all()):  # (in,): any NaN/Inf input reaches its column's sum
         raise _non_finite_inputs(slots[0], weights[0])
     _sync(pruner.device)
     start = time.perf_counter()
     with phase("updates", layer="+".join(slot.record_name(None) for slot in slots)):
-        outcomes = pruner.spec.prune_rows(dense, stats, pruner.layer_cfg)
+        outcomes = pruner.spec.prune_rows(stacked, parts, stats, pruner.layer_cfg)
     _sync(pruner.device)
     seconds = time.perf_counter() - start
-    rows = sum(slot.out_features for slot in slots)
     gram = stats.require_gram()
     return [
-        _record_outcome(weight, d, outcome, gram, slot, None, seconds * slot.out_features / rows, pruner)
-        for weight, d, outcome, slot in zip(weights, dense, outcomes, slots, strict=True)
+        _record_outcome(weight, dense, outcome, gram, slot, None, seconds * slot.out_features / sum(parts), pruner)
+        for weight, dense, outcome, slot in zip(weights, stacked.split(parts), outcomes, slots, strict=True)
     ]
 
 
@@ -407,6 +407,7 @@ class BlockPruner:
         independent (`PrunerSpec.fuses_rows`) the linears that share one statistics object are pruned
         together (`_prune_stacked`) by one owner, with the results of pruning them apart."""
         group_linears = {name: linears[name] for name in local}
+        width = next(iter(group_linears.values())).weight.element_size()
         with phase("statistics"):
             with team.agreed():
                 if team.distributed:
@@ -416,13 +417,13 @@ class BlockPruner:
                         block, group_linears, inputs, call, self.device, stop_early=self.stop_early
                     )
             if team.distributed:
-                classes = self._classes(local, shared_input_classes(kept))
+                classes = self._classes(local, shared_input_classes(kept), width)
                 owners = self._owners(local, classes, team)
                 in_features = {name: local[name].in_features for name in local}
                 stats = team.ordered_statistics(kept, in_features, owners)
                 del kept
             else:
-                classes = self._classes(local, shared_stats_classes(list(local), stats))
+                classes = self._classes(local, shared_stats_classes(list(local), stats), width)
                 owners = self._owners(local, classes, team)
         mine: dict[str, LayerRecord] = {}
         with team.agreed():
@@ -441,10 +442,27 @@ class BlockPruner:
                 self.progress(record_line(pruned[name], self.spec) + f" (rank {owners[name]})")
         return records
 
-    def _classes(self, local: Mapping[str, LinearSlot], shared: list[list[str]]) -> list[list[str]]:
-        """The linears pruned together: the classes sharing statistics (`shared`) when the method fuses
-        rows, else each linear alone, in the order of `local`."""
-        return shared if self.spec.fuses_rows else [[name] for name in local]
+    def _classes(self, local: Mapping[str, LinearSlot], shared: list[list[str]], width: int) -> list[list[str]]:
+        """The linears pruned together, in the order of `local`: each class sharing statistics (`shared`)
+        when the method fuses rows and the stacked matrix's working set stays within the largest of the
+        block's matrices (`memory.slot_workspace`: what the plan's device estimate holds, so stacking
+        never raises the peak it promised; e.g. magnitude's gate/up, whose working set is 2F + the
+        solver's, go apart), else each linear alone. width: bytes per element of the weights."""
+        if not self.spec.fuses_rows:
+            return [[name] for name in local]
+        cfg = self.layer_cfg
+        cost = MethodCost.of(self.spec, cfg.pattern, cfg.solver, device=self.device, width=width)
+        block = next(iter(local.values())).block
+        pruned = [s for s in self.slots if s.block == block and self._left_dense(s) is None]
+        bound = max(slot_workspace(s, cost) for s in pruned)
+        classes: list[list[str]] = []
+        for names in shared:
+            rows = sum(local[n].out_features for n in names)
+            if matrix_workspace(rows, local[names[0]].in_features, cost) <= bound:
+                classes.append(names)
+            else:
+                classes.extend([n] for n in names)
+        return classes
 
     def _owners(self, local: Mapping[str, LinearSlot], classes: list[list[str]], team: Team) -> dict[str, int]:
         """{name: rank} with one owner per class of linears pruned together (a class costs what one

@@ -29,8 +29,8 @@ class PruneFn(Protocol):
 
 
 class PrunePartsFn(Protocol):
-    """weights: (out, in), the linears of `parts` (their out_features) stacked along out, the statistics
-    they share, config → one `PruneOutcome` per part (`prune_batch(..., parts=...)`)."""
+    """weights: (Σ parts, in), linears stacked along their outputs (`parts`: their out_features), the
+    statistics they share, config → one `PruneOutcome` per part (`prune_batch(..., parts=...)`)."""
 
     def __call__(
         self, weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig, /, *, parts: Sequence[int]
@@ -91,23 +91,25 @@ class PrunerSpec:
         return bool(self._module.NEEDS_GRAM)
 
     def prune_rows(
-        self, weights: Sequence[torch.Tensor], stats: Statistics | None, cfg: LayerPruneConfig
+        self, weight: torch.Tensor, parts: Sequence[int], stats: Statistics | None, cfg: LayerPruneConfig
     ) -> list[PruneOutcome]:
-        """weights: (out_i, in) matrices sharing `stats` (q/k/v, gate/up) → one `PruneOutcome` each, pruned
-        as one (sum out_i, in) matrix: one factorization and one solver call per slab for all of them.
+        """weight: (Σ parts, in), the linears sharing `stats` (q/k/v, gate/up) stacked along their outputs,
+        parts: their out_features in order → one `PruneOutcome` per part, pruned as one matrix: one
+        factorization and one solver call per slab for all of them.
 
-        For a transposable pattern every out_i must be a multiple of M, so that no M×M tile straddles two
+        For a transposable pattern every part must be a multiple of M, so that no M×M tile straddles two
         matrices (`SparsityPattern.incompatibility` refuses other shapes before a run); the row-wise N:M
         and unstructured patterns group or compare within a row, or within each part (`choose_mask`)."""
         if not self.fuses_rows:
             raise ValueError(f"{self.name} cannot prune linears stacked along their outputs (fuses_rows=False)")
-        parts = [int(w.shape[0]) for w in weights]
+        if sum(parts) != weight.shape[0]:
+            raise ValueError(f"parts {list(parts)} do not add up to the {weight.shape[0]} rows of the stacked weight")
         if cfg.pattern.kind == "transposable" and any(part % cfg.pattern.m for part in parts):
-            raise ValueError(f"out_features {parts} are not all multiples of M = {cfg.pattern.m}; prune them apart")
-        import torch  # this module is torch-free until a method runs
-
+            raise ValueError(
+                f"out_features {list(parts)} are not all multiples of M = {cfg.pattern.m}; prune them apart"
+            )
         fn: PrunePartsFn = self._module.prune_batch
-        return fn(torch.cat(list(weights)), stats, cfg, parts=parts)
+        return fn(weight, stats, cfg, parts=parts)
 
 
 PRUNERS: dict[str, PrunerSpec] = {
