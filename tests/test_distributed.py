@@ -98,7 +98,7 @@ def _worker(rank: int, init: str, jobs: list[dict[str, Any]], ctx: RunContext, r
 
 def _run_job(job: dict[str, Any], rank: int, ctx: RunContext) -> Any:
     fail_on = job.get("fail_on")
-    original = engine._prune_linear
+    original = engine._prune_stacked  # every linear goes through it, alone or stacked with others
 
     def failing(*args: Any, **kwargs: Any) -> Any:
         if job.get("unexpected"):
@@ -119,13 +119,13 @@ def _run_job(job: dict[str, Any], rank: int, ctx: RunContext) -> Any:
     if job.get("signal_rank_1"):
         after = signal_rank_1_after_first
     if fail_on == rank:
-        engine._prune_linear = failing
+        engine._prune_stacked = failing
     try:
         api.prune_model(job["cfg"], ctx, after_block=after, stop=stop)
     except TsenorError as exc:
         return {"type": type(exc).__name__, "message": str(exc), "exit_code": exc.exit_code}
     finally:
-        engine._prune_linear = original
+        engine._prune_stacked = original
     return "ok"
 
 

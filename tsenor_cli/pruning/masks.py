@@ -6,7 +6,7 @@ masks from the plain top-k helpers. Scores are "keep" scores: larger means more 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +35,7 @@ def choose_mask(
     init: SolveResult | None = None,
     unstructured_scope: Literal["row", "matrix"] = "row",
     solver_options: Mapping[str, object] | None = None,
+    parts: Sequence[int] | None = None,
 ) -> MaskChoice:
     """scores: (..., R, C) non-negative, one (R, C) matrix or a stack of them → mask (..., R, C) bool of
     `pattern` for each matrix.
@@ -44,8 +45,19 @@ def choose_mask(
     matrix, so each matrix gets exactly the mask it would get alone. unstructured_scope picks the
     comparison group of unstructured sparsity: each output row (Wanda) or each whole matrix (magnitude,
     ALPS). solver_options go to the transposable solver.
+
+    parts: row counts (summing to R) of matrices stacked along R that share their statistics
+    (`PrunerSpec.prune_rows`): each keeps the mask it would get alone. A transposable tile spans M rows
+    of one part (parts are multiples of M), an N:M group or a row-wise unstructured comparison one row,
+    so only the whole-matrix unstructured comparison needs them.
     """
     rows, cols = scores.shape[-2:]
+    if parts is not None and len(parts) > 1 and pattern.kind == "unstructured" and unstructured_scope == "matrix":
+        # One comparison group per part; a stack of at most a few linears (q/k/v), so a loop over parts.
+        masks = [
+            choose_mask(part, pattern, solver, unstructured_scope="matrix").mask for part in scores.split(parts, -2)
+        ]
+        return MaskChoice(torch.cat(masks, -2), None)
     flat = scores.reshape(-1, cols)  # (L·R, C)
     with phase("mask solver"):
         if pattern.kind == "transposable":
@@ -67,20 +79,30 @@ class SolveTally:
     """The certificates of a method's solver calls on a stack of L matrices, summed per matrix.
 
     Every call covers all L matrices flattened to (L·R, C) (`choose_mask`), so each call's per-tile values
-    split into L equal runs of tiles, one per matrix. Seconds cannot be split by matrix: each matrix is
-    credited an equal share of every call.
+    split into L equal runs of tiles, one per matrix. With `parts` (row counts summing to R, each a
+    multiple of M: linears stacked along their outputs, `PrunerSpec.prune_rows`) each run splits again
+    into consecutive runs of (rows/M)·(C/M) tiles (`to_blocks` numbers tiles row-major), one per part, so
+    every part gets the sums it would get alone. Seconds cannot be split by matrix: each matrix is
+    credited an equal share of every call, and each part its share of rows of its matrix's share (a
+    call's work grows with its tiles, which grow with the rows).
     """
 
-    def __init__(self, matrices: int, device: torch.device) -> None:
+    def __init__(self, matrices: int, device: torch.device, parts: Sequence[int] | None = None) -> None:
         self.matrices = matrices
-        self.objective = torch.zeros(matrices, dtype=torch.float64, device=device)  # (L,)
-        self.upper_bound = torch.zeros(matrices, dtype=torch.float64, device=device)  # (L,)
+        self.parts = tuple(parts) if parts is not None else (1,)
+        count = matrices * len(self.parts)
+        self.objective = torch.zeros(count, dtype=torch.float64, device=device)  # (L·P,)
+        self.upper_bound = torch.zeros(count, dtype=torch.float64, device=device)  # (L·P,)
         self.seconds = 0.0
         self.calls = 0
 
     def per_matrix(self, tiles: torch.Tensor) -> torch.Tensor:
-        """tiles: (B,) per-tile values of one call, B = L·tiles per matrix → (L,) float64 sums."""
-        return tiles.to(torch.float64).view(self.matrices, -1).sum(1)
+        """tiles: (B,) per-tile values of one call, B = L·tiles per matrix → (L·P,) float64 sums, matrix
+        by matrix, part by part."""
+        runs = tiles.to(torch.float64).view(self.matrices, -1)  # (L, tiles per matrix)
+        total = sum(self.parts)
+        sizes = [runs.shape[1] * part // total for part in self.parts]
+        return torch.stack([run.sum(1) for run in runs.split(sizes, 1)], 1).reshape(-1)
 
     def add(self, block_objective: torch.Tensor, block_upper_bound: torch.Tensor, seconds: float) -> None:
         """block_objective, block_upper_bound: (B,) of one call (the objective of the mask kept, which the
@@ -94,12 +116,15 @@ class SolveTally:
         self.add(result.block_objective, result.block_upper_bound, result.seconds)
 
     def infos(self) -> list[MaskSolveInfo] | None:
-        """One certificate per matrix (gap = 1 − Σobjective / Σupper_bound), None without any call."""
+        """One certificate per matrix and part (gap = 1 − Σobjective / Σupper_bound), None without any
+        call; `calls` is the calls every matrix and part took part in."""
         if not self.calls:
             return None
+        total = sum(self.parts)
+        shares = [self.seconds * part / total / self.matrices for part in self.parts] * self.matrices
         return [
-            solve_info([float(obj)], [float(ub)], [self.seconds / self.matrices], calls=self.calls)
-            for obj, ub in zip(self.objective.tolist(), self.upper_bound.tolist(), strict=True)
+            solve_info([float(obj)], [float(ub)], [share], calls=self.calls)
+            for obj, ub, share in zip(self.objective.tolist(), self.upper_bound.tolist(), shares, strict=True)
         ]
 
 

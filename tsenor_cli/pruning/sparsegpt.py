@@ -9,6 +9,8 @@ top-n otherwise — and the pruning error of each column is propagated to the co
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from tsenor_cli.pruning.linalg import inverse_cholesky_upper
@@ -21,13 +23,17 @@ from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome, split_outco
 NEEDS_GRAM = True
 
 
-def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> list[PruneOutcome]:
+def prune_batch(
+    weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig, *, parts: Sequence[int] | None = None
+) -> list[PruneOutcome]:
     """weights: (..., out, in), one matrix or a stack with Gram matrices (..., in, in) → one
     `PruneOutcome` per matrix with OBS-updated weights under the pattern.
 
     A stack runs as one: every column step updates all its matrices at once, each with its own H⁻¹,
     and each M-column slab of all of them goes to the solver in one call (`choose_mask`); no update
-    crosses from one matrix to another.
+    crosses from one matrix to another. parts: row counts of linears stacked along `out` that share
+    these statistics (`PrunerSpec.prune_rows`): OBS updates each row with the shared H⁻¹ alone, so one
+    factorization and one solve per slab serve them all, and each gets its own outcome.
     """
     if stats is None:
         raise ValueError("sparsegpt needs the Gram matrix of the layer inputs; collect statistics with gram=True")
@@ -46,7 +52,7 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
         blocksize = max(pattern.m, (blocksize // pattern.m) * pattern.m)
 
     pruned = torch.zeros_like(w, dtype=torch.bool)  # (..., out, in) True = set to zero
-    tally = SolveTally(w[..., 0, 0].numel(), w.device)
+    tally = SolveTally(w[..., 0, 0].numel(), w.device, parts)
     # OBS is sequential over columns by construction: each column's update depends on the error of
     # the previous ones, so this loop (and the one inside) cannot be vectorized away.
     # What the solves batch (issue 42): SparseGPT "traverses W left-to-right in groups of M columns,
@@ -56,7 +62,12 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
     # k−1, and one slab's tiles are all that is independent at any point: all its rows, and all the
     # matrices of a stack, go to the solver in one call. Solving two slabs in one call would score the
     # second on weights without the first's updates, a different mask. So a matrix takes in/M calls;
-    # what each costs on a GPU is the solver's launches and host syncs (solver/rounding.py).
+    # what each costs on a GPU is the solver's launches and host syncs (solver/rounding.py). What can
+    # share those calls is other rows: each row's updates read only its own errors and the shared H⁻¹,
+    # so the linears that read one input (q/k/v, gate/up) come stacked along `out` (`parts`,
+    # engine._prune_stacked) and take one factorization and in/M calls for all of them, with the masks
+    # each gets alone: on SmolLM2 2 blocks at 16:32, 204 calls and 8 factorizations instead of 312 and 14
+    # (docs/measurements/benchmarks-e2e.md).
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)
         w1 = w[..., i1:i2].clone()  # (..., out, b)
@@ -66,7 +77,8 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
         d = hinv1.diagonal(dim1=-2, dim2=-1)  # (..., b)
         prune1 = torch.zeros_like(w1, dtype=torch.bool)
         if pattern.kind == "unstructured":
-            keep = choose_mask(w1.square() / d.square()[..., None, :], pattern, cfg.solver, unstructured_scope="matrix")
+            scores = w1.square() / d.square()[..., None, :]  # (..., out, b)
+            keep = choose_mask(scores, pattern, cfg.solver, unstructured_scope="matrix", parts=parts)
             prune1 = ~keep.mask
         for i in range(i2 - i1):
             if grouped and i % pattern.m == 0:
@@ -86,7 +98,7 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
         pruned[..., i1:i2] = prune1
 
     mask = ~pruned
-    return split_outcomes(w * mask, mask, tally.infos())
+    return split_outcomes(w * mask, mask, tally.infos(), parts=parts)
 
 
 def prune(weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> PruneOutcome:

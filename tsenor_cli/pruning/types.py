@@ -85,13 +85,17 @@ def split_outcomes(
     solves: Sequence[MaskSolveInfo] | None,
     iterations: Sequence[int] | None = None,
     safeguard_tiles: Sequence[int] | None = None,
+    parts: Sequence[int] | None = None,
 ) -> list[PruneOutcome]:
     """weight: (..., out, in) float32, mask: (..., out, in) bool, per-matrix certificates and counts → one
-    `PruneOutcome` per matrix (views of `weight` and `mask`), in the order of the flattened leading dims."""
+    `PruneOutcome` per matrix (views of `weight` and `mask`), in the order of the flattened leading dims.
+    parts: row counts summing to out, the linears stacked along their outputs (`PrunerSpec.prune_rows`):
+    one outcome per matrix and part (rows [Σ parts before, + part)), certificates and counts in that
+    order."""
     rows, cols = weight.shape[-2:]
-    weights = weight.reshape(-1, rows, cols)  # (L, out, in)
-    masks = mask.reshape(-1, rows, cols)  # (L, out, in)
-    count = weights.shape[0]
+    sizes = list(parts) if parts is not None else [rows]
+    weights = [piece for w in weight.reshape(-1, rows, cols) for piece in w.split(sizes)]  # L·P × (part, in)
+    masks = [piece for m in mask.reshape(-1, rows, cols) for piece in m.split(sizes)]  # L·P × (part, in)
     return [
         PruneOutcome(
             weight=weights[i],
@@ -100,5 +104,5 @@ def split_outcomes(
             iterations=iterations[i] if iterations is not None else 0,
             safeguard_tiles=safeguard_tiles[i] if safeguard_tiles is not None else 0,
         )
-        for i in range(count)
+        for i in range(len(weights))
     ]

@@ -6,6 +6,8 @@ that score matrix, and the weights outside it are zeroed (no weight update).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from tsenor_cli.pruning.masks import SolveTally, choose_mask
@@ -21,17 +23,21 @@ def scores(weight: torch.Tensor, stats: Statistics) -> torch.Tensor:
     return weight.to(torch.float32).abs() * stats.col_norms.to(weight.device)[..., None, :]
 
 
-def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> list[PruneOutcome]:
+def prune_batch(
+    weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig, *, parts: Sequence[int] | None = None
+) -> list[PruneOutcome]:
     """weights: (..., out, in), one matrix or a stack with statistics of matching leading shape → one
-    `PruneOutcome` per matrix keeping the largest Wanda scores, from one solver call for the stack."""
+    `PruneOutcome` per matrix keeping the largest Wanda scores, from one solver call for the stack.
+    parts: row counts of linears stacked along `out` sharing these statistics (`PrunerSpec.prune_rows`),
+    one outcome each."""
     if stats is None:
         raise ValueError("wanda needs input statistics; run the calibration data through the layer first")
     w = weights.to(torch.float32)
     choice = choose_mask(scores(w, stats), cfg.pattern, cfg.solver, unstructured_scope="row")
-    tally = SolveTally(w[..., 0, 0].numel(), w.device)
+    tally = SolveTally(w[..., 0, 0].numel(), w.device, parts)
     if choice.result is not None:
         tally.add_result(choice.result)
-    return split_outcomes(w * choice.mask, choice.mask, tally.infos())
+    return split_outcomes(w * choice.mask, choice.mask, tally.infos(), parts=parts)
 
 
 def prune(weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> PruneOutcome:
