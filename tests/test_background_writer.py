@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,30 @@ def test_depth_0_writes_in_the_callers_thread() -> None:
     writer.submit(lambda: None, lambda _none: names.append(threading.current_thread().name))
     writer.close()
     assert names == [threading.current_thread().name]
+
+
+def test_the_host_estimate_counts_the_writers_payload(tiny: Path, calib: Path, data_ctx: RunContext) -> None:
+    """By hand, the tiny LLaMA (hidden 64, fp32) at 4 × 32 tokens: with a resume state the writer holds a
+    copy of the hidden states (S, T, H) (twice with --refine: the dense stream), and a streamed run's
+    pruned block besides; streamed without one, the block; a whole load without one, nothing."""
+    from tsenor_cli.pruning.plan import plan_model
+
+    base = sparsegpt_config(tiny, calib, None)
+    hidden = 4 * 32 * 64 * 4
+    plan = plan_model(replace(base, stream=False), data_ctx)
+    block = max(plan.sizing.per_block) * 4
+    cases = {
+        (False, True, "none"): hidden,
+        (False, True, "block"): 2 * hidden,
+        (True, True, "none"): hidden + block,
+        (True, False, "none"): block,
+        (False, False, "none"): 0,
+    }
+    for (stream, resume, refine), expected in cases.items():
+        cfg = replace(base, stream=stream, resume=resume, refine=replace(base.refine, mode=refine))
+        host = plan_model(cfg, data_ctx).host_memory
+        assert host.writer == background.WRITER_DEPTH * expected, (stream, resume, refine)
+        assert host.total == host.model + host.tokens + host.activations + host.work + host.writer
 
 
 # ---------------------------------------------------------------- whole prunes
