@@ -236,8 +236,10 @@ class PruneRun:
     store: the resume state's store when the run saves one (None with --no-resume-state); state: the
     interrupted run's state to continue (None for a fresh run); point: where the run is, for the line an
     interruption prints; stop: polled before each block; after_block(i): runs once block i is done and
-    saved (tests simulate a kill with it); built: a model already in memory to prune instead of loading
-    `cfg.model`; started: the run's start (`time.perf_counter()`), for the report's seconds.
+    its resume state handed to the background writer, which finishes it however the run ends (tests
+    simulate a kill with it; a real kill during the write: tests/test_background_writer.py); built: a
+    model already in memory to prune instead of loading `cfg.model`; started: the run's start
+    (`time.perf_counter()`), for the report's seconds.
     """
 
     def __init__(
@@ -501,7 +503,8 @@ class PruneRun:
         if self.store is None or not self.team.is_root:
             self.point.done = index + 1
         self.point.current = None
-        self.sink.keep(index, block)
+        with phase("save"), self.timings.phase("save"):  # a streamed run without a resume state: its block file
+            self.sink.keep(index, block)
         self.source.release(index)
         self.say(self._block_line(index, mine, time.perf_counter() - start))
         return mine
