@@ -29,13 +29,15 @@ from tsenor_cli.interrupt import stop_on_signals
 from tsenor_cli.pruning import background, run
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.background import BackgroundWriter
+from tsenor_cli.pruning.refine import RefineConfig
 from tsenor_cli.pruning.resume import ResumeStore
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE
 from tsenor_cli.settings import RunContext
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCKS = 3  # first, middle and last block: the save sequence differs for each
-# A layer record's timings differ from run to run; everything else in a state.json must not.
+# A layer's or a refined block's record holds timings, which differ from run to run; nothing else in a
+# state.json may.
 TIMING_KEYS = ("seconds", "solver_seconds")
 
 
@@ -160,9 +162,9 @@ def _recording_saves(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     def save_block(self: ResumeStore, *args: Any, **kwargs: Any) -> Any:
         state = real(self, *args, **kwargs)
         raw = json.loads(self.state_path.read_text())
-        for layer in raw["records"]:
+        for record in [*raw["records"], *raw["refinement"]]:
             for key in TIMING_KEYS:
-                layer.pop(key, None)
+                record.pop(key, None)
         seen.append({"files": {name: _sha(self.root / name) for name in state.files}, "state": raw})
         return state
 
@@ -170,13 +172,23 @@ def _recording_saves(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     return seen
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    ("stream", "refined"), [(False, False), (True, False), (False, True)], ids=["whole", "streamed", "refine"]
+)
 def test_files_are_bit_for_bit_those_of_the_synchronous_save(
-    tiny: Path, calib: Path, data_ctx: RunContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stream: bool
+    tiny: Path,
+    calib: Path,
+    data_ctx: RunContext,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    stream: bool,
+    refined: bool,
 ) -> None:
-    """Each block's file, the hidden states, the state.json (timings aside) and the checkpoint are the
-    same as with the writes in the block loop (depth 0); the summary's phases still add up, and the
-    writer's own time is shown beside them."""
+    """Each block's file, the hidden states (with --refine block the dense stream beside them, which the
+    next block overwrites in place), the state.json (timings aside) and the checkpoint are the same as
+    with the writes in the block loop (depth 0); the summary's phases still add up, and the writer's own
+    time is shown beside them."""
+    refine = RefineConfig("block", 1, 1e-3) if refined else RefineConfig()
     outcomes = {}
     for depth in (0, background.WRITER_DEPTH):
         monkeypatch.setattr(run, "WRITER_DEPTH", depth)
@@ -184,7 +196,8 @@ def test_files_are_bit_for_bit_those_of_the_synchronous_save(
             saves = _recording_saves(patch)
             out = tmp_path / f"depth{depth}"
             messages: list[str] = []
-            report = prune_model(sparsegpt_config(tiny, calib, out, stream=stream), data_ctx, progress=messages.append)
+            cfg = sparsegpt_config(tiny, calib, out, stream=stream, refine=refine)
+            report = prune_model(cfg, data_ctx, progress=messages.append)
         assert [s["state"]["next_block"] for s in saves] == list(range(1, BLOCKS + 1))
         assert sum(report.phases.values()) <= report.seconds and report.phases["save"] > 0
         (timing,) = [m for m in messages if m.startswith("time ")]
