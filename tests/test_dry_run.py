@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -139,9 +140,13 @@ def test_a_gpu_run_is_planned_on_a_machine_without_a_gpu(tiny: Path) -> None:
     assert plan["fits_gpus"][-1] == "141 GB (H200)"
 
 
-def test_a_plan_that_does_not_fit_names_the_flags_that_would(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_plan_that_does_not_fit_names_the_flags_that_would(
+    tiny_llama: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Exit 5 with the plan printed; each flag the refusal names makes the same dry run fit (exit 0), and
-    flags that do not fit are not named."""
+    flags that do not fit are not named. Four blocks: a streamed run holds one block and the background
+    writer another (pruning/background.py), so with two --stream would save nothing."""
+    tiny = tiny_llama(num_layers=4)
     # Whole loads (--no-stream), so that streaming is one of the fixes the refusal can name.
     host = _plan(tiny, "--nsamples", "64", "--no-stream")["estimated_host_bytes_per_process"]
     # One byte short of the plan: a smaller calibration set, bf16 weights or --stream (one block fewer held) fit.

@@ -122,9 +122,10 @@ def prune_model(
     stop: polled before each block; once set (the CLI sets it on SIGTERM/SIGUSR1/SIGUSR2,
     tsenor_cli.interrupt) the run raises `Interrupted` (exit 75) with its resume state saved.
     KeyboardInterrupt (Ctrl-C) becomes `Interrupted` (exit 130) saying what was saved.
-    after_block(i) runs once block i is done and its resume state is saved (tests use it to simulate a
-    kill). built: a model already in memory to prune instead of loading `cfg.model` (`tsenor bench
-    prune`: random weights at a published shape); `cfg.model` must then be a folder with its config.json
+    after_block(i) runs once block i is done and its resume state is queued for the background writer,
+    which finishes it before the run ends, however it ends (tests use it to simulate a kill). built: a
+    model already in memory to prune instead of loading `cfg.model` (`tsenor bench prune`: random
+    weights at a published shape); `cfg.model` must then be a folder with its config.json
     and tokenizer, which the plan and the checkpoint use. Raises a `TsenorError` subclass for every
     input the user can fix, before any output exists.
     """

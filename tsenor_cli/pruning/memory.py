@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tsenor_cli.errors import DoesNotFitError
+from tsenor_cli.pruning.background import WRITER_DEPTH
 from tsenor_cli.pruning.output import human_bytes
 
 if TYPE_CHECKING:
@@ -304,7 +305,10 @@ class HostEstimate:
     entering and leaving a block, (S_r, T, H) twice (a distributed group's kept inputs not counted: an
     estimate that errs low refuses no run that fits), and with --refine the dense stream (S_r, T, H) too;
     work: on a CPU run, the rank's statistics, method buffers and refinement
-    (`MemoryEstimate.statistics` + `workspace` + `refine`).
+    (`MemoryEstimate.statistics` + `workspace` + `refine`); writer: what the background writer holds
+    (`pruning/background.py`, `WRITER_DEPTH` payloads): with a resume state, rank 0's copy of the next
+    block's inputs (S, T, H) (and the dense stream's with --refine), plus a streamed run's pruned block;
+    streamed without one, the pruned block it keeps on disk.
     """
 
     model: int
@@ -312,10 +316,11 @@ class HostEstimate:
     activations: int
     work: int
     streamed: bool = False
+    writer: int = 0
 
     @property
     def total(self) -> int:
-        return self.model + self.tokens + self.activations + self.work
+        return self.model + self.tokens + self.activations + self.work + self.writer
 
     def describe(self) -> str:
         """The parts for a person: "model 12.3 MiB, calibration tokens 1.0 MiB, ..."."""
@@ -323,6 +328,7 @@ class HostEstimate:
         return (
             f"{weights} {human_bytes(self.model)}, calibration tokens {human_bytes(self.tokens)}, "
             f"activations {human_bytes(self.activations)}, work {human_bytes(self.work)}"
+            + (f", background writes {human_bytes(self.writer)}" if self.writer else "")
         )
 
     def to_dict(self) -> dict[str, int]:
@@ -331,6 +337,7 @@ class HostEstimate:
             "tokens": self.tokens,
             "activations": self.activations,
             "work": self.work,
+            "writer": self.writer,
             "total": self.total,
             "streamed": int(self.streamed),
         }
@@ -349,10 +356,13 @@ def host_estimate(
     offload_activations: bool,
     streamed: bool = False,
     refine: bool = False,
+    resume: bool = False,
+    block_params: int = 0,
 ) -> HostEstimate:
     """The `HostEstimate` of the process whose device estimate is `device_estimate` (the largest rank's).
     width: bytes per element of the model's dtype; rows: that rank's calibration samples (S_r); params:
-    the parameters the process holds (streamed: outside the blocks and the largest block)."""
+    the parameters the process holds (streamed: outside the blocks and the largest block); resume: the
+    run saves a resume state; block_params: the largest block's parameters."""
     on_cpu = device.type == "cpu"
     if on_cpu:  # --offload-activations moves nothing on a CPU run: every sample stays in host memory
         activations = max(device_estimate.activations, (3 if refine else 2) * rows * seqlen * hidden_size * width)
@@ -360,12 +370,15 @@ def host_estimate(
         activations = (3 if refine else 2) * rows * seqlen * hidden_size * width
     else:
         activations = 0
+    # Rank 0 saves every sample's inputs to the next block; a run without a resume state saves none.
+    inputs = (2 if refine else 1) * nsamples * seqlen * hidden_size * width if resume else 0
     return HostEstimate(
         model=params * width,
         tokens=2 * nsamples * seqlen * TOKEN_BYTES,
         activations=activations,
         work=device_estimate.statistics + device_estimate.workspace + device_estimate.refine if on_cpu else 0,
         streamed=streamed,
+        writer=WRITER_DEPTH * (inputs + (block_params * width if streamed else 0)) if resume or streamed else 0,
     )
 
 

@@ -590,6 +590,8 @@ class Sizing:
             rows=-(-cfg.nsamples // len(memory)),
             offload_activations=cfg.offload_activations,
             refine=cfg.refine.on,
+            resume=cfg.resume,
+            block_params=max(self.per_block, default=0),
         )
         return memory, host
 

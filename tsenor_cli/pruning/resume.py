@@ -11,6 +11,9 @@ After block i is pruned the store writes, each file atomically (tsenor_cli.atomi
    records and the calibration source;
 4. the previous ``hidden_<i-1>.safetensors`` is deleted.
 
+`PruneRun` calls it on its background writer's thread (`pruning/background.py`), one block at a time in
+block order, so this order and what a kill leaves are the same as when it ran in the block loop.
+
 Files are named by block and never rewritten with other contents, so a kill at any point leaves the
 state.json of step 3 before or after, and every file that one names complete: resuming never reads a
 block's own output as its input. What a kill leaves unnamed (a new file before its state.json, the
@@ -29,6 +32,7 @@ import hashlib
 import json
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -228,7 +232,7 @@ class ResumeStore:
     def save_block(
         self,
         index: int,
-        block: nn.Module,
+        block: nn.Module | Mapping[str, torch.Tensor],
         hidden: torch.Tensor | None,
         previous: ResumeState | None,
         records: list[LayerRecord],
@@ -242,6 +246,7 @@ class ResumeStore:
     ) -> ResumeState:
         """Commit that blocks 0..index are done (the order of the module docstring); returns the new state.
 
+        block: the pruned block, or its state dict (the background writer's snapshot, `PruneRun._save`).
         hidden: (S, T, H) the input of block index+1, None after the last block. previous: the state
         committed after block index-1 (None for the first block of a fresh run). dense: the dense
         stream's (S, T, H) there (`--refine block`), saved beside `hidden`; refinement: the records of
@@ -255,7 +260,8 @@ class ResumeStore:
             del files[old_hidden]
             digests.pop(old_hidden, None)
         name = block_file(index)
-        atomic.save_safetensors(dict(block.state_dict()), self.root / name)
+        tensors = dict(block.state_dict()) if isinstance(block, nn.Module) else dict(block)
+        atomic.save_safetensors(tensors, self.root / name)
         files[name], digests[name] = (self.root / name).stat().st_size, file_sha256(self.root / name)
         new_hidden = None
         if hidden is not None:

@@ -31,6 +31,7 @@ from torch import nn
 from tsenor_cli.errors import Interrupted, UsageError
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.progress import Progress, bar, logger
+from tsenor_cli.pruning.background import WRITER_DEPTH, BackgroundWriter
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.distributed import Team
 from tsenor_cli.pruning.engine import BlockPruner
@@ -116,6 +117,9 @@ class Timings:
     they add up to the time they cover; `other` is what is left of the total."""
 
     seconds: dict[str, float] = field(default_factory=dict)
+    # Seconds of work on another thread (the background writer's "save"): they overlap the phases, so
+    # they are shown beside the sum, never in it.
+    background: dict[str, float] = field(default_factory=dict)
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -133,7 +137,30 @@ class Timings:
         parts = [(name, self.seconds[name]) for name in (*RUN_PHASES, "eval") if self.seconds.get(name)]
         other = total - sum(seconds for _, seconds in parts)
         shown = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in (*parts, ("other", max(other, 0.0))))
-        return f"time {total:.1f} s: {shown}"
+        beside = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.background.items() if seconds)
+        return f"time {total:.1f} s: {shown}" + (f" (in the background, overlapping them: {beside})" if beside else "")
+
+
+@dataclass(frozen=True)
+class _Payload:
+    """What the background writer needs of block `index` for `ResumeStore.save_block`, taken when the
+    block is done (`PruneRun._save`): its parameters, the next block's inputs (whole, on rank 0; None
+    after the last block) and the dense stream's, the records so far and the calibration's description."""
+
+    index: int
+    block: dict[str, torch.Tensor]
+    hidden: torch.Tensor | None
+    dense: torch.Tensor | None
+    records: list[LayerRecord]
+    refinement: tuple[BlockRefinement, ...]
+    calibration: str
+    calibration_source: DataSource
+
+
+def _owned(tensor: torch.Tensor | None, buffer: torch.Tensor | None) -> torch.Tensor | None:
+    """`tensor` as the background writer may hold it: copied to the CPU when it is the loop's `buffer`
+    (written again by a later block), else as it is (a gathered copy, or None)."""
+    return tensor.to(CPU, copy=True) if tensor is not None and tensor is buffer else tensor
 
 
 @dataclass
@@ -209,8 +236,10 @@ class PruneRun:
     store: the resume state's store when the run saves one (None with --no-resume-state); state: the
     interrupted run's state to continue (None for a fresh run); point: where the run is, for the line an
     interruption prints; stop: polled before each block; after_block(i): runs once block i is done and
-    saved (tests simulate a kill with it); built: a model already in memory to prune instead of loading
-    `cfg.model`; started: the run's start (`time.perf_counter()`), for the report's seconds.
+    its resume state handed to the background writer, which finishes it however the run ends (tests
+    simulate a kill with it; a real kill during the write: tests/test_background_writer.py); built: a
+    model already in memory to prune instead of loading `cfg.model`; started: the run's start
+    (`time.perf_counter()`), for the report's seconds.
     """
 
     def __init__(
@@ -266,16 +295,19 @@ class PruneRun:
             )  # fmt: skip
         self.source = BlockSource(structure, self.device, checkpoint=self.loaded.checkpoint, checked=self._finite_block)
         folder = self.store.root if self.store is not None else None
+        self.writer = BackgroundWriter(WRITER_DEPTH)
         self.sink = CheckpointSink(
             self.loaded, self.output, streamed=self.source.streamed, folder=folder, team=team,
-            max_shard_size=cfg.max_shard_size, dtype=cfg.dtype,
+            max_shard_size=cfg.max_shard_size, dtype=cfg.dtype, writer=self.writer,
         )  # fmt: skip
-        with contextlib.closing(self.sink):
+        # The writer drains (and its thread ends) before the sink removes its folder of kept blocks.
+        with contextlib.closing(self.sink), self.writer:
             with self.timings.phase("calibrate"):
                 begin = self.calibrate(calib)
             with self.timings.phase("watch"):
                 plan = self.watch(slots, begin, list(linears))
             records, refined = self.prune_blocks(begin, plan)
+            self._drain()  # every block's files complete before the write reads or follows them
             records += prune_outside(linears, beyond, cfg.layer, self.say)
             self.say(f"writing {self.output}")
             self.point.writing = True
@@ -283,7 +315,8 @@ class PruneRun:
             with self.timings.phase("write"):
                 report = self.sink.write(lambda counts: self.report(counts, records, refined, begin), metadata)
         # The report (file and summary alike) holds the phases up to its making, its "other" the rest; this
-        # line has every phase, the write included.
+        # line has every phase, the write included, and the writer thread's time beside them.
+        self.timings.background["save"] = self.writer.busy
         self.say(self.timings.line(time.perf_counter() - self.started))
         return report
 
@@ -421,6 +454,7 @@ class PruneRun:
             # The ranks stop together, at the same block, even when the signal reached only some of them.
             signal_name = self.team.first_set(self.stop.name) if self.stop is not None else None
             if signal_name is not None:
+                self._drain()  # the line names every finished block as committed: its writes land first
                 raise self.point.interrupted(self.output, saving=self.store is not None, signal_name=signal_name)
             assert hidden is not None and buffer is not None  # set whenever a block is left to prune
             self.point.current = index
@@ -464,9 +498,13 @@ class PruneRun:
         self.source.park(index)
         if self.store is not None:
             self._save(index, block, [*records, *mine], begin, out, refine)
-        # Done once committed: an interruption from here on says the resume state holds this block.
-        self.point.done, self.point.current = index + 1, None
-        self.sink.keep(index, block)
+        # With a resume state, rank 0's block is done once committed (`_commit`, on the writer's thread);
+        # the other ranks write nothing and count it done now.
+        if self.store is None or not self.team.is_root:
+            self.point.done = index + 1
+        self.point.current = None
+        with phase("save"), self.timings.phase("save"):  # a streamed run without a resume state: its block file
+            self.sink.keep(index, block)
         self.source.release(index)
         self.say(self._block_line(index, mine, time.perf_counter() - start))
         return mine
@@ -498,21 +536,48 @@ class PruneRun:
         hidden: torch.Tensor,
         refine: RefineHook | None,
     ) -> None:
-        """Rank 0 saves the resume state after block `index` (its pruned weights, the next block's inputs
-        gathered from every rank, the dense stream with --refine block)."""
+        """Rank 0 queues the resume state after block `index` for the background writer (`_commit`): its
+        pruned weights, the next block's inputs gathered from every rank, the dense stream with --refine
+        block. The time here (the gather, the snapshot, a wait for the writer) is "save"."""
         assert self.store is not None
         cfg, team = self.cfg, self.team
         last = index == len(self.structure.blocks) - 1
         with phase("save"), self.timings.phase("save"):
             whole = None if last else team.gather_samples(hidden, cfg.nsamples)
             whole_dense = None if last or refine is None else team.gather_samples(refine.dense, cfg.nsamples)
+            refinement = tuple(refine.refined) if refine is not None else begin.refinement
+
+            def snapshot() -> _Payload:
+                # The loop writes into its hidden-state buffers again (the rerun two blocks on writes
+                # `hidden`'s buffer, the next dense forward `refine.dense` in place): what a queued write
+                # reads must be its own copy. A distributed gather is a new tensor already, and the
+                # block's parameters are not changed once it is done (streamed, `release` swaps them for
+                # meta tensors and the state dict keeps the pruned ones alive until written).
+                dense = refine.dense if refine is not None else None
+                return _Payload(
+                    index, dict(block.state_dict()), _owned(whole, hidden), _owned(whole_dense, dense),
+                    list(records), refinement, begin.calibration, begin.calibration_source,
+                )  # fmt: skip
+
             with team.agreed():
                 if team.is_root:
-                    self.state = self.store.save_block(
-                        index, block, whole, self.state, records, cfg.result_hash(), begin.calibration,
-                        begin.calibration_source, len(self.structure.blocks), dense=whole_dense,
-                        refinement=tuple(refine.refined) if refine is not None else begin.refinement,
-                    )  # fmt: skip
+                    self.writer.submit(snapshot, self._commit)
+
+    def _commit(self, payload: _Payload) -> None:
+        """On the writer's thread: `ResumeStore.save_block` (its files, their sha256s, the state JSON last),
+        then the run's point counts the block done, so an interruption's line names only committed blocks."""
+        assert self.store is not None
+        self.state = self.store.save_block(
+            payload.index, payload.block, payload.hidden, self.state, payload.records, self.cfg.result_hash(),
+            payload.calibration, payload.calibration_source, len(self.structure.blocks), dense=payload.dense,
+            refinement=payload.refinement,
+        )  # fmt: skip
+        self.point.done = payload.index + 1
+
+    def _drain(self) -> None:
+        """Wait for the background writer (its time is "save"); every rank learns of a failed write."""
+        with phase("save"), self.timings.phase("save"), self.team.agreed():
+            self.writer.drain()
 
     def report(
         self, counts: WeightCounts, records: list[LayerRecord], refined: tuple[BlockRefinement, ...], begin: Start

@@ -4,7 +4,9 @@ A whole load (``--no-stream``, a pickle checkpoint, a model built in memory) wri
 memory. A streamed run never holds the whole model: its pruned blocks must be on disk for the write.
 With a resume state they are its ``block_<i>.safetensors`` (`ResumeStore.save_block` writes each one);
 with ``--no-resume-state`` `CheckpointSink.keep` writes the same file into a temporary folder beside the
-output (named as `atomic.recover` cleans up after a kill, removed by `close`). `tensors` then yields the
+output (named as `atomic.recover` cleans up after a kill, removed by `close`). Both are written by the
+run's background writer (`pruning/background.py`) while the next block is pruned; `write` drains it
+before it reads a block file. `tensors` then yields the
 checkpoint's tensors in save_pretrained's order, each block's from its file and the rest from the model
 in memory, into `models.saving.save_streamed`, so the whole model is never in memory; `WeightCounts`
 counts the report's entries and nonzeros as the tensors pass. The files are the ones a whole load
@@ -18,6 +20,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -29,6 +32,7 @@ from tsenor_cli import atomic
 from tsenor_cli.models.loading import output_dtype
 from tsenor_cli.models.saving import saved_tensors
 from tsenor_cli.models.structure import ModelStructure
+from tsenor_cli.pruning.background import BackgroundWriter
 from tsenor_cli.pruning.distributed import Team
 from tsenor_cli.pruning.output import write_checkpoint
 from tsenor_cli.pruning.phases import phase
@@ -73,7 +77,8 @@ class CheckpointSink:
     A whole load's model is written from memory; a streamed run's blocks from their files (`keep`
     writes each pruned block's file when no resume state does, into a temporary folder beside `output`
     named as `atomic.recover` cleans up after a kill, removed by `close`). Only rank 0 writes
-    (`Team.is_root`); every rank gets the report. A background writer plugs in here.
+    (`Team.is_root`); every rank gets the report. writer: the run's background writer, which writes
+    the kept blocks' files (None: written in the caller's thread).
 
     folder: the resume state's folder, holding ``block_<i>.safetensors`` of every pruned block (None:
     no resume state)."""
@@ -88,8 +93,10 @@ class CheckpointSink:
         team: Team,
         max_shard_size: str,
         dtype: str | None = None,
+        writer: BackgroundWriter | None = None,
     ) -> None:
         self.loaded = loaded
+        self.writer = writer if writer is not None else BackgroundWriter(0)
         self.output = output
         self.streamed = streamed
         self.team = team
@@ -112,12 +119,16 @@ class CheckpointSink:
         # Every rank enters: a failed write on rank 0 must stop the others, not leave them waiting.
         with self.team.agreed():
             if self.spill is not None:
-                atomic.save_safetensors(dict(block.state_dict()), self.spill / block_file(index))
+                path = self.spill / block_file(index)
+                # The state dict holds the pruned tensors: `release` swaps the block's for meta ones.
+                self.writer.submit(lambda: dict(block.state_dict()), partial(atomic.save_safetensors, path=path))
 
     def write(self, report: Callable[[WeightCounts], PruneReport], metadata: SparsityRecord) -> PruneReport:
         """Write the checkpoint, `metadata` in config.json's `tsenor_sparsity`, and the report made by
         report(the weights' counts) (`output.write_checkpoint`) → the report."""
         model, structure = self.loaded.model, self.loaded.structure
+        with self.team.agreed():
+            self.writer.drain()  # the block files it reads back are complete
         if not self.streamed:
             whole = report(WeightCounts.of(model, structure))
             self._write(whole, metadata, None)
