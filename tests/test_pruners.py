@@ -227,6 +227,8 @@ def test_alps_inner_projections_are_cheap_only_where_tsenor_runs() -> None:
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     cheap = {"sweeps": 2, "bound": "potentials", "iterations": 0}
     assert inner_solver_options("auto", 2, 0, cuda, 16) == cheap
+    assert inner_solver_options("auto", 2, 0, cuda, 16, 4096 * 4096) == cheap
+    assert inner_solver_options("auto", 2, 0, cuda, 16, 64 * 64) == {}  # few tiles: flow on the host
     assert inner_solver_options("tsenor", 2, 0, cuda, 16) == cheap
     assert inner_solver_options("tsenor", 2, 0, cpu, 16) == cheap
     assert inner_solver_options("auto", 2, 0, cpu, 16) == {}

@@ -17,6 +17,7 @@ from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.solver import METHODS, resolve_method, solve, to_blocks
+from tsenor_cli.solver.auto import HOST_SCORES
 
 
 def _scores(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -27,7 +28,13 @@ def test_auto_picks_flow_on_cpu_tsenor_on_cuda_and_exhaustive_for_m4() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_method("auto", cpu, 16).name == "flow"
     assert resolve_method("auto", cpu, 32).name == "flow"
-    assert resolve_method("auto", cuda, 16).name == "tsenor"
+    assert resolve_method("auto", cpu, 32, 1 << 26).name == "flow"
+    assert resolve_method("auto", cuda, 16).name == "tsenor"  # a plan's whole matrix
+    # On CUDA a solve of few tiles goes to the host's exact flow (launch-bound on the GPU, issue 42 item 3):
+    # up to HOST_SCORES scores inclusive, the GPU's tsenor beyond.
+    assert resolve_method("auto", cuda, 32, HOST_SCORES).name == "flow"
+    assert resolve_method("auto", cuda, 32, HOST_SCORES + 32 * 32).name == "tsenor"
+    assert resolve_method("auto", cuda, 16, 2048 * 16).name == "flow"  # a SparseGPT slab: 2048 rows × M
     assert resolve_method("auto", cpu, 4).name == "exhaustive"
     assert resolve_method("auto", cuda, 4).name == "exhaustive"
     # Every other name runs itself, on every device.
@@ -39,8 +46,10 @@ def test_auto_picks_flow_on_cpu_tsenor_on_cuda_and_exhaustive_for_m4() -> None:
 def test_solve_result_names_what_ran(device: torch.device) -> None:
     scores = _scores(64, 64).to(device)
     res = solve(scores, 8, 16)  # the default method
-    assert res.requested == "auto"
-    assert res.method == ("tsenor" if device.type == "cuda" else "flow")
+    assert (res.requested, res.method) == ("auto", "flow")  # few tiles: flow on the CPU and from CUDA
+    assert res.mask.device == scores.device
+    large = solve(_scores(1024, 1024).to(device), 8, 16)  # 2^20 scores, past HOST_SCORES
+    assert large.method == ("tsenor" if device.type == "cuda" else "flow")
     blocks = to_blocks(res.mask, 16)
     assert bool((blocks.sum(1) == 8).all()) and bool((blocks.sum(2) == 8).all())
     m4 = solve(scores, 2, 4)
@@ -53,7 +62,7 @@ def test_auto_is_the_picked_method_call_for_call(device: torch.device) -> None:
     """Same mask, objective and bound as asking for the picked method by name; its options and warm
     start go through."""
     scores = _scores(96, 96, seed=3).to(device)
-    picked = resolve_method("auto", device, 32).name
+    picked = resolve_method("auto", device, 32, scores.numel()).name
     for options in ({}, {"max_elements": 32 * 32 * 3}):
         ours = solve(scores, 16, 32, **options)
         theirs = solve(scores, 16, 32, picked, **options)

@@ -32,7 +32,9 @@ NEEDS_GRAM = True
 RHO_MAX = 1e6
 
 
-def inner_solver_options(solver: str, sweeps: int, iterations: int, device: torch.device, m: int) -> dict[str, object]:
+def inner_solver_options(
+    solver: str, sweeps: int, iterations: int, device: torch.device, m: int, scores: int | None = None
+) -> dict[str, object]:
     """Options of the intermediate D-step projections, by the solver that runs; the final projection
     uses the defaults.
 
@@ -41,9 +43,10 @@ def inner_solver_options(solver: str, sweeps: int, iterations: int, device: torc
     (asked for, or `auto` on CUDA) a few cycle-cancelling sweeps from the warm-started mask and the
     bound at the potentials suffice (docs/design/solver.md measures the effect). `flow` (`auto` on the CPU)
     solves exactly and a warm solve costs about as little as the cheap one, so every projection is
-    exact there. Other solvers run with their defaults.
+    exact there (and `auto` on CUDA for a solve of few tiles: `scores`, the number of scores each
+    projection solves, solver/auto.py). Other solvers run with their defaults.
     """
-    if resolve_method(solver, device, m).name == "tsenor":
+    if resolve_method(solver, device, m, scores).name == "tsenor":
         return {"sweeps": sweeps, "bound": "potentials", "iterations": iterations}
     return {}
 
@@ -182,7 +185,9 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
     running = torch.ones(lead, dtype=torch.bool, device=b_hat.device)  # (...,) matrices still iterating
     iterations = torch.zeros(lead, dtype=torch.long, device=b_hat.device)
     w_t = b_hat
-    inner = inner_solver_options(cfg.solver, opts.inner_sweeps, opts.inner_iterations, b_hat.device, cfg.pattern.m)
+    inner = inner_solver_options(
+        cfg.solver, opts.inner_sweeps, opts.inner_iterations, b_hat.device, cfg.pattern.m, b_hat.numel()
+    )
     steps = bar(total=opts.max_iter, desc="ADMM", unit="it", leave=False)
     for t in range(opts.max_iter):
         iterations += running.long()

@@ -62,7 +62,9 @@ def prune_batch(
     # k−1, and one slab's tiles are all that is independent at any point: all its rows, and all the
     # matrices of a stack, go to the solver in one call. Solving two slabs in one call would score the
     # second on weights without the first's updates, a different mask. So a matrix takes in/M calls;
-    # what each costs on a GPU is the solver's launches and host syncs (solver/rounding.py). What can
+    # what each costs on a GPU is the solver's launches and host syncs (solver/rounding.py), about 16 ms
+    # a slab on the H100 whatever its size, which is why `auto` sends a solve of few tiles from CUDA to the
+    # host's exact `flow` (solver/auto.py, `HOST_SCORES`): these slabs are such solves. What can
     # share those calls is other rows: each row's updates read only its own errors and the shared H⁻¹,
     # so the linears that read one input (q/k/v, gate/up) come stacked along `out` (`parts`,
     # engine._prune_stacked) and take one factorization and in/M calls for all of them, with the masks

@@ -52,11 +52,11 @@ def solve(
 
     scores: (R, C) non-negative float, R and C divisible by m → `SolveResult` whose mask is (R, C)
     bool with exactly n kept in every row and column of every m×m tile. `method` "auto" runs the
-    method it picks for the scores' device and M (solver/auto.py); `SolveResult.method` names the one
+    method it picks for the scores' device, M and size (solver/auto.py); `SolveResult.method` names the one
     that ran. `options` go to that method and must be among its options.
     """
     validate_scores(scores, n, m)
-    info = resolve_method(method, scores.device, m)
+    info = resolve_method(method, scores.device, m, scores.numel())
     named = repr(method) if info.name == method else f"{method!r} (which runs {info.name!r} here)"
     if info.max_m is not None and m > info.max_m:
         raise ValueError(f"method {named} handles M <= {info.max_m}, got M={m}; use method='auto' or 'exact'")

@@ -14,8 +14,9 @@ from tsenor_cli.solver.types import BlockSolution
 # Block solvers: fn(blocks (B, M, M), n, *, init=None, **options) -> BlockSolution (see types.BlockSolver);
 # a TypeVar keeps each solver's own typed keyword options visible to the type checker.
 F = TypeVar("F", bound=Callable[..., BlockSolution])
-# A method that picks another registered method for the scores' device and M (`auto`).
-Chooser = Callable[[torch.device, int], str]
+# A method that picks another registered method for the scores' device, M and number of scores (None
+# when the caller plans without a matrix: a whole weight matrix's solve is assumed) (`auto`).
+Chooser = Callable[[torch.device, int, "int | None"], str]
 
 
 @dataclass(frozen=True)
@@ -66,10 +67,11 @@ def get_method(name: str) -> MethodInfo:
         raise ValueError(f"unknown mask method {name!r}; choose one of: {known}") from None
 
 
-def resolve_method(name: str, device: torch.device, m: int) -> MethodInfo:
-    """The method that runs when `name` is asked for on scores on `device` with tiles of side `m`:
-    the method itself, or for a choosing method (`auto`) the one it picks there."""
+def resolve_method(name: str, device: torch.device, m: int, scores: int | None = None) -> MethodInfo:
+    """The method that runs when `name` is asked for on `scores` scores (None: a whole weight matrix's,
+    as a plan assumes) on `device` with tiles of side `m`: the method itself, or for a choosing method
+    (`auto`) the one it picks there."""
     info = get_method(name)
     if info.choose is None:
         return info
-    return get_method(info.choose(device, m))
+    return get_method(info.choose(device, m, scores))
