@@ -30,3 +30,55 @@ def test_bench_memory_measures_both_modes_at_each_depth(tmp_path: Path) -> None:
     assert "test box" in text and "## `tsenor eval`" in text and "## `tsenor prune`" in text
     again = invoke([*args, "--output", str(out)])
     assert again.exit_code == 4 and "--force" in str(again.exception)
+
+
+def test_prune_eval_runs_the_command_with_default_flags_and_no_stream_for_whole(tmp_path: Path) -> None:
+    from tsenor_cli.bench.memory import MemoryConfig, prune_eval_command
+
+    cfg = MemoryConfig(blocks=(1,), windows=3)
+    streamed, whole = (
+        prune_eval_command(tmp_path / "m", tmp_path / "out", mode, cfg) for mode in ("streamed", "whole")
+    )
+    assert streamed[1:5] == ["-m", "tsenor_cli", "-q", "prune"] and "--eval" in streamed
+    assert whole == [*streamed, "--no-stream"]  # the only difference: the whole row loads the model whole
+    flags = {flag: streamed[streamed.index(flag) + 1] for flag in ("--max-windows", "--ppl", "--nm", "--method")}
+    assert flags == {"--max-windows": "3", "--ppl": "wikitext2", "--nm": "2:4", "--method": "magnitude"}
+    assert not {"--stream", "--no-resume-state", "--dtype", "--device"} & set(streamed)  # the defaults
+
+
+def test_prune_eval_without_a_data_source_is_refused_before_any_model_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tsenor_cli.bench.memory as memory
+
+    monkeypatch.setattr(memory, "build_model", lambda *a, **k: pytest.fail("built a model"))
+    monkeypatch.delenv("TSENOR_DATA_DIR", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = invoke(["bench", "memory", "--blocks", "1", "--width", "64", "--commands", "prune,prune-eval"])
+    assert result.exit_code == 3, result.output
+    message = str(result.exception)
+    assert message.startswith("no data for wikitext2") and "TSENOR_DATA_DIR" in message and "\n" not in message
+
+
+@pytest.mark.slow
+@pytest.mark.realmodel
+def test_bench_memory_prune_eval_agrees_streamed_and_whole(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TSENOR_DATA_DIR", str(data_dir))
+    out, page = tmp_path / "memory.json", tmp_path / "memory.md"
+    args = ["bench", "memory", "--blocks", "1,2", "--width", "64", "--windows", "1", "--commands", "prune-eval"]
+    result = invoke([*args, "--output", str(out), "--markdown", str(page)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    rows = {(row["blocks"], row["mode"]): row for row in data["rows"]}
+    assert sorted(rows) == [(1, "streamed"), (1, "whole"), (2, "streamed"), (2, "whole")]
+    assert {row["command"] for row in rows.values()} == {"prune-eval"}
+    for blocks in (1, 2):
+        streamed, whole = rows[(blocks, "streamed")], rows[(blocks, "whole")]
+        assert streamed["sha256"] == whole["sha256"] and streamed["ppl"] == pytest.approx(whole["ppl"], rel=1e-5)
+    assert rows[(2, "whole")]["sha256"] != rows[(1, "whole")]["sha256"]  # another model, other weights
+    # The child's own peak: a Python process with torch that held a 2048×49152 float32 logits window.
+    assert all(row["peak_rss"] > 49152 * 2048 * 4 for row in rows.values())
+    assert set(data["peak_ratio_deepest_over_shallowest"]) == {"prune-eval whole", "prune-eval streamed"}
+    assert "## `tsenor prune --eval`" in page.read_text()

@@ -42,7 +42,7 @@ import torch
 
 from tsenor_cli.bench.machine import environment
 from tsenor_cli.data.sources import DatasetName
-from tsenor_cli.errors import BadInputError, UsageError
+from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
 
 MODES = ("whole", "streamed")
 COMMANDS = ("eval", "prune", "prune-eval")
@@ -254,14 +254,26 @@ def run_child(folder: Path, mode: str, cfg: MemoryConfig, command: str = "eval")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+def check_prune_eval_data() -> None:
+    """InputNotFoundError, before any model is built, when the prune-eval rows' WikiText-2 has no source
+    (the hub off and no data folder in the environment the child inherits)."""
+    from tsenor_cli.data.sources import data_folder
+    from tsenor_cli.settings import RunContext
+
+    try:
+        data_folder(RunContext.from_environment(), PRUNE_EVAL_DATA)
+    except InputNotFoundError as exc:
+        raise InputNotFoundError(
+            f"{str(exc).split(';')[0]}; the prune-eval rows evaluate it: set TSENOR_DATA_DIR to the offline data "
+            "folder, or drop prune-eval from --commands"
+        ) from exc
+
+
 def run_memory_bench(cfg: MemoryConfig, *, say: Any = print) -> dict[str, Any]:
     """Every depth × mode of `cfg` (module docstring) → the result written to JSON and markdown."""
     rows: list[dict[str, Any]] = []
-    if "prune-eval" in cfg.commands:  # its evaluation reads WikiText-2: refused before any model is built
-        from tsenor_cli.evaluation.runner import EvalConfig
-        from tsenor_cli.settings import RunContext
-
-        EvalConfig(ppl_datasets=(PRUNE_EVAL_DATA,)).check_sources(RunContext.from_environment())
+    if "prune-eval" in cfg.commands:
+        check_prune_eval_data()
     with tempfile.TemporaryDirectory(prefix="tsenor-bench-memory-") as tmp:
         for blocks in cfg.blocks:
             folder = Path(tmp) / f"llama-{blocks}"
