@@ -82,3 +82,54 @@ def test_bench_memory_prune_eval_agrees_streamed_and_whole(
     assert all(row["peak_rss"] > 49152 * 2048 * 4 for row in rows.values())
     assert set(data["peak_ratio_deepest_over_shallowest"]) == {"prune-eval whole", "prune-eval streamed"}
     assert "## `tsenor prune --eval`" in page.read_text()
+
+
+def _result(commands: tuple[str, ...], windows: int, peaks: dict[int, int], load: float) -> dict[str, object]:
+    """A hand-made `run_memory_bench` result: each command's rows at 8 and 32 blocks, whole = streamed."""
+    from dataclasses import asdict
+
+    from tsenor_cli.bench.memory import MemoryConfig
+
+    cfg = asdict(MemoryConfig(blocks=(8, 32), windows=windows, commands=commands))
+    rows = [
+        {"command": c, "blocks": b, "mode": m, "weights": b * 2**20, "peak_rss": peaks[b], "seconds": 1.0}
+        for c in commands
+        for b in (8, 32)
+        for m in ("whole", "streamed")
+    ]
+    ratios = {f"{c} {m}": peaks[32] / peaks[8] for c in commands for m in ("whole", "streamed")}
+    machine = {"tsenor": "0", "torch": "t", "transformers": "x", "python": "3", "load_average": load}
+    return {"config": cfg, "rows": rows, "peak_ratio_deepest_over_shallowest": ratios, "machine": machine}
+
+
+def test_a_merged_result_keeps_each_sections_rows_settings_and_provenance() -> None:
+    from tsenor_cli.bench.memory import merge_results, to_markdown
+
+    base = _result(("eval", "prune"), 2, {8: 2**30, 32: 2 * 2**30}, load=1.5)
+    new = _result(("prune", "prune-eval"), 1, {8: 2**30, 32: 5 * 2**29}, load=6.0)
+    notes = ({"date": "2026-11-25", "command": "bench A"}, {"date": "2026-11-27", "command": "bench B"})
+    merged = merge_results(base, new, notes)
+    assert merged["config"]["commands"] == ["eval", "prune", "prune-eval"]
+    # prune was measured again: only the new rows and ratio are kept.
+    assert [(r["command"], r["peak_rss"]) for r in merged["rows"] if r["blocks"] == 32][::2] == [
+        ("eval", 2 * 2**30), ("prune", 5 * 2**29), ("prune-eval", 5 * 2**29),
+    ]  # fmt: skip
+    assert merged["peak_ratio_deepest_over_shallowest"] == {
+        "eval whole": 2.0, "eval streamed": 2.0, "prune whole": 2.5, "prune streamed": 2.5,
+        "prune-eval whole": 2.5, "prune-eval streamed": 2.5,
+    }  # fmt: skip
+    assert {c: (v["date"], v["config"]["windows"]) for c, v in merged["sections"].items()} == {
+        "eval": ("2026-11-25", 2), "prune": ("2026-11-27", 1), "prune-eval": ("2026-11-27", 1),
+    }  # fmt: skip
+    page = to_markdown(merged, "unused", "unused", "test box")
+    assert page.startswith("# Host memory of `tsenor eval`, `tsenor prune` and `tsenor prune --eval`")
+    assert "unused" not in page and page.count("Measured 2026-11-27 with `bench B`.") == 2
+    assert "Measured 2026-11-25 with `bench A`.\ntsenor 0, torch t, transformers x, Python 3; load average 1.5" in page
+    assert "`--ppl` on 2 windows" in page and "WikiText-2, 1 window(s) of 2048 tokens" in page
+    assert "Peak RSS at 32 blocks over 8 blocks: whole 2.50x, streamed 2.50x" in page
+    # Merging the merged page again keeps the provenance it has.
+    again = merge_results(merged, _result(("eval",), 3, {8: 2**30, 32: 2**30}, load=0.5), notes)
+    assert {c: v["date"] for c, v in again["sections"].items()} == {
+        "prune": "2026-11-27", "prune-eval": "2026-11-27", "eval": "2026-11-27",
+    }  # fmt: skip
+    assert again["config"]["commands"] == ["prune", "prune-eval", "eval"]

@@ -312,56 +312,72 @@ def _check_agree(results: dict[str, dict[str, Any]], command: str, blocks: int) 
         raise BadInputError(f"{blocks} blocks: the streamed {command} wrote other weight files than the whole one")
 
 
+def merge_results(
+    base: dict[str, Any], new: dict[str, Any], notes: tuple[dict[str, str], dict[str, str]]
+) -> dict[str, Any]:
+    """`base` with the commands `new` measured replaced or added: one page of rows measured at different
+    times (a long bench on a shared machine need not be rerun whole for one new command). Each command
+    keeps its own `sections` entry: the config, machine and `notes` (date, command line: base's, new's)
+    it was measured with, which `to_markdown` prints under its table."""
+
+    def sections(result: dict[str, Any], note: dict[str, str]) -> dict[str, Any]:
+        found = dict(result.get("sections", {}))
+        for command in result["config"]["commands"]:
+            found.setdefault(command, {"config": result["config"], "machine": result.get("machine", {}), **note})
+        return found
+
+    measured = set(new["config"]["commands"])
+    kept = [c for c in base["config"]["commands"] if c not in measured]
+    merged_sections = {c: v for c, v in sections(base, notes[0]).items() if c in kept} | sections(new, notes[1])
+    ratios = base["peak_ratio_deepest_over_shallowest"] | new["peak_ratio_deepest_over_shallowest"]
+    return {
+        "config": {**base["config"], "commands": [*kept, *new["config"]["commands"]]},
+        "rows": [row for row in base["rows"] if row["command"] in kept] + new["rows"],
+        "peak_ratio_deepest_over_shallowest": {k: v for k, v in ratios.items() if k.split()[0] in merged_sections},
+        "machine": base.get("machine", {}),
+        "sections": merged_sections,
+    }
+
+
 def to_markdown(result: dict[str, Any], command: str, date: str, machine: str) -> str:
-    """The measurement page: the command, the machine, a table per measured command and the depth ratios."""
+    """The measurement page: the command, the machine, a table per measured command and the depth ratios
+    (a merged result, `merge_results`: each section with its own date, command line and settings)."""
     cfg = result["config"]
     commands = cfg.get("commands", ["eval"])
-    title = ", ".join(f"`tsenor {_invocation(c)}`" for c in commands)
+    names = [f"`tsenor {_invocation(c)}`" for c in commands]
+    title = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+    sections = result.get("sections", {})
+    when = "Each section says when and with which command it was measured" if sections else f"Measured {date}"
     lines = [
         f"# Host memory of {title}: streamed against whole",
         "",
-        f"Measured {date} on {machine} with `{command}`. Random LLaMA models of width {cfg['width']} "
-        f"(MLP {cfg['intermediate']}, {cfg['heads']} heads, vocabulary 49152 with a tied head, fp32), each run "
-        "in a fresh process (`tsenor_cli/bench/memory.py`); peak RSS is the process's VmHWM.",
+        f"{when} on {machine}{'' if sections else f' with `{command}`'}. Random LLaMA models of width "
+        f"{cfg['width']} (MLP {cfg['intermediate']}, {cfg['heads']} heads, vocabulary 49152 with a tied head, "
+        "fp32), each run in a fresh process (`tsenor_cli/bench/memory.py`); peak RSS is the process's VmHWM.",
         "",
     ]
-    env = result.get("machine", {})
-    if "transformers" in env:
-        lines += [
-            f"tsenor {env['tsenor']}, torch {env['torch']}, transformers {env['transformers']}, Python "
-            f"{env['python']}; load average {env['load_average']:.1f} at the start.",
-            "",
-        ]
-    what = {
-        "eval": f"`--ppl` on {cfg['windows']} windows of {cfg['seqlen']} tokens; both modes give the same "
-        "perplexity (checked to 1e-5 relative).",
-        "prune": f"magnitude 2:4 transposable on {cfg.get('prune_nsamples')} × {cfg.get('prune_seqlen')} "
-        "calibration tokens, `--no-resume-state`; both modes write the same weight files (sha256 checked).",
-        "prune-eval": "The command `tsenor prune --eval` with its default flags (resume state, streaming) as "
-        "the streamed row and `--no-stream` as the whole row (its evaluation streams either way): magnitude 2:4 "
-        f"transposable on {cfg.get('prune_nsamples')} × {cfg.get('prune_seqlen')} calibration tokens, then "
-        f"perplexity on WikiText-2, {cfg['windows']} window(s) of 2048 tokens (`--max-windows`). Peak "
-        "RSS is the child's `ru_maxrss`, seconds the command's wall time with Python's imports; both modes "
-        "write the same weight files and the same perplexity (checked).",
-    }
+    if not sections:
+        lines += [*_versions(result.get("machine", {})), ""]
     ratios = result["peak_ratio_deepest_over_shallowest"]
-    deepest, shallowest = max(cfg["blocks"]), min(cfg["blocks"])
     for name in commands:
+        section = sections.get(name, {})
+        part = section.get("config", cfg)
+        lines += [f"## `tsenor {_invocation(name)}`", ""]
+        if section:
+            lines += [f"Measured {section['date']} with `{section['command']}`.", *_versions(section["machine"]), ""]
         lines += [
-            f"## `tsenor {_invocation(name)}`",
-            "",
-            what[name],
+            _what(name, part),
             "",
             "| blocks | weights (GiB) | mode | peak RSS (GiB) | seconds | s / block |",
             "|---:|---:|---|---:|---:|---:|",
         ]
-        for row in result["rows"]:
-            if row.get("command", "eval") != name:
-                continue
-            lines.append(
-                f"| {row['blocks']} | {row['weights'] / 2**30:.2f} | {row['mode']} | "
-                f"{row['peak_rss'] / 2**30:.2f} | {row['seconds']:.1f} | {row['seconds'] / row['blocks']:.2f} |"
-            )
+        lines += [
+            f"| {row['blocks']} | {row['weights'] / 2**30:.2f} | {row['mode']} | "
+            f"{row['peak_rss'] / 2**30:.2f} | {row['seconds']:.1f} | {row['seconds'] / row['blocks']:.2f} |"
+            for row in result["rows"]
+            if row.get("command", "eval") == name
+        ]
+        deepest, shallowest = max(part["blocks"]), min(part["blocks"])
         lines += [
             "",
             f"Peak RSS at {deepest} blocks over {shallowest} blocks: whole {ratios[f'{name} whole']:.2f}x, "
@@ -378,6 +394,38 @@ def to_markdown(result: dict[str, Any], command: str, date: str, machine: str) -
         "",
     ]
     return "\n".join(lines)
+
+
+def _versions(env: dict[str, Any]) -> list[str]:
+    """The library versions and the load average a measurement started with (none for an old result)."""
+    if "transformers" not in env:
+        return []
+    return [
+        f"tsenor {env['tsenor']}, torch {env['torch']}, transformers {env['transformers']}, Python "
+        f"{env['python']}; load average {env['load_average']:.1f} at the start."
+    ]
+
+
+def _what(command: str, cfg: dict[str, Any]) -> str:
+    """What a section measured, from the settings it was measured with."""
+    calibration = f"{cfg.get('prune_nsamples')} × {cfg.get('prune_seqlen')} calibration tokens"
+    if command == "eval":
+        return (
+            f"`--ppl` on {cfg['windows']} windows of {cfg['seqlen']} tokens; both modes give the same "
+            "perplexity (checked to 1e-5 relative)."
+        )
+    if command == "prune":
+        return (
+            f"magnitude 2:4 transposable on {calibration}, `--no-resume-state`; both modes write the same "
+            "weight files (sha256 checked)."
+        )
+    return (
+        "The command `tsenor prune --eval` with its default flags (resume state, streaming) as the streamed "
+        "row and `--no-stream` as the whole row (its evaluation streams either way): magnitude 2:4 "
+        f"transposable on {calibration}, then perplexity on WikiText-2, {cfg['windows']} window(s) of 2048 "
+        "tokens (`--max-windows`). Peak RSS is the child's `ru_maxrss`, seconds the command's wall time with "
+        "Python's imports; both modes write the same weight files and the same perplexity (checked)."
+    )
 
 
 def _invocation(command: str) -> str:
