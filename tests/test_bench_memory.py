@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers_cli import invoke
@@ -84,7 +85,9 @@ def test_bench_memory_prune_eval_agrees_streamed_and_whole(
     assert "## `tsenor prune --eval`" in page.read_text()
 
 
-def _result(commands: tuple[str, ...], windows: int, peaks: dict[int, int], load: float) -> dict[str, object]:
+def _result(
+    commands: tuple[str, ...], windows: int, peaks: dict[int, int], load: float, date: str = "2026-11-25"
+) -> dict[str, Any]:
     """A hand-made `run_memory_bench` result: each command's rows at 8 and 32 blocks, whole = streamed."""
     from dataclasses import asdict
 
@@ -99,16 +102,16 @@ def _result(commands: tuple[str, ...], windows: int, peaks: dict[int, int], load
     ]
     ratios = {f"{c} {m}": peaks[32] / peaks[8] for c in commands for m in ("whole", "streamed")}
     machine = {"tsenor": "0", "torch": "t", "transformers": "x", "python": "3", "load_average": load}
-    return {"config": cfg, "rows": rows, "peak_ratio_deepest_over_shallowest": ratios, "machine": machine}
+    result = {"config": cfg, "rows": rows, "peak_ratio_deepest_over_shallowest": ratios, "machine": machine}
+    return {**result, "date": date, "command": f"bench {date}"}
 
 
 def test_a_merged_result_keeps_each_sections_rows_settings_and_provenance() -> None:
     from tsenor_cli.bench.memory import merge_results, to_markdown
 
     base = _result(("eval", "prune"), 2, {8: 2**30, 32: 2 * 2**30}, load=1.5)
-    new = _result(("prune", "prune-eval"), 1, {8: 2**30, 32: 5 * 2**29}, load=6.0)
-    notes = ({"date": "2026-11-25", "command": "bench A"}, {"date": "2026-11-27", "command": "bench B"})
-    merged = merge_results(base, new, notes)
+    new = _result(("prune", "prune-eval"), 1, {8: 2**30, 32: 5 * 2**29}, load=6.0, date="2026-11-27")
+    merged = merge_results(base, new, "base.json")
     assert merged["config"]["commands"] == ["eval", "prune", "prune-eval"]
     # prune was measured again: only the new rows and ratio are kept.
     assert [(r["command"], r["peak_rss"]) for r in merged["rows"] if r["blocks"] == 32][::2] == [
@@ -123,13 +126,50 @@ def test_a_merged_result_keeps_each_sections_rows_settings_and_provenance() -> N
     }  # fmt: skip
     page = to_markdown(merged, "unused", "unused", "test box")
     assert page.startswith("# Host memory of `tsenor eval`, `tsenor prune` and `tsenor prune --eval`")
-    assert "unused" not in page and page.count("Measured 2026-11-27 with `bench B`.") == 2
-    assert "Measured 2026-11-25 with `bench A`.\ntsenor 0, torch t, transformers x, Python 3; load average 1.5" in page
+    assert "unused" not in page and page.count("Measured 2026-11-27 with `bench 2026-11-27`.") == 2
+    assert (
+        "Measured 2026-11-25 with `bench 2026-11-25`.\ntsenor 0, torch t, transformers x, Python 3; load average 1.5"
+        in page
+    )
     assert "`--ppl` on 2 windows" in page and "WikiText-2, 1 window(s) of 2048 tokens" in page
     assert "Peak RSS at 32 blocks over 8 blocks: whole 2.50x, streamed 2.50x" in page
     # Merging the merged page again keeps the provenance it has.
-    again = merge_results(merged, _result(("eval",), 3, {8: 2**30, 32: 2**30}, load=0.5), notes)
+    again = merge_results(merged, _result(("eval",), 3, {8: 2**30, 32: 2**30}, load=0.5, date="2026-12-01"), "m")
     assert {c: v["date"] for c, v in again["sections"].items()} == {
-        "prune": "2026-11-27", "prune-eval": "2026-11-27", "eval": "2026-11-27",
+        "prune": "2026-11-27", "prune-eval": "2026-11-27", "eval": "2026-12-01",
     }  # fmt: skip
     assert again["config"]["commands"] == ["prune", "prune-eval", "eval"]
+
+
+def test_merge_replaces_the_measured_commands_of_the_output_and_refuses_what_it_cannot_merge(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import datetime
+
+    import tsenor_cli.bench.memory as memory
+
+    measured = _result(("prune-eval",), 1, {8: 2**30, 32: 2**30}, load=3.0)
+    monkeypatch.setattr(memory, "run_memory_bench", lambda cfg, say: {k: v for k, v in measured.items() if k[0] != "d"})
+    out, page = tmp_path / "memory.json", tmp_path / "memory.md"
+    out.write_text(json.dumps(_result(("eval", "prune"), 2, {8: 2**30, 32: 2 * 2**30}, load=1.5)))
+    args = ["bench", "memory", "--blocks", "8,32", "--commands", "prune-eval", "--output", str(out), "--merge"]
+    result = invoke([*args, "--markdown", str(page)])
+    assert result.exit_code == 0, result.output
+    merged = json.loads(out.read_text())
+    assert merged["config"]["commands"] == ["eval", "prune", "prune-eval"] and len(merged["rows"]) == 12
+    dates = {command: section["date"] for command, section in merged["sections"].items()}
+    assert dates == {"eval": "2026-11-25", "prune": "2026-11-25", "prune-eval": datetime.date.today().isoformat()}
+    assert "## `tsenor prune --eval`" in page.read_text() and "## `tsenor eval`" in page.read_text()
+
+    for content, says, code in [
+        (None, "--merge keeps the other commands of an earlier --output JSON", 2),
+        ("{", "--merge cannot read", 7),
+        (json.dumps({k: v for k, v in _result(("eval",), 2, {8: 1, 32: 1}, 1.0).items() if k != "date"}), "no date", 7),
+    ]:
+        target = tmp_path / "other.json"
+        target.unlink(missing_ok=True)
+        if content is not None:
+            target.write_text(content)
+        refused = invoke([*args[:-2], str(target), "--merge"])
+        assert refused.exit_code == code, refused.output
+        assert says in str(refused.exception) and "\n" not in str(refused.exception)

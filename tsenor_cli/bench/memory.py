@@ -43,6 +43,7 @@ import torch
 from tsenor_cli.bench.machine import environment
 from tsenor_cli.data.sources import DatasetName
 from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
+from tsenor_cli.runfiles import EVAL_FILE
 
 MODES = ("whole", "streamed")
 COMMANDS = ("eval", "prune", "prune-eval")
@@ -230,7 +231,7 @@ def measure_prune_eval(folder: Path, mode: str, cfg: MemoryConfig) -> dict[str, 
             err.seek(0)
             last = err.read().decode(errors="replace").strip().splitlines()[-1:]
             raise BadInputError(f"the {mode} prune --eval of {folder} failed (exit {child.returncode}): {last}")
-    evaluation = json.loads((output / "eval.json").read_text())
+    evaluation = json.loads((output / EVAL_FILE).read_text())
     result = {
         "ppl": float(evaluation["perplexity"][PRUNE_EVAL_DATA]["ppl"]),
         "sha256": _weights_sha256(output),
@@ -312,29 +313,49 @@ def _check_agree(results: dict[str, dict[str, Any]], command: str, blocks: int) 
         raise BadInputError(f"{blocks} blocks: the streamed {command} wrote other weight files than the whole one")
 
 
-def merge_results(
-    base: dict[str, Any], new: dict[str, Any], notes: tuple[dict[str, str], dict[str, str]]
-) -> dict[str, Any]:
-    """`base` with the commands `new` measured replaced or added: one page of rows measured at different
-    times (a long bench on a shared machine need not be rerun whole for one new command). Each command
-    keeps its own `sections` entry: the config, machine and `notes` (date, command line: base's, new's)
-    it was measured with, which `to_markdown` prints under its table."""
+def read_result(path: Path) -> dict[str, Any]:
+    """An earlier run's --output JSON, for --merge (BadInputError naming the file when it is not one)."""
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(result, dict) and {"config", "rows", "peak_ratio_deepest_over_shallowest"} <= result.keys():
+            return result
+        problem = "it holds no config, rows and peak ratios"
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        problem = f"it is not JSON ({exc})"
+    raise BadInputError(f"--merge cannot read {path}: {problem}; pass the --output JSON of an earlier bench memory")
 
-    def sections(result: dict[str, Any], note: dict[str, str]) -> dict[str, Any]:
+
+def merge_results(base: dict[str, Any], new: dict[str, Any], where: str) -> dict[str, Any]:
+    """`base` (read from `where`) with the commands `new` measured replaced or added (`bench memory
+    --merge`): one page of rows measured at different times, so a long bench on a shared machine need
+    not be rerun whole for one new command. Each command keeps its own `sections` entry: the config,
+    machine, date and command line it was measured with, which `to_markdown` prints with its table."""
+
+    def sections(result: dict[str, Any]) -> dict[str, Any]:
         found = dict(result.get("sections", {}))
         for command in result["config"]["commands"]:
-            found.setdefault(command, {"config": result["config"], "machine": result.get("machine", {}), **note})
+            if command in found:
+                continue
+            if "date" not in result or "command" not in result:
+                raise BadInputError(
+                    f"{where} records no date and command line of its {command} rows, so a merged page could not "
+                    "say when they were measured; rerun every command without --merge"
+                )
+            note = {"date": result["date"], "command": result["command"]}
+            found[command] = {"config": result["config"], "machine": result.get("machine", {}), **note}
         return found
 
     measured = set(new["config"]["commands"])
     kept = [c for c in base["config"]["commands"] if c not in measured]
-    merged_sections = {c: v for c, v in sections(base, notes[0]).items() if c in kept} | sections(new, notes[1])
+    merged_sections = {c: v for c, v in sections(base).items() if c in kept} | sections(new)
     ratios = base["peak_ratio_deepest_over_shallowest"] | new["peak_ratio_deepest_over_shallowest"]
     return {
         "config": {**base["config"], "commands": [*kept, *new["config"]["commands"]]},
         "rows": [row for row in base["rows"] if row["command"] in kept] + new["rows"],
         "peak_ratio_deepest_over_shallowest": {k: v for k, v in ratios.items() if k.split()[0] in merged_sections},
-        "machine": base.get("machine", {}),
+        "machine": new.get("machine", {}),
+        "date": new["date"],
+        "command": new["command"],
         "sections": merged_sections,
     }
 

@@ -360,6 +360,12 @@ def bench_memory(
     machine: str = typer.Option("", help="The machine, as the Markdown page names it (default: platform, cores)."),
     output: Path | None = typer.Option(None, help="Write the JSON result here."),
     markdown: Path | None = typer.Option(None, help="Write the Markdown page here (docs/measurements/)."),
+    merge: bool = typer.Option(
+        False,
+        "--merge",
+        help="Replace only the measured commands in the --output JSON of an earlier run and keep the others; "
+        "the page says when each section was measured.",
+    ),
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -369,11 +375,14 @@ def bench_memory(
     import os
     import platform
 
-    from tsenor_cli.bench.memory import MemoryConfig, run_memory_bench, to_markdown
+    from tsenor_cli.bench.memory import MemoryConfig, merge_results, read_result, run_memory_bench, to_markdown
     from tsenor_cli.cli import command_line
     from tsenor_cli.progress import logger
 
-    _check_outputs(force, {"--output": output, "--markdown": markdown})
+    if merge and (output is None or not output.is_file()):
+        raise UsageError("--merge keeps the other commands of an earlier --output JSON; pass it with --output")
+    _check_outputs(force, {"--markdown": markdown})
+    _check_outputs(force or merge, {"--output": output})  # --merge rewrites the JSON it reads
     cfg = MemoryConfig(
         blocks=_int_list(blocks, "--blocks"),
         width=width,
@@ -384,9 +393,13 @@ def bench_memory(
         seed=seed,
         commands=_commands(commands),
     )
-    result = run_memory_bench(cfg, say=logger.info)
+    earlier = read_result(output) if merge and output is not None else None
+    today = datetime.date.today().isoformat()
+    result = {**run_memory_bench(cfg, say=logger.info), "date": today, "command": command_line()}
+    if earlier is not None:
+        result = merge_results(earlier, result, str(output))
     where = machine or f"{platform.machine()} Linux, {os.cpu_count()} CPU cores"
-    page = to_markdown(result, command_line(), datetime.date.today().isoformat(), where)
+    page = to_markdown(result, command_line(), today, where)
     if output is not None:
         atomic.write_json(output, result)
     if markdown is not None:
