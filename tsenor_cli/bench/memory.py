@@ -209,7 +209,9 @@ def prune_eval_command(folder: Path, output: Path, mode: str, cfg: MemoryConfig)
     prune (magnitude 2:4 on its calibration text) and evaluation (WikiText-2, `windows` windows);
     `--no-stream` for the whole mode."""
     calib = calibration_text(folder.parent / "calib.txt", cfg)
-    command = [sys.executable, "-m", "tsenor_cli", "-q", "prune", "--model", str(folder), "--nm", "2:4"]
+    # No -q: with it the peak grew with depth (width 256: 1.49 GB at 8 blocks, 1.55 GB at 32; without it
+    # 1.46 and 1.40 GB, measured 2026-11-27), which is not what the default command costs.
+    command = [sys.executable, "-m", "tsenor_cli", "prune", "--model", str(folder), "--nm", "2:4"]
     command += ["--method", "magnitude", "--calib-data", str(calib), "--nsamples", str(cfg.prune_nsamples)]
     command += ["--seqlen", str(cfg.prune_seqlen), "--output", str(output), "--eval", "--ppl", PRUNE_EVAL_DATA]
     command += ["--max-windows", str(cfg.windows), *(["--no-stream"] if mode == "whole" else [])]
