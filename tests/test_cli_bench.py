@@ -171,6 +171,8 @@ def test_an_output_that_is_a_folder_is_refused_before_the_work_even_with_force(
         (["bench", "memory", "--blocks", ""], "--blocks must list depths of at least 1"),
         (["bench", "memory", "--blocks", "0"], "--blocks must list depths of at least 1"),
         (["bench", "memory", "--width", "65"], "--width must be a multiple of 64"),
+        (["bench", "memory", "--commands", "prune-evl"], "--commands must be a comma list of eval, prune, prune-eval"),
+        (["bench", "memory", "--commands", ","], "--commands must be a comma list of eval, prune, prune-eval"),
         (["bench", "prune", "--nm", "3:5", "--blocks", "1", "--scale-down", "32"], "M=5 does not divide"),
     ],
 )

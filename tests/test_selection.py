@@ -135,6 +135,49 @@ def test_ignored_layers_stay_dense_and_are_reported(tiny: Path, calib: Path, tmp
     assert len(checked) == 11 and not set(checked) & set(ignored)
 
 
+def test_the_run_takes_its_selection_from_the_plan_it_was_given(
+    tiny: Path, calib: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan is the only place the selection is made (issue 40): a plan made with an --ignore the run's
+    config lacks decides what stays dense, in the nn.Linear check before calibration and in the watch,
+    and every selection the run applies is the plan's own object."""
+    from dataclasses import replace
+
+    from tsenor_cli.pruning import api
+    from tsenor_cli.pruning.api import prune_model
+    from tsenor_cli.pruning.plan import PrunePlan, plan_model
+    from tsenor_cli.pruning.selection import Selection
+    from tsenor_cli.settings import RunContext, cache_dir_default
+
+    plans: list[PrunePlan] = []
+
+    def planned_with_ignore(cfg: PruneConfig, ctx: RunContext, progress: object = None, **kw: object) -> PrunePlan:
+        plans.append(plan_model(replace(cfg, ignore=("*.mlp.down_proj",)), ctx, progress, **kw))  # type: ignore[arg-type]
+        return plans[-1]
+
+    applied: list[Selection] = []
+    excluded = Selection.excluded
+
+    def spied(self: Selection, names: list[str]) -> dict[str, str]:
+        applied.append(self)
+        return excluded(self, names)
+
+    monkeypatch.setattr(api, "plan_model", planned_with_ignore)
+    monkeypatch.setattr(Selection, "excluded", spied)
+    cfg = PruneConfig(
+        model=str(tiny), layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)), method="magnitude",
+        calib_data=str(calib), nsamples=2, seqlen=32, output=tmp_path / "out",
+    )  # fmt: skip
+    ctx = RunContext(data_dir=None, offline=True, cache_dir=cache_dir_default())
+    report = prune_model(cfg, ctx)
+    status = {layer.name: (layer.status, layer.reason) for layer in report.layers}
+    down = [f"model.layers.{b}.mlp.down_proj" for b in (0, 1)]
+    assert all(status[name] == ("ignored", "matched --ignore *.mlp.down_proj") for name in down)
+    assert sum(s == "pruned" for s, _ in status.values()) == len(status) - 2 == 12
+    # Made once by the plan, applied to the plan's names and to the watched ones: the same object each time.
+    assert len(plans) == 1 and len(applied) == 2 and all(used is plans[0].selection for used in applied)
+
+
 def test_targets_from_a_recipe_and_errors_before_any_output(tiny: Path, tmp_path: Path) -> None:
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"model: {tiny}\nnm: '2:4'\ntargets: '*.mlp.*'\nignore: ['*.up_proj']\n")

@@ -13,12 +13,22 @@ what holding the model costs.
 The prune half does the same for `prune_model` (magnitude, 2:4 transposable, `prune_nsamples` ×
 `prune_seqlen` tokens of a generated calibration text, no resume state), whole and ``stream=True``; the
 parent checks that both write the same weight files (sha256), and reports seconds per block.
+
+The prune-eval rows run the command itself, `tsenor prune --eval` with its default flags (the resume
+state, streaming: the prune reads one block at a time and the evaluation after it too), and
+``--no-stream`` as the whole row (the prune holds the model; the evaluation streams, as `--eval` always
+does for perplexity); same prune as above, perplexity on WikiText-2 (`windows` windows of the evaluation's
+default 2048 tokens, `--max-windows`), so it needs the data folder (`TSENOR_DATA_DIR`). Its peak is the
+child's maximum resident set as the kernel reports it when the child ends (`ru_maxrss` of `os.wait4`),
+its seconds the command's wall time, imports included; the parent checks that both modes write the same
+weight files and the same perplexity.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -31,17 +41,20 @@ from typing import Any
 import torch
 
 from tsenor_cli.bench.machine import environment
-from tsenor_cli.errors import BadInputError, UsageError
+from tsenor_cli.data.sources import DatasetName
+from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
+from tsenor_cli.runfiles import EVAL_FILE
 
 MODES = ("whole", "streamed")
-COMMANDS = ("eval", "prune")
+COMMANDS = ("eval", "prune", "prune-eval")
+PRUNE_EVAL_DATA: DatasetName = "wikitext2"  # the perplexity dataset of the prune-eval rows
 
 
 @dataclass(frozen=True)
 class MemoryConfig:
     """blocks: the depths measured; width/intermediate/heads: the LLaMA shape; seqlen × windows: the
-    evaluated tokens; seed: the weights and the tokens; commands: eval, prune or both; prune_nsamples ×
-    prune_seqlen: the prune's calibration tokens."""
+    evaluated tokens (the prune-eval rows: `windows` windows of 2048); seed: the weights and the tokens;
+    commands: some of `COMMANDS`; prune_nsamples × prune_seqlen: the prune's calibration tokens."""
 
     blocks: tuple[int, ...] = (8, 16, 32)
     width: int = 1024
@@ -50,7 +63,7 @@ class MemoryConfig:
     seqlen: int = 256
     windows: int = 2
     seed: int = 0
-    commands: tuple[str, ...] = COMMANDS
+    commands: tuple[str, ...] = ("eval", "prune")  # prune-eval reads WikiText-2 from the data folder
     prune_nsamples: int = 4
     prune_seqlen: int = 64
 
@@ -62,6 +75,10 @@ class MemoryConfig:
             raise UsageError(f"--width must be a multiple of 64 (heads of 64), e.g. 1024; got {self.width}")
         if self.intermediate % 4:
             raise UsageError(f"the MLP width must be a multiple of 4 (the 2:4 prune); got {self.intermediate}")
+        unknown = [c for c in self.commands if c not in COMMANDS]
+        if unknown or not self.commands:
+            got = ",".join(self.commands)
+            raise UsageError(f"--commands must be a comma list of {', '.join(COMMANDS)}, e.g. eval,prune; got {got!r}")
 
 
 def _tokenizer_dir() -> Path:
@@ -147,9 +164,6 @@ def calibration_text(path: Path, cfg: MemoryConfig) -> Path:
 def measure_prune(folder: Path, mode: str, cfg: MemoryConfig) -> dict[str, Any]:
     """Prune the model in `folder` (`mode`: whole or streamed) in this process into a folder beside it:
     {"sha256" of the weight files (model.safetensors, or the shards and their index), "seconds", "peak_rss"}."""
-    import hashlib
-
-    from tsenor_cli.data.sources import sha256_file
     from tsenor_cli.pruning.api import prune_model
     from tsenor_cli.pruning.recipe import build_config
     from tsenor_cli.settings import RunContext, cache_dir_default
@@ -171,17 +185,69 @@ def measure_prune(folder: Path, mode: str, cfg: MemoryConfig) -> dict[str, Any]:
     prune_model(prune_cfg, ctx)
     seconds = time.perf_counter() - started
     peak = _peak_rss()
-    # Deeper models are written in shards (model-0000k-of-0000n.safetensors + index): hash them all, in order.
+    digest = _weights_sha256(output)
+    shutil.rmtree(output)
+    return {"sha256": digest, "seconds": seconds, "peak_rss": peak}
+
+
+def _weights_sha256(output: Path) -> str:
+    """One sha256 of a checkpoint's weight files: deeper models are written in shards
+    (model-0000k-of-0000n.safetensors + index), hashed all, in order, with their names."""
+    import hashlib
+
+    from tsenor_cli.data.sources import sha256_file
+
     digest = hashlib.sha256()
     for path in sorted(output.glob("model*.safetensors*")):
         digest.update(path.name.encode())
         digest.update(sha256_file(path).encode())
+    return digest.hexdigest()
+
+
+def prune_eval_command(folder: Path, output: Path, mode: str, cfg: MemoryConfig) -> list[str]:
+    """`tsenor prune --eval` of the model in `folder` into `output` with the default flags but the bench's
+    prune (magnitude 2:4 on its calibration text) and evaluation (WikiText-2, `windows` windows);
+    `--no-stream` for the whole mode."""
+    calib = calibration_text(folder.parent / "calib.txt", cfg)
+    # No -q either: the command as a user types it (its progress lines go to a file, not a terminal).
+    command = [sys.executable, "-m", "tsenor_cli", "prune", "--model", str(folder), "--nm", "2:4"]
+    command += ["--method", "magnitude", "--calib-data", str(calib), "--nsamples", str(cfg.prune_nsamples)]
+    command += ["--seqlen", str(cfg.prune_seqlen), "--output", str(output), "--eval", "--ppl", PRUNE_EVAL_DATA]
+    command += ["--max-windows", str(cfg.windows), *(["--no-stream"] if mode == "whole" else [])]
+    return command
+
+
+def measure_prune_eval(folder: Path, mode: str, cfg: MemoryConfig) -> dict[str, Any]:
+    """Run `prune_eval_command` as a child process: {"ppl" (eval.json's), "sha256" of the weight files,
+    "seconds" (the command's wall time), "peak_rss" (the child's ru_maxrss, from `os.wait4`)}."""
+    output = folder.parent / f"{folder.name}-pruned-eval-{mode}"
+    with tempfile.TemporaryFile() as err:
+        started = time.perf_counter()
+        child = subprocess.Popen(prune_eval_command(folder, output, mode, cfg), stdout=subprocess.DEVNULL, stderr=err)
+        # wait4, not wait: the child's own resource usage, its peak resident set (KiB on Linux) among it.
+        _pid, status, usage = os.wait4(child.pid, 0)
+        seconds = time.perf_counter() - started
+        child.returncode = os.waitstatus_to_exitcode(status)
+        if child.returncode != 0:
+            err.seek(0)
+            last = err.read().decode(errors="replace").strip().splitlines()[-1:]
+            raise BadInputError(f"the {mode} prune --eval of {folder} failed (exit {child.returncode}): {last}")
+    evaluation = json.loads((output / EVAL_FILE).read_text())
+    result = {
+        "ppl": float(evaluation["perplexity"][PRUNE_EVAL_DATA]["ppl"]),
+        "sha256": _weights_sha256(output),
+        "seconds": seconds,
+        "peak_rss": int(usage.ru_maxrss) * 1024,
+    }
     shutil.rmtree(output)
-    return {"sha256": digest.hexdigest(), "seconds": seconds, "peak_rss": peak}
+    return result
 
 
 def run_child(folder: Path, mode: str, cfg: MemoryConfig, command: str = "eval") -> dict[str, Any]:
-    """`measure` (eval) or `measure_prune` (prune) in a fresh Python process; its JSON result."""
+    """`measure` (eval) or `measure_prune` (prune) in a fresh Python process, or the `tsenor prune --eval`
+    process itself (prune-eval, `measure_prune_eval`); its result."""
+    if command == "prune-eval":
+        return measure_prune_eval(folder, mode, cfg)
     module = "tsenor_cli.bench.memory"
     command_line = [sys.executable, "-m", module, command, str(folder), mode, json.dumps(asdict(cfg))]
     done = subprocess.run(command_line, capture_output=True, text=True, check=False)
@@ -190,9 +256,26 @@ def run_child(folder: Path, mode: str, cfg: MemoryConfig, command: str = "eval")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+def check_prune_eval_data() -> None:
+    """InputNotFoundError, before any model is built, when the prune-eval rows' WikiText-2 has no source
+    (the hub off and no data folder in the environment the child inherits)."""
+    from tsenor_cli.data.sources import data_folder
+    from tsenor_cli.settings import RunContext
+
+    try:
+        data_folder(RunContext.from_environment(), PRUNE_EVAL_DATA)
+    except InputNotFoundError as exc:
+        raise InputNotFoundError(
+            f"{str(exc).split(';')[0]}; the prune-eval rows evaluate it: set TSENOR_DATA_DIR to the offline data "
+            "folder, or drop prune-eval from --commands"
+        ) from exc
+
+
 def run_memory_bench(cfg: MemoryConfig, *, say: Any = print) -> dict[str, Any]:
     """Every depth × mode of `cfg` (module docstring) → the result written to JSON and markdown."""
     rows: list[dict[str, Any]] = []
+    if "prune-eval" in cfg.commands:
+        check_prune_eval_data()
     with tempfile.TemporaryDirectory(prefix="tsenor-bench-memory-") as tmp:
         for blocks in cfg.blocks:
             folder = Path(tmp) / f"llama-{blocks}"
@@ -225,60 +308,107 @@ def run_memory_bench(cfg: MemoryConfig, *, say: Any = print) -> dict[str, Any]:
 def _check_agree(results: dict[str, dict[str, Any]], command: str, blocks: int) -> None:
     """BadInputError unless the streamed and whole runs agree: the same ppl (1e-5 relative), the same file."""
     whole, streamed = results["whole"], results["streamed"]
-    if command == "eval" and abs(streamed["ppl"] - whole["ppl"]) > 1e-5 * whole["ppl"]:
+    if "ppl" in whole and abs(streamed["ppl"] - whole["ppl"]) > 1e-5 * whole["ppl"]:
         raise BadInputError(f"{blocks} blocks: streamed ppl {streamed['ppl']} differs from whole {whole['ppl']}")
-    if command == "prune" and streamed["sha256"] != whole["sha256"]:
-        raise BadInputError(f"{blocks} blocks: the streamed prune wrote another model.safetensors than the whole one")
+    if "sha256" in whole and streamed["sha256"] != whole["sha256"]:
+        raise BadInputError(f"{blocks} blocks: the streamed {command} wrote other weight files than the whole one")
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    """An earlier run's --output JSON, for --merge (BadInputError naming the file when it is not one)."""
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(result, dict) and {"config", "rows", "peak_ratio_deepest_over_shallowest"} <= result.keys():
+            return result
+        problem = "it holds no config, rows and peak ratios"
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        problem = f"it is not JSON ({exc})"
+    raise BadInputError(f"--merge cannot read {path}: {problem}; pass the --output JSON of an earlier bench memory")
+
+
+def merge_results(base: dict[str, Any], new: dict[str, Any], where: str) -> dict[str, Any]:
+    """`base` (read from `where`) with the commands `new` measured replaced or added (`bench memory
+    --merge`): one page of rows measured at different times, so a long bench on a shared machine need
+    not be rerun whole for one new command. Each command keeps its own `sections` entry: the config,
+    machine, date and command line it was measured with, which `to_markdown` prints with its table."""
+
+    def sections(result: dict[str, Any]) -> dict[str, Any]:
+        found = dict(result.get("sections", {}))
+        for command in result["config"]["commands"]:
+            if command in found:
+                continue
+            if "date" not in result or "command" not in result:
+                raise BadInputError(
+                    f"{where} records no date and command line of its {command} rows, so a merged page could not "
+                    "say when they were measured; rerun every command without --merge"
+                )
+            note = {"date": result["date"], "command": result["command"]}
+            found[command] = {"config": result["config"], "machine": result.get("machine", {}), **note}
+        return found
+
+    measured = set(new["config"]["commands"])
+    kept = [c for c in base["config"]["commands"] if c not in measured]
+    merged_sections = {c: v for c, v in sections(base).items() if c in kept} | sections(new)
+    ratios = base["peak_ratio_deepest_over_shallowest"] | new["peak_ratio_deepest_over_shallowest"]
+    return {
+        "config": {**base["config"], "commands": [*kept, *new["config"]["commands"]]},
+        "rows": [row for row in base["rows"] if row["command"] in kept] + new["rows"],
+        "peak_ratio_deepest_over_shallowest": {k: v for k, v in ratios.items() if k.split()[0] in merged_sections},
+        "machine": new.get("machine", {}),
+        "date": new["date"],
+        "command": new["command"],
+        "sections": merged_sections,
+    }
 
 
 def to_markdown(result: dict[str, Any], command: str, date: str, machine: str) -> str:
-    """The measurement page: the command, the machine, a table per measured command and the depth ratios."""
+    """The measurement page: the command, the machine, a table per measured command and the depth ratios
+    (a merged result, `merge_results`: each section with its own date, command line and settings)."""
     cfg = result["config"]
     commands = cfg.get("commands", ["eval"])
-    title = " and ".join(f"`tsenor {c}`" for c in commands)
+    names = [f"`tsenor {_invocation(c)}`" for c in commands]
+    title = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+    sections = result.get("sections", {})
+    when = "Each section says when and with which command it was measured" if sections else f"Measured {date}"
     lines = [
         f"# Host memory of {title}: streamed against whole",
         "",
-        f"Measured {date} on {machine} with `{command}`. Random LLaMA models of width {cfg['width']} "
-        f"(MLP {cfg['intermediate']}, {cfg['heads']} heads, vocabulary 49152 with a tied head, fp32), each run "
-        "in a fresh process (`tsenor_cli/bench/memory.py`); peak RSS is the process's VmHWM.",
+        f"{when} on {machine}{'' if sections else f' with `{command}`'}. Random LLaMA models of width "
+        f"{cfg['width']} (MLP {cfg['intermediate']}, {cfg['heads']} heads, vocabulary 49152 with a tied head, "
+        "fp32), each run in a fresh process (`tsenor_cli/bench/memory.py`); peak RSS is the process's VmHWM.",
         "",
     ]
-    env = result.get("machine", {})
-    if "transformers" in env:
-        lines += [
-            f"tsenor {env['tsenor']}, torch {env['torch']}, transformers {env['transformers']}, Python "
-            f"{env['python']}; load average {env['load_average']:.1f} at the start.",
-            "",
-        ]
-    what = {
-        "eval": f"`--ppl` on {cfg['windows']} windows of {cfg['seqlen']} tokens; both modes give the same "
-        "perplexity (checked to 1e-5 relative).",
-        "prune": f"magnitude 2:4 transposable on {cfg.get('prune_nsamples')} × {cfg.get('prune_seqlen')} "
-        "calibration tokens, `--no-resume-state`; both modes write the same weight files (sha256 checked).",
-    }
+    if not sections:
+        lines += [*_versions(result.get("machine", {})), ""]
     ratios = result["peak_ratio_deepest_over_shallowest"]
-    deepest, shallowest = max(cfg["blocks"]), min(cfg["blocks"])
     for name in commands:
+        section = sections.get(name, {})
+        part = section.get("config", cfg)
+        lines += [f"## `tsenor {_invocation(name)}`", ""]
+        if section:
+            lines += [f"Measured {section['date']} with `{section['command']}`.", *_versions(section["machine"]), ""]
         lines += [
-            f"## `tsenor {name}`",
-            "",
-            what[name],
+            _what(name, part),
             "",
             "| blocks | weights (GiB) | mode | peak RSS (GiB) | seconds | s / block |",
             "|---:|---:|---|---:|---:|---:|",
         ]
-        for row in result["rows"]:
-            if row.get("command", "eval") != name:
-                continue
-            lines.append(
-                f"| {row['blocks']} | {row['weights'] / 2**30:.2f} | {row['mode']} | "
-                f"{row['peak_rss'] / 2**30:.2f} | {row['seconds']:.1f} | {row['seconds'] / row['blocks']:.2f} |"
-            )
+        lines += [
+            f"| {row['blocks']} | {row['weights'] / 2**30:.2f} | {row['mode']} | "
+            f"{row['peak_rss'] / 2**30:.2f} | {row['seconds']:.1f} | {row['seconds'] / row['blocks']:.2f} |"
+            for row in result["rows"]
+            if row.get("command", "eval") == name
+        ]
+        deepest, shallowest = max(part["blocks"]), min(part["blocks"])
         lines += [
             "",
             f"Peak RSS at {deepest} blocks over {shallowest} blocks: whole {ratios[f'{name} whole']:.2f}x, "
-            f"streamed {ratios[f'{name} streamed']:.2f}x (target: at most 1.3x).",
+            f"streamed {ratios[f'{name} streamed']:.2f}x (target: at most 1.3x)."
+            + (
+                " Streamed misses the target: its host memory still grows with depth."
+                if ratios[f"{name} streamed"] > 1.3
+                else ""
+            ),
             "",
         ]
     lines += [
@@ -291,6 +421,43 @@ def to_markdown(result: dict[str, Any], command: str, date: str, machine: str) -
         "",
     ]
     return "\n".join(lines)
+
+
+def _versions(env: dict[str, Any]) -> list[str]:
+    """The library versions and the load average a measurement started with (none for an old result)."""
+    if "transformers" not in env:
+        return []
+    return [
+        f"tsenor {env['tsenor']}, torch {env['torch']}, transformers {env['transformers']}, Python "
+        f"{env['python']}; load average {env['load_average']:.1f} at the start."
+    ]
+
+
+def _what(command: str, cfg: dict[str, Any]) -> str:
+    """What a section measured, from the settings it was measured with."""
+    calibration = f"{cfg.get('prune_nsamples')} × {cfg.get('prune_seqlen')} calibration tokens"
+    if command == "eval":
+        return (
+            f"`--ppl` on {cfg['windows']} windows of {cfg['seqlen']} tokens; both modes give the same "
+            "perplexity (checked to 1e-5 relative)."
+        )
+    if command == "prune":
+        return (
+            f"magnitude 2:4 transposable on {calibration}, `--no-resume-state`; both modes write the same "
+            "weight files (sha256 checked)."
+        )
+    return (
+        "The command `tsenor prune --eval` with its default flags (resume state, streaming) as the streamed "
+        "row and `--no-stream` as the whole row (its evaluation streams either way): magnitude 2:4 "
+        f"transposable on {calibration}, then perplexity on WikiText-2, {cfg['windows']} window(s) of 2048 "
+        "tokens (`--max-windows`). Peak RSS is the child's `ru_maxrss`, seconds the command's wall time with "
+        "Python's imports; both modes write the same weight files and the same perplexity (checked)."
+    )
+
+
+def _invocation(command: str) -> str:
+    """How the page names a measured command: "prune-eval" is `tsenor prune --eval`."""
+    return "prune --eval" if command == "prune-eval" else command
 
 
 def main(argv: list[str]) -> None:

@@ -158,13 +158,8 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
 
 
 def _commands(text: str) -> tuple[str, ...]:
-    from tsenor_cli.bench.memory import COMMANDS
-
-    chosen = tuple(x.strip() for x in text.split(",") if x.strip())
-    unknown = [x for x in chosen if x not in COMMANDS]
-    if unknown or not chosen:
-        raise UsageError(f"--commands {text!r} must name {' and/or '.join(COMMANDS)}, e.g. eval,prune")
-    return chosen
+    """--commands as a tuple; `MemoryConfig` checks the names (one line, exit 2)."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 @bench_app.command("speedup", cls=Command)
@@ -357,24 +352,37 @@ def bench_memory(
     seqlen: int = typer.Option(256, min=2, help="Tokens per perplexity window."),
     windows: int = typer.Option(2, min=1, help="Perplexity windows per evaluation."),
     seed: int = typer.Option(0, help="Seed of the random weights and tokens."),
-    commands: str = typer.Option("eval,prune", help="What to measure: eval, prune or both (comma list)."),
+    commands: str = typer.Option(
+        "eval,prune",
+        help="What to measure (comma list): eval, prune, prune-eval (`tsenor prune --eval` itself, streamed and "
+        "--no-stream; reads WikiText-2 from the data folder).",
+    ),
     machine: str = typer.Option("", help="The machine, as the Markdown page names it (default: platform, cores)."),
     output: Path | None = typer.Option(None, help="Write the JSON result here."),
     markdown: Path | None = typer.Option(None, help="Write the Markdown page here (docs/measurements/)."),
+    merge: bool = typer.Option(
+        False,
+        "--merge",
+        help="Replace only the measured commands in the --output JSON of an earlier run and keep the others; "
+        "the page says when each section was measured.",
+    ),
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Peak host memory and time of `tsenor eval --ppl` and `tsenor prune`, streamed and whole, against model depth."""
+    """Peak host memory and time of `tsenor eval --ppl`, `prune` and `prune --eval`, streamed and whole, by depth."""
     import datetime
     import json
     import os
     import platform
 
-    from tsenor_cli.bench.memory import MemoryConfig, run_memory_bench, to_markdown
+    from tsenor_cli.bench.memory import MemoryConfig, merge_results, read_result, run_memory_bench, to_markdown
     from tsenor_cli.cli import command_line
     from tsenor_cli.progress import logger
 
-    _check_outputs(force, {"--output": output, "--markdown": markdown})
+    if merge and (output is None or not output.is_file()):
+        raise UsageError("--merge keeps the other commands of an earlier --output JSON; pass it with --output")
+    _check_outputs(force, {"--markdown": markdown})
+    _check_outputs(force or merge, {"--output": output})  # --merge rewrites the JSON it reads
     cfg = MemoryConfig(
         blocks=_int_list(blocks, "--blocks"),
         width=width,
@@ -385,9 +393,13 @@ def bench_memory(
         seed=seed,
         commands=_commands(commands),
     )
-    result = run_memory_bench(cfg, say=logger.info)
+    earlier = read_result(output) if merge and output is not None else None
+    today = datetime.date.today().isoformat()
+    result = {**run_memory_bench(cfg, say=logger.info), "date": today, "command": command_line()}
+    if earlier is not None:
+        result = merge_results(earlier, result, str(output))
     where = machine or f"{platform.machine()} Linux, {os.cpu_count()} CPU cores"
-    page = to_markdown(result, command_line(), datetime.date.today().isoformat(), where)
+    page = to_markdown(result, command_line(), today, where)
     if output is not None:
         atomic.write_json(output, result)
     if markdown is not None:

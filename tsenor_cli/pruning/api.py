@@ -149,6 +149,8 @@ def prune_model(
 
     with output_run(output, interrupted, say=say, stop=stop) as folder, joined(place, device) as team:
         plan = _checked_plan(cfg, ctx, folder, team, device, say)
+        if built is not None:  # the plan is made from the folder's config.json: the model must be that one
+            plan.check_model(built.structure, cfg.model)
         # Only rank 0 touches the output folder: it alone holds the lock and writes every file.
         with folder.locked(owner=team.is_root):
             opened = _open_output(cfg, folder, plan, team, say)

@@ -43,7 +43,7 @@ from tsenor_cli.pruning.outside import (
 from tsenor_cli.pruning.outside import REASON as OUTSIDE_REASON
 from tsenor_cli.pruning.probe import probe_blocks
 from tsenor_cli.pruning.registry import get_pruner
-from tsenor_cli.pruning.selection import excluded_layers, matches
+from tsenor_cli.pruning.selection import Selection
 from tsenor_cli.pruning.slots import (
     LinearSlot,
     check_compatibility,
@@ -102,12 +102,12 @@ def weight_plan(
     structure: ModelStructure,
     static: Sequence[LinearSlot],
     observed: dict[int, BlockObservation],
-    cfg: PruneConfig,
-    selectable: Sequence[str] = (),
+    selection: Selection,
 ) -> WeightPlan:
     """Slots of watched blocks take their orientation, experts and role from the watch; routers and gates
     are left dense unless a --targets pattern names them; the other patterns as for nn.Linear layers.
-    selectable: the linears outside the language model --targets may name (`pruning/outside.py`)."""
+    selection: the plan's `--ignore`/`--targets` selection (`PrunePlan.selection`), applied to the
+    watched names with the same patterns and outside names as the plan's own."""
     slots: list[LinearSlot] = []
     unused: dict[int, list[LayerRecord]] = {}
     for index in range(len(structure)):
@@ -131,8 +131,8 @@ def weight_plan(
                     LayerRecord(index, full, int(shape[-2]), int(shape[-1]), "ignored", why, param=full)
                 )
     names = [s.full_name for s in slots]
-    ignored = excluded_layers(names, cfg.ignore, cfg.targets, selectable=selectable)
-    targeted = {n for n in names if any(matches(p, n) for p in cfg.targets)}
+    ignored = selection.excluded(names)
+    targeted = {n for n in names if selection.targeted(n)}
     ruled: dict[str, int] = {}
     for slot in slots:
         if slot.role != "weight" and slot.full_name not in targeted:
@@ -156,17 +156,21 @@ def say_ruled(plan: WeightPlan) -> None:
         )
 
 
-def _outside_weights(model: Any, structure: ModelStructure) -> list[str]:
-    """The module names (as patterns see them) of the weight matrices outside the decoder blocks: a
-    vision tower's and projector's linears, the embeddings, the output head."""
+def _selection(cfg: PruneConfig, model: Any, structure: ModelStructure) -> tuple[Selection, tuple[OutsideWeight, ...]]:
+    """The run's `--ignore`/`--targets` selection (made here only: `PrunePlan.selection`) and the linears
+    outside the language model it selects (`PrunePlan.beyond`). The selection knows the module names (as
+    patterns see them) of the weight matrices outside the decoder blocks (a vision tower's and projector's
+    linears, the embeddings, the output head) for its error line, and which of them are selectable
+    linears."""
     in_blocks = {id(m) for m in structure.blocks.modules()}
-    found = []
-    for name, module in model.named_modules():
-        if id(module) in in_blocks:
-            continue
-        if any(p.dim() >= 2 for p in module.parameters(recurse=False)):
-            found.append(name)
-    return found
+    outside = tuple(
+        name
+        for name, module in model.named_modules()
+        if id(module) not in in_blocks and any(p.dim() >= 2 for p in module.parameters(recurse=False))
+    )
+    linears = outside_linears(model, structure)
+    beyond = selected_outside(linears, cfg.targets, cfg.ignore, cfg.pattern) if cfg.targets else ()
+    return Selection(tuple(cfg.ignore), tuple(cfg.targets), outside, tuple(linears)), beyond
 
 
 def _idle_reason(structure: ModelStructure, index: int) -> str:
@@ -225,11 +229,14 @@ class PrunePlan:
     run holds the weights outside the blocks and one block). blocks_bytes: every block's parameters (what
     a streamed run without a resume state keeps on disk until the write); stream: the plan is for --stream;
     beyond: the linears outside the language model that --targets selects (pruned by magnitude,
-    `pruning/outside.py`). seqlen is --seqlen capped at the model's positions. What a run can take from
+    `pruning/outside.py`). seqlen is --seqlen capped at the model's positions. selection: the
+    `--ignore`/`--targets` selection with the names beside the blocks it judges (`selection.Selection`);
+    the plan is the only place that makes it: the run reads `ignored` for the nn.Linear check before
+    calibration, `selection` for the watched matrices, `beyond` for the linears outside the language
+    model and `seqlen` for the calibration. What a run can take from
     the plan instead of recomputing it: sizing (the estimates' inputs, `fixes` re-estimates other
     flags), weights (the probe's `WeightPlan`: slots, ignored, unused, ruled; None without the probe),
-    world_size (the processes it was made for), modules (the full names of the blocks' nn.Linear layers),
-    outside (the names of the linears outside the language model --targets may select).
+    world_size (the processes it was made for), modules (the full names of the blocks' nn.Linear layers).
     """
 
     model: str
@@ -251,6 +258,7 @@ class PrunePlan:
     checkpoint_bytes: int
     resume_bytes: int
     host_memory: HostEstimate
+    selection: Selection
     unused: tuple[LayerRecord, ...] = ()
     idle: dict[str, str] = field(default_factory=dict)
     pending: dict[str, str] = field(default_factory=dict)
@@ -263,7 +271,6 @@ class PrunePlan:
     weights: WeightPlan | None = None
     world_size: int = 1
     modules: frozenset[str] = frozenset()
-    outside: tuple[str, ...] = ()
 
     @property
     def device_bytes(self) -> int:
@@ -539,6 +546,27 @@ class PrunePlan:
                     "prunes nn.Linear layers only: run with one process (nothing was written)"
                 )
 
+    def check_model(self, structure: ModelStructure, folder: str) -> None:
+        """UsageError when a model built in memory (the Python API's) is not the model of `folder`'s
+        config.json this plan was made from: another block count, or other nn.Linear layers or shapes in its
+        blocks. The run takes its block count, selection and calibration length from the plan, so a model
+        edited after loading (a block dropped, a layer replaced) was pruned against another model's plan
+        and written under a config.json that does not describe it."""
+        planned = {s.full_name: (s.out_features, s.in_features) for s in self.slots if s.full_name in self.modules}
+        held = {s.full_name: (s.out_features, s.in_features) for s in linear_slots(structure) if not s.param}
+        if len(structure) != self.blocks:
+            what = f"{len(structure)} decoder block(s) in memory, {self.blocks} in the config"
+        elif held != planned:
+            name = next(n for n in sorted({*held, *planned}) if held.get(n) != planned.get(n))
+            here, there = ("×".join(map(str, d[name])) if name in d else "absent" for d in (held, planned))
+            what = f"{name}: {here} in memory, {there} in the config"
+        else:
+            return
+        raise UsageError(
+            f"the model in memory does not match {folder}/config.json, which the run is planned from ({what}); "
+            "save it with save_pretrained and prune the saved folder"
+        )
+
 
 @dataclass(frozen=True)
 class Sizing:
@@ -612,21 +640,18 @@ class _Accounted:
     modules: frozenset[str] = frozenset()
 
 
-def _account(
-    cfg: PruneConfig, model: Any, structure: ModelStructure, hidden: int, linears: Sequence[str], observe: bool
-) -> _Accounted:
-    """The weight matrices of the blocks and their fate; with `observe`, as the probe watched them, with
-    see `plan_model`. linears: those outside the language model."""
+def _account(structure: ModelStructure, hidden: int, selection: Selection, observe: bool) -> _Accounted:
+    """The weight matrices of the blocks and their fate under `selection`; with `observe`, as the probe
+    watched them (see `plan_model`)."""
     slots = linear_slots(structure)
-    names, outside = [s.full_name for s in slots], _outside_weights(model, structure)
+    names = [s.full_name for s in slots]
     modules = frozenset(s.full_name for s in slots if not s.param)
-    if not observe:
-        ignored = excluded_layers(names, cfg.ignore, cfg.targets, outside=outside, selectable=list(linears))
-        return _Accounted(slots, ignored, modules=modules)
     # The patterns first: a typo is found before the probe runs a forward.
-    excluded_layers(names, cfg.ignore, cfg.targets, outside=outside, selectable=list(linears))
+    excluded = selection.excluded(names)
+    if not observe:
+        return _Accounted(slots, excluded, modules=modules)
     probe = probe_blocks(structure, hidden)
-    accounted = weight_plan(structure, slots, probe.observed, cfg, list(linears))
+    accounted = weight_plan(structure, slots, probe.observed, selection)
     say_ruled(accounted)
     slots, ignored = accounted.slots, accounted.ignored
     unused = tuple(record for index in sorted(accounted.unused) for record in accounted.unused[index])
@@ -671,9 +696,8 @@ def plan_model(
     model = meta_model(config, trust_remote_code=cfg.trust_remote_code)
     structure = discover_structure(model)
     hidden = int(config_value(config, "hidden_size"))
-    linears = outside_linears(model, structure)
-    beyond = selected_outside(linears, cfg.targets, cfg.ignore, cfg.pattern) if cfg.targets else ()
-    found = _account(cfg, model, structure, hidden, list(linears), observe)
+    selection, beyond = _selection(cfg, model, structure)
+    found = _account(structure, hidden, selection, observe)
     slots, ignored, idle = found.slots, found.ignored, _idle_dense(found.idle, found.modules)
     bad = incompatible_slots(_checkable(slots, (ignored, idle, found.pending), found.observed), cfg.pattern)
     candidates = tuple(s for s in slots if s.full_name not in ignored and s.full_name not in idle)
@@ -708,6 +732,7 @@ def plan_model(
         # With --refine the hidden-state files hold the dense stream too.
         resume_bytes=sum(per_block) * width + (4 if cfg.refine.on else 2) * cfg.nsamples * seqlen * hidden * width,
         host_memory=host,
+        selection=selection,
         unused=found.unused,
         idle=found.idle,
         pending=found.pending,
@@ -719,5 +744,4 @@ def plan_model(
         weights=found.weights,
         world_size=ranks,
         modules=found.modules,
-        outside=tuple(linears),
     )

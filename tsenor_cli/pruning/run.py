@@ -5,8 +5,11 @@ resume state, then builds a `PruneRun` and calls `execute`, which runs the steps
 names: load the model and read the calibration text (`load`), capture the input of the first block to
 prune or restore it from the resume state (`calibrate`), watch the blocks' dense forwards (`watch`),
 prune block by block (`prune_blocks`), then hand the result to the checkpoint's writer
-(`writer.CheckpointSink`). The run uses the plan it was given: the calibration length and the
-linears `--targets` selects outside the language model are the plan's.
+(`writer.CheckpointSink`). The run uses the plan it was given and decides no selection itself: the
+calibration length, the `--ignore`/`--targets` selection (`PrunePlan.ignored` for the nn.Linear check
+before calibration, `PrunePlan.selection` applied to the watched matrices) and the linears `--targets`
+selects outside the language model are the plan's. Only the watch is the run's own: it sees the real
+blocks' forwards, which the plan (made without reading a weight) cannot.
 
 Where the blocks' weights come from is the run's `BlockSource` policy (`replay/source.py`: offloaded
 for a whole load, streamed from the checkpoint); how a block is pruned is its `engine.BlockPruner`
@@ -23,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -40,14 +43,13 @@ from tsenor_cli.pruning.gather import MoeOptions, observe_blocks
 from tsenor_cli.pruning.observe import BlockObservation
 from tsenor_cli.pruning.output import interruption, sparsity_record
 from tsenor_cli.pruning.outside import REASON as OUTSIDE_REASON
-from tsenor_cli.pruning.outside import outside_linears, prune_outside
+from tsenor_cli.pruning.outside import prune_outside
 from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.plan import PrunePlan, say_ruled, weight_plan
 from tsenor_cli.pruning.refine import refine_pruned_block
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.report import versions
 from tsenor_cli.pruning.resume import ResumeStore
-from tsenor_cli.pruning.selection import excluded_layers
 from tsenor_cli.pruning.slots import LinearSlot, check_compatibility, linear_slots
 from tsenor_cli.pruning.types import LayerRecord
 from tsenor_cli.pruning.writer import CheckpointSink, WeightCounts
@@ -279,8 +281,8 @@ class PruneRun:
         with self.timings.phase("load"):
             self.loaded, slots, calib = self.load()
         structure = self.structure
-        linears = outside_linears(self.loaded.model, structure)
         beyond = self.plan.beyond
+        linears = {w.name: cast(nn.Linear, self.loaded.model.get_submodule(w.name)) for w in beyond}
         if structure.outside:
             dense = [name for name in structure.outside if not any(w.name.startswith(f"{name}.") for w in beyond)]
             if dense:
@@ -305,7 +307,7 @@ class PruneRun:
             with self.timings.phase("calibrate"):
                 begin = self.calibrate(calib)
             with self.timings.phase("watch"):
-                plan = self.watch(slots, begin, list(linears))
+                plan = self.watch(slots, begin)
             records, refined = self.prune_blocks(begin, plan)
             self._drain()  # every block's files complete before the write reads or follows them
             records += prune_outside(linears, beyond, cfg.layer, self.say)
@@ -366,8 +368,7 @@ class PruneRun:
                 )  # fmt: skip
             _check_loaded(cfg, loaded)
             slots = linear_slots(loaded.structure)
-            selectable = list(outside_linears(loaded.model, loaded.structure))
-            ignored = excluded_layers([s.full_name for s in slots], cfg.ignore, cfg.targets, selectable=selectable)
+            ignored = self.plan.ignored  # the plan's selection (module docstring), not made again here
             # The nn.Linear layers are checked now, before calibration; the other matrices once the forward
             # has shown their orientation and role (`watch`). A one-output layer is a gate (observe.py),
             # left dense then whatever its shape.
@@ -412,19 +413,18 @@ class PruneRun:
             dense = inputs.hidden.clone() if cfg.refine.on else None
             return Start(0, [], inputs.hidden, inputs.calls, str(calib.source_description), calib.source, dense)
 
-    def watch(self, slots: list[LinearSlot], begin: Start, selectable: Sequence[str] = ()) -> BlockPlan:
+    def watch(self, slots: list[LinearSlot], begin: Start) -> BlockPlan:
         """Watch the dense forward of the blocks left to prune (one sample; a streamed run reads each block
         for it and releases it) and settle the run's weight matrices from what they multiply by
         (`plan.weight_plan`), checking them against the pattern as the nn.Linear layers were. A kind of
-        weight left dense by a rule is said once on stderr. selectable: the linears outside the language
-        model --targets may name (`pruning/outside.py`)."""
+        weight left dense by a rule is said once on stderr. The selection is the plan's (`PrunePlan.selection`)."""
         cfg, team, structure = self.cfg, self.team, self.structure
         observed: dict[int, BlockObservation] = {}
         if begin.hidden is not None:
             with phase("capture"), team.agreed():
                 observed = observe_blocks(self.source, begin.hidden[:1], begin.calls, begin.first)
         with team.agreed():
-            accounted = weight_plan(structure, slots, observed, cfg, selectable)
+            accounted = weight_plan(structure, slots, observed, self.plan.selection)
             say_ruled(accounted)
             candidates = [s for s in accounted.slots if s.full_name not in accounted.ignored]
             skipped = check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 from tsenor_cli.errors import UsageError
@@ -38,6 +39,28 @@ def matches(pattern: str, name: str) -> bool:
     if pattern.startswith(REGEX_PREFIX):
         return re.match(pattern.removeprefix(REGEX_PREFIX), name) is not None
     return fnmatchcase(name, pattern)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One model's `--ignore`/`--targets` selection, made once by the plan (`plan.plan_model`) and read by
+    the run from the plan it was given (`PrunePlan.selection`), so the dry run and the run judge every name
+    with the same patterns and the same names beside the blocks. outside: the model's weight matrices
+    outside the decoder blocks (their own error line); selectable: the linears outside the language
+    model a pattern may name (`pruning/outside.py`)."""
+
+    ignore: tuple[str, ...]
+    targets: tuple[str, ...]
+    outside: tuple[str, ...]
+    selectable: tuple[str, ...]
+
+    def excluded(self, names: Sequence[str]) -> dict[str, str]:
+        """{full name: reason} of `names` left dense (`excluded_layers`, its errors included)."""
+        return excluded_layers(names, self.ignore, self.targets, outside=self.outside, selectable=self.selectable)
+
+    def targeted(self, name: str) -> bool:
+        """Whether a --targets pattern names `name` (a router or gate is pruned only then)."""
+        return any(matches(pattern, name) for pattern in self.targets)
 
 
 def excluded_layers(
