@@ -276,7 +276,10 @@ def test_a_full_disk_in_the_writer_is_the_synchronous_error_and_resumes(
     sized = tmp_path / "sized"
     with pytest.raises(Interrupted):
         prune_model(sparsegpt_config(tiny, calib, sized), data_ctx, after_block=_ctrl_c)
-    budget = (sized / RESUME_DIR / RESUME_STATE_FILE).stat().st_size
+    # Block 1's state.json fits and block 2's (longer: it lists both blocks) does not. Its size moves by a
+    # few bytes from run to run (the timings it records), so the budget is not that size to the byte.
+    first = (sized / RESUME_DIR / RESUME_STATE_FILE).stat().st_size
+    budget = first + first // 2
     lines = {}
     for depth in (0, background.WRITER_DEPTH):
         monkeypatch.setattr(run, "WRITER_DEPTH", depth)

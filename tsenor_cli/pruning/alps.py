@@ -175,8 +175,7 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
     tally = SolveTally(b_hat[..., 0, 0].numel(), b_hat.device)
     lead = b_hat.shape[:-2]
     mask, result, _, _ = _project(b_hat, cfg, None, None, tally)
-    d = b_hat * mask
-    v = torch.zeros_like(b_hat)
+    d, v = b_hat * mask, torch.zeros_like(b_hat)
     kept_total = mask.sum((-2, -1)).clamp_min(1).double()  # (...,)
     rho = torch.full(lead, opts.rho0, dtype=torch.float64, device=b_hat.device)  # (...,)
     inv = inverse(rho)
