@@ -37,7 +37,7 @@ from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.registry import PrunerSpec
 from tsenor_cli.pruning.slots import LinearSlot, dense_records
 from tsenor_cli.pruning.stats import InputStats, reconstruction_error
-from tsenor_cli.pruning.types import LayerPruneConfig, LayerRecord, PruneOutcome
+from tsenor_cli.pruning.types import LayerPruneConfig, LayerRecord, MaskSolveInfo, PruneOutcome
 from tsenor_cli.replay import BlockCall, block_output, input_key
 
 
@@ -133,7 +133,6 @@ def _record_outcome(
     error = reconstruction_error(dense, stored, gram)
     if not math.isfinite(error):
         raise _non_finite_inputs(slot, weight)
-    solve = outcome.solve
     record = LayerRecord(
         block=slot.block,
         name=slot.record_name(expert),
@@ -143,11 +142,7 @@ def _record_outcome(
         reason=note,
         recon_error=error,
         density=float(outcome.mask.float().mean()),
-        gap=solve.gap if solve else None,
-        solver_objective=solve.objective if solve else None,
-        solver_upper_bound=solve.upper_bound if solve else None,
-        solver_seconds=solve.seconds if solve else None,
-        solver_calls=solve.calls if solve else 0,
+        **MaskSolveInfo.record_fields(outcome.solve),
         seconds=seconds,
         iterations=outcome.iterations,
         safeguard_tiles=outcome.safeguard_tiles,

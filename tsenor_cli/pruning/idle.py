@@ -30,7 +30,7 @@ from tsenor_cli.progress import Progress
 from tsenor_cli.pruning import magnitude
 from tsenor_cli.pruning.observe import BlockObservation, observe_block
 from tsenor_cli.pruning.slots import LinearSlot, dense_records
-from tsenor_cli.pruning.types import LayerPruneConfig, LayerRecord
+from tsenor_cli.pruning.types import LayerPruneConfig, LayerRecord, MaskSolveInfo
 from tsenor_cli.replay import BlockCall, block_output
 
 # What a forward raises when an input the text does not give is used (a None where a tensor or a cache
@@ -109,7 +109,6 @@ def prune_unreached(
     start = time.perf_counter()
     outcome = magnitude.prune(weight, None, cfg)
     weight.copy_(outcome.weight.to(weight.dtype))
-    solve = outcome.solve
     record = LayerRecord(
         block=slot.block,
         name=slot.full_name,
@@ -118,11 +117,7 @@ def prune_unreached(
         status="pruned",
         reason=seen.magnitude_reason,
         density=float(outcome.mask.float().mean()),
-        gap=solve.gap if solve else None,
-        solver_objective=solve.objective if solve else None,
-        solver_upper_bound=solve.upper_bound if solve else None,
-        solver_seconds=solve.seconds if solve else None,
-        solver_calls=solve.calls if solve else 0,
+        **MaskSolveInfo.record_fields(outcome.solve),
         seconds=time.perf_counter() - start,
         param=slot.full_param,
         transposed=slot.transposed,

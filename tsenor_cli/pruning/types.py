@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypedDict, TypeVar
 
 import torch
 
@@ -49,6 +49,16 @@ class LayerPruneConfig:
         return self.options
 
 
+class SolverColumns(TypedDict):
+    """The solver's columns of a `LayerRecord` (`MaskSolveInfo.record_fields`)."""
+
+    gap: float | None
+    solver_objective: float | None
+    solver_upper_bound: float | None
+    solver_seconds: float | None
+    solver_calls: int
+
+
 @dataclass(frozen=True)
 class MaskSolveInfo:
     """Certified quality of the transposable mask(s) of one layer (summed over all solver calls).
@@ -61,6 +71,17 @@ class MaskSolveInfo:
     gap: float
     seconds: float
     calls: int
+
+    @staticmethod
+    def record_fields(solve: MaskSolveInfo | None) -> SolverColumns:
+        """A `LayerRecord`'s solver columns for `solve` (no certificate, no calls for other patterns)."""
+        return {
+            "gap": solve.gap if solve else None,
+            "solver_objective": solve.objective if solve else None,
+            "solver_upper_bound": solve.upper_bound if solve else None,
+            "solver_seconds": solve.seconds if solve else None,
+            "solver_calls": solve.calls if solve else 0,
+        }
 
 
 @dataclass(frozen=True)
