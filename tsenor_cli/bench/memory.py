@@ -19,16 +19,15 @@ state, streaming: the prune reads one block at a time and the evaluation after i
 ``--no-stream`` as the whole row (the prune holds the model; the evaluation streams, as `--eval` always
 does for perplexity); same prune as above, perplexity on WikiText-2 (`windows` windows of the evaluation's
 default 2048 tokens, `--max-windows`), so it needs the data folder (`TSENOR_DATA_DIR`). Its peak is the
-child's maximum resident set as the kernel reports it when the child ends (`ru_maxrss` of `os.wait4`),
-its seconds the command's wall time, imports included; the parent checks that both modes write the same
-weight files and the same perplexity.
+child's own VmHWM, read by the child as it exits (`PEAK_CHILD`: the command run as ``python -m tsenor_cli``
+runs it, with an exit hook), its seconds the command's wall time, imports included; the parent checks that
+both modes write the same weight files and the same perplexity.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -217,28 +216,46 @@ def prune_eval_command(folder: Path, output: Path, mode: str, cfg: MemoryConfig)
     return command
 
 
+# `python -c PEAK_CHILD PEAK_FILE ARGS...` runs `python -m tsenor_cli ARGS...` and writes its VmHWM to
+# PEAK_FILE at exit. The child's ru_maxrss (os.wait4) is no measure of the command: Linux keeps in it the
+# largest resident set of every memory map the process had, and a child that subprocess starts had the
+# bench's own until its exec (vfork). After building the 32-block model (2.8 GiB resident) the bench got
+# 2.83 GiB for the streamed child, whose own VmHWM, sampled from /proc meanwhile, was 1.52 GiB (2026-11-27).
+PEAK_CHILD = (
+    "import atexit, runpy, sys; from tsenor_cli.bench.memory import write_peak_rss; "
+    "atexit.register(write_peak_rss, sys.argv.pop(1)); runpy.run_module('tsenor_cli', run_name='__main__')"
+)
+
+
+def write_peak_rss(path: str) -> None:
+    """Write this process's peak resident set (`_peak_rss`, bytes) to `path` (the prune-eval child's exit hook)."""
+    Path(path).write_text(str(_peak_rss()))
+
+
 def measure_prune_eval(folder: Path, mode: str, cfg: MemoryConfig) -> dict[str, Any]:
     """Run `prune_eval_command` as a child process: {"ppl" (eval.json's), "sha256" of the weight files,
-    "seconds" (the command's wall time), "peak_rss" (the child's ru_maxrss, from `os.wait4`)}."""
+    "seconds" (the command's wall time), "peak_rss" (the child's own VmHWM, `PEAK_CHILD`)}."""
     output = folder.parent / f"{folder.name}-pruned-eval-{mode}"
+    peak = folder.parent / f"{folder.name}-peak-{mode}"
+    command = prune_eval_command(folder, output, mode, cfg)
+    assert command[1:3] == ["-m", "tsenor_cli"]  # the command PEAK_CHILD runs
     with tempfile.TemporaryFile() as err:
         started = time.perf_counter()
-        child = subprocess.Popen(prune_eval_command(folder, output, mode, cfg), stdout=subprocess.DEVNULL, stderr=err)
-        # wait4, not wait: the child's own resource usage, its peak resident set (KiB on Linux) among it.
-        _pid, status, usage = os.wait4(child.pid, 0)
+        argv = [command[0], "-c", PEAK_CHILD, str(peak), *command[3:]]
+        done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=err, check=False)
         seconds = time.perf_counter() - started
-        child.returncode = os.waitstatus_to_exitcode(status)
-        if child.returncode != 0:
+        if done.returncode != 0:
             err.seek(0)
             last = err.read().decode(errors="replace").strip().splitlines()[-1:]
-            raise BadInputError(f"the {mode} prune --eval of {folder} failed (exit {child.returncode}): {last}")
+            raise BadInputError(f"the {mode} prune --eval of {folder} failed (exit {done.returncode}): {last}")
     evaluation = json.loads((output / EVAL_FILE).read_text())
     result = {
         "ppl": float(evaluation["perplexity"][PRUNE_EVAL_DATA]["ppl"]),
         "sha256": _weights_sha256(output),
         "seconds": seconds,
-        "peak_rss": int(usage.ru_maxrss) * 1024,
+        "peak_rss": int(peak.read_text()),
     }
+    peak.unlink()
     shutil.rmtree(output)
     return result
 
