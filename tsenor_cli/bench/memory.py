@@ -467,8 +467,10 @@ def _what(command: str, cfg: dict[str, Any]) -> str:
         "The command `tsenor prune --eval` with its default flags (resume state, streaming) as the streamed "
         "row and `--no-stream` as the whole row (its evaluation streams either way): magnitude 2:4 "
         f"transposable on {calibration}, then perplexity on WikiText-2, {cfg['windows']} window(s) of 2048 "
-        "tokens (`--max-windows`). Peak RSS is the child's `ru_maxrss`, seconds the command's wall time with "
-        "Python's imports; both modes write the same weight files and the same perplexity (checked)."
+        "tokens (`--max-windows`). Peak RSS is the child's own VmHWM, written by the child as it exits (not "
+        "wait4's ru_maxrss, which holds the bench's own resident set from before the child's exec), seconds "
+        "the command's wall time with Python's imports; both modes write the same weight files and the same "
+        "perplexity (checked)."
     )
 
 
