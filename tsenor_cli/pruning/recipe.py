@@ -254,7 +254,7 @@ def _check_calibration(calib: str) -> None:
     read_text_records(path)  # its contents too (format, `text` fields, not empty), before the model loads
 
 
-def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, command: str) -> PruneConfig:
+def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, command: str | None) -> PruneConfig:
     """Cross-check a validated recipe (unset keys take `RECIPE_DEFAULTS`) and freeze it into a `PruneConfig`:
     the one place a run's settings are checked (each field's `validate`, then the cross-checks)."""
     from tsenor_cli.pruning.config import PruneConfig
