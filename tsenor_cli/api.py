@@ -70,9 +70,7 @@ def _prune_recipe(
         base = validate_recipe(recipe, "prune(recipe=...)")
     else:
         base = read_recipe(Path(recipe))
-    given = validate_recipe(settings, "prune()")
-    if "model" in given:
-        raise UsageError("prune(): the model is the first argument; pass it once, not as model=")
+    given = validate_recipe(settings, "prune()")  # `model` is this function's own argument, never a setting
     folder = str(model) if isinstance(model, str | Path) else str(getattr(model, "name_or_path", "") or "")
     if not folder:
         raise UsageError(
