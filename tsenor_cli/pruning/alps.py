@@ -316,3 +316,8 @@ METHOD = PrunerSpec(
     workspace=workspace,
     iterative=True,
 )
+
+
+def prune(weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> PruneOutcome:
+    """weight: (out, in), one matrix → its `PruneOutcome` (`PrunerSpec.prune`)."""
+    return METHOD.prune(weight, stats, cfg)

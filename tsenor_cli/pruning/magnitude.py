@@ -36,3 +36,8 @@ METHOD = PrunerSpec(
     workspace=top_scores_workspace,
     fuses_rows=True,
 )
+
+
+def prune(weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> PruneOutcome:
+    """weight: (out, in), one matrix → its `PruneOutcome` (`PrunerSpec.prune`)."""
+    return METHOD.prune(weight, stats, cfg)
