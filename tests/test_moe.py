@@ -491,12 +491,13 @@ def test_a_stacks_workspace_is_one_chunk_of_experts() -> None:
     buffers and statistics, not 256 experts' (which would be 256 × 0.6 GB for ALPS), and a stack no
     bigger than a chunk counts every expert."""
     from tsenor_cli.pruning.memory import EXPERT_BATCH_BYTES, MethodCost, matrix_workspace, slot_workspace
+    from tsenor_cli.pruning.registry import get_pruner
     from tsenor_cli.pruning.slots import LinearSlot
 
     def slot(experts: int, out: int, inp: int) -> LinearSlot:
         return LinearSlot(1, "mlp.experts.down_proj", "model.layers.1.mlp.experts.down_proj", out, inp, experts=experts)
 
-    alps, sparsegpt = MethodCost(needs_gram=True, iterative=True), MethodCost(needs_gram=True, iterative=False)
+    alps, sparsegpt = MethodCost(get_pruner("alps")), MethodCost(get_pruner("sparsegpt"))
     each = matrix_workspace(2048, 7168, alps)
     big = slot_workspace(slot(256, 2048, 7168), alps)
     chunk = max(1, EXPERT_BATCH_BYTES // each)

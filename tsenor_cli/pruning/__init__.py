@@ -1,10 +1,12 @@
 """Layer-wise pruning: methods (statistics + a pure `prune`), the block-by-block engine, and the API.
 
-Each method module holds a pure `prune(weight, stats, cfg) -> PruneOutcome`; `PRUNERS` maps the
-`--method` names to them. `tsenor_cli.pruning.api.prune_model` runs a whole model.
+Each method module declares one `PrunerSpec` (`method.py`) with a pure `prune_batch`; `PRUNERS` maps the
+built-in `--method` names to them (`registry.get_pruner` also finds installed and `module:NAME` ones).
+`tsenor_cli.pruning.api.prune_model` runs a whole model.
 
 The names below are imported when first used (PEP 562), so that importing a torch-free module of this
-package (`recipe`, `registry`, `method_options`: what `tsenor --help` reads) does not load torch.
+package (`recipe`, `registry`, `method` and the method modules: what `tsenor --help` reads) does not
+load torch.
 """
 
 from __future__ import annotations

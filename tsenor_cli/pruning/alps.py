@@ -17,19 +17,46 @@ mask of the last W, on which ~10 conjugate-gradient steps minimize the reconstru
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from tsenor_cli.progress import bar, logger
-from tsenor_cli.pruning.linalg import symmetric_eigh
-from tsenor_cli.pruning.masks import SolveTally, choose_mask, keep_better_tiles, solve_info
-from tsenor_cli.pruning.method_options import ALPSOptions
-from tsenor_cli.pruning.phases import phase
-from tsenor_cli.pruning.stats import Statistics, damped_gram
-from tsenor_cli.pruning.types import LayerPruneConfig, MaskSolveInfo, PruneOutcome, split_outcomes
-from tsenor_cli.solver import SolveResult, resolve_method
+from tsenor_cli.pruning.method import MethodOptions, PrunerSpec, option
 
-NEEDS_GRAM = True
+if TYPE_CHECKING:
+    import torch
+
+    from tsenor_cli.pruning.masks import SolveTally
+    from tsenor_cli.pruning.memory import MethodCost
+    from tsenor_cli.pruning.stats import Statistics
+    from tsenor_cli.pruning.types import LayerPruneConfig, MaskSolveInfo, PruneOutcome
+    from tsenor_cli.solver import SolveResult
+
 RHO_MAX = 1e6
+# cuSOLVER's syevd (the eigendecomposition ALPS runs on CUDA) holds more than LAPACK's 1+6n+2n² doubles:
+# the H100 run (../shared/gpu/2026-11-27-h100/e2e-1b-whole.json and e2e-8b.json,
+# torch.cuda.max_memory_allocated of the factorize phase) held 15.1·4n² + 4·out·n bytes besides the
+# block and activations at both n = 8192 (LLaMA-3.2-1B's down_proj) and n = 14336 (8B's): 8n² bytes
+# more than the 11·4n² + 4·out·n counted here for LAPACK, so its workspace is taken as 4n² doubles.
+EIGH_CUDA_SQUARES = 4
+
+
+@dataclass(frozen=True)
+class ALPSOptions(MethodOptions):
+    """The ALPS ADMM schedule (mazumder-lab/ALPS). inner_sweeps, inner_iterations: the `tsenor`
+    cycle-cancelling sweeps and Sinkhorn iterations of the intermediate projections where `tsenor` runs
+    (`auto` on CUDA); with `flow` (`auto` on the CPU) every projection is exact (`inner_solver_options`)."""
+
+    percdamp: float = option(0.01, "Hessian dampening as a share of mean diag(H) (ALPS uses 1%).", minimum=0)
+    rho0: float = option(0.1, "Initial ADMM penalty ρ₀.", minimum=0)
+    max_iter: int = option(300, "ADMM iteration cap.", minimum=1)
+    update_iter: int = option(3, "ρ-update period in iterations.", minimum=1)
+    switch_iter: int = option(30, "Earliest iteration at which a converged support stops.", minimum=0)
+    stop_change: float = option(3e-4, "Stop threshold on the support change between ρ updates.", minimum=0)
+    cg_iters: int = option(10, "Conjugate-gradient steps refining the weights on the final mask.", minimum=0)
+    inner_sweeps: int = option(2, "Cycle-cancelling sweeps of intermediate tsenor projections.", minimum=0)
+    inner_iterations: int = option(0, "Sinkhorn iterations of intermediate tsenor projections.", minimum=0)
 
 
 def inner_solver_options(
@@ -46,6 +73,8 @@ def inner_solver_options(
     exact there (and `auto` on CUDA for a solve of few tiles: `scores`, the number of scores each
     projection solves, solver/auto.py). Other solvers run with their defaults.
     """
+    from tsenor_cli.solver import resolve_method
+
     if resolve_method(solver, device, m, scores).name == "tsenor":
         return {"sweeps": sweeps, "bound": "potentials", "iterations": iterations}
     return {}
@@ -62,6 +91,10 @@ def _project(
     """z: (..., out, in) → (mask (..., out, in) bool of the pattern maximizing Σ S⊙z² per matrix, the
     solver's result on the stack flattened to (L·out, in), (B,) per-tile objective of the returned mask
     for transposable patterns, (L,) long tiles safeguarded per matrix)."""
+    import torch
+
+    from tsenor_cli.pruning.masks import choose_mask, keep_better_tiles
+
     scores = z.square()
     choice = choose_mask(
         scores, cfg.pattern, cfg.solver, init=prev, unstructured_scope="matrix", solver_options=options
@@ -95,6 +128,8 @@ def conjugate_gradient(
     system x Ĥ = rhs restricted to its support; residuals are masked. A matrix stops once all its rows
     have converged (its steps become zero), as it would alone.
     """
+    import torch
+
     s = support.to(h.dtype)
     x = x0 * s
     r = (rhs - x @ h) * s  # (..., out, in)
@@ -121,22 +156,42 @@ def conjugate_gradient(
 
 def _freeze(running: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """running: (...,) bool per matrix; new, old: (..., out, in) → new where the matrix still runs."""
+    import torch
+
     return torch.where(running[..., None, None], new, old)
 
 
 def _grow_rho(rho: torch.Tensor, change: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
     """rho, change: (...,) float64, running: (...,) bool → the next ρ of each running matrix: ×1.1, ×1.2 from a
     support change above 0.5%, ×1.3 above 10%, at most RHO_MAX; stopped matrices keep theirs."""
+    import torch
+
     factor = torch.full_like(rho, 1.1)  # float64, as Python's float arithmetic was
     factor[change > 0.005] = 1.2
     factor[change > 0.1] = 1.3
     return torch.where(running, (rho * factor).clamp_max(RHO_MAX), rho)
 
 
+def _inverse(evecs: torch.Tensor, evals: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+    """Q (..., in, in), Λ (..., in) of Ĥ, rho: (...,) float64 → (Ĥ + ρI)⁻¹ (..., in, in) float32, from the
+    one eigendecomposition."""
+    import torch
+
+    return ((evecs / (evals + rho[..., None])[..., None, :]) @ evecs.mT).to(torch.float32)
+
+
+def _show_rho(steps: Any, t: int, rho: torch.Tensor, change: torch.Tensor) -> None:
+    """The ADMM bar's ρ and support change after iteration t, and the DEBUG line of each matrix's."""
+    steps.set_postfix_str(f"rho {float(rho.max()):.3g}, support change {float(change.max()):.2e}", refresh=False)
+    logger.debug("ADMM iter %d: rho %s, support change %s", t + 1, rho.tolist(), change.tolist())
+
+
 def _final_infos(
     tally: SolveTally, final_result: SolveResult | None, block_obj: torch.Tensor | None
 ) -> list[MaskSolveInfo] | None:
     """One certificate per matrix, that of the final mask alone; seconds and calls count every projection."""
+    from tsenor_cli.pruning.masks import solve_info
+
     if final_result is None or block_obj is None:
         return None
     obj = tally.per_matrix(block_obj)
@@ -147,7 +202,9 @@ def _final_infos(
     ]
 
 
-def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> list[PruneOutcome]:
+def prune_batch(
+    weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig, *, parts: Sequence[int] | None = None
+) -> list[PruneOutcome]:
     """weights: (..., out, in), one matrix or a stack with Gram matrices (..., in, in) → one
     `PruneOutcome` per matrix from ADMM + CG; `iterations` counts each matrix's ADMM steps.
 
@@ -155,9 +212,18 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
     every projection one solver call for all matrices. Each matrix keeps its own ρ schedule and stops on
     its own support change; a stopped matrix is frozen (its state no longer changes) while the others
     run on. The ADMM loop shows a bar on a terminal and logs its ρ/support-change lines at DEBUG.
+    parts: always None, ALPS does not prune linears stacked along their outputs (`PrunerSpec.fuses_rows`).
     """
-    if stats is None:
-        raise ValueError("alps needs the Gram matrix of the layer inputs; collect statistics with gram=True")
+    import torch
+
+    from tsenor_cli.pruning.linalg import symmetric_eigh
+    from tsenor_cli.pruning.masks import SolveTally
+    from tsenor_cli.pruning.phases import phase
+    from tsenor_cli.pruning.stats import damped_gram
+    from tsenor_cli.pruning.types import split_outcomes
+
+    if stats is None or parts is not None:
+        raise ValueError("alps needs each matrix's own Gram matrix (statistics with gram=True, no parts)")
     opts = cfg.method_options(ALPSOptions)
     with phase("factorize"):
         gram = stats.require_gram().to(weights.device)
@@ -165,10 +231,6 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
         scale = h.diagonal(dim1=-2, dim2=-1).sqrt()  # (..., in) D
         h_hat = h / scale[..., :, None] / scale[..., None, :]  # (..., in, in) unit diagonal
         evals, evecs = symmetric_eigh(h_hat.double())  # Λ (..., in), Q (..., in, in); thread-count independent
-
-    def inverse(rho: torch.Tensor) -> torch.Tensor:
-        """rho: (...,) float64 → (Ĥ + ρI)⁻¹ (..., in, in) float32 from the one eigendecomposition."""
-        return ((evecs / (evals + rho[..., None])[..., None, :]) @ evecs.mT).to(torch.float32)
 
     b_hat = weights.to(torch.float32) * scale[..., None, :]  # (..., out, in) normalized weights
     y = b_hat @ h_hat  # (..., out, in)
@@ -178,7 +240,7 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
     d, v = b_hat * mask, torch.zeros_like(b_hat)
     kept_total = mask.sum((-2, -1)).clamp_min(1).double()  # (...,)
     rho = torch.full(lead, opts.rho0, dtype=torch.float64, device=b_hat.device)  # (...,)
-    inv = inverse(rho)
+    inv = _inverse(evecs, evals, rho)
     checked_mask = mask
     safeguarded = torch.zeros(tally.matrices, dtype=torch.long, device=b_hat.device)
     running = torch.ones(lead, dtype=torch.bool, device=b_hat.device)  # (...,) matrices still iterating
@@ -204,11 +266,8 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
             change = (mask ^ checked_mask).sum((-2, -1)).double() / kept_total  # (...,)
             checked_mask = mask
             rho = _grow_rho(rho, change, running)
-            inv = inverse(rho)
-            steps.set_postfix_str(
-                f"rho {float(rho.max()):.3g}, support change {float(change.max()):.2e}", refresh=False
-            )
-            logger.debug("ADMM iter %d: rho %s, support change %s", t + 1, rho.tolist(), change.tolist())
+            inv = _inverse(evecs, evals, rho)
+            _show_rho(steps, t, rho, change)
             if t >= opts.switch_iter:
                 running = running & ~(change < opts.stop_change)
                 if not bool(running.any()):
@@ -220,15 +279,45 @@ def prune_batch(weights: torch.Tensor, stats: Statistics | None, cfg: LayerPrune
     with phase("cg"):
         refined = conjugate_gradient(h_hat, y, final_mask, w_t * final_mask, opts.cg_iters)
     new_weight = refined / scale[..., None, :]
-    return split_outcomes(
-        new_weight * final_mask,
-        final_mask,
-        _final_infos(tally, final_result, block_obj),
-        iterations=iterations.reshape(-1).tolist(),
-        safeguard_tiles=safeguarded.tolist(),
-    )
+    infos = _final_infos(tally, final_result, block_obj)
+    iters, tiles = iterations.reshape(-1).tolist(), safeguarded.tolist()
+    return split_outcomes(new_weight * final_mask, final_mask, infos, iterations=iters, safeguard_tiles=tiles)
+
+
+def eigh_workspace(n: int, *, cuda: bool) -> int:
+    """Bytes `torch.linalg.eigh` of an (n, n) float64 matrix holds beyond its input and its results:
+    LAPACK dsyevd's work (1 + 6n + 2n² doubles) and iwork (3 + 5n ints), on CUDA cuSOLVER's
+    (`EIGH_CUDA_SQUARES`)."""
+    squares = EIGH_CUDA_SQUARES if cuda else 2
+    return 8 * (1 + 6 * n + squares * n * n) + 4 * (3 + 5 * n)
+
+
+def workspace(out_features: int, in_features: int, cost: MethodCost) -> int:
+    """Peak bytes while one (out, in) matrix is pruned, read from `prune_batch` (F = 4·out·in, G = 4·in²,
+    B = out·in, S the solver's; `memory.matrix_workspace`): the largest of
+    - factorize: the dense copy, damped H, Ĥ, Ĥ in float64, its eigenvectors and the eigendecomposition's
+      workspace (`eigh_workspace`): F + 6G + W;
+    - the ADMM: H, Ĥ, Q (2G), (Ĥ+ρI)⁻¹ and the state (dense, B̂, Y, D, V, W, Z, the last solve's tiles;
+      three masks): at a ρ change the new inverse's two float64 temporaries (+4G): 9G + 8F + 3B; at a
+      projection the scores, the solver and the safeguard's per-tile copies: 5G + 10F + 3B + S;
+    - the CG: 5G + 16F + 3B."""
+    f, b, g = 4 * out_features * in_features, out_features * in_features, 4 * in_features * in_features
+    factorize = f + 6 * g + eigh_workspace(in_features, cuda=cost.cuda) + 32 * in_features
+    solver = cost.solver(out_features, in_features)
+    return max(factorize, 9 * g + 8 * f + 3 * b, 5 * g + 10 * f + 3 * b + solver, 5 * g + 16 * f + 3 * b)
+
+
+METHOD = PrunerSpec(
+    "alps",
+    "ADMM + conjugate gradient (ALPS, Proposition 1)",
+    prune_batch,
+    needs_data=True,
+    options=ALPSOptions,
+    workspace=workspace,
+    iterative=True,
+)
 
 
 def prune(weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> PruneOutcome:
-    """weight: (out, in) → `PruneOutcome` from ADMM + CG; `iterations` counts ADMM steps."""
-    return prune_batch(weight, stats, cfg)[0]
+    """weight: (out, in), one matrix → its `PruneOutcome` (`PrunerSpec.prune`)."""
+    return METHOD.prune(weight, stats, cfg)

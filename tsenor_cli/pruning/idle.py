@@ -107,7 +107,7 @@ def prune_unreached(
         return dense_records(slot, "skipped", UNKNOWN_ORIENTATION)
     weight = block.get_parameter(slot.param_name)  # (out, in)
     start = time.perf_counter()
-    outcome = magnitude.prune(weight, None, cfg)
+    outcome = magnitude.METHOD.prune(weight, None, cfg)
     weight.copy_(outcome.weight.to(weight.dtype))
     record = LayerRecord(
         block=slot.block,

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+from tsenor_cli.pruning.method import PrunerSpec, top_scores_workspace
 
-from tsenor_cli.pruning.masks import SolveTally, choose_mask
-from tsenor_cli.pruning.stats import Statistics
-from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome, split_outcomes
+if TYPE_CHECKING:
+    import torch
 
-NEEDS_GRAM = False
+    from tsenor_cli.pruning.stats import Statistics
+    from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome
 
 
 def prune_batch(
@@ -19,14 +20,24 @@ def prune_batch(
     """weights: (..., out, in), one matrix or a stack → one `PruneOutcome` per matrix with the
     largest-magnitude entries kept, from one solver call for the whole stack; `stats` is unused.
     parts: row counts of linears stacked along `out` (`PrunerSpec.prune_rows`), one outcome each."""
+    import torch
+
+    from tsenor_cli.pruning.masks import keep_top_scores
+
     w = weights.to(torch.float32)
-    choice = choose_mask(w.abs(), cfg.pattern, cfg.solver, unstructured_scope="matrix", parts=parts)
-    tally = SolveTally(w[..., 0, 0].numel(), w.device, parts)
-    if choice.result is not None:
-        tally.add_result(choice.result)
-    return split_outcomes(w * choice.mask, choice.mask, tally.infos(), parts=parts)
+    return keep_top_scores(w, w.abs(), cfg, unstructured_scope="matrix", parts=parts)
+
+
+METHOD = PrunerSpec(
+    "magnitude",
+    "keep the largest |W|",
+    prune_batch,
+    needs_data=False,
+    workspace=top_scores_workspace,
+    fuses_rows=True,
+)
 
 
 def prune(weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> PruneOutcome:
-    """weight: (out, in) → `PruneOutcome` with the largest-magnitude entries kept; `stats` is unused."""
-    return prune_batch(weight, stats, cfg)[0]
+    """weight: (out, in), one matrix → its `PruneOutcome` (`PrunerSpec.prune`)."""
+    return METHOD.prune(weight, stats, cfg)

@@ -14,7 +14,7 @@ import torch
 
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.phases import phase
-from tsenor_cli.pruning.types import MaskSolveInfo
+from tsenor_cli.pruning.types import LayerPruneConfig, MaskSolveInfo, PruneOutcome, split_outcomes
 from tsenor_cli.solver import SolveResult, from_blocks, nm_mask, solve, to_blocks, unstructured_mask
 
 
@@ -73,6 +73,25 @@ def choose_mask(
             mats = scores.reshape(-1, rows * cols)  # (L, R·C)
             return MaskChoice(unstructured_mask(mats, pattern.sparsity, per_row=True).view(scores.shape), None)
     raise ValueError(f"unknown pattern kind {pattern.kind!r}")
+
+
+def keep_top_scores(
+    weights: torch.Tensor,
+    scores: torch.Tensor,
+    cfg: LayerPruneConfig,
+    *,
+    unstructured_scope: Literal["row", "matrix"],
+    parts: Sequence[int] | None = None,
+) -> list[PruneOutcome]:
+    """weights: (..., out, in) float32, one matrix or a stack; scores: the same shape, larger = keep → one
+    `PruneOutcome` per matrix (and part) keeping the largest scores under `cfg.pattern` and zeroing the
+    rest (no weight update), from one solver call for the stack: the methods that score each weight once
+    (magnitude, Wanda). unstructured_scope and parts as `choose_mask`'s."""
+    choice = choose_mask(scores, cfg.pattern, cfg.solver, unstructured_scope=unstructured_scope, parts=parts)
+    tally = SolveTally(weights[..., 0, 0].numel(), weights.device, parts)
+    if choice.result is not None:
+        tally.add_result(choice.result)
+    return split_outcomes(weights * choice.mask, choice.mask, tally.infos(), parts=parts)
 
 
 class SolveTally:

@@ -53,37 +53,28 @@ SOLVER_COPIES: dict[str, float] = {
 }
 # A row-wise top-n (N:M and unstructured patterns): the top-k's indices and values.
 TOPK_COPIES = 1.5
-# cuSOLVER's syevd (the eigendecomposition ALPS runs on CUDA) holds more than LAPACK's 1+6n+2n² doubles:
-# the H100 run (2026-11-27, ../shared/gpu/2026-11-27-h100/e2e-1b-whole.json and e2e-8b.json,
-# torch.cuda.max_memory_allocated of the factorize phase) held 15.1·4n² + 4·out·n bytes besides the
-# block and activations at both n = 8192 (LLaMA-3.2-1B's down_proj) and n = 14336 (8B's): 8n² bytes
-# more than the 11·4n² + 4·out·n counted here for LAPACK, so its workspace is taken as 4n² doubles.
-EIGH_CUDA_SQUARES = 4
 # cuBLAS and cuBLASLt keep their workspaces in torch's caching allocator on CUDA (counted by
 # max_memory_allocated: the measured peaks above sit 45-50 MB over the rest of this estimate).
 CUDA_LIBRARY_BYTES = 64 << 20
-# SparseGPT's lazy batch of columns (`LayerPruneConfig.blocksize`'s default).
-LAZY_COLUMNS = 128
 
 
 @dataclass(frozen=True)
 class MethodCost:
-    """What a method's working set depends on besides the matrix's shape.
+    """What one method's working set is computed from: the method, whose `PrunerSpec.workspace` gives the
+    formula, and what its buffers depend on besides the matrix's shape.
 
-    needs_gram / iterative: the method's (`PrunerSpec`: SparseGPT reads XᵀX, ALPS reads it and
-    iterates); solver_copies: the mask solver's peak in float32 copies of its scores (`SOLVER_COPIES`,
-    `TOPK_COPIES` for patterns that are not transposable); cuda: the run's device is a GPU (its
-    eigendecomposition's and libraries' workspaces); cast: the model's dtype is not float32 (the error
-    check holds a float32 copy of the stored weight); columns: the columns SparseGPT chooses a mask for
-    at once (M, or its lazy batch for unstructured patterns).
+    solver_copies: the mask solver's peak in float32 copies of its scores (`SOLVER_COPIES`, `TOPK_COPIES`
+    for patterns that are not transposable); cuda: the run's device is a GPU (its factorizations' and
+    libraries' workspaces); cast: the model's dtype is not float32 (the error check holds a float32 copy
+    of the stored weight); group: the pattern's M, the columns one N:M mask choice spans (None for
+    unstructured sparsity). The defaults are the largest: a GPU with the tsenor solver.
     """
 
-    needs_gram: bool
-    iterative: bool
+    method: PrunerSpec
     solver_copies: float = SOLVER_COPIES["tsenor"]
     cuda: bool = True
     cast: bool = True
-    columns: int = 32
+    group: int | None = 32
 
     @staticmethod
     def of(spec: PrunerSpec, pattern: SparsityPattern, solver: str, *, device: torch.device, width: int) -> MethodCost:
@@ -95,54 +86,30 @@ class MethodCost:
         if pattern.kind == "transposable":
             name = resolve_method(solver, device, pattern.m).name
             copies = SOLVER_COPIES.get(name, max(SOLVER_COPIES.values()))
-        columns = pattern.m if pattern.kind != "unstructured" else LAZY_COLUMNS
-        return MethodCost(spec.needs_gram, spec.iterative, copies, device.type == "cuda", width != 4, columns)
+        group = pattern.m if pattern.kind != "unstructured" else None
+        return MethodCost(spec, copies, device.type == "cuda", width != 4, group)
 
+    def worst(self) -> MethodCost:
+        """The same method at its largest: on a GPU with the tsenor solver (`expert_chunk`)."""
+        return MethodCost(self.method)
 
-def eigh_workspace(n: int, *, cuda: bool) -> int:
-    """Bytes `torch.linalg.eigh` of an (n, n) float64 matrix holds beyond its input and its results:
-    LAPACK dsyevd's work (1 + 6n + 2n² doubles) and iwork (3 + 5n ints), on CUDA cuSOLVER's
-    (`EIGH_CUDA_SQUARES`)."""
-    squares = EIGH_CUDA_SQUARES if cuda else 2
-    return 8 * (1 + 6 * n + squares * n * n) + 4 * (3 + 5 * n)
+    def record(self, out_features: int, in_features: int) -> int:
+        """Every method's last phase, the engine's error check (`engine._record_outcome`): the dense copy,
+        the pruned weight and mask, the stored weight in float32 when cast, ΔW, ΔW·H and its product:
+        (5 + cast)F + B, F = 4·out·in (a float32 matrix), B = out·in (a bool mask)."""
+        f, b = 4 * out_features * in_features, out_features * in_features
+        return (6 if self.cast else 5) * f + b
+
+    def solver(self, out_features: int, in_features: int) -> int:
+        """The mask solver's peak on (out, in) scores: S = `solver_copies`·F."""
+        return int(self.solver_copies * (4 * out_features * in_features))
 
 
 def matrix_workspace(out_features: int, in_features: int, cost: MethodCost) -> int:
     """Peak bytes while one (out, in) matrix is pruned, beyond its statistics (XᵀX and norms, counted
-    in `MemoryEstimate.statistics`), read from the code of `engine._prune_matrix` and the methods:
-    the largest of the phases below. F = 4·out·in (a float32 matrix), G = 4·in² (a float32 Gram
-    matrix), B = out·in (a bool mask), S = the solver's peak (`MethodCost.solver_copies`·F).
-
-    - every method, the error check (`engine._record_outcome`): the dense copy, the pruned weight and
-      mask, the stored weight in float32 when cast, ΔW, ΔW·H and its product: (5 + cast)F + B;
-    - magnitude, Wanda: the dense copy, the scores and the solver: 2F + S;
-    - SparseGPT, factorize: the dense copy, its working copy, damped H, its Cholesky factor, H⁻¹ and
-      its upper factor (on CUDA one more: cholesky_inverse solves against an identity): 2F + 4G (+G);
-      the column loop: both copies, Hinv, the pruned and kept masks, the result, the lazy batch's
-      w1/q1/err1 (rebound while the old ones live: 4 of them), its mask, the column update and the
-      batch update temporaries (F): 4F + G + 2B + 17·out·b (b = 128 columns) + the slab's solver;
-    - ALPS, factorize: the dense copy, damped H, Ĥ, Ĥ in float64, its eigenvectors and the
-      eigendecomposition's workspace (`eigh_workspace`): F + 6G + W;
-      the ADMM: H, Ĥ, Q (2G), (Ĥ+ρI)⁻¹ and the state (dense, B̂, Y, D, V, W, Z, the last solve's
-      tiles; three masks): at a ρ change the new inverse's two float64 temporaries (+4G): 9G + 8F + 3B;
-      at a projection the scores, the
-      solver and the safeguard's per-tile copies: 5G + 10F + 3B + S; the CG: 5G + 16F + 3B.
-    """
-    f, b = 4 * out_features * in_features, out_features * in_features
-    g = 4 * in_features * in_features
-    solver = int(cost.solver_copies * f)
-    record = (6 if cost.cast else 5) * f + b
-    if not cost.needs_gram:
-        return max(record, 2 * f + solver)
-    if not cost.iterative:
-        factorize = 2 * f + (5 if cost.cuda else 4) * g
-        batch = min(LAZY_COLUMNS, in_features)
-        slab = int(cost.solver_copies * 4 * out_features * min(cost.columns, in_features)) + 32 * out_features
-        loop = 4 * f + g + 2 * b + 17 * out_features * batch + slab
-        return max(record, factorize, loop)
-    factorize = f + 6 * g + eigh_workspace(in_features, cuda=cost.cuda) + 32 * in_features
-    admm = max(9 * g + 8 * f + 3 * b, 5 * g + 10 * f + 3 * b + solver, 5 * g + 16 * f + 3 * b)
-    return max(record, factorize, admm)
+    in `MemoryEstimate.statistics`): the method's own (`PrunerSpec.workspace`, each method's formula in its
+    module, read from its code), never less than the engine's error check (`MethodCost.record`)."""
+    return max(cost.record(out_features, in_features), cost.method.workspace(out_features, in_features, cost))
 
 
 # The experts of a stack go to the method together in chunks whose buffers stay under this many bytes
@@ -155,7 +122,7 @@ EXPERT_BATCH_BYTES = 1 << 30
 def expert_chunk(out_features: int, in_features: int, spec: PrunerSpec) -> int:
     """How many experts of an (out, in) stack one batched call takes (`EXPERT_BATCH_BYTES`, each expert's
     workspace as on a GPU with the tsenor solver: the largest)."""
-    each = matrix_workspace(out_features, in_features, MethodCost(spec.needs_gram, spec.iterative))
+    each = matrix_workspace(out_features, in_features, MethodCost(spec))
     return max(1, EXPERT_BATCH_BYTES // each)
 
 
@@ -165,7 +132,7 @@ def slot_workspace(slot: LinearSlot, cost: MethodCost) -> int:
     each = matrix_workspace(slot.out_features, slot.in_features, cost)
     if not slot.experts:
         return each
-    chunk = matrix_workspace(slot.out_features, slot.in_features, MethodCost(cost.needs_gram, cost.iterative))
+    chunk = matrix_workspace(slot.out_features, slot.in_features, cost.worst())
     batch = min(slot.experts, max(1, EXPERT_BATCH_BYTES // chunk))
     return batch * (each + 4 * (slot.in_features**2 + slot.in_features))
 

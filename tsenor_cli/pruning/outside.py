@@ -92,7 +92,7 @@ def prune_outside(
             continue
         start = time.perf_counter()
         param = linears[weight.name].weight
-        outcome = magnitude.prune(param.detach(), None, cfg)  # (out, in) float32
+        outcome = magnitude.METHOD.prune(param.detach(), None, cfg)  # (out, in) float32
         param.copy_(outcome.weight.to(dtype=param.dtype))
         density = float(outcome.mask.float().mean())
         gap = outcome.solve.gap if outcome.solve is not None else None

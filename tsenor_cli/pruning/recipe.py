@@ -11,9 +11,11 @@ go through here:
   (`Field.validate`) and cross-checked (exactly one of nm and sparsity, the method's options, the
   calibration file's contents).
 
-Each method's options are fields too (`method_fields`: `--alps-rho0`, recipe key `alps_rho0`), from the
-options dataclass registered with the method (`pruning/registry.py`). The benchmarks build their runs'
-configurations here too, so a recipe means the same run everywhere. No torch here (`tsenor --help`).
+Each method's options are fields too (`option_fields`: `--alps-rho0`, recipe key `alps_rho0`), from the
+options class its `PrunerSpec` declares (`pruning/method.py`): those of the built-in and installed
+methods in `ALL_FIELDS`, those of a method named `package.module:NAME` added for the recipe naming it.
+The benchmarks build their runs' configurations here too, so a recipe means the same run everywhere.
+No torch here (`tsenor --help`).
 """
 
 from __future__ import annotations
@@ -26,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.fields import Field, by_name, read_mapping
 from tsenor_cli.progress import logger
-from tsenor_cli.pruning.registry import PRUNERS, get_pruner
+from tsenor_cli.pruning.method import option_kinds
+from tsenor_cli.pruning.registry import all_methods, get_pruner, is_reference, method_names
 from tsenor_cli.yamlfile import read_yaml
 
 if TYPE_CHECKING:
     from tsenor_cli.pattern import SparsityPattern
     from tsenor_cli.pruning.config import PruneConfig
-    from tsenor_cli.pruning.method_options import MethodOptions
+    from tsenor_cli.pruning.method import MethodOptions, PrunerSpec
 
 EXAMPLE_RECIPE = "configs/smollm2-alps-16x32.yaml"
 
@@ -54,6 +57,10 @@ def _check_shard_size(value: str) -> None:
     from tsenor_cli.models.saving import parse_size
 
     parse_size(value)
+
+
+def _check_method(value: str) -> None:
+    get_pruner(value)  # an unknown or broken method is one line
 
 
 def _check_patterns(option: str) -> Any:
@@ -89,7 +96,9 @@ PRUNE_FIELDS: tuple[Field, ...] = (
           metavar="N:M"),
     Field("sparsity", float, None, "Unstructured sparsity instead of N:M, e.g. 0.5.", PATTERN),
     Field("transposable", bool, True, "Transposable N:M tiles.", PATTERN, negation="--no-transposable"),
-    Field("method", str, "alps", "Pruning method.", PATTERN, choices=tuple(PRUNERS)),
+    Field("method", str, "alps", "Pruning method: a name, or package.module:NAME for a method declared outside "
+          "tsenor (docs/architecture.md).", PATTERN, metavar="<" + "|".join((*method_names(), "MODULE:NAME")) + ">",
+          check=_check_method),
     Field("solver", str, "auto",
           "Transposable mask solver (auto: exact flow on CPU and for few tiles on CUDA, tsenor on CUDA).", PATTERN,
           choices=_solvers),
@@ -131,24 +140,32 @@ PRUNE_FIELDS: tuple[Field, ...] = (
 )  # fmt: skip
 
 
-def method_fields() -> tuple[Field, ...]:
-    """Each registered method's options as settings named `METHOD_OPTION` (`--alps-rho0`, `alps_rho0`),
-    from the method's options dataclass: its defaults, types and help lines."""
+def option_fields(spec: PrunerSpec) -> tuple[Field, ...]:
+    """A method's options as settings named `METHOD_OPTION` (`--alps-rho0`, `alps_rho0`; a bool's off flag
+    `--no-METHOD-OPTION`), from its options class: their kinds, help lines, least values and choices.
+    Unset (None) they take the method's defaults."""
+    kinds = option_kinds(spec.options)
     found: list[Field] = []
-    for spec in PRUNERS.values():
-        for item in dataclasses.fields(spec.options):
-            kind = float if item.type in ("float", float) else int
-            found.append(
-                Field(
-                    f"{spec.name}_{item.name}",
-                    kind,
-                    None,
-                    f"{item.metadata['help']} Default {item.default}; with --method {spec.name} only.",
-                    f"{spec.name} options",
-                    minimum=item.metadata.get("minimum"),
-                )
+    for item in dataclasses.fields(spec.options):
+        name = f"{spec.name}_{item.name}"
+        found.append(
+            Field(
+                name,
+                kinds[item.name],
+                None,
+                f"{item.metadata['help']} Default {item.default}; with --method {spec.name} only.",
+                f"{spec.name} options",
+                negation="--no-" + name.replace("_", "-") if kinds[item.name] is bool else None,
+                choices=item.metadata.get("choices"),
+                minimum=item.metadata.get("minimum"),
             )
+        )
     return tuple(found)
+
+
+def method_fields() -> tuple[Field, ...]:
+    """The options of every built-in and installed method, as settings (`option_fields`)."""
+    return tuple(field for spec in all_methods() for field in option_fields(spec))
 
 
 METHOD_FIELDS: tuple[Field, ...] = method_fields()
@@ -158,6 +175,14 @@ FIELDS: dict[str, Field] = by_name(ALL_FIELDS)
 # default; model and one of nm/sparsity are required; a method option unset takes the method's default).
 RECIPE_KEYS: dict[str, type] = {f.name: f.kind for f in ALL_FIELDS}
 RECIPE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in ALL_FIELDS}
+
+
+def fields_for(method: object) -> dict[str, Field]:
+    """The settings of a recipe whose method is `method`: `FIELDS`, with the options of a method named
+    `package.module:NAME` (loaded here: an unknown or broken one is one UsageError line)."""
+    if not isinstance(method, str) or not is_reference(method):
+        return FIELDS
+    return FIELDS | by_name(option_fields(get_pruner(method)))
 
 
 def read_recipe(path: Path) -> dict[str, Any]:
@@ -182,24 +207,24 @@ def validate_recipe(data: Mapping[Any, Any], where: str) -> dict[str, Any]:
         raise UsageError(
             f'{where}: nm must be a quoted string like "16:32" (unquoted YAML reads 16:32 as a base-60 number)'
         )
-    return read_mapping(data, ALL_FIELDS, where)
+    return read_mapping(data, fields_for(data.get("method")).values(), where)
 
 
 def method_options(method: str, values: Mapping[str, Any]) -> MethodOptions:
     """The `METHOD_OPTION` values of a recipe → the chosen method's options; an option of another method
     is one UsageError line naming the chosen method's options."""
     spec = get_pruner(method)
-    options = {f.name for f in METHOD_FIELDS}
+    own = by_name(option_fields(spec))
+    options = {f.name for f in METHOD_FIELDS} | own.keys()
     given = {k: v for k, v in values.items() if k in options and v is not None}
-    prefix = f"{method}_"
-    stray = [key for key in given if not key.startswith(prefix)]
+    stray = [key for key in given if key not in own]
     if stray:
-        own = [f.cli_flag for f in METHOD_FIELDS if f.name.startswith(prefix)]
+        flags = [f.cli_flag for f in own.values()]
         raise UsageError(
             f"--{stray[0].replace('_', '-')} is not an option of --method {method}; its options: "
-            f"{', '.join(own) if own else 'none'}"
+            f"{', '.join(flags) if flags else 'none'}"
         )
-    return spec.options(**{key.removeprefix(prefix): value for key, value in given.items()})
+    return spec.options(**{key.removeprefix(f"{spec.name}_"): value for key, value in given.items()})
 
 
 def _pattern(values: Mapping[str, Any]) -> SparsityPattern:
@@ -229,7 +254,7 @@ def _check_calibration(calib: str) -> None:
     read_text_records(path)  # its contents too (format, `text` fields, not empty), before the model loads
 
 
-def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, command: str) -> PruneConfig:
+def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, command: str | None) -> PruneConfig:
     """Cross-check a validated recipe (unset keys take `RECIPE_DEFAULTS`) and freeze it into a `PruneConfig`:
     the one place a run's settings are checked (each field's `validate`, then the cross-checks)."""
     from tsenor_cli.pruning.config import PruneConfig
@@ -237,6 +262,7 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
     from tsenor_cli.pruning.types import LayerPruneConfig
 
     values = {**RECIPE_DEFAULTS, **recipe}
+    table = fields_for(values["method"])
     if not values["model"]:
         raise UsageError(
             "a model is required; pass MODEL (smollm2-135m, a checkpoint folder or a hub id) or model: in the recipe"
@@ -244,7 +270,7 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
     carried = {f.name for f in dataclasses.fields(PruneConfig) if "setting" in f.metadata}
     # PruneConfig checks its own fields when it is built, RefineConfig the refine settings.
     for key in [k for k in values if k not in carried | {"refine", "refine_epochs", "refine_lr"}]:
-        FIELDS[key].validate(values[key])
+        table[key].validate(values[key])
     pattern = _pattern(values)
     options = method_options(str(values["method"]), values)
     _check_calibration(str(values["calib_data"]))

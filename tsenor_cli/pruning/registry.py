@@ -1,144 +1,105 @@
-"""The registry of pruning methods; the CLI's `--method` choices and method flags come from `PRUNERS`.
+"""The pruning methods a run can name: the four built in (`PRUNERS`), those a package installs under the
+`tsenor.methods` entry-point group, and any `PrunerSpec` named as `package.module:NAME` (`get_pruner`).
 
-Torch-free: each method's module (`prune`, `prune_batch`, `NEEDS_GRAM`) is imported when first used,
-so `tsenor --help` lists the methods and their options without loading torch.
+Each method is declared once, by the `PrunerSpec` its module ends with (`pruning/method.py`). Torch-free:
+`tsenor --help` lists the methods and their options without loading torch (a method imports torch
+inside the functions that run it).
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from types import ModuleType
-from typing import TYPE_CHECKING, Protocol
+from functools import cache
+from importlib.metadata import entry_points
 
 from tsenor_cli.errors import UsageError
-from tsenor_cli.pruning.method_options import ALPSOptions, MethodOptions, SparseGPTOptions
+from tsenor_cli.pruning import alps, magnitude, sparsegpt, wanda
+from tsenor_cli.pruning.method import PrunerSpec as PrunerSpec
 
-if TYPE_CHECKING:
-    import torch
+# The entry-point group a package names its methods in (pyproject.toml:
+# [project.entry-points."tsenor.methods"] NAME = "package.module:ATTRIBUTE", the attribute a PrunerSpec).
+ENTRY_POINT_GROUP = "tsenor.methods"
 
-    from tsenor_cli.pruning.stats import Statistics
-    from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome
-
-
-class PruneFn(Protocol):
-    """weight: (out, in), statistics of the layer inputs, config → `PruneOutcome`."""
-
-    def __call__(self, weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig, /) -> PruneOutcome: ...
+PRUNERS: dict[str, PrunerSpec] = {module.METHOD.name: module.METHOD for module in (magnitude, wanda, sparsegpt, alps)}
 
 
-class PrunePartsFn(Protocol):
-    """weights: (Σ parts, in), linears stacked along their outputs (`parts`: their out_features), the
-    statistics they share, config → one `PruneOutcome` per part (`prune_batch(..., parts=...)`)."""
-
-    def __call__(
-        self, weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig, /, *, parts: Sequence[int]
-    ) -> list[PruneOutcome]: ...
+def installed_names() -> tuple[str, ...]:
+    """The names of the methods installed under `ENTRY_POINT_GROUP` (read from the packages' metadata,
+    nothing imported), built-in names excluded."""
+    return tuple(sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)} - PRUNERS.keys()))
 
 
-class PruneBatchFn(Protocol):
-    """weights: (L, out, in), statistics of each matrix's inputs ((L, in, in) Gram), config → one
-    `PruneOutcome` per matrix, computed for the stack at once (the experts of one MoE parameter)."""
-
-    def __call__(
-        self, weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig, /
-    ) -> list[PruneOutcome]: ...
-
-
-@dataclass(frozen=True)
-class PrunerSpec:
-    """name: the --method value; module: `tsenor_cli.pruning.<module>`, holding `prune`, `prune_batch` and
-    `NEEDS_GRAM` (whether `prune` reads XᵀX, else only ‖X_j‖ or nothing); needs_data: whether calibration
-    data changes the result; iterative: reports ADMM iterations; options: the method's options dataclass
-    (`pruning/method_options.py`). `prune_batch` gives the same method on a stack of matrices at once
-    (each with its own statistics), within round-off of `prune` on each matrix alone.
-
-    `prune(weight, stats, cfg)` must not modify `stats`: linears that read one input share one
-    `InputStats` (`gather.group_input_stats`, `Team.ordered_statistics`).
-
-    fuses_rows: each output row's result depends on the statistics and that row alone (besides the
-    whole-matrix comparison of unstructured sparsity, which `prune_batch` keeps per part), so linears
-    sharing one statistics object can go through `prune_rows` as one matrix, with the masks each would get
-    alone: SparseGPT (every row's OBS update uses the shared H⁻¹ only), Wanda, magnitude. Not ALPS: its
-    ρ schedule and stopping test read the whole matrix's support change (alps.py `_grow_rho`), so
-    stacking q/k/v would change every matrix's iterations."""
-
-    name: str
-    description: str
-    module: str
-    needs_data: bool
-    iterative: bool = False
-    options: type[MethodOptions] = field(default=MethodOptions)
-    fuses_rows: bool = False
-
-    @property
-    def _module(self) -> ModuleType:
-        return importlib.import_module(f"tsenor_cli.pruning.{self.module}")
-
-    @property
-    def prune(self) -> PruneFn:
-        fn: PruneFn = self._module.prune
-        return fn
-
-    @property
-    def prune_batch(self) -> PruneBatchFn:
-        fn: PruneBatchFn = self._module.prune_batch
-        return fn
-
-    @property
-    def needs_gram(self) -> bool:
-        return bool(self._module.NEEDS_GRAM)
-
-    def prune_rows(
-        self, weight: torch.Tensor, parts: Sequence[int], stats: Statistics | None, cfg: LayerPruneConfig
-    ) -> list[PruneOutcome]:
-        """weight: (Σ parts, in), the linears sharing `stats` (q/k/v, gate/up) stacked along their outputs,
-        parts: their out_features in order → one `PruneOutcome` per part, pruned as one matrix: one
-        factorization and one solver call per slab for all of them.
-
-        For a transposable pattern every part must be a multiple of M, so that no M×M tile straddles two
-        matrices (`SparsityPattern.incompatibility` refuses other shapes before a run); the row-wise N:M
-        and unstructured patterns group or compare within a row, or within each part (`choose_mask`)."""
-        if not self.fuses_rows:
-            raise ValueError(f"{self.name} cannot prune linears stacked along their outputs (fuses_rows=False)")
-        if sum(parts) != weight.shape[0]:
-            raise ValueError(f"parts {list(parts)} do not add up to the {weight.shape[0]} rows of the stacked weight")
-        if cfg.pattern.kind == "transposable" and any(part % cfg.pattern.m for part in parts):
-            raise ValueError(
-                f"out_features {list(parts)} are not all multiples of M = {cfg.pattern.m}; prune them apart"
+@cache
+def installed() -> dict[str, PrunerSpec | UsageError]:
+    """{name: its `PrunerSpec`, or the line saying why it could not be loaded} of every installed method.
+    A broken package must not stop `tsenor --help` or another method's run: its error is raised when
+    its method is named (`get_pruner`)."""
+    found: dict[str, PrunerSpec | UsageError] = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in PRUNERS or ep.name in found:
+            continue
+        try:
+            found[ep.name] = _declared(ep.value, f"the {ENTRY_POINT_GROUP} entry point {ep.name} = {ep.value}")
+        except UsageError as exc:
+            found[ep.name] = exc
+        if isinstance(spec := found[ep.name], PrunerSpec) and spec.name != ep.name:
+            found[ep.name] = UsageError(
+                f"the {ENTRY_POINT_GROUP} entry point {ep.name} = {ep.value} declares the method {spec.name!r}; "
+                f"name the entry point {spec.name}"
             )
-        fn: PrunePartsFn = self._module.prune_batch
-        return fn(weight, stats, cfg, parts=parts)
+    return found
 
 
-PRUNERS: dict[str, PrunerSpec] = {
-    spec.name: spec
-    for spec in (
-        PrunerSpec("magnitude", "keep the largest |W|", "magnitude", needs_data=False, fuses_rows=True),
-        PrunerSpec("wanda", "keep the largest |W|·‖X_j‖ (Wanda)", "wanda", needs_data=True, fuses_rows=True),
-        PrunerSpec(
-            "sparsegpt",
-            "OBS with lazy updates (SparseGPT)",
-            "sparsegpt",
-            needs_data=True,
-            options=SparseGPTOptions,
-            fuses_rows=True,
-        ),
-        PrunerSpec(
-            "alps",
-            "ADMM + conjugate gradient (ALPS, Proposition 1)",
-            "alps",
-            needs_data=True,
-            iterative=True,
-            options=ALPSOptions,
-        ),
-    )
-}
+def method_names() -> tuple[str, ...]:
+    """Every name `--method` takes besides a `package.module:NAME`: the built-in and installed methods."""
+    return (*PRUNERS, *installed_names())
+
+
+def all_methods() -> tuple[PrunerSpec, ...]:
+    """The built-in methods and the installed ones that load (those whose options are flags and keys)."""
+    return (*PRUNERS.values(), *(spec for spec in installed().values() if isinstance(spec, PrunerSpec)))
+
+
+def is_reference(name: str) -> bool:
+    """Whether a --method value names a method by `package.module:NAME`."""
+    return ":" in name
 
 
 def get_pruner(name: str) -> PrunerSpec:
-    try:
+    """The method a --method value names: a built-in or installed name, or `package.module:NAME` (that
+    module's attribute, a `PrunerSpec`). An unknown or broken one is one UsageError line (exit 2)."""
+    if name in PRUNERS:
         return PRUNERS[name]
-    except KeyError:
-        raise UsageError(f"unknown pruning method {name!r}; choose one of: {', '.join(PRUNERS)}") from None
+    if is_reference(name):
+        return _declared(name, f"--method {name}")
+    spec = installed().get(name)
+    if spec is None:
+        raise UsageError(
+            f"unknown pruning method {name!r}; choose one of: {', '.join(method_names())}, "
+            "or name one as package.module:NAME"
+        )
+    if isinstance(spec, UsageError):
+        raise spec
+    return spec
+
+
+def _declared(reference: str, where: str) -> PrunerSpec:
+    """`package.module:NAME` → that attribute, which must be a `PrunerSpec`; every failure one line."""
+    module_name, _, attribute = reference.partition(":")
+    if not module_name or not attribute.isidentifier():
+        raise UsageError(f"{where}: name a method as package.module:NAME (e.g. mypkg.methods:METHOD)")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise UsageError(f"{where}: no module named {exc.name!r}; install it or add its folder to PYTHONPATH") from exc
+    except Exception as exc:
+        # The module is someone else's code: whatever it raises while importing is reported in one line.
+        raise UsageError(f"{where}: importing {module_name} failed: {type(exc).__name__}: {exc}") from exc
+    spec = getattr(module, attribute, None)
+    if not isinstance(spec, PrunerSpec):
+        found = "nothing" if spec is None else f"a {type(spec).__name__}"
+        raise UsageError(
+            f"{where}: {module_name}.{attribute} is {found}, not a PrunerSpec (tsenor_cli.pruning.method); "
+            "see docs/architecture.md, How to add a pruning method"
+        )
+    return spec

@@ -7,19 +7,22 @@ that score matrix, and the weights outside it are zeroed (no weight update).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+from tsenor_cli.pruning.method import PrunerSpec, top_scores_workspace
 
-from tsenor_cli.pruning.masks import SolveTally, choose_mask
-from tsenor_cli.pruning.stats import Statistics
-from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome, split_outcomes
+if TYPE_CHECKING:
+    import torch
 
-NEEDS_GRAM = False
+    from tsenor_cli.pruning.stats import Statistics
+    from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome
 
 
 def scores(weight: torch.Tensor, stats: Statistics) -> torch.Tensor:
     """weight: (..., out, in), statistics of the inputs of each matrix ((..., in) norms) → scores
     (..., out, in) = |W_oj|·‖X_j‖₂."""
+    import torch
+
     return weight.to(torch.float32).abs() * stats.col_norms.to(weight.device)[..., None, :]
 
 
@@ -30,16 +33,26 @@ def prune_batch(
     `PruneOutcome` per matrix keeping the largest Wanda scores, from one solver call for the stack.
     parts: row counts of linears stacked along `out` sharing these statistics (`PrunerSpec.prune_rows`),
     one outcome each."""
+    import torch
+
+    from tsenor_cli.pruning.masks import keep_top_scores
+
     if stats is None:
         raise ValueError("wanda needs input statistics; run the calibration data through the layer first")
     w = weights.to(torch.float32)
-    choice = choose_mask(scores(w, stats), cfg.pattern, cfg.solver, unstructured_scope="row")
-    tally = SolveTally(w[..., 0, 0].numel(), w.device, parts)
-    if choice.result is not None:
-        tally.add_result(choice.result)
-    return split_outcomes(w * choice.mask, choice.mask, tally.infos(), parts=parts)
+    return keep_top_scores(w, scores(w, stats), cfg, unstructured_scope="row", parts=parts)
+
+
+METHOD = PrunerSpec(
+    "wanda",
+    "keep the largest |W|·‖X_j‖ (Wanda)",
+    prune_batch,
+    needs_data=True,
+    workspace=top_scores_workspace,
+    fuses_rows=True,
+)
 
 
 def prune(weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> PruneOutcome:
-    """weight: (out, in) → `PruneOutcome` keeping the largest Wanda scores under the pattern."""
-    return prune_batch(weight, stats, cfg)[0]
+    """weight: (out, in), one matrix → its `PruneOutcome` (`PrunerSpec.prune`)."""
+    return METHOD.prune(weight, stats, cfg)

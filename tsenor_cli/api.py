@@ -1,0 +1,157 @@
+"""The Python API in one call each: `from tsenor_cli import prune, evaluate` (docs/guide/python-api.md).
+
+`prune(model, output=..., nm="2:4", method="sparsegpt", recipe=..., **settings)` takes the settings of
+`tsenor prune` by their recipe keys (`pruning/recipe.ALL_FIELDS`, each method's options included), checks
+them as the command checks its flags (`validate_recipe`, `build_config`: a bad one is one `UsageError`
+naming it and what is allowed, before any work) and runs the same library call, so it writes the same
+bytes. `evaluate(model_dir, ppl=..., tasks=..., output=...)` is `tsenor eval`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tsenor_cli.errors import UsageError
+from tsenor_cli.pruning.recipe import FIELDS, read_recipe, validate_recipe
+from tsenor_cli.settings import RunContext
+
+if TYPE_CHECKING:
+    from tsenor_cli.progress import Progress
+    from tsenor_cli.runfiles import EvalReport, PruneReport
+
+# What `evaluate` takes besides the datasets and tasks: how the model is loaded, and `EvalConfig`'s fields.
+LOAD_OPTIONS = ("dtype", "device", "trust_remote_code", "device_map")
+EVAL_OPTIONS = ("num_fewshot", "limit", "batch_size", "seqlen", "max_windows", "stream")
+
+
+def prune(
+    model: str | Path | Any,
+    output: str | Path | None = None,
+    *,
+    recipe: str | Path | Mapping[str, Any] | None = None,
+    force: bool = False,
+    resume: bool = True,
+    ctx: RunContext | None = None,
+    tokenizer: Any = None,
+    progress: Progress | None = None,
+    **settings: Any,
+) -> PruneReport:
+    """Prune `model` into `output` → the run's report (what tsenor_report.json holds).
+
+    model: an embedded name (smollm2-135m), a checkpoint folder, a hub id, or a transformers model in
+    memory (pruned in place; its config and tokenizer are read from the folder it was loaded from, or
+    `tokenizer`). recipe: a YAML recipe file or a mapping of the same keys. settings: any recipe key
+    (nm="2:4", method="sparsegpt", nsamples=128, alps_rho0=0.2, …), overriding the recipe as flags
+    override `--config`. force / resume: `tsenor prune`'s --force and --resume/--no-resume-state.
+    ctx: where calibration data and hub models come from (default: the environment). progress: where
+    the run's lines go (default: the `tsenor` logger)."""
+    from tsenor_cli.pruning import api
+    from tsenor_cli.pruning.recipe import build_config
+
+    ctx = ctx if ctx is not None else RunContext.from_environment()
+    values = _prune_recipe(model, output, recipe, settings)
+    cfg = build_config(values, force=force, resume=resume, command=None)
+    _check_calibration_source(cfg.calib_data, ctx)
+    # The objects handed to the run as they are (not settings of it).
+    objects: dict[str, Any] = {"tokenizer": tokenizer, "ctx": ctx, "progress": progress}
+    return api.prune(model, cfg, **objects)
+
+
+def _prune_recipe(
+    model: str | Path | Any, output: str | Path | None, recipe: str | Path | Mapping[str, Any] | None, settings: dict
+) -> dict[str, Any]:
+    """The run's recipe: `recipe`'s keys, then `settings` over them, with the model and output given as
+    arguments; every key and value checked (`validate_recipe`), the model given once."""
+    if recipe is None:
+        base: dict[str, Any] = {}
+    elif isinstance(recipe, Mapping):
+        base = validate_recipe(recipe, "prune(recipe=...)")
+    else:
+        base = read_recipe(Path(recipe))
+    given = validate_recipe(settings, "prune()")  # `model` is this function's own argument, never a setting
+    folder = str(model) if isinstance(model, str | Path) else str(getattr(model, "name_or_path", "") or "")
+    if not folder:
+        raise UsageError(
+            "prune(): a model in memory is pruned with the config and tokenizer of the folder it was loaded from, "
+            "and this one's name_or_path is empty; save it (save_pretrained) and pass the folder"
+        )
+    if base.get("model") not in (None, folder):
+        raise UsageError(f"prune(): the model {folder} and the recipe's model {base['model']} differ; give it once")
+    values = {**base, **given, "model": folder}
+    if output is not None:
+        values["output"] = str(output)
+    return values
+
+
+def _check_calibration_source(calib_data: str, ctx: RunContext) -> None:
+    """A named calibration text with the hub off and no data folder: said before the model loads."""
+    from tsenor_cli.data.sources import NAMED_TEXTS, data_folder
+
+    if calib_data in NAMED_TEXTS:
+        data_folder(ctx, calib_data)
+
+
+def evaluate(
+    model: str | Path,
+    *,
+    ppl: str | Sequence[str] | None = None,
+    tasks: str | Sequence[str] | None = None,
+    output: str | Path | None = None,
+    force: bool = False,
+    ctx: RunContext | None = None,
+    **options: Any,
+) -> EvalReport:
+    """Evaluate `model` (an embedded name, checkpoint folder or hub id) → its `EvalReport`, written as
+    `output`/eval.json when `output` is given (an existing one only with `force`), as `tsenor eval` does.
+
+    ppl: perplexity datasets ("wikitext2,c4", a list, or "none"; default all three); tasks: zero-shot
+    tasks (lm-eval). options: `LOAD_OPTIONS` (dtype, device, trust_remote_code, device_map) and
+    `EVAL_OPTIONS` (num_fewshot, limit, batch_size, seqlen, max_windows, stream: None streams where it
+    can, True insists, False loads the model whole), as `tsenor eval`'s flags of the same names."""
+    from tsenor_cli import atomic
+    from tsenor_cli.evaluation.runner import EvalConfig, eval_target, evaluate_model, load_for_evaluation
+
+    unknown = sorted(set(options) - {*LOAD_OPTIONS, *EVAL_OPTIONS})
+    if unknown:
+        allowed = ", ".join(("ppl", "tasks", "output", "force", "ctx", *LOAD_OPTIONS, *EVAL_OPTIONS))
+        raise UsageError(f"evaluate(): unknown option {unknown[0]!r}; known: {allowed}")
+    ctx = ctx if ctx is not None else RunContext.from_environment()
+    stream = options.get("stream")
+    settings: dict[str, Any] = {key: options[key] for key in EVAL_OPTIONS if key in options and key != "stream"}
+    if ppl is not None:
+        settings["ppl_datasets"] = _names(ppl, "ppl")
+    cfg = EvalConfig(**settings, tasks=_tasks(tasks), stream=stream is not False)
+    cfg.check(ctx, stream=bool(stream), device_map=options.get("device_map"))
+    target = eval_target(Path(output) if output is not None else None, force=force)
+    # The model's dtype and device default as `tsenor prune`'s and `tsenor eval`'s do (one declaration).
+    load = {"dtype": FIELDS["dtype"].default, "device": FIELDS["device"].default}
+    load |= {key: options[key] for key in LOAD_OPTIONS if key in options}
+    loaded = load_for_evaluation(str(model), ctx, cfg, check_tokenizer=True, **load)
+    report = evaluate_model(loaded, cfg, ctx)
+    if target is not None:
+        atomic.write_json(target, report.to_json())
+    return report
+
+
+def _names(value: str | Sequence[str], what: str) -> tuple[str, ...]:
+    """A comma-separated string ("a,b"; "" or "none": none) or a sequence of names → the names."""
+    if isinstance(value, str):
+        if value.strip().lower() in ("", "none"):
+            return ()
+        value = value.split(",")
+    names = tuple(str(item).strip() for item in value)
+    if any(not name for name in names):
+        raise UsageError(f"{what} {value!r} has an empty name; pass names like ['wikitext2', 'c4']")
+    return names
+
+
+def _tasks(tasks: str | Sequence[str] | None) -> tuple[str, ...]:
+    """Zero-shot task names, checked against the offline task definitions (lm-eval) before any model loads."""
+    names = _names(tasks, "tasks") if tasks is not None else ()
+    if not names:
+        return ()
+    from tsenor_cli.evaluation.zeroshot import validate_tasks
+
+    return validate_tasks(names)
