@@ -293,9 +293,8 @@ def plan_kernels(
             return KernelPlan(None, reason=why)
     dtypes = SPARSE_DTYPES if backend != STAND_IN else (dtype,)
     if dtype not in dtypes:
-        return KernelPlan(
-            None, reason=f"the model computes in {str(dtype).removeprefix('torch.')}; the kernels take bf16 or fp16"
-        )
+        name = str(dtype).removeprefix("torch.")
+        return KernelPlan(None, reason=f"the model computes in {name}; the kernels take bf16 or fp16 (--dtype bf16)")
     modules = dict(model.named_modules())
     linears: dict[str, bool] = {}
     dense: dict[str, str] = {}
@@ -304,9 +303,9 @@ def plan_kernels(
         if not isinstance(module, nn.Linear) or pruned.expert is not None or pruned.param != f"{pruned.name}.weight":
             dense[pruned.name] = "not nn.Linear weights"
             continue
-        why = _shape_problem(module.out_features, module.in_features, backend, pattern.transposable)
-        if why is not None:
-            dense[pruned.name] = why
+        problem = _shape_problem(module.out_features, module.in_features, backend, pattern.transposable)
+        if problem is not None:
+            dense[pruned.name] = problem
             continue
         linears[pruned.name] = pattern.transposable
     if not linears:
