@@ -128,6 +128,11 @@ class LinearKernel:
             self._operands[key] = SparseOperand(weight.t() if transposed else weight, self.backend)
         return self._operands[key]
 
+    @property
+    def compressed(self) -> tuple[bool, ...]:
+        """Which compressed copies exist now: False for W's, True for Wᵀ's."""
+        return tuple(sorted(transposed for transposed, _ in self._operands))
+
     def refresh(self) -> None:
         self._operands.clear()
 
