@@ -50,7 +50,7 @@ class KernelsConfig:
     blocks: int = 2
     tokens: int = 8192
     scale_down: int = 1
-    device: str = "cuda"
+    device: str = "cpu"
     warmup: int = 3
     repeats: int = 10
     seed: int = 0

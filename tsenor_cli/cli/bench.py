@@ -210,7 +210,7 @@ def bench_kernels(
     blocks: int = typer.Option(2, min=1, help="Decoder blocks built (random weights, pruned to transposable 2:4)."),
     tokens: int = typer.Option(8192, min=8, help="Tokens of the prefill and of the MLP training step."),
     scale_down: int = typer.Option(1, "--scale-down", min=1, help="Divide the widths (CPU smoke runs)."),
-    device: DeviceOpt = "cuda",
+    device: DeviceOpt = DEVICE,
     warmup: int = typer.Option(3, min=0, help="Untimed calls before timing."),
     repeats: int = typer.Option(10, min=1, help="Timed calls; the median is reported."),
     output: Path | None = typer.Option(None, help="Write the JSON result here."),
