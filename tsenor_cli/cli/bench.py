@@ -243,8 +243,8 @@ def bench_prune(
     ctx: typer.Context,
     model: str = typer.Option(
         "llama-3.2-1b",
-        help="A model shape in configs/models (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, smollm2-135m) "
-        "or a config .json.",
+        help="A model shape in configs/models (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, llama-3.1-70b, "
+        "smollm2-135m) or a config .json.",
     ),
     methods: str = typer.Option("alps,sparsegpt,wanda", help="Pruning methods (comma list)."),
     kinds: str = typer.Option("transposable,ordinary", help="Pattern kinds (comma list): transposable, ordinary."),
@@ -270,6 +270,12 @@ def bench_prune(
     ),
     tokenizer: Path | None = typer.Option(
         None, help="A folder with SmolLM2's tokenizer files (default: the embedded model's), e.g. on a GPU machine."
+    ),
+    stream: bool = typer.Option(
+        False,
+        "--stream/--no-stream",
+        help="Write the random weights to a safetensors checkpoint in the work folder, one tensor at a time, and "
+        "prune it as `tsenor prune --stream` does (one block read at a time); default: held in memory.",
     ),
     work_dir: Path | None = typer.Option(
         None,
@@ -309,6 +315,7 @@ def bench_prune(
         seed=seed,
         resume_state=resume_state,
         tokenizer=tokenizer,
+        stream=stream,
     )
     result = run_e2e(cfg, run_context(ctx, data_dir, offline=False), work_dir, progress=logger.info)
     table = to_markdown(result)
