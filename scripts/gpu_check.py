@@ -60,6 +60,11 @@ SOLVER_TARGETS = {"8:16": 0.05, "16:32": 0.08}
 PEAK_TARGET, SAVE_SHARE_TARGET, WHOLE_1B_TARGET, WHOLE_8B_TARGET = 1.25, 0.10, 300.0, 2700.0
 TO_TARGETS = {"alps": 1.3, "sparsegpt": 1.5}
 SPEEDUP_TARGET = 1.15
+# Issue 48's targets for `--kernels sparse` at the 8B shape: prefill tokens/s and an MLP training step.
+PREFILL_TARGET, TRAIN_STEP_TARGET = 1.15, 1.10
+# The kernels against the dense path: bf16 products summed in another order through 2 blocks on a GPU;
+# the dense stand-in in fp32 on the CPU computes the same products.
+KERNEL_RTOL = {"cuda": 3e-2, "cpu": 1e-5}
 WARM = "tsenor warm (1% noise)"
 # The run's 8 minutes on one GPU, less the start (imports, the tiny models) and the last report write.
 GPU_BUDGET, MIN_STEP_S = 450, 10  # scripts/bench_cuda.py's row of a warm re-solve
@@ -80,6 +85,7 @@ class Sizes:
     big_model: tuple[str, ...]
     caps: dict[str, int]
     finetune_steps: str = "20"
+    kernels_args: tuple[str, ...] = ()  # bench kernels: the 8B shape's blocks and tokens
 
 
 GPU = Sizes(
@@ -89,8 +95,10 @@ GPU = Sizes(
     whole_blocks=(),
     few_blocks="1",
     big_model=("--model", "llama-3.1-8b", "--blocks", "1"),
+    kernels_args=("--blocks", "2", "--tokens", "8192", "--warmup", "3", "--repeats", "10"),
     # From the first H100 run: 124 s for the whole 1B prune, 24.8 s for an 8B block (+ start and build).
-    caps={"solver": 60, "whole": 170, "to": 100, "8b": 60, "speedup": 50, "path": 45},
+    # kernels: about 10 s of imports, 3 GB of random weights, 14 masks, then about 1 s of timed calls.
+    caps={"solver": 60, "whole": 170, "to": 100, "8b": 60, "speedup": 50, "kernels": 45, "path": 45},
 )
 CPU = Sizes(
     solver_size=128,
@@ -99,8 +107,9 @@ CPU = Sizes(
     whole_blocks=("--blocks", "1"),
     few_blocks="1",
     big_model=("--model", "llama-3.1-8b", "--blocks", "1"),
+    kernels_args=("--scale-down", "32", "--blocks", "1", "--tokens", "64", "--warmup", "1", "--repeats", "2"),
     # Generous: a shared 2-core CI machine; a quiet one needs about a third.
-    caps={"solver": 90, "whole": 120, "to": 240, "8b": 90, "speedup": 10, "path": 150},
+    caps={"solver": 90, "whole": 120, "to": 240, "8b": 90, "speedup": 10, "kernels": 90, "path": 150},
     finetune_steps="5",
 )
 
@@ -339,6 +348,28 @@ def step_speedup(run: Run) -> dict[str, Any]:
                 check(f"8B MLP fwd+bwd {variant} ({backend}) speedup", speedup, target, at_most=False, fmt=".2f")
             )
     return {"checks": checks, "files": [out.name, md.name]}
+
+
+def step_kernels(run: Run) -> dict[str, Any]:
+    """`tsenor bench kernels` at the 8B shape: prefill and an MLP training step, dense against
+    `--kernels sparse` (on the CPU: the kernels' dense stand-in at toy sizes, its results checked)."""
+    out = run.folder / "kernels.json"
+    args = ["bench", "kernels", "--model", "llama-3.1-8b", *run.sizes.kernels_args, "--device", run.device]
+    run.call("kernels", [*args, "--output", str(out), "--force"])
+    result = json.loads(out.read_text())
+    prefill, step = result["prefill"], result["mlp_step"]
+    blocks = int(result["config"]["blocks"])
+    rtol = KERNEL_RTOL[run.device]
+    equal = prefill["rel_diff"] <= rtol and step["rel_diff"] <= rtol
+    shown = f"prefill {prefill['rel_diff']:.1e}, gradients {step['rel_diff']:.1e} (≤ {rtol:g})"
+    checks = [
+        check("prefill tokens/s, sparse / dense", prefill["speedup"], PREFILL_TARGET, at_most=False, fmt=".2f"),
+        check("MLP training step, dense / sparse time", step["speedup"], TRAIN_STEP_TARGET, at_most=False, fmt=".2f"),
+        fact("the kernels' results equal the dense path's within rounding", equal, shown),
+        fact(f"every linear of the {blocks} blocks on the kernels", result["linears"] == 7 * blocks,
+             f"{result['linears']} ({result['backend']})"),
+    ]  # fmt: skip
+    return {"checks": checks, "files": [out.name]}
 
 
 def _no_stream() -> list[str]:
@@ -582,6 +613,7 @@ STEPS = (
     Step("transposable-cost", "transposable / ordinary: ALPS, SparseGPT, Wanda", "to", step_transposable_cost),
     Step("llama-8b", "LLaMA-3.1-8B, 1 block, projected", "8b", step_8b),
     Step("speedup", "2:4 speedup (8B, 16384 tokens)", "speedup", step_speedup),
+    Step("kernels-8b", "--kernels sparse at the 8B shape: prefill, MLP training step", "kernels", step_kernels),
     Step("eval", "tsenor eval: perplexity and PIQA", "path", step_eval),
     Step("stream", "prune --stream", "path", step_stream),
     Step("refine", "prune --refine block", "path", step_refine),

@@ -15,7 +15,7 @@ from tsenor_cli.progress import logger
 
 SHARED = (
     "--device", "--output", "--force", "--json", "--ppl", "--max-windows", "--data-dir", "--offline",
-    "--trust-remote-code",
+    "--trust-remote-code", "--kernels",
 )  # fmt: skip
 PACKAGE = Path(__file__).resolve().parents[1] / "tsenor_cli"
 

@@ -17,11 +17,22 @@ its linear, e.g. mlp.down_proj) / (its own iterations).
 
 With `blocks` < the model's layers only the first blocks are built; the whole model is projected as
 fixed costs (calibration text, block-0 capture) + the checkpoint write scaled by the parameter count +
-everything else scaled by layers / blocks, and labelled a projection.
+everything else scaled by layers / blocks, and labelled a projection. A run on fewer calibration tokens
+than `tsenor prune`'s default (128 × 2048) is also projected at that default: the phases whose work
+grows with the tokens (`TOKEN_PHASES`: the text, the forwards over every sample, the input statistics)
+scaled by the token ratio, the rest (the methods' work on the weights and Gram matrices) as measured.
+Small forwards cost more per token than large ones, so this errs high.
+
+With `stream`, the random weights are not held: they are written tensor by tensor to a safetensors
+checkpoint in the work folder (`write_random_checkpoint`, through the checkpoint writer of
+`models/saving.py`), and each run prunes that folder as `tsenor prune --stream` does, reading one block
+at a time. Either way each run's host peak (the process's resident-set high-water mark, reset when the
+run starts) is set against the dry run's host estimate (`pruning/memory.py`'s `HostEstimate`).
 """
 
 from __future__ import annotations
 
+import copy
 import gc
 import itertools
 import json
@@ -50,6 +61,9 @@ REFERENCE_RUNS = Path(__file__).resolve().parents[2] / "docs" / "results" / "run
 METHODS = ("alps", "sparsegpt", "wanda")
 # The phases that happen once per run whatever the number of blocks.
 FIXED_PHASES = ("calibration", "capture")
+# The phases whose work grows with the calibration tokens (forwarded, summed into statistics). Not the
+# calibration phase: reading the text file is most of it at any size (0.16-0.23 s on the H100 at 128 × 2048).
+TOKEN_PHASES = ("capture", "statistics", "rerun", "dense stream", "refine")
 MARK = "<!-- tsenor bench prune: {key} -->"
 
 
@@ -60,7 +74,8 @@ class E2EConfig:
     CPU smoke runs); pattern kinds: "transposable" and/or "ordinary" N:M; tokenizer: a folder with the
     SmolLM2 tokenizer files (None: the embedded model's, materialized), for machines without the package;
     refine: the `--refine` modes to run each method and kind with ("none" and/or "block"); with both, the
-    tables give each refined run's wall time over its plain twin's (issue 28's "≤ 2×" target)."""
+    tables give each refined run's wall time over its plain twin's (issue 28's "≤ 2×" target); stream:
+    prune from a safetensors checkpoint of the random weights, block by block (module docstring)."""
 
     model: str
     methods: tuple[str, ...] = METHODS
@@ -79,12 +94,18 @@ class E2EConfig:
     resume_state: bool = True
     tokenizer: Path | None = None
     reference_runs: Path = REFERENCE_RUNS
+    stream: bool = False
 
 
 @dataclass
 class RunResult:
-    """One prune run: seconds per phase (exclusive; `other` is the rest of `seconds`), peaks in bytes
-    (None off CUDA), ALPS layers (name, iterations, loop seconds), projections (None where they do not apply)."""
+    """One prune run: seconds per phase (exclusive; `other` is the rest of `seconds`), device peaks in
+    bytes (None off CUDA), ALPS layers (name, iterations, loop seconds), projections (None where they do
+    not apply). Host: the resident set when the run started (the runtime, and a held model) and its peak
+    during the run (None where the kernel cannot reset the high-water mark), the dry run's host estimate,
+    and the peak over it, whole and less the start: the dry run's fit check sets the estimate against
+    the memory still available to a process whose runtime is already resident, so what the run adds to
+    the start is what the estimate predicts (a held model is resident at the start and counted in it)."""
 
     method: str
     kind: str
@@ -106,6 +127,12 @@ class RunResult:
     seconds_at_reference_iterations: float | None = None
     projected_whole_seconds: float | None = None
     projected_whole_seconds_at_reference_iterations: float | None = None
+    projected_whole_seconds_default_calibration: float | None = None
+    host_start_bytes: int | None = None
+    host_peak_bytes: int | None = None
+    host_estimate_bytes: int = 0
+    host_peak_over_estimate: float | None = None
+    host_added_over_estimate: float | None = None
 
 
 @dataclass
@@ -227,6 +254,65 @@ def _rss_high_water() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def _status_bytes(field_name: str) -> int:
+    """A "VmXXX:  N kB" line of /proc/self/status in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field_name}:"):
+            return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field_name}")
+
+
+def reset_host_peak() -> int | None:
+    """Reset this process's resident-set high-water mark (VmHWM) to its resident set now and return that
+    (bytes), so the next `host_peak` is the peak of what runs in between, not of what ran before (the
+    random model's build); None where the kernel offers no reset (Linux before 4.0, another system)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak resident set (proc(5))
+        return _status_bytes("VmHWM")
+    except OSError:
+        return None
+
+
+def host_peak() -> int:
+    """This process's resident-set high-water mark (VmHWM) in bytes."""
+    return _status_bytes("VmHWM")
+
+
+def _random_tensor(spec: Any, std: float, device: torch.device, generator: torch.Generator) -> torch.Tensor:
+    """A seeded stand-in for one checkpoint tensor, as transformers initializes a LLaMA: matrices (linears,
+    embeddings) normal with `std`, biases zeros, other vectors (the norms) ones; drawn on `device`."""
+    tensor = torch.empty(spec.shape, dtype=spec.dtype, device=device)
+    if len(spec.shape) >= 2:
+        return tensor.normal_(0.0, std, generator=generator)
+    return tensor.fill_(0.0 if spec.key.endswith("bias") else 1.0)
+
+
+def write_random_checkpoint(
+    folder: Path, config: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype, seed: int
+) -> dict[str, Any]:
+    """Write the causal LM of `config` with seeded random weights (`_random_tensor`) as a safetensors
+    checkpoint with `tokenizer` into `folder`, one tensor at a time through the project's checkpoint
+    writer (`models.saving.save_streamed`): each drawn on `device` in `dtype`, moved to the CPU, written
+    and dropped, so neither memory ever holds the model. → {"bytes": its weights, "seconds": the write}."""
+    from transformers import AutoModelForCausalLM
+
+    from tsenor_cli.models.saving import save_streamed, saved_tensors
+    from tsenor_cli.models.streaming import skeleton
+
+    start = time.perf_counter()
+    model = skeleton(AutoModelForCausalLM, copy.deepcopy(config), dtype)
+    specs = saved_tensors(model)
+    std = float(getattr(config, "initializer_range", 0.02))
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tensors = ((spec.key, _random_tensor(spec, std, device, generator)) for spec in specs)
+    # The bench's own scratch input, written afresh each run and read back at once: written in place,
+    # without atomic_dir's fsync of every file, which would add the disk's write of it to the step.
+    shutil.rmtree(folder, ignore_errors=True)
+    save_streamed(folder, model, tensors)
+    tokenizer.save_pretrained(folder)
+    return {"bytes": sum(spec.nbytes for spec in specs), "seconds": time.perf_counter() - start}
+
+
 def _alps_projection(
     result: RunResult, layer_phases: dict[str, dict[str, float]], iterations: dict[str, int], ref: dict[str, float]
 ) -> None:
@@ -330,6 +416,7 @@ def _shape(cfg: E2EConfig, config: Any, layers: int, dtype: torch.dtype, tokeniz
         "params_built": sum(p.numel() for p in meta_model(config).parameters()),
         "dtype": str(dtype).removeprefix("torch."),
         "tokenizer": f"SmolLM2's tokenizer, {len(tokenizer)} ids used unchanged as ids < {config.vocab_size}",
+        "source": "streamed" if cfg.stream else "held",
     }
 
 
@@ -358,8 +445,12 @@ def run_e2e(
     root = Path(tempfile.mkdtemp(prefix="tsenor-bench-prune-")) if work_dir is None else work_dir
     try:
         folder = root / "model"
-        config.save_pretrained(folder)  # the plan and the checkpoint read the shape from here
-        tokenizer.save_pretrained(folder)
+        if cfg.stream:
+            say(f"writing the random weights to {folder}, one tensor at a time")
+            shape["checkpoint"] = write_random_checkpoint(folder, config, tokenizer, device, dtype, cfg.seed)
+        else:
+            config.save_pretrained(folder)  # the plan and the checkpoint read the shape from here
+            tokenizer.save_pretrained(folder)
         runs = [
             _one_run(
                 cfg, ctx, _Target(folder, root, config, tokenizer, device, dtype, shape), method, kind, refine, say
@@ -392,45 +483,27 @@ class _Target:
 def _one_run(
     cfg: E2EConfig, ctx: RunContext, target: _Target, method: str, kind: str, refine: str, say: Callable[[str], None]
 ) -> RunResult:
-    """One `prune_model` run of `method` × `kind` × `refine` on a fresh random model, timed phase by
-    phase, its checkpoint verified then removed, the ALPS and whole-model projections filled in."""
-    from tsenor_cli.models.loading import LoadedModel
-    from tsenor_cli.models.structure import discover_structure
-    from tsenor_cli.pruning.api import prune_model
-    from tsenor_cli.pruning.phases import record_phases
+    """One `prune_model` run of `method` × `kind` × `refine` on a fresh random model (or, streamed, on the
+    random checkpoint), timed phase by phase, its checkpoint verified then removed, the ALPS and
+    whole-model projections filled in."""
     from tsenor_cli.pruning.plan import plan_model
     from tsenor_cli.pruning.recipe import build_config
     from tsenor_cli.pruning.verify import verify_checkpoint
 
-    recipe = {
-        "model": str(target.folder),
-        "nm": f"{cfg.n}:{cfg.m}",
-        "transposable": kind == "transposable",
-        "method": method,
-        "solver": cfg.solver,
-        "nsamples": cfg.nsamples,
-        "seqlen": cfg.seqlen,
-        "seed": cfg.seed,
-        "dtype": str(target.dtype).removeprefix("torch."),
-        "device": str(target.device),
-        "output": str(target.root / f"out-{method}-{kind}-{refine}"),
-        "refine": refine,
-    }
-    prune_cfg = build_config(recipe, force=True, resume=cfg.resume_state, command="tsenor bench prune")
-    say(f"{method} {kind} {prune_cfg.pattern.label}, refine {refine}: building the random model")
-    model = build_random_model(target.config, target.device, target.dtype, cfg.seed)
-    loaded = LoadedModel(model, target.tokenizer, cfg.model, str(target.folder), discover_structure(model))
+    prune_cfg = build_config(
+        _recipe(cfg, target, method, kind, refine), force=True, resume=cfg.resume_state, command="tsenor bench prune"
+    )
     plan = plan_model(prune_cfg, ctx)
-    with record_phases(target.device) as recorder:
-        start = time.perf_counter()
-        report = prune_model(prune_cfg, ctx, say, built=loaded)
-        seconds = time.perf_counter() - start
-    del model, loaded
+    report, seconds, recorder, (start_rss, peak_rss) = _timed_prune(cfg, ctx, target, prune_cfg, say)
     assert prune_cfg.output is not None
     verified = verify_checkpoint(prune_cfg.output).ok
     shutil.rmtree(prune_cfg.output)
     phases = {name: recorder.seconds.get(name, 0.0) for name in _phase_names(cfg.refine)}
     peak = recorder.peak if target.device.type == "cuda" else None
+    host_estimate = plan.host_memory.total
+    over, added = None, None
+    if start_rss is not None and peak_rss is not None:
+        over, added = peak_rss / host_estimate, (peak_rss - start_rss) / host_estimate
     result = RunResult(
         method=method,
         kind=kind,
@@ -445,18 +518,89 @@ def _one_run(
         peak_over_estimate=peak / plan.device_bytes if peak is not None else None,
         verified=verified,
         refine=refine,
+        host_start_bytes=start_rss,
+        host_peak_bytes=peak_rss,
+        host_estimate_bytes=host_estimate,
+        host_peak_over_estimate=over,
+        host_added_over_estimate=added,
     )
     if method == "alps":
         iterations = {r.name: r.iterations for r in report.layers if r.status == "pruned"}
         ref = reference_iterations(cfg.reference_runs, kind == "transposable", cfg.n, cfg.m)
         _alps_projection(result, recorder.layers, iterations, ref)
-    _project_whole(result, target.shape)
+    _project_whole(result, target.shape, default_tokens() / (cfg.nsamples * cfg.seqlen))
     say(f"{method} {kind} refine {refine}: {seconds:.1f}s, verified {verified}")
     return result
 
 
-def _project_whole(result: RunResult, shape: dict[str, Any]) -> None:
-    """Fill result's whole-model projections when only the first blocks were built."""
+def _recipe(cfg: E2EConfig, target: _Target, method: str, kind: str, refine: str) -> dict[str, Any]:
+    """The `tsenor prune` recipe of one run of the benchmark."""
+    return {
+        "model": str(target.folder),
+        "nm": f"{cfg.n}:{cfg.m}",
+        "transposable": kind == "transposable",
+        "method": method,
+        "solver": cfg.solver,
+        "nsamples": cfg.nsamples,
+        "seqlen": cfg.seqlen,
+        "seed": cfg.seed,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "device": str(target.device),
+        "output": str(target.root / f"out-{method}-{kind}-{refine}"),
+        "refine": refine,
+        "stream": cfg.stream,  # a held model is planned as held: its host estimate counts the whole model
+    }
+
+
+def _timed_prune(
+    cfg: E2EConfig, ctx: RunContext, target: _Target, prune_cfg: Any, say: Callable[[str], None]
+) -> tuple[Any, float, Any, tuple[int | None, int | None]]:
+    """`prune_model` under the phase recorder: on a fresh random model held in memory, or streamed from
+    the random checkpoint in `target.folder` → (its report, its seconds, the recorder, (the resident set
+    at its start, its peak), both None where the kernel cannot reset the peak)."""
+    from tsenor_cli.models.loading import LoadedModel
+    from tsenor_cli.models.streaming import trim_heap
+    from tsenor_cli.models.structure import discover_structure
+    from tsenor_cli.pruning.api import prune_model
+    from tsenor_cli.pruning.phases import record_phases
+
+    loaded = None
+    if not cfg.stream:
+        say(f"{prune_cfg.method} {prune_cfg.pattern.label}: building the random model")
+        model = build_random_model(target.config, target.device, target.dtype, cfg.seed)
+        loaded = LoadedModel(model, target.tokenizer, cfg.model, str(target.folder), discover_structure(model))
+        del model
+    gc.collect()  # what the last run left, before this one's peak is measured
+    trim_heap()
+    start_rss = reset_host_peak()
+    if start_rss is None:
+        say("host peak not measured: this kernel cannot reset the peak resident set (/proc/self/clear_refs)")
+    with record_phases(target.device) as recorder:
+        start = time.perf_counter()
+        report = prune_model(prune_cfg, ctx, say, built=loaded)
+        seconds = time.perf_counter() - start
+    peak = host_peak() if start_rss is not None else None
+    return report, seconds, recorder, (start_rss, peak)
+
+
+def default_tokens() -> int:
+    """The calibration tokens of `tsenor prune`'s defaults (--nsamples × --seqlen)."""
+    from tsenor_cli.fields import by_name
+    from tsenor_cli.pruning.recipe import PRUNE_FIELDS
+
+    settings = by_name(PRUNE_FIELDS)
+    return int(settings["nsamples"].default) * int(settings["seqlen"].default)
+
+
+def _at_tokens(seconds: float, phases: dict[str, float], ratio: float) -> tuple[float, dict[str, float]]:
+    """(seconds, phases) of the run on `ratio` × its calibration tokens: `TOKEN_PHASES` scaled, the rest kept."""
+    scaled = {name: value * ratio if name in TOKEN_PHASES else value for name, value in phases.items()}
+    return seconds + sum(scaled.values()) - sum(phases.values()), scaled
+
+
+def _project_whole(result: RunResult, shape: dict[str, Any], tokens_ratio: float = 1.0) -> None:
+    """Fill result's whole-model projections when only the first blocks were built; with `tokens_ratio`
+    > 1 (the default calibration's tokens over the run's) also the whole model at the default calibration."""
     if shape["blocks_built"] >= shape["layers"]:
         return
     params_ratio, blocks_ratio = shape["params"] / shape["params_built"], shape["layers"] / shape["blocks_built"]
@@ -465,6 +609,9 @@ def _project_whole(result: RunResult, shape: dict[str, Any]) -> None:
         result.projected_whole_seconds_at_reference_iterations = _whole_model(
             result.seconds_at_reference_iterations, result.phases, params_ratio, blocks_ratio
         )
+    if tokens_ratio > 1:
+        seconds, phases = _at_tokens(result.seconds, result.phases, tokens_ratio)
+        result.projected_whole_seconds_default_calibration = _whole_model(seconds, phases, params_ratio, blocks_ratio)
 
 
 def _phase_names(refine: Any) -> tuple[str, ...]:
@@ -479,6 +626,10 @@ def _label(run: RunResult) -> str:
 
 def _gib(value: int | None) -> str:
     return "n/a" if value is None else f"{value / 2**30:.3g}"
+
+
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _s(value: float | None) -> str:
@@ -557,22 +708,71 @@ def to_markdown(result: E2EResult) -> str:
         lines += ["| method | pattern | plain s | refined s | refined / plain |", "|---|---|---|---|---|"]
         for (method, pattern), (plain, with_refine) in refined.items():
             lines.append(f"| {method} | {pattern} | {plain:.1f} | {with_refine:.1f} | {with_refine / plain:.2f} |")
+    lines += _host_lines(result)
     if not whole:
-        lines += [
-            "",
-            f"**Projection** to all {shape['layers']} blocks (not measured): calibration + capture once, the "
-            f"checkpoint write × {shape['params']}/{shape['params_built']} parameters, the rest × "
-            f"{shape['layers']}/{shape['blocks_built']} blocks.",
-            "",
-            "| method | pattern | projected whole-model s | projected at SmolLM2 iterations s |",
-            "|---|---|---|---|",
-        ]
-        for run in result.runs:
-            lines.append(
-                f"| {_label(run)} | {run.kind} {run.pattern} | {_s(run.projected_whole_seconds)} | "
-                f"{_s(run.projected_whole_seconds_at_reference_iterations)} |"
-            )
+        lines += _projection_lines(result)
     return "\n".join(lines) + "\n"
+
+
+def _source_line(shape: dict[str, Any]) -> str:
+    """How the runs read the weights: held in memory, or streamed from the random checkpoint."""
+    written = shape.get("checkpoint")
+    if shape.get("source") != "streamed" or written is None:
+        return "The random model is held in memory (`prune_model(built=…)`)."
+    return (
+        f"Streamed: the random weights were written to a safetensors checkpoint of {_gib(written['bytes'])} GiB "
+        f"in {written['seconds']:.1f} s (not part of the runs' seconds), then each run pruned it as "
+        "`tsenor prune --stream` does, one block read at a time."
+    )
+
+
+def _host_lines(result: E2EResult) -> list[str]:
+    """The host memory table: each run's resident set at its start and its peak, against the dry run's
+    host estimate (which counts the weights, tokens, activations and work, not Python's own runtime:
+    `RunResult`)."""
+    lines = [
+        "",
+        _source_line(result.shape)
+        + " Host memory: this process's resident set when the run started (Python, torch, a CUDA context, a "
+        "held model) and its peak during the run (VmHWM, reset at the start), against the dry run's host "
+        "estimate (`tsenor prune --dry-run`; the memory it is checked against is read by a process whose "
+        "runtime is resident already, so (peak − start) / est. is the estimate's own error):",
+        "",
+        "| method | pattern | at start GiB | peak GiB | dry-run host est. GiB | peak / est. | (peak − start) / est. |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in result.runs:
+        lines.append(
+            f"| {_label(run)} | {run.kind} {run.pattern} | {_gib(run.host_start_bytes)} | "
+            f"{_gib(run.host_peak_bytes)} | {_gib(run.host_estimate_bytes)} | {_ratio(run.host_peak_over_estimate)} | "
+            f"{_ratio(run.host_added_over_estimate)} |"
+        )
+    return lines
+
+
+def _projection_lines(result: E2EResult) -> list[str]:
+    """The projection of the whole model from its first blocks, labelled a projection."""
+    shape, cfg = result.shape, result.config
+    tokens = f"{cfg['nsamples']} × {cfg['seqlen']}"
+    lines = [
+        "",
+        f"**Projection** to all {shape['layers']} blocks (not measured): calibration + capture once, the "
+        f"checkpoint write × {shape['params']}/{shape['params_built']} parameters, the rest × "
+        f"{shape['layers']}/{shape['blocks_built']} blocks. At `tsenor prune`'s default calibration "
+        f"({default_tokens()} tokens, where the run had {tokens}): the phases that grow with the tokens "
+        f"({', '.join(TOKEN_PHASES)}) scaled by the ratio, the rest as measured.",
+        "",
+        "| method | pattern | projected whole-model s | projected at SmolLM2 iterations s "
+        "| projected at the default calibration s |",
+        "|---|---|---|---|---|",
+    ]
+    for run in result.runs:
+        lines.append(
+            f"| {_label(run)} | {run.kind} {run.pattern} | {_s(run.projected_whole_seconds)} | "
+            f"{_s(run.projected_whole_seconds_at_reference_iterations)} | "
+            f"{_s(run.projected_whole_seconds_default_calibration)} |"
+        )
+    return lines
 
 
 def transposable_ratios(runs: list[RunResult]) -> dict[str, tuple[float, float | None]]:
@@ -603,14 +803,18 @@ def refine_ratios(runs: list[RunResult]) -> dict[tuple[str, str], tuple[float, f
 
 
 def section_key(result: E2EResult) -> str:
-    """What one section of the Markdown file is for: the shape, blocks, device, methods (and the refine
-    modes, when not only "none")."""
+    """What one section of the Markdown file is for: the shape, blocks, streamed or held, device, methods
+    (and the refine modes, when not only "none")."""
     env, shape = result.environment, result.shape
     scaled = f"/scale-{shape['scale_down']}" if shape["scale_down"] > 1 else ""
     methods = ",".join(result.config["methods"])
     modes = list(result.config.get("refine", ["none"]))
     refine = "" if modes == ["none"] else f"/refine-{','.join(modes)}"
-    return f"{shape['model']}/{shape['blocks_built']}-of-{shape['layers']}{scaled}/{env['device']}/{methods}{refine}"
+    streamed = "/streamed" if shape.get("source") == "streamed" else ""
+    return (
+        f"{shape['model']}/{shape['blocks_built']}-of-{shape['layers']}{scaled}{streamed}/{env['device']}/"
+        f"{methods}{refine}"
+    )
 
 
 def merge_section(existing: str, key: str, table: str) -> str:

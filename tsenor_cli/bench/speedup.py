@@ -38,14 +38,13 @@ import torch.nn.functional as F
 
 from tsenor_cli.bench.machine import environment
 from tsenor_cli.errors import UsageError
+from tsenor_cli.kernels.sparse import backend_unavailable
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.solver import nm_mask, transposable_nm_mask
 
 VARIANTS = ("dense", "ordinary", "transposable")
 VARIANT_LABELS = {"dense": "dense", "ordinary": "ordinary 2:4", "transposable": "transposable 2:4"}
 BACKENDS = ("cutlass", "cusparselt", "cusparselt-direct")
-# The torch ops the direct cuSPARSELt path calls (`torch.X` attributes; absent from some builds).
-CSLT_OPS = ("_cslt_compress", "_cslt_sparse_mm", "_cslt_sparse_mm_search")
 OPS = ("Y=XWᵀ", "dX=dY·W", "dW=dYᵀX", "MLP fwd", "MLP fwd+bwd")
 
 
@@ -207,20 +206,6 @@ def _operators(
         return forward, _cslt_product(pruned.t(), dy) if transposable else None
     sparse = _semi_structured(pruned, backend, with_transpose=transposable)
     return (lambda inp: F.linear(inp, sparse)), ((lambda grad: grad @ sparse) if transposable else None)
-
-
-def backend_unavailable(backend: str, capability: tuple[int, int]) -> str | None:
-    """Why `backend` cannot run on a GPU of compute `capability` with this torch build (a table cell), or None."""
-    major, minor = capability
-    if backend == "cutlass" and major != 8:
-        # torch's CUTLASS semi-structured kernels: "Supported only on GPUs with compute capability 8.x"
-        # (every CUTLASS row failed so on the H100, 9.0, 2026-11-27).
-        return f"not available on {major}.{minor}"
-    if backend.startswith("cusparselt") and not torch.backends.cusparselt.is_available():
-        return "not available (no cuSPARSELt in this torch)"
-    if backend == "cusparselt-direct" and not all(hasattr(torch, op) for op in CSLT_OPS):
-        return f"not available (torch {torch.__version__} lacks torch._cslt_*)"
-    return None
 
 
 def available_backends(backends: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, str]]:

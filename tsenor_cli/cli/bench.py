@@ -204,6 +204,31 @@ def bench_speedup(
     typer.echo(result.to_json() if json_out else table)
 
 
+@bench_app.command("kernels", cls=Command)
+def bench_kernels(
+    model: str = typer.Option("llama-3.1-8b", help="Model shape: a name in configs/models or a config JSON."),
+    blocks: int = typer.Option(2, min=1, help="Decoder blocks built (random weights, pruned to transposable 2:4)."),
+    tokens: int = typer.Option(8192, min=8, help="Tokens of the prefill and of the MLP training step."),
+    scale_down: int = typer.Option(1, "--scale-down", min=1, help="Divide the widths (CPU smoke runs)."),
+    device: DeviceOpt = DEVICE,
+    warmup: int = typer.Option(3, min=0, help="Untimed calls before timing."),
+    repeats: int = typer.Option(10, min=1, help="Timed calls; the median is reported."),
+    output: Path | None = typer.Option(None, help="Write the JSON result here."),
+    force: ForceOpt = False,
+) -> None:
+    """Prefill tokens/s and an MLP training step, dense against --kernels sparse, at a LLaMA shape (CUDA;
+    on the CPU the kernels' dense stand-in, to check the path, not to time it)."""
+    from tsenor_cli.bench.kernels import KernelsConfig, run_kernels
+
+    _check_outputs(force, {"--output": output})
+    _require_device(device)
+    cfg = KernelsConfig(model, blocks, tokens, scale_down, device, warmup, repeats)
+    result = run_kernels(cfg)
+    if output is not None:
+        atomic.write_text(output, result.to_json() + "\n")
+    typer.echo(result.to_json())
+
+
 _E2E_HEADER = """# End-to-end pruning benchmarks at LLaMA shapes
 
 Written by `tsenor bench prune --markdown` (`make bench-gpu-e2e`); each section below is one run of the
@@ -218,8 +243,8 @@ def bench_prune(
     ctx: typer.Context,
     model: str = typer.Option(
         "llama-3.2-1b",
-        help="A model shape in configs/models (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, smollm2-135m) "
-        "or a config .json.",
+        help="A model shape in configs/models (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, llama-3.1-70b, "
+        "smollm2-135m) or a config .json.",
     ),
     methods: str = typer.Option("alps,sparsegpt,wanda", help="Pruning methods (comma list)."),
     kinds: str = typer.Option("transposable,ordinary", help="Pattern kinds (comma list): transposable, ordinary."),
@@ -245,6 +270,12 @@ def bench_prune(
     ),
     tokenizer: Path | None = typer.Option(
         None, help="A folder with SmolLM2's tokenizer files (default: the embedded model's), e.g. on a GPU machine."
+    ),
+    stream: bool = typer.Option(
+        False,
+        "--stream/--no-stream",
+        help="Write the random weights to a safetensors checkpoint in the work folder, one tensor at a time, and "
+        "prune it as `tsenor prune --stream` does (one block read at a time); default: held in memory.",
     ),
     work_dir: Path | None = typer.Option(
         None,
@@ -284,6 +315,7 @@ def bench_prune(
         seed=seed,
         resume_state=resume_state,
         tokenizer=tokenizer,
+        stream=stream,
     )
     result = run_e2e(cfg, run_context(ctx, data_dir, offline=False), work_dir, progress=logger.info)
     table = to_markdown(result)

@@ -12,12 +12,14 @@ from tsenor_cli.cli import Command, app, command_line, run_context
 from tsenor_cli.cli.options import (
     DEVICE,
     DTYPE,
+    KERNELS_DEFAULT,
     PPL,
     DataDirOpt,
     DeviceOpt,
     DtypeOpt,
     ForceOpt,
     JsonOpt,
+    KernelsOpt,
     LimitOpt,
     MaxWindowsOpt,
     ModelAliasOpt,
@@ -51,6 +53,7 @@ def eval_cmd(
     dtype: in_panel(DtypeOpt, MODEL) = DTYPE,  # type: ignore[valid-type]
     device: in_panel(DeviceOpt, MODEL) = DEVICE,  # type: ignore[valid-type]
     trust_remote_code: in_panel(TrustRemoteCodeOpt, MODEL) = False,  # type: ignore[valid-type]
+    kernels: in_panel(KernelsOpt, MODEL) = KERNELS_DEFAULT,  # type: ignore[valid-type]
     stream: bool | None = typer.Option(
         None,
         "--stream/--no-stream",
@@ -101,6 +104,7 @@ def eval_cmd(
         max_windows=max_windows,
         command=command_line(),
         stream=stream is not False,
+        kernels=kernels,
     )
     run_ctx = run_context(ctx, data_dir, offline)
     cfg.check(run_ctx, stream=bool(stream), device_map=device_map)

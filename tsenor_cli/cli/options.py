@@ -4,7 +4,8 @@ the `hf` CLI does), and the parsers of the evaluation options `eval`, `prune --e
 `with_fields(TABLE)` gives a command taking `**settings` one flag per `Field` (name, help, panel, shown
 choices, default) plus a hidden option per old name; `given_values` returns the settings typed on the
 command line. A command declares a shared option as ``device: DeviceOpt = DEVICE``: the flag, its help
-and its default come from here (the device, dtype and trust-remote-code ones from prune's fields), so
+and its default come from here (the device, dtype and trust-remote-code ones from prune's fields, the
+kernels one from `kernels.KERNELS`), so
 `prune`, `eval`, `finetune` and `bench` cannot drift apart (tests/test_cli_options.py, tests/test_fields.py).
 """
 
@@ -21,6 +22,7 @@ import typer
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import UsageError
 from tsenor_cli.fields import Field
+from tsenor_cli.kernels import KERNELS
 from tsenor_cli.pruning.recipe import FIELDS
 
 # ---------------------------------------------------------------- flags generated from a settings table
@@ -129,10 +131,13 @@ def given_values(ctx: typer.Context, fields: Iterable[Field]) -> dict[str, Any]:
 PPL = ",".join(DATASET_NAMES)
 DEVICE = FIELDS["device"].default
 DTYPE = FIELDS["dtype"].default
+KERNELS_DEFAULT = KERNELS.default
 
 DeviceOpt = field_annotation(FIELDS["device"], panel=False)
 DtypeOpt = field_annotation(FIELDS["dtype"], panel=False)
 TrustRemoteCodeOpt = field_annotation(FIELDS["trust_remote_code"], panel=False)
+# `tsenor eval --kernels`; finetune takes the same field through FINETUNE_FIELDS.
+KernelsOpt = field_annotation(KERNELS, panel=False)
 OutputDirOpt = Annotated[
     Path | None,
     typer.Option("--output", "-o", help=FIELDS["output"].help),

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,11 +20,23 @@ from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import OutputExistsError, UsageError
 from tsenor_cli.evaluation.perplexity import perplexity
 from tsenor_cli.evaluation.streamed import streamed_perplexity
+from tsenor_cli.kernels import KERNELS
 from tsenor_cli.models.loading import LoadedModel
 from tsenor_cli.progress import sink
 from tsenor_cli.provenance import tsenor_versions
-from tsenor_cli.runfiles import EVAL_FILE, ContextRecord, EvalReport, PerplexityRecord, ZeroShotResult
+from tsenor_cli.runfiles import (
+    CONFIG_FILE,
+    EVAL_FILE,
+    ContextRecord,
+    EvalReport,
+    PerplexityRecord,
+    ZeroShotResult,
+    read_sparsity,
+)
 from tsenor_cli.settings import RunContext
+
+if TYPE_CHECKING:
+    from tsenor_cli.kernels.sparse import KernelPlan
 
 DEFAULT_SEQLEN = 2048
 STREAM_TASKS = (
@@ -36,7 +49,8 @@ STREAM_TASKS = (
 class EvalConfig:
     """What to evaluate. seqlen None = min(2048, the model's max positions); command: the command line,
     recorded in eval.json; stream: evaluate perplexity block by block when the model is a safetensors
-    checkpoint on disk and no zero-shot task needs the whole model (`load_for_evaluation`)."""
+    checkpoint on disk and no zero-shot task needs the whole model (`load_for_evaluation`); kernels:
+    "sparse" runs the 2:4-pruned linears on the GPU's sparse tensor cores (`kernels/sparse.py`)."""
 
     ppl_datasets: tuple[DatasetName, ...] = DATASET_NAMES
     tasks: tuple[str, ...] = ()
@@ -47,8 +61,10 @@ class EvalConfig:
     max_windows: int | None = None
     command: str | None = None
     stream: bool = True
+    kernels: str = KERNELS.default
 
     def __post_init__(self) -> None:
+        KERNELS.validate(self.kernels)
         unknown = [d for d in self.ppl_datasets if d not in DATASET_NAMES]
         if unknown:
             raise UsageError(f"unknown perplexity dataset(s) {', '.join(unknown)}; use {','.join(DATASET_NAMES)}")
@@ -174,10 +190,13 @@ def evaluate_model(
     started = time.perf_counter()
     seqlen = effective_seqlen(loaded, cfg.seqlen)
     device = next(loaded.model.parameters()).device
-    results = _perplexities(loaded, cfg, ctx, seqlen, device, progress)
-    zeroshot = None
-    if cfg.tasks:
-        zeroshot = _run_zeroshot(loaded, cfg, ctx, progress)
+    kernels = sparse_kernels(loaded, device, sink(progress)) if cfg.kernels == "sparse" else None
+    try:
+        results = _perplexities(loaded, cfg, ctx, seqlen, device, progress, kernels)
+        zeroshot = _run_zeroshot(loaded, cfg, ctx, progress) if cfg.tasks else None
+    finally:
+        if kernels is not None:
+            kernels.uninstall()
     return EvalReport(
         model=loaded.name,
         source=loaded.source,
@@ -195,6 +214,35 @@ def evaluate_model(
     )
 
 
+def sparse_kernels(loaded: LoadedModel, device: torch.device, say: Callable[[str], None]) -> KernelPlan:
+    """`--kernels sparse`: the plan of the linears that run on 2:4 kernels (from the sparsity record of
+    the checkpoint folder, when it is one), said in one line, installed on a whole model (a streamed
+    one's blocks get theirs as each is read, `_perplexities`)."""
+    from tsenor_cli.kernels.sparse import plan_kernels
+
+    source = Path(loaded.source)
+    record = read_sparsity(source) if (source / CONFIG_FILE).is_file() else None
+    dtype = next(loaded.model.parameters()).dtype
+    plan = plan_kernels(loaded.model, record, device, dtype)
+    say(plan.line())
+    if loaded.checkpoint is None:
+        plan.install(loaded.model)
+    return plan
+
+
+def _block_installer(loaded: LoadedModel, kernels: KernelPlan | None) -> Callable[[int, Any], None] | None:
+    """For a streamed model with sparse kernels: (index, block just read) → its linears' kernels installed."""
+    if kernels is None or kernels.backend is None:
+        return None
+    names = {id(module): name for name, module in loaded.model.named_modules()}
+    blocks = loaded.structure.blocks
+
+    def install(index: int, block: Any) -> None:
+        kernels.install(block, names[id(blocks[index])])
+
+    return install
+
+
 def _perplexities(
     loaded: LoadedModel,
     cfg: EvalConfig,
@@ -202,9 +250,10 @@ def _perplexities(
     seqlen: int,
     device: torch.device,
     progress: Callable[[str], None] | None,
+    kernels: KernelPlan | None = None,
 ) -> dict[str, PerplexityRecord]:
     """{dataset: its perplexity record} for cfg.ppl_datasets, streamed block by block when the model was
-    loaded with ``stream=True``."""
+    loaded with ``stream=True`` (each block's sparse kernels installed as it is read)."""
     ppl_batch = cfg.batch_size if isinstance(cfg.batch_size, int) else 1
     say = sink(progress)
     # Every stream first: the window count of the whole evaluation is known before the first window, so
@@ -226,8 +275,9 @@ def _perplexities(
         report, limit = clock.reporter(name), cfg.max_windows
         if loaded.checkpoint is not None:
             result = streamed_perplexity(
-                loaded, text.input_ids, seqlen=seqlen, max_windows=limit, device=device, progress=report
-            )
+                loaded, text.input_ids, seqlen=seqlen, max_windows=limit, device=device, progress=report,
+                prepare=_block_installer(loaded, kernels),
+            )  # fmt: skip
         else:
             result = perplexity(
                 loaded.model, text.input_ids, seqlen=seqlen, max_windows=limit, device=device,

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from tsenor_cli.evaluation.perplexity import PerplexityResult, cut_windows, result_of, window_nll
 from tsenor_cli.models.loading import LoadedModel
@@ -64,11 +65,13 @@ def streamed_perplexity(
     device: torch.device,
     progress: Callable[[int, int], None] | None = None,
     blocks_progress: Callable[[int, int], None] | None = None,
+    prepare: Callable[[int, nn.Module], None] | None = None,
 ) -> PerplexityResult:
     """`perplexity` of a model loaded with ``stream=True``, block by block (module docstring).
 
     input_ids: (1, T) long; windows as `perplexity` cuts them. progress(done, total) once every window is
-    done (they all finish together); blocks_progress(done, total) after each block.
+    done (they all finish together); blocks_progress(done, total) after each block; prepare(index, block)
+    once each block is read, before it runs (its sparse kernels, `kernels/sparse.py`).
     """
     checkpoint, structure = loaded.checkpoint, loaded.structure
     if checkpoint is None:
@@ -77,11 +80,15 @@ def streamed_perplexity(
     count = len(structure.blocks)
     source = BlockSource(structure, device, checkpoint=checkpoint)
     first_block = source.load(0)  # the capture runs block 0 once to learn its output type
+    if prepare is not None:
+        prepare(0, first_block)
     inputs = capture_block_inputs(structure, windows, device)
     hidden = inputs.hidden  # (W, T, H): each block's output overwrites its input, window by window
     template: list[Any] = []
     for index, call in enumerate(inputs.calls):
         block = first_block if index == 0 else source.load(index)
+        if prepare is not None and index > 0:
+            prepare(index, block)
         if call.runs and not template:
             args, kwargs = call.bind(hidden[:1])
             template.append(block(*args, **kwargs))

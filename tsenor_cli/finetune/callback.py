@@ -29,26 +29,36 @@ PPL_LOG_PREFIX = "tsenor_ppl/"
 
 
 class MaskCallback(TrainerCallback):
-    """Gradient hooks for the whole training run, and the mask re-applied after each optimizer step."""
+    """Gradient hooks for the whole training run, and the mask re-applied after each optimizer step.
 
-    def __init__(self, fixed: FixedMask) -> None:
+    refresh: called whenever the weights may have changed (at the start, which follows a resumed run's
+    checkpoint load, and after each step's mask): the sparse kernels' compressed copies made again."""
+
+    def __init__(self, fixed: FixedMask, refresh: Callable[[], None] | None = None) -> None:
         self.fixed = fixed
+        self.refresh = refresh if refresh is not None else _nothing
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self.fixed.apply()
         self.fixed.attach()
+        self.refresh()
 
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self.fixed.apply()
+        self.refresh()
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self.fixed.detach()
+
+
+def _nothing() -> None:
+    """No compressed copies to make again (dense kernels)."""
 
 
 class CurveCallback(TrainerCallback):

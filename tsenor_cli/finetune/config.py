@@ -16,6 +16,7 @@ from typing import Any
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import UsageError
 from tsenor_cli.fields import Field, default_of, validate_settings
+from tsenor_cli.kernels import KERNELS
 from tsenor_cli.pruning.recipe import FIELDS as PRUNE
 
 
@@ -40,6 +41,7 @@ FINETUNE_FIELDS: tuple[Field, ...] = (
           choices=("fp32", "bf16")),
     PRUNE["device"],  # the same settings as prune's: one flag, help and default
     PRUNE["trust_remote_code"],
+    KERNELS,  # the same setting as eval's
     Field("eval_every", int, 0, "Perplexity every K steps (0: before/after).", TRAIN, minimum=0),
     Field("save_every", int, 100, "Checkpoint for --resume every K steps (0: never).", TRAIN, minimum=0,
           result=False),
@@ -61,7 +63,8 @@ class FinetuneConfig:
     writes Trainer's checkpoint every K steps into OUTPUT/.tsenor-resume/ (0: never; then `resume`
     has nothing to continue from). device: cpu or cuda (Trainer's; under torchrun, each rank's GPU).
     dtype: fp32, or bf16 autocast with fp32 master weights. trust_remote_code: run the checkpoint's (and
-    the teacher's) own model code (config.json auto_map).
+    the teacher's) own model code (config.json auto_map). kernels: "sparse" trains the 2:4-pruned linears
+    on the GPU's sparse tensor cores under bf16 autocast (`kernels/sparse.py`).
     """
 
     run_dir: Path
@@ -83,6 +86,7 @@ class FinetuneConfig:
     save_every: int = default_of(FINETUNE_FIELDS, "save_every")
     device: str = default_of(FINETUNE_FIELDS, "device")
     trust_remote_code: bool = default_of(FINETUNE_FIELDS, "trust_remote_code")
+    kernels: str = default_of(FINETUNE_FIELDS, "kernels")
     teacher: str | None = default_of(FINETUNE_FIELDS, "teacher")
     distill_weight: float = default_of(FINETUNE_FIELDS, "distill_weight")
     distill_temperature: float = default_of(FINETUNE_FIELDS, "distill_temperature")

@@ -58,6 +58,7 @@ from tsenor_cli.settings import RunContext
 
 if TYPE_CHECKING:
     from tsenor_cli.evaluation.runner import EvalConfig
+    from tsenor_cli.kernels.sparse import KernelPlan
 
 LOSS_PNG = "finetune_loss.png"
 PPL_PNG = "finetune_ppl.png"
@@ -368,6 +369,8 @@ def _train(
     inputs = _load_inputs(cfg, ctx, args, sparsity, say)
     model = inputs.loaded.model.to(args.device)
     fixed = FixedMask(model, inputs.masks)
+    kernels = _sparse_kernels(cfg, sparsity, model, args.device, say)
+    mask = MaskCallback(fixed, refresh=kernels.refresh if kernels is not None else None)
     main = args.process_index == 0
     eval_cfg = EvalConfig(ppl_datasets=cfg.ppl_datasets, tasks=cfg.tasks, limit=cfg.limit, max_windows=cfg.max_windows)
     wants_eval = bool(cfg.ppl_datasets or cfg.tasks)
@@ -377,7 +380,7 @@ def _train(
     if main and cfg.save_every and state is None:
         FinetuneState(cfg.result_hash(), eval_before).write(state_dir)
     trainer, curve, resumed = _training_loop(
-        cfg, ctx, args, inputs, model, fixed, state_dir, say, after_save, stop, point
+        cfg, ctx, args, inputs, model, mask, state_dir, say, after_save, stop, point
     )
     nonzero = fixed.nonzero_pruned()
     if nonzero:
@@ -394,6 +397,24 @@ def _train(
     if main:
         _write_output(cfg, sparsity, inputs.loaded, report, inputs.saved_dtype, say)
     return report
+
+
+def _sparse_kernels(
+    cfg: FinetuneConfig, sparsity: RunSparsity, model: Any, device: torch.device, say: Progress
+) -> KernelPlan | None:
+    """`--kernels sparse`: the 2:4-pruned linears routed through the sparse kernels for the training
+    forwards (bf16 autocast; fp32 weights are not what the kernels take), said in one line; None for dense."""
+    if cfg.kernels != "sparse":
+        return None
+    from tsenor_cli.kernels.sparse import plan_kernels
+
+    dtype = torch.bfloat16 if cfg.bf16 else next(model.parameters()).dtype
+    plan = plan_kernels(model, sparsity.record, torch.device(device), dtype)
+    if plan.backend is not None:
+        plan.note = "forwards outside bf16 autocast (the fp32 evaluations) run dense"
+        plan.install(model)
+    say(plan.line())
+    return plan
 
 
 def _load_inputs(cfg: FinetuneConfig, ctx: RunContext, args: Any, sparsity: RunSparsity, say: Progress) -> _Inputs:
@@ -469,7 +490,7 @@ def _training_loop(
     args: Any,
     inputs: _Inputs,
     model: Any,
-    fixed: FixedMask,
+    mask: MaskCallback,
     state_dir: Path,
     say: Progress,
     after_save: Callable[[int], None] | None,
@@ -500,7 +521,7 @@ def _training_loop(
         "args": args,
         "train_dataset": WindowDataset(inputs.text.windows),
         "data_collator": default_data_collator,
-        "callbacks": [MaskCallback(fixed), curve, StopCallback(stop, point, save=cfg.save_every > 0)],
+        "callbacks": [mask, curve, StopCallback(stop, point, save=cfg.save_every > 0)],
     }
     if inputs.teacher is None:
         trainer = Trainer(**common)

@@ -1,0 +1,266 @@
+"""`--kernels sparse` (tsenor_cli/kernels/sparse.py): the 2:4-pruned linears on sparse kernels.
+
+On CUDA (the `device` fixture) the real kernel runs and must match the dense layer within bf16 rounding;
+on the CPU the same autograd function runs with the dense stand-in of the sparse product, so its math
+(the transposable backward on Wᵀ's compressed copy, the dense masked weight gradient, the refresh after
+a weight change), the choice of linears and every fallback line are tested without a GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers_cli import invoke
+from helpers_tiny import LOCAL_CTX, make_tiny_llama
+from torch import nn
+
+from tsenor_cli.errors import VerificationError
+from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model, load_for_evaluation
+from tsenor_cli.kernels import sparse
+from tsenor_cli.kernels.sparse import STAND_IN, KernelPlan, cuda_backend, plan_kernels
+from tsenor_cli.pattern import SparsityPattern
+from tsenor_cli.runfiles import PrunedWeight, SparsityRecord, read_sparsity
+from tsenor_cli.settings import RunContext
+from tsenor_cli.solver import nm_mask, transposable_nm_mask
+
+TWO_FOUR = SparsityPattern.from_nm(2, 4, transposable=True)
+
+
+def _two_four_linear(
+    out_features: int, in_features: int, *, transposable: bool, device: torch.device, dtype: torch.dtype
+) -> nn.Linear:
+    """A linear with bias whose weight is magnitude-pruned to 2:4 (along columns too when transposable)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(in_features, out_features)
+    scores = layer.weight.detach().abs()
+    mask = transposable_nm_mask(scores, 2, 4, method="exhaustive") if transposable else nm_mask(scores, 2, 4)
+    with torch.no_grad():
+        layer.weight.mul_(mask)
+    return layer.to(device=device, dtype=dtype)
+
+
+def _record(names: list[str], pattern: SparsityPattern = TWO_FOUR) -> SparsityRecord:
+    pruned = tuple(PrunedWeight(name, f"{name}.weight") for name in names)
+    return SparsityRecord("magnitude", pattern, None, None, pruned, (), None)
+
+
+def _backend(device: torch.device) -> tuple[str, torch.dtype]:
+    """The backend a device test runs: the real kernel in bf16 on CUDA (skipped where the GPU has none),
+    the dense stand-in in fp32 on the CPU."""
+    if device.type == "cpu":
+        return STAND_IN, torch.float32
+    backend, why = cuda_backend(device)
+    if backend is None:
+        pytest.skip(why)
+    return backend, torch.bfloat16
+
+
+@pytest.mark.parametrize("transposable", [True, False], ids=["transposable", "ordinary"])
+def test_a_sparse_linear_gives_the_dense_masked_layers_output_and_gradients(
+    device: torch.device, transposable: bool
+) -> None:
+    backend, dtype = _backend(device)
+    layer = _two_four_linear(64, 128, transposable=transposable, device=device, dtype=dtype)  # CUTLASS's tile
+    dense = _two_four_linear(64, 128, transposable=transposable, device=device, dtype=dtype)
+    plan = KernelPlan(backend, {"": transposable}, dtypes=(dtype,))
+    assert plan.install(layer) == 1
+    # 15 tokens: not a multiple of the kernels' 8, so the padding is exercised on CUDA.
+    x = torch.randn(3, 5, 128, device=device, dtype=dtype, requires_grad=True)
+    x_dense = x.detach().clone().requires_grad_(True)
+    grad = torch.randn(3, 5, 64, device=device, dtype=dtype)
+    y, y_dense = layer(x), dense(x_dense)
+    (y * grad).sum().backward()
+    (y_dense * grad).sum().backward()
+    tol = {"rtol": 0, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for got, want in ((y, y_dense), (x.grad, x_dense.grad), (layer.weight.grad, dense.weight.grad)):
+        assert got is not None and want is not None
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+    assert layer.bias.grad is not None and dense.bias.grad is not None
+    torch.testing.assert_close(layer.bias.grad.float(), dense.bias.grad.float(), **tol)
+    # The input gradient ran on Wᵀ's compressed copy exactly when the mask is transposable.
+    assert plan.kernels[""].compressed == ((False, True) if transposable else (False,))
+    plan.uninstall()
+    assert "forward" not in vars(layer)
+
+
+def test_the_compressed_copies_are_made_again_only_after_a_refresh() -> None:
+    layer = _two_four_linear(8, 16, transposable=True, device=torch.device("cpu"), dtype=torch.float32)
+    plan = KernelPlan(STAND_IN, {"": True}, dtypes=(torch.float32,))
+    plan.install(layer)
+    x = torch.randn(4, 16)
+    before = layer(x).detach()
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # what an optimizer step does to the kept weights
+    torch.testing.assert_close(layer(x), before)  # still the old copy: a run must refresh
+    plan.refresh()
+    torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.odd = nn.Linear(6, 8)  # 6 inputs: not whole groups of 4
+        self.table = nn.Embedding(10, 16)
+        self.down = nn.Linear(32, 16)
+
+
+def test_the_plan_takes_the_recorded_linears_the_kernel_can_run() -> None:
+    block = _Block()
+    record = _record(["up", "odd", "table"])  # down is not recorded: left alone whatever its name
+    plan = plan_kernels(block, record, torch.device("cpu"), torch.float32, backend=STAND_IN)
+    assert dict(plan.linears) == {"up": True}
+    assert set(plan.dense) == {"odd", "table"}
+    assert plan.dense["table"] == "not nn.Linear weights"
+    line = plan.line()
+    assert "\n" not in line
+    assert line.startswith("kernels: sparse (a dense stand-in) for the forward of 1 2:4-pruned linears")
+    assert "2 pruned matrices dense" in line
+    ordinary = _record(["up"], SparsityPattern.from_nm(2, 4, transposable=False))
+    assert dict(plan_kernels(block, ordinary, torch.device("cpu"), torch.float32, backend=STAND_IN).linears) == {
+        "up": False
+    }
+
+
+@pytest.mark.parametrize(
+    ("record", "device", "dtype", "backend", "why"),
+    [
+        (None, "cpu", torch.bfloat16, None, "the checkpoint records no sparsity"),
+        (_record(["up"], SparsityPattern.from_nm(16, 32, transposable=True)), "cpu", torch.bfloat16, None,
+         "its pattern is 16:32 transposable; sparse tensor cores take 2:4"),
+        (_record(["up"]), "cpu", torch.bfloat16, None, "the model runs on the cpu"),
+        (_record(["up"]), "cuda", torch.float32, "cusparselt-direct", "the model computes in float32"),
+        (_record(["odd", "table"]), "cpu", torch.float32, STAND_IN, "none of its 2 pruned matrices can"),
+    ],
+    ids=["no-record", "16:32", "cpu", "fp32", "no-linear-fits"],
+)  # fmt: skip
+def test_each_fallback_is_one_line_saying_why(
+    record: SparsityRecord | None, device: str, dtype: torch.dtype, backend: str | None, why: str
+) -> None:
+    plan = plan_kernels(_Block(), record, torch.device(device), dtype, backend=backend)
+    assert plan.backend is None and not plan.linears
+    line = plan.line()
+    assert line.startswith("kernels: dense, not sparse: ") and why in line and "\n" not in line
+    assert plan.install(_Block()) == 0
+
+
+def test_weights_that_break_the_recorded_two_four_are_refused() -> None:
+    layer = _two_four_linear(8, 16, transposable=False, device=torch.device("cpu"), dtype=torch.float32)
+    rows_only = torch.tensor([1.0, 1.0, 0.0, 0.0]).repeat(8, 4)  # 2:4 along rows, 4 or 0 of 4 along columns
+    with torch.no_grad():
+        layer.weight.copy_(rows_only)
+    with pytest.raises(VerificationError, match="not 2:4 along rows and columns"):
+        KernelPlan(STAND_IN, {"": True}, dtypes=(torch.float32,)).install(layer)
+    assert KernelPlan(STAND_IN, {"": False}, dtypes=(torch.float32,)).install(layer) == 1
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    with pytest.raises(VerificationError, match="not 2:4, as the checkpoint's sparsity record says"):
+        KernelPlan(STAND_IN, {"": False}, dtypes=(torch.float32,)).install(layer)
+
+
+# ---------------------------------------------------------------- eval and finetune with the kernels
+
+
+@pytest.fixture(scope="module")
+def pruned_two_four(tmp_path_factory: pytest.TempPathFactory, data_ctx: RunContext) -> Path:
+    """A tiny random LLaMA pruned to transposable 2:4 by magnitude."""
+    from tsenor_cli.pruning.api import prune_model
+    from tsenor_cli.pruning.config import PruneConfig
+    from tsenor_cli.pruning.types import LayerPruneConfig
+
+    root = tmp_path_factory.mktemp("kernels")
+    cfg = PruneConfig(
+        model=str(make_tiny_llama(root / "src")),
+        layer=LayerPruneConfig(TWO_FOUR, solver="exact"),
+        method="magnitude",
+        calib_data="wikitext2",
+        nsamples=2,
+        seqlen=16,
+        output=root / "pruned",
+    )
+    prune_model(cfg, data_ctx)
+    return root / "pruned"
+
+
+@pytest.fixture
+def stand_in_gpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The CPU taken for a GPU with 2:4 kernels, run by the dense stand-in; → the count of sparse products."""
+    calls: list[int] = []
+    linear = sparse.SparseOperand.linear
+
+    def counted(self: Any, y: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return linear(self, y)
+
+    monkeypatch.setattr(sparse, "cuda_backend", lambda device: (STAND_IN, ""))
+    monkeypatch.setattr(sparse.SparseOperand, "linear", counted)
+    return calls
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_eval_with_sparse_kernels_gives_the_dense_perplexity(
+    pruned_two_four: Path, data_ctx: RunContext, stand_in_gpu: list[int], stream: bool
+) -> None:
+    def ppl(kernels: str, said: list[str]) -> float:
+        cfg = EvalConfig(ppl_datasets=("wikitext2",), seqlen=32, max_windows=2, stream=stream, kernels=kernels)
+        loaded = load_for_evaluation(str(pruned_two_four), data_ctx, cfg, dtype=None, device="cpu")
+        assert (loaded.checkpoint is not None) == stream
+        return evaluate_model(loaded, cfg, data_ctx, progress=said.append).perplexity["wikitext2"].ppl
+
+    lines: list[str] = []
+    dense = ppl("dense", [])
+    assert not stand_in_gpu
+    sparse_ppl = ppl("sparse", lines)
+    record = read_sparsity(pruned_two_four)
+    assert record is not None
+    pruned = len(record.pruned)
+    kernel_lines = [line for line in lines if line.startswith("kernels:")]
+    assert kernel_lines == [
+        f"kernels: sparse (a dense stand-in) for the forward of {pruned} 2:4-pruned linears, {pruned} of them "
+        "also for the input gradient (the transposable mask on Wᵀ)"
+    ]
+    assert len(stand_in_gpu) >= pruned  # every pruned linear ran on the kernel path
+    assert sparse_ppl == pytest.approx(dense, rel=1e-6)
+
+
+def test_eval_on_the_cpu_says_in_one_line_that_it_runs_dense(pruned_two_four: Path, data_dir: Path) -> None:
+    args = ["eval", str(pruned_two_four), "--kernels", "sparse", "--device", "cpu", "--ppl", "wikitext2"]
+    result = invoke([*args, "--seqlen", "32", "--max-windows", "1", "--data-dir", str(data_dir), "--json"])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("kernels: dense, not sparse: the model runs on the cpu") == 1
+    bad = invoke(["eval", str(pruned_two_four), "--kernels", "fast"])
+    assert bad.exit_code == 2 and str(bad.exception) == "unknown --kernels 'fast'; choose one of: dense, sparse"
+
+
+def test_finetune_on_sparse_kernels_trains_as_the_dense_run(
+    pruned_two_four: Path, tmp_path: Path, stand_in_gpu: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four steps at a large learning rate on the stand-in kernels give the dense run's weights; without
+    the refresh after each step the stand-in computes with stale weights and the run differs."""
+    from safetensors.torch import load_file
+
+    from tsenor_cli.finetune.run import FinetuneConfig, finetune
+
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat. " * 40)
+
+    def run(name: str, kernels: str) -> dict[str, torch.Tensor]:
+        cfg = FinetuneConfig(
+            run_dir=pruned_two_four, output=tmp_path / name, data=str(text), seqlen=32, max_steps=4, lr=1e-2,
+            batch_size=2, ppl_datasets=(), save_every=0, kernels=kernels,
+        )  # fmt: skip
+        report = finetune(cfg, LOCAL_CTX)
+        assert report.pruned_nonzero == 0
+        return load_file(str(tmp_path / name / "model.safetensors"))
+
+    dense = run("dense", "dense")
+    assert not stand_in_gpu
+    on_kernels = run("sparse", "sparse")
+    assert stand_in_gpu
+    for key, want in dense.items():
+        torch.testing.assert_close(on_kernels[key], want, rtol=1e-4, atol=1e-5, msg=key)
+    monkeypatch.setattr(sparse.KernelPlan, "refresh", lambda self: None)
+    stale = run("stale", "sparse")
+    assert any(not torch.allclose(stale[key], want, rtol=1e-4, atol=1e-5) for key, want in dense.items())

@@ -1,0 +1,319 @@
+"""The 2:4-pruned linears of a model on the GPU's 2:4 sparse tensor cores (`--kernels sparse`).
+
+A linear layer's training step runs three products on W (out, in) and tokens X (T, in): Y = X·Wᵀ,
+dX = dY·W and dW = dYᵀ·X. Sparse tensor cores take one operand whose rows keep at most 2 of every 4
+consecutive entries. W is such an operand when its mask is 2:4, so Y runs sparse; Wᵀ is one only when
+the mask is also 2:4 along W's columns, which is what a transposable mask guarantees (every 4×4 tile
+keeps 2 per row and per column, paper Section 1): then dX = dY·W runs on Wᵀ's compressed form, the same
+mask, with no second pruning. dW has no sparse operand and stays dense; the pruned positions of its
+result are zeroed by `fixedmask.FixedMask`'s gradient hook, as in dense training.
+
+Which linears: the checkpoint's sparsity record (`runfiles.read_sparsity`) names the pruned matrices
+and their pattern; those that are nn.Linear weights of a 2:4 pattern, with a shape the kernel takes,
+are chosen (`plan_kernels`), and each one's weights are checked to be 2:4 (along columns too when
+transposable) when its kernel is installed (`KernelPlan.install`), never assumed from names. Anything
+else (another pattern, a CPU, an old GPU, fp32 weights) runs dense, and `KernelPlan.line` says so in
+one line.
+
+Backends: cuSPARSELt called directly (`torch._cslt_compress` once per weight, `torch._cslt_sparse_mm`
+per product), where torch has it: through torch's semi-structured tensor each call pays Python
+dispatch and layout handling, measured at 0.07-0.9× dense on an H100 (tsenor bench speedup,
+docs/measurements/gpu.md), which would undo the speedup; else CUTLASS through
+`torch.sparse.SparseSemiStructuredTensorCUTLASS` (compute capability 8.x). A third, `STAND_IN`, runs the
+same autograd function with dense products on a copy of the weights: the CPU tests and the CPU mode of
+`make gpu-check` check the function's math with it, never a user's run.
+
+The compressed copies are made from the weights once and reused, so whoever changes the weights
+(an optimizer step, a checkpoint loaded into them) calls `KernelPlan.refresh` (finetune's MaskCallback
+does, after each step's mask).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tsenor_cli.errors import VerificationError
+from tsenor_cli.runfiles import SparsityRecord
+
+STAND_IN = "dense-stand-in"
+KERNEL_BACKENDS = ("cusparselt-direct", "cutlass")
+BACKEND_NAMES = {"cusparselt-direct": "cuSPARSELt", "cutlass": "CUTLASS", STAND_IN: "a dense stand-in"}
+# The torch ops the direct cuSPARSELt path calls (`torch.X` attributes; absent from some builds).
+CSLT_OPS = ("_cslt_compress", "_cslt_sparse_mm", "_cslt_sparse_mm_search")
+# The 16-bit dtypes the sparse tensor cores take (cuSPARSELt's fp32 is not offered by torch).
+SPARSE_DTYPES = (torch.bfloat16, torch.float16)
+# The sparse operand's (rows, columns) must be multiples of these for 16-bit values: torch.sparse's
+# shape constraints of SparseSemiStructuredTensorCUSPARSELT and ...CUTLASS; the stand-in takes groups of 4.
+SPARSE_TILE = {"cusparselt-direct": (16, 16), "cutlass": (32, 64), STAND_IN: (1, 4)}
+# The dense operand's rows (the tokens) are padded to a multiple of 8, the same constraints' dense minimum.
+TOKEN_MULTIPLE = 8
+
+
+def backend_unavailable(backend: str, capability: tuple[int, int]) -> str | None:
+    """Why `backend` (a `tsenor bench speedup` backend: cutlass, cusparselt, cusparselt-direct) cannot run
+    on a GPU of compute `capability` with this torch build, or None."""
+    major, minor = capability
+    if backend == "cutlass" and major != 8:
+        # torch's CUTLASS semi-structured kernels: "Supported only on GPUs with compute capability 8.x"
+        # (every CUTLASS row failed so on the H100, 9.0, 2026-11-27).
+        return f"not available on {major}.{minor}"
+    if backend.startswith("cusparselt") and not torch.backends.cusparselt.is_available():
+        return "not available (no cuSPARSELt in this torch)"
+    if backend == "cusparselt-direct" and not all(hasattr(torch, op) for op in CSLT_OPS):
+        return f"not available (torch {torch.__version__} lacks torch._cslt_*)"
+    return None
+
+
+def cuda_backend(device: torch.device) -> tuple[str | None, str]:
+    """(the kernel backend that runs 2:4 products on `device`, "") or (None, why none does)."""
+    if device.type != "cuda":
+        return None, f"the model runs on the {device.type}; 2:4 sparse tensor cores are a CUDA GPU's"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return None, f"this GPU (compute capability {major}.{minor}) has no 2:4 sparse tensor cores (8.0 or later)"
+    for backend in KERNEL_BACKENDS:
+        if backend_unavailable(backend, (major, minor)) is None:
+            return backend, ""
+    return None, f"this torch {torch.__version__} has no cuSPARSELt, and CUTLASS's 2:4 kernels need a GPU of 8.x"
+
+
+class SparseOperand:
+    """A matrix A (r, c) keeping at most 2 of every 4 consecutive entries of each row, compressed once
+    for `backend`: `linear(y)` is y·Aᵀ (T, r) for y (T, c), in A's dtype."""
+
+    def __init__(self, matrix: torch.Tensor, backend: str) -> None:
+        self.backend = backend
+        dense = matrix.detach().contiguous()
+        if backend == "cusparselt-direct":
+            self.data: torch.Tensor = torch._cslt_compress(dense)
+        elif backend == "cutlass":
+            from torch.sparse import SparseSemiStructuredTensorCUTLASS
+
+            self.data = SparseSemiStructuredTensorCUTLASS.from_dense(dense)
+        else:
+            # A copy, not a view: a weight changed after compression is seen only after a refresh, as with
+            # the real kernels, so a test of the stand-in catches a missing refresh.
+            self.data = dense.clone()
+
+    def linear(self, y: torch.Tensor) -> torch.Tensor:
+        if self.backend != "cusparselt-direct":
+            return F.linear(y, self.data)  # the CUTLASS tensor pads the tokens itself
+        tokens = y.shape[0]
+        pad = -tokens % TOKEN_MULTIPLE
+        dense = F.pad(y, (0, 0, 0, pad)) if pad else y.contiguous()  # (T', c)
+        # (A·yᵀ)ᵀ = y·Aᵀ, written (T', r) by the kernel itself (transpose_result), no copy.
+        out = torch._cslt_sparse_mm(self.data, dense.t(), transpose_result=True)
+        return out[:tokens] if pad else out
+
+
+class LinearKernel:
+    """One linear's compressed weights: W's for the forward, Wᵀ's for the input gradient when
+    `transposable`, each made on first use in the dtype the layer computes in and kept until `refresh`."""
+
+    def __init__(self, backend: str, transposable: bool) -> None:
+        self.backend = backend
+        self.transposable = transposable
+        self._operands: dict[tuple[bool, torch.dtype], SparseOperand] = {}
+
+    def operand(self, weight: torch.Tensor, *, transposed: bool) -> SparseOperand:
+        key = (transposed, weight.dtype)
+        if key not in self._operands:
+            self._operands[key] = SparseOperand(weight.t() if transposed else weight, self.backend)
+        return self._operands[key]
+
+    @property
+    def compressed(self) -> tuple[bool, ...]:
+        """Which compressed copies exist now: False for W's, True for Wᵀ's."""
+        return tuple(sorted(transposed for transposed, _ in self._operands))
+
+    def refresh(self) -> None:
+        self._operands.clear()
+
+
+class SparseLinearFunction(torch.autograd.Function):
+    """Y = X·Wᵀ + b on W's compressed form; dX = dY·W on Wᵀ's compressed form when the kernel is
+    transposable, else the dense product; dW = dYᵀ·X and db dense."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: LinearKernel
+    ) -> torch.Tensor:
+        # x (T, in), weight (out, in), bias (out,) → (T, out)
+        ctx.save_for_backward(x, weight)
+        ctx.kernel = kernel
+        ctx.has_bias = bias is not None
+        out = kernel.operand(weight, transposed=False).linear(x)
+        return out if bias is None else out + bias
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        kernel: LinearKernel = ctx.kernel
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = kernel.operand(weight, transposed=True).linear(grad) if kernel.transposable else grad @ weight
+        if ctx.needs_input_grad[1]:
+            grad_w = grad.t() @ x  # (out, in), dense: FixedMask's hook zeroes its pruned positions
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype a linear computes in: autocast's when it is on for x's device, else the weight's."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
+
+
+def _sparse_forward(module: nn.Linear, kernel: LinearKernel, dtypes: tuple[torch.dtype, ...]) -> Callable[..., Any]:
+    """module's forward through `SparseLinearFunction`; a call in a dtype the kernel does not take (an
+    fp32 evaluation of a model trained under bf16 autocast) runs the layer's own dense forward, as the
+    plan's line says."""
+    dense_forward = type(module).forward.__get__(module)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        dtype = compute_dtype(x, module.weight)
+        if dtype not in dtypes:
+            return dense_forward(x)
+        bias = module.bias.to(dtype) if module.bias is not None else None
+        flat = x.reshape(-1, x.shape[-1]).to(dtype)  # (B·S, in)
+        with torch.autocast(x.device.type, enabled=False):  # the inputs are cast already
+            out = SparseLinearFunction.apply(flat, module.weight.to(dtype), bias, kernel)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return forward
+
+
+def two_four_rows(weight: torch.Tensor) -> bool:
+    """weight (R, C), C a multiple of 4: at most 2 non-zeros in every 4 consecutive entries of each row."""
+    rows, cols = weight.shape
+    return bool(((weight.reshape(rows, cols // 4, 4) != 0).sum(2) <= 2).all())
+
+
+@dataclass
+class KernelPlan:
+    """The linears that run on 2:4 kernels and how: backend (None: every linear dense, `reason` says
+    why), {module name: whether its input gradient runs on Wᵀ's compressed form}, {module name: why a
+    recorded pruned matrix stays dense}, the dtypes the kernels take and a note for the line."""
+
+    backend: str | None
+    linears: Mapping[str, bool] = field(default_factory=dict)
+    dense: Mapping[str, str] = field(default_factory=dict)
+    reason: str = ""
+    dtypes: tuple[torch.dtype, ...] = SPARSE_DTYPES
+    note: str = ""
+    kernels: dict[str, LinearKernel] = field(default_factory=dict)
+    patched: list[nn.Module] = field(default_factory=list)
+
+    def line(self) -> str:
+        """The one line a run prints about its kernels."""
+        if self.backend is None:
+            return f"kernels: dense, not sparse: {self.reason}"
+        backward = sum(self.linears.values())
+        both = f", {backward} of them also for the input gradient (the transposable mask on Wᵀ)" if backward else ""
+        left = Counter(self.dense.values())
+        rest = f"; {len(self.dense)} pruned matrices dense ({', '.join(f'{n} {why}' for why, n in left.items())})"
+        note = f"; {self.note}" if self.note else ""
+        return (
+            f"kernels: sparse ({BACKEND_NAMES[self.backend]}) for the forward of {len(self.linears)} "
+            f"2:4-pruned linears{both}{rest if self.dense else ''}{note}"
+        )
+
+    def install(self, root: nn.Module, prefix: str = "") -> int:
+        """Route each planned linear under `root` (whose own name in the model is `prefix`) through its
+        kernel, after checking its weights are 2:4 (along columns too when transposable); a linear
+        installed before (a streamed block read again) gets fresh compressed copies. → linears installed.
+
+        VerificationError when a planned weight breaks 2:4: the checkpoint changed after pruning."""
+        if self.backend is None:
+            return 0
+        count = 0
+        for name, module in root.named_modules(prefix=prefix):
+            if name not in self.linears or not isinstance(module, nn.Linear):
+                continue
+            weight = module.weight.detach()
+            if not two_four_rows(weight) or (self.linears[name] and not two_four_rows(weight.t())):
+                kind = "2:4 along rows and columns" if self.linears[name] else "2:4"
+                raise VerificationError(
+                    f"{name}: its weights are not {kind}, as the checkpoint's sparsity record says; "
+                    "the checkpoint was modified after pruning (tsenor verify shows where), re-run tsenor prune"
+                )
+            kernel = LinearKernel(self.backend, self.linears[name])
+            self.kernels[name] = kernel
+            module.forward = _sparse_forward(module, kernel, self.dtypes)  # type: ignore[method-assign]
+            self.patched.append(module)
+            count += 1
+        return count
+
+    def refresh(self) -> None:
+        """Drop every compressed copy: made again from the weights at the next call (after the weights changed)."""
+        for kernel in self.kernels.values():
+            kernel.refresh()
+
+    def uninstall(self) -> None:
+        """Every patched linear back to its own forward."""
+        for module in self.patched:
+            if "forward" in vars(module):
+                del module.forward
+        self.patched.clear()
+        self.kernels.clear()
+
+
+def _shape_problem(out_features: int, in_features: int, backend: str, transposable: bool) -> str | None:
+    rows, cols = SPARSE_TILE[backend]
+    if out_features % rows or in_features % cols:
+        return f"of a shape {BACKEND_NAMES[backend]} does not take"
+    if transposable and (in_features % rows or out_features % cols):
+        return f"of a shape whose transpose {BACKEND_NAMES[backend]} does not take"
+    return None
+
+
+def plan_kernels(
+    model: nn.Module,
+    record: SparsityRecord | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    backend: str | None = None,
+) -> KernelPlan:
+    """Which linears of `model` run on 2:4 kernels on `device` when computing in `dtype`, from the
+    checkpoint's sparsity `record` (None: not a pruned checkpoint). backend: the kernel backend, by
+    default the device's (`cuda_backend`); the stand-in is named by tests and CPU benchmarks only.
+    The model's blocks may be on the meta device (a streamed model): only names and shapes are read."""
+    if record is None:
+        return KernelPlan(None, reason="the checkpoint records no sparsity (not an output of tsenor prune)")
+    pattern = record.pattern
+    if pattern.kind == "unstructured" or (pattern.n, pattern.m) != (2, 4):
+        return KernelPlan(None, reason=f"its pattern is {pattern.label} {pattern.kind}; sparse tensor cores take 2:4")
+    if backend is None:
+        backend, why = cuda_backend(device)
+        if backend is None:
+            return KernelPlan(None, reason=why)
+    dtypes = SPARSE_DTYPES if backend != STAND_IN else (dtype,)
+    if dtype not in dtypes:
+        name = str(dtype).removeprefix("torch.")
+        return KernelPlan(None, reason=f"the model computes in {name}; the kernels take bf16 or fp16 (--dtype bf16)")
+    modules = dict(model.named_modules())
+    linears: dict[str, bool] = {}
+    dense: dict[str, str] = {}
+    for pruned in record.pruned:
+        module = modules.get(pruned.name)
+        if not isinstance(module, nn.Linear) or pruned.expert is not None or pruned.param != f"{pruned.name}.weight":
+            dense[pruned.name] = "not nn.Linear weights"
+            continue
+        problem = _shape_problem(module.out_features, module.in_features, backend, pattern.transposable)
+        if problem is not None:
+            dense[pruned.name] = problem
+            continue
+        linears[pruned.name] = pattern.transposable
+    if not linears:
+        reasons = ", ".join(sorted(set(dense.values())))
+        return KernelPlan(None, reason=f"none of its {len(record.pruned)} pruned matrices can: {reasons}")
+    return KernelPlan(backend, linears, dense, dtypes=dtypes)
