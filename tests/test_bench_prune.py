@@ -15,14 +15,21 @@ from typer.testing import CliRunner
 
 import tsenor_cli.pruning.phases as phases_module
 from tsenor_cli.bench.prune import (
+    E2EResult,
     RunResult,
     _alps_projection,
+    _project_whole,
     _whole_model,
+    default_tokens,
+    host_peak,
     merge_section,
     refine_ratios,
+    reset_host_peak,
     scale_shape,
     shape_config,
+    to_markdown,
     transposable_ratios,
+    write_random_checkpoint,
 )
 from tsenor_cli.cli import app
 from tsenor_cli.errors import InputNotFoundError, UsageError
@@ -120,6 +127,92 @@ def test_whole_model_projection_hand_worked() -> None:
     assert _whole_model(30.0, phases, params_ratio=1.5, blocks_ratio=8.0) == pytest.approx(3.0 + 4.5 + 24.0 * 8)
 
 
+# LLaMA-3.1-70B built with 1 of its 80 blocks: the embeddings and output head (untied, 128256 × 8192
+# each), the final norm (8192) and one block (855,654,400: attention 150,994,944, MLP 3 × 8192 × 28672,
+# two norms of 8192).
+PARAMS_70B, PARAMS_70B_ONE_BLOCK = 70_553_706_496, 2 * 128256 * 8192 + 8192 + 855_654_400
+
+
+def test_the_70b_projection_hand_worked() -> None:
+    """One 70B block in 100 s on 16 × 512 calibration tokens: calibration 1 + capture 2 once, the
+    checkpoint write 10 s × 70553706496 / 2957008896 parameters, the other 100 − 3 − 10 = 87 s × 80 blocks.
+    At the default 128 × 2048 tokens (32 times the run's), capture, statistics and rerun take 32 times
+    as long: capture 64 once, and the per-block rest gains (32 − 1) × (statistics 4 + rerun 1) = 155 s."""
+    shape = {"layers": 80, "blocks_built": 1, "params": PARAMS_70B, "params_built": PARAMS_70B_ONE_BLOCK}
+    phases = {"calibration": 1.0, "capture": 2.0, "statistics": 4.0, "factorize": 30.0, "updates": 50.0}
+    phases |= {"rerun": 1.0, "save": 10.0}
+    result = _run(100.0)
+    result.phases = phases
+    tokens_ratio = default_tokens() / (16 * 512)
+    assert tokens_ratio == 32
+    _project_whole(result, shape, tokens_ratio)
+    save = 10.0 * PARAMS_70B / 2_957_008_896
+    assert result.projected_whole_seconds == pytest.approx(3.0 + save + 87.0 * 80)
+    assert result.projected_whole_seconds_default_calibration == pytest.approx(1.0 + 64.0 + save + (87.0 + 155.0) * 80)
+    whole = _run(100.0)
+    _project_whole(whole, shape | {"blocks_built": 80}, tokens_ratio)
+    assert whole.projected_whole_seconds is None and whole.projected_whole_seconds_default_calibration is None
+
+
+def test_the_host_peak_is_what_runs_after_the_reset() -> None:
+    """`reset_host_peak` forgets what ran before it (the random model's build): a 256 MiB buffer freed
+    before the reset is not in the next peak, one made after it is."""
+    import torch
+
+    before = torch.ones(64 << 20)  # 256 MiB, touched
+    del before
+    start = reset_host_peak()
+    if start is None:
+        pytest.skip("this kernel cannot reset the peak resident set")
+    assert host_peak() < start + (128 << 20)  # the freed buffer is not in the peak any more
+    after = torch.ones(64 << 20)
+    assert host_peak() >= start + (250 << 20)
+    del after
+
+
+def test_the_host_table_sets_the_peak_against_the_dry_run_estimate() -> None:
+    """The Markdown's host table: the resident set at the start, the peak, the estimate, the peak over
+    it whole and less the start (what the estimate predicts: `RunResult`), and where it was not measured."""
+    measured, unmeasured = _run(10.0), _run(10.0)
+    measured.host_start_bytes, measured.host_peak_bytes, measured.host_estimate_bytes = 1 << 30, 5 << 30, 4 << 30
+    measured.host_peak_over_estimate, measured.host_added_over_estimate = 1.25, 1.0
+    unmeasured.kind, unmeasured.host_estimate_bytes = "ordinary", 4 << 30
+    env = {"device": "cpu", "torch": "t", "transformers": "x", "date": "d", "cpu_rss_high_water_bytes": 1 << 30}
+    shape = {"model": "m", "layers": 1, "blocks_built": 1, "scale_down": 1, "dtype": "bfloat16", "tokenizer": "tok"}
+    shape |= {"source": "streamed", "checkpoint": {"bytes": 3 << 30, "seconds": 2.0}}
+    config = {"nsamples": 16, "seqlen": 512, "seed": 0, "refine": ["none"]}
+    for run in (measured, unmeasured):
+        run.phases = dict.fromkeys(PHASES, 0.0)
+    text = to_markdown(E2EResult(config, env, shape, [measured, unmeasured]))
+    assert "| alps | transposable 16:32 | 1 | 5 | 4 | 1.25 | 1.00 |" in text
+    assert "| alps | ordinary 16:32 | n/a | n/a | 4 | n/a | n/a |" in text
+    assert "safetensors checkpoint of 3 GiB in 2.0 s" in text
+
+
+@pytest.mark.realmodel
+def test_the_random_checkpoint_is_the_models_own_tensors(tmp_path: Path) -> None:
+    """`write_random_checkpoint` writes every tensor transformers' own save would (and loads back with no
+    missing key), seeded: matrices normal with the config's initializer_range, norms ones."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tsenor_cli.models.embedded import materialize
+    from tsenor_cli.settings import cache_dir_default
+
+    config, _ = shape_config("llama-3.1-70b", 1, scale_down=64)
+    tokenizer = AutoTokenizer.from_pretrained(materialize("smollm2-135m", cache_dir_default()))
+    cpu = torch.device("cpu")
+    written = write_random_checkpoint(tmp_path / "a", config, tokenizer, cpu, torch.bfloat16, 0)
+    write_random_checkpoint(tmp_path / "b", config, tokenizer, cpu, torch.bfloat16, 0)
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert written["bytes"] == sum(t.numel() * 2 for t in a.values()) and all(torch.equal(a[k], b[k]) for k in a)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    assert set(a) == set(model.state_dict())  # 128256 × 128 embeddings and head, one block, the final norm
+    assert float(a["model.layers.0.mlp.down_proj.weight"].float().std()) == pytest.approx(0.02, rel=0.05)
+    assert bool((a["model.norm.weight"] == 1).all()) and (tmp_path / "a" / "tokenizer.json").is_file()
+
+
 def test_merge_section_replaces_its_own_and_keeps_the_others() -> None:
     head = "# title\n\n"
     one = merge_section(head, "a/cpu", "table A1\n")
@@ -137,6 +230,7 @@ def test_merge_section_replaces_its_own_and_keeps_the_others() -> None:
         ("llama-3.2-1b", 1_235_814_400, 16, True),
         ("llama-3.2-3b", 3_212_749_824, 28, True),
         ("llama-3.1-8b", 8_030_261_248, 32, False),
+        ("llama-3.1-70b", 70_553_706_496, 80, False),
     ],
 )
 def test_shipped_shapes_have_the_published_sizes(name: str, params: int, layers: int, tied: bool) -> None:

@@ -98,13 +98,99 @@ def test_steps_past_the_run_budget_are_skipped_and_say_so(gpu_check: ModuleType,
         (carry / rel).write_text("{}")  # present: the run neither refuses the carry nor builds the models
     assert gpu_check.main(["run", "--device", "cpu", "--carry", str(carry), "--out", str(out), "--budget", "5"]) == 0
     report = json.loads((out / "gpu-check.json").read_text())
-    assert [s["name"] for s in report["steps"]] == [s.name for s in gpu_check.STEPS]
+    assert [s["name"] for s in report["steps"]] == [s.name for s in gpu_check.DEFAULT_STEPS]
+    assert "llama-8b" not in [s.name for s in gpu_check.DEFAULT_STEPS]  # runs when named (the 8 minutes)
     assert all(s["status"] == "skipped" and "budget of 5 s was spent" in s["note"] for s in report["steps"])
 
 
 def test_a_carry_folder_without_the_prepared_inputs_is_refused(gpu_check: ModuleType, tmp_path: Path) -> None:
     assert gpu_check.main(["run", "--device", "cpu", "--carry", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert not (tmp_path / "o").exists()
+
+
+def test_an_unknown_step_is_refused(gpu_check: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "o"
+    assert gpu_check.main(["run", "--carry", str(tmp_path), "--out", str(out), "--steps", "llama-70b", "nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: no step nope; the steps: solver, ")
+    assert not out.exists()
+
+
+def _e2e_70b(projected: float, start: int, peak: int, estimate: int) -> dict:
+    """What `tsenor bench prune --stream` writes for one 70B block (the fields the step reads)."""
+    run = {"method": "alps", "kind": "transposable", "pattern": "16:32", "seconds": 110.0, "verified": True}
+    run |= {"phases": {"save": 8.0, "statistics": 0.4}, "peak_over_estimate": 1.1}
+    run |= {"projected_whole_seconds": projected - 900.0, "projected_whole_seconds_default_calibration": projected}
+    run |= {"host_start_bytes": start, "host_peak_bytes": peak, "host_estimate_bytes": estimate}
+    run |= {"host_added_over_estimate": (peak - start) / estimate}
+    return {"runs": [run]}
+
+
+@pytest.mark.parametrize(
+    ("peak_gib", "host_ok", "status"),
+    [(7, True, "ok"), (9, False, "miss")],  # 2 GiB at the start, 6 GiB estimated: 5 GiB more is within, 7 is not
+)
+def test_the_70b_step_judges_the_projection_and_the_host_peak_less_the_start(
+    gpu_check: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, peak_gib: int, host_ok: bool, status: str
+) -> None:
+    """On CUDA the step judges the 80-block projection at the default calibration (≤ 3 h) and what the run
+    added to the process's resident set against the dry run's host estimate (≤ 1); it reports both
+    projections and the host bytes."""
+    gib = 1 << 30
+    result = _e2e_70b(10_000.0, 2 * gib, peak_gib * gib, 6 * gib)
+    calls: list[tuple] = []
+
+    def bench(run: object, name: str, args: list[str], sizes: tuple | None = None) -> dict:
+        calls.append((name, tuple(args), sizes))
+        return result
+
+    monkeypatch.setattr(gpu_check, "_bench_prune", bench)
+    run = gpu_check.Run(tmp_path / "out", "cuda", tmp_path / "carry", gpu_check.GPU)
+    step = next(s for s in gpu_check.STEPS if s.name == "llama-70b")
+    record = gpu_check.run_step(run, step)
+    assert calls == [
+        ("e2e-70b", ("--methods", "alps", "--kinds", "transposable", "--stream"), gpu_check.GPU.huge_model)
+    ]
+    assert record["status"] == status
+    checks = {c["what"]: c for c in record["checks"]}
+    projected = checks["alps transposable 16:32: whole-model s (projected, at the default 128 × 2048 calibration)"]
+    assert projected["ok"] and projected["shown"] == "1e+04" and projected["target"] == "≤ 1.08e+04"
+    host = checks["alps transposable 16:32: host peak less the start / dry-run host estimate"]
+    assert host["ok"] is host_ok and host["shown"] == f"{(peak_gib - 2) / 6:.2f}" and host["target"] == "≤ 1.00"
+    assert record["projected_s"] == {"at the run's calibration": 9100.0, "at the default calibration": 10_000.0}
+    assert record["host_bytes"] == {"start": 2 * gib, "peak": peak_gib * gib, "estimate": 6 * gib}
+
+
+@pytest.mark.realmodel
+@pytest.mark.realdata
+def test_the_70b_step_runs_in_cpu_mode(
+    gpu_check: ModuleType, tmp_path: Path, data_dir: Path, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--steps llama-70b --device cpu`: the 70B shape's widths / 64 streamed from a random checkpoint, its
+    checkpoint verified; its GPU targets (the projection, the peaks) shown but not judged."""
+    carry, out = tmp_path / "carry", tmp_path / "out"
+    (carry / "tokenizer").mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (carry / "tokenizer" / name).write_bytes((smollm2_path / name).read_bytes())
+    c4 = "c4/c4-en-sample-1000.olmo.json.gz"
+    (carry / "data" / c4).parent.mkdir(parents=True)
+    (carry / "data" / c4).write_bytes((data_dir / c4).read_bytes())
+    (carry / "pool.safetensors").write_text("{}")  # present: the solver step, which reads it, is not run
+    for model in gpu_check.TINY.values():
+        (carry / "models" / model).mkdir(parents=True)
+        (carry / "models" / model / "config.json").write_text("{}")  # present: not built
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    assert (
+        gpu_check.main(["run", "--device", "cpu", "--carry", str(carry), "--out", str(out), "--steps", "llama-70b"])
+        == 0
+    )
+    (step,) = json.loads((out / "gpu-check.json").read_text())["steps"]
+    assert step["name"] == "llama-70b" and step["status"] == "ok", step
+    judged = {c["what"]: c["ok"] for c in step["checks"]}
+    assert judged.pop("alps transposable 16:32: checkpoint verified") is True
+    assert set(judged.values()) == {None} and len(judged) == 4  # projection, device peak, save share, host peak
+    assert step["host_bytes"]["peak"] > step["host_bytes"]["start"] > 0 and step["host_bytes"]["estimate"] > 0
+    assert step["projected_s"]["at the default calibration"] > step["projected_s"]["at the run's calibration"] > 0
+    assert "| llama-70b | alps transposable 16:32: host peak less the start" in (out / "gpu-check.md").read_text()
 
 
 @pytest.mark.slow
@@ -126,7 +212,7 @@ def test_the_gpu_check_runs_every_step_in_cpu_mode(data_dir: Path, tmp_path: Pat
     report = json.loads((out / "gpu-check.json").read_text())
     assert report["finished"] and report["environment"]["device"] == "cpu"
     steps = {s["name"]: s for s in report["steps"]}
-    assert list(steps) == [s.name for s in gpu_check.STEPS]
+    assert list(steps) == [s.name for s in gpu_check.DEFAULT_STEPS]
     skipped = {"speedup", "device-map"}
     for name, step in steps.items():
         if name in skipped:
@@ -135,5 +221,5 @@ def test_the_gpu_check_runs_every_step_in_cpu_mode(data_dir: Path, tmp_path: Pat
             assert step["status"] == "ok", step
             assert step["checks"] and all(c["ok"] in (True, None) for c in step["checks"]), step
     page = (out / "gpu-check.md").read_text()
-    assert all(f"| {s.title} |" in page for s in gpu_check.STEPS)
+    assert all(f"| {s.title} |" in page for s in gpu_check.DEFAULT_STEPS)
     assert not (carry / "scratch").exists() or not any((carry / "scratch").rglob("*.safetensors"))

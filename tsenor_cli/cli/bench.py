@@ -238,6 +238,17 @@ benchmark, replaced when the same shape, block count, device and methods run aga
 """
 
 
+_TOKENIZER = typer.Option(
+    None, help="A folder with SmolLM2's tokenizer files (default: the embedded model's), e.g. on a GPU machine."
+)
+_STREAM = typer.Option(
+    False,
+    "--stream/--no-stream",
+    help="Write the random weights to a safetensors checkpoint in the work folder, one tensor at a time, and "
+    "prune it as `tsenor prune --stream` does (one block read at a time); default: held in memory.",
+)
+
+
 @bench_app.command("prune", cls=Command)
 def bench_prune(
     ctx: typer.Context,
@@ -268,15 +279,8 @@ def bench_prune(
     resume_state: bool = typer.Option(
         True, "--resume-state/--no-resume-state", help="Save the resume state after each block, as `tsenor prune` does."
     ),
-    tokenizer: Path | None = typer.Option(
-        None, help="A folder with SmolLM2's tokenizer files (default: the embedded model's), e.g. on a GPU machine."
-    ),
-    stream: bool = typer.Option(
-        False,
-        "--stream/--no-stream",
-        help="Write the random weights to a safetensors checkpoint in the work folder, one tensor at a time, and "
-        "prune it as `tsenor prune --stream` does (one block read at a time); default: held in memory.",
-    ),
+    tokenizer: Path | None = _TOKENIZER,
+    stream: bool = _STREAM,
     work_dir: Path | None = typer.Option(
         None,
         help="Folder for the model config and the checkpoints (each removed once verified); default: a temp folder.",
