@@ -12,7 +12,8 @@ if TYPE_CHECKING:
     from tsenor_cli.api import evaluate as evaluate
     from tsenor_cli.api import prune as prune
 
-__version__ = "0.1.0"
+from tsenor_cli.version import __version__
+
 __all__ = ["__version__", "evaluate", "prune"]
 
 

@@ -43,7 +43,7 @@ def source_revision(root: Path = PACKAGE_ROOT) -> str | None:
 def tsenor_versions() -> dict[str, str]:
     """→ {"tsenor": version} plus "tsenor_source" (the commit) when running from a git checkout; the
     shared head of every report's `versions`."""
-    from tsenor_cli import __version__
+    from tsenor_cli.version import __version__
 
     out = {"tsenor": __version__}
     revision = source_revision()

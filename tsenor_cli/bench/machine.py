@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tsenor_cli import __version__
+from tsenor_cli.version import __version__
 
 
 def environment(device: torch.device | str = "cpu") -> dict[str, Any]:

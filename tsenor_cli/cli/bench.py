@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from tsenor_cli import atomic
-from tsenor_cli.cli import Command, app, run_context
+from tsenor_cli.cli.app import Command, app, run_context
 from tsenor_cli.cli.options import DEVICE, DTYPE, DataDirOpt, DeviceOpt, DtypeOpt, ForceOpt, JsonOpt
 from tsenor_cli.errors import InputNotFoundError, OutputExistsError, UsageError
 from tsenor_cli.pattern import SparsityPattern
@@ -412,7 +412,7 @@ def bench_memory(
     import platform
 
     from tsenor_cli.bench.memory import MemoryConfig, merge_results, read_result, run_memory_bench, to_markdown
-    from tsenor_cli.cli import command_line
+    from tsenor_cli.cli.app import command_line
     from tsenor_cli.progress import logger
 
     if merge and (output is None or not output.is_file()):

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from tsenor_cli.cli import Command, app, command_line, run_context
+from tsenor_cli.cli.app import Command, app, command_line, run_context
 from tsenor_cli.cli.options import (
     PPL,
     DataDirOpt,

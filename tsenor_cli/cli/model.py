@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from tsenor_cli.cli import Command, app, run_context
+from tsenor_cli.cli.app import Command, app, run_context
 from tsenor_cli.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, materialize
 
 model_app = typer.Typer(help="Manage the embedded default model.", no_args_is_help=True, rich_markup_mode=None)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from tsenor_cli.cli import Command, app, command_line, run_context
+from tsenor_cli.cli.app import Command, app, command_line, run_context
 from tsenor_cli.cli.options import (
     PPL,
     DataDirOpt,
@@ -184,7 +184,7 @@ def _print_result(report: PruneReport, evaluation: EvalReport | None, *, as_json
 
 def _launch(ctx: typer.Context, cfg: PruneConfig, nproc: int) -> None:
     """Run this same command in `nproc` processes (`pruning/launch.py`) and exit with the run's status."""
-    from tsenor_cli.cli import launch_arguments
+    from tsenor_cli.cli.app import launch_arguments
     from tsenor_cli.pruning.launch import launch_prune
 
     if code := launch_prune(launch_arguments(ctx), cfg, nproc):

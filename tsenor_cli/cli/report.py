@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from tsenor_cli.cli import Command, app
+from tsenor_cli.cli.app import Command, app
 from tsenor_cli.cli.options import ForceOpt, JsonOpt, OutputDirOpt
 from tsenor_cli.errors import UsageError
 from tsenor_cli.report import load_run, write_report

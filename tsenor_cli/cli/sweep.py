@@ -11,7 +11,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from tsenor_cli.cli import Command, app, run_context
+from tsenor_cli.cli.app import Command, app, run_context
 from tsenor_cli.cli.options import DataDirOpt, ForceOpt, JsonOpt, OfflineOpt, OutputDirOpt
 from tsenor_cli.errors import OutputExistsError, UsageError
 from tsenor_cli.sweep.spec import MAX_RUNS, SlurmOptions, parse_time

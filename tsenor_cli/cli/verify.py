@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from tsenor_cli.cli import Command, app
+from tsenor_cli.cli.app import Command, app
 from tsenor_cli.cli.options import JsonOpt
 from tsenor_cli.errors import VerificationError
 

@@ -378,7 +378,7 @@ class SparsityRecord:
         solver_requested: str | None,
     ) -> SparsityRecord:
         """The record of a run that pruned `records` (its layer records, every status)."""
-        from tsenor_cli import __version__
+        from tsenor_cli.version import __version__
 
         return cls(
             method=method,

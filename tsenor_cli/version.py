@@ -1,0 +1,3 @@
+"""The package version, in a module of its own so that what reports it need not import the package's API."""
+
+__version__ = "0.1.0"
