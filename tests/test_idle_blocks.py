@@ -32,7 +32,7 @@ from tsenor_cli.pruning import magnitude, sparsegpt
 from tsenor_cli.pruning.engine import BlockPruner
 from tsenor_cli.pruning.idle import MAGNITUDE_REASON, TEXT_REASON
 from tsenor_cli.pruning.registry import get_pruner
-from tsenor_cli.pruning.run import _check_targets_run
+from tsenor_cli.pruning.steps import check_targets_run as _check_targets_run
 from tsenor_cli.pruning.slots import LinearSlot, linear_slots
 from tsenor_cli.pruning.stats import InputStats
 from tsenor_cli.pruning.types import LayerPruneConfig

@@ -1,7 +1,7 @@
 """Library entry points: `prune(model, cfg) -> PruneReport` (the Python API: a path or a model in memory,
 docs/guide/python-api.md), `prune_model(cfg, ctx) -> PruneReport` (the run: checks, plan, lock, then
-`run.PruneRun`) and `prune_and_evaluate` (`tsenor prune --eval`); the dry run's `plan_model` is in
-pruning/plan.py.
+`run.execute`, with the caller's extra block hooks and sinks, `pruning/seams.py`) and
+`prune_and_evaluate` (`tsenor prune --eval`); the dry run's `plan_model` is in pruning/plan.py.
 
 `ctx` (settings.RunContext) says where calibration data and hub models may come from.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,9 +36,11 @@ from tsenor_cli.pruning.output import (
     output_run,
 )
 from tsenor_cli.pruning.outside import check_outside
+from tsenor_cli.pruning.phases import recording
 from tsenor_cli.pruning.plan import PrunePlan, dtype_and_device, plan_model
 from tsenor_cli.pruning.resume import ResumeStore
-from tsenor_cli.pruning.run import PruneRun, RunPoint
+from tsenor_cli.pruning.run import RunPoint, RunSetup, execute
+from tsenor_cli.pruning.seams import BlockHook, Sink
 from tsenor_cli.replay import BlockInputs, capture_block_inputs
 from tsenor_cli.runfiles import EVAL_FILE, EvalReport, PruneReport, ResumeState
 from tsenor_cli.settings import RunContext
@@ -54,6 +56,8 @@ def prune(
     tokenizer: Any = None,
     ctx: RunContext | None = None,
     progress: Progress | None = None,
+    hooks: Sequence[BlockHook] = (),
+    sinks: Sequence[Sink] = (),
 ) -> PruneReport:
     """The Python entry point (docs/guide/python-api.md), as llm-compressor users call ``oneshot``: prune
     `model` under `cfg` into `cfg.output` → the run's report (what tsenor_report.json holds).
@@ -62,13 +66,14 @@ def prune(
     model already in memory (a `PreTrainedModel`): then it is pruned in place and written to
     `cfg.output`, its config and tokenizer read from the folder it was loaded from
     (``model.name_or_path``; `tokenizer`, when given, is used instead of that folder's). ctx: where
-    data and hub models come from (default: the environment, `RunContext.from_environment`)."""
+    data and hub models come from (default: the environment, `RunContext.from_environment`). hooks,
+    sinks: block hooks and sinks run after the run's own (`pruning/seams.py`, docs/guide/python-api.md)."""
     from tsenor_cli.models.loading import LoadedModel
     from tsenor_cli.models.structure import discover_structure
 
     ctx = ctx if ctx is not None else RunContext.from_environment()
     if isinstance(model, str | Path):
-        return prune_model(replace(cfg, model=str(model)), ctx, progress)
+        return prune_model(replace(cfg, model=str(model)), ctx, progress, hooks=hooks, sinks=sinks)
     folder = str(getattr(model, "name_or_path", "") or "")
     if not folder or not Path(folder, "config.json").is_file():
         raise UsageError(
@@ -82,7 +87,7 @@ def prune(
     built = LoadedModel(
         model=model.eval(), tokenizer=tokenizer, name=folder, source=folder, structure=discover_structure(model)
     )
-    return prune_model(replace(cfg, model=folder), ctx, progress, built=built)
+    return prune_model(replace(cfg, model=folder), ctx, progress, built=built, hooks=hooks, sinks=sinks)
 
 
 def dense_calibration_inputs(
@@ -110,6 +115,8 @@ def prune_model(
     after_block: Callable[[int], None] | None = None,
     stop: StopRequest | None = None,
     built: LoadedModel | None = None,
+    hooks: Sequence[BlockHook] = (),
+    sinks: Sequence[Sink] = (),
 ) -> PruneReport:
     """Prune `cfg.model` block by block and write the checkpoint + reports to `cfg.output`.
 
@@ -126,7 +133,8 @@ def prune_model(
     which finishes it before the run ends, however it ends (tests use it to simulate a kill). built: a
     model already in memory to prune instead of loading `cfg.model` (`tsenor bench prune`: random
     weights at a published shape); `cfg.model` must then be a folder with its config.json
-    and tokenizer, which the plan and the checkpoint use. Raises a `TsenorError` subclass for every
+    and tokenizer, which the plan and the checkpoint use. hooks, sinks: block hooks (every rank) and
+    sinks (rank 0) run after the run's own (`pruning/seams.py`). Raises a `TsenorError` subclass for every
     input the user can fix, before any output exists.
     """
     start = time.perf_counter()
@@ -147,7 +155,11 @@ def prune_model(
     def interrupted(signal_name: str | None) -> Interrupted:
         return point.interrupted(output, saving=cfg.resume, signal_name=signal_name)
 
-    with output_run(output, interrupted, say=say, stop=stop) as folder, joined(place, device) as team:
+    with (
+        recording() as timings,
+        output_run(output, interrupted, say=say, stop=stop) as folder,
+        joined(place, device) as team,
+    ):
         plan = _checked_plan(cfg, ctx, folder, team, device, say)
         if built is not None:  # the plan is made from the folder's config.json: the model must be that one
             plan.check_model(built.structure, cfg.model)
@@ -158,13 +170,13 @@ def prune_model(
                 return opened
             store, state = opened
             point.blocks, point.done = plan.blocks, state.next_block if state is not None else 0
-            run = PruneRun(
-                cfg, ctx, plan, output=output, team=team, device=device, dtype=dtype, say=say, point=point,
+            run = RunSetup(
+                cfg, ctx, plan, output, team, device, dtype, say, point, timings, start,
                 store=store if cfg.resume else None, state=state, stop=stop, after_block=after_block,
-                built=built, started=start,
+                built=built, hooks=hooks, sinks=sinks,
             )  # fmt: skip
-            run.timings.add("plan", time.perf_counter() - start)  # the checks, the plan, the lock
-            return run.execute()
+            timings.add("plan", time.perf_counter() - start)  # the checks, the plan, the lock
+            return execute(run)
 
 
 def _checked_plan(
