@@ -120,35 +120,25 @@ def prune_model(
 ) -> PruneReport:
     """Prune `cfg.model` block by block and write the checkpoint + reports to `cfg.output`.
 
-    Before any weights are read: the output location is checked (writable, not the input, room for
-    the checkpoint and resume state). Then, holding the output's lock until the checkpoint is in
-    place: a killed run's leftovers are recovered, the folder's contents checked (`prepare_output`),
-    and with `cfg.resume` an interrupted run of the same settings is continued; its state is saved
-    after every block (pruning/resume.py) and goes away with the final swap.
+    Before any weights are read the output location is checked (writable, not the input, room for the
+    checkpoint and resume state). Then, under the output's lock until the checkpoint is in place: a killed
+    run's leftovers are recovered, the folder's contents checked (`prepare_output`), and with `cfg.resume`
+    an interrupted run of the same settings continued; its state is saved after every block
+    (pruning/resume.py) and goes away with the final swap.
 
-    stop: polled before each block; once set (the CLI sets it on SIGTERM/SIGUSR1/SIGUSR2,
-    tsenor_cli.interrupt) the run raises `Interrupted` (exit 75) with its resume state saved.
-    KeyboardInterrupt (Ctrl-C) becomes `Interrupted` (exit 130) saying what was saved.
-    after_block(i) runs once block i is done and its resume state is queued for the background writer,
-    which finishes it before the run ends, however it ends (tests use it to simulate a kill). built: a
-    model already in memory to prune instead of loading `cfg.model` (`tsenor bench prune`: random
-    weights at a published shape); `cfg.model` must then be a folder with its config.json
-    and tokenizer, which the plan and the checkpoint use. hooks, sinks: block hooks (every rank) and
-    sinks (rank 0) run after the run's own (`pruning/seams.py`). Raises a `TsenorError` subclass for every
+    stop: polled before each block; once set (SIGTERM/SIGUSR1/SIGUSR2, tsenor_cli.interrupt) the run
+    raises `Interrupted` (exit 75) with its resume state saved; Ctrl-C is `Interrupted` (exit 130).
+    after_block(i): runs once block i is done and handed to the sinks (tests simulate a kill with it).
+    built: a model in memory to prune instead of loading `cfg.model` (`tsenor bench prune`), which must
+    then be a folder with its config.json and tokenizer. hooks, sinks: block hooks (every rank) and sinks
+    (rank 0) run after the run's own (`pruning/seams.py`). Raises a `TsenorError` subclass for every
     input the user can fix, before any output exists.
     """
     start = time.perf_counter()
-    if cfg.output is None:
-        raise UsageError("--output is required to prune; pass --output DIR (or --dry-run to only print the plan)")
     place = ctx.distributed
-    if cfg.nsamples < place.world_size:
-        raise UsageError(
-            f"--nsamples {cfg.nsamples} is fewer than the {place.world_size} processes of the run; "
-            "pass at least one calibration sample per process"
-        )
+    output = _checked_output(cfg, place.world_size)
     # In a distributed run rank 0 speaks for all: the other ranks' lines would repeat its own.
     say = sink(progress) if place.is_root else _silent
-    output = output_path(cfg.output)
     point = RunPoint()
     dtype, device = dtype_and_device(cfg, ctx)
 
@@ -177,6 +167,18 @@ def prune_model(
             )  # fmt: skip
             timings.add("plan", time.perf_counter() - start)  # the checks, the plan, the lock
             return execute(run)
+
+
+def _checked_output(cfg: PruneConfig, processes: int) -> Path:
+    """The output folder, refused before any work when missing, or with fewer samples than processes."""
+    if cfg.output is None:
+        raise UsageError("--output is required to prune; pass --output DIR (or --dry-run to only print the plan)")
+    if cfg.nsamples < processes:
+        raise UsageError(
+            f"--nsamples {cfg.nsamples} is fewer than the {processes} processes of the run; "
+            "pass at least one calibration sample per process"
+        )
+    return output_path(cfg.output)
 
 
 def _checked_plan(
