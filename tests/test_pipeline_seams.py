@@ -166,3 +166,24 @@ def test_with_two_processes_the_sink_runs_on_rank_0_and_the_hook_on_every_rank(
     assert [call[0] for call in ranks[0]["sink"]] == ["begin", *["add_block"] * BLOCKS, "finish", "close"]
     assert ranks[1]["sink"] == [] and ranks[1]["digests"] == {}
     assert {int(i): d for i, d in ranks[0]["digests"].items()} == _checkpoint_digests(out)
+
+
+def test_the_guides_sink_and_hook_run_as_written(
+    model: Path, calib: Path, data_ctx: RunContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/guide/python-api.md's sink and hook (its ``py`` blocks) on a tiny model: a mask digest per
+    pruned nn.Linear beside the checkpoint, an output norm per block."""
+    import re
+
+    guide = Path(__file__).parents[1] / "docs" / "guide" / "python-api.md"
+    code = "\n".join(re.findall(r"```py\n(.*?)```", guide.read_text(), flags=re.S))
+    assert 'prune("models/llama", cfg, sinks=[MaskDigests()], hooks=[norms])' in code
+    cfg = sparsegpt_config(model, calib, tmp_path / "out")
+    monkeypatch.setenv("TSENOR_DATA_DIR", str(data_ctx.data_dir))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    namespace: dict[str, Any] = {"prune": api.prune, "cfg": cfg}
+    exec(compile(code.replace("models/llama", str(model)), str(guide), "exec"), namespace)
+    lines = (tmp_path / "out" / "masks.sha256").read_text().splitlines()
+    pruned = [r.name for r in namespace["report"].layers if r.status == "pruned"]
+    assert [line.split()[0] for line in lines] == pruned and all(len(line.split()[1]) == 64 for line in lines)
+    assert sorted(namespace["norms"].norms) == list(range(BLOCKS))
