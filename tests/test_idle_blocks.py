@@ -32,9 +32,9 @@ from tsenor_cli.pruning import magnitude, sparsegpt
 from tsenor_cli.pruning.engine import BlockPruner
 from tsenor_cli.pruning.idle import MAGNITUDE_REASON, TEXT_REASON
 from tsenor_cli.pruning.registry import get_pruner
-from tsenor_cli.pruning.run import _check_targets_run
 from tsenor_cli.pruning.slots import LinearSlot, linear_slots
 from tsenor_cli.pruning.stats import InputStats
+from tsenor_cli.pruning.steps import check_targets_run as _check_targets_run
 from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.pruning.verify import verify_checkpoint
 from tsenor_cli.replay import BlockCall, capture_block_calls, capture_block_inputs, run_block

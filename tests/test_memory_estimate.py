@@ -34,7 +34,7 @@ from tsenor_cli.pruning.types import LayerPruneConfig
 # Within this of the measured peak (issue 42's bound for the GPU; the CPU's accounting is exact).
 SLACK = 1.25
 # The block loop's phases (`pruning/phases.py`): what the device holds between the capture and the write.
-LOOP = ("statistics", "factorize", "mask solver", "updates", "cg", "rerun")
+LOOP = ("statistics", "factorize", "solver", "method", "cg", "rerun")
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def model(tiny_llama: Callable[..., Path]) -> Path:
     return tiny_llama(hidden_size=128, intermediate_size=512, num_heads=4, num_kv_heads=1)
 
 
-class _Marking(phases.PhaseRecorder):
+class _Marking(phases.Timings):
     """A phase recorder whose phases are also profiler ranges, so allocations can be placed in them."""
 
     @contextlib.contextmanager

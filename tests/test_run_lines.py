@@ -11,7 +11,7 @@ import pytest
 from helpers_tiny import sparsegpt_config
 
 from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.run import RUN_PHASES, Timings
+from tsenor_cli.pruning.phases import PHASES, Timings
 from tsenor_cli.settings import RunContext
 
 BLOCKS = 3
@@ -26,10 +26,10 @@ def _phases(line: str) -> tuple[float, dict[str, float]]:
 
 
 def test_the_time_line_adds_up() -> None:
-    timings = Timings({"load": 1.25, "method": 2.0, "solver": 0.5})
+    timings = Timings(seconds={"load": 1.25, "method": 2.0, "solver": 0.5})
     total, parts = _phases(timings.line(4.0))
     assert total == 4.0 and parts == {"load": 1.2, "method": 2.0, "solver": 0.5, "other": 0.2}
-    assert _phases(Timings({"load": 3.0}).line(2.0))[1] == {"load": 3.0, "other": 0.0}
+    assert _phases(Timings(seconds={"load": 3.0}).line(2.0))[1] == {"load": 3.0, "other": 0.0}
 
 
 def test_a_prune_says_one_line_per_block_and_its_phases(
@@ -50,8 +50,8 @@ def test_a_prune_says_one_line_per_block_and_its_phases(
     detail = [r.getMessage() for r in caplog.records if r.levelname == "DEBUG" and "rel. error" in r.getMessage()]
     assert len(detail) == len(pruned) > 0
     total, parts = _phases(said[-1])
-    assert set(parts) - {"other"} <= set(RUN_PHASES)
-    assert {"load", "calibrate", "watch", "statistics", "write"} <= set(parts)
+    assert set(parts) - {"other"} <= set(PHASES)
+    assert {"plan", "load", "calibration", "capture", "watch", "statistics", "write"} <= set(parts)
     # Each part is rounded to 0.1 s: the sum is the total within the rounding of its parts.
     assert abs(sum(parts.values()) - total) <= 0.05 * (len(parts) + 1)
     assert report.seconds <= total + 0.05  # the report is made during the write, the line after it

@@ -36,6 +36,8 @@ def prune(
     ctx: RunContext | None = None,
     tokenizer: Any = None,
     progress: Progress | None = None,
+    sinks: Sequence[Any] = (),
+    hooks: Sequence[Any] = (),
     **settings: Any,
 ) -> PruneReport:
     """Prune `model` into `output` → the run's report (what tsenor_report.json holds).
@@ -46,7 +48,8 @@ def prune(
     (nm="2:4", method="sparsegpt", nsamples=128, alps_rho0=0.2, …), overriding the recipe as flags
     override `--config`. force / resume: `tsenor prune`'s --force and --resume/--no-resume-state.
     ctx: where calibration data and hub models come from (default: the environment). progress: where
-    the run's lines go (default: the `tsenor` logger)."""
+    the run's lines go (default: the `tsenor` logger). sinks / hooks: more sinks and block hooks, run
+    after the run's own (`pruning/seams.py`: `Sink`, `BlockHook`; docs/guide/python-api.md)."""
     from tsenor_cli.pruning import api
     from tsenor_cli.pruning.recipe import build_config
 
@@ -55,7 +58,7 @@ def prune(
     cfg = build_config(values, force=force, resume=resume, command=None)
     _check_calibration_source(cfg.calib_data, ctx)
     # The objects handed to the run as they are (not settings of it).
-    objects: dict[str, Any] = {"tokenizer": tokenizer, "ctx": ctx, "progress": progress}
+    objects: dict[str, Any] = {"tokenizer": tokenizer, "ctx": ctx, "progress": progress, "sinks": sinks, "hooks": hooks}
     return api.prune(model, cfg, **objects)
 
 

@@ -10,7 +10,7 @@ are valid inputs, though not the tokens a LLaMA tokenizer would give. Each run i
 `pruning/phases.py` recorded, and the checkpoint is verified afterwards.
 
 ALPS stops when its support stops changing, which depends on the weights: random weights may stop
-earlier or later than real ones. So every ALPS layer's iterations and its loop seconds (updates + mask
+earlier or later than real ones. So every ALPS layer's iterations and its loop seconds (method + mask
 solver) are kept, and the run is also given at the iterations measured on the real SmolLM2
 (`docs/results/runs/alps-16x32-{t,o}`): each layer's loop time scaled by (the mean SmolLM2 iterations of
 its linear, e.g. mlp.down_proj) / (its own iterations).
@@ -60,7 +60,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
 REFERENCE_RUNS = Path(__file__).resolve().parents[2] / "docs" / "results" / "runs"
 METHODS = ("alps", "sparsegpt", "wanda")
 # The phases that happen once per run whatever the number of blocks.
-FIXED_PHASES = ("calibration", "capture")
+FIXED_PHASES = ("plan", "calibration", "capture")
 # The phases whose work grows with the calibration tokens (forwarded, summed into statistics). Not the
 # calibration phase: reading the text file is most of it at any size (0.16-0.23 s on the H100 at 128 × 2048).
 TOKEN_PHASES = ("capture", "statistics", "rerun", "dense stream", "refine")
@@ -316,13 +316,13 @@ def write_random_checkpoint(
 def _alps_projection(
     result: RunResult, layer_phases: dict[str, dict[str, float]], iterations: dict[str, int], ref: dict[str, float]
 ) -> None:
-    """Fill result's ALPS fields: per layer iterations and loop seconds (updates + mask solver), the
+    """Fill result's ALPS fields: per layer iterations and loop seconds (method + solver), the
     cost per iteration, and the run's seconds with each layer's loop at the SmolLM2 iterations."""
     loop_total = projected_loop = 0.0
     its_total = 0
     for name, its in iterations.items():
         phases = layer_phases.get(name, {})
-        loop = phases.get("updates", 0.0) + phases.get("mask solver", 0.0)
+        loop = phases.get("method", 0.0) + phases.get("solver", 0.0)
         ref_its = ref.get(_local_name(name))
         result.alps_layers.append(
             {"name": name, "iterations": its, "loop_seconds": loop, "reference_iterations": ref_its}
@@ -344,8 +344,8 @@ def _whole_model(seconds: float, phases: dict[str, float], params_ratio: float, 
     """The whole model's seconds from a run on its first blocks: fixed phases once, the checkpoint write
     by parameters, the rest by blocks."""
     fixed = sum(phases.get(name, 0.0) for name in FIXED_PHASES)
-    save = phases.get("save", 0.0)
-    return fixed + save * params_ratio + (seconds - fixed - save) * blocks_ratio
+    write = phases.get("write", 0.0)
+    return fixed + write * params_ratio + (seconds - fixed - write) * blocks_ratio
 
 
 def _check_choices(cfg: E2EConfig) -> None:
@@ -615,8 +615,9 @@ def _project_whole(result: RunResult, shape: dict[str, Any], tokens_ratio: float
 
 
 def _phase_names(refine: Any) -> tuple[str, ...]:
-    """The phase columns: PHASES, and REFINE_PHASES when some run refines (`refine`: the modes run)."""
-    return PHASES + REFINE_PHASES if any(mode != "none" for mode in refine) else PHASES
+    """The phase columns: PHASES, less REFINE_PHASES unless some run refines (`refine`: the modes run)."""
+    refines = any(mode != "none" for mode in refine)
+    return tuple(name for name in PHASES if refines or name not in REFINE_PHASES)
 
 
 def _label(run: RunResult) -> str:
@@ -643,8 +644,8 @@ def _alps_lines(runs: list[RunResult]) -> list[str]:
         return []
     lines = [
         "",
-        "ALPS: mean iterations per layer on these random weights, loop seconds per iteration (updates + "
-        "mask solver), and the run at the mean iterations of the same linear on the real SmolLM2 "
+        "ALPS: mean iterations per layer on these random weights, loop seconds per iteration (method + "
+        "solver), and the run at the mean iterations of the same linear on the real SmolLM2 "
         "(docs/results/runs):",
         "",
         "| pattern | iterations (random) | s / iteration | iterations (SmolLM2) | measured s "

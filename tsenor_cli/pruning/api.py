@@ -1,7 +1,7 @@
 """Library entry points: `prune(model, cfg) -> PruneReport` (the Python API: a path or a model in memory,
 docs/guide/python-api.md), `prune_model(cfg, ctx) -> PruneReport` (the run: checks, plan, lock, then
-`run.PruneRun`) and `prune_and_evaluate` (`tsenor prune --eval`); the dry run's `plan_model` is in
-pruning/plan.py.
+`run.execute`, with the caller's extra block hooks and sinks, `pruning/seams.py`) and
+`prune_and_evaluate` (`tsenor prune --eval`); the dry run's `plan_model` is in pruning/plan.py.
 
 `ctx` (settings.RunContext) says where calibration data and hub models may come from.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,9 +36,11 @@ from tsenor_cli.pruning.output import (
     output_run,
 )
 from tsenor_cli.pruning.outside import check_outside
+from tsenor_cli.pruning.phases import recording
 from tsenor_cli.pruning.plan import PrunePlan, dtype_and_device, plan_model
 from tsenor_cli.pruning.resume import ResumeStore
-from tsenor_cli.pruning.run import PruneRun, RunPoint
+from tsenor_cli.pruning.run import RunPoint, RunSetup, execute
+from tsenor_cli.pruning.seams import BlockHook, Sink
 from tsenor_cli.replay import BlockInputs, capture_block_inputs
 from tsenor_cli.runfiles import EVAL_FILE, EvalReport, PruneReport, ResumeState
 from tsenor_cli.settings import RunContext
@@ -54,6 +56,8 @@ def prune(
     tokenizer: Any = None,
     ctx: RunContext | None = None,
     progress: Progress | None = None,
+    hooks: Sequence[BlockHook] = (),
+    sinks: Sequence[Sink] = (),
 ) -> PruneReport:
     """The Python entry point (docs/guide/python-api.md), as llm-compressor users call ``oneshot``: prune
     `model` under `cfg` into `cfg.output` → the run's report (what tsenor_report.json holds).
@@ -62,13 +66,14 @@ def prune(
     model already in memory (a `PreTrainedModel`): then it is pruned in place and written to
     `cfg.output`, its config and tokenizer read from the folder it was loaded from
     (``model.name_or_path``; `tokenizer`, when given, is used instead of that folder's). ctx: where
-    data and hub models come from (default: the environment, `RunContext.from_environment`)."""
+    data and hub models come from (default: the environment, `RunContext.from_environment`). hooks,
+    sinks: block hooks and sinks run after the run's own (`pruning/seams.py`, docs/guide/python-api.md)."""
     from tsenor_cli.models.loading import LoadedModel
     from tsenor_cli.models.structure import discover_structure
 
     ctx = ctx if ctx is not None else RunContext.from_environment()
     if isinstance(model, str | Path):
-        return prune_model(replace(cfg, model=str(model)), ctx, progress)
+        return prune_model(replace(cfg, model=str(model)), ctx, progress, hooks=hooks, sinks=sinks)
     folder = str(getattr(model, "name_or_path", "") or "")
     if not folder or not Path(folder, "config.json").is_file():
         raise UsageError(
@@ -82,7 +87,7 @@ def prune(
     built = LoadedModel(
         model=model.eval(), tokenizer=tokenizer, name=folder, source=folder, structure=discover_structure(model)
     )
-    return prune_model(replace(cfg, model=folder), ctx, progress, built=built)
+    return prune_model(replace(cfg, model=folder), ctx, progress, built=built, hooks=hooks, sinks=sinks)
 
 
 def dense_calibration_inputs(
@@ -110,44 +115,41 @@ def prune_model(
     after_block: Callable[[int], None] | None = None,
     stop: StopRequest | None = None,
     built: LoadedModel | None = None,
+    hooks: Sequence[BlockHook] = (),
+    sinks: Sequence[Sink] = (),
 ) -> PruneReport:
     """Prune `cfg.model` block by block and write the checkpoint + reports to `cfg.output`.
 
-    Before any weights are read: the output location is checked (writable, not the input, room for
-    the checkpoint and resume state). Then, holding the output's lock until the checkpoint is in
-    place: a killed run's leftovers are recovered, the folder's contents checked (`prepare_output`),
-    and with `cfg.resume` an interrupted run of the same settings is continued; its state is saved
-    after every block (pruning/resume.py) and goes away with the final swap.
+    Before any weights are read the output location is checked (writable, not the input, room for the
+    checkpoint and resume state). Then, under the output's lock until the checkpoint is in place: a killed
+    run's leftovers are recovered, the folder's contents checked (`prepare_output`), and with `cfg.resume`
+    an interrupted run of the same settings continued; its state is saved after every block
+    (pruning/resume.py) and goes away with the final swap.
 
-    stop: polled before each block; once set (the CLI sets it on SIGTERM/SIGUSR1/SIGUSR2,
-    tsenor_cli.interrupt) the run raises `Interrupted` (exit 75) with its resume state saved.
-    KeyboardInterrupt (Ctrl-C) becomes `Interrupted` (exit 130) saying what was saved.
-    after_block(i) runs once block i is done and its resume state is queued for the background writer,
-    which finishes it before the run ends, however it ends (tests use it to simulate a kill). built: a
-    model already in memory to prune instead of loading `cfg.model` (`tsenor bench prune`: random
-    weights at a published shape); `cfg.model` must then be a folder with its config.json
-    and tokenizer, which the plan and the checkpoint use. Raises a `TsenorError` subclass for every
+    stop: polled before each block; once set (SIGTERM/SIGUSR1/SIGUSR2, tsenor_cli.interrupt) the run
+    raises `Interrupted` (exit 75) with its resume state saved; Ctrl-C is `Interrupted` (exit 130).
+    after_block(i): runs once block i is done and handed to the sinks (tests simulate a kill with it).
+    built: a model in memory to prune instead of loading `cfg.model` (`tsenor bench prune`), which must
+    then be a folder with its config.json and tokenizer. hooks, sinks: block hooks (every rank) and sinks
+    (rank 0) run after the run's own (`pruning/seams.py`). Raises a `TsenorError` subclass for every
     input the user can fix, before any output exists.
     """
     start = time.perf_counter()
-    if cfg.output is None:
-        raise UsageError("--output is required to prune; pass --output DIR (or --dry-run to only print the plan)")
     place = ctx.distributed
-    if cfg.nsamples < place.world_size:
-        raise UsageError(
-            f"--nsamples {cfg.nsamples} is fewer than the {place.world_size} processes of the run; "
-            "pass at least one calibration sample per process"
-        )
+    output = _checked_output(cfg, place.world_size)
     # In a distributed run rank 0 speaks for all: the other ranks' lines would repeat its own.
     say = sink(progress) if place.is_root else _silent
-    output = output_path(cfg.output)
     point = RunPoint()
     dtype, device = dtype_and_device(cfg, ctx)
 
     def interrupted(signal_name: str | None) -> Interrupted:
         return point.interrupted(output, saving=cfg.resume, signal_name=signal_name)
 
-    with output_run(output, interrupted, say=say, stop=stop) as folder, joined(place, device) as team:
+    with (
+        recording() as timings,
+        output_run(output, interrupted, say=say, stop=stop) as folder,
+        joined(place, device) as team,
+    ):
         plan = _checked_plan(cfg, ctx, folder, team, device, say)
         if built is not None:  # the plan is made from the folder's config.json: the model must be that one
             plan.check_model(built.structure, cfg.model)
@@ -158,13 +160,25 @@ def prune_model(
                 return opened
             store, state = opened
             point.blocks, point.done = plan.blocks, state.next_block if state is not None else 0
-            run = PruneRun(
-                cfg, ctx, plan, output=output, team=team, device=device, dtype=dtype, say=say, point=point,
+            run = RunSetup(
+                cfg, ctx, plan, output, team, device, dtype, say, point, timings, start,
                 store=store if cfg.resume else None, state=state, stop=stop, after_block=after_block,
-                built=built, started=start,
+                built=built, hooks=hooks, sinks=sinks,
             )  # fmt: skip
-            run.timings.add("plan", time.perf_counter() - start)  # the checks, the plan, the lock
-            return run.execute()
+            timings.add("plan", time.perf_counter() - start)  # the checks, the plan, the lock
+            return execute(run)
+
+
+def _checked_output(cfg: PruneConfig, processes: int) -> Path:
+    """The output folder, refused before any work when missing, or with fewer samples than processes."""
+    if cfg.output is None:
+        raise UsageError("--output is required to prune; pass --output DIR (or --dry-run to only print the plan)")
+    if cfg.nsamples < processes:
+        raise UsageError(
+            f"--nsamples {cfg.nsamples} is fewer than the {processes} processes of the run; "
+            "pass at least one calibration sample per process"
+        )
+    return output_path(cfg.output)
 
 
 def _checked_plan(

@@ -93,7 +93,7 @@ def _prune_stacked(
         raise _non_finite_inputs(slots[0], weights[0])
     _sync(pruner.device)
     start = time.perf_counter()
-    with phase("updates", layer="+".join(slot.record_name(None) for slot in slots)):
+    with phase("method", layer="+".join(slot.record_name(None) for slot in slots)):
         outcomes = pruner.spec.prune_rows(stacked, parts, stats, pruner.layer_cfg)
     _sync(pruner.device)
     seconds = time.perf_counter() - start
@@ -163,7 +163,7 @@ def _prune_matrix(weight: torch.Tensor, slot: LinearSlot, stats: InputStats, pru
         raise _non_finite_inputs(slot, weight)
     _sync(pruner.device)
     start = time.perf_counter()
-    with phase("updates", layer=slot.record_name(None)):
+    with phase("method", layer=slot.record_name(None)):
         outcome = pruner.spec.prune(dense, stats, pruner.layer_cfg)
     _sync(pruner.device)
     seconds = time.perf_counter() - start
@@ -210,7 +210,7 @@ def _prune_unit(
         dense = views[first : first + ids.numel()].to(torch.float32).clone()  # (L, out, in)
         _sync(device)
         start = time.perf_counter()
-        with phase("updates", layer=f"{slot.full_param}[{first}:{first + ids.numel()}]"):
+        with phase("method", layer=f"{slot.full_param}[{first}:{first + ids.numel()}]"):
             outcomes = spec.prune_batch(dense, batch, pruner.layer_cfg)
         _sync(device)
         seconds = (time.perf_counter() - start) / ids.numel()
@@ -350,7 +350,7 @@ class BlockPruner:
         )
         for name in reached:
             records[name] = [text_record(record) for record in records[name]]
-        with phase("updates"), team.agreed():
+        with phase("method"), team.agreed():
             for name, slot in by_param.items():
                 if name not in records:
                     records[name] = prune_unreached(block, slot, self.layer_cfg, seen, self.progress)

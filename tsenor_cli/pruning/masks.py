@@ -59,7 +59,7 @@ def choose_mask(
         ]
         return MaskChoice(torch.cat(masks, -2), None)
     flat = scores.reshape(-1, cols)  # (L·R, C)
-    with phase("mask solver"):
+    with phase("solver"):
         if pattern.kind == "transposable":
             result = solve(flat, pattern.n, pattern.m, method=solver, init=init, **(solver_options or {}))
             return MaskChoice(result.mask.view(scores.shape), result)

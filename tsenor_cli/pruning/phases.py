@@ -1,12 +1,19 @@
-"""Where a prune run spends its time and device memory, phase by phase (for `tsenor bench prune`).
+"""The one timing system of a prune run: where it spends its time (and, for `tsenor bench prune`, its
+device memory), phase by phase, under one set of names (`PHASES`).
 
-The engine marks its phases with `phase(name)`. Outside `record_phases()` a mark costs one context
-variable read and nothing else, so `tsenor prune` pays nothing for it. Inside, every phase's wall time
-is summed *exclusive* of the phases nested in it (the mask solver and CG run inside a method's
-updates; the updates are what is left), so the phases add up to the time they cover. On CUDA each
-boundary synchronizes the device (else an asynchronous kernel's time lands in whichever phase next
-waits for it) and the peak of `torch.cuda.max_memory_allocated` is kept per phase (a phase's peak
-includes its nested phases); on other devices peaks are None.
+Code marks a phase with `phase(name)`; the marks go to the recording active on this thread (a context
+variable), and cost one variable read when none is. `prune_model` opens one for every run
+(`recording()`, or joins the one `tsenor bench prune` opened around it), prints its `line` and keeps
+its seconds in the report (`PruneReport.phases`). Every phase's wall time is summed *exclusive* of the
+phases nested in it (the statistics pass around a method's updates, the mask solver and CG inside
+them), so the phases add up to the time they cover and what is left of the run's total is "other".
+A recording made for a device (`Timings(device)`, the bench's) also synchronizes a CUDA device at each
+boundary (else an asynchronous kernel's time lands in whichever phase next waits for it) and keeps the
+peak of `torch.cuda.max_memory_allocated` per phase (a phase's peak includes its nested phases); a
+plain run's recording does neither, so the marks cost it nothing on the device.
+
+Work on another thread (the background writer's) is not marked: it overlaps the phases, and its seconds
+are shown beside their sum (`Timings.background`), never in it.
 """
 
 from __future__ import annotations
@@ -19,10 +26,32 @@ from dataclasses import dataclass, field
 
 import torch
 
-# The phases the engine marks, in the order a block meets them.
-PHASES = ("calibration", "capture", "statistics", "factorize", "mask solver", "updates", "cg", "rerun", "save")
-# The phases only `--refine block` has (pruning/refine.py): the dense block's forward on the dense stream,
-# and the refinement (its error passes and its training).
+# Every phase, in the order a run meets them (`Timings.line` prints them in this order):
+# plan: the checks, the plan, the lock; load: the model (less its calibration text); calibration: the
+# calibration text read and tokenized; capture: the first block's inputs captured, or restored from
+# the resume state; watch: the dense forwards that settle the weight matrices; statistics: each block's
+# input statistics (and what else `BlockPruner.prune` does around the method); factorize, solver (the
+# mask solver), method (the method's own updates), cg: inside the method; dense stream and refine:
+# `--refine block`; rerun: the pruned block run for the next block's inputs; save: the resume state and
+# the sinks' blocks (the snapshot, waiting for the background writer); write: the sinks' last step.
+PHASES = (
+    "plan",
+    "load",
+    "calibration",
+    "capture",
+    "watch",
+    "statistics",
+    "factorize",
+    "solver",
+    "method",
+    "cg",
+    "dense stream",
+    "refine",
+    "rerun",
+    "save",
+    "write",
+)
+# The phases only `--refine block` has (pruning/refine.py).
 REFINE_PHASES = ("dense stream", "refine")
 
 
@@ -35,21 +64,23 @@ class _Open:
 
 
 @dataclass
-class PhaseRecorder:
-    """Sums of exclusive seconds per phase (`seconds`), per phase and layer (`layers`, for the phases
-    run under `phase(..., layer=NAME)` and those nested in them), and the peak device bytes per phase
-    (`peaks`) and over the whole recording (`peak`); peaks stay empty/None off CUDA."""
+class Timings:
+    """Exclusive seconds per phase (`seconds`), per phase and layer (`layers`, for the phases run under
+    `phase(..., layer=NAME)` and those nested in them), seconds of work on other threads (`background`),
+    and with a `device` the peak device bytes per phase (`peaks`) and over the recording (`peak`); the
+    peaks stay empty/None off CUDA and without a device."""
 
-    device: torch.device
+    device: torch.device | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     layers: dict[str, dict[str, float]] = field(default_factory=dict)
     peaks: dict[str, int] = field(default_factory=dict)
     peak: int | None = None
+    background: dict[str, float] = field(default_factory=dict)
     _stack: list[_Open] = field(default_factory=list)
 
     @property
     def on_cuda(self) -> bool:
-        return self.device.type == "cuda"
+        return self.device is not None and self.device.type == "cuda"
 
     def _fold_peak(self) -> None:
         """Credit the device's peak since the last reset to every open phase, then reset it."""
@@ -85,19 +116,31 @@ class PhaseRecorder:
             self._stack.pop()
             elapsed = time.perf_counter() - opened.start
             own = elapsed - opened.nested
-            self.seconds[name] = self.seconds.get(name, 0.0) + own
+            self.add(name, own)
             if opened.layer is not None:
                 per_layer = self.layers.setdefault(opened.layer, {})
                 per_layer[name] = per_layer.get(name, 0.0) + own
             if self._stack:
                 self._stack[-1].nested += elapsed
 
+    def add(self, name: str, seconds: float) -> None:
+        """`seconds` more of phase `name`, measured elsewhere (the plan's, made before the recording)."""
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
-_ACTIVE: contextvars.ContextVar[PhaseRecorder | None] = contextvars.ContextVar("tsenor_phases", default=None)
+    def line(self, total: float) -> str:
+        """ "time 12.3 s: load 1.0 s, capture 0.5 s, …, other 0.1 s" (phases that took no time left out)."""
+        parts = [(name, self.seconds[name]) for name in (*PHASES, "eval") if self.seconds.get(name)]
+        other = total - sum(seconds for _, seconds in parts)
+        shown = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in (*parts, ("other", max(other, 0.0))))
+        beside = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.background.items() if seconds)
+        return f"time {total:.1f} s: {shown}" + (f" (in the background, overlapping them: {beside})" if beside else "")
+
+
+_ACTIVE: contextvars.ContextVar[Timings | None] = contextvars.ContextVar("tsenor_phases", default=None)
 
 
 def phase(name: str, layer: str | None = None) -> contextlib.AbstractContextManager[None]:
-    """Mark the code under `with` as phase `name` (one of PHASES or REFINE_PHASES) of the active recording, if any.
+    """Mark the code under `with` as phase `name` (one of `PHASES`) of the active recording, if any.
 
     layer: the full module name of the linear this phase works on; phases nested inside inherit it.
     """
@@ -108,9 +151,9 @@ def phase(name: str, layer: str | None = None) -> contextlib.AbstractContextMana
 
 
 @contextlib.contextmanager
-def record_phases(device: torch.device) -> Iterator[PhaseRecorder]:
-    """Record the phases marked on this thread under `with` (seconds, and peak memory on CUDA)."""
-    recorder = PhaseRecorder(device)
+def record_phases(device: torch.device | None = None) -> Iterator[Timings]:
+    """Record the phases marked on this thread under `with` (seconds, and with `device` peak memory on CUDA)."""
+    recorder = Timings(device)
     token = _ACTIVE.set(recorder)
     recorder.start()
     try:
@@ -118,3 +161,14 @@ def record_phases(device: torch.device) -> Iterator[PhaseRecorder]:
     finally:
         recorder.finish()
         _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Timings]:
+    """The recording active on this thread (a bench's around the run), else a new one for the `with`."""
+    active = _ACTIVE.get()
+    if active is not None:
+        yield active
+        return
+    with record_phases() as recorder:
+        yield recorder

@@ -11,8 +11,8 @@ After block i is pruned the store writes, each file atomically (tsenor_cli.atomi
    records and the calibration source;
 4. the previous ``hidden_<i-1>.safetensors`` is deleted.
 
-`PruneRun` calls it on its background writer's thread (`pruning/background.py`), one block at a time in
-block order, so this order and what a kill leaves are the same as when it ran in the block loop.
+The run's `hooks.ResumeHook` calls it on the background writer's thread (`pruning/background.py`), one
+block at a time in block order, so this order and what a kill leaves are the same as when it ran in the block loop.
 
 Files are named by block and never rewritten with other contents, so a kill at any point leaves the
 state.json of step 3 before or after, and every file that one names complete: resuming never reads a
@@ -246,7 +246,7 @@ class ResumeStore:
     ) -> ResumeState:
         """Commit that blocks 0..index are done (the order of the module docstring); returns the new state.
 
-        block: the pruned block, or its state dict (the background writer's snapshot, `PruneRun._save`).
+        block: the pruned block, or its state dict (the background writer's snapshot, `hooks.ResumeHook.done`).
         hidden: (S, T, H) the input of block index+1, None after the last block. previous: the state
         committed after block index-1 (None for the first block of a fresh run). dense: the dense
         stream's (S, T, H) there (`--refine block`), saved beside `hidden`; refinement: the records of

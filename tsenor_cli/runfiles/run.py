@@ -178,7 +178,7 @@ class PruneReport:
     model_params / model_nonzero: entries and nonzero entries of every parameter of the written model
     (tied weights once); linear_params / linear_nonzero: the same over the decoder blocks' linear weights.
     The file's ``totals`` are computed from these (`totals()`), not stored separately.
-    phases: wall seconds per phase of the run (`pruning.run.RUN_PHASES`), none nested in another, so that
+    phases: wall seconds per phase of the run (`pruning.phases.PHASES`), each exclusive of those nested in it, so that
     with what is left (`seconds` minus their sum, "other") they add up to `seconds`.
     """
 
