@@ -250,7 +250,7 @@ def test_an_interruption_names_the_blocks_committed_after_the_writer_drains(
     with pytest.raises(Interrupted) as caught:
         prune_model(sparsegpt_config(tiny, calib, out), data_ctx, after_block=_ctrl_c)
     assert json.loads((out / RESUME_DIR / RESUME_STATE_FILE).read_text())["next_block"] == 1
-    assert str(caught.value).endswith("the resume state holds blocks 1-1: rerun the same command to continue")
+    assert str(caught.value).endswith("the resume state holds block 1: rerun the same command to continue")
 
     def sigterm_in_second(index: int) -> None:
         if index == 1:

@@ -55,6 +55,7 @@ from tsenor_cli.pruning.types import LayerRecord
 from tsenor_cli.pruning.writer import CheckpointSink, WeightCounts
 from tsenor_cli.replay import BlockCall, BlockSource, capture_block_calls, capture_block_inputs, run_block
 from tsenor_cli.replay.source import CPU
+from tsenor_cli.report.markdown import block_range
 from tsenor_cli.runfiles import BlockRefinement, ContextRecord, DataSource, PruneReport, ResumeState
 from tsenor_cli.settings import RunContext
 
@@ -91,7 +92,7 @@ class RunPoint:
         elif self.done == total:
             saved = "every block is saved in the resume state: rerun the same command to write the checkpoint"
         elif self.done:
-            saved = f"the resume state holds blocks 1-{self.done}: rerun the same command to continue"
+            saved = f"the resume state holds {block_range(self.done)}: rerun the same command to continue"
         else:
             saved = "no block was finished: rerunning the same command starts over"
         return interruption(signal_name, where, saved)
@@ -338,7 +339,7 @@ class PruneRun:
         memory) is loaded whole, with one line saying so.
 
         Every weight is checked finite, and the nn.Linear layers against the pattern, before calibration."""
-        from tsenor_cli.data.calibration import calibration_batches
+        from tsenor_cli.data.calibration import calibration_batches, stand_in_batches
         from tsenor_cli.models.loading import load_model
 
         cfg, team, state = self.cfg, self.team, self.state
@@ -348,9 +349,16 @@ class PruneRun:
             # Before the weights load: calibration text too short for --nsamples × --seqlen is found in
             # seconds, not after minutes of reading a large checkpoint.
             with phase("calibration"):
-                batches = calibration_batches(
-                    cfg.calib_data, tokenizer, self.ctx, nsamples=cfg.nsamples, seqlen=self.plan.seqlen, seed=cfg.seed
-                )
+                if self.plan.calibrate:
+                    batches = calibration_batches(
+                        cfg.calib_data, tokenizer, self.ctx, nsamples=cfg.nsamples, seqlen=self.plan.seqlen,
+                        seed=cfg.seed,
+                    )  # fmt: skip
+                else:  # a method that reads no data (magnitude): a few stand-in tokens, no text read
+                    plan = self.plan
+                    batches = stand_in_batches(
+                        tokenizer, nsamples=plan.calibration_samples, seqlen=plan.calibration_seqlen, method=cfg.method
+                    )
             fresh.append(batches)
 
         with team.agreed():
@@ -387,7 +395,7 @@ class PruneRun:
         starts as the same input (fresh) or comes from the resume state beside it."""
         cfg, team, store, state, structure = self.cfg, self.team, self.store, self.state, self.structure
         storage = CPU if cfg.offload_activations else self.device
-        shard = team.shard(cfg.nsamples)
+        shard = team.shard(self.plan.calibration_samples)  # --nsamples, or one stand-in sample per process
         with team.agreed():
             if state is not None and store is not None:
                 if not self.source.streamed:
@@ -522,7 +530,7 @@ class PruneRun:
         """The one progress line of a finished block (each matrix's own line is at DEBUG: `tsenor -v`)."""
         pruned = [r for r in records if r.status == "pruned"]
         dense = len(records) - len(pruned)
-        worst = max((r.recon_error or 0.0 for r in pruned), default=None)
+        worst = max((r.recon_error for r in pruned if r.recon_error is not None), default=None)  # none: no data
         errors = f", worst rel. error {worst:.4f}" if worst is not None else ""
         left = f", {dense} left dense" if dense else ""
         return f"block {index + 1}/{len(self.structure.blocks)}: {len(pruned)} pruned{left}{errors}, {seconds:.1f}s"
@@ -543,7 +551,7 @@ class PruneRun:
         cfg, team = self.cfg, self.team
         last = index == len(self.structure.blocks) - 1
         with phase("save"), self.timings.phase("save"):
-            whole = None if last else team.gather_samples(hidden, cfg.nsamples)
+            whole = None if last else team.gather_samples(hidden, self.plan.calibration_samples)
             whole_dense = None if last or refine is None else team.gather_samples(refine.dense, cfg.nsamples)
             refinement = tuple(refine.refined) if refine is not None else begin.refinement
 

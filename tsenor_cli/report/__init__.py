@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tsenor_cli import atomic
 from tsenor_cli.errors import OutputExistsError, UsageError
+from tsenor_cli.outputs import check_output_folder
 from tsenor_cli.report.table import Table, build_table
 from tsenor_cli.runfiles import Run, load_run
 
@@ -29,6 +30,10 @@ class ReportOutput:
     skipped: tuple[str, ...]
 
 
+# What `tsenor report` writes at most: three tables and two PNG plots (tens of kilobytes each).
+REPORT_BYTES = 16 << 20
+
+
 def _check_output(output: Path, runs: Sequence[Run], force: bool) -> None:
     target = output.resolve()
     for run in runs:
@@ -37,6 +42,8 @@ def _check_output(output: Path, runs: Sequence[Run], force: bool) -> None:
             raise UsageError(f"--output {output} would replace run directory {run.path}; choose another directory")
     if output.exists() and not force:
         raise OutputExistsError(f"{output} already exists; pass --force to replace it or choose another --output")
+    # The one output check of every command (`tsenor_cli.outputs`), before the table and plots are made.
+    check_output_folder(output, REPORT_BYTES, what="the table and plots")
 
 
 def write_report(runs: Sequence[Run], output: Path, *, force: bool = False, allow_mixed: bool = False) -> ReportOutput:
