@@ -291,7 +291,7 @@ class PruneRun:
         if beyond and team.is_root:
             # The report says it per record too; a user who asked for --method wanda must see it now.
             logger.warning("--targets selects %d linear(s) outside the language model: %s", len(beyond), OUTSIDE_REASON)
-        if self.plan.seqlen < cfg.seqlen:
+        if self.plan.calibrate and self.plan.seqlen < cfg.seqlen:
             logger.warning(
                 "--seqlen %d is longer than the model's %d positions; calibrating with %d",
                 cfg.seqlen, self.plan.seqlen, self.plan.seqlen,
