@@ -386,19 +386,10 @@ class BlockPruner:
                     start = time.perf_counter()  # the copy, the method and the write back: all of it is the method's
                     dense = views[first : first + chunk].to(torch.float32).clone()  # (L, out, in)
                     outcomes = spec.prune_batch(dense, None, self.layer_cfg)
-                    made = [
-                        _record_outcome(
-                            views[first + i],
-                            dense[i],
-                            outcome,
-                            None,
-                            slot,
-                            first + i if unit.geometry.experts else None,
-                            0.0,
-                            self,
-                        )  # fmt: skip
-                        for i, outcome in enumerate(outcomes)
-                    ]
+                    made = []
+                    for i, outcome in enumerate(outcomes):
+                        expert = first + i if unit.geometry.experts else None
+                        made.append(_record_outcome(views[first + i], dense[i], outcome, None, slot, expert, 0.0, self))
                     _sync(self.device)
                     seconds = (time.perf_counter() - start) / len(made)
                     found += [replace(record, seconds=seconds) for record in made]
