@@ -49,17 +49,17 @@ def _no_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_dry_run_shows_no_calibration_and_no_activations(tiny_llama: Callable[..., Path]) -> None:
     """Default flags (c4, 128 × 2048, here capped at the model's 512 positions): wanda's plan holds the
-    activations, magnitude's holds one stand-in sample per process."""
+    activations, magnitude's holds the stand-in's few tokens per sample."""
     model = tiny_llama(num_layers=2)
     magnitude_plan = plan_model(_cfg(model, None), LOCAL_CTX)
     wanda_plan = plan_model(_cfg(model, None, "wanda"), LOCAL_CTX)
     assert not magnitude_plan.calibrate and wanda_plan.calibrate
-    assert (magnitude_plan.calibration_samples, magnitude_plan.calibration_seqlen) == (1, STAND_IN_SEQLEN)
+    assert magnitude_plan.calibration_seqlen == STAND_IN_SEQLEN and wanda_plan.calibration_seqlen == 512
     hidden = 64 * 4  # width × fp32 bytes
-    stand_in = 2 * 1 * STAND_IN_SEQLEN * hidden  # (S, T, H) entering and leaving a block
+    stand_in = 2 * 128 * STAND_IN_SEQLEN * hidden  # (S, T, H) entering and leaving a block: 256 KiB
     assert magnitude_plan.device_memory[0].activations <= stand_in
     assert wanda_plan.device_memory[0].activations >= 2 * 128 * 512 * hidden
-    assert magnitude_plan.host_memory.tokens <= 16 * STAND_IN_SEQLEN  # int64 ids
+    assert magnitude_plan.host_memory.tokens <= 128 * 16 * STAND_IN_SEQLEN  # int64 ids
     cfg = _cfg(model, None)
     first = next(iter(magnitude_plan.lines(cfg)))
     assert first.endswith("no calibration (magnitude reads no data)") and "c4" not in first
@@ -122,7 +122,7 @@ def test_refine_block_reads_the_calibration_for_the_refinement_only(
         refine=RefineConfig("block", epochs=1),
     )  # fmt: skip
     plan = plan_model(cfg, LOCAL_CTX)
-    assert plan.calibrate and plan.calibration_samples == 4 and plan.calibration_seqlen == 16
+    assert plan.calibrate and plan.calibration_seqlen == 16
     _no_statistics(monkeypatch)
     report = prune_model(cfg, LOCAL_CTX)
     assert report.calibration_source is not None and report.calibration_source.kind == "file"

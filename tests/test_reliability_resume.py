@@ -449,8 +449,9 @@ def test_ctrl_c_before_pruning_during_the_write_and_during_prune_eval(
     args = [*_args(tiny, calib, evaluated), "--data-dir", str(data_dir), "--eval", "--max-windows", "1"]
     result = invoke(args)
     assert result.exit_code == EXIT_SIGINT
-    assert str(result.exception).startswith(
-        f"interrupted while evaluating; the checkpoint {evaluated} is complete but has no eval.json"
+    assert str(result.exception) == (
+        f"interrupted while evaluating; the checkpoint {evaluated} is complete but has no eval.json: "
+        f"run `tsenor eval {evaluated} --output {evaluated}`"  # MODEL, as --help shows it (not the hidden --model)
     )
     assert (evaluated / PRUNE_FILE).is_file() and not (evaluated / "eval.json").exists()
 
