@@ -49,17 +49,18 @@ def _no_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_dry_run_shows_no_calibration_and_no_activations(tiny_llama: Callable[..., Path]) -> None:
     """Default flags (c4, 128 × 2048, here capped at the model's 512 positions): wanda's plan holds the
-    activations, magnitude's holds the stand-in's few tokens per sample."""
+    activations, magnitude's holds one stand-in sample of a few tokens per process."""
     model = tiny_llama(num_layers=2)
     magnitude_plan = plan_model(_cfg(model, None), LOCAL_CTX)
     wanda_plan = plan_model(_cfg(model, None, "wanda"), LOCAL_CTX)
     assert not magnitude_plan.calibrate and wanda_plan.calibrate
-    assert magnitude_plan.calibration_seqlen == STAND_IN_SEQLEN and wanda_plan.calibration_seqlen == 512
+    assert (magnitude_plan.calibration_samples, magnitude_plan.calibration_seqlen) == (1, STAND_IN_SEQLEN)
+    assert (wanda_plan.calibration_samples, wanda_plan.calibration_seqlen) == (128, 512)
     hidden = 64 * 4  # width × fp32 bytes
-    stand_in = 2 * 128 * STAND_IN_SEQLEN * hidden  # (S, T, H) entering and leaving a block: 256 KiB
+    stand_in = 2 * 1 * STAND_IN_SEQLEN * hidden  # (S, T, H) entering and leaving a block: 2 KiB
     assert magnitude_plan.device_memory[0].activations <= stand_in
     assert wanda_plan.device_memory[0].activations >= 2 * 128 * 512 * hidden
-    assert magnitude_plan.host_memory.tokens <= 128 * 16 * STAND_IN_SEQLEN  # int64 ids
+    assert magnitude_plan.host_memory.tokens <= 16 * STAND_IN_SEQLEN  # int64 ids
     cfg = _cfg(model, None)
     first = next(iter(magnitude_plan.lines(cfg)))
     assert first.endswith("no calibration (magnitude reads no data)") and "c4" not in first
@@ -155,3 +156,25 @@ def test_a_default_magnitude_prune_of_smollm2_takes_seconds_per_block(tmp_path: 
     blocks = 30
     assert report["seconds"] / blocks < 30, report["phases"]
     assert report["phases"].get("statistics", 0.0) < 0.1 * report["seconds"]
+
+
+def test_an_interrupted_magnitude_run_resumes_to_the_same_checkpoint(
+    tiny_llama: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The resume state holds the stand-in sample (one row) as any run's hidden states; the rerun continues
+    from it and writes the uninterrupted run's bytes."""
+    from tsenor_cli.errors import Interrupted
+
+    model = tiny_llama(num_layers=2)
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    prune_model(_cfg(model, reference, resume=False), LOCAL_CTX)
+
+    def ctrl_c(index: int) -> None:
+        if index == 0:
+            raise KeyboardInterrupt
+
+    with pytest.raises(Interrupted, match="the resume state holds block 1"):
+        prune_model(_cfg(model, out), LOCAL_CTX, after_block=ctrl_c)
+    report = prune_model(_cfg(model, out), LOCAL_CTX)
+    assert report.resumed_from_block == 1
+    assert (out / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()

@@ -248,8 +248,8 @@ class PrunePlan:
     flags), weights (the probe's `WeightPlan`: slots, ignored, unused, ruled; None without the probe),
     world_size (the processes it was made for), modules (the full names of the blocks' nn.Linear layers).
     calibrate: the run reads calibration text (`reads_data`); without it (magnitude, no --refine block)
-    its blocks run on --nsamples samples of a few stand-in tokens each (`calibration_seqlen`) and the
-    estimates hold no activations of size.
+    its blocks run on one stand-in sample of a few tokens per process (`calibration_samples`,
+    `calibration_seqlen`) and the estimates hold no activations of size.
     """
 
     model: str
@@ -291,6 +291,13 @@ class PrunePlan:
         """The tokens per sample the run's blocks run on: `seqlen` when it reads calibration text
         (`calibrate`), else the stand-in's few (`data.calibration.STAND_IN_SEQLEN`)."""
         return self.seqlen if self.calibrate else min(self.seqlen, STAND_IN_SEQLEN)
+
+    @property
+    def calibration_samples(self) -> int:
+        """The samples the run's blocks run on: --nsamples when it reads calibration text (`calibrate`),
+        else one stand-in sample per process (each block runs once per sample: 128 samples of a few
+        tokens cost a SmolLM2 run 23 s per block, one sample under a second)."""
+        return self.nsamples if self.calibrate else self.world_size
 
     @property
     def device_bytes(self) -> int:
@@ -615,8 +622,8 @@ class Sizing:
         width = torch.finfo(dtype).bits // 8
         spec = get_pruner(cfg.method)
         nsamples = cfg.nsamples
-        if not reads_data(cfg):  # the blocks run on the stand-in's few tokens (`PrunePlan.calibration_seqlen`)
-            seqlen = min(seqlen, STAND_IN_SEQLEN)
+        if not reads_data(cfg):  # a stand-in sample of a few tokens per process (`PrunePlan.calibration_samples`)
+            nsamples, seqlen = world_size, min(seqlen, STAND_IN_SEQLEN)
         memory = estimate_device_memory(
             self.per_block,
             self.candidates,
@@ -744,8 +751,8 @@ def plan_model(
     heads = int(config_value(config, "num_attention_heads") or 0)
     sizing = Sizing(candidates, per_block, params, hidden, heads)
     ranks = world_size if world_size is not None else ctx.distributed.world_size
-    # The tokens per sample through every block: the calibration's, or the stand-in's few (`reads_data`).
-    rows, tokens = cfg.nsamples, seqlen if reads_data(cfg) else min(seqlen, STAND_IN_SEQLEN)
+    # The tokens through every block: the calibration's, or a stand-in sample per process (`reads_data`).
+    rows, tokens = (cfg.nsamples, seqlen) if reads_data(cfg) else (ranks, min(seqlen, STAND_IN_SEQLEN))
     memory, host = sizing.estimate(cfg, seqlen, device, ranks)
     return PrunePlan(
         model=cfg.model,

@@ -355,8 +355,9 @@ class PruneRun:
                         seed=cfg.seed,
                     )  # fmt: skip
                 else:  # a method that reads no data (magnitude): a few stand-in tokens, no text read
+                    plan = self.plan
                     batches = stand_in_batches(
-                        tokenizer, nsamples=cfg.nsamples, seqlen=self.plan.calibration_seqlen, method=cfg.method
+                        tokenizer, nsamples=plan.calibration_samples, seqlen=plan.calibration_seqlen, method=cfg.method
                     )
             fresh.append(batches)
 
@@ -394,7 +395,7 @@ class PruneRun:
         starts as the same input (fresh) or comes from the resume state beside it."""
         cfg, team, store, state, structure = self.cfg, self.team, self.store, self.state, self.structure
         storage = CPU if cfg.offload_activations else self.device
-        shard = team.shard(cfg.nsamples)
+        shard = team.shard(self.plan.calibration_samples)  # --nsamples, or one stand-in sample per process
         with team.agreed():
             if state is not None and store is not None:
                 if not self.source.streamed:
@@ -404,7 +405,8 @@ class PruneRun:
                 )
                 begin.refinement = state.refinement
                 if begin.first < len(structure.blocks):
-                    rows = shard if team.distributed else None
+                    # A stand-in run's one sample per process: row 0, whatever the process count that saved it.
+                    rows = (shard if team.distributed else None) if self.plan.calibrate else slice(0, 1)
                     begin.hidden = store.load_hidden(state, storage, rows=rows)
                     if cfg.refine.on:
                         begin.dense = store.load_hidden(state, storage, rows=rows, stream="dense")
@@ -550,7 +552,7 @@ class PruneRun:
         cfg, team = self.cfg, self.team
         last = index == len(self.structure.blocks) - 1
         with phase("save"), self.timings.phase("save"):
-            whole = None if last else team.gather_samples(hidden, cfg.nsamples)
+            whole = None if last else team.gather_samples(hidden, self.plan.calibration_samples)
             whole_dense = None if last or refine is None else team.gather_samples(refine.dense, cfg.nsamples)
             refinement = tuple(refine.refined) if refine is not None else begin.refinement
 
