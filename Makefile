@@ -18,7 +18,11 @@ PYTEST_ARGS ?=
 	bench-gpu-e2e-1b-wanda bench-gpu-e2e-8b bench-gpu-solver bench-gpu-speedup demo results clean model \
 	gpu-check gpu-check-prepare
 
-$(VENV)/.installed: pyproject.toml
+# The clone's own venv is reinstalled when pyproject.toml changes. A venv named from elsewhere (VENV=other,
+# shared by several clones) is used as it is once installed: a fresh clone's pyproject.toml is always newer
+# than its .installed, and reinstalling would move its editable install to that clone.
+VENV_DEPS := $(if $(filter .venv ./.venv $(CURDIR)/.venv,$(VENV)),pyproject.toml,| pyproject.toml)
+$(VENV)/.installed: $(VENV_DEPS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel on disk; an unpinned torch would download a multi-GB CUDA build.

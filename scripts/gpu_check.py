@@ -820,22 +820,51 @@ def build_models(carry: Path) -> None:
         (folder / PROCESSOR_FILE[0]).write_text(PROCESSOR_FILE[1])
 
 
-def run_all(args: argparse.Namespace) -> int:
+# What OUT receives: the report (JSON and Markdown) and each step's logs and results (the checkpoints go to
+# the carry folder's scratch and are removed after their step); a CPU run wrote about 1 MiB.
+OUT_BYTES = 64 << 20
+
+
+def _refusal(args: argparse.Namespace) -> tuple[str, int] | None:
+    """(the one line, the exit code) of what stops the run before its first step, None when nothing does:
+    an OUT that cannot take the report (the check `tsenor prune --output` runs: `tsenor_cli.outputs`,
+    exit 4), a carry folder `prepare` did not fill (2), a Python without torch or, for CUDA, without a
+    GPU (2). Each is one line, never a traceback."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tsenor_cli.errors import TsenorError
+    from tsenor_cli.outputs import check_output_folder
+
     unknown = [name for name in args.steps if name not in {s.name for s in STEPS}]
     if unknown:
-        print(f"error: no step {', '.join(unknown)}; the steps: {', '.join(s.name for s in STEPS)}", file=sys.stderr)
-        return 2
+        return f"error: no step {', '.join(unknown)}; the steps: {', '.join(s.name for s in STEPS)}", 2
+    try:
+        check_output_folder(args.out, OUT_BYTES, option="OUT", what="the report")
+    except TsenorError as exc:
+        return f"error: {exc}", exc.exit_code
     carry = args.carry.resolve()
     missing = [p for p in ("tokenizer/tokenizer.json", "pool.safetensors") if not (carry / p).is_file()]
     if missing:
-        print(f"error: {carry} lacks {', '.join(missing)}; run `make gpu-check-prepare` first", file=sys.stderr)
-        return 2
-    if args.device == "cuda":
+        return f"error: {carry} lacks {', '.join(missing)}; run `make gpu-check-prepare` first", 2
+    try:
         import torch
+    except ImportError:
+        return (
+            f"error: {sys.executable} has no torch; run the check with a Python that has it "
+            "(make gpu-check GPU_PY=/path/to/python), or install torch for this one",
+            2,
+        )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "error: --device cuda but CUDA is not available; use --device cpu (toy sizes)", 2
+    return None
 
-        if not torch.cuda.is_available():
-            print("error: --device cuda but CUDA is not available; use --device cpu (toy sizes)", file=sys.stderr)
-            return 2
+
+def run_all(args: argparse.Namespace) -> int:
+    refused = _refusal(args)
+    if refused is not None:
+        print(refused[0], file=sys.stderr)
+        return refused[1]
+    carry = args.carry.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     unpack_wheels(carry)
     build_models(carry)

@@ -24,7 +24,7 @@ import pytest
 from helpers_faults import FullDisk
 from helpers_tiny import sparsegpt_config
 
-from tsenor_cli.errors import Interrupted
+from tsenor_cli.errors import Interrupted, OutputUnwritableError
 from tsenor_cli.interrupt import stop_on_signals
 from tsenor_cli.pruning import background, run
 from tsenor_cli.pruning.api import prune_model
@@ -250,7 +250,7 @@ def test_an_interruption_names_the_blocks_committed_after_the_writer_drains(
     with pytest.raises(Interrupted) as caught:
         prune_model(sparsegpt_config(tiny, calib, out), data_ctx, after_block=_ctrl_c)
     assert json.loads((out / RESUME_DIR / RESUME_STATE_FILE).read_text())["next_block"] == 1
-    assert str(caught.value).endswith("the resume state holds blocks 1-1: rerun the same command to continue")
+    assert str(caught.value).endswith("the resume state holds block 1: rerun the same command to continue")
 
     def sigterm_in_second(index: int) -> None:
         if index == 1:
@@ -268,9 +268,10 @@ def test_a_full_disk_in_the_writer_is_the_synchronous_error_and_resumes(
     tiny: Path, calib: Path, data_ctx: RunContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ENOSPC while the writer writes block 2's state.json (a disk that holds block 1's and no more; the
-    safetensors files are written by safetensors' own code, which `FullDisk` does not see): the run stops
-    with the error the synchronous save gave (the same type and line), the state names block 1 only, and a
-    rerun finishes the same checkpoint as an uninterrupted run."""
+    safetensors files are written by safetensors' own code, which `FullDisk` does not see: see
+    tests/test_audit4.py for those): the run stops with the error the synchronous save gave (the same type
+    and line: exit 4), the state names block 1 only, and a rerun finishes the same checkpoint as an
+    uninterrupted run."""
     reference = tmp_path / "reference"
     prune_model(sparsegpt_config(tiny, calib, reference, resume=False), data_ctx)
     sized = tmp_path / "sized"
@@ -284,10 +285,15 @@ def test_a_full_disk_in_the_writer_is_the_synchronous_error_and_resumes(
     for depth in (0, background.WRITER_DEPTH):
         monkeypatch.setattr(run, "WRITER_DEPTH", depth)
         out = tmp_path / f"depth{depth}"
-        with FullDisk(out / RESUME_DIR, budget=budget).armed(), pytest.raises(OSError) as caught:
+        with FullDisk(out / RESUME_DIR, budget=budget).armed(), pytest.raises(OutputUnwritableError) as caught:
             prune_model(sparsegpt_config(tiny, calib, out), data_ctx)
-        assert caught.value.errno == errno.ENOSPC
-        lines[depth] = (type(caught.value), str(caught.value))
+        # One line, exit 4, as the final write's full disk (issue 47; was "unexpected OSError", exit 1).
+        assert caught.value.exit_code == 4 and "\n" not in str(caught.value)
+        assert str(caught.value).startswith(
+            f"the disk holding --output {out} filled up while the resume state was written (No space left on device); "
+            "the resume state holds block 1: free some space"
+        )
+        lines[depth] = (type(caught.value), str(caught.value).split(" (about ")[0])
         assert json.loads((out / RESUME_DIR / RESUME_STATE_FILE).read_text())["next_block"] == 1
         report = prune_model(sparsegpt_config(tiny, calib, out), data_ctx)
         assert report.resumed_from_block == 1

@@ -149,7 +149,8 @@ def test_merge_replaces_the_measured_commands_of_the_output_and_refuses_what_it_
     import tsenor_cli.bench.memory as memory
 
     measured = _result(("prune-eval",), 1, {8: 2**30, 32: 2**30}, load=3.0)
-    monkeypatch.setattr(memory, "run_memory_bench", lambda cfg, say: {k: v for k, v in measured.items() if k[0] != "d"})
+    fresh = {k: v for k, v in measured.items() if k[0] != "d"}
+    monkeypatch.setattr(memory, "run_memory_bench", lambda cfg, ctx, say: fresh)
     out, page = tmp_path / "memory.json", tmp_path / "memory.md"
     out.write_text(json.dumps(_result(("eval", "prune"), 2, {8: 2**30, 32: 2 * 2**30}, load=1.5)))
     args = ["bench", "memory", "--blocks", "8,32", "--commands", "prune-eval", "--output", str(out), "--merge"]

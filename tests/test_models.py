@@ -69,7 +69,8 @@ def test_unknown_hub_id_offline() -> None:
         load_model("tsenor-nonexistent-org/no-such-model", LOCAL_CTX)
     message = str(info.value)
     assert "tsenor-nonexistent-org/no-such-model is not in the local HF cache" in message
-    assert "--model /path" in message and "drop --offline" in message and "--model smollm2-135m" in message
+    assert "as MODEL" in message and "drop --offline" in message and "MODEL smollm2-135m" in message
+    assert "--model" not in message  # the old flag is hidden from --help: a hint names what the help shows
 
 
 def test_a_config_without_a_causal_lm_class_is_refused(tmp_path: Path) -> None:

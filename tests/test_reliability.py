@@ -81,12 +81,13 @@ def with_bad_value(src: Path, dst: Path, name: str, index: tuple[int, int], valu
 
 
 def prune_args(model: Path, calib: Path, output: Path, *extra: str) -> list[str]:
+    # wanda: the cheapest method that reads the calibration text (magnitude reads none: issue 47)
     return [
         "prune",
         "--model",
         str(model),
         "--method",
-        "magnitude",
+        "wanda",
         "--calib-data",
         str(calib),
         "--nsamples",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -166,7 +167,7 @@ def test_not_enough_space_fails_before_the_model_is_loaded(
     usage = namedtuple("usage", "total used free")
     # the tokenizer and the other files copied beside the weights count too (audit item 6)
     free = plan.checkpoint_bytes + plan.resume_bytes + output_module.copied_bytes(str(tiny)) - 1
-    monkeypatch.setattr(output_module.shutil, "disk_usage", lambda _path: usage(10 * free, 9 * free, free))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage(10 * free, 9 * free, free))
 
     def never(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("the model was loaded before the free space was checked")
@@ -246,7 +247,7 @@ def test_the_space_check_counts_the_files_copied_beside_the_weights(
     assert copied == expected and copied > 0
     assert output_module.copied_bytes("HuggingFaceTB/SmolLM2-135M") == 0  # a hub id: nothing on disk yet
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(output_module.shutil, "disk_usage", lambda _path: usage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage(10**9, 10**9 - 1000, 1000))
     output_module.check_free_space(tmp_path / "out", 900, 0)  # the weights alone fit
     with pytest.raises(OutputUnwritableError, match=r"tokenizer and other files 200\.0 B"):
         output_module.check_free_space(tmp_path / "out", 900, 0, copied=200)

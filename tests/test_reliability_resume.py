@@ -266,7 +266,7 @@ def test_rerunning_the_same_command_continues_an_interrupted_run(
     assert f"resuming after block 1/{BLOCKS} from {out / RESUME_DIR}" in result.stderr
     assert json.loads((out / PRUNE_FILE).read_text())["resumed_from_block"] == 1
     summary = (out / PRUNE_MARKDOWN).read_text()
-    assert "s in this attempt, which resumed with blocks 1-1 done (" in summary  # this attempt's phases
+    assert "s in this attempt, which resumed with block 1 done (" in summary  # this attempt's phases
     assert (
         "); method " in summary
         and "s over all attempts" in summary
@@ -377,7 +377,7 @@ def test_ctrl_c_and_stop_signals_say_what_was_saved(
         prune_model(sparsegpt_config(tiny, calib, out), data_ctx, after_block=ctrl_c_after_first)
     assert caught.value.exit_code == EXIT_SIGINT
     assert str(caught.value) == (
-        f"interrupted after block 1/{BLOCKS}; the resume state holds blocks 1-1: rerun the same command to continue"
+        f"interrupted after block 1/{BLOCKS}; the resume state holds block 1: rerun the same command to continue"
     )
 
     # A real SIGTERM to this process inside stop_on_signals: block 2 finishes and is saved, then the run stops.
@@ -449,8 +449,9 @@ def test_ctrl_c_before_pruning_during_the_write_and_during_prune_eval(
     args = [*_args(tiny, calib, evaluated), "--data-dir", str(data_dir), "--eval", "--max-windows", "1"]
     result = invoke(args)
     assert result.exit_code == EXIT_SIGINT
-    assert str(result.exception).startswith(
-        f"interrupted while evaluating; the checkpoint {evaluated} is complete but has no eval.json"
+    assert str(result.exception) == (
+        f"interrupted while evaluating; the checkpoint {evaluated} is complete but has no eval.json: "
+        f"run `tsenor eval {evaluated} --output {evaluated}`"  # MODEL, as --help shows it (not the hidden --model)
     )
     assert (evaluated / PRUNE_FILE).is_file() and not (evaluated / "eval.json").exists()
 

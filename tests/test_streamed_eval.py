@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_cli import invoke
-from helpers_tiny import ARCHITECTURES, LOCAL_CTX, make_tiny_llama
+from helpers_tiny import ARCHITECTURES, LOCAL_CTX, make_tiny_llama, make_tiny_model
 
 from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
 from tsenor_cli.evaluation.perplexity import perplexity
@@ -132,10 +132,30 @@ def test_cli_stream_matches_whole_and_refuses_bad_checkpoints(
 def test_a_checkpoint_under_other_names_is_loaded_whole_with_one_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Tensors stored under other names than the modules' (transformers renames them on load: legacy
-    multimodal names, per-expert MoE keys) cannot be read block by block: streaming being the default, the
-    load goes on whole, with one line naming the first missing tensor, before any weight is read."""
+    """Tensors stored under other names than the modules' that transformers renames on load (LLaVA's legacy
+    ``language_model.model.…``, the layout its save_pretrained writes) cannot be read block by block:
+    streaming being the default, the load goes on whole, with one line naming the first missing tensor,
+    before any weight is read. The names are a renaming transformers knows, so the checkpoint matches its
+    config (`models/conformance.py`)."""
+    from safetensors import safe_open
+
+    folder = make_tiny_model(tmp_path / "m", "llava")
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        assert any(key.startswith("language_model.model.layers.") for key in handle.keys())  # noqa: SIM118
+    with caplog.at_level("WARNING", logger="tsenor"):
+        loaded = load_model(str(folder), LOCAL_CTX, stream=True)
+    assert loaded.checkpoint is None and _resident_blocks(loaded) == list(range(len(loaded.structure)))
+    lines = [r.getMessage() for r in caplog.records if "block by block" in r.getMessage()]
+    assert len(lines) == 1 and "holds no tensor model." in lines[0] and "loaded whole" in lines[0]
+
+
+def test_names_transformers_does_not_rename_are_refused_streamed_or_whole(tmp_path: Path) -> None:
+    """Names that are no renaming transformers knows (every key under a made-up prefix) were loaded whole
+    with a warning, and transformers then initialised every weight at random: the checkpoint does not
+    match its config, refused in one line (exit 7) before any weight is read, streamed or not."""
     from safetensors.torch import save_file
+
+    from tsenor_cli.errors import CheckpointMismatchError
 
     folder = make_tiny_llama(tmp_path / "m", num_layers=2)
     renamed = tmp_path / "renamed"
@@ -143,11 +163,13 @@ def test_a_checkpoint_under_other_names_is_loaded_whole_with_one_warning(
     model = load_model(str(folder), LOCAL_CTX).model
     legacy = {f"legacy.{k}": v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(legacy, str(renamed / "model.safetensors"))
-    with caplog.at_level("WARNING", logger="tsenor"):
-        loaded = load_model(str(renamed), LOCAL_CTX, stream=True)
-    assert loaded.checkpoint is None and _resident_blocks(loaded) == [0, 1]
-    lines = [r.getMessage() for r in caplog.records if "block by block" in r.getMessage()]
-    assert len(lines) == 1 and "holds no tensor model.embed_tokens.weight" in lines[0] and "loaded whole" in lines[0]
+    for stream in (True, False):
+        with pytest.raises(CheckpointMismatchError) as caught:
+            load_model(str(renamed), LOCAL_CTX, stream=stream)
+        message = str(caught.value)
+        assert "config.json describes 2 decoder block(s), the weights hold 0" in message
+        assert "tensor(s) of the model missing from the weights (model.embed_tokens.weight" in message
+        assert caught.value.exit_code == 7 and "\n" not in message
 
 
 def test_pickle_checkpoint_is_loaded_whole_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

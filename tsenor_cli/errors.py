@@ -68,6 +68,11 @@ class BadInputError(TsenorError, ValueError):
     exit_code = 7
 
 
+class CheckpointMismatchError(BadInputError):
+    """A checkpoint whose weights disagree with its config.json: tensors missing or of another shape,
+    extra blocks (`models/conformance.py`; exit 7, as a corrupt weight file)."""
+
+
 class OutputBusyError(TsenorError):
     """An --output folder locked by another running tsenor process (exit 4)."""
 

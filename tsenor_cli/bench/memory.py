@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -43,6 +44,7 @@ from tsenor_cli.bench.machine import environment
 from tsenor_cli.data.sources import DatasetName
 from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
 from tsenor_cli.runfiles import EVAL_FILE
+from tsenor_cli.settings import CACHE_DIR_ENV, RunContext
 
 MODES = ("whole", "streamed")
 COMMANDS = ("eval", "prune", "prune-eval")
@@ -80,19 +82,24 @@ class MemoryConfig:
             raise UsageError(f"--commands must be a comma list of {', '.join(COMMANDS)}, e.g. eval,prune; got {got!r}")
 
 
-def _tokenizer_dir() -> Path:
+def _tokenizer_dir(ctx: RunContext) -> Path:
     from tsenor_cli.models.embedded import materialize
-    from tsenor_cli.settings import cache_dir_default
 
-    return materialize("smollm2-135m", cache_dir_default())
+    return materialize("smollm2-135m", ctx.cache_dir)
 
 
-def build_model(folder: Path, cfg: MemoryConfig, blocks: int) -> int:
-    """Save a random LLaMA of `blocks` blocks (fp32, seeded) with the SmolLM2 tokenizer to `folder`;
-    returns its weight bytes."""
+def child_context(ctx: RunContext) -> RunContext:
+    """The context of a measured evaluation or prune (`measure`, `measure_prune`): the run's cache folder
+    (the embedded tokenizer), no data folder and no hub (the model is local, the tokens the bench's own)."""
+    return RunContext(data_dir=None, offline=True, cache_dir=ctx.cache_dir)
+
+
+def build_model(folder: Path, cfg: MemoryConfig, blocks: int, ctx: RunContext) -> int:
+    """Save a random LLaMA of `blocks` blocks (fp32, seeded) with the SmolLM2 tokenizer (materialized in
+    `ctx`'s cache) to `folder`; returns its weight bytes."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    tokenizer = _tokenizer_dir()
+    tokenizer = _tokenizer_dir(ctx)
     config = AutoConfig.for_model(
         "llama",
         hidden_size=cfg.width,
@@ -130,15 +137,14 @@ def _peak_rss() -> int:
     raise BadInputError("/proc/self/status has no VmHWM; the memory benchmark needs Linux")
 
 
-def measure(folder: Path, mode: str, cfg: MemoryConfig) -> dict[str, Any]:
+def measure(folder: Path, mode: str, cfg: MemoryConfig, ctx: RunContext) -> dict[str, Any]:
     """Evaluate the model in `folder` (`mode`: whole or streamed) on cfg's windows in this process:
-    {"ppl", "seconds", "peak_rss"}. Run it in a fresh process (`run_child`): the peak is the process's."""
+    {"ppl", "seconds", "peak_rss"}. Run it in a fresh process (`run_child`): the peak is the process's.
+    ctx: the run's context (`child_context`)."""
     from tsenor_cli.evaluation.perplexity import perplexity
     from tsenor_cli.evaluation.streamed import streamed_perplexity
     from tsenor_cli.models.loading import load_model
-    from tsenor_cli.settings import RunContext, cache_dir_default
 
-    ctx = RunContext(data_dir=None, offline=True, cache_dir=cache_dir_default())
     gen = torch.Generator().manual_seed(cfg.seed)
     ids = torch.randint(3, 49000, (1, cfg.seqlen * cfg.windows), generator=gen)
     cpu = torch.device("cpu")
@@ -160,14 +166,13 @@ def calibration_text(path: Path, cfg: MemoryConfig) -> Path:
     return path
 
 
-def measure_prune(folder: Path, mode: str, cfg: MemoryConfig) -> dict[str, Any]:
+def measure_prune(folder: Path, mode: str, cfg: MemoryConfig, ctx: RunContext) -> dict[str, Any]:
     """Prune the model in `folder` (`mode`: whole or streamed) in this process into a folder beside it:
-    {"sha256" of the weight files (model.safetensors, or the shards and their index), "seconds", "peak_rss"}."""
+    {"sha256" of the weight files (model.safetensors, or the shards and their index), "seconds", "peak_rss"}.
+    ctx: the run's context (`child_context`)."""
     from tsenor_cli.pruning.api import prune_model
     from tsenor_cli.pruning.recipe import build_config
-    from tsenor_cli.settings import RunContext, cache_dir_default
 
-    ctx = RunContext(data_dir=None, offline=True, cache_dir=cache_dir_default())
     output = folder.parent / f"{folder.name}-pruned-{mode}"
     recipe = {
         "model": str(folder),
@@ -203,16 +208,22 @@ def _weights_sha256(output: Path) -> str:
     return digest.hexdigest()
 
 
-def prune_eval_command(folder: Path, output: Path, mode: str, cfg: MemoryConfig) -> list[str]:
+def prune_eval_command(
+    folder: Path, output: Path, mode: str, cfg: MemoryConfig, ctx: RunContext | None = None
+) -> list[str]:
     """`tsenor prune --eval` of the model in `folder` into `output` with the default flags but the bench's
     prune (magnitude 2:4 on its calibration text) and evaluation (WikiText-2, `windows` windows);
-    `--no-stream` for the whole mode."""
+    `--no-stream` for the whole mode; the run context's data folder and offline policy as flags."""
     calib = calibration_text(folder.parent / "calib.txt", cfg)
     # No -q either: the command as a user types it (its progress lines go to a file, not a terminal).
-    command = [sys.executable, "-m", "tsenor_cli", "prune", "--model", str(folder), "--nm", "2:4"]
+    command = [sys.executable, "-m", "tsenor_cli", "prune", str(folder), "--nm", "2:4"]
     command += ["--method", "magnitude", "--calib-data", str(calib), "--nsamples", str(cfg.prune_nsamples)]
     command += ["--seqlen", str(cfg.prune_seqlen), "--output", str(output), "--eval", "--ppl", PRUNE_EVAL_DATA]
     command += ["--max-windows", str(cfg.windows), *(["--no-stream"] if mode == "whole" else [])]
+    if ctx is not None and ctx.data_dir is not None:
+        command += ["--data-dir", str(ctx.data_dir)]
+    if ctx is not None and ctx.offline:
+        command += ["--offline"]
     return command
 
 
@@ -232,17 +243,18 @@ def write_peak_rss(path: str) -> None:
     Path(path).write_text(str(_peak_rss()))
 
 
-def measure_prune_eval(folder: Path, mode: str, cfg: MemoryConfig) -> dict[str, Any]:
+def measure_prune_eval(folder: Path, mode: str, cfg: MemoryConfig, ctx: RunContext) -> dict[str, Any]:
     """Run `prune_eval_command` as a child process: {"ppl" (eval.json's), "sha256" of the weight files,
     "seconds" (the command's wall time), "peak_rss" (the child's own VmHWM, `PEAK_CHILD`)}."""
     output = folder.parent / f"{folder.name}-pruned-eval-{mode}"
     peak = folder.parent / f"{folder.name}-peak-{mode}"
-    command = prune_eval_command(folder, output, mode, cfg)
+    command = prune_eval_command(folder, output, mode, cfg, ctx)
     assert command[1:3] == ["-m", "tsenor_cli"]  # the command PEAK_CHILD runs
+    env = os.environ | {CACHE_DIR_ENV: str(ctx.cache_dir)}
     with tempfile.TemporaryFile() as err:
         started = time.perf_counter()
         argv = [command[0], "-c", PEAK_CHILD, str(peak), *command[3:]]
-        done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=err, check=False)
+        done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=err, env=env, check=False)
         seconds = time.perf_counter() - started
         if done.returncode != 0:
             err.seek(0)
@@ -260,27 +272,29 @@ def measure_prune_eval(folder: Path, mode: str, cfg: MemoryConfig) -> dict[str, 
     return result
 
 
-def run_child(folder: Path, mode: str, cfg: MemoryConfig, command: str = "eval") -> dict[str, Any]:
-    """`measure` (eval) or `measure_prune` (prune) in a fresh Python process, or the `tsenor prune --eval`
-    process itself (prune-eval, `measure_prune_eval`); its result."""
+def run_child(folder: Path, mode: str, cfg: MemoryConfig, ctx: RunContext, command: str = "eval") -> dict[str, Any]:
+    """`measure` (eval) or `measure_prune` (prune) in a fresh Python process, given `ctx`'s cache folder
+    (`child_context`), or the `tsenor prune --eval` process itself (prune-eval, `measure_prune_eval`,
+    given `ctx`'s data folder and cache folder); its result."""
     if command == "prune-eval":
-        return measure_prune_eval(folder, mode, cfg)
+        return measure_prune_eval(folder, mode, cfg, ctx)
     module = "tsenor_cli.bench.memory"
-    command_line = [sys.executable, "-m", module, command, str(folder), mode, json.dumps(asdict(cfg))]
+    command_line = [
+        sys.executable, "-m", module, command, str(folder), mode, json.dumps(asdict(cfg)), str(ctx.cache_dir)
+    ]  # fmt: skip
     done = subprocess.run(command_line, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise BadInputError(f"the {mode} {command} of {folder} failed: {done.stderr.strip().splitlines()[-1:]}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def check_prune_eval_data() -> None:
+def check_prune_eval_data(ctx: RunContext) -> None:
     """InputNotFoundError, before any model is built, when the prune-eval rows' WikiText-2 has no source
-    (the hub off and no data folder in the environment the child inherits)."""
+    in `ctx` (the hub off and no data folder)."""
     from tsenor_cli.data.sources import data_folder
-    from tsenor_cli.settings import RunContext
 
     try:
-        data_folder(RunContext.from_environment(), PRUNE_EVAL_DATA)
+        data_folder(ctx, PRUNE_EVAL_DATA)
     except InputNotFoundError as exc:
         raise InputNotFoundError(
             f"{str(exc).split(';')[0]}; the prune-eval rows evaluate it: set TSENOR_DATA_DIR to the offline data "
@@ -288,17 +302,19 @@ def check_prune_eval_data() -> None:
         ) from exc
 
 
-def run_memory_bench(cfg: MemoryConfig, *, say: Any = print) -> dict[str, Any]:
-    """Every depth × mode of `cfg` (module docstring) → the result written to JSON and markdown."""
+def run_memory_bench(cfg: MemoryConfig, ctx: RunContext, *, say: Any = print) -> dict[str, Any]:
+    """Every depth × mode of `cfg` (module docstring) → the result written to JSON and markdown. ctx: the
+    run's context (its cache folder for the tokenizer, its data folder for the prune-eval rows), read by
+    the command from its flags and the environment, never here."""
     rows: list[dict[str, Any]] = []
     if "prune-eval" in cfg.commands:
-        check_prune_eval_data()
+        check_prune_eval_data(ctx)
     with tempfile.TemporaryDirectory(prefix="tsenor-bench-memory-") as tmp:
         for blocks in cfg.blocks:
             folder = Path(tmp) / f"llama-{blocks}"
-            weights = build_model(folder, cfg, blocks)
+            weights = build_model(folder, cfg, blocks, ctx)
             for command in cfg.commands:
-                results = {mode: run_child(folder, mode, cfg, command) for mode in MODES}
+                results = {mode: run_child(folder, mode, cfg, ctx, command) for mode in MODES}
                 _check_agree(results, command, blocks)
                 for mode, result in results.items():
                     rows.append({"command": command, "blocks": blocks, "mode": mode, "weights": weights, **result})
@@ -480,12 +496,13 @@ def _invocation(command: str) -> str:
 
 
 def main(argv: list[str]) -> None:
-    """The child process of `run_child`: COMMAND FOLDER MODE CONFIG_JSON → one JSON line on stdout."""
-    command, folder, mode, raw = argv
+    """The child process of `run_child`: COMMAND FOLDER MODE CONFIG_JSON CACHE_DIR → one JSON line on stdout."""
+    command, folder, mode, raw, cache = argv
     settings = json.loads(raw)
     cfg = MemoryConfig(**{**settings, "blocks": tuple(settings["blocks"]), "commands": tuple(settings["commands"])})
     run = measure_prune if command == "prune" else measure
-    print(json.dumps(run(Path(folder), mode, cfg)))
+    ctx = RunContext(data_dir=None, offline=True, cache_dir=Path(cache))
+    print(json.dumps(run(Path(folder), mode, cfg, ctx)))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import typer
 from tsenor_cli import atomic
 from tsenor_cli.cli.app import Command, app, run_context
 from tsenor_cli.cli.options import DEVICE, DTYPE, DataDirOpt, DeviceOpt, DtypeOpt, ForceOpt, JsonOpt
-from tsenor_cli.errors import InputNotFoundError, OutputExistsError, UsageError
+from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.pattern import SparsityPattern
 
 bench_app = typer.Typer(
@@ -28,27 +28,28 @@ the methods and how the defaults were chosen.
 """
 
 
+# What a bench writes at most into each file it is given (its JSON or Markdown: kilobytes).
+BENCH_FILE_BYTES = 1 << 20
+
+
 def _check_outputs(
     force: bool, files: dict[str, Path | None], merged: Path | None = None, folder: Path | None = None
 ) -> None:
-    """Refuse, before any work, output locations the run could not write at its end.
+    """Refuse, before any work, output locations the run could not write at its end (exit 4).
 
     files: {option: a file the run writes (replaced only with --force)}; merged: a Markdown file the run
-    merges its section into (kept otherwise, so no --force needed); folder: --work-dir. Writability is
-    `pruning.output.check_output_location`'s probe, the one `tsenor prune` runs on its --output."""
-    from tsenor_cli.pruning.output import check_output_location
+    merges its section into (kept otherwise, so no --force needed); folder: --work-dir. Each is the one
+    output check of every command (`tsenor_cli.outputs`: not a folder or an existing file without
+    --force, its folder able to take a new file, room for what is written), the one `tsenor prune` runs
+    on its --output."""
+    from tsenor_cli.outputs import check_output_file, check_output_location
 
     for option, path in [*files.items(), ("--markdown", merged)]:
         if path is None:
             continue
-        if path.is_dir():
-            raise OutputExistsError(f"{option} {path} is a folder; pass a file path, e.g. {path / 'bench.json'}")
-        if path.exists() and not force and path is not merged:
-            raise OutputExistsError(f"{option} {path} exists; pass --force to overwrite it")
-        # An existing file is replaced by a temporary beside it: its folder must take new files.
-        check_output_location(path.parent if path.exists() else path)
+        check_output_file(path, BENCH_FILE_BYTES, option=option, force=force or path is merged)
     if folder is not None:
-        check_output_location(folder)
+        check_output_location(folder, option="--work-dir", what="the benchmark's checkpoints")
 
 
 def _require_device(device: str) -> None:
@@ -383,6 +384,7 @@ before the watch was limited to the experts module and the rows of several sampl
 
 @bench_app.command("memory", cls=Command)
 def bench_memory(
+    ctx: typer.Context,
     blocks: str = typer.Option("8,16,32", help="Model depths to measure (comma list)."),
     width: int = typer.Option(1024, min=64, help="Hidden size of the random LLaMA models (MLP 4x, heads of 64)."),
     seqlen: int = typer.Option(256, min=2, help="Tokens per perplexity window."),
@@ -431,7 +433,8 @@ def bench_memory(
     )
     earlier = read_result(output) if merge and output is not None else None
     today = datetime.date.today().isoformat()
-    result = {**run_memory_bench(cfg, say=logger.info), "date": today, "command": command_line()}
+    run_ctx = run_context(ctx, None, False)  # the cache and data folders: the bench reads no environment itself
+    result = {**run_memory_bench(cfg, run_ctx, say=logger.info), "date": today, "command": command_line()}
     if earlier is not None:
         result = merge_results(earlier, result, str(output))
     where = machine or f"{platform.machine()} Linux, {os.cpu_count()} CPU cores"

@@ -123,10 +123,12 @@ def prune_cmd(
 
 
 def _check_calibration_source(cfg: PruneConfig, run_ctx: RunContext) -> None:
-    """A named calibration text with the hub off and no data folder: say so before loading."""
+    """A named calibration text with the hub off and no data folder: say so before loading (not for a
+    run that reads no text: `plan.reads_data`)."""
     from tsenor_cli.data.sources import NAMED_TEXTS, data_folder
+    from tsenor_cli.pruning.plan import reads_data
 
-    if cfg.calib_data in NAMED_TEXTS:
+    if cfg.calib_data in NAMED_TEXTS and reads_data(cfg):
         data_folder(run_ctx, cfg.calib_data)
 
 

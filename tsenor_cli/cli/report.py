@@ -11,7 +11,7 @@ import typer
 from tsenor_cli.cli.app import Command, app
 from tsenor_cli.cli.options import ForceOpt, JsonOpt, OutputDirOpt
 from tsenor_cli.errors import UsageError
-from tsenor_cli.report import load_run, write_report
+from tsenor_cli.report import check_report_output, load_run, write_report
 
 
 class ReportFormat(StrEnum):
@@ -63,6 +63,7 @@ def report_cmd(
     """
     if output is None:
         raise UsageError("--output is required; pass the folder for table.md/.csv/.json and the plots")
+    check_report_output(output, force)  # before any run is read: a report that cannot be written is refused now
     runs = [load_run(path) for path in _expand_sweeps(run_dirs)]
     result = write_report(runs, output, force=force, allow_mixed=allow_mixed)
     for note in result.skipped:

@@ -117,6 +117,26 @@ def _sparsegpt_c4_windows(
     return torch.stack(windows)
 
 
+# The tokens per sample the blocks of a run that reads no data run on (`stand_in_batches`).
+STAND_IN_SEQLEN = 4
+
+
+def stand_in_batches(tokenizer: object, *, nsamples: int, seqlen: int, method: str) -> CalibrationData:
+    """What a run of a method that reads no data (`PrunerSpec.needs_data` False: magnitude; issue 47)
+    gives its blocks instead of calibration text: `nsamples` rows (one per process:
+    `PrunePlan.calibration_samples`) of `seqlen` (`STAND_IN_SEQLEN`) copies of the tokenizer's BOS token
+    (else EOS, else 0). No data is read: the blocks run on these to show what each weight multiplies
+    (`pruning/observe.py`) and to hand each block its input, and no statistics are gathered from them
+    (`engine.BlockPruner`)."""
+    token = next((t for t in (getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None))
+                  if isinstance(t, int)), 0)  # fmt: skip
+    return CalibrationData(
+        input_ids=torch.full((nsamples, seqlen), token, dtype=torch.long),
+        source_description=f"none ({method} reads no data; the blocks ran on {nsamples}×{seqlen} stand-in tokens)",
+        source=DataSource(kind="none"),
+    )
+
+
 def calibration_batches(
     source: str,
     tokenizer: object,

@@ -102,13 +102,20 @@ class EvalConfig:
             raise UsageError("--stream and --device-map both place the model; pass one of them")
 
 
+# What `tsenor eval --output` writes: eval.json (kilobytes; its temporary beside it while written).
+EVAL_FILE_BYTES = 1 << 20
+
+
 def eval_target(output: Path | None, *, force: bool) -> Path | None:
     """The eval.json `tsenor eval --output FOLDER` writes (None without --output), refused before any
-    work when FOLDER is a file or the file exists without --force."""
+    work (exit 4) when FOLDER is a file, cannot be created or written, or lacks the room for the file
+    (`tsenor_cli.outputs.check_output_folder`, the check `tsenor prune --output` runs), or when the file
+    exists without --force."""
+    from tsenor_cli.outputs import check_output_folder
+
     if output is None:
         return None
-    if output.exists() and not output.is_dir():
-        raise UsageError(f"--output {output} is a file; pass a directory")
+    check_output_folder(output, EVAL_FILE_BYTES, what=EVAL_FILE)
     target = output / EVAL_FILE
     if target.exists() and not force:
         raise OutputExistsError(f"{target} already exists; pass --force to overwrite it or choose another --output")

@@ -78,7 +78,7 @@ def read_run_sparsity(run_dir: Path) -> RunSparsity:
     if record is None and report is None:
         raise UsageError(
             f"{run_dir} is a dense checkpoint (no {SPARSITY_KEY} in config.json, no {PRUNE_FILE}); prune it "
-            f"first with `tsenor prune --model {run_dir} --nm 16:32 --output PRUNED`, then fine-tune PRUNED"
+            f"first with `tsenor prune {run_dir} --nm 16:32 --output PRUNED`, then fine-tune PRUNED"
         )
     if record is None or report is None:
         missing = PRUNE_FILE if record is not None else f"{SPARSITY_KEY} in config.json"

@@ -25,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from tsenor_cli.errors import BadInputError, IncompatibleModelError, InputNotFoundError, UsageError
 from tsenor_cli.models.checkpoint import INDEX_NAME, PICKLE_PATTERN, WEIGHTS_NAME, Checkpoint
+from tsenor_cli.models.conformance import check_checkpoint
 from tsenor_cli.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, is_embedded, materialize
 from tsenor_cli.models.structure import ModelStructure, discover_structure
 from tsenor_cli.progress import logger, sink
@@ -159,19 +160,19 @@ def hub_error(name: str, ctx: RunContext) -> InputNotFoundError:
         )
     if ctx.offline:
         return InputNotFoundError(
-            f"{name} is not in the local HF cache and the hub is off (--offline or HF_HUB_OFFLINE); pass a "
-            f"local checkpoint directory with --model /path, drop --offline, or use --model {DEFAULT_MODEL}"
+            f"{name} is not in the local HF cache and the hub is off (--offline or HF_HUB_OFFLINE); pass the "
+            f"path of a local checkpoint directory as MODEL, drop --offline, or pass MODEL {DEFAULT_MODEL} (embedded)"
         )
     return InputNotFoundError(
-        f"cannot download {name} (offline or no access); pass a local checkpoint directory with "
-        f"--model /path, or use --model {DEFAULT_MODEL}"
+        f"cannot download {name} (offline or no access); pass the path of a local checkpoint directory as "
+        f"MODEL, or pass MODEL {DEFAULT_MODEL} (embedded)"
     )
 
 
 def resolve_source(name: str, ctx: RunContext, *, progress: Callable[[str], None] | None = None) -> tuple[str, bool]:
     """(source, is_local): a local checkpoint folder, or a hub id to try with from_pretrained."""
     if not name or not name.strip():
-        raise UsageError(f"--model is empty; pass a local checkpoint directory or one of: {', '.join(EMBEDDED_MODELS)}")
+        raise UsageError(f"MODEL is empty; pass a local checkpoint directory or one of: {', '.join(EMBEDDED_MODELS)}")
     if is_embedded(name):
         return str(materialize(name, ctx.cache_dir, progress=progress)), True
     path = Path(name).expanduser()
@@ -183,13 +184,13 @@ def resolve_source(name: str, ctx: RunContext, *, progress: Callable[[str], None
         if not (path / "config.json").is_file():
             raise InputNotFoundError(
                 f"model directory {path} has no config.json; pass a HF checkpoint directory "
-                f"(config.json + safetensors + tokenizer), or use --model {DEFAULT_MODEL}"
+                f"(config.json + safetensors + tokenizer), or MODEL {DEFAULT_MODEL} (embedded)"
             )
         return str(path.resolve()), True
     if _looks_like_path(name):
         raise InputNotFoundError(
             f"model directory {path} does not exist; pass an existing local checkpoint directory, "
-            f"or use --model {DEFAULT_MODEL}"
+            f"or MODEL {DEFAULT_MODEL} (embedded)"
         )
     return name, False
 
@@ -423,9 +424,11 @@ def load_model(
     device_map: transformers' device_map for from_pretrained ("auto": accelerate spreads the model over the
     GPUs present, then the CPU); `device` is then not used to place the model.
 
-    Raises InputNotFoundError for a missing folder or an unreachable (or, offline, uncached) hub id, and
+    Raises InputNotFoundError for a missing folder or an unreachable (or, offline, uncached) hub id,
     IncompatibleModelError for a model without a decoder block list of nn.Linear-holding blocks
-    (checked on the model built from its config on the meta device, before the weights are read).
+    (checked on the model built from its config on the meta device, before the weights are read), and
+    CheckpointMismatchError for a local checkpoint whose weights disagree with its config.json
+    (`models/conformance.py`: the same verdict streamed or whole, before the tokenizer or a weight is read).
     """
     torch_device = resolve_device(device)
     torch_dtype = dtype if dtype is not None else default_dtype(torch_device)
@@ -437,6 +440,7 @@ def load_model(
     discover_structure(meta)
     if is_local:
         check_weight_files(Path(source))
+        check_checkpoint(Path(source), meta, name=name)
     checkpoint = _stream_checkpoint(name, source, is_local) if stream else None
     layout = _source_layout(meta, Path(source), checkpoint) if is_local else None
     sink(progress)(f"loading {name} ({config.model_type}, {torch_dtype}) on {torch_device}")
@@ -515,7 +519,7 @@ def _stream_checkpoint(name: str, source: str, is_local: bool) -> Checkpoint | N
         # Streaming is the default, so a hub id is not refused: it loads whole, and the line says how to stream it.
         logger.info(
             "%s is a hub id; streaming reads a local safetensors folder, so it is loaded whole "
-            "(hf download %s --local-dir DIR, then --model DIR, streams it)",
+            "(hf download %s --local-dir DIR, then MODEL DIR, streams it)",
             name,
             name,
         )

@@ -150,7 +150,7 @@ def prune_model(
         output_run(output, interrupted, say=say, stop=stop) as folder,
         joined(place, device) as team,
     ):
-        plan = _checked_plan(cfg, ctx, folder, team, device, say)
+        plan = _checked_plan(cfg, ctx, folder, team, device, say, built=built is not None)
         if built is not None:  # the plan is made from the folder's config.json: the model must be that one
             plan.check_model(built.structure, cfg.model)
         # Only rank 0 touches the output folder: it alone holds the lock and writes every file.
@@ -182,16 +182,25 @@ def _checked_output(cfg: PruneConfig, processes: int) -> Path:
 
 
 def _checked_plan(
-    cfg: PruneConfig, ctx: RunContext, folder: OutputRun, team: Team, device: torch.device, say: Progress
+    cfg: PruneConfig,
+    ctx: RunContext,
+    folder: OutputRun,
+    team: Team,
+    device: torch.device,
+    say: Progress,
+    *,
+    built: bool = False,
 ) -> PrunePlan:
     """The run's plan (`plan_model`, made once: the run uses it), with what can be refused before the
-    lock: the output location (writable, not the input), the --targets selection outside the language
+    lock: the output location (writable, not the input), a checkpoint whose weights disagree with its
+    config.json (not for a model `built` in memory: `PrunePlan.check_model` checks that one), the
+    --targets selection outside the language
     model, and whether the run fits this machine (before the lock and the free-space check: a run that
     cannot fit allocates nothing)."""
     with team.agreed():
         if team.is_root:
             folder.check_location()
-        plan = plan_model(cfg, ctx, progress=say, observe=False)
+        plan = plan_model(cfg, ctx, progress=say, observe=False, conform=not built)
         check_not_input(folder.output, plan.source)
         check_outside(plan.beyond, cfg.pattern, skip=cfg.skip_incompatible)
         plan.check_processes()  # a matrix --nproc cannot prune is refused once, before any work
@@ -279,7 +288,7 @@ def prune_and_evaluate(
         how = f"stopped by {stop.name}" if stop is not None and stop.name else "interrupted"
         raise Interrupted(
             f"{how} while evaluating; the checkpoint {cfg.output} is complete but has no {EVAL_FILE}: "
-            f"run `tsenor eval --model {cfg.output} --output {cfg.output}`",
+            f"run `tsenor eval {cfg.output} --output {cfg.output}`",
             EXIT_RESUMABLE if stop is not None and stop.name else EXIT_SIGINT,
         ) from None
     atomic.write_json(cfg.output / EVAL_FILE, evaluation.to_json())

@@ -58,10 +58,11 @@ def _check_runs_once(slot: LinearSlot, calls: int) -> None:
 
 
 def record_line(record: LayerRecord, spec: PrunerSpec) -> str:
-    """The progress line of one pruned linear."""
+    """The progress line of one pruned linear (a method that reads no data has no error to show)."""
+    error = f"rel. error {record.recon_error:.4f}" if record.recon_error is not None else f"by {spec.name}"
     gap = f", gap {record.gap:.2e}" if record.gap is not None else ""
     its = f", {record.iterations} ADMM iters" if spec.iterative else ""
-    return f"  {record.name}: rel. error {record.recon_error:.4f}{gap}{its}, {record.seconds:.1f}s"
+    return f"  {record.name}: {error}{gap}{its}, {record.seconds:.1f}s"
 
 
 def _non_finite_inputs(slot: LinearSlot, weight: torch.Tensor) -> BadInputError:
@@ -117,7 +118,7 @@ def _record_outcome(
     weight: torch.Tensor,
     dense: torch.Tensor,
     outcome: PruneOutcome,
-    gram: torch.Tensor,
+    gram: torch.Tensor | None,
     slot: LinearSlot,
     expert: int | None,
     seconds: float,
@@ -127,12 +128,15 @@ def _record_outcome(
     note: str | None = None,
 ) -> LayerRecord:
     """Write `outcome` into `weight` (the stored view, cast to its dtype) and record it. dense: (out, in)
-    float32 copy of the weight before pruning; gram: (in, in) XᵀX of its inputs for the error."""
+    float32 copy of the weight before pruning; gram: (in, in) XᵀX of its inputs for the error (None for a
+    method that reads no data: no statistics were gathered, the record has no error)."""
     weight.copy_(outcome.weight.to(weight.dtype))
-    stored = weight.to(torch.float32)  # the error of what is saved, after the dtype cast
-    error = reconstruction_error(dense, stored, gram)
-    if not math.isfinite(error):
-        raise _non_finite_inputs(slot, weight)
+    error: float | None = None
+    if gram is not None:
+        stored = weight.to(torch.float32)  # the error of what is saved, after the dtype cast
+        error = reconstruction_error(dense, stored, gram)
+        if not math.isfinite(error):
+            raise _non_finite_inputs(slot, weight)
     record = LayerRecord(
         block=slot.block,
         name=slot.record_name(expert),
@@ -315,6 +319,9 @@ class BlockPruner:
             active = [name for name in group if name not in records]
             if not active:
                 continue
+            if not self.spec.needs_data:  # magnitude: the weights alone decide, no statistics pass
+                records.update(self._prune_without_data(block, {n: by_param[n] for n in active}, observed))
+                continue
             # An nn.Linear whose weight the forward multiplies without calling it (Unit.left) has no hook inputs.
             hooked = [n for n in active if by_param[n].local_name in linears and not observed.units[n].left]
             if len(hooked) < len(active):
@@ -356,6 +363,38 @@ class BlockPruner:
                     records[name] = prune_unreached(block, slot, self.layer_cfg, seen, self.progress)
         unreached = [name for name in by_param if name not in reached]
         return [record for name in (*reached, *unreached) for record in records[name]]
+
+    def _prune_without_data(
+        self, block: nn.Module, slots: Mapping[str, LinearSlot], observed: BlockObservation
+    ) -> dict[str, list[LayerRecord]]:
+        """A group pruned by a method that reads no data (`PrunerSpec.needs_data` False: magnitude): each
+        matrix from its weights alone, in its parameter's own layout as the watch saw it (a stack of experts
+        in chunks, as `_prune_unit` takes them), with no statistics pass over the calibration inputs (issue
+        47: a magnitude prune of SmolLM2 spent 300 s per block gathering statistics it never read). Every
+        rank prunes every matrix alike (the result depends on the weights only) → records by parameter
+        name, without a reconstruction error (there are no inputs to measure it on)."""
+        records: dict[str, list[LayerRecord]] = {}
+        spec = self.spec
+        with phase("updates"):
+            for name, slot in slots.items():
+                unit = observed.units[name]
+                views = matrices(block.get_parameter(unit.param).data, unit.geometry)  # (count, out, in)
+                count = unit.geometry.count
+                chunk = expert_chunk(unit.geometry.out_features, unit.geometry.in_features, spec)
+                found: list[LayerRecord] = []
+                for first in range(0, count, chunk):
+                    start = time.perf_counter()  # the copy, the method and the write back: all of it is the method's
+                    dense = views[first : first + chunk].to(torch.float32).clone()  # (L, out, in)
+                    outcomes = spec.prune_batch(dense, None, self.layer_cfg)
+                    made = []
+                    for i, outcome in enumerate(outcomes):
+                        expert = first + i if unit.geometry.experts else None
+                        made.append(_record_outcome(views[first + i], dense[i], outcome, None, slot, expert, 0.0, self))
+                    _sync(self.device)
+                    seconds = (time.perf_counter() - start) / len(made)
+                    found += [replace(record, seconds=seconds) for record in made]
+                records[name] = found
+        return records
 
     def _observe(self, block: nn.Module, inputs: torch.Tensor, call: BlockCall) -> BlockObservation:
         with phase("statistics"):

@@ -2,8 +2,9 @@
 
 One lifecycle for `tsenor prune` and `tsenor finetune` outputs: `output_run` (an `OutputRun`).
 
-Before a model is loaded: the location must be creatable and writable (`check_output_location`) with
-room for the checkpoint and the resume state (`check_free_space`). For the whole run, including the
+Before a model is loaded: the location must be creatable and writable (`check_output_location`, the one
+check every command's output gets: `tsenor_cli/outputs.py`) with room for the checkpoint and the resume
+state (`check_free_space`). For the whole run, including the
 final swap, an exclusive lock (`output_lock`) keeps a second run off the same folder; under it the
 leftovers of a killed run are recovered (`atomic.recover`) and what the folder holds is checked
 (`prepare_output`): ``--force`` replaces only a tsenor run or an empty folder.
@@ -13,9 +14,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -34,6 +32,7 @@ from tsenor_cli.errors import (
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.locks import folder_lock
 from tsenor_cli.models.saving import drop_stray_keys, save_streamed, save_tokenizer
+from tsenor_cli.outputs import check_output_location, check_room, free_bytes, human_bytes, output_path
 from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.card import card_text
 from tsenor_cli.pruning.recipe import FIELDS
@@ -66,12 +65,6 @@ MAX_SHARD_SIZE: str = FIELDS["max_shard_size"].default  # declared with the othe
 RUN_MARKERS = (PRUNE_FILE, RESUME_DIR)
 
 
-def output_path(output: Path) -> Path:
-    """`output` absolute with symlinks resolved: "." and "x/.." get a name and a parent, and every spelling
-    of one folder gets the same lock."""
-    return Path(output).expanduser().resolve()
-
-
 @contextmanager
 def output_lock(output: Path) -> Iterator[None]:
     """Hold an exclusive lock on `output` for the block; OutputBusyError when another process holds it.
@@ -87,58 +80,6 @@ def output_lock(output: Path) -> Iterator[None]:
 
     with folder_lock(output, busy):
         yield
-
-
-def _existing_ancestor(path: Path) -> Path:
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            return candidate
-    return Path(path.anchor)
-
-
-def check_output_location(output: Path) -> None:
-    """Refuse an --output that cannot be created or written, before any work, leaving nothing behind.
-
-    The folder's parent (or, when missing, its nearest existing ancestor) must be a folder where files
-    can be created: the checkpoint is built beside the output and renamed into place, and the lock file
-    lives there. That is probed by creating and removing a temporary (named as `atomic.recover` cleans
-    up), which also catches what permission bits do not show (read-only or pseudo file systems). An
-    existing output folder must be writable too: the resume state goes into it.
-    """
-    output = output_path(output)
-    if output.exists() and not output.is_dir():
-        raise OutputExistsError(f"--output {output} is a file; choose a directory path for the checkpoint")
-    base = _existing_ancestor(output.parent)
-    if not base.is_dir():
-        raise OutputUnwritableError(f"--output {output} cannot be created: {base} is a file; choose another --output")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=atomic.temp_prefix(output), dir=base)
-    except OSError as exc:
-        raise OutputUnwritableError(
-            f"--output {output} is not writable: cannot create files in {base} ({exc.strerror or exc}); "
-            "choose an --output in a writable folder"
-        ) from exc
-    os.close(fd)
-    Path(probe).unlink()
-    if output.is_dir() and not os.access(output, os.W_OK | os.X_OK):
-        raise OutputUnwritableError(
-            f"--output {output} is not writable (the resume state goes into it); make it writable "
-            "or choose another --output"
-        )
-
-
-def free_bytes(output: Path) -> int:
-    """Free bytes on the file system that holds (or will hold) `output`."""
-    return shutil.disk_usage(_existing_ancestor(output_path(output))).free
-
-
-def human_bytes(n: float) -> str:
-    """`n` bytes for a person: "1.5 GiB"."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def copied_bytes(source: str) -> int:
@@ -166,16 +107,15 @@ def check_free_space(
     blocks a streamed run without a resume state keeps on disk until the write (`pruning/writer.py`);
     copied: the tokenizer and other files written beside the weights (`copied_bytes`).
     """
-    need, free = checkpoint_bytes + resume_bytes + blocks_bytes + copied, free_bytes(output)
-    if need > free:
-        saving = f"; --no-resume-state saves {human_bytes(resume_bytes)}" if resume_bytes else ""
-        blocks = f", pruned blocks kept until the write {human_bytes(blocks_bytes)}" if blocks_bytes else ""
-        files = f", tokenizer and other files {human_bytes(copied)}" if copied else ""
-        raise OutputUnwritableError(
-            f"not enough free space for --output {output}: the run writes about {human_bytes(need)} "
-            f"(checkpoint {human_bytes(checkpoint_bytes)}, resume state {human_bytes(resume_bytes)}{blocks}{files}), "
-            f"{human_bytes(free)} are free; free some space or choose another --output{saving}"
-        )
+    saving = f"; --no-resume-state saves {human_bytes(resume_bytes)}" if resume_bytes else ""
+    blocks = f", pruned blocks kept until the write {human_bytes(blocks_bytes)}" if blocks_bytes else ""
+    files = f", tokenizer and other files {human_bytes(copied)}" if copied else ""
+    check_room(
+        output,
+        checkpoint_bytes + resume_bytes + blocks_bytes + copied,
+        parts=f"checkpoint {human_bytes(checkpoint_bytes)}, resume state {human_bytes(resume_bytes)}{blocks}{files}",
+        hint=saving,
+    )
 
 
 def _listing(names: list[str]) -> str:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tsenor_cli.data.calibration import STAND_IN_SEQLEN
 from tsenor_cli.errors import DoesNotFitError, IncompatibleModelError, UsageError
 from tsenor_cli.progress import Progress, logger
 from tsenor_cli.pruning.config import PruneConfig
@@ -56,6 +58,14 @@ from tsenor_cli.settings import RunContext
 
 if TYPE_CHECKING:
     from tsenor_cli.models.structure import ModelStructure
+
+
+def reads_data(cfg: PruneConfig) -> bool:
+    """Whether the run reads calibration text: its method needs data (`PrunerSpec.needs_data`), or
+    `--refine block` trains each block towards the dense one's outputs on it. A magnitude prune without
+    it takes no calibration pass (issue 47): its blocks run on a few stand-in tokens
+    (`data.calibration.stand_in_batches`) and it gathers no statistics."""
+    return get_pruner(cfg.method).needs_data or cfg.refine.on
 
 
 def dtype_and_device(
@@ -237,6 +247,9 @@ class PrunePlan:
     the plan instead of recomputing it: sizing (the estimates' inputs, `fixes` re-estimates other
     flags), weights (the probe's `WeightPlan`: slots, ignored, unused, ruled; None without the probe),
     world_size (the processes it was made for), modules (the full names of the blocks' nn.Linear layers).
+    calibrate: the run reads calibration text (`reads_data`); without it (magnitude, no --refine block)
+    its blocks run on one stand-in sample of a few tokens per process (`calibration_samples`,
+    `calibration_seqlen`) and the estimates hold no activations of size.
     """
 
     model: str
@@ -271,6 +284,20 @@ class PrunePlan:
     weights: WeightPlan | None = None
     world_size: int = 1
     modules: frozenset[str] = frozenset()
+    calibrate: bool = True
+
+    @property
+    def calibration_seqlen(self) -> int:
+        """The tokens per sample the run's blocks run on: `seqlen` when it reads calibration text
+        (`calibrate`), else the stand-in's few (`data.calibration.STAND_IN_SEQLEN`)."""
+        return self.seqlen if self.calibrate else min(self.seqlen, STAND_IN_SEQLEN)
+
+    @property
+    def calibration_samples(self) -> int:
+        """The samples the run's blocks run on: --nsamples when it reads calibration text (`calibrate`),
+        else one stand-in sample per process (each block runs once per sample: 128 samples of a few
+        tokens cost a SmolLM2 run 23 s per block, one sample under a second)."""
+        return self.nsamples if self.calibrate else self.world_size
 
     @property
     def device_bytes(self) -> int:
@@ -380,6 +407,7 @@ class PrunePlan:
             "ignored": len(self.ignored),
             "seqlen": self.seqlen,
             "nsamples": self.nsamples,
+            "calibration": self.calibrate,
             "params": self.params,
             "estimated_cpu_bytes": self.cpu_bytes,
             "estimated_host_bytes_per_process": self.host_memory.to_dict(),
@@ -399,10 +427,14 @@ class PrunePlan:
     def lines(self, cfg: PruneConfig) -> Iterator[str]:
         """The dry run's text: the run in one line, a row per weight matrix (`rows`),
         the memory estimate and each rank's share of the device memory."""
+        calibration = (
+            f"calibration {cfg.calib_data} {self.nsamples}×{self.seqlen}"
+            if self.calibrate
+            else f"no calibration ({cfg.method} reads no data)"
+        )
         yield (
             f"plan: {cfg.method} {cfg.pattern.label} ({cfg.pattern.kind}) on {self.model} "
-            f"({self.model_type}, {self.params / 1e6:.1f}M params, {self.dtype}), "
-            f"calibration {cfg.calib_data} {self.nsamples}×{self.seqlen}"
+            f"({self.model_type}, {self.params / 1e6:.1f}M params, {self.dtype}), {calibration}"
         )
         yield f"{'layer':<44} {'shape':>13}  compatible"
         for name, shape, verdict in self.rows():
@@ -589,11 +621,14 @@ class Sizing:
         dtype = parse_dtype(cfg.dtype) or default_dtype(device)
         width = torch.finfo(dtype).bits // 8
         spec = get_pruner(cfg.method)
+        nsamples = cfg.nsamples
+        if not reads_data(cfg):  # a stand-in sample of a few tokens per process (`PrunePlan.calibration_samples`)
+            nsamples, seqlen = world_size, min(seqlen, STAND_IN_SEQLEN)
         memory = estimate_device_memory(
             self.per_block,
             self.candidates,
             MethodCost.of(spec, cfg.pattern, cfg.layer.solver, device=device, width=width),
-            nsamples=cfg.nsamples,
+            nsamples=nsamples,
             seqlen=seqlen,
             hidden_size=self.hidden,
             width=width,
@@ -611,11 +646,11 @@ class Sizing:
             device=device,
             params=held,
             streamed=cfg.stream,
-            nsamples=cfg.nsamples,
+            nsamples=nsamples,
             seqlen=seqlen,
             hidden_size=self.hidden,
             width=width,
-            rows=-(-cfg.nsamples // len(memory)),
+            rows=-(-nsamples // len(memory)),
             offload_activations=cfg.offload_activations,
             refine=cfg.refine.on,
             resume=cfg.resume,
@@ -673,6 +708,7 @@ def plan_model(
     *,
     world_size: int | None = None,
     observe: bool = True,
+    conform: bool = True,
 ) -> PrunePlan:
     """The dry-run plan, from the model built on the meta device (no weights read, nothing written).
 
@@ -685,7 +721,11 @@ def plan_model(
     of a block's pruned matrices at once: exact without --sequential, an upper bound with it.
     world_size: the processes the device memory is estimated for (default: this run's, `ctx.distributed`).
     The device need not be present: the plan is arithmetic (`planned_device`).
+    conform: refuse a local checkpoint whose weights disagree with its config.json (`models/conformance.py`,
+    from the safetensors headers: no weight read), as its load would; False for a model built in memory,
+    which is checked against the config instead (`PrunePlan.check_model`).
     """
+    from tsenor_cli.models.conformance import check_checkpoint
     from tsenor_cli.models.loading import config_value, meta_model, read_config, resolve_source
     from tsenor_cli.models.structure import discover_structure
 
@@ -695,6 +735,8 @@ def plan_model(
     config = read_config(cfg.model, source, is_local, ctx, trust_remote_code=cfg.trust_remote_code)
     model = meta_model(config, trust_remote_code=cfg.trust_remote_code)
     structure = discover_structure(model)
+    if is_local and conform:
+        check_checkpoint(Path(source), model, name=cfg.model)
     hidden = int(config_value(config, "hidden_size"))
     selection, beyond = _selection(cfg, model, structure)
     found = _account(structure, hidden, selection, observe)
@@ -709,6 +751,8 @@ def plan_model(
     heads = int(config_value(config, "num_attention_heads") or 0)
     sizing = Sizing(candidates, per_block, params, hidden, heads)
     ranks = world_size if world_size is not None else ctx.distributed.world_size
+    # The tokens through every block: the calibration's, or a stand-in sample per process (`reads_data`).
+    rows, tokens = (cfg.nsamples, seqlen) if reads_data(cfg) else (ranks, min(seqlen, STAND_IN_SEQLEN))
     memory, host = sizing.estimate(cfg, seqlen, device, ranks)
     return PrunePlan(
         model=cfg.model,
@@ -730,7 +774,7 @@ def plan_model(
         beyond=beyond,
         checkpoint_bytes=params * width,
         # With --refine the hidden-state files hold the dense stream too.
-        resume_bytes=sum(per_block) * width + (4 if cfg.refine.on else 2) * cfg.nsamples * seqlen * hidden * width,
+        resume_bytes=sum(per_block) * width + (4 if cfg.refine.on else 2) * rows * tokens * hidden * width,
         host_memory=host,
         selection=selection,
         unused=found.unused,
@@ -744,4 +788,5 @@ def plan_model(
         weights=found.weights,
         world_size=ranks,
         modules=found.modules,
+        calibrate=reads_data(cfg),
     )

@@ -28,11 +28,13 @@ a kill and the rerun is another run, never continued with blocks pruned from the
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from tsenor_cli import atomic
-from tsenor_cli.errors import ResumeStateError, SchemaError
+from tsenor_cli.errors import OutputUnwritableError, ResumeStateError, SchemaError
+from tsenor_cli.outputs import free_bytes, human_bytes
 from tsenor_cli.pruning.types import LayerRecord
 from tsenor_cli.runfiles import (
     PRUNE_STATE_VERSION,
@@ -119,6 +122,24 @@ def checkpoint_identity(model: str) -> dict[str, Any] | None:
     except ValueError:  # HFValidationError: no hub id either, e.g. a missing folder (the loader says so)
         return None
     return {"hub_commit": Path(cached).parent.name} if isinstance(cached, str) else None
+
+
+def disk_full(exc: BaseException) -> str | None:
+    """How a write failed for want of space (a full disk or quota: "No space left on device"), None when
+    it failed otherwise. safetensors' writer reports the OS error inside its own SafetensorError's text."""
+    if isinstance(exc, OSError):
+        return (exc.strerror or str(exc)) if exc.errno in (errno.ENOSPC, errno.EDQUOT) else None
+    text = str(exc)
+    for sign, why in (
+        ("No space left", "No space left on device"),
+        ("os error 28", "No space left on device"),
+        ("StorageFull", "No space left on device"),
+        ("Disk quota", "Disk quota exceeded"),
+        ("os error 122", "Disk quota exceeded"),
+    ):
+        if sign in text:
+            return why
+    return None
 
 
 def file_sha256(path: Path) -> str:
@@ -252,6 +273,49 @@ class ResumeStore:
         stream's (S, T, H) there (`--refine block`), saved beside `hidden`; refinement: the records of
         the blocks refined so far.
         """
+        with self._full_disk_is_one_line(previous):
+            return self._write_block(
+                index, block, hidden, previous, records, config_hash, calibration, calibration_source, blocks,
+                dense=dense, refinement=refinement,
+            )  # fmt: skip
+
+    @contextmanager
+    def _full_disk_is_one_line(self, previous: ResumeState | None) -> Iterator[None]:
+        """A full disk (or quota) while the resume state is written → OutputUnwritableError (exit 4), as the
+        final write gives it: the block and hidden-state files are written by safetensors' own code, and a
+        disk that filled up there was "unexpected SafetensorError" (issue 47). The state committed before
+        (`previous`) stays whole, and the line says what it holds."""
+        try:
+            yield
+        except (OSError, SafetensorError) as exc:
+            why = disk_full(exc)
+            if why is None:
+                raise
+            done = previous.next_block if previous is not None else 0
+            held = f"the resume state holds {'block 1' if done == 1 else f'blocks 1-{done}'}" if done else ""
+            output = self.root.parent
+            raise OutputUnwritableError(
+                f"the disk holding --output {output} filled up while the resume state was written ({why}); "
+                + (f"{held}: free some space" if held else "no block is saved yet: free some space")
+                + f" (about {human_bytes(free_bytes(output))} are free now) and rerun the same command to "
+                "continue, or choose another --output"
+            ) from exc
+
+    def _write_block(
+        self,
+        index: int,
+        block: nn.Module | Mapping[str, torch.Tensor],
+        hidden: torch.Tensor | None,
+        previous: ResumeState | None,
+        records: list[LayerRecord],
+        config_hash: str,
+        calibration: str,
+        calibration_source: DataSource,
+        blocks: int,
+        *,
+        dense: torch.Tensor | None = None,
+        refinement: tuple[BlockRefinement, ...] = (),
+    ) -> ResumeState:
         self.root.mkdir(parents=True, exist_ok=True)
         files = dict(previous.files) if previous is not None else {}
         digests = dict(previous.digests) if previous is not None else {}

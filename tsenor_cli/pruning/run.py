@@ -61,6 +61,7 @@ from tsenor_cli.pruning.types import LayerRecord
 from tsenor_cli.pruning.writer import CheckpointSink
 from tsenor_cli.replay import BlockSource, run_block
 from tsenor_cli.replay.source import CPU
+from tsenor_cli.report.markdown import block_range
 from tsenor_cli.runfiles import BlockRefinement, PruneReport, ResumeState, block_file
 from tsenor_cli.settings import RunContext
 
@@ -97,7 +98,7 @@ class RunPoint:
         elif self.done == total:
             saved = "every block is saved in the resume state: rerun the same command to write the checkpoint"
         elif self.done:
-            saved = f"the resume state holds blocks 1-{self.done}: rerun the same command to continue"
+            saved = f"the resume state holds {block_range(self.done)}: rerun the same command to continue"
         else:
             saved = "no block was finished: rerunning the same command starts over"
         return interruption(signal_name, where, saved)
@@ -278,7 +279,7 @@ def _block_line(index: int, records: list[LayerRecord], blocks: int, seconds: fl
     """The one progress line of a finished block (each matrix's own line is at DEBUG: `tsenor -v`)."""
     pruned = [r for r in records if r.status == "pruned"]
     dense = len(records) - len(pruned)
-    worst = max((r.recon_error or 0.0 for r in pruned), default=None)
+    worst = max((r.recon_error for r in pruned if r.recon_error is not None), default=None)  # none: no data
     errors = f", worst rel. error {worst:.4f}" if worst is not None else ""
     left = f", {dense} left dense" if dense else ""
     return f"block {index + 1}/{blocks}: {len(pruned)} pruned{left}{errors}, {seconds:.1f}s"
@@ -296,7 +297,7 @@ def load(run: RunSetup) -> tuple[LoadedModel, CalibrationData | None]:
     cfg, texts = run.cfg, []
 
     def calibrate(_config: object, tokenizer: object) -> None:
-        texts.append(read_calibration(cfg, run.ctx, run.plan.seqlen, tokenizer))
+        texts.append(read_calibration(cfg, run.ctx, run.plan, tokenizer))
 
     fresh = run.state is None
     with phase("load"), run.team.agreed():
@@ -304,7 +305,7 @@ def load(run: RunSetup) -> tuple[LoadedModel, CalibrationData | None]:
             cfg, run.ctx, run.dtype, run.say, before_weights=calibrate if fresh else None, built=run.built
         )
         check_linears(cfg, linear_slots(loaded.structure), run.plan.ignored)
-    if run.plan.seqlen < cfg.seqlen:
+    if run.plan.calibrate and run.plan.seqlen < cfg.seqlen:
         logger.warning(
             "--seqlen %d is longer than the model's %d positions; calibrating with %d",
             cfg.seqlen, run.plan.seqlen, run.plan.seqlen,
@@ -318,10 +319,11 @@ def start(run: RunSetup, source: BlockSource, calib: CalibrationData | None) -> 
     CPU with --offload-activations (each sample then streamed to the device when the block needs it)."""
     cfg, team = run.cfg, run.team
     storage = CPU if cfg.offload_activations else run.device
-    shard = team.shard(cfg.nsamples)
+    shard = team.shard(run.plan.calibration_samples)  # --nsamples, or one stand-in sample per process
     with phase("capture"), team.agreed():
         if run.state is not None and run.store is not None:
-            rows = shard if team.distributed else None
+            # A stand-in run's one sample per process: row 0, whatever the process count that saved it.
+            rows = (shard if team.distributed else None) if run.plan.calibrate else slice(0, 1)
             return restore_start(run.store, run.state, source, rows, storage, refine=cfg.refine.on)
         assert calib is not None  # a fresh run read its calibration text while loading
         run.say(f"calibration: {calib.source_description}, {tuple(calib.input_ids.shape)} tokens")
@@ -354,7 +356,7 @@ def block_hooks(run: RunSetup, writer: BackgroundWriter, begin: Start) -> list[B
     if run.store is not None:
         point = run.point
         record = ResumeRecord(
-            run.state, run.cfg.result_hash(), run.cfg.nsamples, run.plan.blocks, begin.calibration,
+            run.state, run.cfg.result_hash(), run.plan.calibration_samples, run.plan.blocks, begin.calibration,
             begin.calibration_source,
         )  # fmt: skip
 

@@ -49,12 +49,19 @@ if TYPE_CHECKING:
 CORRUPT = "the checkpoint is corrupt; re-download or re-convert it (nothing was written)"
 
 
-def read_calibration(cfg: PruneConfig, ctx: RunContext, seqlen: int, tokenizer: Any) -> CalibrationData:
-    """The calibration text, `cfg.nsamples` windows of `seqlen` tokens."""
-    from tsenor_cli.data.calibration import calibration_batches
+def read_calibration(cfg: PruneConfig, ctx: RunContext, plan: PrunePlan, tokenizer: Any) -> CalibrationData:
+    """The calibration text, `cfg.nsamples` windows of the plan's `seqlen` tokens; for a method that reads
+    no data (`plan.calibrate` off: magnitude without --refine block) a few stand-in tokens, no text read."""
+    from tsenor_cli.data.calibration import calibration_batches, stand_in_batches
 
     with phase("calibration"):
-        return calibration_batches(cfg.calib_data, tokenizer, ctx, nsamples=cfg.nsamples, seqlen=seqlen, seed=cfg.seed)
+        if not plan.calibrate:
+            return stand_in_batches(
+                tokenizer, nsamples=plan.calibration_samples, seqlen=plan.calibration_seqlen, method=cfg.method
+            )
+        return calibration_batches(
+            cfg.calib_data, tokenizer, ctx, nsamples=cfg.nsamples, seqlen=plan.seqlen, seed=cfg.seed
+        )
 
 
 def load_for_pruning(

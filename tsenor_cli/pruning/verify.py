@@ -207,6 +207,7 @@ def verify_checkpoint(directory: Path) -> VerifyReport:
             "pass a folder written by tsenor prune"
         )
     files = _weight_files(directory)
+    _check_conformance(directory)
     for path in sorted(set(files.values())):
         with safe_open(str(path), framework="pt") as handle:
             check_finite(
@@ -220,6 +221,21 @@ def verify_checkpoint(directory: Path) -> VerifyReport:
     params = _Parameters(directory, files, loads[0].layout if loads else None)
     checks = [_check(entry, params.matrix(entry), record.pattern) for entry in record.pruned]
     return VerifyReport(str(directory), record, tuple(checks), tuple(loads))
+
+
+def _check_conformance(directory: Path) -> None:
+    """The weights against the model config.json describes (`models/conformance.py`, exit 7), as every
+    command that reads a checkpoint checks them: a block the config lacks or names in vain, a tensor of
+    another shape. A checkpoint with its own model code is not built (verify runs no code it brings)."""
+    import transformers
+
+    from tsenor_cli.models.conformance import check_checkpoint
+    from tsenor_cli.models.loading import meta_model
+
+    if read_json(directory / CONFIG_FILE).get("auto_map"):
+        return
+    config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    check_checkpoint(directory, meta_model(config))
 
 
 def _class_loads(directory: Path, keys: list[str]) -> list[ClassLoad]:

@@ -13,10 +13,11 @@ from pathlib import Path
 
 from tsenor_cli import atomic
 from tsenor_cli.errors import OutputExistsError, UsageError
+from tsenor_cli.outputs import check_output_folder
 from tsenor_cli.report.table import Table, build_table
 from tsenor_cli.runfiles import Run, load_run
 
-__all__ = ["ReportOutput", "Run", "Table", "build_table", "load_run", "write_report"]
+__all__ = ["ReportOutput", "Run", "Table", "build_table", "check_report_output", "load_run", "write_report"]
 
 
 @dataclass(frozen=True)
@@ -29,14 +30,26 @@ class ReportOutput:
     skipped: tuple[str, ...]
 
 
+# What `tsenor report` writes at most: three tables and two PNG plots (tens of kilobytes each).
+REPORT_BYTES = 16 << 20
+
+
+def check_report_output(output: Path, force: bool) -> None:
+    """`tsenor report --output`, refused before any run is read (exit 4): an existing folder without
+    --force, or a place the one output check of every command refuses (`tsenor_cli.outputs`: a file, a
+    folder that cannot be created or written, no room for the tables and plots)."""
+    if output.exists() and not force:
+        raise OutputExistsError(f"{output} already exists; pass --force to replace it or choose another --output")
+    check_output_folder(output, REPORT_BYTES, what="the table and plots")
+
+
 def _check_output(output: Path, runs: Sequence[Run], force: bool) -> None:
     target = output.resolve()
     for run in runs:
         run_path = run.path.resolve()
         if target == run_path or target in run_path.parents:
             raise UsageError(f"--output {output} would replace run directory {run.path}; choose another directory")
-    if output.exists() and not force:
-        raise OutputExistsError(f"{output} already exists; pass --force to replace it or choose another --output")
+    check_report_output(output, force)
 
 
 def write_report(runs: Sequence[Run], output: Path, *, force: bool = False, allow_mixed: bool = False) -> ReportOutput:

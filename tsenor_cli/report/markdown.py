@@ -18,6 +18,11 @@ from tsenor_cli.runfiles import EvalReport, PruneReport
 MAX_LISTED_IGNORED = 12  # more ignored layers than this are counted by reason in the report summary
 
 
+def block_range(done: int) -> str:
+    """The first `done` blocks for a person: "block 1", "blocks 1-3" (never "blocks 1-1")."""
+    return "block 1" if done == 1 else f"blocks 1-{done}"
+
+
 def prune_summary(report: PruneReport) -> list[str]:
     """The report's title and summary lines (no trailing blank line)."""
     s = report.settings
@@ -29,7 +34,9 @@ def prune_summary(report: PruneReport) -> list[str]:
         "",
         f"- model: `{s['model']}`",
         f"- method: {s['method']}, pattern {label} ({pattern['kind']}), {_solver_label(s)}",
-        f"- calibration: {report.calibration} ({s['nsamples']} × {s['seqlen']}), seed {s['seed']}",
+        f"- calibration: {report.calibration} ({s['nsamples']} × {s['seqlen']}), seed {s['seed']}"
+        if report.calibration_source is None or report.calibration_source.kind != "none"
+        else f"- calibration: {report.calibration}",  # a method that reads no data (stand_in_batches)
     ]
     if report.context is not None:
         folder = report.context.data_dir or "none (HF hub)"
@@ -62,7 +69,7 @@ def _time_line(report: PruneReport, t: Mapping[str, Any]) -> str:
     if not report.resumed_from_block:
         return f"- total time: {report.seconds:.1f} s ({parts})"
     done = report.resumed_from_block
-    attempt = f"{report.seconds:.1f} s in this attempt, which resumed with blocks 1-{done} done"
+    attempt = f"{report.seconds:.1f} s in this attempt, which resumed with {block_range(done)} done"
     if not report.phases:
         return f"- total time: {attempt} ({parts}, over all attempts)"
     # The phases are this attempt's; the layer records' method and solver sums cover every attempt.

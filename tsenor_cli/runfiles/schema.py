@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from tsenor_cli.settings import RunContext
 
 SCHEMA_VERSION = 3
-DataKind = Literal["offline", "file", "hub"]
+# "none": no data was read (a method that needs none: `data.calibration.stand_in_batches`).
+DataKind = Literal["offline", "file", "hub", "none"]
 TaskSource = Literal["hub", "offline"]
 
 
@@ -126,7 +127,8 @@ class DataFile:
 class DataSource:
     """Where one dataset came from.
 
-    kind: "offline" (the data folder), "file" (a user file) or "hub" (the HF hub).
+    kind: "offline" (the data folder), "file" (a user file), "hub" (the HF hub) or "none" (no data was read:
+    a method that needs none).
     files: the files read, for offline and file sources (empty when a v1 file did not record them).
     hub: the hub dataset, e.g. "allenai/c4 split=train file=en/c4-train.00000-of-01024.json.gz".
     """
