@@ -120,7 +120,7 @@ def test_prune_help_imports_no_torch() -> None:
 
 
 def test_the_solver_names_written_out_are_the_registrys() -> None:
-    from tsenor_cli.pruning.recipe import SOLVER_NAMES
+    from tsenor_cli.pruning.table import SOLVER_NAMES
     from tsenor_cli.solver import METHODS
 
     assert tuple(METHODS) == SOLVER_NAMES

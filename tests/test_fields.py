@@ -22,8 +22,9 @@ from tsenor_cli.fields import Field
 from tsenor_cli.finetune.config import FINETUNE_FIELDS, FinetuneConfig
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.method_options import ALPSOptions
-from tsenor_cli.pruning.recipe import ALL_FIELDS, PRUNE_FIELDS, RECIPE_DEFAULTS, RECIPE_KEYS, build_config
+from tsenor_cli.pruning.recipe import build_config
 from tsenor_cli.pruning.registry import PRUNERS
+from tsenor_cli.pruning.table import ALL_FIELDS, PRUNE_FIELDS, RECIPE_DEFAULTS, RECIPE_KEYS
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tsenor_cli"
 # `tsenor prune`'s options that are not settings of the run: what to do with it.

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from tsenor_cli.cli import app, reference
-from tsenor_cli.pruning.recipe import RECIPE_DEFAULTS, RECIPE_KEYS
+from tsenor_cli.pruning.table import RECIPE_DEFAULTS, RECIPE_KEYS
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tsenor_cli"
 

@@ -24,9 +24,8 @@ from tsenor_cli.data.calibration import STAND_IN_SEQLEN
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning import engine, magnitude
 from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.config import PruneConfig
+from tsenor_cli.pruning.config import PruneConfig, RefineConfig
 from tsenor_cli.pruning.plan import plan_model
-from tsenor_cli.pruning.refine import RefineConfig
 from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.runfiles import PRUNE_FILE
 

@@ -24,7 +24,7 @@ from helpers_tiny import blockwise_forward, full_forward, make_tiny_llama, rando
 from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.config import PruneConfig
+from tsenor_cli.pruning.config import PruneConfig, RefineConfig
 from tsenor_cli.pruning.gather import MoeOptions, StackInputs, unit_input_stats
 from tsenor_cli.pruning.method_options import ALPSOptions
 from tsenor_cli.pruning.observe import Geometry, matrices, observe_block
@@ -458,7 +458,7 @@ def test_refinement_trains_fused_experts_with_their_masks_held(
 
     monkeypatch.setattr(refine, "refine_block", watched)
     source = make_tiny_llama(tmp_path / "src", model_type=family, **MOE[family])
-    cfg = _sparsegpt_2_4(source, tmp_path / "out", refine=refine.RefineConfig("block", 2, 1e-3))
+    cfg = _sparsegpt_2_4(source, tmp_path / "out", refine=RefineConfig("block", 2, 1e-3))
     report = prune_model(cfg, calib_ctx)
     assert [b.block for b in report.refinement] == [0, 1]
     assert all(b.error_after < b.error_before if b.kept else b.error_after >= b.error_before for b in report.refinement)

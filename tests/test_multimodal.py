@@ -273,7 +273,7 @@ def test_refinement_trains_the_language_model_only(
     call) and Mllama's self-attention blocks are refined and verify; Mllama's cross-attention block, which
     the text-only forward skips, is pruned but gets no refinement record (no forward of the model gives
     it outputs to refine towards); the vision tower and the projector stay bit-identical to the source."""
-    from tsenor_cli.pruning.refine import RefineConfig
+    from tsenor_cli.pruning.config import RefineConfig
 
     source = checkpoints[family]
     out = tmp_path / "refined"

@@ -22,10 +22,10 @@ from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning import refine
 from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.config import PruneConfig
+from tsenor_cli.pruning.config import PruneConfig, RefineConfig
 from tsenor_cli.pruning.plan import plan_model
 from tsenor_cli.pruning.recipe import build_config, validate_recipe
-from tsenor_cli.pruning.refine import RefineConfig, block_masks, refine_block
+from tsenor_cli.pruning.refine import block_masks, refine_block
 from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.pruning.verify import verify_checkpoint
 from tsenor_cli.replay import capture_block_inputs, run_block

@@ -311,7 +311,7 @@ def test_a_checkpoint_replaced_at_the_same_path_is_another_input(
 def test_the_checkpoint_identity_follows_the_files_not_the_path(tiny: Path, tmp_path: Path) -> None:
     """Same files → same identity (a copy keeping the times too); a rewrite of one file, or another header
     under a restored time, → another."""
-    from tsenor_cli.pruning.resume import checkpoint_identity
+    from tsenor_cli.models.identity import checkpoint_identity
 
     first = shutil.copytree(tiny, tmp_path / "a")  # copy2: contents and modification times
     second = shutil.copytree(tiny, tmp_path / "b")

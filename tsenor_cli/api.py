@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tsenor_cli.errors import UsageError
-from tsenor_cli.pruning.recipe import FIELDS, read_recipe, validate_recipe
+from tsenor_cli.pruning.recipe import read_recipe, validate_recipe
+from tsenor_cli.pruning.table import FIELDS
 from tsenor_cli.settings import RunContext
 
 if TYPE_CHECKING:

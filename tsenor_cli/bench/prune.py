@@ -52,8 +52,8 @@ import torch
 from tsenor_cli.bench.machine import environment
 from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
 from tsenor_cli.progress import Progress, sink
+from tsenor_cli.pruning.config import REFINE_MODES
 from tsenor_cli.pruning.phases import PHASES, REFINE_PHASES
-from tsenor_cli.pruning.refine import REFINE_MODES
 from tsenor_cli.settings import RunContext
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -586,7 +586,7 @@ def _timed_prune(
 def default_tokens() -> int:
     """The calibration tokens of `tsenor prune`'s defaults (--nsamples × --seqlen)."""
     from tsenor_cli.fields import by_name
-    from tsenor_cli.pruning.recipe import PRUNE_FIELDS
+    from tsenor_cli.pruning.table import PRUNE_FIELDS
 
     settings = by_name(PRUNE_FIELDS)
     return int(settings["nsamples"].default) * int(settings["seqlen"].default)

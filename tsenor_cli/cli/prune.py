@@ -30,7 +30,8 @@ from tsenor_cli.cli.options import (
     with_fields,
 )
 from tsenor_cli.errors import UsageError
-from tsenor_cli.pruning.recipe import ALL_FIELDS, build_config, read_recipe
+from tsenor_cli.pruning.recipe import build_config, read_recipe
+from tsenor_cli.pruning.table import ALL_FIELDS
 
 if TYPE_CHECKING:
     from tsenor_cli.evaluation.runner import EvalConfig

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,15 +12,48 @@ from typing import TYPE_CHECKING
 from tsenor_cli.errors import UsageError
 from tsenor_cli.fields import default_of, validate_settings
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.recipe import FIELDS, PRUNE_FIELDS
-from tsenor_cli.pruning.refine import RefineConfig
 from tsenor_cli.pruning.registry import get_pruner
+from tsenor_cli.pruning.table import FIELDS, PRUNE_FIELDS
 from tsenor_cli.pruning.types import LayerPruneConfig
 
 if TYPE_CHECKING:
     import torch
 
     from tsenor_cli.pruning.method_options import MethodOptions
+
+
+# Declared with the other settings (pruning/settings/table.PRUNE_FIELDS); the defaults were chosen by the pilot of
+# docs/results.md ("Block refinement: pilot").
+REFINE_MODES: tuple[str, ...] = tuple(FIELDS["refine"].choice_list() or ())
+DEFAULT_EPOCHS: int = FIELDS["refine_epochs"].default
+DEFAULT_LR: float = FIELDS["refine_lr"].default
+# Samples per Adam step, fixed so that a run's steps do not depend on the number of processes.
+SAMPLES_PER_STEP = 4
+
+
+@dataclass(frozen=True)
+class RefineConfig:
+    """mode: "none" (default) or "block"; epochs: passes over the calibration samples per block; lr:
+    Adam's learning rate."""
+
+    mode: str = "none"
+    epochs: int = DEFAULT_EPOCHS
+    lr: float = DEFAULT_LR
+
+    def __post_init__(self) -> None:
+        if self.mode not in REFINE_MODES:
+            raise UsageError(f"--refine {self.mode!r} is not one of {', '.join(REFINE_MODES)}; use none or block")
+        if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
+            raise UsageError(f"--refine-epochs {self.epochs} must be a whole number >= 1 (default {DEFAULT_EPOCHS})")
+        if isinstance(self.lr, bool) or not math.isfinite(self.lr) or self.lr <= 0:
+            raise UsageError(f"--refine-lr {self.lr} must be a positive number (default {DEFAULT_LR:g})")
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "none"
+
+    def result_fields(self) -> dict[str, object]:
+        return {"mode": self.mode, "epochs": self.epochs, "lr": self.lr, "samples_per_step": SAMPLES_PER_STEP}
 
 
 @dataclass(frozen=True)
@@ -120,11 +154,11 @@ class PruneConfig:
         }
 
     def result_hash(self) -> str:
-        """sha256 of `result_fields` and the input checkpoint's identity (`resume.checkpoint_identity`: its
+        """sha256 of `result_fields` and the input checkpoint's identity (`models/identity.checkpoint_identity`: its
         files' sizes, times and safetensors headers), the key of a resume state and of a finished run: a
         checkpoint replaced at the same path is another input, whose run is neither continued nor taken
         for done."""
-        from tsenor_cli.pruning.resume import checkpoint_identity
+        from tsenor_cli.models.identity import checkpoint_identity
 
         identity = checkpoint_identity(self.model)
         key = self.result_fields() if identity is None else {**self.result_fields(), "model_identity": identity}

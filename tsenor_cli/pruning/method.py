@@ -21,6 +21,10 @@ from typing import TYPE_CHECKING, Any, Protocol, get_type_hints
 
 from tsenor_cli.errors import UsageError
 
+# The transposable mask solver a layer's masks come from when none is named (`--solver`'s default in
+# `pruning/settings/table.py`): `auto` picks the exact flow on the CPU and the entropic solver on CUDA.
+DEFAULT_SOLVER = "auto"
+
 if TYPE_CHECKING:
     import torch
 

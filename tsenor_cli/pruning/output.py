@@ -35,8 +35,8 @@ from tsenor_cli.models.saving import drop_stray_keys, save_streamed, save_tokeni
 from tsenor_cli.outputs import check_output_location, check_room, free_bytes, human_bytes, output_path
 from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.card import card_text
-from tsenor_cli.pruning.recipe import FIELDS
 from tsenor_cli.pruning.resume import ResumeStore
+from tsenor_cli.pruning.table import FIELDS
 from tsenor_cli.report.markdown import prune_markdown
 from tsenor_cli.runfiles import (
     INDEX_NAME,

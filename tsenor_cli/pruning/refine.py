@@ -37,51 +37,16 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from tsenor_cli.errors import UsageError
 from tsenor_cli.fixedmask import FixedMask
 from tsenor_cli.progress import Progress
+from tsenor_cli.pruning.config import SAMPLES_PER_STEP, RefineConfig
 from tsenor_cli.pruning.distributed import Team, shard_bounds
-from tsenor_cli.pruning.recipe import FIELDS
 from tsenor_cli.replay import BlockCall, block_output
 from tsenor_cli.runfiles import BlockRefinement, LayerRecord
-
-# Declared with the other settings (pruning/recipe.PRUNE_FIELDS); the defaults were chosen by the pilot of
-# docs/results.md ("Block refinement: pilot").
-REFINE_MODES: tuple[str, ...] = tuple(FIELDS["refine"].choice_list() or ())
-DEFAULT_EPOCHS: int = FIELDS["refine_epochs"].default
-DEFAULT_LR: float = FIELDS["refine_lr"].default
-# Samples per Adam step, fixed so that a run's steps do not depend on the number of processes.
-SAMPLES_PER_STEP = 4
-
-
-@dataclass(frozen=True)
-class RefineConfig:
-    """mode: "none" (default) or "block"; epochs: passes over the calibration samples per block; lr:
-    Adam's learning rate."""
-
-    mode: str = "none"
-    epochs: int = DEFAULT_EPOCHS
-    lr: float = DEFAULT_LR
-
-    def __post_init__(self) -> None:
-        if self.mode not in REFINE_MODES:
-            raise UsageError(f"--refine {self.mode!r} is not one of {', '.join(REFINE_MODES)}; use none or block")
-        if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
-            raise UsageError(f"--refine-epochs {self.epochs} must be a whole number >= 1 (default {DEFAULT_EPOCHS})")
-        if isinstance(self.lr, bool) or not math.isfinite(self.lr) or self.lr <= 0:
-            raise UsageError(f"--refine-lr {self.lr} must be a positive number (default {DEFAULT_LR:g})")
-
-    @property
-    def on(self) -> bool:
-        return self.mode != "none"
-
-    def result_fields(self) -> dict[str, object]:
-        return {"mode": self.mode, "epochs": self.epochs, "lr": self.lr, "samples_per_step": SAMPLES_PER_STEP}
 
 
 def block_masks(block: nn.Module, prefix: str, params: Iterable[str]) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from tsenor_cli.errors import Interrupted
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.progress import Progress, bar, logger
 from tsenor_cli.pruning.background import WRITER_DEPTH, BackgroundWriter
-from tsenor_cli.pruning.config import PruneConfig
+from tsenor_cli.pruning.config import PruneConfig, RefineConfig
 from tsenor_cli.pruning.distributed import Team
 from tsenor_cli.pruning.engine import BlockPruner
 from tsenor_cli.pruning.gather import MoeOptions
@@ -36,7 +36,7 @@ from tsenor_cli.pruning.output import interruption, sparsity_record
 from tsenor_cli.pruning.outside import prune_outside
 from tsenor_cli.pruning.phases import Timings, phase
 from tsenor_cli.pruning.plan import PrunePlan
-from tsenor_cli.pruning.refine import RefineConfig, refine_pruned_block
+from tsenor_cli.pruning.refine import refine_pruned_block
 from tsenor_cli.pruning.registry import get_pruner
 from tsenor_cli.pruning.resume import ResumeStore
 from tsenor_cli.pruning.seams import BlockContext, BlockHook, RunStart, Sink, SinkBlock

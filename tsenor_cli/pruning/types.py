@@ -14,13 +14,10 @@ from typing import TypedDict, TypeVar
 
 import torch
 
-from tsenor_cli.fields import default_of
-
 # The pattern (tsenor_cli/pattern.py) and LayerRecord (the run files it is written to) are defined where
 # they are read and written; the engine and resume code import them from here.
 from tsenor_cli.pattern import SparsityPattern as SparsityPattern
-from tsenor_cli.pruning.method_options import MethodOptions
-from tsenor_cli.pruning.recipe import PRUNE_FIELDS
+from tsenor_cli.pruning.method import DEFAULT_SOLVER, MethodOptions
 from tsenor_cli.runfiles import LayerRecord as LayerRecord
 
 O = TypeVar("O", bound=MethodOptions)
@@ -37,7 +34,7 @@ class LayerPruneConfig:
     """
 
     pattern: SparsityPattern
-    solver: str = default_of(PRUNE_FIELDS, "solver")
+    solver: str = DEFAULT_SOLVER
     options: MethodOptions | None = None
 
     def method_options(self, kind: type[O]) -> O:
