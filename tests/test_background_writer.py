@@ -1,4 +1,4 @@
-"""The background writer of the resume state (pruning/background.py, issue 42 item 2): writes in order with
+"""The background writer of the resume state (background.py, issue 42 item 2): writes in order with
 a bounded number of payloads held, a failed write raised in the run's thread, the files bit for bit those
 of the synchronous save, an interruption's line naming what is committed, and a real SIGKILL while the
 writer's thread writes resuming to the same checkpoint as an uninterrupted run."""
@@ -24,11 +24,12 @@ import pytest
 from helpers_faults import FullDisk
 from helpers_tiny import sparsegpt_config
 
+from tsenor_cli import background
+from tsenor_cli.background import BackgroundWriter
 from tsenor_cli.errors import Interrupted, OutputUnwritableError
 from tsenor_cli.interrupt import stop_on_signals
-from tsenor_cli.pruning import background, run
+from tsenor_cli.pruning import run
 from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.background import BackgroundWriter
 from tsenor_cli.pruning.config import RefineConfig
 from tsenor_cli.pruning.resume import ResumeStore
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE

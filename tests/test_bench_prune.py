@@ -13,7 +13,7 @@ import pytest
 from helpers_cli import invoke
 from typer.testing import CliRunner
 
-import tsenor_cli.pruning.phases as phases_module
+import tsenor_cli.phases as phases_module
 from tsenor_cli.bench.prune import (
     E2EResult,
     RunResult,
@@ -33,7 +33,7 @@ from tsenor_cli.bench.prune import (
 )
 from tsenor_cli.cli import app
 from tsenor_cli.errors import InputNotFoundError, UsageError
-from tsenor_cli.pruning.phases import PHASES, REFINE_PHASES, phase, record_phases
+from tsenor_cli.phases import PHASES, REFINE_PHASES, phase, record_phases
 
 
 def _clock(monkeypatch: pytest.MonkeyPatch, times: list[float]) -> None:

@@ -145,7 +145,7 @@ def test_a_plan_that_does_not_fit_names_the_flags_that_would(
 ) -> None:
     """Exit 5 with the plan printed; each flag the refusal names makes the same dry run fit (exit 0), and
     flags that do not fit are not named. Four blocks: a streamed run holds one block and the background
-    writer another (pruning/background.py), so with two --stream would save nothing."""
+    writer another (background.py), so with two --stream would save nothing."""
     tiny = tiny_llama(num_layers=4)
     # Whole loads (--no-stream), so that streaming is one of the fixes the refusal can name.
     host = _plan(tiny, "--nsamples", "64", "--no-stream")["estimated_host_bytes_per_process"]

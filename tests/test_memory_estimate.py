@@ -21,8 +21,8 @@ import torch
 from helpers_tiny import LOCAL_CTX
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from tsenor_cli import phases
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning import phases
 from tsenor_cli.pruning.api import prune_model
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.memory import SOLVER_COPIES, MethodCost, matrix_workspace
@@ -33,7 +33,7 @@ from tsenor_cli.pruning.types import LayerPruneConfig
 
 # Within this of the measured peak (issue 42's bound for the GPU; the CPU's accounting is exact).
 SLACK = 1.25
-# The block loop's phases (`pruning/phases.py`): what the device holds between the capture and the write.
+# The block loop's phases (`phases.py`): what the device holds between the capture and the write.
 LOOP = ("statistics", "factorize", "solver", "method", "cg", "rerun")
 
 

@@ -7,7 +7,7 @@ works on the device. The calibration text is real (the project's C4 reader) and 
 embedded SmolLM2 tokenizer; its ids (< 49152) index the LLaMA vocabulary (128256) unchanged, so they
 are valid inputs, though not the tokens a LLaMA tokenizer would give. Each run is `prune_model` itself
 (calibration, capture, block by block with the resume state, checkpoint write), with the phases of
-`pruning/phases.py` recorded, and the checkpoint is verified afterwards.
+`phases.py` recorded, and the checkpoint is verified afterwards.
 
 ALPS stops when its support stops changing, which depends on the weights: random weights may stop
 earlier or later than real ones. So every ALPS layer's iterations and its loop seconds (method + mask
@@ -51,9 +51,9 @@ import torch
 
 from tsenor_cli.bench.machine import environment
 from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
+from tsenor_cli.phases import PHASES, REFINE_PHASES
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.pruning.config import REFINE_MODES
-from tsenor_cli.pruning.phases import PHASES, REFINE_PHASES
 from tsenor_cli.settings import RunContext
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -561,8 +561,8 @@ def _timed_prune(
     from tsenor_cli.models.loading import LoadedModel
     from tsenor_cli.models.streaming import trim_heap
     from tsenor_cli.models.structure import discover_structure
+    from tsenor_cli.phases import record_phases
     from tsenor_cli.pruning.api import prune_model
-    from tsenor_cli.pruning.phases import record_phases
 
     loaded = None
     if not cfg.stream:

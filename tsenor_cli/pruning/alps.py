@@ -216,9 +216,9 @@ def prune_batch(
     """
     import torch
 
+    from tsenor_cli.phases import phase
     from tsenor_cli.pruning.linalg import symmetric_eigh
     from tsenor_cli.pruning.masks import SolveTally
-    from tsenor_cli.pruning.phases import phase
     from tsenor_cli.pruning.stats import damped_gram
     from tsenor_cli.pruning.types import split_outcomes
 

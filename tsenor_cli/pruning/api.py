@@ -22,6 +22,7 @@ from tsenor_cli.errors import EXIT_RESUMABLE, EXIT_SIGINT, Interrupted, ResumeSt
 from tsenor_cli.evaluation import runner
 from tsenor_cli.evaluation.runner import EvalConfig
 from tsenor_cli.interrupt import StopRequest
+from tsenor_cli.phases import recording
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.pruning.card import refresh_card
 from tsenor_cli.pruning.config import PruneConfig
@@ -36,7 +37,6 @@ from tsenor_cli.pruning.output import (
     output_run,
 )
 from tsenor_cli.pruning.outside import check_outside
-from tsenor_cli.pruning.phases import recording
 from tsenor_cli.pruning.plan import PrunePlan, dtype_and_device, plan_model
 from tsenor_cli.pruning.resume import ResumeStore
 from tsenor_cli.pruning.run import RunPoint, RunSetup, execute

@@ -21,6 +21,7 @@ from torch import nn
 
 from tsenor_cli.errors import BadInputError, IncompatibleModelError
 from tsenor_cli.models.structure import ModelStructure
+from tsenor_cli.phases import phase
 from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.distributed import Team, shared_input_classes
 from tsenor_cli.pruning.gather import (
@@ -33,7 +34,6 @@ from tsenor_cli.pruning.gather import (
 from tsenor_cli.pruning.idle import idle_line, prune_unreached, text_record, watch_idle
 from tsenor_cli.pruning.memory import MethodCost, expert_chunk, matrix_workspace, slot_workspace
 from tsenor_cli.pruning.observe import BlockObservation, Unit, matrices, observe_block
-from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.registry import PrunerSpec
 from tsenor_cli.pruning.slots import LinearSlot, dense_records
 from tsenor_cli.pruning.stats import InputStats, reconstruction_error

@@ -1,5 +1,5 @@
 """The resume state as a block hook (`pruning/seams.py`): `ResumeHook` queues each finished block's state
-for the run's background writer (`pruning/background.py`), which commits it (`ResumeStore.save_block`:
+for the run's background writer (`background.py`), which commits it (`ResumeStore.save_block`:
 the block file, the next block's inputs, their sha256s, the state JSON last) while the next block is
 pruned. The run's point counts a block done once its state is committed, so the line an interruption
 prints names only blocks a rerun will find.
@@ -13,9 +13,9 @@ from typing import Protocol
 
 import torch
 
-from tsenor_cli.pruning.background import BackgroundWriter
+from tsenor_cli.background import BackgroundWriter
+from tsenor_cli.phases import phase
 from tsenor_cli.pruning.distributed import Team
-from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.resume import ResumeStore
 from tsenor_cli.pruning.seams import BlockContext, BlockHook
 from tsenor_cli.pruning.types import LayerRecord

@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.phases import phase
+from tsenor_cli.phases import phase
 from tsenor_cli.pruning.types import LayerPruneConfig, MaskSolveInfo, PruneOutcome, split_outcomes
 from tsenor_cli.solver import SolveResult, from_blocks, nm_mask, solve, to_blocks, unstructured_mask
 

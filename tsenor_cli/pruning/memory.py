@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tsenor_cli.background import WRITER_DEPTH
 from tsenor_cli.errors import DoesNotFitError
-from tsenor_cli.pruning.background import WRITER_DEPTH
-from tsenor_cli.pruning.output import human_bytes
+from tsenor_cli.outputs import human_bytes
 
 if TYPE_CHECKING:
     from tsenor_cli.pattern import SparsityPattern
@@ -273,7 +273,7 @@ class HostEstimate:
     estimate that errs low refuses no run that fits), and with --refine the dense stream (S_r, T, H) too;
     work: on a CPU run, the rank's statistics, method buffers and refinement
     (`MemoryEstimate.statistics` + `workspace` + `refine`); writer: what the background writer holds
-    (`pruning/background.py`, `WRITER_DEPTH` payloads): with a resume state, rank 0's copy of the next
+    (`background.py`, `WRITER_DEPTH` payloads): with a resume state, rank 0's copy of the next
     block's inputs (S, T, H) (and the dense stream's with --refine), plus a streamed run's pruned block;
     streamed without one, the pruned block it keeps on disk.
     """

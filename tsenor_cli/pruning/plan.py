@@ -18,6 +18,7 @@ import torch
 
 from tsenor_cli.data.calibration import STAND_IN_SEQLEN
 from tsenor_cli.errors import DoesNotFitError, IncompatibleModelError, UsageError
+from tsenor_cli.outputs import free_bytes, human_bytes, output_path
 from tsenor_cli.progress import Progress, logger
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.idle import UNKNOWN_ORIENTATION
@@ -34,7 +35,6 @@ from tsenor_cli.pruning.memory import (
     host_estimate,
 )
 from tsenor_cli.pruning.observe import BlockObservation
-from tsenor_cli.pruning.output import free_bytes, human_bytes, output_path
 from tsenor_cli.pruning.outside import (
     OUTSIDE_BLOCK,
     OutsideWeight,

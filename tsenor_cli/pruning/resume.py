@@ -11,7 +11,7 @@ After block i is pruned the store writes, each file atomically (tsenor_cli.atomi
    records and the calibration source;
 4. the previous ``hidden_<i-1>.safetensors`` is deleted.
 
-The run's `hooks.ResumeHook` calls it on the background writer's thread (`pruning/background.py`), one
+The run's `hooks.ResumeHook` calls it on the background writer's thread (`background.py`), one
 block at a time in block order, so this order and what a kill leaves are the same as when it ran in the block loop.
 
 Files are named by block and never rewritten with other contents, so a kill at any point leaves the

@@ -9,7 +9,7 @@ calibration text, the first block's inputs captured or restored, the watch), a `
 pruned), the block hooks (`RefineHook` for `--refine block`, `hooks.ResumeHook` for the resume state,
 then the caller's), the `BlockLoop` (blocks in order, stop requests, progress), and the sinks
 (`sinks.Sinks`: the transformers checkpoint, `writer.CheckpointSink`, then the caller's). Every step's
-wall time is a phase of the run's recording (`pruning/phases.py`).
+wall time is a phase of the run's recording (`phases.py`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tsenor_cli.background import WRITER_DEPTH, BackgroundWriter
 from tsenor_cli.errors import Interrupted
 from tsenor_cli.interrupt import StopRequest
+from tsenor_cli.phases import Timings, phase
 from tsenor_cli.progress import Progress, bar, logger
-from tsenor_cli.pruning.background import WRITER_DEPTH, BackgroundWriter
 from tsenor_cli.pruning.config import PruneConfig, RefineConfig
 from tsenor_cli.pruning.distributed import Team
 from tsenor_cli.pruning.engine import BlockPruner
@@ -34,7 +35,6 @@ from tsenor_cli.pruning.gather import MoeOptions
 from tsenor_cli.pruning.hooks import ResumeHook, ResumeRecord
 from tsenor_cli.pruning.output import interruption, sparsity_record
 from tsenor_cli.pruning.outside import prune_outside
-from tsenor_cli.pruning.phases import Timings, phase
 from tsenor_cli.pruning.plan import PrunePlan
 from tsenor_cli.pruning.refine import refine_pruned_block
 from tsenor_cli.pruning.registry import get_pruner

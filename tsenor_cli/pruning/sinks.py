@@ -17,8 +17,8 @@ from safetensors import safe_open
 from torch import nn
 
 from tsenor_cli.models.structure import ModelStructure
+from tsenor_cli.phases import phase
 from tsenor_cli.pruning.distributed import Team
-from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.seams import RunEnd, RunStart, Sink, SinkBlock
 from tsenor_cli.pruning.types import LayerRecord
 from tsenor_cli.pruning.writer import WeightCounts

@@ -61,9 +61,9 @@ def prune_batch(
     """
     import torch
 
+    from tsenor_cli.phases import phase
     from tsenor_cli.pruning.linalg import inverse_cholesky_upper
     from tsenor_cli.pruning.masks import SolveTally, choose_mask
-    from tsenor_cli.pruning.phases import phase
     from tsenor_cli.pruning.stats import damped_gram
     from tsenor_cli.pruning.types import split_outcomes
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tsenor_cli.errors import UsageError
+from tsenor_cli.phases import phase
 from tsenor_cli.progress import Progress, logger
 from tsenor_cli.pruning.config import PruneConfig
 from tsenor_cli.pruning.distributed import Team
@@ -29,7 +30,6 @@ from tsenor_cli.pruning.finite import check_finite
 from tsenor_cli.pruning.gather import observe_blocks
 from tsenor_cli.pruning.observe import BlockObservation
 from tsenor_cli.pruning.outside import REASON as OUTSIDE_REASON
-from tsenor_cli.pruning.phases import phase
 from tsenor_cli.pruning.plan import PrunePlan, say_ruled, weight_plan
 from tsenor_cli.pruning.report import versions
 from tsenor_cli.pruning.resume import ResumeStore

@@ -5,7 +5,7 @@ memory. A streamed run never holds the whole model: its pruned blocks must be on
 With a resume state they are its ``block_<i>.safetensors`` (`ResumeStore.save_block` writes each one);
 with ``--no-resume-state`` `CheckpointSink.add_block` writes the same file into a temporary folder beside
 the output (named as `atomic.recover` cleans up after a kill, removed by `close`). Both are written by
-the run's background writer (`pruning/background.py`) while the next block is pruned; `finish` drains it
+the run's background writer (`background.py`) while the next block is pruned; `finish` drains it
 before it reads a block file. `tensors` then yields the checkpoint's tensors in save_pretrained's order,
 each block's from its file and the rest from what lies outside the blocks (`RunEnd.outside`), into
 `models.saving.save_streamed`, so the whole model is never in memory. The files are the ones a whole
@@ -29,10 +29,10 @@ from safetensors import safe_open
 from torch import nn
 
 from tsenor_cli import atomic
+from tsenor_cli.background import BackgroundWriter
 from tsenor_cli.models.loading import output_dtype
 from tsenor_cli.models.saving import saved_tensors
 from tsenor_cli.models.structure import ModelStructure
-from tsenor_cli.pruning.background import BackgroundWriter
 from tsenor_cli.pruning.output import write_checkpoint
 from tsenor_cli.pruning.seams import RunEnd, RunStart, SinkBlock
 from tsenor_cli.runfiles import block_file
