@@ -16,7 +16,7 @@ import time
 import torch
 
 from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPattern, reconstruction_error
-from tsenor_cli.pruning.api import dense_calibration_inputs
+from tsenor_cli.pruning.run.api import dense_calibration_inputs
 from tsenor_cli.replay import run_block
 from tsenor_cli.settings import RunContext
 

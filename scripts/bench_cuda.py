@@ -374,9 +374,9 @@ def layers(args: argparse.Namespace) -> None:
     low-rank-correlated random inputs: this times the methods at the real sizes; quality belongs to
     docs/results.md), every method × transposable / ordinary 16:32, one process."""
     from tsenor_cli.pattern import SparsityPattern
-    from tsenor_cli.pruning.registry import get_pruner
-    from tsenor_cli.pruning.stats import InputStats, reconstruction_error
-    from tsenor_cli.pruning.types import LayerPruneConfig
+    from tsenor_cli.pruning.methods.registry import get_pruner
+    from tsenor_cli.pruning.methods.stats import InputStats, reconstruction_error
+    from tsenor_cli.pruning.methods.types import LayerPruneConfig
 
     device = torch.device(args.device)
     gen = torch.Generator(device=device).manual_seed(0)

@@ -21,9 +21,9 @@ import torch
 
 from tsenor_cli.data.sources import encode, wikitext2_text
 from tsenor_cli.models.embedded import materialize
-from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.methods.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.run.api import prune_model
+from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.settings import RunContext
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

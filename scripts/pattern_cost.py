@@ -24,8 +24,8 @@ import torch
 
 from tsenor_cli import atomic
 from tsenor_cli.pruning import InputStats, SparsityPattern
-from tsenor_cli.pruning.api import dense_calibration_inputs
-from tsenor_cli.pruning.masks import choose_mask
+from tsenor_cli.pruning.methods.masks import choose_mask
+from tsenor_cli.pruning.run.api import dense_calibration_inputs
 from tsenor_cli.replay import run_block
 from tsenor_cli.settings import RunContext
 

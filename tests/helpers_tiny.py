@@ -28,7 +28,7 @@ import torch
 from tsenor_cli.settings import RunContext, cache_dir_default
 
 if TYPE_CHECKING:
-    from tsenor_cli.pruning.config import PruneConfig
+    from tsenor_cli.pruning.settings.config import PruneConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 SLIDING_WINDOW = 8
@@ -318,8 +318,8 @@ def blockwise_forward(model: Any, input_ids: torch.Tensor) -> tuple[torch.Tensor
 def sparsegpt_config(model: Path, calib: Path, output: Path | None, **changes: Any) -> PruneConfig:
     """The shared test prune of `model` on the text file `calib` into `output`, with `changes` on top."""
     from tsenor_cli.pattern import SparsityPattern
-    from tsenor_cli.pruning.config import PruneConfig
-    from tsenor_cli.pruning.types import LayerPruneConfig
+    from tsenor_cli.pruning.methods.types import LayerPruneConfig
+    from tsenor_cli.pruning.settings.config import PruneConfig
 
     base = PruneConfig(
         model=str(model),

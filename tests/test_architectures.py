@@ -27,11 +27,11 @@ from torch import nn
 from tsenor_cli.errors import IncompatibleModelError
 from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.gather import linear_groups
-from tsenor_cli.pruning.types import LayerPruneConfig
-from tsenor_cli.pruning.verify import verify_checkpoint
+from tsenor_cli.pruning.block.gather import linear_groups
+from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.run.api import prune_model
+from tsenor_cli.pruning.run.verify import verify_checkpoint
+from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.replay import BlockCall, call_difference, capture_block_calls, capture_block_inputs, run_block
 
 FAMILIES = sorted(ARCHITECTURES)

@@ -16,7 +16,7 @@ from helpers_cli import invoke
 from helpers_tiny import sparsegpt_config
 
 from tsenor_cli.errors import OutputUnwritableError
-from tsenor_cli.pruning.api import prune_model
+from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.runfiles import RESUME_DIR, RESUME_STATE_FILE
 from tsenor_cli.settings import RunContext
 
@@ -120,7 +120,7 @@ def test_prune_help_imports_no_torch() -> None:
 
 
 def test_the_solver_names_written_out_are_the_registrys() -> None:
-    from tsenor_cli.pruning.table import SOLVER_NAMES
+    from tsenor_cli.pruning.settings.table import SOLVER_NAMES
     from tsenor_cli.solver import METHODS
 
     assert tuple(METHODS) == SOLVER_NAMES
@@ -149,7 +149,7 @@ def test_hints_name_model_as_the_help_shows_it_not_the_hidden_flag() -> None:
 
 
 def test_the_interruption_line_says_block_1_not_blocks_1_1() -> None:
-    from tsenor_cli.pruning.run import RunPoint
+    from tsenor_cli.pruning.run.run import RunPoint
 
     out = Path("/out")
     one = str(RunPoint(blocks=4, done=1, current=1).interrupted(out, saving=True, signal_name=None))

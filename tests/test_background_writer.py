@@ -28,10 +28,10 @@ from tsenor_cli import background
 from tsenor_cli.background import BackgroundWriter
 from tsenor_cli.errors import Interrupted, OutputUnwritableError
 from tsenor_cli.interrupt import stop_on_signals
-from tsenor_cli.pruning import run
-from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.config import RefineConfig
-from tsenor_cli.pruning.resume import ResumeStore
+from tsenor_cli.pruning.run import run
+from tsenor_cli.pruning.run.api import prune_model
+from tsenor_cli.pruning.run.resume import ResumeStore
+from tsenor_cli.pruning.settings.config import RefineConfig
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE
 from tsenor_cli.settings import RunContext
 
@@ -131,7 +131,7 @@ def test_the_host_estimate_counts_the_writers_payload(tiny: Path, calib: Path, d
     """By hand, the tiny LLaMA (hidden 64, fp32) at 4 × 32 tokens: with a resume state the writer holds a
     copy of the hidden states (S, T, H) (twice with --refine: the dense stream), and a streamed run's
     pruned block besides; streamed without one, the block; a whole load without one, nothing."""
-    from tsenor_cli.pruning.plan import plan_model
+    from tsenor_cli.pruning.plan.plan import plan_model
 
     base = sparsegpt_config(tiny, calib, None)
     hidden = 4 * 32 * 64 * 4

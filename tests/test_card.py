@@ -1,5 +1,5 @@
 """The model card (README.md) of a pruned checkpoint: the Hub's metadata (base model, tags, model-index)
-and the text a person reads, made from the run's records (pruning/card.py)."""
+and the text a person reads, made from the run's records (pruning/run/card.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from huggingface_hub import ModelCard
 
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.card import base_model, card_text, refresh_card
+from tsenor_cli.pruning.run.card import base_model, card_text, refresh_card
 from tsenor_cli.runfiles import (
     EVAL_FILE,
     MODEL_CARD,

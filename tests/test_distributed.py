@@ -2,7 +2,7 @@
 
 The distributed runs start through `torch.multiprocessing.spawn`, each worker joining a gloo group and
 calling `prune_model` with its rank in the run context, so one spawn serves many runs; one test goes
-through `tsenor prune --nproc 2` (`pruning/launch.py`) end to end, and one stops, kills and resumes it with
+through `tsenor prune --nproc 2` (`pruning/run/launch.py`) end to end, and one stops, kills and resumes it with
 real signals. Tiny random models of two families, 2 blocks (8 for the signals).
 """
 
@@ -41,12 +41,13 @@ from tsenor_cli.errors import (
 )
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning import api, engine, gather
-from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.distributed import assign_owners, shard_bounds, shared_input_classes
-from tsenor_cli.pruning.launch import run_status, without_option
-from tsenor_cli.pruning.plan import plan_model
-from tsenor_cli.pruning.types import LayerPruneConfig
+from tsenor_cli.pruning.block import engine, gather
+from tsenor_cli.pruning.block.distributed import assign_owners, shard_bounds, shared_input_classes
+from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.plan.plan import plan_model
+from tsenor_cli.pruning.run import api
+from tsenor_cli.pruning.run.launch import run_status, without_option
+from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE, read_sparsity
 from tsenor_cli.settings import DistributedContext, RunContext
 
@@ -439,7 +440,7 @@ def test_scaling_script_times_both_runs_and_compares_their_checkpoints(
     prune += ["--seqlen", "32", "--calib-data", str(calib), "--data-dir", str(data_ctx.data_dir), "--offline"]
     result = script.main(["--out", str(tmp_path), "--nproc", "2", "--threads", "2", "--", *prune])
     # 2 threads against 1 per process: the same bytes, since the factorizations that rounded by the
-    # thread count run on one thread (pruning/linalg.py; the weights differed here before).
+    # thread count run on one thread (pruning/methods/linalg.py; the weights differed here before).
     assert result["same_masks"] and result["same_weights"]
     assert result["single_seconds"] > 0 and result["distributed_seconds"] > 0 and result["speedup"] > 0
     assert (result["nproc"], result["threads"]) == (2, 2)
@@ -614,7 +615,7 @@ def test_ctrl_c_sigterm_and_kill_of_prune_nproc_then_resume(calib: Path, data_ct
 def test_two_processes_prune_mllamas_skipped_block_as_one_does(
     calib: Path, data_ctx: RunContext, tmp_path: Path
 ) -> None:
-    """The block Mllama's text-only forward skips (pruning/idle.py) under --nproc: its q_proj's statistics
+    """The block Mllama's text-only forward skips (pruning/block/idle.py) under --nproc: its q_proj's statistics
     summed across the ranks in the single process's order, its other linears by magnitude on every rank;
     the checkpoint is the single process's, bit for bit."""
     from helpers_tiny import make_tiny_model

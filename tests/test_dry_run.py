@@ -1,7 +1,7 @@
 """`tsenor prune --dry-run` accounts for every weight matrix of the decoder blocks before any weight is read.
 
 The plan's model is on the meta device; one block of each kind is watched on random values
-(`pruning/probe.py`), so the plan shows what the run's report will: expert stacks with their expert
+(`pruning/plan/probe.py`), so the plan shows what the run's report will: expert stacks with their expert
 count, routers and gates left dense by rule, parameters that are not matmul weights, blocks that never
 run on text, and "decided at prune time" for what the probe could not watch. Checked against the report
 of the real run on the same checkpoint, with the checkpoint's weights deleted for the dry run.
@@ -23,8 +23,8 @@ from test_moe import MOE
 
 from tsenor_cli.models.loading import meta_model
 from tsenor_cli.models.structure import discover_structure
-from tsenor_cli.pruning import plan as plan_module
-from tsenor_cli.pruning import probe
+from tsenor_cli.pruning.plan import plan as plan_module
+from tsenor_cli.pruning.plan import probe
 
 SEQ_LEN = 24
 
@@ -113,7 +113,7 @@ def test_blocks_too_large_to_probe_are_decided_at_prune_time(monkeypatch: pytest
 
 
 def test_a_block_the_text_forward_skips_is_planned_as_pruned(tmp_path: Path) -> None:
-    """Mllama's cross-attention block: its linears are pruned (pruning/idle.py), the table says how."""
+    """Mllama's cross-attention block: its linears are pruned (pruning/block/idle.py), the table says how."""
     source = make_tiny_model(tmp_path / "mllama", "mllama")
     plan = _plan(source)
     assert {layer["status"] for layer in plan["layers"]} == {"prune"} and plan["skipped"] == 0

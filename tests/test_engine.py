@@ -15,9 +15,9 @@ from helpers_tiny import LOCAL_CTX, make_tiny_llama
 from safetensors.torch import load_file, save_file
 
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.run.api import prune_model
+from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.runfiles import RESUME_DIR
 from tsenor_cli.settings import RunContext
 
@@ -127,10 +127,10 @@ def test_statistics_passes_stop_early_with_identical_results(tiny: Path) -> None
     import copy
 
     from tsenor_cli.models.loading import load_model
-    from tsenor_cli.pruning.engine import BlockPruner
-    from tsenor_cli.pruning.gather import group_input_stats, linear_groups
-    from tsenor_cli.pruning.registry import get_pruner
-    from tsenor_cli.pruning.slots import linear_slots
+    from tsenor_cli.pruning.block.engine import BlockPruner
+    from tsenor_cli.pruning.block.gather import group_input_stats, linear_groups
+    from tsenor_cli.pruning.block.slots import linear_slots
+    from tsenor_cli.pruning.methods.registry import get_pruner
     from tsenor_cli.replay import capture_block_inputs
 
     loaded = load_model(str(tiny), LOCAL_CTX)
@@ -342,7 +342,7 @@ def test_smollm2_prunes_end_to_end_with_sane_perplexity(
 
 
 def test_shipped_recipes_parse() -> None:
-    from tsenor_cli.pruning.recipe import read_recipe
+    from tsenor_cli.pruning.settings.recipe import read_recipe
 
     recipes = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
     assert len(recipes) == 28  # 3 LLaMA models × 3 methods × 3 patterns + the local SmolLM2 recipe

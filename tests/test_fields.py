@@ -20,11 +20,11 @@ from tsenor_cli.cli import app, reference
 from tsenor_cli.errors import UsageError
 from tsenor_cli.fields import Field
 from tsenor_cli.finetune.config import FINETUNE_FIELDS, FinetuneConfig
-from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.method_options import ALPSOptions
-from tsenor_cli.pruning.recipe import build_config
-from tsenor_cli.pruning.registry import PRUNERS
-from tsenor_cli.pruning.table import ALL_FIELDS, PRUNE_FIELDS, RECIPE_DEFAULTS, RECIPE_KEYS
+from tsenor_cli.pruning.methods.method_options import ALPSOptions
+from tsenor_cli.pruning.methods.registry import PRUNERS
+from tsenor_cli.pruning.settings.config import PruneConfig
+from tsenor_cli.pruning.settings.recipe import build_config
+from tsenor_cli.pruning.settings.table import ALL_FIELDS, PRUNE_FIELDS, RECIPE_DEFAULTS, RECIPE_KEYS
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tsenor_cli"
 # `tsenor prune`'s options that are not settings of the run: what to do with it.
@@ -130,8 +130,8 @@ def test_no_flag_or_default_is_written_a_second_time() -> None:
         allowed = {"--bf16"}  # finetune's old flag, mapped to --dtype bf16 by hand (a bool for a str setting)
         assert not (flags & declared) - allowed, f"{path} declares {flags & declared}"
     configs = (
-        ("pruning/config.py", PRUNE_FIELDS, PRUNE_CONVERTED),
-        ("pruning/types.py", PRUNE_FIELDS, set()),
+        ("pruning/settings/config.py", PRUNE_FIELDS, PRUNE_CONVERTED),
+        ("pruning/methods/types.py", PRUNE_FIELDS, set()),
         ("finetune/config.py", FINETUNE_FIELDS, FINETUNE_OWN),
     )
     for path, fields, converted in configs:

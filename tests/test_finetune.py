@@ -26,10 +26,10 @@ from tsenor_cli.finetune.run import FinetuneConfig, finetune, last_complete_chec
 from tsenor_cli.fixedmask import FixedMask
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.types import LayerPruneConfig
-from tsenor_cli.pruning.verify import verify_checkpoint
+from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.run.api import prune_model
+from tsenor_cli.pruning.run.verify import verify_checkpoint
+from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.runfiles import RESUME_DIR, SCHEMA_VERSION, SPARSITY_FILE, FinetuneReport, SchemaError, read_sparsity
 from tsenor_cli.settings import RunContext
 
@@ -298,7 +298,7 @@ def test_bad_run_dirs_get_one_line_errors_and_nothing_written(pruned: Path, text
 @pytest.mark.realdata
 def test_a_finetune_into_an_output_in_use_is_refused(pruned: Path, text_file: Path, tmp_path: Path) -> None:
     """finetune takes the same output lock as prune: a second writer gets one line, exit 4, nothing written."""
-    from tsenor_cli.pruning.output import output_lock
+    from tsenor_cli.pruning.run.output import output_lock
 
     out = tmp_path / "ft"
     args = ["finetune", str(pruned), "--output", str(out), "--data", str(text_file), "--seqlen", "32"]

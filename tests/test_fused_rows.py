@@ -13,10 +13,10 @@ import torch
 from helpers_tiny import LOCAL_CTX
 
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.masks import SolveTally, choose_mask
-from tsenor_cli.pruning.registry import PRUNERS, PrunerSpec, get_pruner
-from tsenor_cli.pruning.stats import InputStats
-from tsenor_cli.pruning.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.masks import SolveTally, choose_mask
+from tsenor_cli.pruning.methods.registry import PRUNERS, PrunerSpec, get_pruner
+from tsenor_cli.pruning.methods.stats import InputStats
+from tsenor_cli.pruning.methods.types import LayerPruneConfig
 
 FUSING = ("sparsegpt", "wanda", "magnitude")
 # (pattern, solver): the exact reference solver (HiGHS), the CPU's default exact one (flow, what `auto`
@@ -116,8 +116,8 @@ def test_prune_rows_refuses_what_it_cannot_stack() -> None:
 def _prune_block(tiny: Path, spec: PrunerSpec, cfg: LayerPruneConfig) -> tuple[dict[str, torch.Tensor], list[Any]]:
     """Block 0 of the tiny LLaMA pruned with `spec` → (its state dict, its records)."""
     from tsenor_cli.models.loading import load_model
-    from tsenor_cli.pruning.engine import BlockPruner
-    from tsenor_cli.pruning.slots import linear_slots
+    from tsenor_cli.pruning.block.engine import BlockPruner
+    from tsenor_cli.pruning.block.slots import linear_slots
     from tsenor_cli.replay import capture_block_inputs
 
     structure = load_model(str(tiny), LOCAL_CTX).structure

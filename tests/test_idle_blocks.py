@@ -1,4 +1,4 @@
-"""Blocks the model's text-only forward skips (Mllama's cross-attention layers), pruned (`pruning/idle.py`).
+"""Blocks the model's text-only forward skips (Mllama's cross-attention layers), pruned (`pruning/block/idle.py`).
 
 The idle block's own forward runs on the text hidden states that reach it with the arguments the model
 lends it from its running blocks: what the text reaches is pruned by the method on those statistics
@@ -28,15 +28,15 @@ from torch import nn
 from tsenor_cli.errors import UsageError
 from tsenor_cli.models.structure import ModelStructure, discover_structure
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning import magnitude, sparsegpt
-from tsenor_cli.pruning.engine import BlockPruner
-from tsenor_cli.pruning.idle import MAGNITUDE_REASON, TEXT_REASON
-from tsenor_cli.pruning.registry import get_pruner
-from tsenor_cli.pruning.slots import LinearSlot, linear_slots
-from tsenor_cli.pruning.stats import InputStats
-from tsenor_cli.pruning.steps import check_targets_run as _check_targets_run
-from tsenor_cli.pruning.types import LayerPruneConfig
-from tsenor_cli.pruning.verify import verify_checkpoint
+from tsenor_cli.pruning.block.engine import BlockPruner
+from tsenor_cli.pruning.block.idle import MAGNITUDE_REASON, TEXT_REASON
+from tsenor_cli.pruning.block.slots import LinearSlot, linear_slots
+from tsenor_cli.pruning.methods import magnitude, sparsegpt
+from tsenor_cli.pruning.methods.registry import get_pruner
+from tsenor_cli.pruning.methods.stats import InputStats
+from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.run.steps import check_targets_run as _check_targets_run
+from tsenor_cli.pruning.run.verify import verify_checkpoint
 from tsenor_cli.replay import BlockCall, capture_block_calls, capture_block_inputs, run_block
 from tsenor_cli.runfiles import PruneReport
 

@@ -1,7 +1,7 @@
 """Weight matrices that are not nn.Linear layers called as modules, on tiny random models built offline.
 
 GPT-2's `Conv1D` layers (weight stored (in, out), run as ``addmm(bias, x, weight)``): the watch
-(`pruning/observe.py`) sees each as a matrix stored transposed, the block replay reproduces the model's
+(`pruning/block/observe.py`) sees each as a matrix stored transposed, the block replay reproduces the model's
 logits, and a 2-block SparseGPT 2:4 prune through `tsenor prune` leaves every Conv1D at density 0.5,
 verifies, loads with its class and generates. An ordinary (not transposable) 2:4 prune shows the
 orientation: the 2-of-4 groups run along each output's inputs, i.e. down the columns of the stored
@@ -25,8 +25,8 @@ from torch import nn
 
 from tsenor_cli.errors import IncompatibleModelError
 from tsenor_cli.models.structure import discover_structure
-from tsenor_cli.pruning.gather import MoeOptions, unit_input_stats
-from tsenor_cli.pruning.observe import Use, observe_block, watching
+from tsenor_cli.pruning.block.gather import MoeOptions, unit_input_stats
+from tsenor_cli.pruning.block.observe import Use, observe_block, watching
 from tsenor_cli.replay import block_output, capture_block_inputs, input_key
 
 SEQ_LEN = 24

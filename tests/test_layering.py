@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from tsenor_cli.cli import app, reference
-from tsenor_cli.pruning.table import RECIPE_DEFAULTS, RECIPE_KEYS
+from tsenor_cli.pruning.settings.table import RECIPE_DEFAULTS, RECIPE_KEYS
 
 PACKAGE = Path(__file__).resolve().parents[1] / "tsenor_cli"
 
@@ -178,7 +178,8 @@ def test_no_library_function_is_over_80_lines() -> None:
 
 # The run's composition (issue: a composed pipeline): its modules hold no function over 60 lines, no class
 # over 200 and no function with more than 6 parameters other than `self` (plain records excepted).
-PIPELINE = ("run.py", "steps.py", "sinks.py", "hooks.py", "seams.py", "phases.py", "writer.py", "api.py")
+RUN_MODULES = ("run", "steps", "sinks", "hooks", "seams", "writer", "api")
+PIPELINE = (*(f"pruning/run/{name}.py" for name in RUN_MODULES), "phases.py")
 # The Python API's entry points take their options as keywords: the model, its settings, and where data,
 # progress, extra hooks and sinks (and for `prune_model`, a stop request, a kill for tests, a model in
 # memory) come from.
@@ -188,8 +189,8 @@ WIDE_ENTRY_POINTS = {"api.py:prune": 7, "api.py:prune_model": 8}
 def _pipeline_nodes() -> list[tuple[str, ast.AST]]:
     found = []
     for name in PIPELINE:
-        path = PACKAGE / "pruning" / name
-        found += [(name, node) for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))]
+        path = PACKAGE / name
+        found += [(path.name, node) for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))]
     return found
 
 

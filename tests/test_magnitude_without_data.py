@@ -22,11 +22,12 @@ from helpers_tiny import LOCAL_CTX, make_tiny_llama
 
 from tsenor_cli.data.calibration import STAND_IN_SEQLEN
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning import engine, magnitude
-from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.config import PruneConfig, RefineConfig
-from tsenor_cli.pruning.plan import plan_model
-from tsenor_cli.pruning.types import LayerPruneConfig
+from tsenor_cli.pruning.block import engine
+from tsenor_cli.pruning.methods import magnitude
+from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.plan.plan import plan_model
+from tsenor_cli.pruning.run.api import prune_model
+from tsenor_cli.pruning.settings.config import PruneConfig, RefineConfig
 from tsenor_cli.runfiles import PRUNE_FILE
 
 TWO_FOUR = LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True))

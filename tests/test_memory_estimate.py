@@ -1,4 +1,4 @@
-"""The device-memory estimate (`pruning/memory.py`) against what the code allocates.
+"""The device-memory estimate (`pruning/block/memory.py`) against what the code allocates.
 
 torch.profiler's memory events count every allocation of torch's CPU allocator, the workspaces that
 LAPACK routines take inside a kernel included, so a CPU run can be accounted byte by byte. A run on the
@@ -23,13 +23,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from tsenor_cli import phases
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.memory import SOLVER_COPIES, MethodCost, matrix_workspace
-from tsenor_cli.pruning.method_options import ALPSOptions
-from tsenor_cli.pruning.plan import plan_model
-from tsenor_cli.pruning.registry import get_pruner
-from tsenor_cli.pruning.types import LayerPruneConfig
+from tsenor_cli.pruning.block.memory import SOLVER_COPIES, MethodCost, matrix_workspace
+from tsenor_cli.pruning.methods.method_options import ALPSOptions
+from tsenor_cli.pruning.methods.registry import get_pruner
+from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.plan.plan import plan_model
+from tsenor_cli.pruning.run.api import prune_model
+from tsenor_cli.pruning.settings.config import PruneConfig
 
 # Within this of the measured peak (issue 42's bound for the GPU; the CPU's accounting is exact).
 SLACK = 1.25

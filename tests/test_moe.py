@@ -1,6 +1,6 @@
 """Mixtures of experts on tiny random models built offline from transformers configs.
 
-Per family: the weight watch (`pruning/observe.py`) finds every expert stack with the orientation its
+Per family: the weight watch (`pruning/block/observe.py`) finds every expert stack with the orientation its
 forward uses and the router; the block replay reproduces the model's logits; a 2-block SparseGPT 2:4
 prune leaves every expert of every stack at density 0.5 and the routers/gates dense, `verify` passes
 through the checkpoint's own keys (transformers 5 writes fused experts back as per-expert keys), the
@@ -23,14 +23,14 @@ from helpers_tiny import blockwise_forward, full_forward, make_tiny_llama, rando
 
 from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.config import PruneConfig, RefineConfig
-from tsenor_cli.pruning.gather import MoeOptions, StackInputs, unit_input_stats
-from tsenor_cli.pruning.method_options import ALPSOptions
-from tsenor_cli.pruning.observe import Geometry, matrices, observe_block
-from tsenor_cli.pruning.stats import ExpertStats, RowBuffer
-from tsenor_cli.pruning.types import LayerPruneConfig
-from tsenor_cli.pruning.verify import verify_checkpoint
+from tsenor_cli.pruning.block.gather import MoeOptions, StackInputs, unit_input_stats
+from tsenor_cli.pruning.block.observe import Geometry, matrices, observe_block
+from tsenor_cli.pruning.methods.method_options import ALPSOptions
+from tsenor_cli.pruning.methods.stats import ExpertStats, RowBuffer
+from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.run.api import prune_model
+from tsenor_cli.pruning.run.verify import verify_checkpoint
+from tsenor_cli.pruning.settings.config import PruneConfig, RefineConfig
 from tsenor_cli.replay import block_output, capture_block_inputs, input_key, run_block
 from tsenor_cli.runfiles import read_sparsity
 from tsenor_cli.settings import RunContext
@@ -396,8 +396,8 @@ def test_experts_pruned_in_chunks_equal_one_by_one(
     same per-expert records, so batching changes the speed only."""
     from safetensors.torch import load_file
 
-    from tsenor_cli.pruning import memory
-    from tsenor_cli.pruning.registry import get_pruner
+    from tsenor_cli.pruning.block import memory
+    from tsenor_cli.pruning.methods.registry import get_pruner
     from tsenor_cli.runfiles import PRUNE_FILE, PruneReport, read_json
 
     source = make_tiny_llama(tmp_path / "src", model_type="mixtral", num_layers=1, **MOE["mixtral"])
@@ -439,7 +439,7 @@ def test_refinement_trains_fused_experts_with_their_masks_held(
     block 0 and latent attention): every MoE block's stacks are among the masks held, each refined
     parameter's zeros are exactly its mask afterwards, the experts' kept weights trained, no block got
     worse, and `verify` passes."""
-    from tsenor_cli.pruning import refine
+    from tsenor_cli.pruning.block import refine
 
     original = refine.refine_block
     held: list[dict[str, torch.Tensor]] = []
@@ -490,9 +490,9 @@ def test_a_stacks_workspace_is_one_chunk_of_experts() -> None:
     """The plan's workspace for a 256-expert stack at DeepSeek-V3's width (2048 × 7168) is one chunk's
     buffers and statistics, not 256 experts' (which would be 256 × 0.6 GB for ALPS), and a stack no
     bigger than a chunk counts every expert."""
-    from tsenor_cli.pruning.memory import EXPERT_BATCH_BYTES, MethodCost, matrix_workspace, slot_workspace
-    from tsenor_cli.pruning.registry import get_pruner
-    from tsenor_cli.pruning.slots import LinearSlot
+    from tsenor_cli.pruning.block.memory import EXPERT_BATCH_BYTES, MethodCost, matrix_workspace, slot_workspace
+    from tsenor_cli.pruning.block.slots import LinearSlot
+    from tsenor_cli.pruning.methods.registry import get_pruner
 
     def slot(experts: int, out: int, inp: int) -> LinearSlot:
         return LinearSlot(1, "mlp.experts.down_proj", "model.layers.1.mlp.experts.down_proj", out, inp, experts=experts)

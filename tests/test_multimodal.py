@@ -5,7 +5,7 @@ text decoder) load whole with their own class; the engine finds their language m
 on text alone and prunes its blocks, while the vision tower and projector stay dense. Jamba (Mamba and
 attention blocks) and Mllama (self- and cross-attention blocks) keep blocks of several classes in one
 list; Mllama's cross-attention block, which its text-only forward skips, is pruned from the text that
-reaches it where its own forward gets, else by magnitude (`pruning/idle.py`). For each: the
+reaches it where its own forward gets, else by magnitude (`pruning/block/idle.py`). For each: the
 replayed blocks give the whole model's logits, a 2-block SparseGPT 2:4 prune verifies, loads with the
 source's class and generates, and `tsenor eval --ppl` runs on it. Block refinement trains the language
 model's blocks that run on text and nothing else.
@@ -44,14 +44,14 @@ from tsenor_cli.models.loading import (
 )
 from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning import magnitude
-from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.idle import MAGNITUDE_REASON, TEXT_REASON
-from tsenor_cli.pruning.outside import OUTSIDE_BLOCK
-from tsenor_cli.pruning.outside import REASON as OUTSIDE_REASON
-from tsenor_cli.pruning.types import LayerPruneConfig
-from tsenor_cli.pruning.verify import verify_checkpoint
+from tsenor_cli.pruning.block.idle import MAGNITUDE_REASON, TEXT_REASON
+from tsenor_cli.pruning.block.outside import OUTSIDE_BLOCK
+from tsenor_cli.pruning.block.outside import REASON as OUTSIDE_REASON
+from tsenor_cli.pruning.methods import magnitude
+from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.run.api import prune_model
+from tsenor_cli.pruning.run.verify import verify_checkpoint
+from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.replay import BlockCall, capture_block_calls, capture_block_inputs, run_block
 from tsenor_cli.runfiles import PruneReport
 
@@ -273,7 +273,7 @@ def test_refinement_trains_the_language_model_only(
     call) and Mllama's self-attention blocks are refined and verify; Mllama's cross-attention block, which
     the text-only forward skips, is pruned but gets no refinement record (no forward of the model gives
     it outputs to refine towards); the vision tower and the projector stay bit-identical to the source."""
-    from tsenor_cli.pruning.config import RefineConfig
+    from tsenor_cli.pruning.settings.config import RefineConfig
 
     source = checkpoints[family]
     out = tmp_path / "refined"

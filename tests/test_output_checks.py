@@ -147,7 +147,7 @@ def test_gpu_check_with_a_python_without_torch_is_one_line(tmp_path: Path) -> No
 def test_prune_and_the_others_share_one_check() -> None:
     """One implementation: prune's names are the shared module's own objects, not copies."""
     from tsenor_cli import outputs
-    from tsenor_cli.pruning import output
+    from tsenor_cli.pruning.run import output
 
     assert output.check_output_location is outputs.check_output_location
     assert output.free_bytes is outputs.free_bytes and output.human_bytes is outputs.human_bytes

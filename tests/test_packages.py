@@ -82,7 +82,7 @@ def test_a_hand_made_cycle_is_found() -> None:
     ("blocked", "modules"),
     [
         ("tsenor_cli.pruning", ["tsenor_cli.evaluation.runner", "tsenor_cli.evaluation.streamed", "tsenor_cli.replay"]),
-        ("tsenor_cli.finetune", ["tsenor_cli.pruning.api", "tsenor_cli.pruning.refine"]),
+        ("tsenor_cli.finetune", ["tsenor_cli.pruning.run.api", "tsenor_cli.pruning.block.refine"]),
     ],
 )
 def test_packages_import_with_the_other_blocked(blocked: str, modules: list[str]) -> None:

@@ -1,4 +1,4 @@
-"""The run's seams (`pruning/seams.py`): a sink and a block hook written here, outside the package, see
+"""The run's seams (`pruning/run/seams.py`): a sink and a block hook written here, outside the package, see
 every block of a streamed run, of a run killed and resumed (the blocks the resume state restored reach the
 sink first, marked `restored`, their tensors read from the resume state's files), and of a two-process
 run (sinks on rank 0, hooks on every rank); what the sink receives is what the checkpoint holds."""
@@ -18,8 +18,8 @@ from helpers_tiny import sparsegpt_config
 from safetensors.torch import load_file
 
 import tsenor_cli
-from tsenor_cli.pruning import api
-from tsenor_cli.pruning.seams import BlockContext, BlockHook, RunEnd, RunStart, Sink, SinkBlock
+from tsenor_cli.pruning.run import api
+from tsenor_cli.pruning.run.seams import BlockContext, BlockHook, RunEnd, RunStart, Sink, SinkBlock
 from tsenor_cli.settings import DistributedContext, RunContext
 
 BLOCKS = 3

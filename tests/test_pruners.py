@@ -9,11 +9,11 @@ import torch
 from safetensors import safe_open
 
 from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPattern, reconstruction_error
-from tsenor_cli.pruning.alps import conjugate_gradient, inner_solver_options
-from tsenor_cli.pruning.linalg import inverse_cholesky_upper
-from tsenor_cli.pruning.masks import keep_better_tiles
-from tsenor_cli.pruning.method_options import ALPSOptions, SparseGPTOptions
-from tsenor_cli.pruning.stats import ExpertStats, damped_gram
+from tsenor_cli.pruning.methods.alps import conjugate_gradient, inner_solver_options
+from tsenor_cli.pruning.methods.linalg import inverse_cholesky_upper
+from tsenor_cli.pruning.methods.masks import keep_better_tiles
+from tsenor_cli.pruning.methods.method_options import ALPSOptions, SparseGPTOptions
+from tsenor_cli.pruning.methods.stats import ExpertStats, damped_gram
 from tsenor_cli.solver import solve, to_blocks
 
 PATTERNS = {

@@ -104,9 +104,9 @@ def test_a_model_in_memory_unlike_its_folders_config_is_refused_before_any_outpu
 
     from tsenor_cli.errors import UsageError
     from tsenor_cli.pattern import SparsityPattern
-    from tsenor_cli.pruning.api import prune
-    from tsenor_cli.pruning.config import PruneConfig
-    from tsenor_cli.pruning.types import LayerPruneConfig
+    from tsenor_cli.pruning.methods.types import LayerPruneConfig
+    from tsenor_cli.pruning.run.api import prune
+    from tsenor_cli.pruning.settings.config import PruneConfig
     from tsenor_cli.settings import RunContext, cache_dir_default
 
     folder = tiny_llama(num_layers=2)

@@ -1,4 +1,4 @@
-"""Block refinement (`tsenor prune --refine block`, pruning/refine.py): the mask held exactly in fp32 and
+"""Block refinement (`tsenor prune --refine block`, pruning/block/refine.py): the mask held exactly in fp32 and
 bf16, the error never worse, the pattern kept for every method, resume inside a refinement, two
 processes against one, recipe and sweep keys, bad options."""
 
@@ -20,14 +20,14 @@ from helpers_tiny import random_causal_lm
 from tsenor_cli.errors import UsageError
 from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning import refine
-from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.config import PruneConfig, RefineConfig
-from tsenor_cli.pruning.plan import plan_model
-from tsenor_cli.pruning.recipe import build_config, validate_recipe
-from tsenor_cli.pruning.refine import block_masks, refine_block
-from tsenor_cli.pruning.types import LayerPruneConfig
-from tsenor_cli.pruning.verify import verify_checkpoint
+from tsenor_cli.pruning.block import refine
+from tsenor_cli.pruning.block.refine import block_masks, refine_block
+from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.plan.plan import plan_model
+from tsenor_cli.pruning.run.api import prune_model
+from tsenor_cli.pruning.run.verify import verify_checkpoint
+from tsenor_cli.pruning.settings.config import PruneConfig, RefineConfig
+from tsenor_cli.pruning.settings.recipe import build_config, validate_recipe
 from tsenor_cli.replay import capture_block_inputs, run_block
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE, PruneReport
 from tsenor_cli.settings import RunContext
@@ -178,7 +178,7 @@ def test_the_block_outputs_a_kept_refinement_wrote_are_those_the_engine_would_co
 ) -> None:
     """A kept refinement's last error pass writes the next block's inputs, and the engine skips its own
     run of the block; a run that drops those outputs and runs the block again ends bit-identical."""
-    from tsenor_cli.pruning import run as pruning_run
+    from tsenor_cli.pruning.run import run as pruning_run
 
     forwards: list[int] = []
 

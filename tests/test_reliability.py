@@ -21,13 +21,13 @@ from safetensors.torch import load_file, save_file
 from tsenor_cli.cli import DEBUG_HINT, main
 from tsenor_cli.errors import BadInputError, UsageError
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.finite import first_non_finite
-from tsenor_cli.pruning.memory import check_fits
-from tsenor_cli.pruning.output import human_bytes
-from tsenor_cli.pruning.plan import plan_model
-from tsenor_cli.pruning.stats import reconstruction_error
-from tsenor_cli.pruning.types import LayerPruneConfig
+from tsenor_cli.pruning.block.finite import first_non_finite
+from tsenor_cli.pruning.block.memory import check_fits
+from tsenor_cli.pruning.methods.stats import reconstruction_error
+from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.plan.plan import plan_model
+from tsenor_cli.pruning.run.output import human_bytes
+from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.settings import RunContext
 
 QPROJ = "model.layers.0.self_attn.q_proj.weight"
@@ -123,7 +123,7 @@ def test_click_usage_errors_are_one_line(argv: list[str], expected: str, capsys:
 def test_unexpected_exception_is_one_line_with_the_debug_hint(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    import tsenor_cli.pruning.verify as verify_lib  # the command imports it when it runs
+    import tsenor_cli.pruning.run.verify as verify_lib  # the command imports it when it runs
 
     def broken(_directory: Path) -> None:
         raise RuntimeError("first line\nsecond line")

@@ -31,9 +31,9 @@ from tsenor_cli.errors import (
 )
 from tsenor_cli.interrupt import StopRequest, stop_on_signals
 from tsenor_cli.locks import lock_path
-from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.resume import ResumeStore
-from tsenor_cli.pruning.types import LayerRecord
+from tsenor_cli.pruning.methods.types import LayerRecord
+from tsenor_cli.pruning.run.api import prune_model
+from tsenor_cli.pruning.run.resume import ResumeStore
 from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, RESUME_DIR, RESUME_STATE_FILE, DataSource, block_file
 from tsenor_cli.settings import RunContext
 
@@ -414,7 +414,8 @@ def test_ctrl_c_before_pruning_during_the_write_and_during_prune_eval(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from tsenor_cli.evaluation import runner
-    from tsenor_cli.pruning import api, engine, writer
+    from tsenor_cli.pruning.block import engine
+    from tsenor_cli.pruning.run import api, writer
 
     def ctrl_c(*_args: object, **_kwargs: object) -> None:
         raise KeyboardInterrupt
@@ -461,7 +462,7 @@ def test_a_stop_signal_during_prune_evals_evaluation_stops_it_at_once(
 ) -> None:
     """An evaluation has no safe point: a scheduler's signal stops it at once (exit 75), the checkpoint kept."""
     from tsenor_cli.evaluation import runner
-    from tsenor_cli.pruning.api import prune_and_evaluate
+    from tsenor_cli.pruning.run.api import prune_and_evaluate
 
     stop = StopRequest()
 

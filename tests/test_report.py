@@ -180,7 +180,7 @@ def test_table_rows_hand_checked(runs: list[Path]) -> None:
 
 
 def test_a_refined_run_gets_a_refine_column_and_sorts_after_its_plain_twin(runs: list[Path], tmp_path: Path) -> None:
-    from tsenor_cli.pruning.config import RefineConfig
+    from tsenor_cli.pruning.settings.config import RefineConfig
 
     twin = _prune(2, 4, True, [0.05, 0.06, 0.07, 0.08])
     twin["settings"] = {**twin["settings"], "refine": RefineConfig("block", 2, 1e-3).result_fields()}

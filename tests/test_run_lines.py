@@ -11,7 +11,7 @@ import pytest
 from helpers_tiny import sparsegpt_config
 
 from tsenor_cli.phases import PHASES, Timings
-from tsenor_cli.pruning.api import prune_model
+from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.settings import RunContext
 
 BLOCKS = 3

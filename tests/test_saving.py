@@ -158,7 +158,7 @@ def test_prune_output_folder_is_what_save_pretrained_wrote(tmp_path: Path, tiny:
     from transformers import AutoModelForCausalLM
 
     from tsenor_cli.models.loading import load_model
-    from tsenor_cli.pruning.output import MAX_SHARD_SIZE, SPARSITY_KEY, write_model_folder
+    from tsenor_cli.pruning.run.output import MAX_SHARD_SIZE, SPARSITY_KEY, write_model_folder
     from tsenor_cli.runfiles import SPARSITY_FILE, SparsityRecord
 
     loaded = load_model(str(tiny), LOCAL_CTX)
@@ -186,7 +186,7 @@ def test_the_checkpoints_generation_config_is_kept_by_a_streamed_and_a_whole_loa
     import shutil
 
     from tsenor_cli.models.loading import load_model
-    from tsenor_cli.pruning.output import write_model_folder
+    from tsenor_cli.pruning.run.output import write_model_folder
     from tsenor_cli.runfiles import GENERATION_CONFIG_FILE, SparsityRecord
 
     source = tmp_path / "source"
@@ -240,7 +240,7 @@ def test_the_output_carries_no_conversion_or_loading_keys(tmp_path: Path, tiny: 
     import shutil
 
     from tsenor_cli.models.loading import load_model
-    from tsenor_cli.pruning.output import write_model_folder
+    from tsenor_cli.pruning.run.output import write_model_folder
     from tsenor_cli.runfiles import SparsityRecord
 
     source = tmp_path / "source"

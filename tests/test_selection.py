@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 from tsenor_cli.errors import UsageError
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.selection import check_patterns, excluded_layers, matches
-from tsenor_cli.pruning.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.settings.config import PruneConfig
+from tsenor_cli.pruning.settings.selection import check_patterns, excluded_layers, matches
 from tsenor_cli.runfiles import read_sparsity
 
 NAMES = [f"model.layers.{b}.{local}" for b in (0, 1) for local in ("self_attn.q_proj", "mlp.up_proj", "mlp.down_proj")]
@@ -143,10 +143,10 @@ def test_the_run_takes_its_selection_from_the_plan_it_was_given(
     and every selection the run applies is the plan's own object."""
     from dataclasses import replace
 
-    from tsenor_cli.pruning import api
-    from tsenor_cli.pruning.api import prune_model
-    from tsenor_cli.pruning.plan import PrunePlan, plan_model
-    from tsenor_cli.pruning.selection import Selection
+    from tsenor_cli.pruning.plan.plan import PrunePlan, plan_model
+    from tsenor_cli.pruning.run import api
+    from tsenor_cli.pruning.run.api import prune_model
+    from tsenor_cli.pruning.settings.selection import Selection
     from tsenor_cli.settings import RunContext, cache_dir_default
 
     plans: list[PrunePlan] = []
@@ -214,7 +214,7 @@ def test_ignoring_incompatible_layers_replaces_skip_incompatible(tmp_path: Path)
 
 
 def test_many_ignored_layers_are_counted_by_reason_in_the_summary() -> None:
-    from tsenor_cli.pruning.types import LayerRecord
+    from tsenor_cli.pruning.methods.types import LayerRecord
     from tsenor_cli.report.markdown import MAX_LISTED_IGNORED, prune_markdown
     from tsenor_cli.runfiles import PruneReport
 

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from tsenor_cli.cli import app
 from tsenor_cli.errors import UsageError
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.solver import METHODS, resolve_method, solve, to_blocks
 from tsenor_cli.solver.auto import HOST_SCORES
 

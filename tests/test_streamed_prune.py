@@ -19,10 +19,10 @@ from helpers_tiny import LOCAL_CTX, sparsegpt_config
 from tsenor_cli.models.checkpoint import INDEX_NAME
 from tsenor_cli.models.loading import load_model
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.plan import plan_model
-from tsenor_cli.pruning.types import LayerPruneConfig
-from tsenor_cli.pruning.writer import CheckpointSink
+from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.plan.plan import plan_model
+from tsenor_cli.pruning.run.api import prune_model
+from tsenor_cli.pruning.run.writer import CheckpointSink
 from tsenor_cli.replay import BlockSource
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR
 from tsenor_cli.settings import RunContext

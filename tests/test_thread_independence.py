@@ -1,7 +1,7 @@
 """A run gives the same bytes whatever torch's CPU thread count (docs/reliability.md).
 
 MKL's eigh and Cholesky round differently on 1 and 2 threads, and ALPS's ADMM turns that into another
-support; `pruning/linalg.py` runs them on one thread. Measured before the fix: SmolLM2 ALPS T16:32 on
+support; `pruning/methods/linalg.py` runs them on one thread. Measured before the fix: SmolLM2 ALPS T16:32 on
 block 0 (c4, 8 × 256) gave another `k_proj` on 2 threads than on 1.
 """
 
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning import api
-from tsenor_cli.pruning.config import PruneConfig
-from tsenor_cli.pruning.linalg import inverse_cholesky_upper, symmetric_eigh, thread_independent
-from tsenor_cli.pruning.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.linalg import inverse_cholesky_upper, symmetric_eigh, thread_independent
+from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.run import api
+from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.runfiles import PRUNE_FILE
 from tsenor_cli.settings import RunContext
 

@@ -7,13 +7,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tsenor_cli.pruning.method import MethodOptions, PrunerSpec, option, top_scores_workspace
+from tsenor_cli.pruning.methods.method import MethodOptions, PrunerSpec, option, top_scores_workspace
 
 if TYPE_CHECKING:
     import torch
 
-    from tsenor_cli.pruning.stats import Statistics
-    from tsenor_cli.pruning.types import LayerPruneConfig, PruneOutcome
+    from tsenor_cli.pruning.methods.stats import Statistics
+    from tsenor_cli.pruning.methods.types import LayerPruneConfig, PruneOutcome
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ def prune_batch(
     """Keep the largest |W|^power (the smallest with `smallest`): magnitude pruning by default."""
     import torch
 
-    from tsenor_cli.pruning.masks import keep_top_scores
+    from tsenor_cli.pruning.methods.masks import keep_top_scores
 
     opts = cfg.method_options(ToyOptions)
     w = weights.to(torch.float32)

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tsenor_cli.errors import UsageError
-from tsenor_cli.pruning.recipe import read_recipe, validate_recipe
-from tsenor_cli.pruning.table import FIELDS
+from tsenor_cli.pruning.settings.recipe import read_recipe, validate_recipe
+from tsenor_cli.pruning.settings.table import FIELDS
 from tsenor_cli.settings import RunContext
 
 if TYPE_CHECKING:
@@ -50,9 +50,9 @@ def prune(
     override `--config`. force / resume: `tsenor prune`'s --force and --resume/--no-resume-state.
     ctx: where calibration data and hub models come from (default: the environment). progress: where
     the run's lines go (default: the `tsenor` logger). sinks / hooks: more sinks and block hooks, run
-    after the run's own (`pruning/seams.py`: `Sink`, `BlockHook`; docs/guide/python-api.md)."""
-    from tsenor_cli.pruning import api
-    from tsenor_cli.pruning.recipe import build_config
+    after the run's own (`pruning/run/seams.py`: `Sink`, `BlockHook`; docs/guide/python-api.md)."""
+    from tsenor_cli.pruning.run import api
+    from tsenor_cli.pruning.settings.recipe import build_config
 
     ctx = ctx if ctx is not None else RunContext.from_environment()
     values = _prune_recipe(model, output, recipe, settings)

@@ -4,7 +4,7 @@
 positions as it is produced (before it is accumulated, all-reduced, clipped or seen by the optimizer),
 and `apply` writes the mask into the weights again after every step, which also covers what a zero
 gradient does not (weight decay on a non-zero value, other update rules). Used by `tsenor finetune`
-(`finetune/callback.MaskCallback`) and by `tsenor prune --refine block` (`pruning/refine.py`); a module
+(`finetune/callback.MaskCallback`) and by `tsenor prune --refine block` (`pruning/block/refine.py`); a module
 of its own so that neither package imports the other.
 """
 

@@ -51,7 +51,7 @@ PHASES = (
     "save",
     "write",
 )
-# The phases only `--refine block` has (pruning/refine.py).
+# The phases only `--refine block` has (pruning/block/refine.py).
 REFINE_PHASES = ("dense stream", "refine")
 
 

@@ -170,8 +170,8 @@ def measure_prune(folder: Path, mode: str, cfg: MemoryConfig, ctx: RunContext) -
     """Prune the model in `folder` (`mode`: whole or streamed) in this process into a folder beside it:
     {"sha256" of the weight files (model.safetensors, or the shards and their index), "seconds", "peak_rss"}.
     ctx: the run's context (`child_context`)."""
-    from tsenor_cli.pruning.api import prune_model
-    from tsenor_cli.pruning.recipe import build_config
+    from tsenor_cli.pruning.run.api import prune_model
+    from tsenor_cli.pruning.settings.recipe import build_config
 
     output = folder.parent / f"{folder.name}-pruned-{mode}"
     recipe = {

@@ -37,12 +37,12 @@ from tsenor_cli.bench.machine import environment
 from tsenor_cli.errors import UsageError
 from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.progress import Progress
-from tsenor_cli.pruning.gather import MoeOptions, unit_input_stats
-from tsenor_cli.pruning.method import PruneFn
-from tsenor_cli.pruning.observe import matrices, observe_block
-from tsenor_cli.pruning.registry import get_pruner
-from tsenor_cli.pruning.stats import ExpertStats
-from tsenor_cli.pruning.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.block.gather import MoeOptions, unit_input_stats
+from tsenor_cli.pruning.block.observe import matrices, observe_block
+from tsenor_cli.pruning.methods.method import PruneFn
+from tsenor_cli.pruning.methods.registry import get_pruner
+from tsenor_cli.pruning.methods.stats import ExpertStats
+from tsenor_cli.pruning.methods.types import LayerPruneConfig, SparsityPattern
 from tsenor_cli.replay import block_output, capture_block_inputs, input_key
 
 # Issue 26's target: the routed statistics of all experts cost at most this many dense forwards.

@@ -27,7 +27,7 @@ With `stream`, the random weights are not held: they are written tensor by tenso
 checkpoint in the work folder (`write_random_checkpoint`, through the checkpoint writer of
 `models/saving.py`), and each run prunes that folder as `tsenor prune --stream` does, reading one block
 at a time. Either way each run's host peak (the process's resident-set high-water mark, reset when the
-run starts) is set against the dry run's host estimate (`pruning/memory.py`'s `HostEstimate`).
+run starts) is set against the dry run's host estimate (`pruning/block/memory.py`'s `HostEstimate`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from tsenor_cli.bench.machine import environment
 from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
 from tsenor_cli.phases import PHASES, REFINE_PHASES
 from tsenor_cli.progress import Progress, sink
-from tsenor_cli.pruning.config import REFINE_MODES
+from tsenor_cli.pruning.settings.config import REFINE_MODES
 from tsenor_cli.settings import RunContext
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -486,9 +486,9 @@ def _one_run(
     """One `prune_model` run of `method` × `kind` × `refine` on a fresh random model (or, streamed, on the
     random checkpoint), timed phase by phase, its checkpoint verified then removed, the ALPS and
     whole-model projections filled in."""
-    from tsenor_cli.pruning.plan import plan_model
-    from tsenor_cli.pruning.recipe import build_config
-    from tsenor_cli.pruning.verify import verify_checkpoint
+    from tsenor_cli.pruning.plan.plan import plan_model
+    from tsenor_cli.pruning.run.verify import verify_checkpoint
+    from tsenor_cli.pruning.settings.recipe import build_config
 
     prune_cfg = build_config(
         _recipe(cfg, target, method, kind, refine), force=True, resume=cfg.resume_state, command="tsenor bench prune"
@@ -562,7 +562,7 @@ def _timed_prune(
     from tsenor_cli.models.streaming import trim_heap
     from tsenor_cli.models.structure import discover_structure
     from tsenor_cli.phases import record_phases
-    from tsenor_cli.pruning.api import prune_model
+    from tsenor_cli.pruning.run.api import prune_model
 
     loaded = None
     if not cfg.stream:
@@ -586,7 +586,7 @@ def _timed_prune(
 def default_tokens() -> int:
     """The calibration tokens of `tsenor prune`'s defaults (--nsamples × --seqlen)."""
     from tsenor_cli.fields import by_name
-    from tsenor_cli.pruning.table import PRUNE_FIELDS
+    from tsenor_cli.pruning.settings.table import PRUNE_FIELDS
 
     settings = by_name(PRUNE_FIELDS)
     return int(settings["nsamples"].default) * int(settings["seqlen"].default)

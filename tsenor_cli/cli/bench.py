@@ -353,7 +353,7 @@ def bench_moe(
     batched against one by one (CPU; ratios measured in one run)."""
     from tsenor_cli.bench.moe import MoeBenchConfig, run_moe_bench, to_markdown
     from tsenor_cli.progress import logger
-    from tsenor_cli.pruning.registry import get_pruner
+    from tsenor_cli.pruning.methods.registry import get_pruner
 
     _check_outputs(force, {"--output": output, "--markdown": markdown})
     names = tuple(get_pruner(x.strip()).name for x in methods.split(",") if x.strip())

@@ -23,7 +23,7 @@ from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import UsageError
 from tsenor_cli.fields import Field
 from tsenor_cli.kernels import KERNELS
-from tsenor_cli.pruning.table import FIELDS
+from tsenor_cli.pruning.settings.table import FIELDS
 
 # ---------------------------------------------------------------- flags generated from a settings table
 

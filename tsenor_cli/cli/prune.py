@@ -30,12 +30,12 @@ from tsenor_cli.cli.options import (
     with_fields,
 )
 from tsenor_cli.errors import UsageError
-from tsenor_cli.pruning.recipe import build_config, read_recipe
-from tsenor_cli.pruning.table import ALL_FIELDS
+from tsenor_cli.pruning.settings.recipe import build_config, read_recipe
+from tsenor_cli.pruning.settings.table import ALL_FIELDS
 
 if TYPE_CHECKING:
     from tsenor_cli.evaluation.runner import EvalConfig
-    from tsenor_cli.pruning.config import PruneConfig
+    from tsenor_cli.pruning.settings.config import PruneConfig
     from tsenor_cli.runfiles import EvalReport, PruneReport
     from tsenor_cli.settings import RunContext
 
@@ -115,7 +115,7 @@ def prune_cmd(
         _launch(ctx, cfg, nproc)
         return
     from tsenor_cli.interrupt import stop_on_signals
-    from tsenor_cli.pruning.api import prune_and_evaluate
+    from tsenor_cli.pruning.run.api import prune_and_evaluate
 
     with stop_on_signals() as stop:
         report, evaluation = prune_and_evaluate(cfg, run_ctx, eval_cfg, stop=stop)
@@ -127,7 +127,7 @@ def _check_calibration_source(cfg: PruneConfig, run_ctx: RunContext) -> None:
     """A named calibration text with the hub off and no data folder: say so before loading (not for a
     run that reads no text: `plan.reads_data`)."""
     from tsenor_cli.data.sources import NAMED_TEXTS, data_folder
-    from tsenor_cli.pruning.plan import reads_data
+    from tsenor_cli.pruning.plan.plan import reads_data
 
     if cfg.calib_data in NAMED_TEXTS and reads_data(cfg):
         data_folder(run_ctx, cfg.calib_data)
@@ -135,7 +135,7 @@ def _check_calibration_source(cfg: PruneConfig, run_ctx: RunContext) -> None:
 
 def _dry_run(cfg: PruneConfig, run_ctx: RunContext, nproc: int, *, as_json: bool) -> None:
     """Print the plan (text or JSON) and end as the run would (`PrunePlan.check`)."""
-    from tsenor_cli.pruning.plan import plan_model
+    from tsenor_cli.pruning.plan.plan import plan_model
 
     processes = max(nproc, run_ctx.distributed.world_size)
     plan = plan_model(cfg, run_ctx, world_size=processes)
@@ -186,9 +186,9 @@ def _print_result(report: PruneReport, evaluation: EvalReport | None, *, as_json
 
 
 def _launch(ctx: typer.Context, cfg: PruneConfig, nproc: int) -> None:
-    """Run this same command in `nproc` processes (`pruning/launch.py`) and exit with the run's status."""
+    """Run this same command in `nproc` processes (`pruning/run/launch.py`) and exit with the run's status."""
     from tsenor_cli.cli.app import launch_arguments
-    from tsenor_cli.pruning.launch import launch_prune
+    from tsenor_cli.pruning.run.launch import launch_prune
 
     if code := launch_prune(launch_arguments(ctx), cfg, nproc):
         raise typer.Exit(code)

@@ -68,8 +68,8 @@ def render() -> str:
         "",
         "Generated from the commands by `python -m tsenor_cli.cli.reference`; the test suite checks it is current.",
         "Options shared by several commands are defined once (`tsenor_cli/cli/options.py`), the settings of",
-        "prune and finetune in their field lists (`pruning/recipe.py`, `finetune/config.py`); (hidden) marks an old",
-        "name kept for one release. Errors are one line (`error: …`) with the exit codes listed in",
+        "prune and finetune in their field lists (`pruning/settings/table.py`, `finetune/config.py`); (hidden)",
+        "marks an old name kept for one release. Errors are one line (`error: …`) with the exit codes listed in",
         "`docs/reliability.md`.",
         "",
     ]

@@ -18,7 +18,7 @@ def verify_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Check each M×M tile keeps at most N per row and column (exactly N where weights were non-zero)."""
-    from tsenor_cli.pruning.verify import dense_lines, load_lines, verify_checkpoint
+    from tsenor_cli.pruning.run.verify import dense_lines, load_lines, verify_checkpoint
 
     report = verify_checkpoint(directory)
     pattern = report.pattern

@@ -126,7 +126,7 @@ def stand_in_batches(tokenizer: object, *, nsamples: int, seqlen: int, method: s
     gives its blocks instead of calibration text: `nsamples` rows (one per process:
     `PrunePlan.calibration_samples`) of `seqlen` (`STAND_IN_SEQLEN`) copies of the tokenizer's BOS token
     (else EOS, else 0). No data is read: the blocks run on these to show what each weight multiplies
-    (`pruning/observe.py`) and to hand each block its input, and no statistics are gathered from them
+    (`pruning/block/observe.py`) and to hand each block its input, and no statistics are gathered from them
     (`engine.BlockPruner`)."""
     token = next((t for t in (getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None))
                   if isinstance(t, int)), 0)  # fmt: skip

@@ -17,7 +17,7 @@ from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import UsageError
 from tsenor_cli.fields import Field, default_of, validate_settings
 from tsenor_cli.kernels import KERNELS
-from tsenor_cli.pruning.table import FIELDS as PRUNE
+from tsenor_cli.pruning.settings.table import FIELDS as PRUNE
 
 
 def _check_share(value: float) -> None:

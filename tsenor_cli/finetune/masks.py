@@ -18,7 +18,7 @@ from torch import nn
 
 from tsenor_cli.errors import InputNotFoundError, UsageError, VerificationError
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.verify import check_weight
+from tsenor_cli.pruning.run.verify import check_weight
 from tsenor_cli.runfiles import (
     CONFIG_FILE,
     PRUNE_FILE,

@@ -37,9 +37,9 @@ from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsi
 from tsenor_cli.fixedmask import FixedMask
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.progress import Progress, sink
-from tsenor_cli.pruning.card import card_text
-from tsenor_cli.pruning.output import check_not_input, interruption, output_run, write_model_folder
-from tsenor_cli.pruning.report import versions
+from tsenor_cli.pruning.run.card import card_text
+from tsenor_cli.pruning.run.output import check_not_input, interruption, output_run, write_model_folder
+from tsenor_cli.pruning.run.report import versions
 from tsenor_cli.runfiles import (
     EVAL_FILE,
     FINETUNE_FILE,

@@ -18,11 +18,11 @@ blocks one at a time. All it needs from the model's structure is found generical
   never pruned;
 - the nn.Linear layers of a block, fused ones (Phi-3's ``qkv_proj``, ``gate_up_proj``) included; its
   other weight matrices (GPT-2's ``Conv1D``, fused expert stacks, bare 2D parameters) are found by
-  watching its forward (``tsenor_cli.pruning.observe``).
+  watching its forward (``tsenor_cli.pruning.block.observe``).
 
 ``config.model_type`` is kept only as information: nothing here switches on it, and no module is
 found by its name. What a block is given by the model's forward, and which linears read the same
-input, are observed by running the model (`tsenor_cli.pruning.engine`), not written down per
+input, are observed by running the model (`tsenor_cli.pruning.block.engine`), not written down per
 architecture.
 """
 
@@ -184,7 +184,7 @@ def discover_structure(model: nn.Module) -> ModelStructure:
         tuple(name for name, module in block.named_modules() if isinstance(module, nn.Linear)) for block in blocks
     )
     # Weight matrices need not be nn.Linear (GPT-2's Conv1D, fused expert stacks): which parameters are
-    # matmul weights is seen by watching the forward (pruning/observe.py), so only blocks without any
+    # matmul weights is seen by watching the forward (pruning/block/observe.py), so only blocks without any
     # parameter of two or more dimensions have nothing to prune.
     if not any(p.dim() >= 2 for block in blocks for p in block.parameters()):
         raise IncompatibleModelError(

@@ -2,7 +2,7 @@
 
 Each method module declares one `PrunerSpec` (`method.py`) with a pure `prune_batch`; `PRUNERS` maps the
 built-in `--method` names to them (`registry.get_pruner` also finds installed and `module:NAME` ones).
-`tsenor_cli.pruning.api.prune_model` runs a whole model.
+`tsenor_cli.pruning.run.api.prune_model` runs a whole model.
 
 The names below are imported when first used (PEP 562), so that importing a torch-free module of this
 package (`recipe`, `registry`, `method` and the method modules: what `tsenor --help` reads) does not
@@ -16,24 +16,24 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tsenor_cli.pattern import SparsityPattern as SparsityPattern
-    from tsenor_cli.pruning.registry import PRUNERS as PRUNERS
-    from tsenor_cli.pruning.registry import PrunerSpec as PrunerSpec
-    from tsenor_cli.pruning.registry import get_pruner as get_pruner
-    from tsenor_cli.pruning.stats import InputStats as InputStats
-    from tsenor_cli.pruning.stats import reconstruction_error as reconstruction_error
-    from tsenor_cli.pruning.types import LayerPruneConfig as LayerPruneConfig
-    from tsenor_cli.pruning.types import MaskSolveInfo as MaskSolveInfo
-    from tsenor_cli.pruning.types import PruneOutcome as PruneOutcome
+    from tsenor_cli.pruning.methods.registry import PRUNERS as PRUNERS
+    from tsenor_cli.pruning.methods.registry import PrunerSpec as PrunerSpec
+    from tsenor_cli.pruning.methods.registry import get_pruner as get_pruner
+    from tsenor_cli.pruning.methods.stats import InputStats as InputStats
+    from tsenor_cli.pruning.methods.stats import reconstruction_error as reconstruction_error
+    from tsenor_cli.pruning.methods.types import LayerPruneConfig as LayerPruneConfig
+    from tsenor_cli.pruning.methods.types import MaskSolveInfo as MaskSolveInfo
+    from tsenor_cli.pruning.methods.types import PruneOutcome as PruneOutcome
 
 _EXPORTS = {
-    "PRUNERS": "tsenor_cli.pruning.registry",
-    "PrunerSpec": "tsenor_cli.pruning.registry",
-    "get_pruner": "tsenor_cli.pruning.registry",
-    "InputStats": "tsenor_cli.pruning.stats",
-    "reconstruction_error": "tsenor_cli.pruning.stats",
-    "LayerPruneConfig": "tsenor_cli.pruning.types",
-    "MaskSolveInfo": "tsenor_cli.pruning.types",
-    "PruneOutcome": "tsenor_cli.pruning.types",
+    "PRUNERS": "tsenor_cli.pruning.methods.registry",
+    "PrunerSpec": "tsenor_cli.pruning.methods.registry",
+    "get_pruner": "tsenor_cli.pruning.methods.registry",
+    "InputStats": "tsenor_cli.pruning.methods.stats",
+    "reconstruction_error": "tsenor_cli.pruning.methods.stats",
+    "LayerPruneConfig": "tsenor_cli.pruning.methods.types",
+    "MaskSolveInfo": "tsenor_cli.pruning.methods.types",
+    "PruneOutcome": "tsenor_cli.pruning.methods.types",
     "SparsityPattern": "tsenor_cli.pattern",
 }
 

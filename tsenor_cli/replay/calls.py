@@ -14,9 +14,9 @@ unchanged, as the model's forward does. Its record lends it the arguments the mo
 running block nearest before it (after it, when none runs before): transformers 5's Mllama text model
 calls every decoder layer with the same keywords, so that is what the block would get on text, and
 pruning runs the idle block's own forward with them (`BlockCall.running`) to see which of its
-matrices the text reaches (`pruning/idle.py`).
+matrices the text reaches (`pruning/block/idle.py`).
 
-Used by pruning (`pruning/engine.py`), the streamed evaluation (`evaluation/streamed.py`), refinement
+Used by pruning (`pruning/block/engine.py`), the streamed evaluation (`evaluation/streamed.py`), refinement
 and the dry run's probe alike; this package imports nothing from them.
 """
 
@@ -177,7 +177,7 @@ def capture_block_calls(
 
     tokens: (1, seq_len) long, the probe input; zeros when None (the recorded arguments depend on the
     length only: see the module docstring). embeds: (1, seq_len, H) input embeddings to pass instead of
-    tokens (`pruning/probe.py`: the dry run's model has no token embedding to read). Each block's
+    tokens (`pruning/plan/probe.py`: the dry run's model has no token embedding to read). Each block's
     forward is swapped, for this one call, for a recorder that returns its input unchanged, so no block
     computes and the record costs the embedding and mask/rotary set-up; block 0's real output, computed
     once, shows the return type the model's loop expects. Returns one BlockCall per block, on the

@@ -14,7 +14,7 @@ refinement, under one of three policies:
   whatever the model's depth (docs/guide/large-models.md).
 
 `checked(block, index)`, when given, runs on every block read from the checkpoint before it is used
-(pruning refuses NaN/Inf weights there, `pruning/finite.py`).
+(pruning refuses NaN/Inf weights there, `pruning/block/finite.py`).
 """
 
 from __future__ import annotations

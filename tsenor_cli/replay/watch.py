@@ -1,7 +1,7 @@
 """Running blocks under observation: every sample through a block with hooks on some of its modules,
 stopped as soon as they have all been seen (`each_module_input`), and one sample through the blocks
 in turn, each looked at by a caller's function (`watch_blocks`: the pruning engine's forward watch,
-`pruning/observe.py`)."""
+`pruning/block/observe.py`)."""
 
 from __future__ import annotations
 

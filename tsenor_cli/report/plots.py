@@ -129,7 +129,7 @@ def _block_means(prune: PruneReport) -> tuple[list[int], list[float]]:
     count, and a block whose linears were all skipped is NaN, a gap in the line."""
     by_block: dict[int, list[float]] = defaultdict(list)
     for layer in prune.layers:
-        if layer.block < 0:  # outside the language model (pruning/outside.py): not a decoder block
+        if layer.block < 0:  # outside the language model (pruning/block/outside.py): not a decoder block
             continue
         recorded = by_block[layer.block]  # a block of skipped layers still gets its (empty) entry
         if layer.recon_error is not None:

@@ -62,7 +62,7 @@ from tsenor_cli.runfiles.schema import (
 CONFIG_FILE = "config.json"
 SPARSITY_KEY = "tsenor_sparsity"  # config.json's summary of the sparsity (before v0.3: the whole record)
 SPARSITY_FILE = "tsenor_sparsity.json"  # the per-weight sparsity record (`SparsityRecord`)
-MODEL_CARD = "README.md"  # the Hub's model card (pruning/card.py)
+MODEL_CARD = "README.md"  # the Hub's model card (pruning/run/card.py)
 # The checkpoint's weights: one file, or shards named by the index (transformers' names, the order in
 # which from_pretrained looks for them).
 WEIGHTS_NAME = "model.safetensors"
@@ -74,7 +74,7 @@ PRUNE_MARKDOWN = "tsenor_report.md"
 PRUNE_REPORTS = (PRUNE_FILE, PRUNE_MARKDOWN)
 FINETUNE_FILE = "finetune.json"
 RESUME_DIR = ".tsenor-resume"
-RESUME_STATE_FILE = "state.json"  # a prune's resume state (pruning/resume.py)
+RESUME_STATE_FILE = "state.json"  # a prune's resume state (pruning/run/resume.py)
 FINETUNE_STATE_FILE = "finetune_state.json"  # a finetune's, beside Trainer's checkpoint-N folders
 # Versions of the small state files (each carries its own `schema_version`).
 FINETUNE_STATE_VERSION = 1
@@ -94,7 +94,7 @@ class LayerRecord:
     """One prunable linear of the model, as the report shows it.
 
     block: the decoder block, −1 for a linear outside the language model that --targets selected
-    (pruning/outside.py).
+    (pruning/block/outside.py).
     name: full module name ("model.layers.3.mlp.down_proj"), or for a matrix that is not an nn.Linear
     the parameter's ("model.layers.3.mlp.experts.gate_up_proj", with ``[e]`` for expert e of a stack);
     status "pruned", "skipped" (with reason: the pattern does not fit) or "ignored" (with reason: left
@@ -145,7 +145,7 @@ class LayerRecord:
 
 @dataclass(frozen=True)
 class BlockRefinement:
-    """One decoder block's refinement (`tsenor prune --refine block`, pruning/refine.py).
+    """One decoder block's refinement (`tsenor prune --refine block`, pruning/block/refine.py).
 
     error_before / error_after: the block output's relative squared error against the dense block's
     output on the dense inputs, Σ‖f(x)−y‖²/Σ‖y‖² over the calibration samples, with the pruned weights

@@ -26,7 +26,7 @@ from tsenor_cli import settings
 from tsenor_cli.atomic import write_text
 from tsenor_cli.errors import OutputBusyError, OutputExistsError, TsenorError, UsageError
 from tsenor_cli.locks import folder_lock
-from tsenor_cli.pruning.recipe import validate_recipe
+from tsenor_cli.pruning.settings.recipe import validate_recipe
 from tsenor_cli.runfiles import (
     EVAL_FILE,
     MODEL_DIR,

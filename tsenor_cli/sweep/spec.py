@@ -3,7 +3,7 @@
 A sweep file (YAML) has the top-level keys
 
 - ``base``: a recipe, i.e. the keys `tsenor prune --config` takes (checked by the same validator,
-  `tsenor_cli.pruning.recipe.validate_recipe`), except ``output``, which the sweep sets per run;
+  `tsenor_cli.pruning.settings.recipe.validate_recipe`), except ``output``, which the sweep sets per run;
 - ``axes``: recipe key → non-empty list of values; the runs are their cartesian product, the first
   axis outermost;
 - ``eval``: ``ppl`` (datasets), ``tasks`` (zero-shot), ``limit``, ``max_windows``, ``seqlen`` (passed
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tsenor_cli.errors import TsenorError, UsageError
-from tsenor_cli.pruning.recipe import build_config, validate_recipe
+from tsenor_cli.pruning.settings.recipe import build_config, validate_recipe
 from tsenor_cli.yamlfile import read_yaml
 
 TOP_KEYS = ("base", "axes", "eval", "name", "slurm")

@@ -1,0 +1,805 @@
+"""The dry run: `plan_model(cfg, ctx) -> PrunePlan`, what a run would do without reading any weight.
+
+The plan lists the linears and their compatibility with the pattern, and estimates the memory (host and
+each rank's device, `MemoryEstimate`) and the disk (checkpoint, resume state) a run needs. `prune_model`
+makes the same plan first and refuses what cannot fit; `tsenor prune --dry-run` prints it (`PrunePlan.lines`)
+and ends as the run would (`PrunePlan.check`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tsenor_cli.data.calibration import STAND_IN_SEQLEN
+from tsenor_cli.errors import DoesNotFitError, IncompatibleModelError, UsageError
+from tsenor_cli.outputs import free_bytes, human_bytes, output_path
+from tsenor_cli.progress import Progress, logger
+from tsenor_cli.pruning.block.idle import UNKNOWN_ORIENTATION
+from tsenor_cli.pruning.block.memory import (
+    KNOWN_GPUS,
+    HostEstimate,
+    MemoryEstimate,
+    MethodCost,
+    available_host_bytes,
+    device_present,
+    device_total_bytes,
+    estimate_device_memory,
+    fit_problem,
+    host_estimate,
+)
+from tsenor_cli.pruning.block.observe import BlockObservation
+from tsenor_cli.pruning.block.outside import (
+    OUTSIDE_BLOCK,
+    OutsideWeight,
+    check_outside,
+    outside_linears,
+    selected_outside,
+)
+from tsenor_cli.pruning.block.outside import REASON as OUTSIDE_REASON
+from tsenor_cli.pruning.block.slots import (
+    LinearSlot,
+    check_compatibility,
+    incompatible_slots,
+    linear_slots,
+    observed_slots,
+)
+from tsenor_cli.pruning.methods.registry import get_pruner
+from tsenor_cli.pruning.methods.types import LayerRecord
+from tsenor_cli.pruning.plan.probe import probe_blocks
+from tsenor_cli.pruning.settings.config import PruneConfig
+from tsenor_cli.pruning.settings.selection import Selection
+from tsenor_cli.settings import RunContext
+
+if TYPE_CHECKING:
+    from tsenor_cli.models.structure import ModelStructure
+
+
+def reads_data(cfg: PruneConfig) -> bool:
+    """Whether the run reads calibration text: its method needs data (`PrunerSpec.needs_data`), or
+    `--refine block` trains each block towards the dense one's outputs on it. A magnitude prune without
+    it takes no calibration pass (issue 47): its blocks run on a few stand-in tokens
+    (`data.calibration.stand_in_batches`) and it gathers no statistics."""
+    return get_pruner(cfg.method).needs_data or cfg.refine.on
+
+
+def dtype_and_device(
+    cfg: PruneConfig, ctx: RunContext | None = None, *, present: bool = True
+) -> tuple[torch.dtype, torch.device]:
+    """The run's dtype and this rank's device: in a distributed run `--device cuda` means the GPU of the
+    rank's LOCAL_RANK (one GPU per process). present: refuse a device this machine lacks (a run);
+    False for a plan, which is arithmetic and may be made on a machine without the device."""
+    from tsenor_cli.models.loading import default_dtype, parse_dtype, resolve_device
+
+    device = resolve_device(cfg.device) if present else planned_device(cfg.device)
+    if ctx is not None and ctx.distributed.distributed and device.type == "cuda" and device.index is None:
+        device = torch.device(f"cuda:{ctx.distributed.local_rank}")
+    dtype = parse_dtype(cfg.dtype)
+    return (dtype if dtype is not None else default_dtype(device)), device
+
+
+def planned_device(name: str) -> torch.device:
+    """The device `name` names, whether or not this machine has it (UsageError for what is no device)."""
+    try:
+        return torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from exc
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """Every weight matrix of the decoder blocks once their forwards were watched (by the run on its
+    weights, or by the dry run's probe on random ones: `pruning/plan/probe.py`).
+
+    slots: the matrices (a stack of experts is one slot), watched blocks' with orientation, experts and
+    role from the watch, the others as found without running; ignored: {full name: reason} left dense by
+    --ignore/--targets or by rule (routers, gates); unused: per block, the records of its parameters that
+    are not matmul weights; ruled: {role: how many} of the slots left dense by rule.
+    """
+
+    slots: list[LinearSlot]
+    ignored: dict[str, str]
+    unused: dict[int, list[LayerRecord]]
+    ruled: dict[str, int]
+
+
+def weight_plan(
+    structure: ModelStructure,
+    static: Sequence[LinearSlot],
+    observed: dict[int, BlockObservation],
+    selection: Selection,
+) -> WeightPlan:
+    """Slots of watched blocks take their orientation, experts and role from the watch; routers and gates
+    are left dense unless a --targets pattern names them; the other patterns as for nn.Linear layers.
+    selection: the plan's `--ignore`/`--targets` selection (`PrunePlan.selection`), applied to the
+    watched names with the same patterns and outside names as the plan's own."""
+    slots: list[LinearSlot] = []
+    unused: dict[int, list[LayerRecord]] = {}
+    for index in range(len(structure)):
+        if index not in observed:
+            slots += [s for s in static if s.block == index]
+            continue
+        watched = observed[index]
+        seen = {s.param_name: s for s in observed_slots(structure, index, watched)}
+        # nn.Linear layers that never ran keep their slot: prune_block names them in its error.
+        kept = list(seen.values()) + [
+            s for s in static if s.block == index and s.param_name not in seen and not s.param
+        ]
+        slots += kept
+        block = structure.blocks[index]
+        in_slots = {s.param_name for s in kept}
+        for name, why in watched.unused.items():
+            if name not in in_slots:
+                shape = tuple(block.get_parameter(name).shape)
+                full = structure.full_name(index, name)
+                unused.setdefault(index, []).append(
+                    LayerRecord(index, full, int(shape[-2]), int(shape[-1]), "ignored", why, param=full)
+                )
+    names = [s.full_name for s in slots]
+    ignored = selection.excluded(names)
+    targeted = {n for n in names if selection.targeted(n)}
+    ruled: dict[str, int] = {}
+    for slot in slots:
+        if slot.role != "weight" and slot.full_name not in targeted:
+            ignored[slot.full_name] = f"{slot.role}, left dense (--targets {slot.full_name} prunes it)"
+            ruled[slot.role] = ruled.get(slot.role, 0) + 1
+    return WeightPlan(slots, ignored, unused, ruled)
+
+
+def say_ruled(plan: WeightPlan) -> None:
+    """One stderr line per kind of weight left dense by a rule."""
+    ruled, unused = plan.ruled, plan.unused
+    for role, count in ruled.items():
+        logger.warning(
+            "leaving %d %s(s) dense: routing decisions are fragile (--targets names one to prune it)", count, role
+        )
+    if unused:
+        count = sum(len(v) for v in unused.values())
+        logger.warning(
+            "%d decoder weight(s) are not matmul weights of their block's forward and stay dense (see the report)",
+            count,
+        )
+
+
+def _selection(cfg: PruneConfig, model: Any, structure: ModelStructure) -> tuple[Selection, tuple[OutsideWeight, ...]]:
+    """The run's `--ignore`/`--targets` selection (made here only: `PrunePlan.selection`) and the linears
+    outside the language model it selects (`PrunePlan.beyond`). The selection knows the module names (as
+    patterns see them) of the weight matrices outside the decoder blocks (a vision tower's and projector's
+    linears, the embeddings, the output head) for its error line, and which of them are selectable
+    linears."""
+    in_blocks = {id(m) for m in structure.blocks.modules()}
+    outside = tuple(
+        name
+        for name, module in model.named_modules()
+        if id(module) not in in_blocks and any(p.dim() >= 2 for p in module.parameters(recurse=False))
+    )
+    linears = outside_linears(model, structure)
+    beyond = selected_outside(linears, cfg.targets, cfg.ignore, cfg.pattern) if cfg.targets else ()
+    return Selection(tuple(cfg.ignore), tuple(cfg.targets), outside, tuple(linears)), beyond
+
+
+def _idle_reason(structure: ModelStructure, index: int) -> str:
+    """How the run prunes an nn.Linear of idle block `index` (`pruning/block/idle.py`)."""
+    kind = type(structure.blocks[index]).__name__
+    return f"its block ({kind}) never runs on text: calibrated on the text reaching its own forward, else by magnitude"
+
+
+def _idle_dense(idle: dict[str, str], modules: frozenset[str]) -> dict[str, str]:
+    """The entries of `idle` (slots of blocks the text-only forward skips) that are no nn.Linear (`modules`)."""
+    return {name: reason for name, reason in idle.items() if name not in modules}
+
+
+def _checkable(
+    slots: Sequence[LinearSlot], dense: Sequence[dict[str, str]], observed: frozenset[str]
+) -> list[LinearSlot]:
+    """The slots not left dense (by any of `dense`) whose shape can be checked against the pattern now:
+    the observed ones, and nn.Linear layers of more than one output (a one-output layer is a gate, left
+    dense whatever its shape). The orientation and role of other matrices are found at run time."""
+    return [
+        s
+        for s in slots
+        if not any(s.full_name in reasons for reasons in dense)
+        and (s.full_name in observed or (not s.param and s.out_features > 1))
+    ]
+
+
+# How the dry run's table words each status of `PrunePlan.verdict`.
+_VERDICTS: dict[str, Callable[[str | None], str]] = {
+    "prune": lambda reason: "yes" if reason is None else f"yes, {reason}",
+    "incompatible": lambda reason: f"NO: {reason}",
+    "ignored": lambda reason: f"ignored: {reason}",
+    "skipped": lambda reason: f"skipped: {reason}",
+    "decided at prune time": lambda reason: f"decided at prune time: {reason}",
+    "not a matmul weight": lambda reason: f"left dense: {reason}",
+}
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    """What a run would do, without loading weights: layers, compatibility, memory and disk estimates (bytes).
+
+    slots: every weight matrix of the decoder blocks (a stack of experts is one); incompatible / ignored:
+    {full name: reason}; unused: the block parameters of two or more dimensions that are not matmul
+    weights (records "ignored" with what read them); idle: {full name: reason} of the slots of blocks the
+    text-only forward never runs, pruned (`pruning/block/idle.py`) but for those that are no nn.Linear
+    (`idle_dense`: no forward shows their orientation); pending: {full name: reason} of the slots whose
+    orientation and role are decided at prune time; observed: the slots the probe watched
+    (`pruning/plan/probe.py`); probe_bytes: the most bytes the probe gave real storage at once (random values,
+    not the checkpoint's).
+    checkpoint_bytes: the pruned checkpoint's weights; resume_bytes: the most the resume state holds at
+    once (every block's parameters and two (S, T, H) hidden-state files while one replaces the other,
+    each with the dense stream's too with --refine block).
+    device_memory: the peak device memory of each rank (one for a single process); device_bytes: the
+    largest of them; host_memory: the peak host memory of one process (`memory.HostEstimate`; a streamed
+    run holds the weights outside the blocks and one block). blocks_bytes: every block's parameters (what
+    a streamed run without a resume state keeps on disk until the write); stream: the plan is for --stream;
+    beyond: the linears outside the language model that --targets selects (pruned by magnitude,
+    `pruning/block/outside.py`). seqlen is --seqlen capped at the model's positions. selection: the
+    `--ignore`/`--targets` selection with the names beside the blocks it judges (`selection.Selection`);
+    the plan is the only place that makes it: the run reads `ignored` for the nn.Linear check before
+    calibration, `selection` for the watched matrices, `beyond` for the linears outside the language
+    model and `seqlen` for the calibration. What a run can take from
+    the plan instead of recomputing it: sizing (the estimates' inputs, `fixes` re-estimates other
+    flags), weights (the probe's `WeightPlan`: slots, ignored, unused, ruled; None without the probe),
+    world_size (the processes it was made for), modules (the full names of the blocks' nn.Linear layers).
+    calibrate: the run reads calibration text (`reads_data`); without it (magnitude, no --refine block)
+    its blocks run on one stand-in sample of a few tokens per process (`calibration_samples`,
+    `calibration_seqlen`) and the estimates hold no activations of size.
+    """
+
+    model: str
+    method: str
+    pattern: str
+    source: str
+    model_type: str
+    slots: tuple[LinearSlot, ...]
+    incompatible: dict[str, str]
+    ignored: dict[str, str]
+    seqlen: int
+    nsamples: int
+    params: int
+    cpu_bytes: int
+    device_memory: tuple[MemoryEstimate, ...]
+    device: str
+    dtype: str
+    blocks: int
+    checkpoint_bytes: int
+    resume_bytes: int
+    host_memory: HostEstimate
+    selection: Selection
+    unused: tuple[LayerRecord, ...] = ()
+    idle: dict[str, str] = field(default_factory=dict)
+    pending: dict[str, str] = field(default_factory=dict)
+    observed: frozenset[str] = frozenset()
+    probe_bytes: int = 0
+    blocks_bytes: int = 0
+    stream: bool = False
+    beyond: tuple[OutsideWeight, ...] = ()
+    sizing: Sizing | None = None
+    weights: WeightPlan | None = None
+    world_size: int = 1
+    modules: frozenset[str] = frozenset()
+    calibrate: bool = True
+
+    @property
+    def calibration_seqlen(self) -> int:
+        """The tokens per sample the run's blocks run on: `seqlen` when it reads calibration text
+        (`calibrate`), else the stand-in's few (`data.calibration.STAND_IN_SEQLEN`)."""
+        return self.seqlen if self.calibrate else min(self.seqlen, STAND_IN_SEQLEN)
+
+    @property
+    def calibration_samples(self) -> int:
+        """The samples the run's blocks run on: --nsamples when it reads calibration text (`calibrate`),
+        else one stand-in sample per process (each block runs once per sample: 128 samples of a few
+        tokens cost a SmolLM2 run 23 s per block, one sample under a second)."""
+        return self.nsamples if self.calibrate else self.world_size
+
+    @property
+    def device_bytes(self) -> int:
+        return max(estimate.total for estimate in self.device_memory)
+
+    @property
+    def candidates(self) -> list[LinearSlot]:
+        """The slots the run would prune whose shape and role are known now (the compatibility check's)."""
+        return _checkable(self.slots, (self.ignored, self.idle_dense, self.pending), self.observed)
+
+    @property
+    def idle_dense(self) -> dict[str, str]:
+        """{full name: reason} of the slots of idle blocks left dense: those that are no nn.Linear."""
+        return _idle_dense(self.idle, self.modules)
+
+    def verdict(self, name: str) -> tuple[str, str | None]:
+        """(status, reason) of the slot or parameter `name`: "prune", "ignored" (--ignore/--targets, a
+        router or gate rule), "incompatible", "skipped" (no nn.Linear in a block that never runs on text),
+        "not a matmul weight", "decided at prune time" (a block the probe could not watch), or "prune" (with
+        a reason for an nn.Linear of a block that never runs on text: how it is pruned)."""
+        for status, reasons in (
+            ("ignored", self.ignored),
+            ("skipped", self.idle_dense),
+            ("decided at prune time", self.pending),
+            ("incompatible", self.incompatible),
+        ):
+            if name in reasons:
+                return status, reasons[name]
+        for record in self.unused:
+            if record.name == name:
+                return "not a matmul weight", record.reason
+        return "prune", self.idle.get(name)
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """The dry run's table: (name, shape, verdict) for every weight matrix of the decoder blocks, the
+        report's accounting before any weight is read (a stack of E experts is one row, "E×out×in")."""
+        found: list[tuple[int, str, str, str]] = []
+        for slot in self.slots:
+            shape = f"{slot.out_features}×{slot.in_features}"
+            if slot.experts:
+                shape = f"{slot.experts}×{shape}"
+            status, reason = self.verdict(slot.full_name)
+            found.append((slot.block, slot.full_name, shape, _VERDICTS[status](reason)))
+        for record in self.unused:
+            shape = f"{record.out_features}×{record.in_features}"
+            found.append((record.block, record.name, shape, _VERDICTS["not a matmul weight"](record.reason)))
+        found.sort(key=lambda row: row[0])  # stable: block by block, each in the order found
+        for weight in self.beyond:
+            verdict = f"NO: {weight.incompatible}" if weight.incompatible else f"yes, {OUTSIDE_REASON}"
+            found.append((OUTSIDE_BLOCK, weight.name, f"{weight.out_features}×{weight.in_features}", verdict))
+        return [(name, shape, verdict) for _block, name, shape, verdict in found]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "method": self.method,
+            "pattern": self.pattern,
+            "source": self.source,
+            "model_type": self.model_type,
+            "layers": [
+                {
+                    "name": s.full_name,
+                    "shape": [s.out_features, s.in_features],
+                    "experts": s.experts,
+                    "transposed": s.transposed,
+                    "role": s.role,
+                    "status": self.verdict(s.full_name)[0],
+                    "compatible": s.full_name not in self.incompatible,
+                    "reason": self.incompatible.get(s.full_name),
+                    "ignored": self.ignored.get(s.full_name),
+                }
+                for s in self.slots
+            ]
+            + [
+                {
+                    "name": r.name,
+                    "shape": [r.out_features, r.in_features],
+                    "experts": 0,
+                    "transposed": False,
+                    "role": None,
+                    "status": "not a matmul weight",
+                    "compatible": True,
+                    "reason": None,
+                    "ignored": r.reason,
+                }
+                for r in self.unused
+            ]
+            + [
+                {
+                    "name": w.name,
+                    "shape": [w.out_features, w.in_features],
+                    "experts": 0,
+                    "transposed": False,
+                    "role": None,
+                    "status": "incompatible" if w.incompatible else "prune",
+                    "compatible": w.incompatible is None,
+                    "reason": w.incompatible,
+                    "ignored": None,
+                    "outside": OUTSIDE_REASON,
+                }
+                for w in self.beyond
+            ],
+            "skipped": len(self.idle_dense),
+            "decided_at_prune_time": len(self.pending),
+            "probe_bytes": self.probe_bytes,
+            "incompatible": len(self.incompatible),
+            "ignored": len(self.ignored),
+            "seqlen": self.seqlen,
+            "nsamples": self.nsamples,
+            "calibration": self.calibrate,
+            "params": self.params,
+            "estimated_cpu_bytes": self.cpu_bytes,
+            "estimated_host_bytes_per_process": self.host_memory.to_dict(),
+            "estimated_device_bytes": self.device_bytes,
+            "estimated_device_bytes_per_rank": [estimate.to_dict() for estimate in self.device_memory],
+            "estimated_checkpoint_bytes": self.checkpoint_bytes,
+            "estimated_resume_state_bytes": self.resume_bytes,
+            "estimated_blocks_bytes": self.blocks_bytes,
+            "stream": self.stream,
+            "blocks": self.blocks,
+            "device": self.device,
+            "device_present": device_present(torch.device(self.device)),
+            "fits_gpus": [name for name, size in KNOWN_GPUS if size >= self.device_bytes],
+            "dtype": self.dtype,
+        }
+
+    def lines(self, cfg: PruneConfig) -> Iterator[str]:
+        """The dry run's text: the run in one line, a row per weight matrix (`rows`),
+        the memory estimate and each rank's share of the device memory."""
+        calibration = (
+            f"calibration {cfg.calib_data} {self.nsamples}×{self.seqlen}"
+            if self.calibrate
+            else f"no calibration ({cfg.method} reads no data)"
+        )
+        yield (
+            f"plan: {cfg.method} {cfg.pattern.label} ({cfg.pattern.kind}) on {self.model} "
+            f"({self.model_type}, {self.params / 1e6:.1f}M params, {self.dtype}), {calibration}"
+        )
+        yield f"{'layer':<44} {'shape':>13}  compatible"
+        for name, shape, verdict in self.rows():
+            yield f"{name:<44} {shape:>13}  {verdict}"
+        host = self.host_memory
+        several = len(self.device_memory) > 1
+        yield (
+            f"estimated memory: host {human_bytes(host.total)} ({host.describe()}"
+            + (", in each process)" if several else ")")
+            + f", {self.device} {human_bytes(self.device_bytes)} peak"
+            + (" per process" if several else "")
+            + (", activations offloaded" if cfg.offload_activations else "")
+        )
+        if not device_present(torch.device(self.device)):
+            fitting = [name for name, size in KNOWN_GPUS if size >= self.device_bytes]
+            yield (
+                f"{self.device} is not on this machine: the run needs a GPU with {human_bytes(self.device_bytes)} "
+                f"per process and {human_bytes(host.total)} of host memory on its machine; "
+                + (f"fits GPUs of {', '.join(fitting)}" if fitting else "fits no GPU of up to 141 GB")
+            )
+        kept = (
+            f", pruned blocks until the write {human_bytes(self.blocks_bytes)}" if cfg.stream and not cfg.resume else ""
+        )
+        resume = f"resume state up to {human_bytes(self.resume_bytes)}" if cfg.resume else "no resume state"
+        free = (
+            "" if cfg.output is None else f"; {human_bytes(free_bytes(cfg.output))} free at {output_path(cfg.output)}"
+        )
+        yield f"disk: checkpoint {human_bytes(self.checkpoint_bytes)}, {resume}{kept}{free}"
+        for estimate in self.device_memory:
+            yield (
+                f"  rank {estimate.rank}: {human_bytes(estimate.total)} = block {human_bytes(estimate.block)} "
+                f"+ activations {human_bytes(estimate.activations)} + statistics {human_bytes(estimate.statistics)} "
+                f"+ workspace {human_bytes(estimate.workspace)}"
+                + (f" + refine {human_bytes(estimate.refine)}" if estimate.refine else "")
+            )
+
+    def limits(self) -> tuple[int | None, int | None]:
+        """(host bytes available, device bytes) the plan is checked against: this machine's when it has
+        the plan's device; for a GPU it lacks (a login node planning a GPU job) the host is not the
+        run's and is not checked, and the device is the largest of `KNOWN_GPUS`."""
+        device = torch.device(self.device)
+        if device_present(device):
+            return available_host_bytes(), device_total_bytes(device)
+        return None, max(size for _name, size in KNOWN_GPUS)
+
+    def fit_problem(self, cfg: PruneConfig, processes: int, limits: tuple[int | None, int | None]) -> str | None:
+        """Why this plan does not fit `limits` (`memory.fit_problem`), None when it fits."""
+        return fit_problem(
+            self.host_memory,
+            self.device_bytes,
+            torch.device(self.device),
+            nsamples=cfg.nsamples,
+            seqlen=self.seqlen,
+            processes=processes,
+            host_limit=limits[0],
+            device_limit=limits[1],
+        )
+
+    def fixes(self, cfg: PruneConfig, processes: int, limits: tuple[int | None, int | None]) -> list[str]:
+        """The flags that would make the run fit `limits`, each computed from the plan: --stream,
+        --dtype bf16 and --offload-activations alone where they apply, else the fewest of them together,
+        then the largest --nsamples and --seqlen that fit alone."""
+        if self.sizing is None:
+            return []
+        sizing, device = self.sizing, torch.device(self.device)
+
+        def fits(changed: PruneConfig) -> bool:
+            memory, host = sizing.estimate(changed, min(changed.seqlen, self.seqlen), device, self.world_size)
+            device_bytes = max(estimate.total for estimate in memory)
+            problem = fit_problem(
+                host,
+                device_bytes,
+                device,
+                nsamples=changed.nsamples,
+                seqlen=changed.seqlen,
+                processes=processes,
+                host_limit=limits[0],
+                device_limit=limits[1],
+            )
+            return problem is None
+
+        changes: dict[str, Callable[[PruneConfig], PruneConfig]] = {}
+        if not cfg.stream:
+            changes["--stream"] = lambda c: replace(c, stream=True)
+        if self.dtype == "float32":
+            changes["--dtype bf16"] = lambda c: replace(c, dtype="bf16")
+        if not cfg.offload_activations:
+            changes["--offload-activations"] = lambda c: replace(c, offload_activations=True)
+        found: list[str] = []
+        for size in range(1, len(changes) + 1):
+            for combo in itertools.combinations(changes, size):
+                changed = cfg
+                for flag in combo:
+                    changed = changes[flag](changed)
+                if fits(changed):
+                    found.append(" ".join(combo))
+            if found:
+                break
+        sizes: tuple[tuple[str, int, Callable[[int], PruneConfig]], ...] = (
+            ("--nsamples", cfg.nsamples, lambda v: replace(cfg, nsamples=v)),
+            ("--seqlen", self.seqlen, lambda v: replace(cfg, seqlen=v)),
+        )
+        for flag, value, smaller in sizes:
+            low, high = 0, value - 1  # the largest smaller value that fits, by bisection (the estimate grows with it)
+            while low < high:
+                middle = (low + high + 1) // 2
+                low, high = (middle, high) if fits(smaller(middle)) else (low, middle - 1)
+            if low:
+                found.append(f"{flag} {low}")
+        return found
+
+    def check(self, cfg: PruneConfig, processes: int) -> None:
+        """The run's own error (its exit code too) when the run would not fit in memory (`processes` of it
+        on this machine, or on the largest known GPU when this machine lacks the device: `limits`), would
+        stop on an incompatible layer or a matrix --nproc cannot prune, or has nothing to prune, so a dry
+        run fails where the run would. A refusal to fit names the flags that would (`fixes`)."""
+        limits = self.limits()
+        problem = self.fit_problem(cfg, processes, limits)
+        if problem is not None:
+            fixes = self.fixes(cfg, processes, limits)
+            fix = f"pass {' or '.join(fixes)}" if fixes else "no flag of tsenor makes it fit: prune a smaller model"
+            raise DoesNotFitError(f"{problem}; {fix} (nothing was written)")
+        self.check_processes()
+        check_compatibility(self.candidates, cfg.pattern, skip=cfg.skip_incompatible)
+        check_outside(self.beyond, cfg.pattern, skip=cfg.skip_incompatible)
+
+    def check_processes(self) -> None:
+        """IncompatibleModelError when the plan is for several processes (--nproc, torchrun) and would prune
+        a matrix that is not an nn.Linear (an expert stack, Conv1D or bare parameter): their statistics
+        are not summed across ranks (`engine.prune_block`). Known before any work: expert stacks from the
+        checkpoint's shapes, the others once the probe has watched them."""
+        if self.world_size <= 1:
+            return
+        dense = (self.ignored, self.idle_dense, self.pending)
+        for slot in self.slots:
+            known = slot.experts or slot.full_name in self.observed
+            linear = slot.full_name in self.modules
+            if not linear and known and not any(slot.full_name in reasons for reasons in dense):
+                raise IncompatibleModelError(
+                    f"{slot.full_name} is not an nn.Linear (an expert stack, Conv1D or bare parameter); --nproc "
+                    "prunes nn.Linear layers only: run with one process (nothing was written)"
+                )
+
+    def check_model(self, structure: ModelStructure, folder: str) -> None:
+        """UsageError when a model built in memory (the Python API's) is not the model of `folder`'s
+        config.json this plan was made from: another block count, or other nn.Linear layers or shapes in its
+        blocks. The run takes its block count, selection and calibration length from the plan, so a model
+        edited after loading (a block dropped, a layer replaced) was pruned against another model's plan
+        and written under a config.json that does not describe it."""
+        planned = {s.full_name: (s.out_features, s.in_features) for s in self.slots if s.full_name in self.modules}
+        held = {s.full_name: (s.out_features, s.in_features) for s in linear_slots(structure) if not s.param}
+        if len(structure) != self.blocks:
+            what = f"{len(structure)} decoder block(s) in memory, {self.blocks} in the config"
+        elif held != planned:
+            name = next(n for n in sorted({*held, *planned}) if held.get(n) != planned.get(n))
+            here, there = ("×".join(map(str, d[name])) if name in d else "absent" for d in (held, planned))
+            what = f"{name}: {here} in memory, {there} in the config"
+        else:
+            return
+        raise UsageError(
+            f"the model in memory does not match {folder}/config.json, which the run is planned from ({what}); "
+            "save it with save_pretrained and prune the saved folder"
+        )
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What the memory estimates are computed from, so the plan can estimate other settings of the same
+    model (`PrunePlan.fixes`): the candidates to prune, each block's parameter count, the model's, the
+    hidden size and the attention heads."""
+
+    candidates: tuple[LinearSlot, ...]
+    per_block: tuple[int, ...]
+    params: int
+    hidden: int
+    heads: int
+
+    def estimate(
+        self, cfg: PruneConfig, seqlen: int, device: torch.device, world_size: int
+    ) -> tuple[list[MemoryEstimate], HostEstimate]:
+        """(each rank's device estimate, one process's host estimate) of `cfg` at `seqlen` (capped)."""
+        from tsenor_cli.models.loading import default_dtype, parse_dtype
+
+        dtype = parse_dtype(cfg.dtype) or default_dtype(device)
+        width = torch.finfo(dtype).bits // 8
+        spec = get_pruner(cfg.method)
+        nsamples = cfg.nsamples
+        if not reads_data(cfg):  # a stand-in sample of a few tokens per process (`PrunePlan.calibration_samples`)
+            nsamples, seqlen = world_size, min(seqlen, STAND_IN_SEQLEN)
+        memory = estimate_device_memory(
+            self.per_block,
+            self.candidates,
+            MethodCost.of(spec, cfg.pattern, cfg.layer.solver, device=device, width=width),
+            nsamples=nsamples,
+            seqlen=seqlen,
+            hidden_size=self.hidden,
+            width=width,
+            heads=self.heads,
+            world_size=world_size,
+            offload_activations=cfg.offload_activations,
+            sequential=cfg.sequential,
+            refine=cfg.refine.on,
+        )
+        # A streamed run holds the parameters outside the blocks and one block (the largest) at a time.
+        blocks = sum(self.per_block)
+        held = self.params - blocks + max(self.per_block, default=0) if cfg.stream else self.params
+        host = host_estimate(
+            memory[0],  # shard_bounds gives rank 0 the most samples
+            device=device,
+            params=held,
+            streamed=cfg.stream,
+            nsamples=nsamples,
+            seqlen=seqlen,
+            hidden_size=self.hidden,
+            width=width,
+            rows=-(-nsamples // len(memory)),
+            offload_activations=cfg.offload_activations,
+            refine=cfg.refine.on,
+            resume=cfg.resume,
+            block_params=max(self.per_block, default=0),
+        )
+        return memory, host
+
+
+@dataclass(frozen=True)
+class _Accounted:
+    """The plan's weight matrices (`_account`); weights: the probe's `WeightPlan`, None without it;
+    modules: the full names of the blocks' nn.Linear layers."""
+
+    slots: list[LinearSlot]
+    ignored: dict[str, str]
+    unused: tuple[LayerRecord, ...] = ()
+    idle: dict[str, str] = field(default_factory=dict)
+    pending: dict[str, str] = field(default_factory=dict)
+    observed: frozenset[str] = frozenset()
+    probe_bytes: int = 0
+    weights: WeightPlan | None = None
+    modules: frozenset[str] = frozenset()
+
+
+def _account(structure: ModelStructure, hidden: int, selection: Selection, observe: bool) -> _Accounted:
+    """The weight matrices of the blocks and their fate under `selection`; with `observe`, as the probe
+    watched them (see `plan_model`)."""
+    slots = linear_slots(structure)
+    names = [s.full_name for s in slots]
+    modules = frozenset(s.full_name for s in slots if not s.param)
+    # The patterns first: a typo is found before the probe runs a forward.
+    excluded = selection.excluded(names)
+    if not observe:
+        return _Accounted(slots, excluded, modules=modules)
+    probe = probe_blocks(structure, hidden)
+    accounted = weight_plan(structure, slots, probe.observed, selection)
+    say_ruled(accounted)
+    slots, ignored = accounted.slots, accounted.ignored
+    unused = tuple(record for index in sorted(accounted.unused) for record in accounted.unused[index])
+    idle: dict[str, str] = {}
+    pending: dict[str, str] = {}
+    for slot in slots:
+        if slot.block in probe.idle:
+            idle[slot.full_name] = UNKNOWN_ORIENTATION if slot.param else _idle_reason(structure, slot.block)
+        elif slot.block in probe.pending and slot.param:
+            pending[slot.full_name] = probe.pending[slot.block]
+    observed = frozenset(s.full_name for s in slots if s.block in probe.observed)
+    return _Accounted(slots, ignored, unused, idle, pending, observed, probe.peak_bytes, accounted, modules)
+
+
+def _meta(cfg: PruneConfig, ctx: RunContext, progress: Progress | None, *, conform: bool) -> tuple[str, Any, Any, Any]:
+    """(source, config, the model on the meta device, its structure), read as `load_model` reads them so
+    the plan fails with the run's line; with `conform` a local checkpoint's tensors are held to its config
+    (`models/conformance.py`, from the safetensors headers: no weight read)."""
+    from tsenor_cli.models.conformance import check_checkpoint
+    from tsenor_cli.models.loading import meta_model, read_config, resolve_source
+    from tsenor_cli.models.structure import discover_structure
+
+    source, is_local = resolve_source(cfg.model, ctx, progress=progress)
+    config = read_config(cfg.model, source, is_local, ctx, trust_remote_code=cfg.trust_remote_code)
+    model = meta_model(config, trust_remote_code=cfg.trust_remote_code)
+    structure = discover_structure(model)
+    if is_local and conform:
+        check_checkpoint(Path(source), model, name=cfg.model)
+    return source, config, model, structure
+
+
+def _sizing(model: Any, structure: Any, candidates: tuple[Any, ...], hidden: int, heads: int) -> Sizing:
+    """What the estimates read of the model: its candidates, each block's and the model's parameters."""
+    per_block = tuple(sum(p.numel() for p in b.parameters()) for b in structure.blocks)
+    return Sizing(candidates, per_block, sum(p.numel() for p in model.parameters()), hidden, heads)
+
+
+def plan_model(
+    cfg: PruneConfig,
+    ctx: RunContext,
+    progress: Progress | None = None,
+    *,
+    world_size: int | None = None,
+    observe: bool = True,
+    conform: bool = True,
+) -> PrunePlan:
+    """The dry-run plan, from the model built on the meta device (no weights read, nothing written).
+
+    The structure and the linears come from the same discovery as a run. With `observe`, one block of
+    each kind is watched on random values (`pruning/plan/probe.py`), so the plan accounts for every weight
+    matrix as the run's report does: expert stacks, Conv1D and bare parameters with their orientation,
+    routers and gates left dense, parameters that are not matmul weights, blocks that never run on text;
+    what the probe could not watch is "decided at prune time". `prune_model` plans without it (it
+    watches the real blocks). The sequential groups are not used, so the Gram-matrix estimate takes all
+    of a block's pruned matrices at once: exact without --sequential, an upper bound with it.
+    world_size: the processes the device memory is estimated for (default: this run's, `ctx.distributed`).
+    The device need not be present: the plan is arithmetic (`planned_device`).
+    conform: refuse a local checkpoint whose weights disagree with its config.json (`models/conformance.py`,
+    from the safetensors headers: no weight read), as its load would; False for a model built in memory,
+    which is checked against the config instead (`PrunePlan.check_model`).
+    """
+    from tsenor_cli.models.loading import config_value
+
+    dtype, device = dtype_and_device(cfg, ctx, present=False)
+    source, config, model, structure = _meta(cfg, ctx, progress, conform=conform)
+    hidden = int(config_value(config, "hidden_size"))
+    selection, beyond = _selection(cfg, model, structure)
+    found = _account(structure, hidden, selection, observe)
+    slots, ignored, idle = found.slots, found.ignored, _idle_dense(found.idle, found.modules)
+    bad = incompatible_slots(_checkable(slots, (ignored, idle, found.pending), found.observed), cfg.pattern)
+    candidates = tuple(s for s in slots if s.full_name not in ignored and s.full_name not in idle)
+    max_pos = config_value(config, "max_position_embeddings")
+    seqlen = min(cfg.seqlen, int(max_pos)) if max_pos else cfg.seqlen
+    width = torch.finfo(dtype).bits // 8
+    sizing = _sizing(model, structure, candidates, hidden, int(config_value(config, "num_attention_heads") or 0))
+    per_block, params = sizing.per_block, sizing.params
+    ranks = world_size if world_size is not None else ctx.distributed.world_size
+    # The tokens through every block: the calibration's, or a stand-in sample per process (`reads_data`).
+    rows, tokens = (cfg.nsamples, seqlen) if reads_data(cfg) else (ranks, min(seqlen, STAND_IN_SEQLEN))
+    memory, host = sizing.estimate(cfg, seqlen, device, ranks)
+    return PrunePlan(
+        model=cfg.model,
+        method=cfg.method,
+        pattern=cfg.pattern.label,
+        source=source,
+        model_type=structure.model_type,
+        slots=tuple(slots),
+        incompatible=bad,
+        ignored=ignored,
+        seqlen=seqlen,
+        nsamples=cfg.nsamples,
+        params=params,
+        cpu_bytes=params * width,
+        device_memory=tuple(memory),
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        blocks=len(structure),
+        beyond=beyond,
+        checkpoint_bytes=params * width,
+        # With --refine the hidden-state files hold the dense stream too.
+        resume_bytes=sum(per_block) * width + (4 if cfg.refine.on else 2) * rows * tokens * hidden * width,
+        host_memory=host,
+        selection=selection,
+        unused=found.unused,
+        idle=found.idle,
+        pending=found.pending,
+        observed=found.observed,
+        probe_bytes=found.probe_bytes,
+        blocks_bytes=sum(per_block) * width,
+        stream=cfg.stream,
+        sizing=sizing,
+        weights=found.weights,
+        world_size=ranks,
+        modules=found.modules,
+        calibrate=reads_data(cfg),
+    )

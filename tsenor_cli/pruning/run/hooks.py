@@ -1,0 +1,125 @@
+"""The resume state as a block hook (`pruning/run/seams.py`): `ResumeHook` queues each finished block's state
+for the run's background writer (`background.py`), which commits it (`ResumeStore.save_block`:
+the block file, the next block's inputs, their sha256s, the state JSON last) while the next block is
+pruned. The run's point counts a block done once its state is committed, so the line an interruption
+prints names only blocks a rerun will find.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from tsenor_cli.background import BackgroundWriter
+from tsenor_cli.phases import phase
+from tsenor_cli.pruning.block.distributed import Team
+from tsenor_cli.pruning.methods.types import LayerRecord
+from tsenor_cli.pruning.run.resume import ResumeStore
+from tsenor_cli.pruning.run.seams import BlockContext, BlockHook
+from tsenor_cli.replay.source import CPU
+from tsenor_cli.runfiles import BlockRefinement, DataSource, ResumeState
+
+
+@dataclass(frozen=True)
+class _Payload:
+    """What the background writer needs of block `index` for `ResumeStore.save_block`, taken when the
+    block is done: its parameters, the next block's inputs (whole, on rank 0; None after the last block)
+    and the dense stream's, the records so far and the refined blocks' records."""
+
+    index: int
+    block: dict[str, torch.Tensor]
+    hidden: torch.Tensor | None
+    dense: torch.Tensor | None
+    records: list[LayerRecord]
+    refinement: tuple[BlockRefinement, ...]
+
+
+def _owned(tensor: torch.Tensor | None, buffer: torch.Tensor | None) -> torch.Tensor | None:
+    """`tensor` as the background writer may hold it: copied to the CPU when it is the loop's `buffer`
+    (written again by a later block), else as it is (a gathered copy, or None)."""
+    return tensor.to(CPU, copy=True) if tensor is not None and tensor is buffer else tensor
+
+
+@dataclass
+class ResumeRecord:
+    """What every committed state repeats: the interrupted run's state to continue (None: fresh; each
+    commit replaces it), the run's `result_hash`, its sample count and block count, and the calibration
+    text's description and source."""
+
+    state: ResumeState | None
+    result_hash: str
+    nsamples: int
+    blocks: int
+    calibration: str
+    calibration_source: DataSource
+
+
+class DenseStream(Protocol):
+    """What the resume state saves of `--refine block` (`run.RefineHook`): the dense stream's buffer
+    (S_r, T, H) after each block, and the records of the blocks refined so far."""
+
+    dense: torch.Tensor
+    refined: list[BlockRefinement]
+
+
+class ResumeHook(BlockHook):
+    """Rank 0 queues the resume state after each block for the background writer; every rank takes part
+    in the gather of the next block's inputs (module docstring). The time here (the gather, the snapshot,
+    a wait for the writer) is "save". committed(i): called on the writer's thread once block i's state is
+    committed. refine: the refinement's hook, whose dense stream and records the state holds."""
+
+    def __init__(
+        self,
+        store: ResumeStore,
+        writer: BackgroundWriter,
+        team: Team,
+        record: ResumeRecord,
+        *,
+        refine: DenseStream | None,
+        committed: Callable[[int], None],
+    ) -> None:
+        self.store = store
+        self.writer = writer
+        self.team = team
+        self.record = record
+        self.refine = refine
+        self.committed = committed
+        self.refinement = record.state.refinement if record.state is not None else ()
+
+    def done(self, block: BlockContext) -> None:
+        team, refine, nsamples = self.team, self.refine, self.record.nsamples
+        last = block.index == self.record.blocks - 1
+        records: Sequence[LayerRecord] = [*block.earlier, *block.records]
+        with phase("save"):
+            whole = None if last else team.gather_samples(block.outputs, nsamples)
+            whole_dense = None if last or refine is None else team.gather_samples(refine.dense, nsamples)
+            refinement = tuple(refine.refined) if refine is not None else self.refinement
+
+            def snapshot() -> _Payload:
+                # The loop writes into its hidden-state buffers again (the rerun two blocks on writes
+                # `outputs`' buffer, the next dense forward the dense stream in place): what a queued write
+                # reads must be its own copy. A distributed gather is a new tensor already, and the
+                # block's parameters are not changed once it is done (streamed, `release` swaps them for
+                # meta tensors and the state dict keeps the pruned ones alive until written).
+                dense = refine.dense if refine is not None else None
+                return _Payload(
+                    block.index, dict(block.module.state_dict()), _owned(whole, block.outputs),
+                    _owned(whole_dense, dense), list(records), refinement,
+                )  # fmt: skip
+
+            with team.agreed():
+                if team.is_root:
+                    self.writer.submit(snapshot, self._commit)
+
+    def _commit(self, payload: _Payload) -> None:
+        """On the writer's thread: `ResumeStore.save_block`, then `committed`."""
+        record = self.record
+        record.state = self.store.save_block(
+            payload.index, payload.block, payload.hidden, record.state, payload.records, record.result_hash,
+            record.calibration, record.calibration_source, record.blocks, dense=payload.dense,
+            refinement=payload.refinement,
+        )  # fmt: skip
+        self.committed(payload.index)

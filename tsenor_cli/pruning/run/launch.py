@@ -1,0 +1,181 @@
+"""`tsenor prune --nproc K`: the same command in K processes on this node, ended as one run.
+
+Until issue 41's audit this was torch's elastic launcher (what torchrun runs), which got three things wrong
+for a run of tsenor's: on Ctrl-C or SIGTERM it raised SignalException here ("unexpected SignalException",
+exit 1, where a stop is 130 or 75), sent the signal a second time to ranks the terminal had already sent it
+to, and SIGKILLed them 30 s later whatever they were saving; and a `kill -9` of this process left the ranks
+running to the end, writing the output and holding its lock. The launcher here starts the ranks with what
+torchrun gives them on one node (the env:// rendezvous variables, `settings.DistributedContext`'s rank
+variables, one thread each) and:
+
+- each rank dies with this process (`die_with_parent`: Linux's parent-death signal, SIGKILL), set before the
+  rank imports anything heavy, the launcher's pid checked after it so a death in between is seen; a
+  resume state is consistent at any kill (docs/reliability.md), so the rerun continues;
+- Ctrl-C comes to every process of the terminal's foreground group, the ranks included, so this process
+  passes on only what was sent to it by another process (`kill -INT`), and SIGTERM, SIGUSR1, SIGUSR2 and
+  SIGHUP (the ranks stop gracefully on the first three: docs/reliability.md, "Signals and schedulers");
+- the run's status is the ranks' (`run_status`): the agreed exit code of a failure or a stop (130, 75),
+  whose one line rank 0 printed. A rank killed by a signal cannot take part in the collectives any more,
+  so the others are killed at once; a rank that exited with a code leaves the others `AGREED_EXIT_S`
+  to exit with theirs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from tsenor_cli.errors import PeerError, UsageError
+from tsenor_cli.settings import (
+    LOCAL_RANK_ENV,
+    RANK_ENV,
+    WORLD_SIZE_ENV,
+    child_environment,
+    default_worker_threads,
+)
+
+if TYPE_CHECKING:
+    from tsenor_cli.pruning.settings.config import PruneConfig
+
+# The signals this process passes on to the ranks (SIGINT only when another process sent it, see above).
+FORWARDED: tuple[signal.Signals, ...] = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGHUP,
+)
+# Ranks that agreed on a failure exit within a second of each other; a rank still running this long after
+# another exited with a code is stuck (e.g. in a collective with a peer that left) and is killed.
+AGREED_EXIT_S = 60.0
+_POLL_S = 0.1
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# What a rank runs: its death signal first, then `tsenor ARGS` (tsenor_cli/__main__.py), which records the
+# command line from sys.argv (`cli.command_line`) as "tsenor ARGS".
+_RANK_ENTRY = (
+    "import sys; from tsenor_cli.pruning.run.launch import die_with_parent; "
+    "die_with_parent(int(sys.argv.pop(1))); sys.argv[0] = 'tsenor'; import tsenor_cli.__main__"
+)
+
+
+def without_option(args: Sequence[str], option: str) -> list[str]:
+    """`args` less every ``option VALUE`` and ``option=VALUE``."""
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            kept.append(arg)
+    return kept
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when the thread that started it ends (Linux's PR_SET_PDEATHSIG),
+    and end now if `parent` (that process's pid) already did. Elsewhere: nothing (no such call)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # the launcher ended before the call: nothing would signal this rank
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_status(codes: Mapping[int, int], nproc: int) -> int:
+    """The run's exit code from its ranks' (rank → returncode, negative: killed by that signal): 0 when every
+    rank succeeded; else the code of the lowest rank that exited by itself (the ranks of a failed or stopped
+    run exit with the agreed code, and rank 0 printed its line; a rank killed while it shut down does not
+    count); PeerError (128 + the signal) when every failed rank was killed, as none printed anything."""
+    exited = sorted(rank for rank, code in codes.items() if code > 0)
+    if exited:
+        return codes[exited[0]]
+    killed = sorted(rank for rank, code in codes.items() if code < 0)
+    if not killed:
+        return 0
+    rank = killed[0]
+    raise PeerError(
+        f"process {rank} of {nproc} was killed by signal {-codes[rank]} (e.g. out of memory); rerunning the "
+        "same command continues from the last saved block",
+        128 - codes[rank],
+    )
+
+
+def _free_port() -> int:
+    """A TCP port free on this host now, for rank 0's rendezvous store: torchrun's own choice of one."""
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    return int(get_free_port())
+
+
+def _start_ranks(args: Sequence[str], nproc: int) -> list[subprocess.Popen[bytes]]:
+    default_worker_threads(nproc)
+    shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), WORLD_SIZE_ENV: str(nproc)}
+    command = [sys.executable, "-c", _RANK_ENTRY, str(os.getpid()), *without_option(args, "--nproc")]
+    ranks = []
+    for rank in range(nproc):
+        env = child_environment({**shared, RANK_ENV: str(rank), LOCAL_RANK_ENV: str(rank)})
+        ranks.append(subprocess.Popen(command, env=env))
+    return ranks
+
+
+def _signal_ranks(ranks: Sequence[subprocess.Popen[bytes]], signum: int) -> None:
+    for proc in ranks:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signum)
+
+
+def _wait(ranks: Sequence[subprocess.Popen[bytes]]) -> dict[int, int]:
+    """Wait for every rank, passing on the signals this process receives (`FORWARDED`); the ranks' returncodes."""
+    first_exit: float | None = None
+    while any(proc.poll() is None for proc in ranks):
+        info = signal.sigtimedwait(FORWARDED, _POLL_S)
+        # The terminal's Ctrl-C (si_code SI_KERNEL) reached the ranks too; a second copy would stop them
+        # at once where the first lets them say what was saved.
+        if info is not None and not (info.si_signo == signal.SIGINT and info.si_code == 0x80):
+            _signal_ranks(ranks, info.si_signo)
+        codes = [proc.poll() for proc in ranks]
+        if any(code is not None and code < 0 for code in codes):
+            _signal_ranks(ranks, signal.SIGKILL)  # a killed rank's peers would wait for it in a collective
+        elif first_exit is None and any(code for code in codes):
+            first_exit = time.monotonic()
+        elif first_exit is not None and time.monotonic() - first_exit > AGREED_EXIT_S:
+            _signal_ranks(ranks, signal.SIGKILL)
+    return {rank: int(proc.returncode) for rank, proc in enumerate(ranks)}
+
+
+def launch(args: Sequence[str], nproc: int) -> int:
+    """Run ``python -m tsenor_cli ARGS`` (less --nproc) in `nproc` processes on this node → the run's exit
+    code (`run_status`)."""
+    ranks = _start_ranks(args, nproc)
+    # Held for `_wait` once the ranks exist (a blocked mask is inherited across exec, so not before).
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    try:
+        codes = _wait(ranks)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        _signal_ranks(ranks, signal.SIGKILL)  # only when this process itself failed: no rank outlives it
+    return run_status(codes, nproc)
+
+
+def launch_prune(args: Sequence[str], cfg: PruneConfig, nproc: int) -> int:
+    """`tsenor prune ARGS --nproc K`: the checks every rank would make, made once here so their line comes
+    once, then `launch` → the run's exit code."""
+    from tsenor_cli.models.loading import resolve_device
+
+    if cfg.nsamples < nproc:
+        raise UsageError(
+            f"--nsamples {cfg.nsamples} is fewer than --nproc {nproc}; pass at least one calibration sample per process"
+        )
+    resolve_device(cfg.device)
+    return launch(args, nproc)

@@ -1,0 +1,171 @@
+"""`PruneConfig`: the frozen description of one pruning run, built by the CLI (or by library users)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tsenor_cli.errors import UsageError
+from tsenor_cli.fields import default_of, validate_settings
+from tsenor_cli.pattern import SparsityPattern
+from tsenor_cli.pruning.methods.registry import get_pruner
+from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.settings.table import FIELDS, PRUNE_FIELDS
+
+if TYPE_CHECKING:
+    import torch
+
+    from tsenor_cli.pruning.methods.method_options import MethodOptions
+
+
+# Declared with the other settings (pruning/settings/table.PRUNE_FIELDS); the defaults were chosen by the pilot of
+# docs/results.md ("Block refinement: pilot").
+REFINE_MODES: tuple[str, ...] = tuple(FIELDS["refine"].choice_list() or ())
+DEFAULT_EPOCHS: int = FIELDS["refine_epochs"].default
+DEFAULT_LR: float = FIELDS["refine_lr"].default
+# Samples per Adam step, fixed so that a run's steps do not depend on the number of processes.
+SAMPLES_PER_STEP = 4
+
+
+@dataclass(frozen=True)
+class RefineConfig:
+    """mode: "none" (default) or "block"; epochs: passes over the calibration samples per block; lr:
+    Adam's learning rate."""
+
+    mode: str = "none"
+    epochs: int = DEFAULT_EPOCHS
+    lr: float = DEFAULT_LR
+
+    def __post_init__(self) -> None:
+        if self.mode not in REFINE_MODES:
+            raise UsageError(f"--refine {self.mode!r} is not one of {', '.join(REFINE_MODES)}; use none or block")
+        if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
+            raise UsageError(f"--refine-epochs {self.epochs} must be a whole number >= 1 (default {DEFAULT_EPOCHS})")
+        if isinstance(self.lr, bool) or not math.isfinite(self.lr) or self.lr <= 0:
+            raise UsageError(f"--refine-lr {self.lr} must be a positive number (default {DEFAULT_LR:g})")
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "none"
+
+    def result_fields(self) -> dict[str, object]:
+        return {"mode": self.mode, "epochs": self.epochs, "lr": self.lr, "samples_per_step": SAMPLES_PER_STEP}
+
+
+@dataclass(frozen=True)
+class PruneConfig:
+    """Everything `prune_model` needs.
+
+    model: embedded name, local checkpoint folder or hub id; calib_data: c4 | wikitext2 | ptb | a file.
+    seqlen is capped by the model's context length. output None is only valid for a dry run.
+    layer: the per-layer method options (pattern, solver, dampening, ALPS schedule).
+    ignore / targets: patterns on full module names (globs, or `re:` regexes) of the linears to leave
+    dense / to restrict pruning to (`tsenor_cli.pruning.settings.selection`); empty targets means all.
+    command: the command line, recorded in the report.
+    offload_activations: keep the calibration activations on the CPU between blocks and move one sample
+    at a time to the device (same result, less device memory); not a result field.
+    moe_calibration / moe_min_tokens: how expert matrices get their statistics (gather.MoeOptions).
+    stream: read each decoder block from the checkpoint's safetensors when the loop reaches it, and write
+    the output from the pruned blocks' files (host memory of one block, not one model; pruning/run/writer.py);
+    max_shard_size: the output's safetensors shard size ("2GB"; `models.saving.parse_size`). Neither is a
+    result field: both give the same weights.
+    refine: block-wise reconstruction after each block is pruned (pruning/block/refine.py); off by default.
+    resume: save a resume state after each block and continue an interrupted run of the same
+    settings found in `output` (pruning/run/resume.py); False saves none. force: replace a tsenor run
+    in `output`, and discard a resume state that is damaged or from other settings.
+    """
+
+    model: str
+    layer: LayerPruneConfig
+    method: str = default_of(PRUNE_FIELDS, "method")
+    calib_data: str = default_of(PRUNE_FIELDS, "calib_data")
+    nsamples: int = default_of(PRUNE_FIELDS, "nsamples")
+    seqlen: int = default_of(PRUNE_FIELDS, "seqlen")
+    seed: int = default_of(PRUNE_FIELDS, "seed")
+    dtype: str | None = None  # the recipe's "auto" is None here
+    device: str = default_of(PRUNE_FIELDS, "device")
+    trust_remote_code: bool = default_of(PRUNE_FIELDS, "trust_remote_code")
+    sequential: bool = default_of(PRUNE_FIELDS, "sequential")
+    skip_incompatible: bool = default_of(PRUNE_FIELDS, "skip_incompatible")
+    ignore: tuple[str, ...] = default_of(PRUNE_FIELDS, "ignore")
+    targets: tuple[str, ...] = default_of(PRUNE_FIELDS, "targets")
+    output: Path | None = None
+    force: bool = False
+    resume: bool = True
+    command: str | None = None
+    offload_activations: bool = default_of(PRUNE_FIELDS, "offload_activations")
+    moe_calibration: str = default_of(PRUNE_FIELDS, "moe_calibration")
+    moe_min_tokens: int | None = default_of(PRUNE_FIELDS, "moe_min_tokens")
+    stream: bool = default_of(PRUNE_FIELDS, "stream")
+    max_shard_size: str = default_of(PRUNE_FIELDS, "max_shard_size")
+    refine: RefineConfig = field(default_factory=RefineConfig)
+
+    def __post_init__(self) -> None:
+        """Each setting's own checks (`pruning/recipe.PRUNE_FIELDS`), the solver's, and the method's options."""
+        validate_settings(self)
+        FIELDS["solver"].validate(self.layer.solver)
+        spec = get_pruner(self.method)
+        if self.layer.options is not None and not isinstance(self.layer.options, spec.options):
+            raise UsageError(
+                f"{type(self.layer.options).__name__} are not the options of --method {self.method}; "
+                f"pass {spec.options.__name__}"
+            )
+
+    @property
+    def options_kind(self) -> type[MethodOptions]:
+        """The options dataclass of this run's method."""
+        return get_pruner(self.method).options
+
+    @property
+    def pattern(self) -> SparsityPattern:
+        return self.layer.pattern
+
+    def solver_that_runs(self, device: torch.device) -> str | None:
+        """The transposable mask solver that runs on `device`: `layer.solver`, or for "auto" the method it
+        picks there (solver/auto.py); None for patterns that need no solver."""
+        if not self.pattern.transposable:
+            return None
+        from tsenor_cli.solver import resolve_method
+
+        return resolve_method(self.layer.solver, device, self.pattern.m).name
+
+    def result_fields(self) -> dict[str, object]:
+        """The fields that decide the pruned weights (what a resumed run must share). `refine` only when on,
+        so runs without it keep the hash they had before it existed."""
+        refine = {"refine": self.refine.result_fields()} if self.refine.on else {}
+        # The table's result fields carried by this dataclass (PRUNE_FIELDS, `Field.result`).
+        settings = {
+            item.name: _plain(getattr(self, item.name))
+            for item in fields(self)
+            if item.metadata.get("setting") is not None and item.metadata["setting"].result
+        }
+        pattern = self.pattern
+        return {
+            "model": self.model,
+            "dtype": self.dtype,
+            "layer": {"solver": self.layer.solver, "options": self.layer.method_options(self.options_kind).to_dict()},
+            "pattern": {"kind": pattern.kind, "n": pattern.n, "m": pattern.m, "sparsity": pattern.sparsity},
+            **settings,
+            **refine,
+        }
+
+    def result_hash(self) -> str:
+        """sha256 of `result_fields` and the input checkpoint's identity (`models/identity.checkpoint_identity`: its
+        files' sizes, times and safetensors headers), the key of a resume state and of a finished run: a
+        checkpoint replaced at the same path is another input, whose run is neither continued nor taken
+        for done."""
+        from tsenor_cli.models.identity import checkpoint_identity
+
+        identity = checkpoint_identity(self.model)
+        key = self.result_fields() if identity is None else {**self.result_fields(), "model_identity": identity}
+        blob = json.dumps(key, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+def _plain(value: object) -> object:
+    """A setting's value as JSON has it (the ignore/targets tuples as lists)."""
+    return list(value) if isinstance(value, tuple) else value
