@@ -68,6 +68,12 @@ class BadInputError(TsenorError, ValueError):
     exit_code = 7
 
 
+class PackedFormatError(UsageError):
+    """A packed checkpoint (docs/reference/packed-format.md) that is not one tsenor can read: an unknown format
+    version, a truncated or corrupt file, a mask that breaks its recorded pattern; or weights that cannot be
+    packed under their recorded pattern (exit 2)."""
+
+
 class OutputBusyError(TsenorError):
     """An --output folder locked by another running tsenor process (exit 4)."""
 

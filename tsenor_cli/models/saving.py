@@ -34,7 +34,8 @@ from typing import IO, Any
 import torch
 
 from tsenor_cli.errors import UsageError
-from tsenor_cli.models.checkpoint import INDEX_NAME, WEIGHTS_NAME, tensor_nbytes
+from tsenor_cli.models.checkpoint import INDEX_NAME, tensor_nbytes
+from tsenor_cli.runfiles import shard_names
 
 # save_pretrained's default; tsenor's outputs pass their own (pruning/output.MAX_SHARD_SIZE).
 DEFAULT_MAX_SHARD_SIZE = "50GB"
@@ -116,14 +117,6 @@ def plan_shards(specs: Sequence[TensorSpec], max_shard_size: int | str) -> list[
     if current:
         shards.append(current)
     return shards
-
-
-def shard_names(count: int) -> list[str]:
-    """transformers' shard file names: model.safetensors alone, else model-0000k-of-0000n.safetensors."""
-    if count == 1:
-        return [WEIGHTS_NAME]
-    stem = WEIGHTS_NAME.removesuffix(".safetensors")
-    return [f"{stem}-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
 
 
 _DTYPE_NAMES = {

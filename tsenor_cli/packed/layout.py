@@ -1,0 +1,213 @@
+"""One matrix's packed form: a pruned (rows, cols) weight encoded as kept values and a code, decoded bit for bit.
+
+Layout (docs/reference/packed-format.md is the reference): an N:M matrix keeps exactly N positions per
+group of M consecutive inputs of each row (nonzeros first, then the lowest-numbered zeros); its values are
+a (rows, cols/M, N) tensor in the weight's own dtype, in ascending column order. The code is either a
+bit mask (one bit per weight) or the kept positions' indices inside their group (ceil(log2 M) bits
+each), whichever is smaller for the pattern, ties going to the indices (2:4's are the hardware's sparse
+metadata). Bits are packed least significant first, each row padded to whole bytes. An unstructured
+matrix keeps every entry whose bits are not all zero: its values are 1-D in row-major order, its code a
+bit mask. Positions not kept decode to +0.0: the prune writes pruned weights as +0.0, so the decoded
+matrix is the dense output bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+
+from tsenor_cli.errors import PackedFormatError
+
+Encoding = Literal["mask", "index"]
+MASK_SUFFIX = "_tsenor_mask"
+INDEX_SUFFIX = "_tsenor_index"
+SUFFIXES: dict[str, Encoding] = {MASK_SUFFIX: "mask", INDEX_SUFFIX: "index"}
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def index_bits(m: int) -> int:
+    """Bits of one kept position's index inside a group of `m`."""
+    return max(1, math.ceil(math.log2(m)))
+
+
+def code_bits(kind: str, n: int, m: int) -> dict[Encoding, int]:
+    """Bits per group of `m` weights of each encoding of an N:M pattern (the mask alone for unstructured)."""
+    if kind == "unstructured":
+        return {"mask": m}
+    return {"mask": m, "index": n * index_bits(m)}
+
+
+def choose_encoding(kind: str, n: int, m: int) -> Encoding:
+    """The smaller code for the pattern; a tie goes to the indices."""
+    sizes = code_bits(kind, n, m)
+    return "index" if "index" in sizes and sizes["index"] <= sizes["mask"] else "mask"
+
+
+@dataclass(frozen=True)
+class MatrixPattern:
+    """What the file records of one packed matrix: kind (transposable, nm or unstructured), n and m (0 for
+    unstructured), its dense shape, and its code's encoding."""
+
+    kind: str
+    n: int
+    m: int
+    rows: int
+    cols: int
+    encoding: Encoding
+
+    @classmethod
+    def of(cls, kind: str, n: int, m: int, shape: tuple[int, ...]) -> MatrixPattern:
+        if len(shape) != 2:
+            raise PackedFormatError(f"a packed matrix must be 2-D, got shape {tuple(shape)}")
+        rows, cols = shape
+        if kind == "unstructured":
+            return cls(kind, 0, 0, rows, cols, "mask")
+        return cls(kind, n, m, rows, cols, choose_encoding(kind, n, m))
+
+    @property
+    def suffix(self) -> str:
+        return MASK_SUFFIX if self.encoding == "mask" else INDEX_SUFFIX
+
+    @property
+    def label(self) -> str:
+        if self.kind == "unstructured":
+            return "unstructured"
+        return f"{self.n}:{self.m}" + (" transposable" if self.kind == "transposable" else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> MatrixPattern:
+        """The record of a matrix in a file's metadata; PackedFormatError when it is not one."""
+        try:
+            made = cls(**data)
+            ok = made.kind in ("transposable", "nm", "unstructured") and made.encoding in ("mask", "index")
+            ok = ok and made.rows > 0 and made.cols > 0
+            if made.kind != "unstructured":
+                ok = ok and 1 <= made.n < made.m and made.cols % made.m == 0
+                ok = ok and made.encoding == choose_encoding(made.kind, made.n, made.m)
+                ok = ok and (made.kind != "transposable" or made.rows % made.m == 0)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise PackedFormatError(f"{where}: {json.dumps(data)} is not a packed matrix's pattern record")
+        return made
+
+    def code_shape(self) -> tuple[int, int]:
+        if self.encoding == "mask":
+            return (self.rows, math.ceil(self.cols / 8))
+        return (self.rows, math.ceil(self.cols // self.m * self.n * index_bits(self.m) / 8))
+
+    def values_shape(self) -> tuple[int, ...] | None:
+        """The values' shape; None for unstructured (its length is the matrix's kept count)."""
+        if self.kind == "unstructured":
+            return None
+        return (self.rows, self.cols // self.m, self.n)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """(rows, L) bool → (rows, ceil(L/8)) uint8: element j of a row is bit j % 8 of byte j // 8."""
+    rows, length = bits.shape
+    padded = torch.nn.functional.pad(bits.to(torch.uint8), (0, -length % 8))
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return (padded.view(rows, -1, 8) << shifts).sum(-1, dtype=torch.uint8)
+
+
+def unpack_bits(code: torch.Tensor, length: int) -> torch.Tensor:
+    """`pack_bits`'s inverse: (rows, B) uint8 → (rows, length) bool; the padding bits must be zero."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=code.device)
+    bits = ((code.unsqueeze(-1) >> shifts) & 1).view(code.shape[0], -1).bool()
+    if bits[:, length:].any():
+        raise PackedFormatError("a packed code sets padding bits past the end of its row")
+    return bits[:, :length]
+
+
+def _raw(weight: torch.Tensor) -> torch.Tensor:
+    """The weight's bits as integers of the same width: -0.0 is nonzero there."""
+    return weight.view(_INT_VIEW[weight.element_size()])
+
+
+def _kept_positions(groups: torch.Tensor, n: int) -> torch.Tensor:
+    """(rows, G, n) ascending positions kept in each group of (rows, G, M): nonzero values first, then
+    the entries whose bits are nonzero (-0.0), then the lowest-numbered zeros."""
+    m = groups.shape[-1]
+    rank = (groups != 0).to(torch.int32) * 2 + (_raw(groups) != 0).to(torch.int32)
+    order = torch.arange(m - 1, -1, -1, dtype=torch.int32, device=groups.device)
+    return (rank * m + order).topk(n, dim=-1).indices.sort(dim=-1).values
+
+
+def encode(weight: torch.Tensor, pattern: MatrixPattern) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, code) of a 2-D `weight` under `pattern`; PackedFormatError when a group holds more than N
+    nonzeros. The zeros' sign bits at positions not kept are not stored (they decode as +0.0)."""
+    if tuple(weight.shape) != (pattern.rows, pattern.cols):
+        raise PackedFormatError(f"a {tuple(weight.shape)} weight does not have its record's shape")
+    if pattern.kind == "unstructured":
+        kept = _raw(weight) != 0
+        return weight[kept], pack_bits(kept)
+    rows, n, m = pattern.rows, pattern.n, pattern.m
+    groups = weight.reshape(rows, -1, m)
+    if int((groups != 0).sum(-1).max()) > n:
+        raise PackedFormatError(f"a {rows}×{pattern.cols} weight keeps more than {n} of {m} in some group")
+    positions = _kept_positions(groups, n)
+    values = groups.gather(-1, positions)
+    if pattern.encoding == "index":
+        shifts = torch.arange(index_bits(m), dtype=torch.int64, device=weight.device)
+        bits = ((positions.unsqueeze(-1) >> shifts) & 1).reshape(rows, -1).bool()
+        return values, pack_bits(bits)
+    mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, positions, True)
+    return values, pack_bits(mask.view(rows, -1))
+
+
+def _positions(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
+    """(rows, G, n) kept positions of an index code, checked in range and strictly ascending."""
+    rows, n, m = pattern.rows, pattern.n, pattern.m
+    b = index_bits(m)
+    groups = pattern.cols // m
+    bits = unpack_bits(code, groups * n * b).view(rows, groups, n, b).to(torch.int64)
+    positions = (bits << torch.arange(b, device=code.device)).sum(-1)
+    if int(positions.max()) >= m or bool((positions.diff(dim=-1) <= 0).any()):
+        raise PackedFormatError(f"its indices break {pattern.label}: a position past M or one not ascending")
+    return positions
+
+
+def kept_mask(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
+    """The (rows, cols) bool mask of kept positions, checked against the pattern (N per group, and per
+    column of each M×M tile for transposable); PackedFormatError when it breaks it."""
+    if tuple(code.shape) != pattern.code_shape() or code.dtype != torch.uint8:
+        raise PackedFormatError(f"its code is {tuple(code.shape)} {code.dtype}, not {pattern.code_shape()} uint8")
+    rows, cols = pattern.rows, pattern.cols
+    if pattern.encoding == "index":
+        positions = _positions(code, pattern)
+        grouped = torch.zeros(rows, cols // pattern.m, pattern.m, dtype=torch.bool, device=code.device)
+        mask = grouped.scatter_(-1, positions, True).view(rows, cols)
+    else:
+        mask = unpack_bits(code, cols)
+    if pattern.kind == "unstructured":
+        return mask
+    n, m = pattern.n, pattern.m
+    if bool((mask.view(rows, -1, m).sum(-1) != n).any()):
+        raise PackedFormatError(f"its mask breaks {pattern.label}: a group does not keep exactly {n} of {m}")
+    if pattern.kind == "transposable":
+        per_column = mask.view(rows // m, m, cols).sum(1)
+        if bool((per_column != n).any()):
+            raise PackedFormatError(f"its mask breaks {pattern.label}: a tile's column does not keep {n} of {m}")
+    return mask
+
+
+def decode(values: torch.Tensor, code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
+    """The dense (rows, cols) weight in the values' dtype; PackedFormatError when the code breaks the
+    pattern or does not fit the values."""
+    mask = kept_mask(code, pattern)
+    expected = pattern.values_shape()
+    if expected is not None and tuple(values.shape) != expected:
+        raise PackedFormatError(f"its values are {tuple(values.shape)}, not {expected}")
+    if expected is None and (values.dim() != 1 or values.numel() != int(mask.sum())):
+        raise PackedFormatError(f"its {values.numel()} values do not match the {int(mask.sum())} kept positions")
+    dense = torch.zeros(pattern.rows, pattern.cols, dtype=values.dtype, device=values.device)
+    # masked_scatter fills the kept positions in row-major order: the values' own order.
+    return dense.masked_scatter_(mask, values.reshape(-1))
