@@ -22,7 +22,7 @@ import torch
 
 from tsenor_cli.errors import PackedFormatError, one_line
 from tsenor_cli.packed.layout import MatrixPattern, decode, encode
-from tsenor_cli.runfiles import INDEX_NAME, WEIGHTS_NAME, shard_names
+from tsenor_cli.runfiles import CONFIG_FILE, INDEX_NAME, WEIGHTS_NAME, SparsityRecord, shard_names
 
 FORMAT_VERSION = 1
 QUANT_METHOD = "tsenor_packed"
@@ -61,13 +61,11 @@ class PackedWriter:
         self.limit = max_shard_size
         self.done: list[_Shard] = []
         self.current: _Shard | None = None
-        self.total_parameters = 0
 
     def add(self, key: str, tensor: torch.Tensor, pattern: MatrixPattern | None) -> None:
         """Store `tensor` under `key`: packed (values under `key`, the code under key + its suffix) when
         `pattern` is given, else as it is."""
         tensor = tensor.detach().to("cpu").contiguous()
-        self.total_parameters += tensor.numel()
         if pattern is None:
             parts = [(key, tensor)]
         else:
@@ -100,8 +98,9 @@ class PackedWriter:
             self.current.data.touch()
         return self.current
 
-    def finish(self) -> list[str]:
-        """Write every shard (and the index when there are several) → the shard file names."""
+    def finish(self, total_parameters: int) -> list[str]:
+        """Write every shard (and the index, with `total_parameters`, when there are several) → the shard
+        file names."""
         shards = [*self.done, *([self.current] if self.current is not None else [])]
         names = shard_names(max(len(shards), 1))
         weight_map: dict[str, str] = {}
@@ -116,7 +115,7 @@ class PackedWriter:
             weight_map.update(dict.fromkeys(shard.entries, name))
         if len(shards) > 1:
             total = sum(shard.size for shard in shards)
-            index = {"metadata": {"total_parameters": self.total_parameters, "total_size": total}}
+            index = {"metadata": {"total_parameters": total_parameters, "total_size": total}}
             index["weight_map"] = weight_map
             (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         return names[: len(shards)]
@@ -160,3 +159,29 @@ def weight_files(folder: Path) -> Iterator[Path]:
     elif index.is_file():
         weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
         yield from (folder / name for name in dict.fromkeys(weight_map.values()))
+
+
+def quantization_entry() -> dict[str, Any]:
+    """config.json's ``quantization_config`` of a packed checkpoint: what transformers dispatches its loading on."""
+    return {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION}
+
+
+def declares_packed(folder: Path) -> bool:
+    """Whether the config.json of `folder` says its weights are packed (an unreadable config says not)."""
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    entry = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(entry, dict) and entry.get("quant_method") == QUANT_METHOD
+
+
+def record_patterns(sparsity: SparsityRecord) -> dict[str, MatrixPattern]:
+    """{parameter: pattern} of the pruned matrices a packed checkpoint packs: each whole 2-D parameter in
+    its stored orientation; an expert of a stack or a transposed (Conv1D) parameter stays dense."""
+    pattern = sparsity.pattern
+    return {
+        entry.param: MatrixPattern.of(pattern.kind, pattern.n, pattern.m, entry.shape)
+        for entry in sparsity.pruned
+        if entry.expert is None and not entry.transposed and entry.shape is not None
+    }

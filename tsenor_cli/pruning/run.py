@@ -300,7 +300,7 @@ class PruneRun:
         self.writer = BackgroundWriter(WRITER_DEPTH)
         self.sink = CheckpointSink(
             self.loaded, self.output, streamed=self.source.streamed, folder=folder, team=team,
-            max_shard_size=cfg.max_shard_size, dtype=cfg.dtype, writer=self.writer,
+            max_shard_size=cfg.max_shard_size, dtype=cfg.dtype, writer=self.writer, save_format=cfg.save_format,
         )  # fmt: skip
         # The writer drains (and its thread ends) before the sink removes its folder of kept blocks.
         with contextlib.closing(self.sink), self.writer:

