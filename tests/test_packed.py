@@ -5,7 +5,6 @@ through AutoModelForCausalLM, the pack/unpack commands and the bad inputs."""
 from __future__ import annotations
 
 import json
-import struct
 import subprocess
 import sys
 from collections.abc import Callable
@@ -20,9 +19,7 @@ from tsenor_cli.errors import PackedFormatError
 from tsenor_cli.models.checkpoint import Checkpoint
 from tsenor_cli.packed.files import PATTERNS_KEY, VERSION_KEY
 from tsenor_cli.packed.layout import MatrixPattern, decode, encode, kept_mask
-from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.api import prune_model
-from tsenor_cli.pruning.types import LayerPruneConfig
 from tsenor_cli.settings import RunContext
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -149,3 +146,44 @@ def test_a_packed_prune_decodes_to_the_dense_prune_bit_for_bit(pruned: dict[str,
     config = json.loads((pruned["packed"] / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "tsenor_packed"
     assert "packed" in (pruned["packed"] / "README.md").read_text()
+
+
+LOAD_SCRIPT = """
+import sys
+{prelude}
+from transformers import AutoModelForCausalLM
+model, info = AutoModelForCausalLM.from_pretrained(sys.argv[1], output_loading_info=True)
+print({{k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys")}})
+"""
+
+
+def _load_in_subprocess(folder: Path, prelude: str) -> subprocess.CompletedProcess[str]:
+    script = LOAD_SCRIPT.format(prelude=prelude)
+    return subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True, check=False)
+
+
+def test_auto_model_loads_the_packed_folder_with_no_missing_keys(pruned: dict[str, Path]) -> None:
+    """After `import tsenor_cli` (before or after transformers), the packed folder loads as the dense one."""
+    import tsenor_cli
+    from transformers import AutoModelForCausalLM
+
+    packed = AutoModelForCausalLM.from_pretrained(pruned["packed"], output_loading_info=True)
+    model, info = packed
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    dense = AutoModelForCausalLM.from_pretrained(pruned["dense"])
+    assert _same(model.state_dict(), dense.state_dict())
+    assert getattr(model.config, "quantization_config", None) is None  # a plain dense model afterwards
+    assert _same(tsenor_cli.load(pruned["packed"]).state_dict(), dense.state_dict())
+    done = _load_in_subprocess(pruned["packed"], "import tsenor_cli")
+    assert done.returncode == 0, done.stderr
+    assert "'missing_keys': []" in done.stdout and "'unexpected_keys': []" in done.stdout
+
+
+def test_without_tsenor_loading_fails_naming_the_package(pruned: dict[str, Path]) -> None:
+    """transformers only warns of an unknown quant_method (naming tsenor_packed) and goes on; the packed
+    values stored under the weights' own names then fail it on their shapes, instead of a model whose
+    pruned matrices were initialised at random."""
+    done = _load_in_subprocess(pruned["packed"], "")
+    assert done.returncode != 0
+    assert "Unknown quantization type, got tsenor_packed" in done.stderr
+    assert "ignore_mismatched_sizes" in done.stderr.strip().splitlines()[-1]

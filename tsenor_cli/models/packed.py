@@ -1,4 +1,4 @@
-"""Loading a packed checkpoint through transformers' quantizer extension point: the packed matrices made dense as they load.
+"""Loading a packed checkpoint through transformers' quantizer extension point: its matrices made dense as they load.
 
 config.json's ``quantization_config`` ({"quant_method": "tsenor_packed", ...}) makes transformers dispatch
 the loading to the quantizer registered here (`register`, which `import tsenor_cli` arranges the first
@@ -11,13 +11,13 @@ afterwards (the quantization entry is removed once the weights are in: `save_pre
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from safetensors import safe_open
 from transformers.core_model_loading import ConversionOps, WeightConverter
-from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
-from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING, register_quantization_config, register_quantizer
+from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from tsenor_cli.errors import PackedFormatError
@@ -66,7 +66,7 @@ class TsenorPackedQuantizer(HfQuantizer):
     one as it loads, and leaves a plain dense model."""
 
     requires_calibration = True
-    serialized_names = {"weight": ["weight", *(f"weight{suffix}" for suffix in SUFFIXES)]}
+    serialized_names: ClassVar[dict[str, list[str]]] = {"weight": ["weight", *(f"weight{suffix}" for suffix in SUFFIXES)]}
 
     def __init__(self, quantization_config: QuantizationConfigMixin, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)
@@ -105,3 +105,16 @@ def register() -> None:
         return
     register_quantization_config(QUANT_METHOD)(TsenorPackedConfig)
     register_quantizer(QUANT_METHOD)(TsenorPackedQuantizer)
+
+
+def load(folder: str | Path, **kwargs: Any) -> Any:
+    """The model of a checkpoint folder, packed or dense, with the class its config.json names (its
+    ``architectures``), else AutoModelForCausalLM; kwargs go to ``from_pretrained``."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    register()
+    config = AutoConfig.from_pretrained(str(folder))
+    names = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, names[0], None) if names else None
+    return (cls or AutoModelForCausalLM).from_pretrained(str(folder), **kwargs)
