@@ -5,6 +5,7 @@ through AutoModelForCausalLM, the pack/unpack commands and the bad inputs."""
 from __future__ import annotations
 
 import json
+import struct
 import subprocess
 import sys
 from collections.abc import Callable
@@ -164,8 +165,9 @@ def _load_in_subprocess(folder: Path, prelude: str) -> subprocess.CompletedProce
 
 def test_auto_model_loads_the_packed_folder_with_no_missing_keys(pruned: dict[str, Path]) -> None:
     """After `import tsenor_cli` (before or after transformers), the packed folder loads as the dense one."""
-    import tsenor_cli
     from transformers import AutoModelForCausalLM
+
+    import tsenor_cli
 
     packed = AutoModelForCausalLM.from_pretrained(pruned["packed"], output_loading_info=True)
     model, info = packed
@@ -187,3 +189,87 @@ def test_without_tsenor_loading_fails_naming_the_package(pruned: dict[str, Path]
     assert done.returncode != 0
     assert "Unknown quantization type, got tsenor_packed" in done.stderr
     assert "ignore_mismatched_sizes" in done.stderr.strip().splitlines()[-1]
+
+
+def _tsenor(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tsenor_cli", *map(str, args)], capture_output=True, text=True, check=False
+    )
+
+
+def test_pack_and_unpack_commands_round_trip(pruned: dict[str, Path], tmp_path: Path) -> None:
+    packed, dense = tmp_path / "packed", tmp_path / "dense"
+    assert _tsenor("pack", pruned["dense"], "-o", packed).returncode == 0
+    assert _tsenor("unpack", packed, "-o", dense).returncode == 0
+    assert _same(_dense_tensors(packed), _dense_tensors(pruned["dense"]))
+    assert _same(_dense_tensors(dense), _dense_tensors(pruned["dense"]))
+    assert (packed / "model.safetensors").stat().st_size < (pruned["dense"] / "model.safetensors").stat().st_size
+    assert "quantization_config" not in json.loads((dense / "config.json").read_text())
+    # the same checkpoint again, without and with --force
+    again = _tsenor("pack", pruned["dense"], "-o", packed)
+    assert again.returncode == 4 and "--force" in again.stderr
+    assert _tsenor("pack", pruned["dense"], "-o", packed, "--force").returncode == 0
+
+
+def _rewrite_header(path: Path, change: Callable[[dict[str, object]], None]) -> None:
+    """Edit the JSON header of a safetensors file in place (the data offsets unchanged)."""
+    blob = path.read_bytes()
+    (length,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + length])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + blob[8 + length :])
+
+
+def _one_line_exit_2(result: subprocess.CompletedProcess[str], needle: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], lines
+
+
+@pytest.mark.parametrize("damage", ["version", "truncated", "mask"])
+def test_a_damaged_packed_file_is_one_line_exit_2_and_nothing_written(
+    pruned: dict[str, Path], tmp_path: Path, damage: str
+) -> None:
+    import shutil
+
+    folder = tmp_path / "packed"
+    shutil.copytree(pruned["packed"], folder)
+    weights = folder / "model.safetensors"
+    if damage == "version":
+        _rewrite_header(weights, lambda header: header["__metadata__"].update({VERSION_KEY: "99"}))  # type: ignore[attr-defined]
+        needle = "format version 99"
+    elif damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-100])
+        needle = "truncated or corrupt"
+    else:
+        with safe_open(str(weights), framework="pt") as handle:
+            key = next(k for k in handle.keys() if k.endswith("_tsenor_index"))  # noqa: SIM118
+        blob = bytearray(weights.read_bytes())
+        (length,) = struct.unpack("<Q", blob[:8])
+        start = 8 + length + json.loads(blob[8 : 8 + length])[key]["data_offsets"][0]
+        blob[start] = 0x00  # the first group's indices both 0: not ascending
+        weights.write_bytes(bytes(blob))
+        needle = "break 2:4"
+    result = _tsenor("unpack", folder, "-o", tmp_path / "out")
+    _one_line_exit_2(result, needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_pack_refuses_a_folder_that_is_not_a_tsenor_output_or_breaks_its_pattern(
+    model: Path, pruned: dict[str, Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _one_line_exit_2(_tsenor("pack", model, "-o", tmp_path / "out"), "not a tsenor output")
+    broken = tmp_path / "broken"
+    shutil.copytree(pruned["dense"], broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    key = "model.layers.0.mlp.up_proj.weight"
+    tensors[key] = torch.ones_like(tensors[key])
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    _one_line_exit_2(_tsenor("pack", broken, "-o", tmp_path / "out"), "breaks its recorded pattern")
+    assert not (tmp_path / "out").exists()

@@ -66,7 +66,9 @@ class TsenorPackedQuantizer(HfQuantizer):
     one as it loads, and leaves a plain dense model."""
 
     requires_calibration = True
-    serialized_names: ClassVar[dict[str, list[str]]] = {"weight": ["weight", *(f"weight{suffix}" for suffix in SUFFIXES)]}
+    serialized_names: ClassVar[dict[str, list[str]]] = {
+        "weight": ["weight", *(f"weight{suffix}" for suffix in SUFFIXES)]
+    }
 
     def __init__(self, quantization_config: QuantizationConfigMixin, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)

@@ -1,0 +1,33 @@
+"""`tsenor pack DIR -o OUT` and `tsenor unpack DIR -o OUT`: a checkpoint between the dense and the packed format."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tsenor_cli.cli import Command, app
+from tsenor_cli.cli.options import ForceOpt
+
+SourceArg = Annotated[Path, typer.Argument(help="Checkpoint folder written by tsenor prune or tsenor finetune.")]
+PackOutOpt = Annotated[
+    Path, typer.Option("--output", "-o", help="Folder to write (refused if it exists, unless --force).")
+]
+
+
+@app.command("pack", cls=Command)
+def pack_cmd(directory: SourceArg, output: PackOutOpt, force: ForceOpt = False) -> None:
+    """Write the packed form of a dense tsenor checkpoint: each pruned matrix as its kept values and a mask
+    (about 0.56x its bf16 bytes; docs/reference/packed-format.md)."""
+    from tsenor_cli.pruning.packing import pack_folder
+
+    typer.echo(f"packed {directory} into {pack_folder(directory, output, force=force)}")
+
+
+@app.command("unpack", cls=Command)
+def unpack_cmd(directory: SourceArg, output: PackOutOpt, force: ForceOpt = False) -> None:
+    """Write the dense form of a packed tsenor checkpoint (the dense prune's tensors, bit for bit)."""
+    from tsenor_cli.pruning.packing import unpack_folder
+
+    typer.echo(f"unpacked {directory} into {unpack_folder(directory, output, force=force)}")
