@@ -11,7 +11,7 @@ afterwards (the quantization entry is removed once the weights are in: `save_pre
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -45,7 +45,9 @@ class PackedDecode(ConversionOps):
     def __init__(self, quantizer: TsenorPackedQuantizer) -> None:
         self.quantizer = quantizer
 
-    def convert(self, input_dict: dict[str, Any], full_layer_name: str | None = None, **kwargs: Any) -> dict[str, Any]:
+    def convert(  # type: ignore[override]  # transformers passes full_layer_name by keyword
+        self, input_dict: dict[str, Any], full_layer_name: str | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
         def one(value: Any) -> torch.Tensor:
             return value[0] if isinstance(value, list) else value
 
@@ -66,9 +68,7 @@ class TsenorPackedQuantizer(HfQuantizer):
     one as it loads, and leaves a plain dense model."""
 
     requires_calibration = True
-    serialized_names: ClassVar[dict[str, list[str]]] = {
-        "weight": ["weight", *(f"weight{suffix}" for suffix in SUFFIXES)]
-    }
+    serialized_names = {"weight": ["weight", *(f"weight{suffix}" for suffix in SUFFIXES)]}  # noqa: RUF012
 
     def __init__(self, quantization_config: QuantizationConfigMixin, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)

@@ -115,8 +115,8 @@ class PackedWriter:
             weight_map.update(dict.fromkeys(shard.entries, name))
         if len(shards) > 1:
             total = sum(shard.size for shard in shards)
-            index = {"metadata": {"total_parameters": total_parameters, "total_size": total}}
-            index["weight_map"] = weight_map
+            sizes = {"total_parameters": total_parameters, "total_size": total}
+            index: dict[str, Any] = {"metadata": sizes, "weight_map": weight_map}
             (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         return names[: len(shards)]
 
