@@ -8,26 +8,30 @@ from typing import Annotated
 import typer
 
 from tsenor_cli.cli import Command, app
-from tsenor_cli.cli.options import ForceOpt
+from tsenor_cli.cli.options import ForceOpt, OutputDirOpt
+from tsenor_cli.errors import UsageError
 
 SourceArg = Annotated[Path, typer.Argument(help="Checkpoint folder written by tsenor prune or tsenor finetune.")]
-PackOutOpt = Annotated[
-    Path, typer.Option("--output", "-o", help="Folder to write (refused if it exists, unless --force).")
-]
+
+
+def _output(output: Path | None, command: str) -> Path:
+    if output is None:
+        raise UsageError(f"tsenor {command} needs the folder to write: pass -o OUT")
+    return output
 
 
 @app.command("pack", cls=Command)
-def pack_cmd(directory: SourceArg, output: PackOutOpt, force: ForceOpt = False) -> None:
+def pack_cmd(directory: SourceArg, output: OutputDirOpt = None, force: ForceOpt = False) -> None:
     """Write the packed form of a dense tsenor checkpoint: each pruned matrix as its kept values and a mask
     (about 0.56x its bf16 bytes; docs/reference/packed-format.md)."""
     from tsenor_cli.pruning.packing import pack_folder
 
-    typer.echo(f"packed {directory} into {pack_folder(directory, output, force=force)}")
+    typer.echo(f"packed {directory} into {pack_folder(directory, _output(output, 'pack'), force=force)}")
 
 
 @app.command("unpack", cls=Command)
-def unpack_cmd(directory: SourceArg, output: PackOutOpt, force: ForceOpt = False) -> None:
+def unpack_cmd(directory: SourceArg, output: OutputDirOpt = None, force: ForceOpt = False) -> None:
     """Write the dense form of a packed tsenor checkpoint (the dense prune's tensors, bit for bit)."""
     from tsenor_cli.pruning.packing import unpack_folder
 
-    typer.echo(f"unpacked {directory} into {unpack_folder(directory, output, force=force)}")
+    typer.echo(f"unpacked {directory} into {unpack_folder(directory, _output(output, 'unpack'), force=force)}")

@@ -17,6 +17,8 @@ import torch
 from safetensors import safe_open
 
 from tsenor_cli.errors import InputNotFoundError, UsageError, VerificationError
+from tsenor_cli.models.checkpoint import Checkpoint
+from tsenor_cli.packed.files import declares_packed
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.finite import check_finite
 from tsenor_cli.runfiles import (
@@ -130,9 +132,13 @@ class _Parameters:
         self.files = files
         self.layout = layout or {}
         self.loaded: dict[str, torch.Tensor] | None = None
+        # A packed checkpoint's matrices are decoded as they are read, their masks checked on the way.
+        self.packed = Checkpoint.open(directory) if declares_packed(directory) else None
 
     def tensor(self, name: str) -> torch.Tensor | None:
         key = self.layout.get(name, name)
+        if self.packed is not None and key in self.packed.tensors:
+            return self.packed.read([key])[key]
         if key in self.files:
             with safe_open(str(self.files[key]), framework="pt") as handle:
                 return handle.get_tensor(key)
