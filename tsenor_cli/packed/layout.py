@@ -103,6 +103,15 @@ class MatrixPattern:
             return (self.rows, math.ceil(self.cols / 8))
         return (self.rows, math.ceil(self.cols // self.m * self.n * index_bits(self.m) / 8))
 
+    def stored_nbytes(self, itemsize: int, kept: int | None = None) -> int:
+        """Bytes the matrix takes packed: its values (`itemsize` bytes each; `kept` of them for unstructured,
+        whose count the pattern does not fix) and its code."""
+        shape = self.values_shape()
+        if shape is None and kept is None:
+            raise ValueError("an unstructured matrix's packed size needs its kept count")
+        values = math.prod(shape) if shape is not None else int(kept or 0)
+        return values * itemsize + math.prod(self.code_shape())
+
     def values_shape(self) -> tuple[int, ...] | None:
         """The values' shape; None for unstructured (its length is the matrix's kept count)."""
         if self.kind == "unstructured":
