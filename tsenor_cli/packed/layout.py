@@ -173,32 +173,38 @@ def encode(weight: torch.Tensor, pattern: MatrixPattern) -> tuple[torch.Tensor, 
 
 
 def _positions(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
-    """(rows, G, n) kept positions of an index code, checked in range and strictly ascending."""
+    """(rows, G, n) kept positions of an index code, as stored (unchecked)."""
     rows, n, m = pattern.rows, pattern.n, pattern.m
     b = index_bits(m)
     groups = pattern.cols // m
     bits = unpack_bits(code, groups * n * b).view(rows, groups, n, b).to(torch.int64)
-    positions = (bits << torch.arange(b, device=code.device)).sum(-1)
-    if int(positions.max()) >= m or bool((positions.diff(dim=-1) <= 0).any()):
-        raise PackedFormatError(f"its indices break {pattern.label}: a position past M or one not ascending")
-    return positions
+    return (bits << torch.arange(b, device=code.device)).sum(-1)
+
+
+def stored_mask(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
+    """The (rows, cols) bool mask of the positions the code marks, without checking it against the pattern
+    (`tsenor verify` counts its tiles itself); PackedFormatError when the code's shape, dtype, padding or
+    an index past M cannot describe the matrix at all."""
+    if tuple(code.shape) != pattern.code_shape() or code.dtype != torch.uint8:
+        raise PackedFormatError(f"its code is {tuple(code.shape)} {code.dtype}, not {pattern.code_shape()} uint8")
+    if pattern.encoding == "mask":
+        return unpack_bits(code, pattern.cols)
+    positions = _positions(code, pattern)
+    if int(positions.max()) >= pattern.m:
+        raise PackedFormatError(f"its indices break {pattern.label}: a position past M")
+    grouped = torch.zeros(pattern.rows, pattern.cols // pattern.m, pattern.m, dtype=torch.bool, device=code.device)
+    return grouped.scatter_(-1, positions, True).view(pattern.rows, pattern.cols)
 
 
 def kept_mask(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
     """The (rows, cols) bool mask of kept positions, checked against the pattern (N per group, and per
-    column of each M×M tile for transposable); PackedFormatError when it breaks it."""
-    if tuple(code.shape) != pattern.code_shape() or code.dtype != torch.uint8:
-        raise PackedFormatError(f"its code is {tuple(code.shape)} {code.dtype}, not {pattern.code_shape()} uint8")
-    rows, cols = pattern.rows, pattern.cols
-    if pattern.encoding == "index":
-        positions = _positions(code, pattern)
-        grouped = torch.zeros(rows, cols // pattern.m, pattern.m, dtype=torch.bool, device=code.device)
-        mask = grouped.scatter_(-1, positions, True).view(rows, cols)
-    else:
-        mask = unpack_bits(code, cols)
+    column of each M×M tile for transposable; indices strictly ascending); PackedFormatError when it breaks it."""
+    mask = stored_mask(code, pattern)
     if pattern.kind == "unstructured":
         return mask
-    n, m = pattern.n, pattern.m
+    rows, cols, n, m = pattern.rows, pattern.cols, pattern.n, pattern.m
+    if pattern.encoding == "index" and bool((_positions(code, pattern).diff(dim=-1) <= 0).any()):
+        raise PackedFormatError(f"its indices break {pattern.label}: a position not ascending in its group")
     if bool((mask.view(rows, -1, m).sum(-1) != n).any()):
         raise PackedFormatError(f"its mask breaks {pattern.label}: a group does not keep exactly {n} of {m}")
     if pattern.kind == "transposable":
