@@ -273,3 +273,20 @@ def test_pack_refuses_a_folder_that_is_not_a_tsenor_output_or_breaks_its_pattern
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
     _one_line_exit_2(_tsenor("pack", broken, "-o", tmp_path / "out"), "breaks its recorded pattern")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_transposable_weight_with_zeros_among_its_kept_entries_packs_to_a_transposable_mask() -> None:
+    """Real weights can be 0 before pruning: the zeros that fill a group must keep N per tile column too
+    (row 0 keeps columns 2 and 3 with a zero at 3: filling it with its lowest zero, column 0, would give
+    column 0 three of 4)."""
+    tile = (torch.arange(4).view(1, 4) - torch.arange(4).view(4, 1)) % 4 >= 2  # row i keeps (i + 2, i + 3) % 4
+    weight = torch.where(tile.repeat(2, 3), torch.arange(1.0, 97.0).view(8, 12), torch.zeros(()))
+    weight[0, 3] = 0.0
+    weight[5, 4] = 0.0  # row 1 of its tile keeps columns 3 and 0 (4 here)
+    for dtype in DTYPES:
+        dense = weight.to(dtype)
+        pattern = MatrixPattern.of("transposable", 2, 4, (8, 12))
+        values, code = encode(dense, pattern)
+        mask = kept_mask(code, pattern)  # raises when a tile's column keeps other than 2
+        assert bool(mask[0, 3]) and bool(mask[5, 4])
+        assert torch.equal(_bits(decode(values, code, pattern)), _bits(dense))

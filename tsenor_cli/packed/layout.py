@@ -150,6 +150,58 @@ def _kept_positions(groups: torch.Tensor, n: int) -> torch.Tensor:
     return (rank * m + order).topk(n, dim=-1).indices.sort(dim=-1).values
 
 
+def _complete_tile(tile: torch.Tensor, n: int) -> torch.Tensor:
+    """An (m, m) bool tile keeping at most n per row and per column, completed with positions it does not
+    keep to exactly n per row and per column: a bipartite b-matching of the rows' and the columns' deficits
+    over the free positions, by augmenting paths (rows and columns in ascending order, so the result is
+    deterministic). PackedFormatError when no completion exists."""
+    m = tile.shape[0]
+    added = [[False] * m for _ in range(m)]
+    free = (~tile).tolist()
+    col_need = [n - int(c) for c in tile.sum(0)]
+
+    def augment(row: int, seen: list[bool]) -> bool:
+        # A free position of `row` to a column that still needs one, or one whose added position can move.
+        for col in range(m):
+            if not free[row][col] or added[row][col] or seen[col]:
+                continue
+            seen[col] = True
+            if col_need[col] > 0:
+                col_need[col] -= 1
+                added[row][col] = True
+                return True
+            for other in range(m):
+                if added[other][col] and augment(other, seen):
+                    added[row][col], added[other][col] = True, False
+                    return True
+        return False
+
+    for row, count in enumerate(tile.sum(1).tolist()):
+        for _ in range(n - int(count)):
+            if not augment(row, [False] * m):
+                raise PackedFormatError(f"its kept entries cannot be completed to a transposable {n}:{m} tile")
+    return tile | torch.tensor(added, dtype=torch.bool)
+
+
+def transposable_mask(weight: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """The (rows, cols) kept positions of a transposable N:M weight: its entries whose bits are nonzero, and,
+    in a tile keeping fewer than N in some row (weights that were zero before pruning), free positions that
+    complete it to exactly N per row and per column (`_complete_tile`). PackedFormatError when a tile's
+    row or column holds more than N nonzeros."""
+    rows, cols = weight.shape
+    kept = _raw(weight) != 0
+    tiles = kept.view(rows // m, m, cols // m, m).transpose(1, 2)  # (TR, TC, m, m)
+    if bool((tiles.sum(-1) > n).any()) or bool((tiles.sum(-2) > n).any()):
+        raise PackedFormatError(f"a {rows}×{cols} weight keeps more than {n} of {m} in some tile row or column")
+    short = (tiles.sum(-1) < n).any(-1).nonzero().tolist()
+    if not short:
+        return kept
+    tiles = tiles.clone()
+    for tile_row, tile_col in short:  # only tiles with zero weights among the kept: rare, each small
+        tiles[tile_row, tile_col] = _complete_tile(tiles[tile_row, tile_col], n)
+    return tiles.transpose(1, 2).reshape(rows, cols)
+
+
 def encode(weight: torch.Tensor, pattern: MatrixPattern) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, code) of a 2-D `weight` under `pattern`; PackedFormatError when a group holds more than N
     nonzeros. The zeros' sign bits at positions not kept are not stored (they decode as +0.0)."""
@@ -162,7 +214,11 @@ def encode(weight: torch.Tensor, pattern: MatrixPattern) -> tuple[torch.Tensor, 
     groups = weight.reshape(rows, -1, m)
     if int((groups != 0).sum(-1).max()) > n:
         raise PackedFormatError(f"a {rows}×{pattern.cols} weight keeps more than {n} of {m} in some group")
-    positions = _kept_positions(groups, n)
+    if pattern.kind == "transposable":
+        # The kept positions must also keep N per tile column: zeros are not filled in row by row.
+        positions = _kept_positions(transposable_mask(weight, n, m).view(rows, -1, m).to(weight.dtype), n)
+    else:
+        positions = _kept_positions(groups, n)
     values = groups.gather(-1, positions)
     if pattern.encoding == "index":
         shifts = torch.arange(index_bits(m), dtype=torch.int64, device=weight.device)
