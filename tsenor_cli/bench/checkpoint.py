@@ -231,7 +231,7 @@ def run_checkpoint_bench(
     with tempfile.TemporaryDirectory(prefix="tsenor-bench-checkpoint-", dir=work_dir) as tmp:
         folders = prune_both(cfg, Path(tmp))
         check_same_tensors(folders["dense"], folders["packed"])
-        real = {"model": cfg.model_name, "pattern": f"{cfg.nm} transposable", "dtype": cfg.dtype}
+        real: dict[str, Any] = {"model": cfg.model_name, "pattern": f"{cfg.nm} transposable", "dtype": cfg.dtype}
         real |= {"packed": _weight_bytes(folders["packed"]), "dense": _weight_bytes(folders["dense"])}
         say(f"{cfg.model_name}: packed / dense bytes {real['packed'] / real['dense']:.4f}")
         loads = measure_loads(folders, cfg.loads)

@@ -3,7 +3,8 @@ tsenor_sparsity.json, or config.json's ``tsenor_sparsity`` in checkpoints before
 
 For transposable N:M every M×M tile of every pruned weight may keep at most N per row and per column;
 our solvers always keep exactly N, so fewer than N only happens where weights were already zero before
-pruning (reported as info), while more than N is a violation.
+pruning (reported as info), while more than N is a violation. A packed checkpoint's matrices are checked
+from the positions their stored code marks (`packed.layout.stored_mask`): no dense weight is built.
 """
 
 from __future__ import annotations
