@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tsenor_cli.errors import UsageError
-from tsenor_cli.packed.files import declares_packed
 from tsenor_cli.runfiles import EvalReport, Run
 
 PPL_COLUMNS: tuple[tuple[str, str], ...] = (("c4", "C4"), ("wikitext2", "WT2"), ("ptb", "PTB"))
@@ -312,6 +311,9 @@ def _ordered(found: set[str], preferred: Sequence[str]) -> tuple[str, ...]:
 
 
 def row_of(run: Run) -> Row:
+    # Imported here: tsenor_cli.packed imports torch, which `tsenor --help` must not load.
+    from tsenor_cli.packed.files import declares_packed
+
     prune = run.prune
     zeroshot = run.eval.zeroshot
     return Row(
