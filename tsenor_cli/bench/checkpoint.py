@@ -313,8 +313,8 @@ def _bytes_sections(result: dict[str, Any], targets: dict[str, bool]) -> list[st
             for r in result["shapes"]
         ),
         "",
-        "The real model's packed folder decodes to its dense folder bit for bit (checked). The embeddings stay "
-        "dense, and the smaller the model the larger their share of its bytes, so the smaller its saving.",
+        "The real model's packed folder decodes to its dense folder bit for bit (checked). The embeddings, head "
+        "and norms stay dense: their share of a model's bytes is how far its ratio lies above its matrices'.",
         "",
     ]
 
