@@ -49,6 +49,8 @@ bench: install
 	$(TSENOR) bench solver --time-methods flow,tsenor,tsenor-reference,exact,two_approx,bi_nm --repeats 3 \
 	  --output docs/measurements/bench-solver.json --markdown docs/measurements/benchmarks.md --force
 	$(TSENOR) bench moe --output docs/measurements/bench-moe.json --markdown docs/measurements/benchmarks-moe.md --force
+	$(TSENOR) bench checkpoint --max-windows 16 --output docs/measurements/bench-checkpoint.json \
+	  --markdown docs/measurements/benchmarks-checkpoint.md --force
 
 # Peak host memory of `tsenor eval --ppl` and `tsenor prune`, streamed and whole, at 8/16/32 blocks of
 # width 1024 (CPU, about 7 min on an idle 2-core machine; run nothing else meanwhile: it reports seconds too).

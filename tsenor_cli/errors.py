@@ -73,6 +73,12 @@ class CheckpointMismatchError(BadInputError):
     extra blocks (`models/conformance.py`; exit 7, as a corrupt weight file)."""
 
 
+class PackedFormatError(UsageError):
+    """A packed checkpoint (docs/reference/packed-format.md) that is not one tsenor can read: an unknown format
+    version, a truncated or corrupt file, a mask that breaks its recorded pattern; or weights that cannot be
+    packed under their recorded pattern (exit 2)."""
+
+
 class OutputBusyError(TsenorError):
     """An --output folder locked by another running tsenor process (exit 4)."""
 

@@ -24,7 +24,7 @@ def _register_commands() -> None:
     # Imported for their side effect of adding commands to `app`.
     from tsenor_cli.cli import bench, model  # noqa: F401
 
-    for optional in ("prune", "evaluate", "verify", "report", "finetune", "sweep"):
+    for optional in ("prune", "evaluate", "verify", "report", "finetune", "sweep", "pack"):
         try:
             __import__(f"tsenor_cli.cli.{optional}")
         except ModuleNotFoundError as exc:

@@ -8,7 +8,7 @@ import typer
 
 from tsenor_cli import atomic
 from tsenor_cli.cli.app import Command, app, run_context
-from tsenor_cli.cli.options import DEVICE, DTYPE, DataDirOpt, DeviceOpt, DtypeOpt, ForceOpt, JsonOpt
+from tsenor_cli.cli.options import DEVICE, DTYPE, DataDirOpt, DeviceOpt, DtypeOpt, ForceOpt, JsonOpt, MaxWindowsOpt
 from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.pattern import SparsityPattern
 
@@ -439,6 +439,57 @@ def bench_memory(
         result = merge_results(earlier, result, str(output))
     where = machine or f"{platform.machine()} Linux, {os.cpu_count()} CPU cores"
     page = to_markdown(result, command_line(), today, where)
+    if output is not None:
+        atomic.write_json(output, result)
+    if markdown is not None:
+        atomic.write_text(markdown, page)
+    typer.echo(json.dumps(result, indent=2) if json_out else page)
+
+
+@bench_app.command("checkpoint", cls=Command)
+def bench_checkpoint(
+    ctx: typer.Context,
+    model: str = typer.Option(
+        "smollm2-135m", help="Embedded model name or a local HF checkpoint folder, pruned for real."
+    ),
+    patterns: str = typer.Option("2:4,16:32", help="N:M patterns of the matrix and shape rows (comma list)."),
+    size: int = typer.Option(2048, min=32, help="Side of the bf16 matrix encoded per pattern and kind."),
+    shapes: str = typer.Option("llama-3.2-1b,llama-3.1-8b", help="Model shapes in configs/models (comma list)."),
+    nm: str = typer.Option("2:4", help="The real prune's pattern (transposable)."),
+    method: str = typer.Option("magnitude", help="The real prune's method."),
+    loads: int = typer.Option(3, min=1, help="Loads of each folder (fresh processes, alternating); medians."),
+    max_windows: MaxWindowsOpt = None,
+    work_dir: Path | None = typer.Option(None, help="Folder for the two pruned checkpoints (default: a temp folder)."),
+    output: Path | None = typer.Option(None, help="Write the JSON result here."),
+    markdown: Path | None = typer.Option(
+        None, help="Write the Markdown page here (docs/measurements/benchmarks-checkpoint.md)."
+    ),
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Packed against dense checkpoints: bytes of pruned matrices and whole models, load time and peak host
+    memory through AutoModelForCausalLM, and eval perplexity (ratios measured in one run)."""
+    import json
+
+    from tsenor_cli.bench.checkpoint import CheckpointBenchConfig, run_checkpoint_bench, to_markdown
+    from tsenor_cli.cli.app import command_line
+    from tsenor_cli.progress import logger
+    from tsenor_cli.pruning.methods.registry import get_pruner
+
+    _check_outputs(force, {"--output": output, "--markdown": markdown}, folder=work_dir)
+    cfg = CheckpointBenchConfig(
+        model_dir=_model_dir(ctx, model),
+        model_name=model,
+        patterns=_names(patterns),
+        size=size,
+        shapes=_names(shapes),
+        nm=nm,
+        method=get_pruner(method).name,
+        loads=loads,
+        max_windows=max_windows,
+    )
+    result = {**run_checkpoint_bench(cfg, work_dir, say=logger.info), "command": command_line()}
+    page = to_markdown(result, command_line())
     if output is not None:
         atomic.write_json(output, result)
     if markdown is not None:

@@ -609,6 +609,7 @@ def _write_output(
     say: Progress,
 ) -> None:
     """The checkpoint in its original dtype, the prune's reports, finetune.json, eval.json and the plots."""
+    from tsenor_cli.packed.files import declares_packed
     from tsenor_cli.report.plots import plot_perplexity_vs_steps, plot_training_loss
 
     label = cfg.output.name
@@ -631,4 +632,7 @@ def _write_output(
             files[name] = png
     say(f"writing {cfg.output}")
     loaded.model.to(saved_dtype)
-    write_model_folder(loaded.model, loaded.tokenizer, cfg.output, sparsity.record, files, layout=loaded.layout)
+    # The output keeps its input's format: a packed prune fine-tuned is packed again (its masks are fixed).
+    fmt = "packed" if declares_packed(cfg.run_dir) else "dense"
+    record, layout = sparsity.record, loaded.layout
+    write_model_folder(loaded.model, loaded.tokenizer, cfg.output, record, files, layout=layout, save_format=fmt)

@@ -28,7 +28,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tsenor_cli.errors import BadInputError, InputNotFoundError, one_line
+from tsenor_cli.errors import BadInputError, InputNotFoundError, PackedFormatError, one_line
+from tsenor_cli.packed.files import declares_packed, decode_matrix, read_patterns
+from tsenor_cli.packed.layout import MatrixPattern
 from tsenor_cli.runfiles import INDEX_NAME as INDEX_NAME
 from tsenor_cli.runfiles import WEIGHTS_NAME as WEIGHTS_NAME
 
@@ -57,28 +59,37 @@ def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where one tensor lies and what it is, from its file's header: file (name in the folder), shape, dtype."""
+    """Where one tensor lies and what it is, from its file's header: file (name in the folder), shape, dtype.
+
+    A packed matrix (docs/reference/packed-format.md) is shown as the dense tensor it decodes to: its
+    `pattern`, and `code`, the key of its code tensor in the same file; `nbytes` is then the dense size."""
 
     file: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    pattern: MatrixPattern | None = None
+    code: str | None = None
 
     @property
     def nbytes(self) -> int:
         return tensor_nbytes(self.shape, self.dtype)
 
 
-def _corrupt(path: Path, why: str) -> BadInputError:
-    return BadInputError(f"{path} is truncated or corrupt ({one_line(why)}); re-download or re-copy the checkpoint")
+def _corrupt(path: Path, why: str) -> BadInputError | PackedFormatError:
+    """The error of a file safetensors cannot read: a packed checkpoint's is the packed format's (exit 2)."""
+    line = f"{path} is truncated or corrupt ({one_line(why)}); re-download or re-copy the checkpoint"
+    return PackedFormatError(line) if declares_packed(path.parent) else BadInputError(line)
 
 
-def _header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{key: (shape, dtype)} from the header of the safetensors file `path` (no tensor data is read)."""
+def _header(path: Path) -> dict[str, TensorInfo]:
+    """{key: TensorInfo} from the header of the safetensors file `path` (no tensor data is read); a packed
+    file's matrices as the dense tensors they decode to (`_dense_view`)."""
     if not path.is_file():
         raise InputNotFoundError(f"{path} is missing; copy every shard of the checkpoint into {path.parent}")
     found: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     try:
         with safe_open(str(path), framework="pt") as handle:
+            patterns = read_patterns(path, handle.metadata())
             names = handle.keys()
             for key in names:
                 part = handle.get_slice(key)
@@ -93,7 +104,28 @@ def _header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         raise _corrupt(path, str(exc)) from exc
     except OSError as exc:
         raise _corrupt(path, exc.strerror or str(exc)) from exc
-    return found
+    return _dense_view(path, found, patterns or {})
+
+
+def _dense_view(
+    path: Path, found: dict[str, tuple[tuple[int, ...], torch.dtype]], patterns: dict[str, MatrixPattern]
+) -> dict[str, TensorInfo]:
+    """The tensors of one file by key, each packed matrix as the dense tensor it decodes to (its code
+    tensor folded into it); PackedFormatError when a packed matrix's tensors do not fit its record."""
+    infos = {key: TensorInfo(path.name, *spec) for key, spec in found.items()}
+    for key, pattern in patterns.items():
+        code = key + pattern.suffix
+        if key not in found or code not in found:
+            raise PackedFormatError(f"{path}: packed matrix {key} lacks its values or its code {code}; re-copy it")
+        values_shape, dtype = found[key]
+        expected = pattern.values_shape()
+        if found[code] != (pattern.code_shape(), torch.uint8) or expected not in (None, values_shape):
+            raise PackedFormatError(
+                f"{path}: packed matrix {key}'s tensors do not have its record's shapes; re-copy it"
+            )
+        infos[key] = TensorInfo(path.name, (pattern.rows, pattern.cols), dtype, pattern, code)
+        del infos[code]
+    return infos
 
 
 def _weight_map(index: Path) -> dict[str, str]:
@@ -133,8 +165,7 @@ class Checkpoint:
         folder = Path(folder)
         single, index = folder / WEIGHTS_NAME, folder / INDEX_NAME
         if single.is_file():
-            header = _header(single)
-            return cls(folder, {key: TensorInfo(WEIGHTS_NAME, *spec) for key, spec in header.items()})
+            return cls(folder, _header(single))
         if not index.is_file():
             pickles = sorted(p.name for p in folder.glob(PICKLE_PATTERN))
             held = f"it holds {', '.join(pickles[:2])}, pickle weights" if pickles else "it holds no weight files"
@@ -144,6 +175,7 @@ class Checkpoint:
             )
         weight_map = _weight_map(index)
         tensors: dict[str, TensorInfo] = {}
+        codes: set[str] = set()
         for file in dict.fromkeys(weight_map.values()):
             path = folder / file
             if not path.is_file():
@@ -152,14 +184,17 @@ class Checkpoint:
                     "the checkpoint into it"
                 )
             header = _header(path)
+            codes.update(info.code for info in header.values() if info.code is not None)
             for key in (k for k, f in weight_map.items() if f == file):
+                if key in codes:
+                    continue
                 if key not in header:
                     raise BadInputError(
                         f"{index.name} places {key} in {file}, which does not hold it; the index and the shards "
                         "come from different checkpoints: re-download or re-copy the checkpoint"
                     )
-                tensors[key] = TensorInfo(file, *header[key])
-        return cls(folder, {key: tensors[key] for key in weight_map})
+                tensors[key] = header[key]
+        return cls(folder, {key: tensors[key] for key in weight_map if key not in codes})
 
     def keys(self) -> list[str]:
         return list(self.tensors)
@@ -195,8 +230,12 @@ class Checkpoint:
                 file = self.tensors[key].file
                 if file not in handles:
                     handles[file] = stack.enter_context(safe_open(str(self.folder / file), framework="pt"))
+                info = self.tensors[key]
                 try:
                     tensor = handles[file].get_tensor(key)  # type: ignore[attr-defined]
+                    if info.pattern is not None and info.code is not None:
+                        code = handles[file].get_tensor(info.code)  # type: ignore[attr-defined]
+                        tensor = decode_matrix(key, tensor, code, info.pattern, self.folder / file)
                 except SafetensorError as exc:
                     raise _corrupt(self.folder / file, str(exc)) from exc
                 # safetensors copies out of its mapping, so the tensor outlives the handle

@@ -34,7 +34,10 @@ from typing import IO, Any
 import torch
 
 from tsenor_cli.errors import UsageError
-from tsenor_cli.models.checkpoint import INDEX_NAME, WEIGHTS_NAME, tensor_nbytes
+from tsenor_cli.models.checkpoint import INDEX_NAME, tensor_nbytes
+from tsenor_cli.packed.files import PackedWriter, quantization_entry
+from tsenor_cli.packed.layout import MatrixPattern
+from tsenor_cli.runfiles import shard_names
 
 # save_pretrained's default; tsenor's outputs pass their own (pruning/output.MAX_SHARD_SIZE).
 DEFAULT_MAX_SHARD_SIZE = "50GB"
@@ -116,14 +119,6 @@ def plan_shards(specs: Sequence[TensorSpec], max_shard_size: int | str) -> list[
     if current:
         shards.append(current)
     return shards
-
-
-def shard_names(count: int) -> list[str]:
-    """transformers' shard file names: model.safetensors alone, else model-0000k-of-0000n.safetensors."""
-    if count == 1:
-        return [WEIGHTS_NAME]
-    stem = WEIGHTS_NAME.removesuffix(".safetensors")
-    return [f"{stem}-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
 
 
 _DTYPE_NAMES = {
@@ -247,6 +242,31 @@ def write_weights(
     return names
 
 
+def write_packed_weights(
+    folder: Path,
+    specs: Sequence[TensorSpec],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    patterns: Mapping[str, MatrixPattern],
+    *,
+    max_shard_size: int | str,
+    total_parameters: int,
+) -> list[str]:
+    """The packed checkpoint's shards of `specs` (docs/reference/packed-format.md): each tensor of `tensors`
+    packed under patterns[its key] when it has one, else stored as it is; ValueError as `write_weights`."""
+    writer = PackedWriter(folder, parse_size(max_shard_size))
+    by_key = {spec.key: spec for spec in specs}
+    for key, tensor in tensors:
+        spec = by_key.pop(key, None)
+        if spec is None:
+            raise ValueError(f"tensor {key} is not one the checkpoint holds, or was given twice")
+        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+            raise ValueError(f"tensor {key} is {tuple(tensor.shape)} {tensor.dtype}, the checkpoint expects {spec}")
+        writer.add(key, tensor, patterns.get(key))
+    if by_key:
+        raise ValueError(f"{len(by_key)} tensors were never given, e.g. {next(iter(by_key))}")
+    return writer.finish(total_parameters)
+
+
 def model_tensors(model: Any, specs: Sequence[TensorSpec]) -> Iterable[tuple[str, torch.Tensor]]:
     """(key, tensor) of `specs` taken from `model`'s state dict (a model held whole), in their order."""
     state = model.state_dict()
@@ -272,6 +292,7 @@ def save_streamed(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     dtype: torch.dtype | None = None,
     layout: Mapping[str, str] | None = None,
+    packed: Mapping[str, MatrixPattern] | None = None,
 ) -> list[str]:
     """What ``model.save_pretrained(folder, max_shard_size=…, save_original_format=False)`` writes, with the
     weights from `tensors` (key, tensor) one at a time (None: from `model` itself); returns the shard names.
@@ -282,6 +303,8 @@ def save_streamed(
     `saved_tensors(model)` once (`write_weights`). dtype: write the floating tensors in it, as
     ``model.to(dtype).save_pretrained(…)`` would (None: as they are), each cast as it passes. layout:
     {own key: key to write} (`source_layout`: the source checkpoint's names; a key it lacks keeps its own).
+    packed: {own key: pattern} of the matrices to pack (`write_packed_weights`; config.json then gets the
+    packed format's ``quantization_config``); None: the dense files save_pretrained writes.
     Write into a temporary folder (`atomic.atomic_dir`): a failure leaves the files incomplete.
     """
     from transformers.dynamic_module_utils import custom_object_save
@@ -295,17 +318,24 @@ def save_streamed(
     model.config.architectures = [type(model).__name__]
     if model.is_remote_code():
         custom_object_save(model, str(folder), config=model.config)
-    model.config.save_pretrained(folder)
+    if packed is not None:
+        model.config.quantization_config = quantization_entry()
+    try:
+        model.config.save_pretrained(folder)
+    finally:
+        if packed is not None:
+            del model.config.quantization_config  # the model in memory is dense
     if model.can_generate():
         model.generation_config.save_pretrained(folder)
     given = model_tensors(model, original) if tensors is None else tensors
-    return write_weights(
-        folder,
-        specs,
-        ((named.get(key, key), tensor if dtype is None else _cast(tensor, dtype)) for key, tensor in given),
-        max_shard_size=max_shard_size,
-        total_parameters=int(model.num_parameters()),
-    )
+    written = ((named.get(key, key), tensor if dtype is None else _cast(tensor, dtype)) for key, tensor in given)
+    total = int(model.num_parameters())
+    if packed is not None:
+        patterns = {named.get(key, key): pattern for key, pattern in packed.items()}
+        return write_packed_weights(
+            folder, specs, written, patterns, max_shard_size=max_shard_size, total_parameters=total
+        )
+    return write_weights(folder, specs, written, max_shard_size=max_shard_size, total_parameters=total)
 
 
 def drop_stray_keys(config: Any) -> None:

@@ -112,7 +112,8 @@ PROTOCOL_KEYS: tuple[str, ...] = tuple(Protocol(None, None, None, None, None, No
 @dataclass(frozen=True)
 class Row:
     """One run as a table row; `n`/`m`/`transposable` are None for dense and unstructured runs; `refine`
-    names the block refinement the prune ran (None: none)."""
+    names the block refinement the prune ran (None: none); `checkpoint_format`: how the run's folder stores
+    its weights (dense, or packed: docs/reference/packed-format.md)."""
 
     run: str
     model: str
@@ -126,6 +127,7 @@ class Row:
     refine: str | None = None
     stderr: dict[str, float | None] = field(default_factory=dict)
     protocol: Protocol = Protocol(None, None, None, None, None, None)
+    checkpoint_format: str = "dense"
 
     @property
     def method(self) -> str:
@@ -175,6 +177,11 @@ class Table:
         """Whether some row was refined (the Markdown then has a Refine column)."""
         return any(row.refine is not None for row in self.rows)
 
+    @property
+    def packed(self) -> bool:
+        """Whether some row's checkpoint is packed (the Markdown then has a Format column)."""
+        return any(row.checkpoint_format == "packed" for row in self.rows)
+
     def header(self) -> list[str]:
         """Markdown header labels."""
         ppl_names = dict(PPL_COLUMNS)
@@ -188,6 +195,7 @@ class Table:
             *(task_names.get(t, t) for t in self.tasks),
             "Avg",
             *(["Protocol"] if self.mixed else []),
+            *(["Format"] if self.packed else []),
             "Run",
         ]
 
@@ -203,6 +211,7 @@ class Table:
             "algorithm",
             "transposable",
             "refine",
+            "format",
             *(f"ppl_{d}" for d in self.ppl_datasets),
             *(f"acc_{t}" for t in self.tasks),
             *(f"acc_stderr_{t}" for t in self.tasks),
@@ -222,6 +231,7 @@ class Table:
                 "algorithm": row.algorithm,
                 "transposable": row.transposable,
                 "refine": row.refine,
+                "format": row.checkpoint_format,
                 **{f"ppl_{d}": row.perplexity.get(d) for d in self.ppl_datasets},
                 **{f"acc_{t}": row.accuracy.get(t) for t in self.tasks},
                 **{f"acc_stderr_{t}": row.stderr.get(t) for t in self.tasks},
@@ -251,7 +261,8 @@ class Table:
     def to_markdown(self) -> str:
         header = self.header()
         n_ppl, n_acc = len(self.ppl_datasets), len(self.tasks) + 1
-        align = ["---"] * (4 if self.refined else 3) + ["---:"] * (n_ppl + n_acc) + ["---"] * (2 if self.mixed else 1)
+        trailing = 1 + int(self.mixed) + int(self.packed)
+        align = ["---"] * (4 if self.refined else 3) + ["---:"] * (n_ppl + n_acc) + ["---"] * trailing
         protocol = "mixed, see the Protocol column" if self.mixed else self.rows[0].protocol.describe()
         lines = [
             f"Models: {', '.join(sorted({row.model for row in self.rows}))}",
@@ -273,6 +284,7 @@ class Table:
                 *(_accuracy_cell(row.accuracy.get(t), row.stderr.get(t)) for t in self.tasks),
                 _fmt(_percent(row.average)),
                 *([row.protocol.describe()] if self.mixed else []),
+                *([row.checkpoint_format] if self.packed else []),
                 row.run,
             ]
             lines.append("| " + " | ".join(cells) + " |")
@@ -299,6 +311,9 @@ def _ordered(found: set[str], preferred: Sequence[str]) -> tuple[str, ...]:
 
 
 def row_of(run: Run) -> Row:
+    # Imported here: tsenor_cli.packed imports torch, which `tsenor --help` must not load.
+    from tsenor_cli.packed.files import declares_packed
+
     prune = run.prune
     zeroshot = run.eval.zeroshot
     return Row(
@@ -314,6 +329,7 @@ def row_of(run: Run) -> Row:
         refine=_refine_label(prune.settings.get("refine")) if prune is not None else None,
         stderr={t.name: t.acc_stderr for t in zeroshot.tasks} if zeroshot is not None else {},
         protocol=Protocol.of(run.eval),
+        checkpoint_format="packed" if declares_packed(run.path) else "dense",
     )
 
 

@@ -44,6 +44,7 @@ from tsenor_cli.runfiles.run import (
     load_run,
     read_sparsity,
     resume_progress,
+    shard_names,
 )
 from tsenor_cli.runfiles.schema import (
     SCHEMA_VERSION,
@@ -133,6 +134,7 @@ __all__ = [
     "read_status",
     "read_submission",
     "resume_progress",
+    "shard_names",
     "write_status",
     "write_submission",
 ]

@@ -67,6 +67,16 @@ MODEL_CARD = "README.md"  # the Hub's model card (pruning/run/card.py)
 # which from_pretrained looks for them).
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+
+
+def shard_names(count: int) -> list[str]:
+    """transformers' shard file names: model.safetensors alone, else model-0000k-of-0000n.safetensors."""
+    if count == 1:
+        return [WEIGHTS_NAME]
+    stem = WEIGHTS_NAME.removesuffix(".safetensors")
+    return [f"{stem}-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
+
+
 GENERATION_CONFIG_FILE = "generation_config.json"
 EVAL_FILE = "eval.json"
 PRUNE_FILE = "tsenor_report.json"

@@ -105,11 +105,15 @@ def split_outcomes(
     safeguard_tiles: Sequence[int] | None = None,
     parts: Sequence[int] | None = None,
 ) -> list[PruneOutcome]:
-    """weight: (..., out, in) float32, mask: (..., out, in) bool, per-matrix certificates and counts → one
+    """weight: (..., out, in) float32 (its pruned entries set to +0.0 in place), mask: (..., out, in) bool,
+    per-matrix certificates and counts → one
     `PruneOutcome` per matrix (views of `weight` and `mask`), in the order of the flattened leading dims.
     parts: row counts summing to out, the linears stacked along their outputs (`PrunerSpec.prune_rows`):
     one outcome per matrix and part (rows [Σ parts before, + part)), certificates and counts in that
     order."""
+    # A pruned weight is +0.0: `w * mask` leaves -0.0 where a negative weight is pruned, and the packed
+    # checkpoint stores no sign for the zeros it drops, so dense and packed outputs would differ in those bits.
+    weight.masked_fill_(~mask, 0.0)
     rows, cols = weight.shape[-2:]
     sizes = list(parts) if parts is not None else [rows]
     weights = [piece for w in weight.reshape(-1, rows, cols) for piece in w.split(sizes)]  # L·P × (part, in)

@@ -17,6 +17,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from tsenor_cli import atomic
 from tsenor_cli.models.embedded import EMBEDDED_MODELS
+from tsenor_cli.packed.files import declares_packed
 from tsenor_cli.runfiles import (
     EVAL_FILE,
     FINETUNE_FILE,
@@ -101,11 +102,31 @@ def _evaluation_table(evaluation: EvalReport) -> list[str]:
     return ["| data | metric | value | protocol |", "|---|---|---|---|", *rows]
 
 
+def _storage(packed: bool) -> str:
+    """How the checkpoint stores its zeros and what loads it."""
+    if not packed:
+        return (
+            "The zeros are stored in the ordinary dense safetensors layout: the checkpoint loads with the classes "
+            "the base model loads with"
+        )
+    return (
+        "The checkpoint is **packed** (tsenor's packed N:M safetensors, `quantization_config` "
+        "`tsenor_packed` in config.json): each pruned matrix is stored as its kept values and a mask, about 0.56x "
+        "its dense bytes. Load it with `pip install tsenor`, then `import tsenor_cli` before "
+        "`AutoModelForCausalLM.from_pretrained(...)` (the weights are made dense as they load), or "
+        "`tsenor_cli.load(folder)`; `tsenor unpack` writes the dense checkpoint"
+    )
+
+
 def card_text(
-    report: PruneReport, *, evaluation: EvalReport | None = None, finetuned: FinetuneReport | None = None
+    report: PruneReport,
+    *,
+    evaluation: EvalReport | None = None,
+    finetuned: FinetuneReport | None = None,
+    packed: bool = False,
 ) -> str:
     """README.md of a checkpoint pruned as `report` records (fine-tuned as `finetuned` records, when it
-    was), with `evaluation`'s table when it was evaluated."""
+    was), with `evaluation`'s table when it was evaluated; packed: its weights are in the packed format."""
     model = str(report.settings.get("model", "the base model"))
     base = base_model(model)
     name = f"{base or Path(model).name} {report.method} {report.pattern.label if report.pattern else 'unstructured'}"
@@ -123,8 +144,7 @@ def card_text(
         f"# {name}",
         "",
         f"`{model}` with its decoder weight matrices pruned by tsenor "
-        f"(method `{report.method}`). The zeros are stored in the ordinary dense safetensors layout: the "
-        "checkpoint loads with the classes the base model loads with, and `tsenor verify` checks every pruned "
+        f"(method `{report.method}`). {_storage(packed)}, and `tsenor verify` checks every pruned "
         f"matrix against the pattern ({SPARSITY_FILE} lists them, and the weights left dense with why).",
         "",
         f"- **Pattern**: {_pattern_line(report)}",
@@ -155,4 +175,6 @@ def refresh_card(folder: Path) -> None:
     evaluation = EvalReport.from_json(read_json(folder / EVAL_FILE)) if (folder / EVAL_FILE).is_file() else None
     finetune_path = folder / FINETUNE_FILE
     finetuned = FinetuneReport.from_json(read_json(finetune_path)) if finetune_path.is_file() else None
-    atomic.write_text(folder / MODEL_CARD, card_text(report, evaluation=evaluation, finetuned=finetuned))
+    packed = declares_packed(folder)
+    text = card_text(report, evaluation=evaluation, finetuned=finetuned, packed=packed)
+    atomic.write_text(folder / MODEL_CARD, text)

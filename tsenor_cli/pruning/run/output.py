@@ -33,6 +33,7 @@ from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.locks import folder_lock
 from tsenor_cli.models.saving import drop_stray_keys, save_streamed, save_tokenizer
 from tsenor_cli.outputs import check_output_location, check_room, free_bytes, human_bytes, output_path
+from tsenor_cli.packed.files import record_patterns
 from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.run.card import card_text
 from tsenor_cli.pruning.run.resume import ResumeStore
@@ -298,6 +299,7 @@ def write_model_folder(
     max_shard_size: str = MAX_SHARD_SIZE,
     dtype: torch.dtype | None = None,
     layout: Mapping[str, str] | None = None,
+    save_format: str = "dense",
 ) -> None:
     """save_pretrained's files (safetensors, sharded; written tensor by tensor by `models.saving.save_streamed`,
     byte for byte what save_pretrained writes) + tokenizer + `files` ({name: content}, or a function giving
@@ -318,13 +320,15 @@ def write_model_folder(
     model's own names (``save_original_format=False``), which load with the model's own class: a hub
     source, pickle weights, or a layout transformers converts (Mixtral's per-expert ``w1/w2/w3`` merged
     into fused stacks) rather than renames. `tsenor_sparsity.json` lists the model's own parameter names;
-    `tsenor verify` maps them to the files' keys the same way.
+    `tsenor verify` maps them to the files' keys the same way. save_format: dense, or packed (the pruned
+    matrices of `sparsity` packed, `tsenor_cli.packed`).
     `atomic.atomic_dir` gives every file 0644 and every folder 0755 (the temporary folder is made
     private; a checkpoint is meant to be shared)."""
     with _disk_full_is_one_line(output), atomic.atomic_dir(output, replace=True) as tmp:
         setattr(model.config, SPARSITY_KEY, sparsity.summary())
         drop_stray_keys(model.config)
-        save_streamed(tmp, model, tensors, max_shard_size=max_shard_size, dtype=dtype, layout=layout)
+        packed = record_patterns(sparsity) if save_format == "packed" else None
+        save_streamed(tmp, model, tensors, max_shard_size=max_shard_size, dtype=dtype, layout=layout, packed=packed)
         save_tokenizer(tokenizer, tmp)
         (tmp / SPARSITY_FILE).write_text(json.dumps(sparsity.to_json(), indent=1) + "\n", encoding="utf-8")
         for name, content in (files() if callable(files) else files).items():
@@ -346,13 +350,14 @@ def write_checkpoint(
     max_shard_size: str = MAX_SHARD_SIZE,
     dtype: torch.dtype | None = None,
     layout: Mapping[str, str] | None = None,
+    save_format: str = "dense",
 ) -> None:
     """The pruned checkpoint with its reports (tsenor_report.json / .md) and model card, written atomically.
 
     report: the report, or a function making it once the weights are written (a streamed run counts the
     nonzeros of the tensors as they pass). processor_files: {name: content} of the source's processor
     files (`models.loading.PROCESSOR_FILES`: a multimodal model's image processor and processor
-    settings), copied unchanged. tensors, max_shard_size, dtype, layout: `write_model_folder`'s."""
+    settings), copied unchanged. tensors, max_shard_size, dtype, layout, save_format: `write_model_folder`'s."""
 
     def files() -> dict[str, str | bytes]:
         made = report() if callable(report) else report
@@ -360,7 +365,7 @@ def write_checkpoint(
         return found | {
             PRUNE_FILE: json.dumps(made.to_json(), indent=2) + "\n",
             PRUNE_MARKDOWN: prune_markdown(made),
-            MODEL_CARD: card_text(made),
+            MODEL_CARD: card_text(made, packed=save_format == "packed"),
         }
 
     write_model_folder(
@@ -373,4 +378,5 @@ def write_checkpoint(
         max_shard_size=max_shard_size,
         dtype=dtype,
         layout=layout,
+        save_format=save_format,
     )

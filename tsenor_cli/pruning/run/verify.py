@@ -3,7 +3,8 @@ tsenor_sparsity.json, or config.json's ``tsenor_sparsity`` in checkpoints before
 
 For transposable N:M every M×M tile of every pruned weight may keep at most N per row and per column;
 our solvers always keep exactly N, so fewer than N only happens where weights were already zero before
-pruning (reported as info), while more than N is a violation.
+pruning (reported as info), while more than N is a violation. A packed checkpoint's matrices are checked
+from the positions their stored code marks (`packed.layout.stored_mask`): no dense weight is built.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from tsenor_cli.errors import InputNotFoundError, UsageError, VerificationError
+from tsenor_cli.errors import InputNotFoundError, PackedFormatError, UsageError, VerificationError
+from tsenor_cli.models.checkpoint import Checkpoint
+from tsenor_cli.packed.files import declares_packed
+from tsenor_cli.packed.layout import stored_mask
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.block.finite import check_finite
 from tsenor_cli.runfiles import (
@@ -130,9 +134,28 @@ class _Parameters:
         self.files = files
         self.layout = layout or {}
         self.loaded: dict[str, torch.Tensor] | None = None
+        # A packed checkpoint's matrices are checked from their stored code (`packed_mask`), never decoded.
+        self.packed = Checkpoint.open(directory) if declares_packed(directory) else None
+
+    def packed_mask(self, name: str) -> torch.Tensor | None:
+        """The (out, in) bool mask of the positions a packed matrix's code stores, as stored (not checked
+        against its pattern: `check_weight` counts its tiles); None for a tensor that is not packed."""
+        key = self.layout.get(name, name)
+        info = self.packed.tensors.get(key) if self.packed is not None else None
+        if info is None or info.pattern is None or info.code is None:
+            return None
+        path = self.directory / info.file
+        with safe_open(str(path), framework="pt") as handle:
+            code = handle.get_tensor(info.code)
+        try:
+            return stored_mask(code, info.pattern)
+        except PackedFormatError as exc:
+            raise PackedFormatError(f"{path}: packed tensor {key}: {exc}; the file is damaged: re-copy it") from exc
 
     def tensor(self, name: str) -> torch.Tensor | None:
         key = self.layout.get(name, name)
+        if self.packed is not None and key in self.packed.tensors:
+            return self.packed.read([key])[key]
         if key in self.files:
             with safe_open(str(self.files[key]), framework="pt") as handle:
                 return handle.get_tensor(key)
@@ -141,7 +164,12 @@ class _Parameters:
         return self.loaded.get(name)
 
     def matrix(self, entry: PrunedWeight) -> torch.Tensor | None:
-        """The (out, in) matrix of one pruned weight, or None when the checkpoint lacks it."""
+        """The (out, in) matrix of one pruned weight (a packed one's stored mask), or None when the checkpoint
+        lacks it."""
+        if entry.expert is None and not entry.transposed:
+            mask = self.packed_mask(entry.param)
+            if mask is not None:
+                return mask
         tensor = self.tensor(entry.param)
         if tensor is None:
             return None
@@ -173,7 +201,8 @@ def _load_parameters(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def check_weight(weight: torch.Tensor, pattern: SparsityPattern) -> tuple[int, int, int]:
-    """weight: (out, in), its shape compatible with `pattern` → (groups, over, under) for that pattern."""
+    """weight: (out, in), its shape compatible with `pattern`, or the bool mask of its kept positions (a
+    packed matrix's code) → (groups, over, under) for that pattern."""
     kept = weight != 0  # (out, in) bool
     n, m = pattern.n, pattern.m
     if pattern.kind == "transposable":

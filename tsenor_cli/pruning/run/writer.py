@@ -96,6 +96,8 @@ class CheckpointSink:
         self.output = output
         self.max_shard_size = cfg.max_shard_size
         self.dtype = cfg.dtype  # --dtype as given (None: the source checkpoint's own, `output_dtype`)
+        # dense, or packed: the same tensors handed to the packed writer (tsenor_cli/packed/files.PackedWriter).
+        self.save_format = cfg.save_format
         self.streamed = streamed
         self.folder = folder
         self.writer = writer if writer is not None else BackgroundWriter(0)
@@ -133,6 +135,7 @@ class CheckpointSink:
             max_shard_size=self.max_shard_size,
             dtype=output_dtype(self.dtype, loaded.source_dtype, loaded.model.dtype),
             layout=loaded.layout,
+            save_format=self.save_format,
         )
 
     def close(self) -> None:

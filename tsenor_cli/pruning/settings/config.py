@@ -72,7 +72,8 @@ class PruneConfig:
     stream: read each decoder block from the checkpoint's safetensors when the loop reaches it, and write
     the output from the pruned blocks' files (host memory of one block, not one model; pruning/run/writer.py);
     max_shard_size: the output's safetensors shard size ("2GB"; `models.saving.parse_size`). Neither is a
-    result field: both give the same weights.
+    result field: both give the same weights. save_format: dense, or packed (`tsenor_cli.packed`), not a
+    result field either.
     refine: block-wise reconstruction after each block is pruned (pruning/block/refine.py); off by default.
     resume: save a resume state after each block and continue an interrupted run of the same
     settings found in `output` (pruning/run/resume.py); False saves none. force: replace a tsenor run
@@ -102,6 +103,7 @@ class PruneConfig:
     moe_min_tokens: int | None = default_of(PRUNE_FIELDS, "moe_min_tokens")
     stream: bool = default_of(PRUNE_FIELDS, "stream")
     max_shard_size: str = default_of(PRUNE_FIELDS, "max_shard_size")
+    save_format: str = default_of(PRUNE_FIELDS, "save_format")
     refine: RefineConfig = field(default_factory=RefineConfig)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,122 @@
+"""Loading a packed checkpoint through transformers' quantizer extension point: its matrices made dense as they load.
+
+config.json's ``quantization_config`` ({"quant_method": "tsenor_packed", ...}) makes transformers dispatch
+the loading to the quantizer registered here (`register`, which `import tsenor_cli` arranges the first
+time transformers' quantizers are imported). Its one conversion takes each weight with its code tensor
+(``…weight`` + ``…weight_tsenor_mask`` or ``…weight_tsenor_index``) and returns the dense weight
+(`packed.layout.decode`), so the model has no missing or unexpected keys and is an ordinary dense model
+afterwards (the quantization entry is removed once the weights are in: `save_pretrained` writes it dense).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers.core_model_loading import ConversionOps, WeightConverter
+from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING, register_quantization_config, register_quantizer
+from transformers.quantizers.base import HfQuantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from tsenor_cli.errors import PackedFormatError
+from tsenor_cli.models.saving import source_layout
+from tsenor_cli.packed.files import FORMAT_VERSION, QUANT_METHOD, decode_matrix, read_patterns
+from tsenor_cli.packed.layout import SUFFIXES, MatrixPattern
+
+
+class TsenorPackedConfig(QuantizationConfigMixin):
+    """config.json's ``quantization_config`` of a packed checkpoint: the format version."""
+
+    def __init__(self, format_version: int = FORMAT_VERSION, **kwargs: Any) -> None:
+        self.quant_method = QUANT_METHOD  # type: ignore[assignment]
+        self.format_version = format_version
+        if format_version != FORMAT_VERSION:
+            raise PackedFormatError(
+                f"the checkpoint is packed in format version {format_version}; this tsenor reads version "
+                f"{FORMAT_VERSION}: upgrade tsenor"
+            )
+
+
+class PackedDecode(ConversionOps):
+    """values + code → the dense weight, under the pattern its file records for the target parameter."""
+
+    def __init__(self, quantizer: TsenorPackedQuantizer) -> None:
+        self.quantizer = quantizer
+
+    def convert(  # type: ignore[override]  # transformers passes full_layer_name by keyword
+        self, input_dict: dict[str, Any], full_layer_name: str | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
+        def one(value: Any) -> torch.Tensor:
+            return value[0] if isinstance(value, list) else value
+
+        target = full_layer_name or "weight"
+        values = one(input_dict["weight"])
+        codes = [name for name in input_dict if name != "weight"]
+        if not codes:
+            return {target: values}
+        found = self.quantizer.patterns.get(target)
+        if found is None:
+            raise PackedFormatError(f"{target} has a packed code but its file records no pattern for it")
+        pattern, where = found
+        return {target: decode_matrix(target, values, one(input_dict[codes[0]]), pattern, where)}
+
+
+class TsenorPackedQuantizer(HfQuantizer):
+    """Reads the packed matrices' patterns from the shards' metadata before the weights load, decodes each
+    one as it loads, and leaves a plain dense model."""
+
+    requires_calibration = True
+    serialized_names = {"weight": ["weight", *(f"weight{suffix}" for suffix in SUFFIXES)]}  # noqa: RUF012
+
+    def __init__(self, quantization_config: QuantizationConfigMixin, **kwargs: Any) -> None:
+        super().__init__(quantization_config, **kwargs)
+        self.patterns: dict[str, tuple[MatrixPattern, Path]] = {}
+
+    def _process_model_before_weight_loading(self, model: Any, **kwargs: Any) -> None:
+        found: dict[str, tuple[MatrixPattern, Path]] = {}
+        for file in kwargs.get("checkpoint_files") or ():
+            with safe_open(str(file), framework="pt") as handle:
+                for key, pattern in (read_patterns(Path(file), handle.metadata()) or {}).items():
+                    found[key] = (pattern, Path(file))
+        layout = source_layout(model, found) or {key: key for key in found}
+        self.patterns = {own: found[key] for own, key in layout.items()}
+
+    def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> None:
+        self.remove_quantization_config(model)
+
+    def get_load_operations(self) -> dict[str, Any]:
+        return {"dequantize": PackedDecode, "deserialize": PackedDecode}
+
+    def get_weight_conversions(self) -> list[WeightConverter]:
+        names = self.serialized_names["weight"]
+        return [WeightConverter(names, "weight", [PackedDecode(self)])]
+
+    def is_serializable(self) -> bool:
+        return False
+
+    @property
+    def is_trainable(self) -> bool:
+        return True
+
+
+def register() -> None:
+    """Register the packed format's config and quantizer with transformers (once per process)."""
+    if QUANT_METHOD in AUTO_QUANTIZER_MAPPING:
+        return
+    register_quantization_config(QUANT_METHOD)(TsenorPackedConfig)
+    register_quantizer(QUANT_METHOD)(TsenorPackedQuantizer)
+
+
+def load(folder: str | Path, **kwargs: Any) -> Any:
+    """The model of a checkpoint folder, packed or dense, with the class its config.json names (its
+    ``architectures``), else AutoModelForCausalLM; kwargs go to ``from_pretrained``."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    register()
+    config = AutoConfig.from_pretrained(str(folder))
+    names = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, names[0], None) if names else None
+    return (cls or AutoModelForCausalLM).from_pretrained(str(folder), **kwargs)

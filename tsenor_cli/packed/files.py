@@ -1,0 +1,187 @@
+"""The packed checkpoint's shards: written tensor by tensor with bounded memory; their metadata read back.
+
+`PackedWriter.add(key, tensor, pattern)` takes the checkpoint's tensors one at a time (a pruned matrix
+with its `MatrixPattern`, anything else with None, stored as it is); a packed matrix's size is only known
+once it is encoded (an unstructured one keeps a count of its own), so each shard's tensor bytes go to a
+data file as they come and the shard is assembled (header, then the bytes) when it is full: host memory
+holds one tensor. Shards follow huggingface_hub's split rule on the stored sizes, in the order given.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tsenor_cli.errors import PackedFormatError, one_line
+from tsenor_cli.packed.layout import MatrixPattern, decode, encode
+from tsenor_cli.runfiles import CONFIG_FILE, INDEX_NAME, WEIGHTS_NAME, SparsityRecord, shard_names
+
+FORMAT_VERSION = 1
+QUANT_METHOD = "tsenor_packed"
+VERSION_KEY = "tsenor_packed_version"
+PATTERNS_KEY = "tsenor_patterns"
+_HEADER_ALIGN = 8
+
+
+@cache
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    """safetensors' name of `dtype` ("BF16"), read from the header it writes for a one-element stand-in."""
+    from safetensors.torch import save
+
+    blob = save({"x": torch.zeros(1, dtype=dtype)})
+    (length,) = struct.unpack("<Q", blob[:8])
+    return str(json.loads(blob[8 : 8 + length])["x"]["dtype"])
+
+
+@dataclass
+class _Shard:
+    """One shard being filled: its tensors' header entries, its patterns, its data file and size."""
+
+    data: Path
+    entries: dict[str, dict[str, Any]]
+    patterns: dict[str, dict[str, Any]]
+    size: int = 0
+
+
+class PackedWriter:
+    """The packed checkpoint's weight files in `folder` (a temporary folder: `atomic.atomic_dir`).
+
+    max_shard_size: bytes of a shard (a parsed --max-shard-size). `add` every tensor once, then `finish`."""
+
+    def __init__(self, folder: Path, max_shard_size: int) -> None:
+        self.folder = Path(folder)
+        self.limit = max_shard_size
+        self.done: list[_Shard] = []
+        self.current: _Shard | None = None
+
+    def add(self, key: str, tensor: torch.Tensor, pattern: MatrixPattern | None) -> None:
+        """Store `tensor` under `key`: packed (values under `key`, the code under key + its suffix) when
+        `pattern` is given, else as it is."""
+        tensor = tensor.detach().to("cpu").contiguous()
+        if pattern is None:
+            parts = [(key, tensor)]
+        else:
+            values, code = encode(tensor, pattern)
+            parts = [(key, values), (key + pattern.suffix, code)]
+        size = sum(t.numel() * t.element_size() for _, t in parts)
+        shard = self._shard_for(size)
+        if pattern is not None:
+            shard.patterns[key] = pattern.to_json()
+        with shard.data.open("ab") as handle:
+            for name, part in parts:
+                nbytes = part.numel() * part.element_size()
+                shape = list(part.shape)
+                dtype = safetensors_dtype(part.dtype)
+                shard.entries[name] = {
+                    "dtype": dtype,
+                    "shape": shape,
+                    "data_offsets": [shard.size, shard.size + nbytes],
+                }
+                handle.write(part.reshape(-1).view(torch.uint8).numpy().data)
+                shard.size += nbytes
+
+    def _shard_for(self, size: int) -> _Shard:
+        """The shard the next `size` bytes go to: a new one when they would pass the limit (huggingface_hub's rule)."""
+        if self.current is not None and self.current.size and self.current.size + size > self.limit:
+            self.done.append(self.current)
+            self.current = None
+        if self.current is None:
+            self.current = _Shard(self.folder / f".shard-{len(self.done)}.data", {}, {})
+            self.current.data.touch()
+        return self.current
+
+    def finish(self, total_parameters: int) -> list[str]:
+        """Write every shard (and the index, with `total_parameters`, when there are several) → the shard
+        file names."""
+        shards = [*self.done, *([self.current] if self.current is not None else [])]
+        names = shard_names(max(len(shards), 1))
+        weight_map: dict[str, str] = {}
+        for shard, name in zip(shards, names, strict=False):
+            metadata = {"format": "pt", VERSION_KEY: str(FORMAT_VERSION), PATTERNS_KEY: json.dumps(shard.patterns)}
+            text = json.dumps({"__metadata__": metadata, **shard.entries}, separators=(",", ":")).encode("utf-8")
+            text += b" " * (-len(text) % _HEADER_ALIGN)
+            with (self.folder / name).open("wb") as out, shard.data.open("rb") as data:
+                out.write(struct.pack("<Q", len(text)) + text)
+                shutil.copyfileobj(data, out, 1 << 24)
+            shard.data.unlink()
+            weight_map.update(dict.fromkeys(shard.entries, name))
+        if len(shards) > 1:
+            total = sum(shard.size for shard in shards)
+            sizes = {"total_parameters": total_parameters, "total_size": total}
+            index: dict[str, Any] = {"metadata": sizes, "weight_map": weight_map}
+            (self.folder / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        return names[: len(shards)]
+
+
+def read_patterns(path: Path, metadata: Mapping[str, str] | None) -> dict[str, MatrixPattern] | None:
+    """{key: pattern} of the packed matrices of the shard `path` whose header metadata is `metadata`; None
+    for a file that is not packed. PackedFormatError for an unknown format version or a bad record."""
+    if not metadata or VERSION_KEY not in metadata:
+        return None
+    version = metadata[VERSION_KEY]
+    if version != str(FORMAT_VERSION):
+        raise PackedFormatError(
+            f"{path} is packed in format version {version}; this tsenor reads version {FORMAT_VERSION}: "
+            "upgrade tsenor, or unpack it with the tsenor that wrote it"
+        )
+    try:
+        records = json.loads(metadata.get(PATTERNS_KEY, "{}"))
+    except json.JSONDecodeError as exc:
+        raise PackedFormatError(f"{path}: its {PATTERNS_KEY} metadata is not JSON ({one_line(str(exc))})") from exc
+    if not isinstance(records, dict):
+        raise PackedFormatError(f"{path}: its {PATTERNS_KEY} metadata is not a mapping of tensor names")
+    return {str(key): MatrixPattern.from_json(value, f"{path} {key}") for key, value in records.items()}
+
+
+def decode_matrix(
+    key: str, values: torch.Tensor, code: torch.Tensor, pattern: MatrixPattern, where: Path
+) -> torch.Tensor:
+    """The dense weight `key` of the file `where`; its errors name both."""
+    try:
+        return decode(values, code, pattern)
+    except PackedFormatError as exc:
+        raise PackedFormatError(f"{where}: packed tensor {key}: {exc}; the file is damaged: re-copy it") from exc
+
+
+def weight_files(folder: Path) -> Iterator[Path]:
+    """The safetensors files of a checkpoint folder (single file, or the shards its index names)."""
+    single, index = folder / WEIGHTS_NAME, folder / INDEX_NAME
+    if single.is_file():
+        yield single
+    elif index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        yield from (folder / name for name in dict.fromkeys(weight_map.values()))
+
+
+def quantization_entry() -> dict[str, Any]:
+    """config.json's ``quantization_config`` of a packed checkpoint: what transformers dispatches its loading on."""
+    return {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION}
+
+
+def declares_packed(folder: Path) -> bool:
+    """Whether the config.json of `folder` says its weights are packed (an unreadable config says not)."""
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    entry = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(entry, dict) and entry.get("quant_method") == QUANT_METHOD
+
+
+def record_patterns(sparsity: SparsityRecord) -> dict[str, MatrixPattern]:
+    """{parameter: pattern} of the pruned matrices a packed checkpoint packs: each whole 2-D parameter in
+    its stored orientation; an expert of a stack or a transposed (Conv1D) parameter stays dense."""
+    pattern = sparsity.pattern
+    return {
+        entry.param: MatrixPattern.of(pattern.kind, pattern.n, pattern.m, entry.shape)
+        for entry in sparsity.pruned
+        if entry.expert is None and not entry.transposed and entry.shape is not None
+    }

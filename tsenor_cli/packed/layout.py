@@ -1,0 +1,284 @@
+"""One matrix's packed form: a pruned (rows, cols) weight encoded as kept values and a code, decoded bit for bit.
+
+Layout (docs/reference/packed-format.md is the reference): an N:M matrix keeps exactly N positions per
+group of M consecutive inputs of each row (nonzeros first, then the lowest-numbered zeros); its values are
+a (rows, cols/M, N) tensor in the weight's own dtype, in ascending column order. The code is either a
+bit mask (one bit per weight) or the kept positions' indices inside their group (ceil(log2 M) bits
+each), whichever is smaller for the pattern, ties going to the indices (2:4's are the hardware's sparse
+metadata). Bits are packed least significant first, each row padded to whole bytes. An unstructured
+matrix keeps every entry whose bits are not all zero: its values are 1-D in row-major order, its code a
+bit mask. Positions not kept decode to +0.0: the prune writes pruned weights as +0.0, so the decoded
+matrix is the dense output bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+
+from tsenor_cli.errors import PackedFormatError
+
+Encoding = Literal["mask", "index"]
+MASK_SUFFIX = "_tsenor_mask"
+INDEX_SUFFIX = "_tsenor_index"
+SUFFIXES: dict[str, Encoding] = {MASK_SUFFIX: "mask", INDEX_SUFFIX: "index"}
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def index_bits(m: int) -> int:
+    """Bits of one kept position's index inside a group of `m`."""
+    return max(1, math.ceil(math.log2(m)))
+
+
+def code_bits(kind: str, n: int, m: int) -> dict[Encoding, int]:
+    """Bits per group of `m` weights of each encoding of an N:M pattern (the mask alone for unstructured)."""
+    if kind == "unstructured":
+        return {"mask": m}
+    return {"mask": m, "index": n * index_bits(m)}
+
+
+def choose_encoding(kind: str, n: int, m: int) -> Encoding:
+    """The smaller code for the pattern; a tie goes to the indices."""
+    sizes = code_bits(kind, n, m)
+    return "index" if "index" in sizes and sizes["index"] <= sizes["mask"] else "mask"
+
+
+@dataclass(frozen=True)
+class MatrixPattern:
+    """What the file records of one packed matrix: kind (transposable, nm or unstructured), n and m (0 for
+    unstructured), its dense shape, and its code's encoding."""
+
+    kind: str
+    n: int
+    m: int
+    rows: int
+    cols: int
+    encoding: Encoding
+
+    @classmethod
+    def of(cls, kind: str, n: int, m: int, shape: tuple[int, ...]) -> MatrixPattern:
+        if len(shape) != 2:
+            raise PackedFormatError(f"a packed matrix must be 2-D, got shape {tuple(shape)}")
+        rows, cols = shape
+        if kind == "unstructured":
+            return cls(kind, 0, 0, rows, cols, "mask")
+        return cls(kind, n, m, rows, cols, choose_encoding(kind, n, m))
+
+    @property
+    def suffix(self) -> str:
+        return MASK_SUFFIX if self.encoding == "mask" else INDEX_SUFFIX
+
+    @property
+    def label(self) -> str:
+        if self.kind == "unstructured":
+            return "unstructured"
+        return f"{self.n}:{self.m}" + (" transposable" if self.kind == "transposable" else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> MatrixPattern:
+        """The record of a matrix in a file's metadata; PackedFormatError when it is not one."""
+        try:
+            made = cls(**data)
+            ok = made.kind in ("transposable", "nm", "unstructured") and made.encoding in ("mask", "index")
+            ok = ok and made.rows > 0 and made.cols > 0
+            if made.kind != "unstructured":
+                ok = ok and 1 <= made.n < made.m and made.cols % made.m == 0
+                ok = ok and made.encoding == choose_encoding(made.kind, made.n, made.m)
+                ok = ok and (made.kind != "transposable" or made.rows % made.m == 0)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise PackedFormatError(f"{where}: {json.dumps(data)} is not a packed matrix's pattern record")
+        return made
+
+    def code_shape(self) -> tuple[int, int]:
+        if self.encoding == "mask":
+            return (self.rows, math.ceil(self.cols / 8))
+        return (self.rows, math.ceil(self.cols // self.m * self.n * index_bits(self.m) / 8))
+
+    def stored_nbytes(self, itemsize: int, kept: int | None = None) -> int:
+        """Bytes the matrix takes packed: its values (`itemsize` bytes each; `kept` of them for unstructured,
+        whose count the pattern does not fix) and its code."""
+        shape = self.values_shape()
+        if shape is None and kept is None:
+            raise ValueError("an unstructured matrix's packed size needs its kept count")
+        values = math.prod(shape) if shape is not None else int(kept or 0)
+        return values * itemsize + math.prod(self.code_shape())
+
+    def values_shape(self) -> tuple[int, ...] | None:
+        """The values' shape; None for unstructured (its length is the matrix's kept count)."""
+        if self.kind == "unstructured":
+            return None
+        return (self.rows, self.cols // self.m, self.n)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """(rows, L) bool → (rows, ceil(L/8)) uint8: element j of a row is bit j % 8 of byte j // 8."""
+    rows, length = bits.shape
+    padded = torch.nn.functional.pad(bits.to(torch.uint8), (0, -length % 8))
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return (padded.view(rows, -1, 8) << shifts).sum(-1, dtype=torch.uint8)
+
+
+def unpack_bits(code: torch.Tensor, length: int) -> torch.Tensor:
+    """`pack_bits`'s inverse: (rows, B) uint8 → (rows, length) bool; the padding bits must be zero."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=code.device)
+    bits = ((code.unsqueeze(-1) >> shifts) & 1).view(code.shape[0], -1).bool()
+    if bits[:, length:].any():
+        raise PackedFormatError("a packed code sets padding bits past the end of its row")
+    return bits[:, :length]
+
+
+def _raw(weight: torch.Tensor) -> torch.Tensor:
+    """The weight's bits as integers of the same width: -0.0 is nonzero there."""
+    return weight.view(_INT_VIEW[weight.element_size()])
+
+
+def _kept_positions(groups: torch.Tensor, n: int) -> torch.Tensor:
+    """(rows, G, n) ascending positions kept in each group of (rows, G, M): nonzero values first, then
+    the entries whose bits are nonzero (-0.0), then the lowest-numbered zeros."""
+    m = groups.shape[-1]
+    rank = (groups != 0).to(torch.int32) * 2 + (_raw(groups) != 0).to(torch.int32)
+    order = torch.arange(m - 1, -1, -1, dtype=torch.int32, device=groups.device)
+    return (rank * m + order).topk(n, dim=-1).indices.sort(dim=-1).values
+
+
+def _complete_tile(tile: torch.Tensor, n: int) -> torch.Tensor:
+    """An (m, m) bool tile keeping at most n per row and per column, completed with positions it does not
+    keep to exactly n per row and per column: a bipartite b-matching of the rows' and the columns' deficits
+    over the free positions, by augmenting paths (rows and columns in ascending order, so the result is
+    deterministic). PackedFormatError when no completion exists."""
+    m = tile.shape[0]
+    added = [[False] * m for _ in range(m)]
+    free = (~tile).tolist()
+    col_need = [n - int(c) for c in tile.sum(0)]
+
+    def augment(row: int, seen: list[bool]) -> bool:
+        # A free position of `row` to a column that still needs one, or one whose added position can move.
+        for col in range(m):
+            if not free[row][col] or added[row][col] or seen[col]:
+                continue
+            seen[col] = True
+            if col_need[col] > 0:
+                col_need[col] -= 1
+                added[row][col] = True
+                return True
+            for other in range(m):
+                if added[other][col] and augment(other, seen):
+                    added[row][col], added[other][col] = True, False
+                    return True
+        return False
+
+    for row, count in enumerate(tile.sum(1).tolist()):
+        for _ in range(n - int(count)):
+            if not augment(row, [False] * m):
+                raise PackedFormatError(f"its kept entries cannot be completed to a transposable {n}:{m} tile")
+    return tile | torch.tensor(added, dtype=torch.bool)
+
+
+def transposable_mask(weight: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """The (rows, cols) kept positions of a transposable N:M weight: its entries whose bits are nonzero, and,
+    in a tile keeping fewer than N in some row (weights that were zero before pruning), free positions that
+    complete it to exactly N per row and per column (`_complete_tile`). PackedFormatError when a tile's
+    row or column holds more than N nonzeros."""
+    rows, cols = weight.shape
+    kept = _raw(weight) != 0
+    tiles = kept.view(rows // m, m, cols // m, m).transpose(1, 2)  # (TR, TC, m, m)
+    if bool((tiles.sum(-1) > n).any()) or bool((tiles.sum(-2) > n).any()):
+        raise PackedFormatError(f"a {rows}×{cols} weight keeps more than {n} of {m} in some tile row or column")
+    short = (tiles.sum(-1) < n).any(-1).nonzero().tolist()
+    if not short:
+        return kept
+    tiles = tiles.clone()
+    for tile_row, tile_col in short:  # only tiles with zero weights among the kept: rare, each small
+        tiles[tile_row, tile_col] = _complete_tile(tiles[tile_row, tile_col], n)
+    return tiles.transpose(1, 2).reshape(rows, cols)
+
+
+def encode(weight: torch.Tensor, pattern: MatrixPattern) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, code) of a 2-D `weight` under `pattern`; PackedFormatError when a group holds more than N
+    nonzeros. The zeros' sign bits at positions not kept are not stored (they decode as +0.0)."""
+    if tuple(weight.shape) != (pattern.rows, pattern.cols):
+        raise PackedFormatError(f"a {tuple(weight.shape)} weight does not have its record's shape")
+    if pattern.kind == "unstructured":
+        kept = _raw(weight) != 0
+        return weight[kept], pack_bits(kept)
+    rows, n, m = pattern.rows, pattern.n, pattern.m
+    groups = weight.reshape(rows, -1, m)
+    if int((groups != 0).sum(-1).max()) > n:
+        raise PackedFormatError(f"a {rows}×{pattern.cols} weight keeps more than {n} of {m} in some group")
+    if pattern.kind == "transposable":
+        # The kept positions must also keep N per tile column: zeros are not filled in row by row.
+        positions = _kept_positions(transposable_mask(weight, n, m).view(rows, -1, m).to(weight.dtype), n)
+    else:
+        positions = _kept_positions(groups, n)
+    values = groups.gather(-1, positions)
+    if pattern.encoding == "index":
+        shifts = torch.arange(index_bits(m), dtype=torch.int64, device=weight.device)
+        bits = ((positions.unsqueeze(-1) >> shifts) & 1).reshape(rows, -1).bool()
+        return values, pack_bits(bits)
+    mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, positions, True)
+    return values, pack_bits(mask.view(rows, -1))
+
+
+def _positions(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
+    """(rows, G, n) kept positions of an index code, as stored (unchecked)."""
+    rows, n, m = pattern.rows, pattern.n, pattern.m
+    b = index_bits(m)
+    groups = pattern.cols // m
+    bits = unpack_bits(code, groups * n * b).view(rows, groups, n, b).to(torch.int64)
+    return (bits << torch.arange(b, device=code.device)).sum(-1)
+
+
+def stored_mask(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
+    """The (rows, cols) bool mask of the positions the code marks, without checking it against the pattern
+    (`tsenor verify` counts its tiles itself); PackedFormatError when the code's shape, dtype, padding or
+    an index past M cannot describe the matrix at all."""
+    if tuple(code.shape) != pattern.code_shape() or code.dtype != torch.uint8:
+        raise PackedFormatError(f"its code is {tuple(code.shape)} {code.dtype}, not {pattern.code_shape()} uint8")
+    if pattern.encoding == "mask":
+        return unpack_bits(code, pattern.cols)
+    positions = _positions(code, pattern)
+    if int(positions.max()) >= pattern.m:
+        raise PackedFormatError(f"its indices break {pattern.label}: a position past M")
+    grouped = torch.zeros(pattern.rows, pattern.cols // pattern.m, pattern.m, dtype=torch.bool, device=code.device)
+    return grouped.scatter_(-1, positions, True).view(pattern.rows, pattern.cols)
+
+
+def kept_mask(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
+    """The (rows, cols) bool mask of kept positions, checked against the pattern (N per group, and per
+    column of each M×M tile for transposable; indices strictly ascending); PackedFormatError when it breaks it."""
+    mask = stored_mask(code, pattern)
+    if pattern.kind == "unstructured":
+        return mask
+    rows, cols, n, m = pattern.rows, pattern.cols, pattern.n, pattern.m
+    if pattern.encoding == "index" and bool((_positions(code, pattern).diff(dim=-1) <= 0).any()):
+        raise PackedFormatError(f"its indices break {pattern.label}: a position not ascending in its group")
+    if bool((mask.view(rows, -1, m).sum(-1) != n).any()):
+        raise PackedFormatError(f"its mask breaks {pattern.label}: a group does not keep exactly {n} of {m}")
+    if pattern.kind == "transposable":
+        per_column = mask.view(rows // m, m, cols).sum(1)
+        if bool((per_column != n).any()):
+            raise PackedFormatError(f"its mask breaks {pattern.label}: a tile's column does not keep {n} of {m}")
+    return mask
+
+
+def decode(values: torch.Tensor, code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
+    """The dense (rows, cols) weight in the values' dtype; PackedFormatError when the code breaks the
+    pattern or does not fit the values."""
+    mask = kept_mask(code, pattern)
+    expected = pattern.values_shape()
+    if expected is not None and tuple(values.shape) != expected:
+        raise PackedFormatError(f"its values are {tuple(values.shape)}, not {expected}")
+    if expected is None and (values.dim() != 1 or values.numel() != int(mask.sum())):
+        raise PackedFormatError(f"its {values.numel()} values do not match the {int(mask.sum())} kept positions")
+    dense = torch.zeros(pattern.rows, pattern.cols, dtype=values.dtype, device=values.device)
+    # masked_scatter fills the kept positions in row-major order: the values' own order.
+    return dense.masked_scatter_(mask, values.reshape(-1))
