@@ -122,6 +122,8 @@ PRUNE_FIELDS: tuple[Field, ...] = (
     # RefineConfig (pruning/refine.py) checks the mode, epochs and learning rate when the config is built.
     Field("refine_epochs", int, 2, "Passes over the calibration samples per block.", REFINE),
     Field("refine_lr", float, 1e-3, "Adam's learning rate.", REFINE),
+    Field("refine_mask_every", int, 0, "Re-solve the pruned matrices' masks every this many Adam steps from "
+          "dense shadows of the weights (0: the mask fixed); N:M patterns.", REFINE),
     Field("moe_calibration", str, "routed", "Statistics of expert matrices: 'routed' (the tokens the router "
           "sends each expert) or 'all' (every calibration token through every expert, for the statistics only).",
           MOE, choices=("routed", "all")),
@@ -158,6 +160,8 @@ FIELDS: dict[str, Field] = by_name(ALL_FIELDS)
 # default; model and one of nm/sparsity are required; a method option unset takes the method's default).
 RECIPE_KEYS: dict[str, type] = {f.name: f.kind for f in ALL_FIELDS}
 RECIPE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in ALL_FIELDS}
+# The settings RefineConfig checks; every one after the mode is read only with --refine block.
+REFINE_KEYS: tuple[str, ...] = ("refine", "refine_epochs", "refine_lr", "refine_mask_every")
 
 
 def read_recipe(path: Path) -> dict[str, Any]:
@@ -243,13 +247,13 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
         )
     carried = {f.name for f in dataclasses.fields(PruneConfig) if "setting" in f.metadata}
     # PruneConfig checks its own fields when it is built, RefineConfig the refine settings.
-    for key in [k for k in values if k not in carried | {"refine", "refine_epochs", "refine_lr"}]:
+    for key in [k for k in values if k not in carried | set(REFINE_KEYS)]:
         FIELDS[key].validate(values[key])
     pattern = _pattern(values)
     options = method_options(str(values["method"]), values)
     _check_calibration(str(values["calib_data"]))
-    if values["refine"] == "none" and {"refine_epochs", "refine_lr"} & recipe.keys():
-        given = " and ".join(f"--{k.replace('_', '-')}" for k in ("refine_epochs", "refine_lr") if k in recipe)
+    if values["refine"] == "none" and set(REFINE_KEYS[1:]) & recipe.keys():
+        given = " and ".join(f"--{k.replace('_', '-')}" for k in REFINE_KEYS[1:] if k in recipe)
         logger.warning("ignoring %s: only --refine block reads it; add --refine block or drop it", given)
     output = values["output"]
     plain = {name: values[name] for name in carried} | {
@@ -266,5 +270,8 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
         resume=resume,
         command=command,
         # RefineConfig checks the mode, epochs and learning rate (one UsageError line each).
-        refine=RefineConfig(str(values["refine"]), values["refine_epochs"], values["refine_lr"]),
+        refine=RefineConfig(
+            str(values["refine"]), values["refine_epochs"], values["refine_lr"], values["refine_mask_every"],
+            pattern=pattern, solver=str(values["solver"]),
+        ),
     )

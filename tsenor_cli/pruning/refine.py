@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -45,7 +45,9 @@ from torch import nn
 from tsenor_cli.errors import UsageError
 from tsenor_cli.fixedmask import FixedMask
 from tsenor_cli.progress import Progress
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.distributed import Team, shard_bounds
+from tsenor_cli.pruning.joint import ColumnNorms, JointMasks
 from tsenor_cli.pruning.recipe import FIELDS
 from tsenor_cli.replay import BlockCall, block_output
 from tsenor_cli.runfiles import BlockRefinement, LayerRecord
@@ -55,6 +57,7 @@ from tsenor_cli.runfiles import BlockRefinement, LayerRecord
 REFINE_MODES: tuple[str, ...] = tuple(FIELDS["refine"].choice_list() or ())
 DEFAULT_EPOCHS: int = FIELDS["refine_epochs"].default
 DEFAULT_LR: float = FIELDS["refine_lr"].default
+DEFAULT_MASK_EVERY: int = FIELDS["refine_mask_every"].default
 # Samples per Adam step, fixed so that a run's steps do not depend on the number of processes.
 SAMPLES_PER_STEP = 4
 
@@ -62,11 +65,16 @@ SAMPLES_PER_STEP = 4
 @dataclass(frozen=True)
 class RefineConfig:
     """mode: "none" (default) or "block"; epochs: passes over the calibration samples per block; lr:
-    Adam's learning rate."""
+    Adam's learning rate; mask_every: 0 (the mask fixed) or re-solve the masks every that many Adam steps
+    (pruning/joint.py) with `pattern` and `solver`, the run's own."""
 
     mode: str = "none"
     epochs: int = DEFAULT_EPOCHS
     lr: float = DEFAULT_LR
+    mask_every: int = DEFAULT_MASK_EVERY
+    # The run's own pattern and solver (not settings of their own: the run's result fields hold them).
+    pattern: SparsityPattern | None = field(default=None, compare=False)
+    solver: str = field(default="auto", compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in REFINE_MODES:
@@ -75,13 +83,19 @@ class RefineConfig:
             raise UsageError(f"--refine-epochs {self.epochs} must be a whole number >= 1 (default {DEFAULT_EPOCHS})")
         if isinstance(self.lr, bool) or not math.isfinite(self.lr) or self.lr <= 0:
             raise UsageError(f"--refine-lr {self.lr} must be a positive number (default {DEFAULT_LR:g})")
+        if isinstance(self.mask_every, bool) or not isinstance(self.mask_every, int) or self.mask_every < 0:
+            raise UsageError(f"--refine-mask-every {self.mask_every} must be a whole number >= 0 (0: the mask fixed)")
+        if self.mask_every and (self.pattern is None or self.pattern.kind == "unstructured"):
+            raise UsageError("--refine-mask-every needs an N:M pattern (--nm N:M)")
 
     @property
     def on(self) -> bool:
         return self.mode != "none"
 
     def result_fields(self) -> dict[str, object]:
-        return {"mode": self.mode, "epochs": self.epochs, "lr": self.lr, "samples_per_step": SAMPLES_PER_STEP}
+        fields: dict[str, object] = {"mode": self.mode, "epochs": self.epochs, "lr": self.lr}
+        fields["samples_per_step"] = SAMPLES_PER_STEP
+        return fields | ({"mask_every": self.mask_every} if self.mask_every else {})
 
 
 def block_masks(block: nn.Module, prefix: str, params: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -131,12 +145,14 @@ def refine_block(
     params = [p for p in block.parameters() if p.is_floating_point()]
     stored = [(p.dtype, p.requires_grad) for p in params]
     before_weights = [p.detach().clone() for p in params]
+    norms = ColumnNorms(block, list(masks)) if cfg.mask_every else None
     num, den = _errors(block, inputs, call, targets, device, team, bounds[team.rank][0])
+    column_sq = norms.close(team, bounds[team.rank][0]) if norms is not None else {}
     before = num / den if den > 0 else 0.0
     if not (den > 0 and math.isfinite(num) and math.isfinite(den)):
         # A zero target has nothing to match, and non-finite outputs nothing to learn from: left as pruned.
         return BlockRefinement(index, before, before, False, 0, time.perf_counter() - start)
-    fixed = FixedMask(block, dict(masks), parameters=True)
+    fixed = _mask_keeper(block, masks, column_sq, cfg)
     for p in params:
         p.data = p.data.float()
         p.requires_grad_(True)
@@ -164,19 +180,32 @@ def refine_block(
             for p, old in zip(params, before_weights, strict=True):
                 p.copy_(old)
     seconds = time.perf_counter() - start
-    record = BlockRefinement(index, before, after, kept, steps, seconds)
+    joint = (fixed.resolves, fixed.seconds, fixed.changed) if isinstance(fixed, JointMasks) else (0, 0.0, 0)
+    record = BlockRefinement(index, before, after, kept, steps, seconds, *joint)
     if progress is not None:
         verdict = "kept" if kept else "not kept: the pruned weights stay"
+        solves = f", {joint[0]} mask solves ({joint[1]:.1f}s, {joint[2]} kept positions moved)" if joint[0] else ""
         progress(
             f"  refined block {index}: error {before:.4g} → {after:.4g} ({verdict}), {steps} steps, {seconds:.1f}s"
+            + solves
         )
     return record
+
+
+def _mask_keeper(
+    block: nn.Module, masks: Mapping[str, torch.Tensor], column_sq: Mapping[str, torch.Tensor], cfg: RefineConfig
+) -> FixedMask | JointMasks:
+    """The mask fixed (`FixedMask`), or re-solved every `cfg.mask_every` steps (`joint.JointMasks`)."""
+    if not cfg.mask_every:
+        return FixedMask(block, dict(masks), parameters=True)
+    assert cfg.pattern is not None  # RefineConfig refuses a mask period without a pattern
+    return JointMasks(block, masks, column_sq, cfg.pattern, cfg.solver, cfg.mask_every)
 
 
 def _train(
     block: nn.Module,
     params: list[nn.Parameter],
-    fixed: FixedMask,
+    fixed: FixedMask | JointMasks,
     inputs: torch.Tensor,
     call: BlockCall,
     targets: torch.Tensor,
@@ -205,6 +234,8 @@ def _train(
                 _accumulate(block, inputs, call, targets, step, device, scale * len(step))
                 for p in params:  # as the distributed sum has them: zeros, not None (Adam steps both alike)
                     p.grad = _grad(p)
+            if isinstance(fixed, JointMasks):
+                fixed.dense()  # the step updates the dense shadows (pruning/joint.py)
             _step(optimizer)
             fixed.apply()
             optimizer.zero_grad(set_to_none=True)
