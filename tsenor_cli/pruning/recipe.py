@@ -271,7 +271,11 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
         command=command,
         # RefineConfig checks the mode, epochs and learning rate (one UsageError line each).
         refine=RefineConfig(
-            str(values["refine"]), values["refine_epochs"], values["refine_lr"], values["refine_mask_every"],
-            pattern=pattern, solver=str(values["solver"]),
+            str(values["refine"]),
+            values["refine_epochs"],
+            values["refine_lr"],
+            values["refine_mask_every"],
+            pattern=pattern,
+            solver=str(values["solver"]),
         ),
     )

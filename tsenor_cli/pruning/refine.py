@@ -44,8 +44,8 @@ from torch import nn
 
 from tsenor_cli.errors import UsageError
 from tsenor_cli.fixedmask import FixedMask
-from tsenor_cli.progress import Progress
 from tsenor_cli.pattern import SparsityPattern
+from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.distributed import Team, shard_bounds
 from tsenor_cli.pruning.joint import ColumnNorms, JointMasks
 from tsenor_cli.pruning.recipe import FIELDS
