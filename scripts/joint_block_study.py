@@ -28,14 +28,16 @@ from tsenor_cli.replay import BlockCall, run_block
 from tsenor_cli.settings import RunContext
 
 T1632 = SparsityPattern.from_nm(16, 32, transposable=True)
-# name: (epochs, lr, mask period); 0 holds the mask fixed (today's --refine block).
-VARIANTS: dict[str, tuple[int, float, int]] = {
-    "fixed e2 lr1e-3 (default)": (2, 1e-3, 0),
-    "fixed e4 lr1e-3": (4, 1e-3, 0),
-    "fixed e2 lr3e-3": (2, 3e-3, 0),
-    "joint k4 e2 lr1e-3": (2, 1e-3, 4),
-    "joint k1 e2 lr1e-3": (2, 1e-3, 1),
-    "joint k4 e4 lr1e-3": (4, 1e-3, 4),
+# name: (epochs, lr, mask period, shadows start from the dense weights); period 0 holds the mask fixed
+# (today's --refine block).
+VARIANTS: dict[str, tuple[int, float, int, bool]] = {
+    "fixed e2 lr1e-3 (default)": (2, 1e-3, 0, False),
+    "fixed e4 lr1e-3": (4, 1e-3, 0, False),
+    "fixed e2 lr3e-3": (2, 3e-3, 0, False),
+    "joint k4 e2 lr1e-3": (2, 1e-3, 4, False),
+    "joint k1 e2 lr1e-3": (2, 1e-3, 1, False),
+    "joint k4 e4 lr1e-3": (4, 1e-3, 4, False),
+    "joint k4 e2 lr1e-3 dense-init": (2, 1e-3, 4, True),
 }
 
 
@@ -99,13 +101,17 @@ def _study(
         torch.save(pruned, path)
     names = [f"{m}.weight" for m, mod in block.named_modules() if isinstance(mod, torch.nn.Linear)]
     for variant in args.variants:
-        epochs, lr, every = VARIANTS[variant]
+        epochs, lr, every, from_dense = VARIANTS[variant]
         block.load_state_dict(pruned)
         masks = block_masks(block, "", names)
         held_before = _error(block, call, hidden[n:], targets[n:])
         cfg = RefineConfig("block", epochs, lr, every, pattern=T1632)
         start = time.perf_counter()
-        rec = refine_block(block, index, hidden[:n], call, targets[:n], masks, cfg, seed=0, device=torch.device("cpu"))
+        start_from = {k: dense[k] for k in names} if from_dense else None
+        rec = refine_block(
+            block, index, hidden[:n], call, targets[:n], masks, cfg, seed=0, device=torch.device("cpu"),
+            dense=start_from,
+        )  # fmt: skip
         secs = time.perf_counter() - start
         held = _error(block, call, hidden[n:], targets[n:])
         print(

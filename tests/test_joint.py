@@ -20,7 +20,7 @@ from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.joint import joint_scores
 from tsenor_cli.pruning.masks import choose_mask
-from tsenor_cli.pruning.recipe import build_config
+from tsenor_cli.pruning.recipe import build_config, read_recipe
 from tsenor_cli.pruning.refine import RefineConfig, block_masks, refine_block
 from tsenor_cli.pruning.verify import verify_checkpoint
 from tsenor_cli.replay import capture_block_inputs, run_block
@@ -116,3 +116,20 @@ def test_a_tiny_model_through_the_cli(tiny_llama: Callable[..., Path], calib: Pa
     refined = json.loads((out / PRUNE_FILE).read_text())["refinement"]
     assert [r["mask_solves"] for r in refined] == [2, 2]  # 4 samples: 1 step an epoch, 2 epochs
     assert verify_checkpoint(out).ok
+
+
+@pytest.mark.parametrize("name", ["quality-16x32.yaml", "quality-2x4.yaml"])
+def test_the_quality_recipes_prune_a_tiny_model(
+    name: str, tiny_llama: Callable[..., Path], calib: Path, tmp_path: Path
+) -> None:
+    """The recipes carry no model key, refine, and run through the CLI on a tiny model (calibration made
+    small on the command line, which overrides the recipe)."""
+    recipe = Path(__file__).resolve().parents[1] / "configs" / name
+    values = read_recipe(recipe)
+    assert "model" not in values and values["refine"] == "block" and values["transposable"] is True
+    out = tmp_path / "out"
+    flags = ["--config", str(recipe), "--data", str(calib), "--nsamples", "4", "--seqlen", "32"]
+    result = invoke(["prune", str(tiny_llama(num_layers=2)), *flags, "--output", str(out), "--no-resume-state"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / PRUNE_FILE).read_text())
+    assert len(report["refinement"]) == 2 and verify_checkpoint(out).ok

@@ -93,6 +93,7 @@ class JointMasks:
         pattern: SparsityPattern,
         solver: str,
         every: int,
+        dense: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         if pattern.kind not in ("transposable", "nm"):
             raise UsageError(f"--refine-mask-every needs an N:M pattern, not {pattern.kind}")
@@ -101,6 +102,8 @@ class JointMasks:
         self.keep = [~m.to(w.device) for m, w in zip(masks.values(), self.weights, strict=True)]
         self.column_sq = [column_sq[name].to(w.device) for name, w in zip(self.names, self.weights, strict=True)]
         self.shadows: list[torch.Tensor] = []
+        # dense: {name: the weight before pruning}, the shadows' start at pruned positions (None: zeros).
+        self.dense = None if dense is None else [dense[name] for name in self.names]
         self.warm: list[SolveResult | None] = [None] * len(self.names)
         self.pattern, self.solver, self.every = pattern, solver, every
         self.steps = self.resolves = self.changed = 0
@@ -108,8 +111,12 @@ class JointMasks:
         self._dense = False
 
     def attach(self) -> None:
-        """Start: the shadows are the weights as pruned (the gradient is left whole: no hook)."""
+        """Start: the shadows are the weights as pruned, or with `dense` the dense weights at pruned
+        positions (the gradient is left whole: no hook)."""
         self.shadows = [w.detach() for w in self.weights]
+        if self.dense is not None:
+            pairs = zip(self.shadows, self.dense, self.keep, strict=True)
+            self.shadows = [torch.where(keep, s, d.to(s)) for s, d, keep in pairs]
         self._sparse()
 
     def detach(self) -> None:

@@ -124,6 +124,7 @@ def refine_block(
     nsamples: int | None = None,
     progress: Progress | None = None,
     outputs: torch.Tensor | None = None,
+    dense: Mapping[str, torch.Tensor] | None = None,
 ) -> BlockRefinement:
     """Train `block` (on `device`, pruned) in place towards `targets`; keep the result only if it lowers
     the block's error. Returns the block's record (errors before and after, seconds, steps).
@@ -136,7 +137,8 @@ def refine_block(
     When the record says kept, they are the block's outputs as the run keeps it, bit for bit what
     `replay.run_block` would compute (the same forwards), so the engine need not run the block again
     (one forward pass over the samples: 43 s of a 745 s SparseGPT O16:32 prune, docs/results.md);
-    otherwise they are not.
+    otherwise they are not. dense: {parameter name: its weight before pruning}, where the mask re-solves'
+    shadows start at pruned positions (`joint.JointMasks`; None: at zero).
     """
     team = team if team is not None else Team.solo(device)
     total = int(inputs.shape[0]) if nsamples is None else nsamples
@@ -152,7 +154,7 @@ def refine_block(
     if not (den > 0 and math.isfinite(num) and math.isfinite(den)):
         # A zero target has nothing to match, and non-finite outputs nothing to learn from: left as pruned.
         return BlockRefinement(index, before, before, False, 0, time.perf_counter() - start)
-    fixed = _mask_keeper(block, masks, column_sq, cfg)
+    fixed = _mask_keeper(block, masks, column_sq, cfg, dense)
     for p in params:
         p.data = p.data.float()
         p.requires_grad_(True)
@@ -193,13 +195,17 @@ def refine_block(
 
 
 def _mask_keeper(
-    block: nn.Module, masks: Mapping[str, torch.Tensor], column_sq: Mapping[str, torch.Tensor], cfg: RefineConfig
+    block: nn.Module,
+    masks: Mapping[str, torch.Tensor],
+    column_sq: Mapping[str, torch.Tensor],
+    cfg: RefineConfig,
+    dense: Mapping[str, torch.Tensor] | None,
 ) -> FixedMask | JointMasks:
     """The mask fixed (`FixedMask`), or re-solved every `cfg.mask_every` steps (`joint.JointMasks`)."""
     if not cfg.mask_every:
         return FixedMask(block, dict(masks), parameters=True)
     assert cfg.pattern is not None  # RefineConfig refuses a mask period without a pattern
-    return JointMasks(block, masks, column_sq, cfg.pattern, cfg.solver, cfg.mask_every)
+    return JointMasks(block, masks, column_sq, cfg.pattern, cfg.solver, cfg.mask_every, dense)
 
 
 def _train(
