@@ -70,6 +70,23 @@ def test_the_re_solved_masks_are_feasible_and_move_and_the_error_falls() -> None
     assert moved > 0
 
 
+def test_shadows_started_from_the_dense_weights_move_more_of_the_mask() -> None:
+    pattern = T816
+    block, call, inputs, targets, masks = _block(pattern)
+    model = random_causal_lm(num_layers=1, vocab_size=256)  # the same seed: the block's dense weights
+    dense = {name: model.get_parameter(f"model.layers.0.{name}").detach() for name in masks}
+    runs = []
+    for start in (None, dense):
+        block.load_state_dict(_block(pattern)[0].state_dict())
+        cfg = RefineConfig("block", 1, 1e-4, 1, pattern=pattern)
+        rec = refine_block(block, 0, inputs, call, targets, masks, cfg, seed=0, device=torch.device("cpu"), dense=start)
+        runs.append(rec.mask_changed)
+        for name in masks:
+            tiles = to_blocks(block.get_parameter(name).detach() != 0, 16)
+            assert (tiles.sum(1) == 8).all() and (tiles.sum(2) == 8).all(), name
+    assert runs[1] > runs[0]
+
+
 def test_ordinary_n_m_keeps_n_in_every_group() -> None:
     pattern = SparsityPattern.from_nm(2, 4, transposable=False)
     block, masks, record = _refine(pattern, 2)

@@ -103,7 +103,7 @@ class JointMasks:
         self.column_sq = [column_sq[name].to(w.device) for name, w in zip(self.names, self.weights, strict=True)]
         self.shadows: list[torch.Tensor] = []
         # dense: {name: the weight before pruning}, the shadows' start at pruned positions (None: zeros).
-        self.dense = None if dense is None else [dense[name] for name in self.names]
+        self.start = None if dense is None else [dense[name] for name in self.names]
         self.warm: list[SolveResult | None] = [None] * len(self.names)
         self.pattern, self.solver, self.every = pattern, solver, every
         self.steps = self.resolves = self.changed = 0
@@ -114,8 +114,8 @@ class JointMasks:
         """Start: the shadows are the weights as pruned, or with `dense` the dense weights at pruned
         positions (the gradient is left whole: no hook)."""
         self.shadows = [w.detach() for w in self.weights]
-        if self.dense is not None:
-            pairs = zip(self.shadows, self.dense, self.keep, strict=True)
+        if self.start is not None:
+            pairs = zip(self.shadows, self.start, self.keep, strict=True)
             self.shadows = [torch.where(keep, s, d.to(s)) for s, d, keep in pairs]
         self._sparse()
 
