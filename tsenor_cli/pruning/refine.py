@@ -181,17 +181,24 @@ def refine_block(
         with torch.no_grad():
             for p, old in zip(params, before_weights, strict=True):
                 p.copy_(old)
-    seconds = time.perf_counter() - start
     joint = (fixed.resolves, fixed.seconds, fixed.changed) if isinstance(fixed, JointMasks) else (0, 0.0, 0)
-    record = BlockRefinement(index, before, after, kept, steps, seconds, *joint)
-    if progress is not None:
-        verdict = "kept" if kept else "not kept: the pruned weights stay"
-        solves = f", {joint[0]} mask solves ({joint[1]:.1f}s, {joint[2]} kept positions moved)" if joint[0] else ""
-        progress(
-            f"  refined block {index}: error {before:.4g} → {after:.4g} ({verdict}), {steps} steps, {seconds:.1f}s"
-            + solves
-        )
+    record = BlockRefinement(index, before, after, kept, steps, time.perf_counter() - start, *joint)
+    _say(record, progress)
     return record
+
+
+def _say(record: BlockRefinement, progress: Progress | None) -> None:
+    """The block's progress line (with the mask re-solves when there were any)."""
+    if progress is None:
+        return
+    verdict = "kept" if record.kept else "not kept: the pruned weights stay"
+    solves = ""
+    if record.mask_solves:
+        solves = f", {record.mask_solves} mask solves ({record.mask_seconds:.1f}s, {record.mask_changed} kept moved)"
+    progress(
+        f"  refined block {record.block}: error {record.error_before:.4g} → {record.error_after:.4g} ({verdict}), "
+        f"{record.steps} steps, {record.seconds:.1f}s{solves}"
+    )
 
 
 def _mask_keeper(
