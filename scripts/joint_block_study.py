@@ -33,6 +33,7 @@ T1632 = SparsityPattern.from_nm(16, 32, transposable=True)
 VARIANTS: dict[str, tuple[int, float, int, bool]] = {
     "fixed e2 lr1e-3 (default)": (2, 1e-3, 0, False),
     "fixed e4 lr1e-3": (4, 1e-3, 0, False),
+    "fixed e8 lr1e-3": (8, 1e-3, 0, False),
     "fixed e2 lr3e-3": (2, 3e-3, 0, False),
     "joint k4 e2 lr1e-3": (2, 1e-3, 4, False),
     "joint k1 e2 lr1e-3": (2, 1e-3, 1, False),
