@@ -38,6 +38,7 @@ VARIANTS: dict[str, tuple[int, float, int, bool]] = {
     "joint k4 e2 lr1e-3": (2, 1e-3, 4, False),
     "joint k1 e2 lr1e-3": (2, 1e-3, 1, False),
     "joint k4 e4 lr1e-3": (4, 1e-3, 4, False),
+    "joint k8 e8 lr1e-3": (8, 1e-3, 8, False),
     "joint k4 e2 lr1e-3 dense-init": (2, 1e-3, 4, True),
     "joint k4 e2 lr3e-3": (2, 3e-3, 4, False),
 }
