@@ -66,6 +66,7 @@ def test_the_re_solved_masks_are_feasible_and_move_and_the_error_falls() -> None
         kept = block.get_parameter(name).detach() != 0
         tiles = to_blocks(kept, 16)  # (B, 16, 16)
         assert (tiles.sum(1) == 8).all() and (tiles.sum(2) == 8).all(), name  # exactly N per row and column
+        assert not torch.signbit(block.get_parameter(name).detach()[~kept]).any(), name  # +0.0, never -0.0
         moved += int((kept == pruned).sum())  # kept now where pruned before
     assert moved > 0
 

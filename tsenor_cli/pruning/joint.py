@@ -140,9 +140,10 @@ class JointMasks:
             self._sparse()
 
     def _sparse(self) -> None:
+        # masked_fill, not a product: exact +0.0 where pruned (a negative shadow times 0 is -0.0), as FixedMask.
         with torch.no_grad():
             for w, shadow, keep in zip(self.weights, self.shadows, self.keep, strict=True):
-                w.data = shadow * keep
+                w.data = shadow.masked_fill(~keep, 0.0)
 
     @torch.no_grad()
     def _resolve(self) -> None:
