@@ -118,8 +118,8 @@ def _study(
         secs = time.perf_counter() - start
         held = _error(block, call, hidden[n:], targets[n:])
         print(
-            f"| {index} | {variant} | {rec.error_before:.5f} → {rec.error_after:.5f} | {held_before:.5f} → "
-            f"{held:.5f} | {rec.steps} | {rec.mask_solves} ({rec.mask_seconds:.1f}s, {rec.mask_changed} moved) "
+            f"| {index} | {variant} | {rec.error_before:.4g} → {rec.error_after:.4g} | {held_before:.4g} → "
+            f"{held:.4g} | {rec.steps} | {rec.mask_solves} ({rec.mask_seconds:.1f}s, {rec.mask_changed} moved) "
             f"| {secs:.0f} |",
             flush=True,
         )
