@@ -345,7 +345,7 @@ def test_shipped_recipes_parse() -> None:
     from tsenor_cli.pruning.settings.recipe import read_recipe
 
     recipes = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
-    assert len(recipes) == 28  # 3 LLaMA models × 3 methods × 3 patterns + the local SmolLM2 recipe
+    assert len(recipes) == 30  # 3 LLaMA models × 3 methods × 3 patterns + the local SmolLM2 recipe + 2 quality
     for recipe in recipes:
         values = read_recipe(recipe)
         assert values["method"] in ("alps", "sparsegpt", "wanda") and values["nm"] in ("16:32", "8:16", "2:4")

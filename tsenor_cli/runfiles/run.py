@@ -161,6 +161,9 @@ class BlockRefinement:
     output on the dense inputs, Σ‖f(x)−y‖²/Σ‖y‖² over the calibration samples, with the pruned weights
     and with the refined ones; kept: the refined weights were kept (they lowered the error), else the
     pruned weights stayed; steps: Adam steps taken; seconds: wall time of the block's refinement.
+    mask_solves, mask_seconds, mask_changed (`--refine-mask-every`, pruning/block/joint.py; 0 with the mask
+    fixed): the re-solves of the block's masks, their seconds, and how many kept positions they moved
+    (summed over the re-solves).
     """
 
     block: int
@@ -169,6 +172,9 @@ class BlockRefinement:
     kept: bool
     steps: int
     seconds: float
+    mask_solves: int = 0
+    mask_seconds: float = 0.0
+    mask_changed: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return _flat_json(self)

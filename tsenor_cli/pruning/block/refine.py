@@ -44,6 +44,7 @@ from torch import nn
 from tsenor_cli.fixedmask import FixedMask
 from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.block.distributed import Team, shard_bounds
+from tsenor_cli.pruning.block.joint import ColumnNorms, JointMasks
 from tsenor_cli.pruning.settings.config import SAMPLES_PER_STEP, RefineConfig
 from tsenor_cli.replay import BlockCall, block_output
 from tsenor_cli.runfiles import BlockRefinement, LayerRecord
@@ -75,6 +76,7 @@ def refine_block(
     nsamples: int | None = None,
     progress: Progress | None = None,
     outputs: torch.Tensor | None = None,
+    dense: Mapping[str, torch.Tensor] | None = None,
 ) -> BlockRefinement:
     """Train `block` (on `device`, pruned) in place towards `targets`; keep the result only if it lowers
     the block's error. Returns the block's record (errors before and after, seconds, steps).
@@ -87,7 +89,8 @@ def refine_block(
     When the record says kept, they are the block's outputs as the run keeps it, bit for bit what
     `replay.run_block` would compute (the same forwards), so the engine need not run the block again
     (one forward pass over the samples: 43 s of a 745 s SparseGPT O16:32 prune, docs/results.md);
-    otherwise they are not.
+    otherwise they are not. dense: {parameter name: its weight before pruning}, where the mask re-solves'
+    shadows start at pruned positions (`joint.JointMasks`; None: at zero).
     """
     team = team if team is not None else Team.solo(device)
     total = int(inputs.shape[0]) if nsamples is None else nsamples
@@ -96,12 +99,14 @@ def refine_block(
     params = [p for p in block.parameters() if p.is_floating_point()]
     stored = [(p.dtype, p.requires_grad) for p in params]
     before_weights = [p.detach().clone() for p in params]
+    norms = ColumnNorms(block, list(masks)) if cfg.mask_every else None
     num, den = _errors(block, inputs, call, targets, device, team, bounds[team.rank][0])
+    column_sq = norms.close(team, bounds[team.rank][0]) if norms is not None else {}
     before = num / den if den > 0 else 0.0
     if not (den > 0 and math.isfinite(num) and math.isfinite(den)):
         # A zero target has nothing to match, and non-finite outputs nothing to learn from: left as pruned.
         return BlockRefinement(index, before, before, False, 0, time.perf_counter() - start)
-    fixed = FixedMask(block, dict(masks), parameters=True)
+    fixed = _mask_keeper(block, masks, column_sq, cfg, dense)
     for p in params:
         p.data = p.data.float()
         p.requires_grad_(True)
@@ -128,20 +133,44 @@ def refine_block(
         with torch.no_grad():
             for p, old in zip(params, before_weights, strict=True):
                 p.copy_(old)
-    seconds = time.perf_counter() - start
-    record = BlockRefinement(index, before, after, kept, steps, seconds)
-    if progress is not None:
-        verdict = "kept" if kept else "not kept: the pruned weights stay"
-        progress(
-            f"  refined block {index}: error {before:.4g} → {after:.4g} ({verdict}), {steps} steps, {seconds:.1f}s"
-        )
+    joint = (fixed.resolves, fixed.seconds, fixed.changed) if isinstance(fixed, JointMasks) else (0, 0.0, 0)
+    record = BlockRefinement(index, before, after, kept, steps, time.perf_counter() - start, *joint)
+    _say(record, progress)
     return record
+
+
+def _say(record: BlockRefinement, progress: Progress | None) -> None:
+    """The block's progress line (with the mask re-solves when there were any)."""
+    if progress is None:
+        return
+    verdict = "kept" if record.kept else "not kept: the pruned weights stay"
+    solves = ""
+    if record.mask_solves:
+        solves = f", {record.mask_solves} mask solves ({record.mask_seconds:.1f}s, {record.mask_changed} kept moved)"
+    progress(
+        f"  refined block {record.block}: error {record.error_before:.4g} → {record.error_after:.4g} ({verdict}), "
+        f"{record.steps} steps, {record.seconds:.1f}s{solves}"
+    )
+
+
+def _mask_keeper(
+    block: nn.Module,
+    masks: Mapping[str, torch.Tensor],
+    column_sq: Mapping[str, torch.Tensor],
+    cfg: RefineConfig,
+    dense: Mapping[str, torch.Tensor] | None,
+) -> FixedMask | JointMasks:
+    """The mask fixed (`FixedMask`), or re-solved every `cfg.mask_every` steps (`joint.JointMasks`)."""
+    if not cfg.mask_every:
+        return FixedMask(block, dict(masks), parameters=True)
+    assert cfg.pattern is not None  # RefineConfig refuses a mask period without a pattern
+    return JointMasks(block, masks, column_sq, cfg.pattern, cfg.solver, cfg.mask_every, dense)
 
 
 def _train(
     block: nn.Module,
     params: list[nn.Parameter],
-    fixed: FixedMask,
+    fixed: FixedMask | JointMasks,
     inputs: torch.Tensor,
     call: BlockCall,
     targets: torch.Tensor,
@@ -170,6 +199,8 @@ def _train(
                 _accumulate(block, inputs, call, targets, step, device, scale * len(step))
                 for p in params:  # as the distributed sum has them: zeros, not None (Adam steps both alike)
                     p.grad = _grad(p)
+            if isinstance(fixed, JointMasks):
+                fixed.dense()  # the step updates the dense shadows (pruning/block/joint.py)
             _step(optimizer)
             fixed.apply()
             optimizer.zero_grad(set_to_none=True)

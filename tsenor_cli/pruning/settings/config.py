@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 REFINE_MODES: tuple[str, ...] = tuple(FIELDS["refine"].choice_list() or ())
 DEFAULT_EPOCHS: int = FIELDS["refine_epochs"].default
 DEFAULT_LR: float = FIELDS["refine_lr"].default
+DEFAULT_MASK_EVERY: int = FIELDS["refine_mask_every"].default
 # Samples per Adam step, fixed so that a run's steps do not depend on the number of processes.
 SAMPLES_PER_STEP = 4
 
@@ -34,11 +35,16 @@ SAMPLES_PER_STEP = 4
 @dataclass(frozen=True)
 class RefineConfig:
     """mode: "none" (default) or "block"; epochs: passes over the calibration samples per block; lr:
-    Adam's learning rate."""
+    Adam's learning rate; mask_every: 0 (the mask fixed) or re-solve the masks every that many Adam steps
+    (pruning/block/joint.py) with `pattern` and `solver`, the run's own."""
 
     mode: str = "none"
     epochs: int = DEFAULT_EPOCHS
     lr: float = DEFAULT_LR
+    mask_every: int = DEFAULT_MASK_EVERY
+    # The run's own pattern and solver (not settings of their own: the run's result fields hold them).
+    pattern: SparsityPattern | None = field(default=None, compare=False)
+    solver: str = field(default="auto", compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in REFINE_MODES:
@@ -47,13 +53,19 @@ class RefineConfig:
             raise UsageError(f"--refine-epochs {self.epochs} must be a whole number >= 1 (default {DEFAULT_EPOCHS})")
         if isinstance(self.lr, bool) or not math.isfinite(self.lr) or self.lr <= 0:
             raise UsageError(f"--refine-lr {self.lr} must be a positive number (default {DEFAULT_LR:g})")
+        if isinstance(self.mask_every, bool) or not isinstance(self.mask_every, int) or self.mask_every < 0:
+            raise UsageError(f"--refine-mask-every {self.mask_every} must be a whole number >= 0 (0: the mask fixed)")
+        if self.mask_every and (self.pattern is None or self.pattern.kind == "unstructured"):
+            raise UsageError("--refine-mask-every needs an N:M pattern (--nm N:M)")
 
     @property
     def on(self) -> bool:
         return self.mode != "none"
 
     def result_fields(self) -> dict[str, object]:
-        return {"mode": self.mode, "epochs": self.epochs, "lr": self.lr, "samples_per_step": SAMPLES_PER_STEP}
+        fields: dict[str, object] = {"mode": self.mode, "epochs": self.epochs, "lr": self.lr}
+        fields["samples_per_step"] = SAMPLES_PER_STEP
+        return fields | ({"mask_every": self.mask_every} if self.mask_every else {})
 
 
 @dataclass(frozen=True)

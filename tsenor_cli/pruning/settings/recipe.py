@@ -29,7 +29,14 @@ from tsenor_cli.errors import InputNotFoundError, UsageError
 from tsenor_cli.fields import by_name, read_mapping
 from tsenor_cli.progress import logger
 from tsenor_cli.pruning.methods.registry import get_pruner
-from tsenor_cli.pruning.settings.table import EXAMPLE_RECIPE, METHOD_FIELDS, RECIPE_DEFAULTS, fields_for, option_fields
+from tsenor_cli.pruning.settings.table import (
+    EXAMPLE_RECIPE,
+    METHOD_FIELDS,
+    RECIPE_DEFAULTS,
+    REFINE_KEYS,
+    fields_for,
+    option_fields,
+)
 from tsenor_cli.yamlfile import read_yaml
 
 if TYPE_CHECKING:
@@ -121,13 +128,13 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
         )
     carried = {f.name for f in dataclasses.fields(PruneConfig) if "setting" in f.metadata}
     # PruneConfig checks its own fields when it is built, RefineConfig the refine settings.
-    for key in [k for k in values if k not in carried | {"refine", "refine_epochs", "refine_lr"}]:
+    for key in [k for k in values if k not in carried | set(REFINE_KEYS)]:
         table[key].validate(values[key])
     pattern = _pattern(values)
     options = method_options(str(values["method"]), values)
     _check_calibration(str(values["calib_data"]))
-    if values["refine"] == "none" and {"refine_epochs", "refine_lr"} & recipe.keys():
-        given = " and ".join(f"--{k.replace('_', '-')}" for k in ("refine_epochs", "refine_lr") if k in recipe)
+    if values["refine"] == "none" and set(REFINE_KEYS[1:]) & recipe.keys():
+        given = " and ".join(f"--{k.replace('_', '-')}" for k in REFINE_KEYS[1:] if k in recipe)
         logger.warning("ignoring %s: only --refine block reads it; add --refine block or drop it", given)
     output = values["output"]
     plain = {name: values[name] for name in carried} | {
@@ -144,5 +151,12 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
         resume=resume,
         command=command,
         # RefineConfig checks the mode, epochs and learning rate (one UsageError line each).
-        refine=RefineConfig(str(values["refine"]), values["refine_epochs"], values["refine_lr"]),
+        refine=RefineConfig(
+            str(values["refine"]),
+            values["refine_epochs"],
+            values["refine_lr"],
+            values["refine_mask_every"],
+            pattern=pattern,
+            solver=str(values["solver"]),
+        ),
     )

@@ -131,6 +131,8 @@ PRUNE_FIELDS: tuple[Field, ...] = (
     # RefineConfig (pruning/block/refine.py) checks the mode, epochs and learning rate when the config is built.
     Field("refine_epochs", int, 2, "Passes over the calibration samples per block.", REFINE),
     Field("refine_lr", float, 1e-3, "Adam's learning rate.", REFINE),
+    Field("refine_mask_every", int, 0, "Re-solve the pruned matrices' masks every this many Adam steps from "
+          "dense shadows of the weights (0: the mask fixed); N:M patterns.", REFINE),
     Field("moe_calibration", str, "routed", "Statistics of expert matrices: 'routed' (the tokens the router "
           "sends each expert) or 'all' (every calibration token through every expert, for the statistics only).",
           MOE, choices=("routed", "all")),
@@ -175,6 +177,8 @@ FIELDS: dict[str, Field] = by_name(ALL_FIELDS)
 # default; model and one of nm/sparsity are required; a method option unset takes the method's default).
 RECIPE_KEYS: dict[str, type] = {f.name: f.kind for f in ALL_FIELDS}
 RECIPE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in ALL_FIELDS}
+# The settings RefineConfig checks; every one after the mode is read only with --refine block.
+REFINE_KEYS: tuple[str, ...] = ("refine", "refine_epochs", "refine_lr", "refine_mask_every")
 
 
 def fields_for(method: object) -> dict[str, Field]:
