@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -44,7 +43,7 @@ from tsenor_cli.bench.machine import environment
 from tsenor_cli.data.sources import DatasetName
 from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
 from tsenor_cli.runfiles import EVAL_FILE
-from tsenor_cli.settings import CACHE_DIR_ENV, RunContext
+from tsenor_cli.settings import CACHE_DIR_ENV, RunContext, child_environment
 
 MODES = ("whole", "streamed")
 COMMANDS = ("eval", "prune", "prune-eval")
@@ -250,7 +249,7 @@ def measure_prune_eval(folder: Path, mode: str, cfg: MemoryConfig, ctx: RunConte
     peak = folder.parent / f"{folder.name}-peak-{mode}"
     command = prune_eval_command(folder, output, mode, cfg, ctx)
     assert command[1:3] == ["-m", "tsenor_cli"]  # the command PEAK_CHILD runs
-    env = os.environ | {CACHE_DIR_ENV: str(ctx.cache_dir)}
+    env = child_environment({CACHE_DIR_ENV: str(ctx.cache_dir)})
     with tempfile.TemporaryFile() as err:
         started = time.perf_counter()
         argv = [command[0], "-c", PEAK_CHILD, str(peak), *command[3:]]

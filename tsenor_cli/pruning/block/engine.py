@@ -374,27 +374,34 @@ class BlockPruner:
         rank prunes every matrix alike (the result depends on the weights only) → records by parameter
         name, without a reconstruction error (there are no inputs to measure it on)."""
         records: dict[str, list[LayerRecord]] = {}
-        spec = self.spec
         with phase("updates"):
             for name, slot in slots.items():
                 unit = observed.units[name]
                 views = matrices(block.get_parameter(unit.param).data, unit.geometry)  # (count, out, in)
-                count = unit.geometry.count
-                chunk = expert_chunk(unit.geometry.out_features, unit.geometry.in_features, spec)
-                found: list[LayerRecord] = []
-                for first in range(0, count, chunk):
-                    start = time.perf_counter()  # the copy, the method and the write back: all of it is the method's
-                    dense = views[first : first + chunk].to(torch.float32).clone()  # (L, out, in)
-                    outcomes = spec.prune_batch(dense, None, self.layer_cfg)
-                    made = []
-                    for i, outcome in enumerate(outcomes):
-                        expert = first + i if unit.geometry.experts else None
-                        made.append(_record_outcome(views[first + i], dense[i], outcome, None, slot, expert, 0.0, self))
-                    _sync(self.device)
-                    seconds = (time.perf_counter() - start) / len(made)
-                    found += [replace(record, seconds=seconds) for record in made]
-                records[name] = found
+                chunk = expert_chunk(unit.geometry.out_features, unit.geometry.in_features, self.spec)
+                records[name] = [
+                    record
+                    for first in range(0, unit.geometry.count, chunk)
+                    for record in self._prune_chunk(views, first, chunk, slot, bool(unit.geometry.experts))
+                ]
         return records
+
+    def _prune_chunk(
+        self, views: torch.Tensor, first: int, chunk: int, slot: LinearSlot, experts: bool
+    ) -> list[LayerRecord]:
+        """views[first : first + chunk] (L, out, in) pruned by the method from their weights, in place → their
+        records, each with its share of the chunk's seconds (the copy, the method and the write back). Its
+        own function, so the chunk's dense copy and outcomes are freed before the next chunk's are made."""
+        start = time.perf_counter()
+        dense = views[first : first + chunk].to(torch.float32).clone()  # (L, out, in)
+        outcomes = self.spec.prune_batch(dense, None, self.layer_cfg)
+        made = [
+            _record_outcome(views[first + i], dense[i], outcome, None, slot, first + i if experts else None, 0.0, self)
+            for i, outcome in enumerate(outcomes)
+        ]
+        _sync(self.device)
+        seconds = (time.perf_counter() - start) / len(made)
+        return [replace(record, seconds=seconds) for record in made]
 
     def _observe(self, block: nn.Module, inputs: torch.Tensor, call: BlockCall) -> BlockObservation:
         with phase("statistics"):

@@ -204,11 +204,14 @@ def estimate_device_memory(
     offload_activations: bool = False,
     sequential: bool = True,
     refine: bool = False,
+    gathers: bool = True,
 ) -> list[MemoryEstimate]:
     """One `MemoryEstimate` per rank. block_params: parameter count of each block; candidates: the linears
     to prune (none when --targets selects only linears outside the language model); cost: the method's
     (`MethodCost.of`); width: bytes per element of the model's dtype (statistics are float32); heads:
-    the attention heads (`forward_bytes`); refine: --refine block (`MemoryEstimate.refine`).
+    the attention heads (`forward_bytes`); refine: --refine block (`MemoryEstimate.refine`); gathers:
+    the method reads input statistics (`PrunerSpec.needs_data`; magnitude gathers none: no statistics,
+    and no linear inputs kept by a distributed rank).
 
     The workspace is the larger of the method's working set for the largest matrix (`slot_workspace`)
     and one sample's forward (`forward_bytes`), which never run at once. These are torch's allocated
@@ -226,9 +229,9 @@ def estimate_device_memory(
     stats_size = [
         sum(s.matrices * (s.in_features**2 + s.in_features) for s in candidates if s.block == i) for i in range(blocks)
     ]
-    statistics = 4 * max(stats_size)
+    statistics = 4 * max(stats_size) if gathers else 0
     kept_features = 0  # per token, the linear inputs a distributed rank keeps for one group
-    if world_size > 1:
+    if world_size > 1 and gathers:
         statistics = 2 * statistics + 4 * max((s.in_features**2 + s.in_features for s in candidates), default=0)
         per_block = [sum(s.in_features for s in candidates if s.block == i) for i in range(blocks)]
         # One group's linears read one input (LLaMA's q,k,v; gate,up); without --sequential the block is

@@ -637,6 +637,7 @@ class Sizing:
             offload_activations=cfg.offload_activations,
             sequential=cfg.sequential,
             refine=cfg.refine.on,
+            gathers=spec.needs_data,
         )
         # A streamed run holds the parameters outside the blocks and one block (the largest) at a time.
         blocks = sum(self.per_block)
@@ -701,10 +702,13 @@ def _account(structure: ModelStructure, hidden: int, selection: Selection, obser
     return _Accounted(slots, ignored, unused, idle, pending, observed, probe.peak_bytes, accounted, modules)
 
 
-def _meta(cfg: PruneConfig, ctx: RunContext, progress: Progress | None, *, conform: bool) -> tuple[str, Any, Any, Any]:
-    """(source, config, the model on the meta device, its structure), read as `load_model` reads them so
-    the plan fails with the run's line; with `conform` a local checkpoint's tensors are held to its config
-    (`models/conformance.py`, from the safetensors headers: no weight read)."""
+def _meta_structure(
+    cfg: PruneConfig, ctx: RunContext, progress: Progress | None, *, conform: bool
+) -> tuple[str, Any, Any, ModelStructure]:
+    """(source, config, the model of the config on the meta device, its structure), read as `load_model`
+    reads them, so the plan fails with the run's line; with `conform`, a local checkpoint whose weights
+    disagree with its config.json is refused (`models/conformance.py`, from the safetensors headers: no
+    weight read)."""
     from tsenor_cli.models.conformance import check_checkpoint
     from tsenor_cli.models.loading import meta_model, read_config, resolve_source
     from tsenor_cli.models.structure import discover_structure
@@ -722,6 +726,14 @@ def _sizing(model: Any, structure: Any, candidates: tuple[Any, ...], hidden: int
     """What the estimates read of the model: its candidates, each block's and the model's parameters."""
     per_block = tuple(sum(p.numel() for p in b.parameters()) for b in structure.blocks)
     return Sizing(candidates, per_block, sum(p.numel() for p in model.parameters()), hidden, heads)
+
+
+def _resume_bytes(cfg: PruneConfig, params: int, seqlen: int, hidden: int, width: int, ranks: int) -> int:
+    """The most the resume state holds: every block's `params` and two hidden-state files while one
+    replaces the other (with --refine block the dense stream's too), of the calibration's samples or the
+    stand-in's one per process (`reads_data`)."""
+    rows, tokens = (cfg.nsamples, seqlen) if reads_data(cfg) else (ranks, min(seqlen, STAND_IN_SEQLEN))
+    return params * width + (4 if cfg.refine.on else 2) * rows * tokens * hidden * width
 
 
 def plan_model(
@@ -744,14 +756,13 @@ def plan_model(
     of a block's pruned matrices at once: exact without --sequential, an upper bound with it.
     world_size: the processes the device memory is estimated for (default: this run's, `ctx.distributed`).
     The device need not be present: the plan is arithmetic (`planned_device`).
-    conform: refuse a local checkpoint whose weights disagree with its config.json (`models/conformance.py`,
-    from the safetensors headers: no weight read), as its load would; False for a model built in memory,
-    which is checked against the config instead (`PrunePlan.check_model`).
+    conform: refuse a checkpoint whose weights disagree with its config.json, as its load would
+    (`_meta_structure`); False for a model built in memory (`PrunePlan.check_model` checks that one).
     """
     from tsenor_cli.models.loading import config_value
 
     dtype, device = dtype_and_device(cfg, ctx, present=False)
-    source, config, model, structure = _meta(cfg, ctx, progress, conform=conform)
+    source, config, model, structure = _meta_structure(cfg, ctx, progress, conform=conform)
     hidden = int(config_value(config, "hidden_size"))
     selection, beyond = _selection(cfg, model, structure)
     found = _account(structure, hidden, selection, observe)
@@ -764,8 +775,6 @@ def plan_model(
     sizing = _sizing(model, structure, candidates, hidden, int(config_value(config, "num_attention_heads") or 0))
     per_block, params = sizing.per_block, sizing.params
     ranks = world_size if world_size is not None else ctx.distributed.world_size
-    # The tokens through every block: the calibration's, or a stand-in sample per process (`reads_data`).
-    rows, tokens = (cfg.nsamples, seqlen) if reads_data(cfg) else (ranks, min(seqlen, STAND_IN_SEQLEN))
     memory, host = sizing.estimate(cfg, seqlen, device, ranks)
     return PrunePlan(
         model=cfg.model,
@@ -787,7 +796,7 @@ def plan_model(
         beyond=beyond,
         checkpoint_bytes=params * width,
         # With --refine the hidden-state files hold the dense stream too.
-        resume_bytes=sum(per_block) * width + (4 if cfg.refine.on else 2) * rows * tokens * hidden * width,
+        resume_bytes=_resume_bytes(cfg, sum(per_block), seqlen, hidden, width, ranks),
         host_memory=host,
         selection=selection,
         unused=found.unused,
