@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import typer
@@ -209,3 +212,54 @@ def test_the_pipeline_modules_hold_small_functions_and_classes() -> None:
         elif isinstance(node, ast.ClassDef) and size > 200:
             big[f"{module}:{node.name}"] = size
     assert (long, wide, big) == ({}, WIDE_ENTRY_POINTS, {})
+
+
+# What a code comment or docstring may not hold: an issue number ("issue 42", "Issue 26's") or an ISO date.
+# The why stays in the comment; a measurement is cited by the docs/measurements page that records it.
+_DATED = re.compile(r"\bissue\s+#?\d+|\b20\d{2}-[01]\d-[0-3]\d\b", re.IGNORECASE)
+
+
+def _comments_and_docstrings(source: str) -> list[tuple[int, str]]:
+    """(first line, text) of every comment (tokenize; whole-line comments on consecutive lines read as one, so
+    that a phrase wrapped from one line to the next is seen whole) and docstring (ast: module, class and function)
+    of `source`; other string literals (messages, f-strings) are not included."""
+    texts: list[tuple[int, str]] = []
+    last = -1  # the line of the whole-line comment before, if it was
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type != tokenize.COMMENT:
+            continue
+        line, text, whole = token.start[0], token.string.lstrip("#"), token.line.lstrip().startswith("#")
+        if whole and texts and line == last + 1:
+            texts[-1] = (texts[-1][0], f"{texts[-1][1]} {text}")
+        else:
+            texts.append((line, text))
+        last = line if whole else -1
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            docstring = ast.get_docstring(node, clean=False)
+            if docstring is not None:
+                texts.append((node.body[0].lineno, docstring))
+    return texts
+
+
+def _dated(source: str) -> list[tuple[int, str]]:
+    return [(line, hit.group(0)) for line, text in _comments_and_docstrings(source) for hit in _DATED.finditer(text)]
+
+
+def test_no_comment_or_docstring_holds_an_issue_number_or_a_date() -> None:
+    """Comments and docstrings say why, not when or which issue: a measurement is cited by the page of
+    docs/measurements that records it."""
+    found = {
+        str(path.relative_to(PACKAGE)): hits
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (hits := _dated(path.read_text(encoding="utf-8")))
+    }
+    assert found == {}
+
+
+def test_the_date_check_sees_comments_and_docstrings_only() -> None:
+    source = '"""Module (issue 42)."""\n\n'
+    source += "def f():\n    '''Measured 2026-11-27.'''\n    # Issue 26's target\n"
+    source += "    return 'issue 7 on 2026-01-02'  # fine: 2026 and an issue without a number\n"
+    source += "# measured in (issue\n# 47) on\nx = 1  # 2026-11-25 08:46\n"
+    assert _dated(source) == [(5, "Issue 26"), (7, "issue  47"), (9, "2026-11-25"), (1, "issue 42"), (4, "2026-11-27")]

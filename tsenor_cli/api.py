@@ -1,7 +1,7 @@
 """The Python API in one call each: `from tsenor_cli import prune, evaluate` (docs/guide/python-api.md).
 
 `prune(model, output=..., nm="2:4", method="sparsegpt", recipe=..., **settings)` takes the settings of
-`tsenor prune` by their recipe keys (`pruning/recipe.ALL_FIELDS`, each method's options included), checks
+`tsenor prune` by their recipe keys (`pruning/settings/table.ALL_FIELDS`, each method's options included), checks
 them as the command checks its flags (`validate_recipe`, `build_config`: a bad one is one `UsageError`
 naming it and what is allowed, before any work) and runs the same library call, so it writes the same
 bytes. `evaluate(model_dir, ppl=..., tasks=..., output=...)` is `tsenor eval`.

@@ -49,7 +49,7 @@ class IncompatibleModelError(TsenorError, ValueError):
 
 
 class DoesNotFitError(UsageError):
-    """The run's memory estimate exceeds the machine's (`pruning/memory.check_fits`): the message names the
+    """The run's memory estimate exceeds the machine's (`pruning/block/memory.check_fits`): the message names the
     flags that would make it fit. Exit 5, as a model that does not fit the pattern: the options are
     valid, the run cannot happen as asked."""
 

@@ -1,6 +1,6 @@
 """One declaration per setting: the `Field` type that a setting's table row is written in.
 
-A command's settings are one tuple of `Field`s (`pruning/recipe.PRUNE_FIELDS`,
+A command's settings are one tuple of `Field`s (`pruning/settings/table.PRUNE_FIELDS`,
 `finetune/config.FINETUNE_FIELDS`). Everything else is derived from it: the recipe keys and their
 types, the defaults (the config dataclass's field defaults come from `default_of`), the value checks
 run once when the config is built (`check`), and the CLI flags (`cli/options.field_parameters`: flag

@@ -2,7 +2,7 @@
 
 `tsenor prune --output` checked its folder before reading a weight; `tsenor eval --output` checked it
 only after the evaluation (a read-only file system or ``/dev/null/x`` lost an evaluation of hours to
-"unexpected OSError", issue 47), and so did `report` and `make gpu-check OUT=`. Each now runs the same
+"unexpected OSError"), and so did `report` and `make gpu-check OUT=`. Each now runs the same
 check before any work (exit 4, `OutputExistsError` / `OutputUnwritableError`):
 
 - `check_output_location`: the folder is not a file, and its parent (or nearest existing ancestor) is a

@@ -47,7 +47,7 @@ class _BarSafeHandler(logging.StreamHandler):
         # The lock is taken here, outside the try, and tqdm.write told not to take it: tqdm's own write
         # releases its lock in a `finally` even when acquiring it was interrupted, so a Ctrl-C landing
         # there turned into "RuntimeError: cannot release un-acquired lock" (exit 1, not 130; seen in CI,
-        # test_real_kill_int_and_term_then_resume_equals_an_uninterrupted_run, 2026-11-25).
+        # test_real_kill_int_and_term_then_resume_equals_an_uninterrupted_run).
         lock = tqdm.get_lock()
         lock.acquire()
         try:

@@ -230,7 +230,7 @@ def prune_eval_command(
 # PEAK_FILE at exit. The child's ru_maxrss (os.wait4) is no measure of the command: Linux keeps in it the
 # largest resident set of every memory map the process had, and a child that subprocess starts had the
 # bench's own until its exec (vfork). After building the 32-block model (2.8 GiB resident) the bench got
-# 2.83 GiB for the streamed child, whose own VmHWM, sampled from /proc meanwhile, was 1.52 GiB (2026-11-27).
+# 2.83 GiB for the streamed child, whose own VmHWM, sampled from /proc meanwhile, was 1.52 GiB.
 PEAK_CHILD = (
     "import atexit, runpy, sys; from tsenor_cli.bench.memory import write_peak_rss; "
     "atexit.register(write_peak_rss, sys.argv.pop(1)); runpy.run_module('tsenor_cli', run_name='__main__')"

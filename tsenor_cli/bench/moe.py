@@ -1,6 +1,6 @@
 """`tsenor bench moe`: what the expert stacks of a mixture-of-experts block cost, as ratios in one run.
 
-The block is a Qwen3-MoE decoder block at tiny width (issue 26: 64 experts, top-8) built from the
+The block is a Qwen3-MoE decoder block at tiny width (64 experts, top-8) built from the
 installed transformers' config with seeded random weights; its calibration inputs are the embeddings
 of random token ids, captured as `tsenor prune` captures them (`replay.capture_block_inputs`). Measured
 in one process, so compare the ratios, not the seconds (shared 2-core machines):
@@ -45,7 +45,7 @@ from tsenor_cli.pruning.methods.stats import ExpertStats
 from tsenor_cli.pruning.methods.types import LayerPruneConfig, SparsityPattern
 from tsenor_cli.replay import block_output, capture_block_inputs, input_key
 
-# Issue 26's target: the routed statistics of all experts cost at most this many dense forwards.
+# This bench's target: the routed statistics of all experts cost at most this many dense forwards.
 STATS_TARGET = 1.5
 
 

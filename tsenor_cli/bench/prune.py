@@ -74,7 +74,7 @@ class E2EConfig:
     CPU smoke runs); pattern kinds: "transposable" and/or "ordinary" N:M; tokenizer: a folder with the
     SmolLM2 tokenizer files (None: the embedded model's, materialized), for machines without the package;
     refine: the `--refine` modes to run each method and kind with ("none" and/or "block"); with both, the
-    tables give each refined run's wall time over its plain twin's (issue 28's "≤ 2×" target); stream:
+    tables give each refined run's wall time over its plain twin's (against a target of ≤ 2×); stream:
     prune from a safetensors checkpoint of the random weights, block by block (module docstring)."""
 
     model: str

@@ -108,7 +108,7 @@ class LargeRow:
     peak_extra_mib: float  # peak memory above the process's footprint with the scores allocated
     # CPU: the median, min and max over LARGE_REPEATS fresh processes (seconds: the median too). The
     # resident-memory peak of one identical solve varied 1.37-1.63× the scores at 8:16 and 1.44-1.87×
-    # at 16:32 over three runs (2026-11-24), so one run cannot show a change. CUDA: one exact count.
+    # at 16:32 over three runs (docs/design/solver.md), so one run cannot show a change. CUDA: one exact count.
     peak_extra_min_mib: float | None = None
     peak_extra_max_mib: float | None = None
 

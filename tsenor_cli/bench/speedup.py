@@ -13,7 +13,7 @@ Sparse operands are torch's semi-structured tensors (`to_sparse_semi_structured`
 backend classes' `from_dense` are called directly to time CUTLASS and cuSPARSELt side by side). A
 transposable weight is one tensor holding W's compressed form (packed/meta) and Wᵀ's (packed_t/meta_t),
 which is what `.t()` of a semi-structured tensor switches to. Every call through such a tensor pays
-Python dispatch and layout handling: on the first H100 run (2026-11-27) cuSPARSELt through
+Python dispatch and layout handling: on the first H100 run (docs/measurements/benchmarks-speedup.md) cuSPARSELt through
 `F.linear(x, semi_structured)` was 0.03–0.5× dense at 4096 tokens. So cuSPARSELt is also timed
 directly (`cusparselt-direct`): the weight compressed once with `torch._cslt_compress`, the product by
 `torch._cslt_sparse_mm` with `transpose_result` (Y comes out (T, out) without a copy) and the algorithm

@@ -1,6 +1,6 @@
 """`tsenor prune`: parse and cross-check flags, hand a frozen `PruneConfig` to the library.
 
-The settings' flags are generated from `pruning/recipe.ALL_FIELDS` (`cli/options.with_fields`), the
+The settings' flags are generated from `pruning/settings/table.ALL_FIELDS` (`cli/options.with_fields`), the
 same table as the recipe keys and `PruneConfig`'s defaults; this module declares only the flags that
 are not settings of the run (what to do with it: --dry-run, --eval, --nproc, --config, --json …).
 """

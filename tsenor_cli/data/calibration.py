@@ -122,7 +122,7 @@ STAND_IN_SEQLEN = 4
 
 
 def stand_in_batches(tokenizer: object, *, nsamples: int, seqlen: int, method: str) -> CalibrationData:
-    """What a run of a method that reads no data (`PrunerSpec.needs_data` False: magnitude; issue 47)
+    """What a run of a method that reads no data (`PrunerSpec.needs_data` False: magnitude)
     gives its blocks instead of calibration text: `nsamples` rows (one per process:
     `PrunePlan.calibration_samples`) of `seqlen` (`STAND_IN_SEQLEN`) copies of the tokenizer's BOS token
     (else EOS, else 0). No data is read: the blocks run on these to show what each weight multiplies

@@ -1,7 +1,7 @@
 """Library entry for evaluation: perplexity on WikiText2/PTB/C4 and optional zero-shot tasks.
 
 ``evaluate_model(loaded, cfg, ctx) -> EvalReport``; ``EvalReport.to_json()`` is the content of
-``eval.json`` (defined in tsenor_cli/runfiles.py, read back by ``tsenor report``).
+``eval.json`` (defined in tsenor_cli/runfiles/run.py, read back by ``tsenor report``).
 """
 
 from __future__ import annotations

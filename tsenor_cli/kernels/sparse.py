@@ -62,7 +62,7 @@ def backend_unavailable(backend: str, capability: tuple[int, int]) -> str | None
     major, minor = capability
     if backend == "cutlass" and major != 8:
         # torch's CUTLASS semi-structured kernels: "Supported only on GPUs with compute capability 8.x"
-        # (every CUTLASS row failed so on the H100, 9.0, 2026-11-27).
+        # (every CUTLASS row failed so on the H100, 9.0: docs/measurements/benchmarks-speedup.md).
         return f"not available on {major}.{minor}"
     if backend.startswith("cusparselt") and not torch.backends.cusparselt.is_available():
         return "not available (no cuSPARSELt in this torch)"

@@ -5,7 +5,7 @@ files lack is initialised at random (a warning), a tensor the model has no place
 warning), and a tensor of another shape stops the load (or, read block by block, a block of another
 width). A config.json that disagrees with its weights (5 blocks said, 4 stored; 3 said, 4 stored; an
 `intermediate_size` of 256 over weights of 128) so became a wrong model written with exit 0, or an
-"unexpected" error after minutes of work (issue 47).
+"unexpected" error after minutes of work.
 
 `check_checkpoint` compares, before any weight is read and before any output exists, the tensors of a
 local checkpoint folder (their names and shapes from the safetensors headers, `models/checkpoint.py`;

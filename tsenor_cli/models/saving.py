@@ -39,7 +39,7 @@ from tsenor_cli.packed.files import PackedWriter, quantization_entry
 from tsenor_cli.packed.layout import MatrixPattern
 from tsenor_cli.runfiles import shard_names
 
-# save_pretrained's default; tsenor's outputs pass their own (pruning/output.MAX_SHARD_SIZE).
+# save_pretrained's default; tsenor's outputs pass their own (pruning/run/output.MAX_SHARD_SIZE).
 DEFAULT_MAX_SHARD_SIZE = "50GB"
 SAFETENSORS_METADATA = {"format": "pt"}
 # safetensors pads its JSON header with spaces to a multiple of this many bytes.

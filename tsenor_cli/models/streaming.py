@@ -20,7 +20,7 @@ threshold each time a large buffer allocated by mmap is freed, so the next buffe
 the heap, where freed space is kept. A streamed prune then grew by about half a block of retained heap
 per block. At width 1024 it peaked at 1.70 GB in about one run in two, against 1.08 GB in the others. With
 `trim_heap` after each block, four runs peaked at 1.08-1.37 GB, at the same speed (39 s). Fixing the threshold
-instead (M_MMAP_THRESHOLD) held it at 1.07 GB but took 25% longer (48 s) (2026-11-25, 16 blocks;
+instead (M_MMAP_THRESHOLD) held it at 1.07 GB but took 25% longer (48 s) (16 blocks;
 docs/measurements/bench-memory.md).
 """
 

@@ -7,7 +7,7 @@ with a short summary of the sparsity under `SPARSITY_KEY`, the weights in `WEIGH
 (`PRUNE_REPORTS`; the Markdown is rendered by `tsenor_cli.report.markdown`), ``eval.json`` (`EvalReport`),
 ``finetune.json`` (`FinetuneReport`), and while a run is unfinished its resume state in `RESUME_DIR`: a
 prune's `RESUME_STATE_FILE` (`ResumeState`, beside the `block_file` and `hidden_file` it names;
-`pruning/resume.ResumeStore` checks it against those files) or a finetune's `FINETUNE_STATE_FILE`
+`pruning/run/resume.ResumeStore` checks it against those files) or a finetune's `FINETUNE_STATE_FILE`
 (`FinetuneState`). The sweep folder's files are in `runfiles/sweep.py`.
 
 Every file is written through `tsenor_cli.atomic` (the one writer).
@@ -194,7 +194,7 @@ class PruneReport:
     model_params / model_nonzero: entries and nonzero entries of every parameter of the written model
     (tied weights once); linear_params / linear_nonzero: the same over the decoder blocks' linear weights.
     The file's ``totals`` are computed from these (`totals()`), not stored separately.
-    phases: wall seconds per phase of the run (`pruning.phases.PHASES`), each exclusive of those nested in it, so that
+    phases: wall seconds per phase of the run (`phases.PHASES`), each exclusive of those nested in it, so that
     with what is left (`seconds` minus their sum, "other") they add up to `seconds`.
     """
 

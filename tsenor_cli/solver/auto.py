@@ -14,13 +14,12 @@ the one asked for (`SolveResult.requested`).
   experts): `flow` on the host. Such a call costs the GPU solver its launches and host syncs, not its
   arithmetic: on the H100, SparseGPT's transposable 16:32 solves of one slab (64 tiles of 32², or 16 for
   k_proj) each took about 16 ms, whatever their number of tiles (a 2048-wide attention linear 1.2-2.2 s
-  transposable against 0.2-0.3 s ordinary, 64 slabs: ../shared/gpu/2026-11-27-h100/log2.txt; issue 42,
-  item 3). `flow` takes about 70 ns a score on 2 CPU cores (2048² in 0.29 s at 16:32, 0.18 s at 8:16:
+  transposable against 0.2-0.3 s ordinary, 64 slabs: docs/measurements/gpu.md). `flow` takes about
+  70 ns a score on 2 CPU cores (2048² in 0.29 s at 16:32, 0.18 s at 8:16:
   docs/measurements/bench-solver.json) plus a copy each way of a few hundred KiB, exact, so it is the
   cheaper call up to about 2^18 scores (256 tiles of 32², 18 ms on 2 cores; a GPU host has more cores).
 - anywhere else (the CPU): `flow`, exact and faster there: 0.24 s (8:16) and 0.36 s (16:32) at 2048²
-  on 2 cores against 1.1 s and 1.4 s for the entropic pipeline (`make bench` runs of 2026-11-23,
-  docs/design/solver.md).
+  on 2 cores against 1.1 s and 1.4 s for the entropic pipeline (`make bench`, docs/design/solver.md).
 """
 
 from __future__ import annotations

@@ -151,12 +151,12 @@ def complete_feasibility(mask: torch.Tensor, weights: torch.Tensor, n: int) -> C
     deficit row and one deficit column by one, so the loop ends after at most the total deficit
     (<= n·M) steps. Raises ValueError if a row or column holds more than n.
 
-    On CUDA each step's cost is its launches, host syncs and passes over the batch (the profile of
-    issue 42): a step reads the device once (how many blocks still have deficits or need a swap,
-    and the invariant check of the step before), applies its additions by a masked scatter instead
-    of `nonzero` + indexing, searches swaps only in the blocks that need one, and on CUDA finished
-    blocks stay in the batch as no-ops until they are half of it. Blocks never interact, so every
-    block's steps, and the mask, are those of one block completed alone.
+    On CUDA each step's cost is its launches, host syncs and passes over the batch (as profiled in
+    docs/measurements/benchmarks-cuda.md): a step reads the device once (how many blocks still have
+    deficits or need a swap, and the invariant check of the step before), applies its additions by a
+    masked scatter instead of `nonzero` + indexing, searches swaps only in the blocks that need one, and
+    on CUDA finished blocks stay in the batch as no-ops until they are half of it. Blocks never interact,
+    so every block's steps, and the mask, are those of one block completed alone.
     """
     B, M, _ = mask.shape
     too_many = (mask.sum(dim=2) > n).any(dim=1) | (mask.sum(dim=1) > n).any(dim=1)  # (B,)

@@ -29,7 +29,7 @@ def validate_scores(scores: torch.Tensor, n: int, m: int) -> None:
     if rows == 0 or cols == 0:
         raise ValueError(f"scores of shape ({rows}, {cols}) are empty; pass a non-empty matrix")
     # Both checks in one device read: a host sync per check is a cost of every small solve on CUDA
-    # (SparseGPT's per-slab calls, issue 42).
+    # (SparseGPT's per-slab calls).
     nonfinite, negative = torch.stack([~torch.isfinite(scores).all(), (scores < 0).any()]).tolist()
     if nonfinite:
         raise ValueError("scores contain NaN or Inf; clean the input (e.g. torch.nan_to_num) before solving")

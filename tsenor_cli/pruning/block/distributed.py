@@ -2,7 +2,7 @@
 
 `Team` is what the runner sees of them. Rank r holds a contiguous shard of the calibration samples
 (`shard`) and runs every block on it; each prunable linear has one owner rank (`assign_owners`); a
-linear's input statistics are gathered to its owner and added in rank order (`reduce_to_owners`), the
+linear's input statistics are gathered to its owner and added in rank order (`Team.ordered_statistics`), the
 owner prunes it and broadcasts the new weight (`broadcast_weights`). Every phase that can fail ends in
 `agreed()`, an all-reduce of a status flag, so that a failure on any rank stops every rank with that
 rank's error instead of leaving the others waiting in a collective.

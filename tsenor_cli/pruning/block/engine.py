@@ -82,9 +82,10 @@ def _prune_stacked(
 ) -> list[LayerRecord]:
     """Prune linears that share `stats` (q/k/v, gate/up) in place as one matrix stacked along their outputs
     (`PrunerSpec.prune_rows`): for SparseGPT one factorization of the shared H and one solver call per
-    M-column slab for all of them, instead of one per linear (issue 42: 3× fewer, 3× larger solves for
-    q/k/v). The masks are those each would get alone (`PrunerSpec.fuses_rows`). Each record's seconds
-    are its share of rows of the whole: every column step and every slab's tiles scale with the rows."""
+    M-column slab for all of them, instead of one per linear (3× fewer, 3× larger solves for q/k/v;
+    docs/measurements/benchmarks-e2e.md, "SparseGPT's stacked linears"). The masks are those each would
+    get alone (`PrunerSpec.fuses_rows`). Each record's seconds are its share of rows of the whole: every
+    column step and every slab's tiles scale with the rows."""
     if len(linears) == 1:
         return [_prune_linear(linears[0], slots[0], stats, pruner)]
     weights = [linear.weight.data for linear in linears]
@@ -369,8 +370,8 @@ class BlockPruner:
     ) -> dict[str, list[LayerRecord]]:
         """A group pruned by a method that reads no data (`PrunerSpec.needs_data` False: magnitude): each
         matrix from its weights alone, in its parameter's own layout as the watch saw it (a stack of experts
-        in chunks, as `_prune_unit` takes them), with no statistics pass over the calibration inputs (issue
-        47: a magnitude prune of SmolLM2 spent 300 s per block gathering statistics it never read). Every
+        in chunks, as `_prune_unit` takes them), with no statistics pass over the calibration inputs (a
+        magnitude prune of SmolLM2 spent 300 s per block gathering statistics it never read). Every
         rank prunes every matrix alike (the result depends on the weights only) → records by parameter
         name, without a reconstruction error (there are no inputs to measure it on)."""
         records: dict[str, list[LayerRecord]] = {}

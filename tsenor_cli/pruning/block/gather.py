@@ -46,7 +46,7 @@ def linear_groups(
     block: nn.Module, linears: Mapping[str, nn.Linear], call: BlockCall, sample: torch.Tensor
 ) -> LinearGroups:
     """sample: (1, T, H) → the sequential groups of `linears`, observed in one forward of `block`
-    (`observe.observe_block`, which `prune_block` uses for every weight matrix, seen from the linears).
+    (`observe.observe_block`, which `BlockPruner.prune` uses for every weight matrix, seen from the linears).
 
     Linears whose input is the same view of the same memory (the same tensor, or a view or no-op cast of
     it) form a group; groups come in the order their input first appears. Sameness of memory rather than

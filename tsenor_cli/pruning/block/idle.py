@@ -1,7 +1,7 @@
 """The weight matrices of a block the model's text-only forward skips (Mllama's cross-attention layers).
 
 Mllama's text model skips its cross-attention layers when no image is given: 8 of the 40 layers of the
-11B model, with their full-size MLPs, about 20% of its decoder weights (issue 41), which the
+11B model, with their full-size MLPs, about 20% of its decoder weights, which the
 calibration text never reaches through the model's own forward (`BlockCall.runs` False). Their replay
 stays the identity the model's forward makes it, so the blocks after one see what they see in the
 model. To prune the block itself, its own forward runs on the text hidden states that reach it (its

@@ -41,7 +41,7 @@ TOKEN_BYTES = 8  # int64 token ids
 # pruning alone (dense copy + scores + solver), at 2:4 to 16:32 on 64..512-wide matrices; tsenor's is
 # its worst there (16-26 copies by shape, so up to 1.5x high; the Triton kernels it runs on CUDA fuse
 # some of them: the H100's ADMM phase held about 10). `tests/test_memory_estimate.py` holds each entry.
-# Measured again 2026-11-27 after the solver read the device once per sum (issue 42): bi_nm 2 copies fewer.
+# Measured again after the solver came to read the device once per sum: bi_nm 2 copies fewer.
 SOLVER_COPIES: dict[str, float] = {
     "flow": 7.8,
     "exhaustive": 7.8,
@@ -225,7 +225,7 @@ def estimate_device_memory(
     # The engine holds one sequential group's statistics at a time (its linears share their input's);
     # the plan does not know the groups before a watch, so every linear of the block counts: exact
     # without --sequential, at most one block's other Gram matrices high with it (LLaMA-3.2-1B: 101 MB
-    # over down_proj's 268 MB). A stack of E experts holds E Gram matrices at once (engine.ExpertStats).
+    # over down_proj's 268 MB). A stack of E experts holds E Gram matrices at once (`stats.ExpertStats`).
     stats_size = [
         sum(s.matrices * (s.in_features**2 + s.in_features) for s in candidates if s.block == i) for i in range(blocks)
     ]

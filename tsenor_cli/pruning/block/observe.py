@@ -413,7 +413,7 @@ def observe_block(
 ) -> BlockObservation:
     """Run the block once (`run()`, the dense forward on one sample) under the watch; see the module docstring.
 
-    input_key(x): the identity of an input tensor's memory (engine._input_key); units whose inputs share
+    input_key(x): the identity of an input tensor's memory (`replay.input_key`); units whose inputs share
     it form a group.
     """
     params = _Params.of(block)

@@ -1,6 +1,6 @@
 """Weights outside the language model that `--targets` selects: a multimodal model's vision tower and projector.
 
-They stay dense unless a `--targets` pattern names them (issue 26: "selectable with --targets"). The
+They stay dense unless a `--targets` pattern names them. The
 calibration is text run through the language model, so it never reaches them: no activation statistics
 exist for them, and they are pruned from their magnitudes alone, whatever `--method` the decoder blocks
 get (magnitude needs no data: `pruning/methods/magnitude.py`). The report says so on each of their records, and

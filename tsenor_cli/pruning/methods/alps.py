@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 RHO_MAX = 1e6
 # cuSOLVER's syevd (the eigendecomposition ALPS runs on CUDA) holds more than LAPACK's 1+6n+2n² doubles:
-# the H100 run (../shared/gpu/2026-11-27-h100/e2e-1b-whole.json and e2e-8b.json,
+# the first H100 run (docs/measurements/benchmarks-e2e.md, its JSON of the whole 1B and of the 8B shape,
 # torch.cuda.max_memory_allocated of the factorize phase) held 15.1·4n² + 4·out·n bytes besides the
 # block and activations at both n = 8192 (LLaMA-3.2-1B's down_proj) and n = 14336 (8B's): 8n² bytes
 # more than the 11·4n² + 4·out·n counted here for LAPACK, so its workspace is taken as 4n² doubles.

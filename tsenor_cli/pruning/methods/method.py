@@ -4,7 +4,7 @@ its `prune_batch`) and `MethodOptions` (its typed options).
 A method is one module (`magnitude.py`, `wanda.py`, `sparsegpt.py`, `alps.py`, or one outside the package:
 `registry.get_pruner`) ending in one `PrunerSpec`. Everything else comes from that declaration: the
 `--method` choice, each option's CLI flag, recipe key, Python keyword and report field
-(`recipe.method_fields`: option `x` of method `m` is `--m-x` / `m_x`), the plan's memory estimate
+(`table.method_fields`: option `x` of method `m` is `--m-x` / `m_x`), the plan's memory estimate
 (`workspace`, through `memory.MethodCost`) and whether the run reads calibration data (`needs_data`).
 
 No torch here, and none in a method module's imports: `tsenor --help` reads every declaration, so a

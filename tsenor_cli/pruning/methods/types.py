@@ -29,8 +29,8 @@ class LayerPruneConfig:
 
     solver: a `tsenor_cli.solver.METHODS` name, used for transposable masks; "auto" picks by device
       (exact `flow` on the CPU, `tsenor` on CUDA, `exhaustive` for M = 4; solver/auto.py).
-    options: the method's own options (`pruning/methods/method_options.py`: percdamp and blocksize for SparseGPT,
-      the ADMM schedule for ALPS); None: the method's defaults.
+    options: the method's own options, declared in its module (`sparsegpt.SparseGPTOptions`: percdamp and
+      blocksize; `alps.ALPSOptions`: the ADMM schedule); None: the method's defaults.
     """
 
     pattern: SparsityPattern

@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 def reads_data(cfg: PruneConfig) -> bool:
     """Whether the run reads calibration text: its method needs data (`PrunerSpec.needs_data`), or
     `--refine block` trains each block towards the dense one's outputs on it. A magnitude prune without
-    it takes no calibration pass (issue 47): its blocks run on a few stand-in tokens
+    it takes no calibration pass: its blocks run on a few stand-in tokens
     (`data.calibration.stand_in_batches`) and it gathers no statistics."""
     return get_pruner(cfg.method).needs_data or cfg.refine.on
 
@@ -126,7 +126,7 @@ def weight_plan(
             continue
         watched = observed[index]
         seen = {s.param_name: s for s in observed_slots(structure, index, watched)}
-        # nn.Linear layers that never ran keep their slot: prune_block names them in its error.
+        # nn.Linear layers that never ran keep their slot: `BlockPruner.prune` names them in its error.
         kept = list(seen.values()) + [
             s for s in static if s.block == index and s.param_name not in seen and not s.param
         ]
@@ -564,7 +564,7 @@ class PrunePlan:
     def check_processes(self) -> None:
         """IncompatibleModelError when the plan is for several processes (--nproc, torchrun) and would prune
         a matrix that is not an nn.Linear (an expert stack, Conv1D or bare parameter): their statistics
-        are not summed across ranks (`engine.prune_block`). Known before any work: expert stacks from the
+        are not summed across ranks (`engine.BlockPruner`). Known before any work: expert stacks from the
         checkpoint's shapes, the others once the probe has watched them."""
         if self.world_size <= 1:
             return

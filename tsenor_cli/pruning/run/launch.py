@@ -1,6 +1,6 @@
 """`tsenor prune --nproc K`: the same command in K processes on this node, ended as one run.
 
-Until issue 41's audit this was torch's elastic launcher (what torchrun runs), which got three things wrong
+This used to be torch's elastic launcher (what torchrun runs), which got three things wrong
 for a run of tsenor's: on Ctrl-C or SIGTERM it raised SignalException here ("unexpected SignalException",
 exit 1, where a stop is 130 or 75), sent the signal a second time to ranks the terminal had already sent it
 to, and SIGKILLed them 30 s later whatever they were saving; and a `kill -9` of this process left the ranks

@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
 # The output's default shard size (`--max-shard-size`): transformers' own default is 50GB; tsenor has
 # written 2GB shards since its first release.
-MAX_SHARD_SIZE: str = FIELDS["max_shard_size"].default  # declared with the other settings (recipe.py)
+MAX_SHARD_SIZE: str = FIELDS["max_shard_size"].default  # declared with the other settings (settings/table.py)
 # What marks a folder as a tsenor run that --force may replace: a finished run's report (prune and
 # finetune both write it) or an interrupted run's resume state.
 RUN_MARKERS = (PRUNE_FILE, RESUME_DIR)

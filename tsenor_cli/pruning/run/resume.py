@@ -224,7 +224,7 @@ class ResumeStore:
     def _full_disk_is_one_line(self, previous: ResumeState | None) -> Iterator[None]:
         """A full disk (or quota) while the resume state is written → OutputUnwritableError (exit 4), as the
         final write gives it: the block and hidden-state files are written by safetensors' own code, and a
-        disk that filled up there was "unexpected SafetensorError" (issue 47). The state committed before
+        disk that filled up there was "unexpected SafetensorError". The state committed before
         (`previous`) stays whole, and the line says what it holds."""
         try:
             yield

@@ -3,7 +3,7 @@
 A run (`pruning/run/run.py`) is composed of a block source (`replay.BlockSource`), the block pruner
 (`engine.BlockPruner`), block hooks and sinks. The run's own hooks are the refinement
 (`run.RefineHook`, `--refine block`) and the resume state (`hooks.ResumeHook`); its default sink is the
-transformers checkpoint (`writer.CheckpointSink`). `pruning.api.prune(..., hooks=[...], sinks=[...])`
+transformers checkpoint (`writer.CheckpointSink`). `api.prune(..., hooks=[...], sinks=[...])`
 adds more, run after the run's own (docs/design/engine.md, "Hooks and sinks").
 
 A **block hook** sees each block this attempt prunes, on every rank of a distributed run, through one

@@ -119,7 +119,7 @@ class PruneConfig:
     refine: RefineConfig = field(default_factory=RefineConfig)
 
     def __post_init__(self) -> None:
-        """Each setting's own checks (`pruning/recipe.PRUNE_FIELDS`), the solver's, and the method's options."""
+        """Each setting's own checks (`table.PRUNE_FIELDS`), the solver's, and the method's options."""
         validate_settings(self)
         FIELDS["solver"].validate(self.layer.solver)
         spec = get_pruner(self.method)

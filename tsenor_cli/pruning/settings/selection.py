@@ -106,7 +106,7 @@ def excluded_layers(
             excluded[name] = f"matched --ignore {hit}"
     # An outside linear counts only if --ignore leaves it too (`outside.selected_outside`'s rule): on a
     # multimodal model, --targets and --ignore naming the same vision linears used to pass here and write
-    # a dense copy ("0 layers pruned", exit 0) where a text model's run was refused (issue 41 audit item 5).
+    # a dense copy ("0 layers pruned", exit 0) where a text model's run was refused.
     chosen_outside = any(
         any(matches(pattern, name) for pattern in targets) and not any(matches(pattern, name) for pattern in ignore)
         for name in selectable
