@@ -140,7 +140,7 @@ def test_the_70b_projection_hand_worked() -> None:
     as long: capture 64 once, and the per-block rest gains (32 − 1) × (statistics 4 + rerun 1) = 155 s."""
     shape = {"layers": 80, "blocks_built": 1, "params": PARAMS_70B, "params_built": PARAMS_70B_ONE_BLOCK}
     phases = {"calibration": 1.0, "capture": 2.0, "statistics": 4.0, "factorize": 30.0, "updates": 50.0}
-    phases |= {"rerun": 1.0, "save": 10.0}
+    phases |= {"rerun": 1.0, "write": 10.0}
     result = _run(100.0)
     result.phases = phases
     tokens_ratio = default_tokens() / (16 * 512)
