@@ -103,6 +103,36 @@ def test_a_mask_that_breaks_its_pattern_is_refused() -> None:
         encode(torch.ones(4, 4), transposable)
 
 
+# Index codes decode along two paths: a group's bits within one byte (1:4, 2:4, 2:16: one table lookup) or
+# split into fields (2:8's 3-bit indices); each round trips and refuses indices that break the pattern.
+INDEX_KINDS = (("transposable", 1, 4), ("nm", 2, 8), ("transposable", 2, 8), ("nm", 2, 16), ("transposable", 2, 16))
+
+
+@pytest.mark.parametrize(("kind", "n", "m"), INDEX_KINDS)
+def test_every_index_code_path_round_trips_and_refuses_a_broken_group(kind: str, n: int, m: int) -> None:
+    weight = _pruned(kind, n, m, torch.bfloat16, rows=32, cols=96 if m != 16 else 64)
+    pattern = MatrixPattern.of(kind, n, m, tuple(weight.shape))
+    assert pattern.encoding == "index"
+    values, code = encode(weight, pattern)
+    assert torch.equal(_bits(decode(values, code, pattern)), _bits(weight))
+    broken = code.clone()
+    if n == 1:
+        broken[0, 0] ^= 0x01  # the first group keeps another position: its tile's columns no longer keep 1 each
+    else:
+        broken[0, 0] = 0  # the first group's indices all 0: not ascending
+    with pytest.raises(PackedFormatError, match="break"):
+        decode(values, broken, pattern)
+
+
+def test_a_code_with_padding_bits_set_is_refused() -> None:
+    weight = _pruned("nm", 2, 4, torch.bfloat16, rows=4, cols=12)  # 3 groups: 12 bits, 4 of padding
+    pattern = MatrixPattern.of("nm", 2, 4, (4, 12))
+    values, code = encode(weight, pattern)
+    code[1, -1] |= 0x80
+    with pytest.raises(PackedFormatError, match="padding"):
+        decode(values, code, pattern)
+
+
 def _index_code(mask: torch.Tensor) -> torch.Tensor:
     from tsenor_cli.packed.layout import pack_bits
 

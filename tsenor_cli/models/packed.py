@@ -45,6 +45,11 @@ class PackedDecode(ConversionOps):
     def __init__(self, quantizer: TsenorPackedQuantizer) -> None:
         self.quantizer = quantizer
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> PackedDecode:
+        # transformers deep-copies a converter for every checkpoint tensor it routes through it; the copies
+        # must share the quantizer (its patterns are read-only), not clone every pattern record each time.
+        return PackedDecode(self.quantizer)
+
     def convert(  # type: ignore[override]  # transformers passes full_layer_name by keyword
         self, input_dict: dict[str, Any], full_layer_name: str | None = None, **kwargs: Any
     ) -> dict[str, Any]:

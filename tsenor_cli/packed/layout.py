@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import cache
 from typing import Any, Literal
 
 import torch
@@ -127,13 +130,33 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     return (padded.view(rows, -1, 8) << shifts).sum(-1, dtype=torch.uint8)
 
 
+def _check_padding(code: torch.Tensor, length: int) -> None:
+    """PackedFormatError when a (rows, B) code sets any bit past the first `length` of a row."""
+    whole, spare = divmod(length, 8)
+    tail = code[:, whole + (spare > 0) :]
+    if (spare and bool((code[:, whole] >> spare).any())) or bool(tail.any()):
+        raise PackedFormatError("a packed code sets padding bits past the end of its row")
+
+
+@cache
+def _field_table(width: int) -> torch.Tensor:
+    """(256, 8 // width) uint8: the `width`-bit fields of each byte value, least significant first (a
+    lookup turns a code into its fields in one gather instead of a shift and a mask per bit)."""
+    shifts = torch.arange(0, 8, width, dtype=torch.int32)
+    return ((torch.arange(256, dtype=torch.int32)[:, None] >> shifts) & ((1 << width) - 1)).to(torch.uint8)
+
+
+def _fields(code: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """The first `count` `width`-bit fields of each row of a (rows, B) uint8 code, width dividing 8."""
+    rows = code.shape[0]
+    table = _field_table(width).to(code.device)
+    return table.index_select(0, code.reshape(-1).to(torch.int32)).view(rows, -1)[:, :count]
+
+
 def unpack_bits(code: torch.Tensor, length: int) -> torch.Tensor:
     """`pack_bits`'s inverse: (rows, B) uint8 → (rows, length) bool; the padding bits must be zero."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=code.device)
-    bits = ((code.unsqueeze(-1) >> shifts) & 1).view(code.shape[0], -1).bool()
-    if bits[:, length:].any():
-        raise PackedFormatError("a packed code sets padding bits past the end of its row")
-    return bits[:, :length]
+    _check_padding(code, length)
+    return _fields(code, 1, length).contiguous().view(torch.bool)
 
 
 def _raw(weight: torch.Tensor) -> torch.Tensor:
@@ -228,57 +251,135 @@ def encode(weight: torch.Tensor, pattern: MatrixPattern) -> tuple[torch.Tensor, 
     return values, pack_bits(mask.view(rows, -1))
 
 
-def _positions(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
-    """(rows, G, n) kept positions of an index code, as stored (unchecked)."""
-    rows, n, m = pattern.rows, pattern.n, pattern.m
+@cache
+def _group_tables(n: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For an index code whose groups fit in a byte (N·b dividing 8): the (2^(N·b), M) bool mask and the
+    (2^(N·b),) validity (indices strictly ascending and below M) of every value a group's bits can take,
+    so a group decodes and checks in one lookup instead of a field split, a scatter and a comparison."""
     b = index_bits(m)
-    groups = pattern.cols // m
-    bits = unpack_bits(code, groups * n * b).view(rows, groups, n, b).to(torch.int64)
-    return (bits << torch.arange(b, device=code.device)).sum(-1)
+    codes = torch.arange(1 << (n * b), dtype=torch.int64)
+    positions = (codes[:, None] >> (torch.arange(n) * b)) & ((1 << b) - 1)
+    valid = (positions < m).all(-1) & (positions.diff(dim=-1) > 0).all(-1)
+    mask = torch.zeros(len(codes), m, dtype=torch.bool).scatter_(-1, positions.clamp(max=m - 1), True)
+    return mask, valid
+
+
+def _byte_group_mask(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
+    """The checked (rows, cols) mask of an index code whose groups fit in a byte (`_group_tables`)."""
+    rows, n, m = pattern.rows, pattern.n, pattern.m
+    width, groups = n * index_bits(m), pattern.cols // m
+    _check_padding(code, groups * width)
+    per_group = _fields(code, width, groups).reshape(-1).to(torch.int32)
+    mask_table, valid_table = (table.to(code.device) for table in _group_tables(n, m))
+    if not bool(valid_table.index_select(0, per_group).all()):
+        raise PackedFormatError(f"its indices break {pattern.label}: a position not ascending in its group or past M")
+    return mask_table.index_select(0, per_group).view(rows, pattern.cols)
+
+
+def _index_dtype(bits: int) -> torch.dtype:
+    """The smallest integer dtype holding a `bits`-bit index (shifts stay below its sign bit)."""
+    return torch.uint8 if bits <= 8 else torch.int16 if bits < 16 else torch.int32
+
+
+def _positions(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
+    """(rows, G, n) kept positions of an index code, as stored (unchecked), in the smallest integer dtype."""
+    rows, n, m = pattern.rows, pattern.n, pattern.m
+    b, groups = index_bits(m), pattern.cols // m
+    _check_padding(code, groups * n * b)
+    if 8 % b == 0:
+        return _fields(code, b, groups * n).reshape(rows, groups, n)
+    dtype = _index_dtype(b)
+    bits = _fields(code, 1, groups * n * b).reshape(rows, groups, n, b).to(dtype)
+    return (bits << torch.arange(b, dtype=dtype, device=code.device)).sum(-1, dtype=dtype)
+
+
+def _check_code(code: torch.Tensor, pattern: MatrixPattern) -> None:
+    """PackedFormatError when the code's shape or dtype is not the record's."""
+    if tuple(code.shape) != pattern.code_shape() or code.dtype != torch.uint8:
+        raise PackedFormatError(f"its code is {tuple(code.shape)} {code.dtype}, not {pattern.code_shape()} uint8")
+
+
+def _index_mask(positions: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
+    """The (rows, cols) bool mask of (rows, G, n) positions; PackedFormatError for a position past M."""
+    if (1 << index_bits(pattern.m)) > pattern.m and int(positions.max()) >= pattern.m:
+        raise PackedFormatError(f"its indices break {pattern.label}: a position past M")
+    grouped = torch.zeros(pattern.rows, pattern.cols // pattern.m, pattern.m, dtype=torch.bool, device=positions.device)
+    return grouped.scatter_(-1, positions.long(), True).view(pattern.rows, pattern.cols)
 
 
 def stored_mask(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
     """The (rows, cols) bool mask of the positions the code marks, without checking it against the pattern
     (`tsenor verify` counts its tiles itself); PackedFormatError when the code's shape, dtype, padding or
     an index past M cannot describe the matrix at all."""
-    if tuple(code.shape) != pattern.code_shape() or code.dtype != torch.uint8:
-        raise PackedFormatError(f"its code is {tuple(code.shape)} {code.dtype}, not {pattern.code_shape()} uint8")
+    _check_code(code, pattern)
     if pattern.encoding == "mask":
         return unpack_bits(code, pattern.cols)
-    positions = _positions(code, pattern)
-    if int(positions.max()) >= pattern.m:
-        raise PackedFormatError(f"its indices break {pattern.label}: a position past M")
-    grouped = torch.zeros(pattern.rows, pattern.cols // pattern.m, pattern.m, dtype=torch.bool, device=code.device)
-    return grouped.scatter_(-1, positions, True).view(pattern.rows, pattern.cols)
+    return _index_mask(_positions(code, pattern), pattern)
+
+
+def _count_dtype(m: int) -> torch.dtype:
+    """The dtype counting up to `m` kept entries: a byte wide when it fits (a quarter of int32's traffic)."""
+    return torch.uint8 if m < 256 else torch.int32
 
 
 def kept_mask(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
     """The (rows, cols) bool mask of kept positions, checked against the pattern (N per group, and per
-    column of each M×M tile for transposable; indices strictly ascending); PackedFormatError when it breaks it."""
-    mask = stored_mask(code, pattern)
+    column of each M×M tile for transposable; indices strictly ascending); PackedFormatError when it breaks it.
+    Each check is one vectorized pass: indices strictly ascending and below M already keep exactly N per
+    group, so only a mask code has its groups counted."""
     if pattern.kind == "unstructured":
-        return mask
+        return stored_mask(code, pattern)
+    _check_code(code, pattern)
     rows, cols, n, m = pattern.rows, pattern.cols, pattern.n, pattern.m
-    if pattern.encoding == "index" and bool((_positions(code, pattern).diff(dim=-1) <= 0).any()):
-        raise PackedFormatError(f"its indices break {pattern.label}: a position not ascending in its group")
-    if bool((mask.view(rows, -1, m).sum(-1) != n).any()):
-        raise PackedFormatError(f"its mask breaks {pattern.label}: a group does not keep exactly {n} of {m}")
+    if pattern.encoding == "index" and 8 % (n * index_bits(m)) == 0:
+        mask = _byte_group_mask(code, pattern)
+    elif pattern.encoding == "index":
+        positions = _positions(code, pattern)
+        if n > 1 and bool((positions[..., 1:] <= positions[..., :-1]).any()):
+            raise PackedFormatError(f"its indices break {pattern.label}: a position not ascending in its group")
+        mask = _index_mask(positions, pattern)
+    else:
+        mask = unpack_bits(code, cols)
+        counts = mask.view(torch.uint8).view(rows, -1, m).sum(-1, dtype=_count_dtype(m))
+        if bool((counts != n).any()):
+            raise PackedFormatError(f"its mask breaks {pattern.label}: a group does not keep exactly {n} of {m}")
     if pattern.kind == "transposable":
-        per_column = mask.view(rows // m, m, cols).sum(1)
+        per_column = mask.view(torch.uint8).view(rows // m, m, cols).sum(1, dtype=_count_dtype(m))
         if bool((per_column != n).any()):
             raise PackedFormatError(f"its mask breaks {pattern.label}: a tile's column does not keep {n} of {m}")
     return mask
 
 
+# Elements of a matrix per intra-op thread while decoding: below this a pass over the matrix costs less
+# than the threads' synchronization, which grows tenfold when other work shares the cores.
+_ELEMENTS_PER_THREAD = 1 << 22
+
+
+@contextmanager
+def _decode_threads(elements: int) -> Iterator[None]:
+    """At most one intra-op thread per `_ELEMENTS_PER_THREAD` elements inside the block, restored after."""
+    before = torch.get_num_threads()
+    wanted = max(1, min(before, elements // _ELEMENTS_PER_THREAD))
+    if wanted == before:
+        yield
+        return
+    torch.set_num_threads(wanted)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def decode(values: torch.Tensor, code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
     """The dense (rows, cols) weight in the values' dtype; PackedFormatError when the code breaks the
     pattern or does not fit the values."""
-    mask = kept_mask(code, pattern)
     expected = pattern.values_shape()
     if expected is not None and tuple(values.shape) != expected:
         raise PackedFormatError(f"its values are {tuple(values.shape)}, not {expected}")
-    if expected is None and (values.dim() != 1 or values.numel() != int(mask.sum())):
-        raise PackedFormatError(f"its {values.numel()} values do not match the {int(mask.sum())} kept positions")
-    dense = torch.zeros(pattern.rows, pattern.cols, dtype=values.dtype, device=values.device)
-    # masked_scatter fills the kept positions in row-major order: the values' own order.
-    return dense.masked_scatter_(mask, values.reshape(-1))
+    with _decode_threads(pattern.rows * pattern.cols):
+        mask = kept_mask(code, pattern)
+        if expected is None and (values.dim() != 1 or values.numel() != int(mask.sum())):
+            raise PackedFormatError(f"its {values.numel()} values do not match the {int(mask.sum())} kept positions")
+        dense = torch.zeros(pattern.rows, pattern.cols, dtype=values.dtype, device=values.device)
+        # masked_scatter fills the kept positions in row-major order: the values' own order.
+        return dense.masked_scatter_(mask, values.reshape(-1))
