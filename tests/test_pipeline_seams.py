@@ -1,10 +1,12 @@
 """The run's seams (`pruning/run/seams.py`): a sink and a block hook written here, outside the package, see
 every block of a streamed run, of a run killed and resumed (the blocks the resume state restored reach the
 sink first, marked `restored`, their tensors read from the resume state's files), and of a two-process
-run (sinks on rank 0, hooks on every rank); what the sink receives is what the checkpoint holds."""
+run killed and resumed (sinks on rank 0, hooks on every rank); what the sink receives is what the
+checkpoint holds."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -140,34 +142,48 @@ def test_a_resumed_run_hands_the_restored_blocks_to_the_sink_first(
 
 
 def _worker(rank: int, init: str, cfg: Any, ctx: RunContext, results: str) -> None:
-    """One rank of a gloo run with its own sink and hook; what they saw goes to results/rank<r>.json."""
+    """One rank of a gloo run, killed after block 1 and run again, with a sink and a hook per attempt;
+    what they saw goes to results/rank<r>.json."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     place = dataclasses.replace(ctx, distributed=DistributedContext(rank=rank, world_size=WORLD, local_rank=rank))
-    sink, hook = RecordingSink(), RecordingHook()
+    seen = []
+
+    def kill(index: int) -> None:
+        if index == 1:
+            raise Killed
+
     try:
-        api.prune_model(cfg, place, sinks=[sink], hooks=[hook])
+        for after_block in (kill, None):
+            sink, hook = RecordingSink(), RecordingHook()
+            with contextlib.suppress(Killed):
+                api.prune_model(cfg, place, after_block=after_block, sinks=[sink], hooks=[hook])
+            seen.append({"sink": sink.calls, "digests": sink.digests, "hook": hook.calls})
     finally:
         dist.destroy_process_group()
-    seen = {"sink": sink.calls, "digests": sink.digests, "hook": hook.calls}
     Path(results, f"rank{rank}.json").write_text(json.dumps(seen))
 
 
 def test_with_two_processes_the_sink_runs_on_rank_0_and_the_hook_on_every_rank(
     model: Path, calib: Path, data_ctx: RunContext, tmp_path: Path
 ) -> None:
+    """Killed after block 1 and resumed: each attempt's hook saw its blocks on both ranks, rank 0's sink of
+    the resumed attempt every block (blocks 0-1 restored), rank 1's none."""
     out = tmp_path / "out"
     cfg = sparsegpt_config(model, calib, out, stream=True, nsamples=5)
     init = f"file://{tmp_path / 'rendezvous'}"
     torch.multiprocessing.spawn(_worker, args=(init, cfg, data_ctx, str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
-    hooked = [list(call) for call in _hooked(range(BLOCKS))]
-    assert [seen["hook"] for seen in ranks] == [hooked, hooked]
-    assert [call[0] for call in ranks[0]["sink"]] == ["begin", *["add_block"] * BLOCKS, "finish", "close"]
-    assert ranks[1]["sink"] == [] and ranks[1]["digests"] == {}
-    assert {int(i): d for i, d in ranks[0]["digests"].items()} == _checkpoint_digests(out)
+    for attempt, blocks in enumerate((range(2), range(2, BLOCKS))):
+        hooked = [list(call) for call in _hooked(blocks)]
+        assert [seen[attempt]["hook"] for seen in ranks] == [hooked, hooked]
+        assert ranks[1][attempt]["sink"] == [] and ranks[1][attempt]["digests"] == {}
+    resumed = ranks[0][1]["sink"]
+    adds = [["add_block", 0, True], ["add_block", 1, True], ["add_block", 2, False]]
+    assert resumed[:4] == [["begin", 2, BLOCKS, True], *adds] and [c[0] for c in resumed[4:]] == ["finish", "close"]
+    assert {int(i): d for i, d in ranks[0][1]["digests"].items()} == _checkpoint_digests(out)
 
 
 def test_the_guides_sink_and_hook_run_as_written(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -334,13 +334,16 @@ def start(run: RunSetup, source: BlockSource, calib: CalibrationData | None) -> 
 
 def restored_blocks(run: RunSetup, source: BlockSource, begin: Start) -> list[SinkBlock]:
     """The blocks the resume state holds, as the sinks receive them: from the model in memory (restored
-    into it), or read from their files one tensor at a time when streamed."""
-    if run.store is None or not run.team.is_root:
+    into it), or read from their files one tensor at a time when streamed. Every rank hands them on (each
+    call is agreed by the team); only rank 0's sinks read them, so the other ranks' hold no tensor."""
+    if run.store is None:
         return []
     structure, made = source.structure, []
     for index in range(begin.first):
         prefix, path = structure.full_name(index, ""), run.store.root / block_file(index)
-        tensors = FileTensors(path, prefix) if source.streamed else block_tensors(structure.blocks[index], prefix)
+        tensors: Mapping[str, torch.Tensor] = {}
+        if run.team.is_root:
+            tensors = FileTensors(path, prefix) if source.streamed else block_tensors(structure.blocks[index], prefix)
         made.append(SinkBlock(index, prefix, tensors, block_records(begin.records, index), restored=True, file=path))
     return made
 
