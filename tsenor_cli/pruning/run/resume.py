@@ -46,6 +46,7 @@ from tsenor_cli import atomic
 from tsenor_cli.errors import OutputUnwritableError, ResumeStateError, SchemaError
 from tsenor_cli.outputs import free_bytes, human_bytes
 from tsenor_cli.pruning.methods.types import LayerRecord
+from tsenor_cli.report.markdown import block_range
 from tsenor_cli.runfiles import (
     PRUNE_STATE_VERSION,
     RESUME_DIR,
@@ -215,10 +216,40 @@ class ResumeStore:
         the blocks refined so far.
         """
         with self._full_disk_is_one_line(previous):
-            return self._write_block(
-                index, block, hidden, previous, records, config_hash, calibration, calibration_source, blocks,
-                dense=dense, refinement=refinement,
-            )  # fmt: skip
+            self.root.mkdir(parents=True, exist_ok=True)
+            files = dict(previous.files) if previous is not None else {}
+            digests = dict(previous.digests) if previous is not None else {}
+            old_hidden = previous.hidden if previous is not None else None
+            if old_hidden is not None:
+                del files[old_hidden]
+                digests.pop(old_hidden, None)
+            name = block_file(index)
+            tensors = dict(block.state_dict()) if isinstance(block, nn.Module) else dict(block)
+            atomic.save_safetensors(tensors, self.root / name)
+            files[name], digests[name] = (self.root / name).stat().st_size, file_sha256(self.root / name)
+            new_hidden = None
+            if hidden is not None:
+                new_hidden = hidden_file(index)
+                streams = {"hidden": hidden} if dense is None else {"hidden": hidden, "dense": dense}
+                atomic.save_safetensors(streams, self.root / new_hidden)
+                path = self.root / new_hidden
+                files[new_hidden], digests[new_hidden] = path.stat().st_size, file_sha256(path)
+            state = ResumeState(
+                config_hash,
+                index + 1,
+                blocks,
+                new_hidden,
+                files,
+                list(records),
+                calibration,
+                calibration_source,
+                tuple(refinement),
+                digests,
+            )
+            atomic.write_json(self.state_path, state.to_json(), indent=1)
+            if old_hidden is not None:
+                (self.root / old_hidden).unlink(missing_ok=True)
+            return state
 
     @contextmanager
     def _full_disk_is_one_line(self, previous: ResumeState | None) -> Iterator[None]:
@@ -233,7 +264,7 @@ class ResumeStore:
             if why is None:
                 raise
             done = previous.next_block if previous is not None else 0
-            held = f"the resume state holds {'block 1' if done == 1 else f'blocks 1-{done}'}" if done else ""
+            held = f"the resume state holds {block_range(done)}" if done else ""
             output = self.root.parent
             raise OutputUnwritableError(
                 f"the disk holding --output {output} filled up while the resume state was written ({why}); "
@@ -241,56 +272,6 @@ class ResumeStore:
                 + f" (about {human_bytes(free_bytes(output))} are free now) and rerun the same command to "
                 "continue, or choose another --output"
             ) from exc
-
-    def _write_block(
-        self,
-        index: int,
-        block: nn.Module | Mapping[str, torch.Tensor],
-        hidden: torch.Tensor | None,
-        previous: ResumeState | None,
-        records: list[LayerRecord],
-        config_hash: str,
-        calibration: str,
-        calibration_source: DataSource,
-        blocks: int,
-        *,
-        dense: torch.Tensor | None = None,
-        refinement: tuple[BlockRefinement, ...] = (),
-    ) -> ResumeState:
-        self.root.mkdir(parents=True, exist_ok=True)
-        files = dict(previous.files) if previous is not None else {}
-        digests = dict(previous.digests) if previous is not None else {}
-        old_hidden = previous.hidden if previous is not None else None
-        if old_hidden is not None:
-            del files[old_hidden]
-            digests.pop(old_hidden, None)
-        name = block_file(index)
-        tensors = dict(block.state_dict()) if isinstance(block, nn.Module) else dict(block)
-        atomic.save_safetensors(tensors, self.root / name)
-        files[name], digests[name] = (self.root / name).stat().st_size, file_sha256(self.root / name)
-        new_hidden = None
-        if hidden is not None:
-            new_hidden = hidden_file(index)
-            streams = {"hidden": hidden} if dense is None else {"hidden": hidden, "dense": dense}
-            atomic.save_safetensors(streams, self.root / new_hidden)
-            path = self.root / new_hidden
-            files[new_hidden], digests[new_hidden] = path.stat().st_size, file_sha256(path)
-        state = ResumeState(
-            config_hash,
-            index + 1,
-            blocks,
-            new_hidden,
-            files,
-            list(records),
-            calibration,
-            calibration_source,
-            tuple(refinement),
-            digests,
-        )
-        atomic.write_json(self.state_path, state.to_json(), indent=1)
-        if old_hidden is not None:
-            (self.root / old_hidden).unlink(missing_ok=True)
-        return state
 
     def restore_blocks(self, blocks: nn.ModuleList, state: ResumeState) -> None:
         """Load the saved pruned parameters of blocks 0..next_block-1 into `blocks` (on the CPU)."""
