@@ -147,15 +147,15 @@ def test_an_moe_stack_is_pruned_by_magnitude_without_data(tmp_path: Path, monkey
 @pytest.mark.realmodel
 def test_a_default_magnitude_prune_of_smollm2_takes_seconds_per_block(tmp_path: Path) -> None:
     """The audit's command with default flags (128 × 2048 calibration asked for, none read): every block
-    in seconds (was 1 block of 30 after 300 s). The bound leaves a shared 2-core machine room: about 4 s
-    per block on an idle one (docs/reliability.md)."""
-    out = tmp_path / "x"
-    result = invoke(["-q", "prune", "smollm2-135m", "--nm", "2:4", "--method", "magnitude", "--output", str(out)])
-    assert result.exit_code == 0, result.output
-    report = json.loads((out / PRUNE_FILE).read_text())
-    blocks = 30
-    assert report["seconds"] / blocks < 30, report["phases"]
-    assert report["phases"].get("statistics", 0.0) < 0.1 * report["seconds"]
+    in seconds (was 1 block of 30 after 300 s). The bound leaves a shared 2-core machine room: 6 s per
+    block measured there under a load of 9-13 (docs/reliability.md)."""
+    from helpers_tiny import smollm2_dir
+
+    cfg = _cfg(smollm2_dir(), tmp_path / "x")  # every other setting at its default
+    assert (cfg.nsamples, cfg.seqlen, cfg.calib_data) == (128, 2048, "c4")
+    report = prune_model(cfg, LOCAL_CTX)
+    assert report.seconds / 30 < 30, report.phases
+    assert report.phases.get("statistics", 0.0) < 0.1 * report.seconds, report.phases
 
 
 def test_an_interrupted_magnitude_run_resumes_to_the_same_checkpoint(
