@@ -145,17 +145,20 @@ def test_an_moe_stack_is_pruned_by_magnitude_without_data(tmp_path: Path, monkey
 
 @pytest.mark.slow
 @pytest.mark.realmodel
-def test_a_default_magnitude_prune_of_smollm2_takes_seconds_per_block(tmp_path: Path) -> None:
-    """The audit's command with default flags (128 × 2048 calibration asked for, none read): every block
-    in seconds (was 1 block of 30 after 300 s). The bound leaves a shared 2-core machine room: 6 s per
-    block measured there under a load of 9-13 (docs/reliability.md)."""
+def test_a_default_magnitude_prune_of_smollm2_reads_no_calibration(tmp_path: Path) -> None:
+    """The audit's command with default flags (128 × 2048 calibration asked for, none read; it had done 1
+    block of 30 after 300 s): the run reads no text, its blocks run on the stand-in's one sample of a few
+    tokens, and no statistics are gathered (no reconstruction error to report). Its speed is measured, not
+    tested (docs/reliability.md: seconds per block on the 2-core machine)."""
     from helpers_tiny import smollm2_dir
 
     cfg = _cfg(smollm2_dir(), tmp_path / "x")  # every other setting at its default
     assert (cfg.nsamples, cfg.seqlen, cfg.calib_data) == (128, 2048, "c4")
     report = prune_model(cfg, LOCAL_CTX)
-    assert report.seconds / 30 < 30, report.phases
-    assert report.phases.get("statistics", 0.0) < 0.1 * report.seconds, report.phases
+    assert report.calibration_source is not None and report.calibration_source.kind == "none"
+    assert "1×4 stand-in tokens" in report.calibration, report.calibration
+    pruned = [r for r in report.layers if r.status == "pruned"]
+    assert len(pruned) == 30 * 7 and all(r.recon_error is None for r in pruned)
 
 
 def test_an_interrupted_magnitude_run_resumes_to_the_same_checkpoint(
