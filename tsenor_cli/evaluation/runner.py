@@ -18,8 +18,8 @@ import torch
 from tsenor_cli.data.eval_text import eval_token_stream
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import OutputExistsError, UsageError
-from tsenor_cli.evaluation.perplexity import perplexity
-from tsenor_cli.evaluation.streamed import streamed_perplexity
+from tsenor_cli.evaluation.perplexity import Windows, perplexity
+from tsenor_cli.evaluation.streamed import BlockCallbacks, streamed_perplexity
 from tsenor_cli.kernels import KERNELS
 from tsenor_cli.models.loading import LoadedModel
 from tsenor_cli.progress import sink
@@ -199,7 +199,7 @@ def evaluate_model(
     device = next(loaded.model.parameters()).device
     kernels = sparse_kernels(loaded, device, sink(progress)) if cfg.kernels == "sparse" else None
     try:
-        results = _perplexities(loaded, cfg, ctx, seqlen, device, progress, kernels)
+        results = _perplexities(loaded, cfg, ctx, seqlen, progress, kernels)
         zeroshot = _run_zeroshot(loaded, cfg, ctx, progress) if cfg.tasks else None
     finally:
         if kernels is not None:
@@ -255,13 +255,14 @@ def _perplexities(
     cfg: EvalConfig,
     ctx: RunContext,
     seqlen: int,
-    device: torch.device,
     progress: Callable[[str], None] | None,
     kernels: KernelPlan | None = None,
 ) -> dict[str, PerplexityRecord]:
-    """{dataset: its perplexity record} for cfg.ppl_datasets, streamed block by block when the model was
-    loaded with ``stream=True`` (each block's sparse kernels installed as it is read)."""
+    """{dataset: its perplexity record} for cfg.ppl_datasets in windows of `seqlen` on the device of the model's
+    parameters, streamed block by block when the model was loaded with ``stream=True`` (each block's sparse
+    kernels installed as it is read)."""
     ppl_batch = cfg.batch_size if isinstance(cfg.batch_size, int) else 1
+    device = next(loaded.model.parameters()).device
     say = sink(progress)
     # Every stream first: the window count of the whole evaluation is known before the first window, so
     # the first window's time gives an estimate of it all (`_WindowClock`).
@@ -279,17 +280,14 @@ def _perplexities(
     results: dict[str, PerplexityRecord] = {}
     for name, (text, spent) in streams.items():
         t0 = time.perf_counter()
-        report, limit = clock.reporter(name), cfg.max_windows
+        report, windows = clock.reporter(name), Windows(seqlen, cfg.max_windows, ppl_batch)
         if loaded.checkpoint is not None:
             result = streamed_perplexity(
-                loaded, text.input_ids, seqlen=seqlen, max_windows=limit, device=device, progress=report,
-                prepare=_block_installer(loaded, kernels),
+                loaded, text.input_ids, windows, device=device, progress=report,
+                blocks=BlockCallbacks(prepare=_block_installer(loaded, kernels)),
             )  # fmt: skip
         else:
-            result = perplexity(
-                loaded.model, text.input_ids, seqlen=seqlen, max_windows=limit, device=device,
-                batch_size=ppl_batch, progress=report,
-            )  # fmt: skip
+            result = perplexity(loaded.model, text.input_ids, windows, device=device, progress=report)
         results[name] = PerplexityRecord(
             ppl=result.ppl,
             nll_sum=result.nll_sum,
