@@ -277,7 +277,6 @@ OUTSIDE_PRUNING_LONG: dict[str, int] = {
     "cli/evaluate.py:eval_cmd": 73,
     "bench/solver.py:to_markdown": 73,
     "models/loading.py:load_model": 72,
-    "evaluation/zeroshot.py:run_zeroshot": 70,
     "models/saving.py:write_weights": 64,
     "cli/bench.py:bench_memory": 61,
 }
@@ -289,7 +288,6 @@ OUTSIDE_PRUNING_WIDE: dict[str, int] = {
     "bench/speedup.py:_layer_timings": 7,
     "cli/prune.py:_eval_config": 7,
     "evaluation/runner.py:load_for_evaluation": 9,
-    "evaluation/zeroshot.py:run_zeroshot": 9,
     "finetune/run.py:_train": 10,
     "finetune/run.py:_evaluate_before": 8,
     "finetune/run.py:_training_loop": 11,

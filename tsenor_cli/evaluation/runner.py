@@ -356,18 +356,10 @@ def _run_zeroshot(
     loaded: LoadedModel, cfg: EvalConfig, ctx: RunContext, progress: Callable[[str], None] | None
 ) -> ZeroShotResult:
     try:
-        from tsenor_cli.evaluation.zeroshot import run_zeroshot
+        from tsenor_cli.evaluation.zeroshot import ZeroShotTasks, run_zeroshot
     except ModuleNotFoundError as exc:
         if exc.name != "tsenor_cli.evaluation.zeroshot":
             raise
         raise UsageError("zero-shot evaluation is not available in this build; omit --tasks") from exc
-    return run_zeroshot(
-        loaded.model,
-        loaded.tokenizer,
-        list(cfg.tasks),
-        ctx,
-        num_fewshot=cfg.num_fewshot,
-        limit=cfg.limit,
-        batch_size=cfg.batch_size,
-        progress=progress,
-    )
+    tasks = ZeroShotTasks(cfg.tasks, num_fewshot=cfg.num_fewshot, limit=cfg.limit, batch_size=cfg.batch_size)
+    return run_zeroshot(loaded.model, loaded.tokenizer, tasks, ctx, progress)
