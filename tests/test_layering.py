@@ -273,7 +273,6 @@ OUTSIDE_PRUNING_LONG: dict[str, int] = {
     "solver/_triton_jit.py:cycle_kernel": 80,
     "solver/_flow_jit.py:_augment": 80,
     "cli/bench.py:bench_prune": 79,
-    "sweep/job.py:run_job": 75,
     "cli/evaluate.py:eval_cmd": 73,
     "bench/solver.py:to_markdown": 73,
     "models/loading.py:load_model": 72,
@@ -301,7 +300,6 @@ OUTSIDE_PRUNING_WIDE: dict[str, int] = {
     "solver/_flow_jit.py:solve_tiles": 12,
     "solver/_triton_jit.py:sinkhorn_kernel": 12,
     "solver/_triton_jit.py:cycle_kernel": 7,
-    "sweep/executors.py:run_sweep": 7,
 }
 OUTSIDE_PRUNING_BIG: dict[str, int] = {}
 
