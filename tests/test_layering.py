@@ -275,8 +275,6 @@ OUTSIDE_PRUNING_LONG: dict[str, int] = {
     "cli/bench.py:bench_prune": 79,
     "cli/evaluate.py:eval_cmd": 73,
     "bench/solver.py:to_markdown": 73,
-    "models/loading.py:load_model": 72,
-    "models/saving.py:write_weights": 64,
     "cli/bench.py:bench_memory": 61,
 }
 OUTSIDE_PRUNING_WIDE: dict[str, int] = {
@@ -288,8 +286,6 @@ OUTSIDE_PRUNING_WIDE: dict[str, int] = {
     "cli/prune.py:_eval_config": 7,
     "evaluation/runner.py:load_for_evaluation": 9,
     "models/loading.py:load_model": 10,
-    "models/loading.py:_load_whole": 8,
-    "models/loading.py:_load_streamed": 9,
     "models/saving.py:save_streamed": 7,
     "replay/watch.py:each_module_input": 7,
     # A plain record's constructor: `register`'s keywords are the fields of the `MethodInfo` it records.
