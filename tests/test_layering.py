@@ -274,15 +274,11 @@ OUTSIDE_PRUNING_LONG: dict[str, int] = {
     "solver/_flow_jit.py:_augment": 80,
     "cli/bench.py:bench_prune": 79,
     "cli/evaluate.py:eval_cmd": 73,
-    "bench/solver.py:to_markdown": 73,
     "cli/bench.py:bench_memory": 61,
 }
 OUTSIDE_PRUNING_WIDE: dict[str, int] = {
     # The Python API's one call: its keyword options are the recipe keys (docs/guide/python-api.md).
     "api.py:prune": 10,
-    "bench/prune.py:_one_run": 7,
-    "bench/solver.py:_large_child": 7,
-    "bench/speedup.py:_layer_timings": 7,
     "cli/prune.py:_eval_config": 7,
     "evaluation/runner.py:load_for_evaluation": 9,
     "models/loading.py:load_model": 10,
