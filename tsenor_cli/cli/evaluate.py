@@ -97,6 +97,7 @@ def eval_cmd(
 ) -> None:
     """Evaluate a model: perplexity (SparseGPT protocol) and optional lm-eval zero-shot tasks."""
     from tsenor_cli.evaluation.runner import EvalConfig, eval_target, evaluate_model, load_for_evaluation
+    from tsenor_cli.models.loading import LoadOptions
 
     # Validate every option before the (slow) model load, so a typo fails at once.
     model = pick_model(model, model_option)
@@ -116,10 +117,8 @@ def eval_cmd(
     cfg.check(run_ctx, stream=bool(stream), device_map=device_map)
     target = eval_target(output, force=force)
     try:
-        loaded = load_for_evaluation(
-            model, run_ctx, cfg, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-            device_map=device_map, check_tokenizer=True,
-        )  # fmt: skip
+        how = LoadOptions(trust_remote_code=trust_remote_code, device_map=device_map, check_tokenizer=True)
+        loaded = load_for_evaluation(model, run_ctx, cfg, dtype=dtype, device=device, options=how)
         report = evaluate_model(loaded, cfg, run_ctx)
     except KeyboardInterrupt:
         # eval.json is written only once every metric is in, so nothing is left half-done.

@@ -21,7 +21,7 @@ from tsenor_cli.errors import OutputExistsError, UsageError
 from tsenor_cli.evaluation.perplexity import Windows, perplexity
 from tsenor_cli.evaluation.streamed import BlockCallbacks, streamed_perplexity
 from tsenor_cli.kernels import KERNELS
-from tsenor_cli.models.loading import LoadedModel
+from tsenor_cli.models.loading import LoadedModel, LoadOptions
 from tsenor_cli.progress import sink
 from tsenor_cli.provenance import tsenor_versions
 from tsenor_cli.runfiles import (
@@ -151,34 +151,27 @@ def effective_seqlen(loaded: LoadedModel, seqlen: int | None) -> int:
 
 
 def load_for_evaluation(
-    model: str,
-    ctx: RunContext,
-    cfg: EvalConfig,
-    *,
-    dtype: str | None,
-    device: str,
-    trust_remote_code: bool = False,
-    device_map: str | None = None,
-    progress: Callable[[str], None] | None = None,
-    check_tokenizer: bool = False,
+    model: str, ctx: RunContext, cfg: EvalConfig, *, dtype: str | None, device: str, options: LoadOptions | None = None
 ) -> LoadedModel:
     """The model to evaluate under `cfg`: streamed (blocks on the meta device, read one at a time by
     `evaluation/streamed.py`) when `cfg.stream` and only perplexity is asked for and no --device-map
     places it; a pickle checkpoint or a hub id is then loaded whole with one line saying so
-    (`models.loading.load_model`). Zero-shot tasks need the whole model: loaded whole."""
+    (`models.loading.load_model`). Zero-shot tasks need the whole model: loaded whole. options: the rest of
+    the load (None: `LoadOptions()`)."""
     from tsenor_cli.models.loading import load_model, parse_dtype
 
-    stream = cfg.stream and not cfg.tasks and device_map is None
+    how = LoadOptions() if options is None else options
+    stream = cfg.stream and not cfg.tasks and how.device_map is None
     return load_model(
         model,
         ctx,
         dtype=parse_dtype(dtype),
         device=device,
-        trust_remote_code=trust_remote_code,
-        device_map=device_map,
+        trust_remote_code=how.trust_remote_code,
+        device_map=how.device_map,
         stream=stream,
-        progress=progress,
-        check_tokenizer=check_tokenizer,
+        progress=how.progress,
+        check_tokenizer=how.check_tokenizer,
     )
 
 

@@ -52,6 +52,18 @@ PROCESSOR_FILES = (
 
 
 @dataclass(frozen=True)
+class LoadOptions:
+    """How a model is loaded besides its dtype and device, as `load_model`'s keywords of the same names:
+    trust_remote_code (run the checkpoint's own model code), device_map (transformers' placement, "auto"),
+    progress (where the load's lines go), check_tokenizer (refuse a tokenizer whose ids pass the embedding)."""
+
+    trust_remote_code: bool = False
+    device_map: str | None = None
+    progress: Callable[[str], None] | None = None
+    check_tokenizer: bool = False
+
+
+@dataclass(frozen=True)
 class LoadedModel:
     """A causal LM (or a multimodal model around one) in eval mode with its tokenizer and its decoder
     structure; processor_files: {name: content} of the source's `PROCESSOR_FILES`, for the output."""
