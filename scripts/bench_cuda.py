@@ -42,6 +42,7 @@ from tsenor_cli.solver.tsenor import (
     _tau_schedule,
     cycle_search,
 )
+from tsenor_cli.solver.types import SinkhornSchedule
 
 T = TypeVar("T")
 ROUNDINGS: tuple[Rounding, ...] = ("greedy", "rowcol")
@@ -143,8 +144,8 @@ def phases(scores: torch.Tensor, n: int, m: int, rounding: Rounding, backend: Si
     w = blocks / scale[:, None, None]
     u0 = w.topk(n, dim=2).values[:, :, n - 1] - 0.5 / 200.0
     v0 = w.new_zeros(B, M)
-    taus = _tau_schedule(200.0, 4)
-    u, v, _ = step("sinkhorn", lambda: _sinkhorn(backend, w, n, taus, 25, 1e-3, u0, v0))
+    schedule = SinkhornSchedule(tuple(_tau_schedule(200.0, 4)), 25, 1e-3)
+    u, v, _ = step("sinkhorn", lambda: _sinkhorn(backend, w, n, schedule, u0, v0))
     mask = step("rounding+completion", lambda: _round(w - u[:, :, None] - v[:, None, :], w, n, rounding))
     step("cycle search", lambda: cycle_search(mask, w, 30))
     step("cycle search (sweep loop)", lambda: cycle_search(mask, w, 30, fused=False))

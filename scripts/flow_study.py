@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import torch
 
@@ -20,14 +21,21 @@ from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPa
 from tsenor_cli.settings import RunContext
 from tsenor_cli.solver import flow as flow_module
 from tsenor_cli.solver import to_blocks
-from tsenor_cli.solver.flow import FlowResult, exact_flow
+from tsenor_cli.solver.flow import FlowOptions, FlowResult, exact_flow
 
 
-def best_of(repeats: int, w: torch.Tensor, n: int, **kw: object) -> tuple[float, FlowResult]:
+def best_of(
+    repeats: int,
+    w: torch.Tensor,
+    n: int,
+    col: torch.Tensor | None = None,
+    init_mask: torch.Tensor | None = None,
+    **options: Any,
+) -> tuple[float, FlowResult]:
     seconds, result = float("inf"), None
     for _ in range(repeats):
         start = time.perf_counter()
-        result = exact_flow(w, n, **kw)  # type: ignore[arg-type]
+        result = exact_flow(w, n, col, init_mask, FlowOptions(**options))
         seconds = min(seconds, time.perf_counter() - start)
     assert result is not None
     return seconds, result

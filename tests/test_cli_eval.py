@@ -16,7 +16,7 @@ from typer.testing import Result
 
 from tsenor_cli.data.eval_text import eval_token_stream
 from tsenor_cli.errors import InputNotFoundError, OutputExistsError, UsageError
-from tsenor_cli.evaluation.perplexity import perplexity
+from tsenor_cli.evaluation.perplexity import Windows, perplexity
 from tsenor_cli.models.loading import load_model
 from tsenor_cli.runfiles import SCHEMA_VERSION, EvalReport
 from tsenor_cli.settings import RunContext
@@ -83,7 +83,7 @@ def test_eval_writes_eval_json(
     # the number is the library's perplexity on the same stream
     loaded = load_model(str(tiny), LOCAL_CTX)
     text = eval_token_stream("ptb", loaded.tokenizer, data_ctx, seqlen=64)
-    direct = perplexity(loaded.model, text.input_ids, seqlen=64, max_windows=2, device="cpu")
+    direct = perplexity(loaded.model, text.input_ids, Windows(64, max_windows=2), device="cpu")
     assert written["perplexity"]["ptb"]["ppl"] == pytest.approx(direct.ppl, rel=1e-6)
     # `tsenor report` reads it
     record = EvalReport.from_json(written)

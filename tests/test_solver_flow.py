@@ -10,7 +10,7 @@ import torch
 from tsenor_cli.bench.solver import sample_real_tiles
 from tsenor_cli.solver import from_blocks, solve, to_blocks
 from tsenor_cli.solver.bounds import dual_upper_bound
-from tsenor_cli.solver.flow import exact_flow
+from tsenor_cli.solver.flow import FlowOptions, exact_flow
 
 
 def _feasible(blocks_mask: torch.Tensor, n: int) -> bool:
@@ -105,17 +105,17 @@ def test_more_rounds_need_fewer_paths() -> None:
     """Better starting potentials leave less column excess to route (why cold solves run 2 rounds)."""
     gen = torch.Generator().manual_seed(8)
     w = torch.rand(200, 32, 32, generator=gen)
-    paths = [int(exact_flow(w, 16, rounds=r).paths.sum()) for r in (0, 1, 2)]
+    paths = [int(exact_flow(w, 16, options=FlowOptions(rounds=r)).paths.sum()) for r in (0, 1, 2)]
     assert paths[0] > paths[1] > paths[2]
 
 
 def test_warm_start_is_exact_and_needs_fewer_paths() -> None:
     gen = torch.Generator().manual_seed(5)
     w = torch.rand(300, 16, 16, generator=gen, dtype=torch.float64)
-    first = exact_flow(w, 8, rounds=2)
+    first = exact_flow(w, 8, options=FlowOptions(rounds=2))
     perturbed = w * (1 + 0.01 * torch.randn(w.shape, generator=gen, dtype=torch.float64))
-    cold = exact_flow(perturbed, 8, rounds=0)
-    warm = exact_flow(perturbed, 8, col=first.col * first.scale[:, None], rounds=0)  # score units
+    cold = exact_flow(perturbed, 8, options=FlowOptions(rounds=0))
+    warm = exact_flow(perturbed, 8, col=first.col * first.scale[:, None], options=FlowOptions(rounds=0))  # score units
     torch.testing.assert_close((perturbed * warm.mask).sum((1, 2)), (perturbed * cold.mask).sum((1, 2)))
     assert int(warm.paths.sum()) < int(cold.paths.sum()) / 2
 
@@ -126,7 +126,7 @@ def test_warm_mask_on_unchanged_scores_needs_no_path() -> None:
     gen = torch.Generator().manual_seed(21)
     w = torch.rand(200, 16, 16, generator=gen, dtype=torch.float64)
     first = exact_flow(w, 8)
-    again = exact_flow(w, 8, col=first.col * first.scale[:, None], rounds=0, init_mask=first.mask)
+    again = exact_flow(w, 8, col=first.col * first.scale[:, None], init_mask=first.mask, options=FlowOptions(rounds=0))
     assert int(again.paths.sum()) == 0
     assert torch.equal(again.mask, first.mask)
     torch.testing.assert_close(again.upper_bound, (w * first.mask).sum((1, 2)), rtol=1e-12, atol=0.0)
@@ -141,8 +141,8 @@ def test_warm_mask_equals_highs_and_beats_potentials_alone(n: int, m: int) -> No
     first = exact_flow(w, n)
     noisy = (w * (1 + 0.01 * torch.randn(w.shape, generator=gen, dtype=torch.float64))).abs()
     col = first.col * first.scale[:, None]
-    potentials_only = exact_flow(noisy, n, col=col, rounds=0)
-    warm = exact_flow(noisy, n, col=col, rounds=0, init_mask=first.mask)
+    potentials_only = exact_flow(noisy, n, col=col, options=FlowOptions(rounds=0))
+    warm = exact_flow(noisy, n, col=col, init_mask=first.mask, options=FlowOptions(rounds=0))
     assert _feasible(warm.mask, n)
     exact = solve(from_blocks(noisy, noisy.shape[0] * m, m), n, m, "exact")
     torch.testing.assert_close((noisy * warm.mask).sum((1, 2)), exact.block_objective, rtol=1e-12, atol=1e-12)
@@ -159,7 +159,7 @@ def test_warm_mask_of_another_shape_is_repaired() -> None:
     bad = torch.zeros(50, 8, 8, dtype=torch.bool)
     bad[:, :, :3] = True  # three per row, eight or none per column
     bad[:, 0] = False  # and a row that keeps nothing
-    res = exact_flow(w, 3, col=torch.zeros(50, 8, dtype=torch.float64), rounds=0, init_mask=bad)
+    res = exact_flow(w, 3, col=torch.zeros(50, 8, dtype=torch.float64), init_mask=bad, options=FlowOptions(rounds=0))
     assert _feasible(res.mask, 3)
     exact = solve(from_blocks(w, 50 * 8, 8), 3, 8, "exact")
     torch.testing.assert_close((w * res.mask).sum((1, 2)), exact.block_objective, rtol=1e-12, atol=1e-12)
@@ -170,7 +170,7 @@ def test_warm_mask_shape_and_sweeps_are_checked() -> None:
     with pytest.raises(ValueError, match="init_mask has shape"):
         exact_flow(w, 4, init_mask=torch.zeros(4, 8, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="sweeps must be >= 0"):
-        exact_flow(w, 4, sweeps=-1)
+        exact_flow(w, 4, options=FlowOptions(sweeps=-1))
 
 
 def test_ties_and_zero_tiles_are_feasible() -> None:
@@ -243,8 +243,8 @@ def test_retry_round_for_far_off_potentials() -> None:
     w = torch.rand(200, 32, 32, generator=gen, dtype=torch.float64)
     stale = exact_flow(torch.rand(200, 32, 32, generator=gen, dtype=torch.float64), 16)
     col = stale.col * stale.scale[:, None]
-    plain = exact_flow(w, 16, col=col, rounds=0)
-    retried = exact_flow(w, 16, col=col, rounds=0, retry_excess=16)
+    plain = exact_flow(w, 16, col=col, options=FlowOptions(rounds=0))
+    retried = exact_flow(w, 16, col=col, options=FlowOptions(rounds=0, retry_excess=16))
     torch.testing.assert_close((w * retried.mask).sum((1, 2)), (w * plain.mask).sum((1, 2)))
     assert int(retried.paths.sum()) < int(plain.paths.sum())
 

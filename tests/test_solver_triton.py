@@ -12,6 +12,7 @@ import torch
 from tsenor_cli.solver import solve, to_blocks
 from tsenor_cli.solver import triton_kernels as st
 from tsenor_cli.solver.tsenor import _tau_schedule, capped_sinkhorn
+from tsenor_cli.solver.types import SinkhornSchedule
 
 pytestmark = pytest.mark.skipif(not st.available(), reason="triton is not installed (make install adds it)")
 
@@ -37,9 +38,9 @@ def test_fused_matches_torch_loop_per_block(triton_device: torch.device, n: int,
     B = w.shape[0]
     u0 = w.topk(n, dim=2).values[:, :, n - 1] - 0.5 / 200.0
     v0 = w.new_zeros(B, M)
-    taus = _tau_schedule(200.0, 4)
-    want_u, want_v, want_its = capped_sinkhorn(w, n, taus, iterations, 1e-3, u0, v0, chunk_elements=M * M)
-    got_u, got_v, got_its = st.capped_sinkhorn_fused(w, n, taus, iterations, 1e-3, u0, v0)
+    schedule = SinkhornSchedule(tuple(_tau_schedule(200.0, 4)), iterations, 1e-3)
+    want_u, want_v, want_its = capped_sinkhorn(w, n, schedule, u0, v0, chunk_elements=M * M)
+    got_u, got_v, got_its = st.capped_sinkhorn_fused(w, n, schedule, u0, v0)
     assert got_its == want_its
     assert torch.allclose(got_u, want_u, atol=2e-4, rtol=0)
     assert torch.allclose(got_v, want_v, atol=2e-4, rtol=0)
@@ -49,7 +50,7 @@ def test_fused_leaves_inputs_untouched(triton_device: torch.device) -> None:
     w = _scores(3, 8, seed=1, device=triton_device)
     u0 = w.new_full((3, 8), 0.5)
     v0 = w.new_zeros(3, 8)
-    st.capped_sinkhorn_fused(w, 4, [50.0], 10, 1e-3, u0, v0)
+    st.capped_sinkhorn_fused(w, 4, SinkhornSchedule((50.0,), 10, 1e-3), u0, v0)
     assert torch.equal(u0, w.new_full((3, 8), 0.5))
     assert torch.equal(v0, w.new_zeros(3, 8))
 
@@ -69,7 +70,7 @@ def test_solve_with_fused_sinkhorn_is_feasible_and_as_good(triton_device: torch.
 def test_fused_rejects_what_it_cannot_take() -> None:
     w = torch.rand(2, 12, 12)  # M not a power of two
     with pytest.raises(ValueError, match="power of two"):
-        st.capped_sinkhorn_fused(w, 6, [50.0], 5, 1e-3, w.new_zeros(2, 12), w.new_zeros(2, 12))
+        st.capped_sinkhorn_fused(w, 6, SinkhornSchedule((50.0,), 5, 1e-3), w.new_zeros(2, 12), w.new_zeros(2, 12))
 
 
 def test_unknown_backend_is_an_error() -> None:

@@ -13,6 +13,7 @@ from tsenor_cli.bench.solver import sample_real_tiles
 from tsenor_cli.solver import from_blocks, solve, to_blocks
 from tsenor_cli.solver.reference import dykstra_log
 from tsenor_cli.solver.tsenor import capped_sinkhorn, cycle_search
+from tsenor_cli.solver.types import SinkhornSchedule
 
 
 def _feasible(blocks_mask: torch.Tensor, n: int) -> bool:
@@ -31,7 +32,8 @@ def test_potential_form_equals_log_domain_dykstra() -> None:
     n, tau = 3, 200.0
     first = dykstra_log(w, n, tau_scale=0.005, iterations=1)
     later = dykstra_log(w, n, tau_scale=0.005, iterations=41)
-    u, v, its = capped_sinkhorn(w, n, [tau], 40, 0.0, first.row_shift / tau, first.col_shift / tau, absorb_every=7)
+    schedule = SinkhornSchedule((tau,), 40, 0.0, absorb_every=7)
+    u, v, its = capped_sinkhorn(w, n, schedule, first.row_shift / tau, first.col_shift / tau)
     assert its == 40
     ours = torch.minimum(torch.exp(tau * (w - u[:, :, None] - v[:, None, :])), torch.ones(()))
     assert torch.allclose(ours, later.log_s.exp(), atol=1e-9)

@@ -13,8 +13,8 @@ from helpers_cli import invoke
 from helpers_tiny import ARCHITECTURES, LOCAL_CTX, make_tiny_llama, make_tiny_model
 
 from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
-from tsenor_cli.evaluation.perplexity import perplexity
-from tsenor_cli.evaluation.streamed import streamed_perplexity
+from tsenor_cli.evaluation.perplexity import Windows, perplexity
+from tsenor_cli.evaluation.streamed import BlockCallbacks, streamed_perplexity
 from tsenor_cli.models.checkpoint import INDEX_NAME
 from tsenor_cli.models.loading import load_model
 from tsenor_cli.runfiles import EVAL_FILE
@@ -32,19 +32,18 @@ def _resident_blocks(loaded: object) -> list[int]:
     return [i for i, block in enumerate(blocks) if any(p.device.type != "meta" for p in block.parameters())]
 
 
-def _both(folder: Path, ids: torch.Tensor, **options: object) -> tuple[float, float, list[list[int]]]:
+def _both(folder: Path, ids: torch.Tensor, max_windows: int | None = None) -> tuple[float, float, list[list[int]]]:
     """(whole-model ppl, streamed ppl, the blocks holding weights after each block of the streamed pass)."""
-    whole = perplexity(load_model(str(folder), LOCAL_CTX).model, ids, seqlen=SEQLEN, device="cpu", **options)
+    whole = perplexity(load_model(str(folder), LOCAL_CTX).model, ids, Windows(SEQLEN, max_windows), device="cpu")
     streamed_model = load_model(str(folder), LOCAL_CTX, stream=True)
     assert _resident_blocks(streamed_model) == []  # nothing of a block is read by the load
     resident: list[list[int]] = []
     streamed = streamed_perplexity(
         streamed_model,
         ids,
-        seqlen=SEQLEN,
+        Windows(SEQLEN, max_windows),
         device=torch.device("cpu"),
-        blocks_progress=lambda _done, _total: resident.append(_resident_blocks(streamed_model)),
-        **options,
+        blocks=BlockCallbacks(done=lambda _done, _total: resident.append(_resident_blocks(streamed_model))),
     )
     assert (streamed.windows, streamed.tokens) == (whole.windows, whole.tokens)
     return whole.ppl, streamed.ppl, resident
@@ -84,10 +83,10 @@ def test_real_smollm2_streamed_ppl_equals_whole(data_ctx: RunContext) -> None:
 
     whole_model = load_model("smollm2-135m", data_ctx)
     text = eval_token_stream("wikitext2", whole_model.tokenizer, data_ctx, seqlen=512)
-    whole = perplexity(whole_model.model, text.input_ids, seqlen=512, max_windows=3, device="cpu")
+    whole = perplexity(whole_model.model, text.input_ids, Windows(512, max_windows=3), device="cpu")
     del whole_model
     loaded = load_model("smollm2-135m", data_ctx, stream=True)
-    streamed = streamed_perplexity(loaded, text.input_ids, seqlen=512, max_windows=3, device=torch.device("cpu"))
+    streamed = streamed_perplexity(loaded, text.input_ids, Windows(512, max_windows=3), device=torch.device("cpu"))
     assert streamed.ppl == pytest.approx(whole.ppl, rel=1e-5)
     assert 5 < whole.ppl < 100  # a real model on real text
 
@@ -190,9 +189,9 @@ def test_device_map_auto_loads_the_whole_model_where_accelerate_places_it(tmp_pa
     mapped = load_model(str(folder), LOCAL_CTX, device_map="auto")
     assert {p.device.type for p in mapped.model.parameters()} == {"cuda" if torch.cuda.is_available() else "cpu"}
     ids = _ids(2 * SEQLEN, seed=3)
-    plain = perplexity(load_model(str(folder), LOCAL_CTX).model, ids, seqlen=SEQLEN, device="cpu")
+    plain = perplexity(load_model(str(folder), LOCAL_CTX).model, ids, Windows(SEQLEN), device="cpu")
     device = next(mapped.model.parameters()).device
-    assert perplexity(mapped.model, ids, seqlen=SEQLEN, device=device).ppl == pytest.approx(plain.ppl, rel=1e-5)
+    assert perplexity(mapped.model, ids, Windows(SEQLEN), device=device).ppl == pytest.approx(plain.ppl, rel=1e-5)
 
 
 def test_a_hub_id_is_loaded_whole_with_one_info_line(caplog: pytest.LogCaptureFixture) -> None:

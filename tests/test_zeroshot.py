@@ -15,6 +15,7 @@ from tsenor_cli.evaluation.tasks import converters
 from tsenor_cli.evaluation.zeroshot import (
     PAPER_TASKS,
     TASKS_DIR,
+    ZeroShotTasks,
     _hub_task_source,
     average_acc,
     run_zeroshot,
@@ -177,27 +178,29 @@ def test_rte_jsonl_and_parquet_give_the_same_docs(data_dir: Path) -> None:
 def test_missing_data_folder_names_the_option(tmp_path: Path) -> None:
     absent = RunContext(data_dir=tmp_path / "absent", offline=False, cache_dir=tmp_path)
     with pytest.raises(InputNotFoundError, match="--data-dir"):
-        run_zeroshot(None, None, ["piqa"], absent, batch_size=1)
+        run_zeroshot(None, None, ZeroShotTasks(["piqa"], batch_size=1), absent)
     with pytest.raises(InputNotFoundError, match="--data-dir"):
-        run_zeroshot(None, None, ["piqa"], LOCAL_CTX, batch_size=1)  # hub off, no folder
+        run_zeroshot(None, None, ZeroShotTasks(["piqa"], batch_size=1), LOCAL_CTX)  # hub off, no folder
     empty = RunContext(data_dir=tmp_path, offline=True, cache_dir=tmp_path)
     with pytest.raises(InputNotFoundError, match=r"piqa/valid\.jsonl.*--data-dir"):
-        run_zeroshot(None, None, ["piqa"], empty, batch_size=1)
+        run_zeroshot(None, None, ZeroShotTasks(["piqa"], batch_size=1), empty)
 
 
 def test_bad_arguments_are_usage_errors() -> None:
     with pytest.raises(UsageError, match="valid names: piqa, hellaswag"):
-        run_zeroshot(None, None, ["piqa", "mmlu"], LOCAL_CTX, batch_size=1)
+        run_zeroshot(None, None, ZeroShotTasks(["piqa", "mmlu"], batch_size=1), LOCAL_CTX)
     with pytest.raises(UsageError, match="repeats"):
-        run_zeroshot(None, None, ["piqa", "piqa"], LOCAL_CTX, batch_size=1)
+        run_zeroshot(None, None, ZeroShotTasks(["piqa", "piqa"], batch_size=1), LOCAL_CTX)
     with pytest.raises(UsageError, match="limit"):
-        run_zeroshot(None, None, ["piqa"], LOCAL_CTX, limit=0, batch_size=1)
+        run_zeroshot(None, None, ZeroShotTasks(["piqa"], limit=0, batch_size=1), LOCAL_CTX)
     with pytest.raises(UsageError, match="limit"):
-        run_zeroshot(None, None, ["piqa"], LOCAL_CTX, limit=1.5, batch_size=1)
+        run_zeroshot(None, None, ZeroShotTasks(["piqa"], limit=1.5, batch_size=1), LOCAL_CTX)
     with pytest.raises(UsageError, match="fractional"):
-        run_zeroshot(None, None, ["piqa"], LOCAL_CTX, limit=1.0, batch_size=1)  # lm-eval would score 1 document
+        run_zeroshot(
+            None, None, ZeroShotTasks(["piqa"], limit=1.0, batch_size=1), LOCAL_CTX
+        )  # lm-eval would score 1 document
     with pytest.raises(UsageError, match="batch size"):
-        run_zeroshot(None, None, ["piqa"], LOCAL_CTX, batch_size=0)
+        run_zeroshot(None, None, ZeroShotTasks(["piqa"], batch_size=0), LOCAL_CTX)
 
 
 def test_task_source_follows_the_context(data_dir: Path, tmp_path: Path) -> None:
@@ -254,7 +257,7 @@ def test_offline_tasks_score_documents(tiny_model: tuple[Any, Any], data_dir: Pa
     model, tokenizer = tiny_model
     messages: list[str] = []
     result = run_zeroshot(
-        model, tokenizer, list(PAPER_TASKS), data_ctx, limit=4, batch_size=4, progress=messages.append
+        model, tokenizer, ZeroShotTasks(PAPER_TASKS, limit=4, batch_size=4), data_ctx, messages.append
     )
     assert [t.name for t in result.tasks] == list(PAPER_TASKS)
     for task in result.tasks:
@@ -293,5 +296,5 @@ def test_hub_task_download_failure_names_data_dir(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kwargs: managers.append(kwargs))
     hub = RunContext(data_dir=None, offline=False, cache_dir=tmp_path)
     with pytest.raises(InputNotFoundError, match=r"ConnectionError: Couldn't reach 'baber/piqa'.*pass --data-dir"):
-        run_zeroshot(None, None, ["piqa"], hub, limit=2, batch_size=1)
+        run_zeroshot(None, None, ZeroShotTasks(["piqa"], limit=2, batch_size=1), hub)
     assert managers == [{}]  # lm-eval's own task index (hub configs), not our offline twins

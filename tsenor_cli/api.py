@@ -116,6 +116,7 @@ def evaluate(
     can, True insists, False loads the model whole), as `tsenor eval`'s flags of the same names."""
     from tsenor_cli import atomic
     from tsenor_cli.evaluation.runner import EvalConfig, eval_target, evaluate_model, load_for_evaluation
+    from tsenor_cli.models.loading import LoadOptions
 
     unknown = sorted(set(options) - {*LOAD_OPTIONS, *EVAL_OPTIONS})
     if unknown:
@@ -130,9 +131,10 @@ def evaluate(
     cfg.check(ctx, stream=bool(stream), device_map=options.get("device_map"))
     target = eval_target(Path(output) if output is not None else None, force=force)
     # The model's dtype and device default as `tsenor prune`'s and `tsenor eval`'s do (one declaration).
-    load = {"dtype": FIELDS["dtype"].default, "device": FIELDS["device"].default}
-    load |= {key: options[key] for key in LOAD_OPTIONS if key in options}
-    loaded = load_for_evaluation(str(model), ctx, cfg, check_tokenizer=True, **load)
+    dtype, device = options.get("dtype", FIELDS["dtype"].default), options.get("device", FIELDS["device"].default)
+    how = {key: options[key] for key in ("trust_remote_code", "device_map") if key in options}
+    load = LoadOptions(**how, check_tokenizer=True)
+    loaded = load_for_evaluation(str(model), ctx, cfg, dtype=dtype, device=device, options=load)
     report = evaluate_model(loaded, cfg, ctx)
     if target is not None:
         atomic.write_json(target, report.to_json())

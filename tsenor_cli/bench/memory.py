@@ -140,7 +140,7 @@ def measure(folder: Path, mode: str, cfg: MemoryConfig, ctx: RunContext) -> dict
     """Evaluate the model in `folder` (`mode`: whole or streamed) on cfg's windows in this process:
     {"ppl", "seconds", "peak_rss"}. Run it in a fresh process (`run_child`): the peak is the process's.
     ctx: the run's context (`child_context`)."""
-    from tsenor_cli.evaluation.perplexity import perplexity
+    from tsenor_cli.evaluation.perplexity import Windows, perplexity
     from tsenor_cli.evaluation.streamed import streamed_perplexity
     from tsenor_cli.models.loading import load_model
 
@@ -150,10 +150,10 @@ def measure(folder: Path, mode: str, cfg: MemoryConfig, ctx: RunContext) -> dict
     started = time.perf_counter()
     if mode == "whole":
         loaded = load_model(str(folder), ctx)
-        result = perplexity(loaded.model, ids, seqlen=cfg.seqlen, device=cpu)
+        result = perplexity(loaded.model, ids, Windows(cfg.seqlen), device=cpu)
     else:
         loaded = load_model(str(folder), ctx, stream=True)
-        result = streamed_perplexity(loaded, ids, seqlen=cfg.seqlen, device=cpu)
+        result = streamed_perplexity(loaded, ids, Windows(cfg.seqlen), device=cpu)
     return {"ppl": result.ppl, "seconds": time.perf_counter() - started, "peak_rss": _peak_rss()}
 
 

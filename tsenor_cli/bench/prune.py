@@ -452,10 +452,8 @@ def run_e2e(
             config.save_pretrained(folder)  # the plan and the checkpoint read the shape from here
             tokenizer.save_pretrained(folder)
         runs = [
-            _one_run(
-                cfg, ctx, _Target(folder, root, config, tokenizer, device, dtype, shape), method, kind, refine, say
-            )
-            for method, kind, refine in itertools.product(cfg.methods, cfg.kinds, cfg.refine)
+            _one_run(cfg, ctx, _Target(folder, root, config, tokenizer, device, dtype, shape), run, say)
+            for run in itertools.product(cfg.methods, cfg.kinds, cfg.refine)
         ]
     finally:
         if own_dir:
@@ -481,11 +479,12 @@ class _Target:
 
 
 def _one_run(
-    cfg: E2EConfig, ctx: RunContext, target: _Target, method: str, kind: str, refine: str, say: Callable[[str], None]
+    cfg: E2EConfig, ctx: RunContext, target: _Target, run: tuple[str, str, str], say: Callable[[str], None]
 ) -> RunResult:
-    """One `prune_model` run of `method` × `kind` × `refine` on a fresh random model (or, streamed, on the
-    random checkpoint), timed phase by phase, its checkpoint verified then removed, the ALPS and
+    """One `prune_model` run of `run`, a method × kind × refine, on a fresh random model (or, streamed, on
+    the random checkpoint), timed phase by phase, its checkpoint verified then removed, the ALPS and
     whole-model projections filled in."""
+    method, kind, refine = run
     from tsenor_cli.pruning.plan.plan import plan_model
     from tsenor_cli.pruning.run.verify import verify_checkpoint
     from tsenor_cli.pruning.settings.recipe import build_config

@@ -17,6 +17,7 @@ import resource
 import statistics
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -300,9 +301,10 @@ class _RssSampler:
 
 
 def _large_child(
-    model_dir: str, size: int, n: int, m: int, seed: int, method: str, queue: multiprocessing.Queue
+    model_dir: str, size: int, pattern: SparsityPattern, seed: int, method: str, queue: multiprocessing.Queue
 ) -> None:
     # Runs in a fresh process so the memory it reports belongs to this solve alone.
+    n, m = pattern.n, pattern.m
     scores = real_matrix(Path(model_dir), size, m, seed)
     solve(scores[: m * 4, : m * 4], n, m, method)
     before = _rss_mib()
@@ -332,7 +334,7 @@ def run_large(cfg: BenchConfig, progress: Progress) -> list[LargeRow]:
         for _ in range(LARGE_REPEATS):
             queue: multiprocessing.Queue = ctx.Queue()
             proc = ctx.Process(
-                target=_large_child, args=(str(cfg.model_dir), cfg.large_size, pat.n, pat.m, cfg.seed, method, queue)
+                target=_large_child, args=(str(cfg.model_dir), cfg.large_size, pat, cfg.seed, method, queue)
             )
             proc.start()
             runs.append(queue.get())
@@ -398,55 +400,74 @@ def to_markdown(result: BenchResult) -> str:
             f"| {r.pattern} | {r.score} | {r.method} | {_pct(r.mean_rel_error)} | {_pct(r.max_rel_error)} | "
             f"{100 * r.optimal_share:.1f}% | {_pct(r.mean_certified_gap)} | {'yes' if r.bound_holds else 'NO'} |"
         )
-    if result.timing:
-        lines += [
-            "",
-            "### Speed on one matrix (same process, same matrix for every method)",
-            "",
-            "| N:M | size | method | seconds | × faster than tsenor-reference | objective below best | certified gap |",
-            "|---|---|---|---:|---:|---:|---:|",
-        ]
-        for t_row in result.timing:
-            ref = next(
-                (t.seconds for t in result.timing if t.pattern == t_row.pattern and t.method == "tsenor-reference"),
-                None,
-            )
-            ratio = f"{ref / t_row.seconds:.1f}" if ref else "–"
-            lines.append(
-                f"| {t_row.pattern} | {t_row.size}² | {t_row.method} | {t_row.seconds:.3f} | {ratio} | "
-                f"{_pct(t_row.rel_to_best)} | {_pct(t_row.certified_gap)} |"
-            )
-    if result.warm:
-        lines += [
-            "",
-            "### Warm start (`init=` the cold result; scores × (1 + 0.01·N(0,1)))",
-            "",
-            "| N:M | size | method | cold s | warm s | speed-up | warm objective vs cold |",
-            "|---|---|---|---:|---:|---:|---:|",
-        ]
-        for w in result.warm:
-            lines.append(
-                f"| {w.pattern} | {w.size}² | {w.method} | {w.cold_seconds:.3f} | {w.warm_seconds:.3f} | "
-                f"{w.speedup:.1f}× | "
-                f"{100 * w.warm_vs_cold:+.4f}% |"
-            )
-    if result.large:
-        lines += [
-            "",
-            "### Large matrix",
-            "",
-            "| N:M | size | method | seconds | scores MiB | peak extra MiB | peak / scores | range over runs |",
-            "|---|---|---|---:|---:|---:|---:|---|",
-        ]
-        for g in result.large:
-            spread = (
-                "one exact count"
-                if g.peak_extra_min_mib is None or g.peak_extra_max_mib is None
-                else f"{g.peak_extra_min_mib / g.matrix_mib:.2f}-{g.peak_extra_max_mib / g.matrix_mib:.2f}× "
-                f"({LARGE_REPEATS} processes, median shown)"
-            )
-            lines.append(
-                f"| {g.pattern} | {g.size}² | {g.method} | {g.seconds:.2f} | {g.matrix_mib:.0f} | "
-                f"{g.peak_extra_mib:.0f} | {g.peak_extra_mib / g.matrix_mib:.2f}× | {spread} |"
-            )
+    lines += _timing_lines(result.timing) + _warm_lines(result.warm) + _large_lines(result.large)
     return "\n".join(lines) + "\n"
+
+
+def _timing_lines(timing: Sequence[TimingRow]) -> list[str]:
+    """The speed table's lines (none without timings)."""
+    if not timing:
+        return []
+    lines = [
+        "",
+        "### Speed on one matrix (same process, same matrix for every method)",
+        "",
+        "| N:M | size | method | seconds | × faster than tsenor-reference | objective below best | certified gap |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for t_row in timing:
+        ref = next(
+            (t.seconds for t in timing if t.pattern == t_row.pattern and t.method == "tsenor-reference"),
+            None,
+        )
+        ratio = f"{ref / t_row.seconds:.1f}" if ref else "–"
+        lines.append(
+            f"| {t_row.pattern} | {t_row.size}² | {t_row.method} | {t_row.seconds:.3f} | {ratio} | "
+            f"{_pct(t_row.rel_to_best)} | {_pct(t_row.certified_gap)} |"
+        )
+    return lines
+
+
+def _warm_lines(warm: Sequence[WarmRow]) -> list[str]:
+    """The warm-start table's lines (none without warm starts)."""
+    if not warm:
+        return []
+    lines = [
+        "",
+        "### Warm start (`init=` the cold result; scores × (1 + 0.01·N(0,1)))",
+        "",
+        "| N:M | size | method | cold s | warm s | speed-up | warm objective vs cold |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for w in warm:
+        lines.append(
+            f"| {w.pattern} | {w.size}² | {w.method} | {w.cold_seconds:.3f} | {w.warm_seconds:.3f} | "
+            f"{w.speedup:.1f}× | "
+            f"{100 * w.warm_vs_cold:+.4f}% |"
+        )
+    return lines
+
+
+def _large_lines(large: Sequence[LargeRow]) -> list[str]:
+    """The large-matrix table's lines (none without large runs)."""
+    if not large:
+        return []
+    lines = [
+        "",
+        "### Large matrix",
+        "",
+        "| N:M | size | method | seconds | scores MiB | peak extra MiB | peak / scores | range over runs |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for g in large:
+        spread = (
+            "one exact count"
+            if g.peak_extra_min_mib is None or g.peak_extra_max_mib is None
+            else f"{g.peak_extra_min_mib / g.matrix_mib:.2f}-{g.peak_extra_max_mib / g.matrix_mib:.2f}× "
+            f"({LARGE_REPEATS} processes, median shown)"
+        )
+        lines.append(
+            f"| {g.pattern} | {g.size}² | {g.method} | {g.seconds:.2f} | {g.matrix_mib:.0f} | "
+            f"{g.peak_extra_mib:.0f} | {g.peak_extra_mib / g.matrix_mib:.2f}× | {spread} |"
+        )
+    return lines

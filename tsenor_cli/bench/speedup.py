@@ -260,15 +260,16 @@ def _failure(exc: Exception) -> str:
 
 
 def _layer_timings(
-    model: str,
-    layer: str,
+    linear: tuple[str, str],
     shape: tuple[int, int],
     tokens: int,
     cfg: SpeedupConfig,
     gen: torch.Generator,
     backends: tuple[str, ...],
 ) -> list[Timing]:
-    """The three matmuls of one linear layer: dense, then each backend × (ordinary, transposable)."""
+    """The three matmuls of one linear layer (`linear`: the model's name and the layer's): dense, then each
+    backend × (ordinary, transposable)."""
+    model, layer = linear
     out_features, in_features = shape
     device = torch.device("cuda")
     weight = torch.randn(shape, generator=gen, device=device, dtype=torch.bfloat16)  # (out, in)
@@ -393,7 +394,7 @@ def run_speedup(cfg: SpeedupConfig, progress: Progress | None = None) -> Speedup
         for tokens in cfg.tokens:
             for layer, shape in model.linears().items():
                 sink(progress)(f"{name} {layer} {shape[0]}×{shape[1]}, {tokens} tokens")
-                timings += _layer_timings(name, layer, shape, tokens, cfg, gen, backends)
+                timings += _layer_timings((name, layer), shape, tokens, cfg, gen, backends)
             sink(progress)(f"{name} MLP block, {tokens} tokens")
             timings += _mlp_timings(model, tokens, cfg, gen, backends)
             torch.cuda.empty_cache()

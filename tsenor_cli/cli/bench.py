@@ -250,49 +250,59 @@ _STREAM = typer.Option(
 )
 
 
+# `tsenor bench prune`'s options whose help takes more than a line.
+_E2E_MODEL = typer.Option(
+    "llama-3.2-1b",
+    help="A model shape in configs/models (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, llama-3.1-70b, "
+    "smollm2-135m) or a config .json.",
+)
+_E2E_REFINE = typer.Option(
+    "none",
+    help="Block refinement modes (comma list): none, block; with both, the refined / plain time of each pair.",
+)
+_E2E_BLOCKS = typer.Option(
+    None, min=1, help="Build only the first K decoder blocks and project the whole model (labelled a projection)."
+)
+_E2E_SCALE_DOWN = typer.Option(
+    1, min=1, help="Divide hidden, intermediate and head counts by this (CPU smoke runs; 1: the published shape)."
+)
+_E2E_RESUME_STATE = typer.Option(
+    True, "--resume-state/--no-resume-state", help="Save the resume state after each block, as `tsenor prune` does."
+)
+_E2E_WORK_DIR = typer.Option(
+    None,
+    help="Folder for the model config and the checkpoints (each removed once verified); default: a temp folder.",
+)
+_E2E_MARKDOWN = typer.Option(
+    None,
+    help="Put the tables into this Markdown file (docs/measurements/benchmarks-e2e.md), replacing the section "
+    "of the same shape, blocks, device, methods and refine modes.",
+)
+
+
 @bench_app.command("prune", cls=Command)
 def bench_prune(
     ctx: typer.Context,
-    model: str = typer.Option(
-        "llama-3.2-1b",
-        help="A model shape in configs/models (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, llama-3.1-70b, "
-        "smollm2-135m) or a config .json.",
-    ),
+    model: str = _E2E_MODEL,
     methods: str = typer.Option("alps,sparsegpt,wanda", help="Pruning methods (comma list)."),
     kinds: str = typer.Option("transposable,ordinary", help="Pattern kinds (comma list): transposable, ordinary."),
-    refine: str = typer.Option(
-        "none",
-        help="Block refinement modes (comma list): none, block; with both, the refined / plain time of each pair.",
-    ),
+    refine: str = _E2E_REFINE,
     nm: str = typer.Option("16:32", help="The N:M pattern."),
     nsamples: int = typer.Option(128, min=1, help="Calibration samples."),
     seqlen: int = typer.Option(2048, min=1, help="Tokens per calibration sample."),
-    blocks: int | None = typer.Option(
-        None, min=1, help="Build only the first K decoder blocks and project the whole model (labelled a projection)."
-    ),
-    scale_down: int = typer.Option(
-        1, min=1, help="Divide hidden, intermediate and head counts by this (CPU smoke runs; 1: the published shape)."
-    ),
+    blocks: int | None = _E2E_BLOCKS,
+    scale_down: int = _E2E_SCALE_DOWN,
     device: DeviceOpt = DEVICE,
     dtype: DtypeOpt = DTYPE,
     solver: str = typer.Option("auto", help="Transposable mask solver."),
     seed: int = typer.Option(0, help="Seed of the random weights and of the calibration windows."),
-    resume_state: bool = typer.Option(
-        True, "--resume-state/--no-resume-state", help="Save the resume state after each block, as `tsenor prune` does."
-    ),
+    resume_state: bool = _E2E_RESUME_STATE,
     tokenizer: Path | None = _TOKENIZER,
     stream: bool = _STREAM,
-    work_dir: Path | None = typer.Option(
-        None,
-        help="Folder for the model config and the checkpoints (each removed once verified); default: a temp folder.",
-    ),
+    work_dir: Path | None = _E2E_WORK_DIR,
     data_dir: DataDirOpt = None,
     output: Path | None = typer.Option(None, help="Write the JSON result here."),
-    markdown: Path | None = typer.Option(
-        None,
-        help="Put the tables into this Markdown file (docs/measurements/benchmarks-e2e.md), replacing the section "
-        "of the same shape, blocks, device, methods and refine modes.",
-    ),
+    markdown: Path | None = _E2E_MARKDOWN,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -382,6 +392,20 @@ before the watch was limited to the experts module and the rows of several sampl
 """
 
 
+# `tsenor bench memory`'s options whose help takes more than a line.
+_MEMORY_COMMANDS = typer.Option(
+    "eval,prune",
+    help="What to measure (comma list): eval, prune, prune-eval (`tsenor prune --eval` itself, streamed and "
+    "--no-stream; reads WikiText-2 from the data folder).",
+)
+_MEMORY_MERGE = typer.Option(
+    False,
+    "--merge",
+    help="Replace only the measured commands in the --output JSON of an earlier run and keep the others; "
+    "the page says when each section was measured.",
+)
+
+
 @bench_app.command("memory", cls=Command)
 def bench_memory(
     ctx: typer.Context,
@@ -390,20 +414,11 @@ def bench_memory(
     seqlen: int = typer.Option(256, min=2, help="Tokens per perplexity window."),
     windows: int = typer.Option(2, min=1, help="Perplexity windows per evaluation."),
     seed: int = typer.Option(0, help="Seed of the random weights and tokens."),
-    commands: str = typer.Option(
-        "eval,prune",
-        help="What to measure (comma list): eval, prune, prune-eval (`tsenor prune --eval` itself, streamed and "
-        "--no-stream; reads WikiText-2 from the data folder).",
-    ),
+    commands: str = _MEMORY_COMMANDS,
     machine: str = typer.Option("", help="The machine, as the Markdown page names it (default: platform, cores)."),
     output: Path | None = typer.Option(None, help="Write the JSON result here."),
     markdown: Path | None = typer.Option(None, help="Write the Markdown page here (docs/measurements/)."),
-    merge: bool = typer.Option(
-        False,
-        "--merge",
-        help="Replace only the measured commands in the --output JSON of an earlier run and keep the others; "
-        "the page says when each section was measured.",
-    ),
+    merge: bool = _MEMORY_MERGE,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:

@@ -45,6 +45,32 @@ if TYPE_CHECKING:
 MODEL, PERPLEXITY, ZEROSHOT = "Model", "Perplexity", "Zero-shot (lm-eval)"
 
 
+# The options of `tsenor eval` alone (those several commands share are in cli/options.py).
+_STREAM = typer.Option(
+    None,
+    "--stream/--no-stream",
+    show_default="stream where it can",
+    rich_help_panel=MODEL,
+    help="Perplexity block by block: one decoder block in memory at a time, read from the checkpoint's "
+    "safetensors when its turn comes. By default wherever it can (a safetensors folder, perplexity only, "
+    "no --device-map); --stream insists (refused with --tasks), --no-stream loads the model whole.",
+)
+_DEVICE_MAP = typer.Option(
+    None,
+    "--device-map",
+    rich_help_panel=MODEL,
+    help="'auto': spread the whole model over the GPUs present, then the CPU (accelerate), for zero-shot "
+    "tasks on a model larger than one GPU; --device is then not used.",
+)
+_SEQLEN = typer.Option(
+    None, "--seqlen", rich_help_panel=PERPLEXITY, help="Perplexity window (default 2048, capped by the model)."
+)
+_NUM_FEWSHOT = typer.Option(
+    0, "--num-fewshot", min=0, rich_help_panel=ZEROSHOT, help="Few-shot examples for zero-shot tasks."
+)
+_BATCH_SIZE = typer.Option("auto", "--batch-size", rich_help_panel=ZEROSHOT, help="Batch size (integer or 'auto').")
+
+
 @app.command("eval", cls=Command)
 def eval_cmd(
     ctx: typer.Context,
@@ -54,35 +80,15 @@ def eval_cmd(
     device: in_panel(DeviceOpt, MODEL) = DEVICE,  # type: ignore[valid-type]
     trust_remote_code: in_panel(TrustRemoteCodeOpt, MODEL) = False,  # type: ignore[valid-type]
     kernels: in_panel(KernelsOpt, MODEL) = KERNELS_DEFAULT,  # type: ignore[valid-type]
-    stream: bool | None = typer.Option(
-        None,
-        "--stream/--no-stream",
-        show_default="stream where it can",
-        rich_help_panel=MODEL,
-        help="Perplexity block by block: one decoder block in memory at a time, read from the checkpoint's "
-        "safetensors when its turn comes. By default wherever it can (a safetensors folder, perplexity only, "
-        "no --device-map); --stream insists (refused with --tasks), --no-stream loads the model whole.",
-    ),
-    device_map: str | None = typer.Option(
-        None,
-        "--device-map",
-        rich_help_panel=MODEL,
-        help="'auto': spread the whole model over the GPUs present, then the CPU (accelerate), for zero-shot "
-        "tasks on a model larger than one GPU; --device is then not used.",
-    ),
+    stream: bool | None = _STREAM,
+    device_map: str | None = _DEVICE_MAP,
     ppl: in_panel(PplOpt, PERPLEXITY) = PPL,  # type: ignore[valid-type]
-    seqlen: int | None = typer.Option(
-        None, "--seqlen", rich_help_panel=PERPLEXITY, help="Perplexity window (default 2048, capped by the model)."
-    ),
+    seqlen: int | None = _SEQLEN,
     max_windows: in_panel(MaxWindowsOpt, PERPLEXITY) = None,  # type: ignore[valid-type]
     tasks: in_panel(TasksOpt, ZEROSHOT) = None,  # type: ignore[valid-type]
-    num_fewshot: int = typer.Option(
-        0, "--num-fewshot", min=0, rich_help_panel=ZEROSHOT, help="Few-shot examples for zero-shot tasks."
-    ),
+    num_fewshot: int = _NUM_FEWSHOT,
     limit: in_panel(LimitOpt, ZEROSHOT) = None,  # type: ignore[valid-type]
-    batch_size: str = typer.Option(
-        "auto", "--batch-size", rich_help_panel=ZEROSHOT, help="Batch size (integer or 'auto')."
-    ),
+    batch_size: str = _BATCH_SIZE,
     output: OutputDirOpt = None,
     force: ForceOpt = False,
     as_json: JsonOpt = False,
@@ -91,6 +97,7 @@ def eval_cmd(
 ) -> None:
     """Evaluate a model: perplexity (SparseGPT protocol) and optional lm-eval zero-shot tasks."""
     from tsenor_cli.evaluation.runner import EvalConfig, eval_target, evaluate_model, load_for_evaluation
+    from tsenor_cli.models.loading import LoadOptions
 
     # Validate every option before the (slow) model load, so a typo fails at once.
     model = pick_model(model, model_option)
@@ -110,10 +117,8 @@ def eval_cmd(
     cfg.check(run_ctx, stream=bool(stream), device_map=device_map)
     target = eval_target(output, force=force)
     try:
-        loaded = load_for_evaluation(
-            model, run_ctx, cfg, dtype=dtype, device=device, trust_remote_code=trust_remote_code,
-            device_map=device_map, check_tokenizer=True,
-        )  # fmt: skip
+        how = LoadOptions(trust_remote_code=trust_remote_code, device_map=device_map, check_tokenizer=True)
+        loaded = load_for_evaluation(model, run_ctx, cfg, dtype=dtype, device=device, options=how)
         report = evaluate_model(loaded, cfg, run_ctx)
     except KeyboardInterrupt:
         # eval.json is written only once every metric is in, so nothing is left half-done.

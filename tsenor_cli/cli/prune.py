@@ -106,7 +106,7 @@ def prune_cmd(
     recipe = merge_config(given_values(ctx, ALL_FIELDS), config)
     cfg = build_config(recipe, force=force, resume=resume, command=command)
     # Checked before pruning: a typo must not surface after hours of work.
-    eval_cfg = _eval_config(run_eval, dry_run, ppl, tasks, max_windows, command, run_ctx)
+    eval_cfg = _eval_config(run_eval, dry_run, ppl, tasks, max_windows, run_ctx)
     if dry_run:
         _dry_run(cfg, run_ctx, nproc, as_json=as_json)
         return
@@ -149,10 +149,10 @@ def _eval_config(
     ppl: str,
     tasks: str | None,
     max_windows: int | None,
-    command: str,
     run_ctx: RunContext,
 ) -> EvalConfig | None:
-    """--eval's settings, checked (datasets, tasks, their sources) before anything runs; None without --eval."""
+    """--eval's settings, checked (datasets, tasks, their sources) before anything runs; None without --eval.
+    The evaluation records this process's command line, as the prune does."""
     if not run_eval:
         if tasks is not None:
             raise UsageError("--tasks applies with --eval only; add --eval or drop --tasks")
@@ -162,7 +162,7 @@ def _eval_config(
     from tsenor_cli.evaluation.runner import EvalConfig
 
     eval_cfg = EvalConfig(
-        ppl_datasets=parse_ppl_datasets(ppl), tasks=parse_tasks(tasks), max_windows=max_windows, command=command
+        ppl_datasets=parse_ppl_datasets(ppl), tasks=parse_tasks(tasks), max_windows=max_windows, command=command_line()
     )
     if not eval_cfg.ppl_datasets and not eval_cfg.tasks:
         raise UsageError("--eval with --ppl none and no --tasks evaluates nothing; pass --ppl or --tasks")

@@ -95,7 +95,7 @@ def sweep_run(
     if output is None:
         raise UsageError("--output is required; pass the sweep folder (each run goes to DIR/runs/NAME)")
     run_ctx = run_context(ctx, data_dir, offline)
-    from tsenor_cli.sweep.executors import check_sweep_folder, dry_run_lines, run_sweep
+    from tsenor_cli.sweep.executors import SlurmLaunch, check_sweep_folder, dry_run_lines, run_sweep
     from tsenor_cli.sweep.spec import load_sweep
     from tsenor_cli.sweep.status import status_table
 
@@ -112,8 +112,8 @@ def sweep_run(
         for line in dry_run_lines(spec, output, run_ctx):
             typer.echo(line)
         return
-    slurm = options if executor is Executor.slurm else None
-    result = run_sweep(spec, sweep_file, output, run_ctx, slurm=slurm, wait=wait, echo=_echo)
+    slurm = SlurmLaunch(options, wait=wait) if executor is Executor.slurm else None
+    result = run_sweep(spec, sweep_file, output, run_ctx, slurm=slurm, echo=_echo)
     if result.views is not None:
         typer.echo(status_table(result.views))
     result.check()

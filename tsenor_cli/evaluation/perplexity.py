@@ -28,6 +28,16 @@ class PerplexityResult:
     seqlen: int
 
 
+@dataclass(frozen=True)
+class Windows:
+    """How a token stream is cut for perplexity: non-overlapping windows of `seqlen` tokens, the first
+    `max_windows` of them (None: all), `batch_size` windows per forward pass (`cut_windows` checks them)."""
+
+    seqlen: int
+    max_windows: int | None = None
+    batch_size: int = 1
+
+
 def window_nll(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
     """windows: (B, S) long → summed next-token NLL per window (B,) float64, computed in fp32.
 
@@ -43,9 +53,10 @@ def window_nll(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
     return torch.stack(sums)  # (B,)
 
 
-def cut_windows(input_ids: torch.Tensor, *, seqlen: int, max_windows: int | None, batch_size: int = 1) -> torch.Tensor:
+def cut_windows(input_ids: torch.Tensor, windows: Windows) -> torch.Tensor:
     """input_ids (1, T) long → the (W, seqlen) non-overlapping windows evaluated (W = T // seqlen, at most
     max_windows); UsageError for a bad shape or setting, or a text shorter than one window."""
+    seqlen, max_windows, batch_size = windows.seqlen, windows.max_windows, windows.batch_size
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise UsageError(f"input_ids must be (1, T), got shape {tuple(input_ids.shape)}")
     if seqlen < 2:
@@ -79,26 +90,23 @@ def result_of(nll: torch.Tensor, seqlen: int) -> PerplexityResult:
 def perplexity(
     model: nn.Module,
     input_ids: torch.Tensor,
+    windows: Windows,
     *,
-    seqlen: int,
-    max_windows: int | None = None,
     device: str | torch.device,
-    batch_size: int = 1,
     progress: Callable[[int, int], None] | None = None,
 ) -> PerplexityResult:
-    """Perplexity of `model` on input_ids (1, T) long over non-overlapping windows of `seqlen` tokens.
+    """Perplexity of `model` on input_ids (1, T) long over the non-overlapping `windows` of the text.
 
-    max_windows: evaluate only the first `max_windows` windows (None = all T // seqlen).
-    batch_size: windows per forward pass. progress(done_windows, total_windows) after each batch.
+    progress(done_windows, total_windows) after each batch of `windows.batch_size`.
     """
-    windows = cut_windows(input_ids, seqlen=seqlen, max_windows=max_windows, batch_size=batch_size)
-    total = int(windows.shape[0])
+    cut = cut_windows(input_ids, windows)
+    total, batch_size = int(cut.shape[0]), windows.batch_size
     nll = torch.zeros(total, dtype=torch.float64)
     model.eval()
     with torch.inference_mode():
         for start in range(0, total, batch_size):
-            batch = windows[start : start + batch_size].to(device)  # (b, S)
+            batch = cut[start : start + batch_size].to(device)  # (b, S)
             nll[start : start + batch.shape[0]] = window_nll(model, batch).cpu()
             if progress is not None:
                 progress(start + batch.shape[0], total)
-    return result_of(nll, seqlen)
+    return result_of(nll, windows.seqlen)

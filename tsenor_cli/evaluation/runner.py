@@ -18,10 +18,10 @@ import torch
 from tsenor_cli.data.eval_text import eval_token_stream
 from tsenor_cli.data.sources import DATASET_NAMES, DatasetName
 from tsenor_cli.errors import OutputExistsError, UsageError
-from tsenor_cli.evaluation.perplexity import perplexity
-from tsenor_cli.evaluation.streamed import streamed_perplexity
+from tsenor_cli.evaluation.perplexity import Windows, perplexity
+from tsenor_cli.evaluation.streamed import BlockCallbacks, streamed_perplexity
 from tsenor_cli.kernels import KERNELS
-from tsenor_cli.models.loading import LoadedModel
+from tsenor_cli.models.loading import LoadedModel, LoadOptions
 from tsenor_cli.progress import sink
 from tsenor_cli.provenance import tsenor_versions
 from tsenor_cli.runfiles import (
@@ -151,34 +151,27 @@ def effective_seqlen(loaded: LoadedModel, seqlen: int | None) -> int:
 
 
 def load_for_evaluation(
-    model: str,
-    ctx: RunContext,
-    cfg: EvalConfig,
-    *,
-    dtype: str | None,
-    device: str,
-    trust_remote_code: bool = False,
-    device_map: str | None = None,
-    progress: Callable[[str], None] | None = None,
-    check_tokenizer: bool = False,
+    model: str, ctx: RunContext, cfg: EvalConfig, *, dtype: str | None, device: str, options: LoadOptions | None = None
 ) -> LoadedModel:
     """The model to evaluate under `cfg`: streamed (blocks on the meta device, read one at a time by
     `evaluation/streamed.py`) when `cfg.stream` and only perplexity is asked for and no --device-map
     places it; a pickle checkpoint or a hub id is then loaded whole with one line saying so
-    (`models.loading.load_model`). Zero-shot tasks need the whole model: loaded whole."""
+    (`models.loading.load_model`). Zero-shot tasks need the whole model: loaded whole. options: the rest of
+    the load (None: `LoadOptions()`)."""
     from tsenor_cli.models.loading import load_model, parse_dtype
 
-    stream = cfg.stream and not cfg.tasks and device_map is None
+    how = LoadOptions() if options is None else options
+    stream = cfg.stream and not cfg.tasks and how.device_map is None
     return load_model(
         model,
         ctx,
         dtype=parse_dtype(dtype),
         device=device,
-        trust_remote_code=trust_remote_code,
-        device_map=device_map,
+        trust_remote_code=how.trust_remote_code,
+        device_map=how.device_map,
         stream=stream,
-        progress=progress,
-        check_tokenizer=check_tokenizer,
+        progress=how.progress,
+        check_tokenizer=how.check_tokenizer,
     )
 
 
@@ -199,7 +192,7 @@ def evaluate_model(
     device = next(loaded.model.parameters()).device
     kernels = sparse_kernels(loaded, device, sink(progress)) if cfg.kernels == "sparse" else None
     try:
-        results = _perplexities(loaded, cfg, ctx, seqlen, device, progress, kernels)
+        results = _perplexities(loaded, cfg, ctx, seqlen, progress, kernels)
         zeroshot = _run_zeroshot(loaded, cfg, ctx, progress) if cfg.tasks else None
     finally:
         if kernels is not None:
@@ -255,13 +248,14 @@ def _perplexities(
     cfg: EvalConfig,
     ctx: RunContext,
     seqlen: int,
-    device: torch.device,
     progress: Callable[[str], None] | None,
     kernels: KernelPlan | None = None,
 ) -> dict[str, PerplexityRecord]:
-    """{dataset: its perplexity record} for cfg.ppl_datasets, streamed block by block when the model was
-    loaded with ``stream=True`` (each block's sparse kernels installed as it is read)."""
+    """{dataset: its perplexity record} for cfg.ppl_datasets in windows of `seqlen` on the device of the model's
+    parameters, streamed block by block when the model was loaded with ``stream=True`` (each block's sparse
+    kernels installed as it is read)."""
     ppl_batch = cfg.batch_size if isinstance(cfg.batch_size, int) else 1
+    device = next(loaded.model.parameters()).device
     say = sink(progress)
     # Every stream first: the window count of the whole evaluation is known before the first window, so
     # the first window's time gives an estimate of it all (`_WindowClock`).
@@ -279,17 +273,14 @@ def _perplexities(
     results: dict[str, PerplexityRecord] = {}
     for name, (text, spent) in streams.items():
         t0 = time.perf_counter()
-        report, limit = clock.reporter(name), cfg.max_windows
+        report, windows = clock.reporter(name), Windows(seqlen, cfg.max_windows, ppl_batch)
         if loaded.checkpoint is not None:
             result = streamed_perplexity(
-                loaded, text.input_ids, seqlen=seqlen, max_windows=limit, device=device, progress=report,
-                prepare=_block_installer(loaded, kernels),
+                loaded, text.input_ids, windows, device=device, progress=report,
+                blocks=BlockCallbacks(prepare=_block_installer(loaded, kernels)),
             )  # fmt: skip
         else:
-            result = perplexity(
-                loaded.model, text.input_ids, seqlen=seqlen, max_windows=limit, device=device,
-                batch_size=ppl_batch, progress=report,
-            )  # fmt: skip
+            result = perplexity(loaded.model, text.input_ids, windows, device=device, progress=report)
         results[name] = PerplexityRecord(
             ppl=result.ppl,
             nll_sum=result.nll_sum,
@@ -358,18 +349,10 @@ def _run_zeroshot(
     loaded: LoadedModel, cfg: EvalConfig, ctx: RunContext, progress: Callable[[str], None] | None
 ) -> ZeroShotResult:
     try:
-        from tsenor_cli.evaluation.zeroshot import run_zeroshot
+        from tsenor_cli.evaluation.zeroshot import ZeroShotTasks, run_zeroshot
     except ModuleNotFoundError as exc:
         if exc.name != "tsenor_cli.evaluation.zeroshot":
             raise
         raise UsageError("zero-shot evaluation is not available in this build; omit --tasks") from exc
-    return run_zeroshot(
-        loaded.model,
-        loaded.tokenizer,
-        list(cfg.tasks),
-        ctx,
-        num_fewshot=cfg.num_fewshot,
-        limit=cfg.limit,
-        batch_size=cfg.batch_size,
-        progress=progress,
-    )
+    tasks = ZeroShotTasks(cfg.tasks, num_fewshot=cfg.num_fewshot, limit=cfg.limit, batch_size=cfg.batch_size)
+    return run_zeroshot(loaded.model, loaded.tokenizer, tasks, ctx, progress)

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from tsenor_cli.evaluation.perplexity import PerplexityResult, cut_windows, result_of, window_nll
+from tsenor_cli.evaluation.perplexity import PerplexityResult, Windows, cut_windows, result_of, window_nll
 from tsenor_cli.models.loading import LoadedModel
 from tsenor_cli.models.structure import ModelStructure
 from tsenor_cli.replay import BlockCall, BlockSource, capture_block_inputs, forwards_replaced, run_block
@@ -55,34 +56,42 @@ def _blocks_returning(
         yield
 
 
+@dataclass(frozen=True)
+class BlockCallbacks:
+    """What `streamed_perplexity` calls around each block: prepare(index, block) once it is read, before it
+    runs (its sparse kernels, `kernels/sparse.py`); done(blocks done, blocks) after it ran and was released."""
+
+    prepare: Callable[[int, nn.Module], None] | None = None
+    done: Callable[[int, int], None] | None = None
+
+
 @torch.no_grad()
 def streamed_perplexity(
     loaded: LoadedModel,
     input_ids: torch.Tensor,
+    windows: Windows,
     *,
-    seqlen: int,
-    max_windows: int | None = None,
     device: torch.device,
     progress: Callable[[int, int], None] | None = None,
-    blocks_progress: Callable[[int, int], None] | None = None,
-    prepare: Callable[[int, nn.Module], None] | None = None,
+    blocks: BlockCallbacks | None = None,
 ) -> PerplexityResult:
     """`perplexity` of a model loaded with ``stream=True``, block by block (module docstring).
 
-    input_ids: (1, T) long; windows as `perplexity` cuts them. progress(done, total) once every window is
-    done (they all finish together); blocks_progress(done, total) after each block; prepare(index, block)
-    once each block is read, before it runs (its sparse kernels, `kernels/sparse.py`).
+    input_ids: (1, T) long; `windows` as `perplexity` cuts them (all of them go through each block at once,
+    so `windows.batch_size` changes nothing). progress(done, total) once every window is done (they all finish
+    together); `blocks`: what is called around each block.
     """
     checkpoint, structure = loaded.checkpoint, loaded.structure
     if checkpoint is None:
         raise ValueError("streamed_perplexity needs a model loaded with stream=True")
-    windows = cut_windows(input_ids, seqlen=seqlen, max_windows=max_windows).to(device)  # (W, T)
+    prepare, blocks_progress = (None, None) if blocks is None else (blocks.prepare, blocks.done)
+    cut = cut_windows(input_ids, windows).to(device)  # (W, T)
     count = len(structure.blocks)
     source = BlockSource(structure, device, checkpoint=checkpoint)
     first_block = source.load(0)  # the capture runs block 0 once to learn its output type
     if prepare is not None:
         prepare(0, first_block)
-    inputs = capture_block_inputs(structure, windows, device)
+    inputs = capture_block_inputs(structure, cut, device)
     hidden = inputs.hidden  # (W, T, H): each block's output overwrites its input, window by window
     template: list[Any] = []
     for index, call in enumerate(inputs.calls):
@@ -98,11 +107,11 @@ def streamed_perplexity(
             blocks_progress(index + 1, count)
     first = next(index for index, call in enumerate(inputs.calls) if call.runs)
     current: list[torch.Tensor] = []
-    nll = torch.zeros(windows.shape[0], dtype=torch.float64)
+    nll = torch.zeros(cut.shape[0], dtype=torch.float64)
     with _blocks_returning(structure, template[0], first, current):
-        for j in range(windows.shape[0]):
+        for j in range(cut.shape[0]):
             current[:] = [hidden[j : j + 1]]
-            nll[j] = window_nll(loaded.model, windows[j : j + 1])[0].cpu()
+            nll[j] = window_nll(loaded.model, cut[j : j + 1])[0].cpu()
     if progress is not None:
-        progress(int(windows.shape[0]), int(windows.shape[0]))
-    return result_of(nll, seqlen)
+        progress(int(cut.shape[0]), int(cut.shape[0]))
+    return result_of(nll, windows.seqlen)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -154,54 +155,78 @@ def _score(name: str, results: Mapping[str, Any], root: Path | None) -> TaskScor
     )
 
 
+@dataclass(frozen=True)
+class ZeroShotTasks:
+    """What `run_zeroshot` scores: the task `names`; `limit` caps documents per task (an int count, or a
+    fraction in (0, 1)), and lm-eval takes the first documents of each split; `seed` seeds only lm-eval's
+    few-shot sampler (its own random.Random): loglikelihood scoring draws no random numbers, so no global
+    RNG is touched. Checked by `run_zeroshot`, each bad value one UsageError."""
+
+    names: Sequence[str]
+    num_fewshot: int = 0
+    limit: int | float | None = None
+    batch_size: int | str = "auto"
+    seed: int = 0
+
+
 def run_zeroshot(
-    model: Any,
-    tokenizer: Any,
-    tasks: list[str],
-    ctx: RunContext,
-    *,
-    num_fewshot: int = 0,
-    limit: int | float | None = None,
-    batch_size: int | str = "auto",
-    seed: int = 0,
-    progress: Callable[[str], None] | None = None,
+    model: Any, tokenizer: Any, tasks: ZeroShotTasks, ctx: RunContext, progress: Callable[[str], None] | None = None
 ) -> ZeroShotResult:
     """Score `model` (a transformers causal LM, on its device) on `tasks` with lm-eval.
 
-    `limit` caps documents per task (an int count, or a fraction in (0, 1)); lm-eval takes the first
-    documents of each split. `seed` seeds only lm-eval's few-shot sampler (its own random.Random):
-    loglikelihood scoring draws no random numbers, so no global RNG is touched. Each task's score keeps
-    lm-eval's standard errors (`acc_stderr`, `acc_norm_stderr`; the report prints acc ± stderr).
+    Each task's score keeps lm-eval's standard errors (`acc_stderr`, `acc_norm_stderr`; the report prints
+    acc ± stderr).
     """
-    names = validate_tasks(tasks)
-    _validate_limit(limit)
-    if num_fewshot < 0:
-        raise UsageError(f"num_fewshot {num_fewshot} must be >= 0")
-    size = _resolve_batch_size(model, batch_size)
+    names = validate_tasks(list(tasks.names))
+    _validate_limit(tasks.limit)
+    if tasks.num_fewshot < 0:
+        raise UsageError(f"num_fewshot {tasks.num_fewshot} must be >= 0")
+    size = _resolve_batch_size(model, tasks.batch_size)
     source, root = task_source(ctx, names)
 
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
     manager, where = _task_manager(root)
-    sink(progress)(f"zero-shot: {', '.join(names)} ({where}, limit={limit}, batch size {size})")
+    sink(progress)(f"zero-shot: {', '.join(names)} ({where}, limit={tasks.limit}, batch size {size})")
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=size)
+    results = _evaluate(lm, names, tasks, manager, from_hub=root is None)
+    scores = []
+    for name in names:
+        scores.append(_score(name, results, root))
+        sink(progress)(f"zero-shot: {name} acc={scores[-1].acc:.4f} (n={scores[-1].n_samples})")
+    return ZeroShotResult(
+        tasks=tuple(scores),
+        average=average_acc(scores),
+        average_metric="acc",
+        num_fewshot=tasks.num_fewshot,
+        limit=tasks.limit,
+        source=source,
+        lm_eval_version=lm_eval.__version__,
+    )
+
+
+def _evaluate(lm: Any, names: Sequence[str], tasks: ZeroShotTasks, manager: Any, *, from_hub: bool) -> Any:
+    """lm-eval's results of `lm` on the validated task `names`; with the task data from the hub
+    (`from_hub`), a download failure is one InputNotFoundError naming --data-dir."""
+    import lm_eval
+
     try:
         with quiet_foreign_output():
             results = lm_eval.simple_evaluate(
                 model=lm,
                 tasks=list(names),
-                num_fewshot=num_fewshot,
-                limit=limit,
+                num_fewshot=tasks.num_fewshot,
+                limit=tasks.limit,
                 task_manager=manager,
                 log_samples=False,
                 random_seed=None,
                 numpy_random_seed=None,
                 torch_random_seed=None,
-                fewshot_random_seed=seed,
+                fewshot_random_seed=tasks.seed,
             )
     except OSError as exc:
-        if root is not None:
+        if not from_hub:
             raise
         # ConnectionError, the hub libraries' offline-mode errors and missing datasets are OSErrors.
         first = str(exc).splitlines()[0] if str(exc) else ""
@@ -211,16 +236,4 @@ def run_zeroshot(
         ) from exc
     if results is None:
         raise RuntimeError("lm-eval returned no results on rank 0")
-    scores = []
-    for name in names:
-        scores.append(_score(name, results, root))
-        sink(progress)(f"zero-shot: {name} acc={scores[-1].acc:.4f} (n={scores[-1].n_samples})")
-    return ZeroShotResult(
-        tasks=tuple(scores),
-        average=average_acc(scores),
-        average_metric="acc",
-        num_fewshot=num_fewshot,
-        limit=limit,
-        source=source,
-        lm_eval_version=lm_eval.__version__,
-    )
+    return results

@@ -226,7 +226,7 @@ def finetune(
             if main:
                 run.recover()
             run.prepare(force=cfg.force, resume=cfg.resume)
-            return _train(cfg, ctx, args, sparsity, state_dir, say, start, after_save, stop, point)
+            return _train(_Run(cfg, ctx, args, sparsity, state_dir, say, start, after_save, stop, point))
 
 
 @dataclass
@@ -347,24 +347,32 @@ class _Inputs:
     available: int
 
 
-def _train(
-    cfg: FinetuneConfig,
-    ctx: RunContext,
-    args: Any,
-    sparsity: RunSparsity,
-    state_dir: Path,
-    say: Progress,
-    start: float,
-    after_save: Callable[[int], None] | None,
-    stop: StopRequest,
-    point: _RunPoint,
-) -> FinetuneReport:
+@dataclass(frozen=True)
+class _Run:
+    """One fine-tuning run past its output checks: its settings and context, Trainer's arguments, the pruned
+    checkpoint's sparsity, the resume state's folder, where progress goes, when it started, the hook after each
+    checkpoint, the stop request and where the run is (`_RunPoint`, for an interruption's line)."""
+
+    cfg: FinetuneConfig
+    ctx: RunContext
+    args: Any
+    sparsity: RunSparsity
+    state_dir: Path
+    say: Progress
+    start: float
+    after_save: Callable[[int], None] | None
+    stop: StopRequest
+    point: _RunPoint
+
+
+def _train(run: _Run) -> FinetuneReport:
     """`finetune` past its output checks, under the output lock, in the steps docs/architecture.md names:
     load (`_load_inputs`), evaluate before (`_evaluate_before`, or the resume state's or the prune's own
-    eval.json), train (`_training_loop`), evaluate after, report and write (`_write_output`); `point`
+    eval.json), train (`_training_loop`), evaluate after, report and write (`_write_output`); `run.point`
     follows the phases and steps for an interruption's line."""
     from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
 
+    cfg, ctx, args, sparsity, state_dir, say = run.cfg, run.ctx, run.args, run.sparsity, run.state_dir, run.say
     state = _load_state(state_dir, cfg) if cfg.resume else None
     inputs = _load_inputs(cfg, ctx, args, sparsity, say)
     model = inputs.loaded.model.to(args.device)
@@ -376,24 +384,20 @@ def _train(
     wants_eval = bool(cfg.ppl_datasets or cfg.tasks)
     eval_before: dict[str, Any] | None = state.eval_before if state is not None else None
     if eval_before is None and wants_eval and main:
-        eval_before = _evaluate_before(cfg, ctx, inputs.loaded, args.device, eval_cfg, stop, point, say)
+        eval_before = _evaluate_before(run, inputs.loaded, eval_cfg)
     if main and cfg.save_every and state is None:
         FinetuneState(cfg.result_hash(), eval_before).write(state_dir)
-    trainer, curve, resumed = _training_loop(
-        cfg, ctx, args, inputs, model, mask, state_dir, say, after_save, stop, point
-    )
+    trained = _training_loop(run, inputs, model, mask)
     nonzero = fixed.nonzero_pruned()
     if nonzero:
         raise RuntimeError(f"{nonzero} pruned weights became non-zero despite the mask; this is a bug in tsenor")
     eval_after = None
     if wants_eval and main:
         say("evaluating after fine-tuning")
-        point.phase = "evaluating after"
-        with stop.at_once():
+        run.point.phase = "evaluating after"
+        with run.stop.at_once():
             eval_after = evaluate_model(inputs.loaded, eval_cfg, ctx, progress=say).to_json()
-    report = _finetune_report(
-        cfg, ctx, args, sparsity, inputs, trainer, curve, (eval_before, eval_after), nonzero, resumed, start
-    )
+    report = _finetune_report(run, inputs, trained, (eval_before, eval_after), nonzero)
     if main:
         _write_output(cfg, sparsity, inputs.loaded, report, inputs.saved_dtype, say)
     return report
@@ -456,21 +460,13 @@ def _load_inputs(cfg: FinetuneConfig, ctx: RunContext, args: Any, sparsity: RunS
     return _Inputs(loaded, masks, text, teacher, saved_dtype, per_step, available)
 
 
-def _evaluate_before(
-    cfg: FinetuneConfig,
-    ctx: RunContext,
-    loaded: Any,
-    device: torch.device,
-    eval_cfg: EvalConfig,
-    stop: StopRequest,
-    point: _RunPoint,
-    say: Progress,
-) -> dict[str, Any]:
+def _evaluate_before(run: _Run, loaded: Any, eval_cfg: EvalConfig) -> dict[str, Any]:
     """The evaluation of the pruned checkpoint before training (eval.json's object): the prune's own
     eval.json when its settings match (`matching_evaluation`), else run now (stopping at once on a signal)."""
     from tsenor_cli.evaluation.runner import evaluate_model
 
-    earlier = matching_evaluation(cfg, loaded, device)
+    say = run.say
+    earlier = matching_evaluation(run.cfg, loaded, run.args.device)
     if earlier is not None:
         path, record = earlier
         say(f"evaluation before fine-tuning: {path} (the same evaluation of this checkpoint), not run again")
@@ -479,24 +475,12 @@ def _evaluate_before(
         "evaluating the pruned checkpoint before fine-tuning (no eval.json of it with these settings; "
         "--max-windows N or --ppl none shortens it)"
     )
-    point.phase = "evaluating before"
-    with stop.at_once():
-        return evaluate_model(loaded, eval_cfg, ctx, progress=say).to_json()
+    run.point.phase = "evaluating before"
+    with run.stop.at_once():
+        return evaluate_model(loaded, eval_cfg, run.ctx, progress=say).to_json()
 
 
-def _training_loop(
-    cfg: FinetuneConfig,
-    ctx: RunContext,
-    args: Any,
-    inputs: _Inputs,
-    model: Any,
-    mask: MaskCallback,
-    state_dir: Path,
-    say: Progress,
-    after_save: Callable[[int], None] | None,
-    stop: StopRequest,
-    point: _RunPoint,
-) -> tuple[Any, CurveCallback, int | None]:
+def _training_loop(run: _Run, inputs: _Inputs, model: Any, mask: MaskCallback) -> tuple[Any, CurveCallback, int | None]:
     """Trainer's loop with the mask held fixed, the perplexity curve every --eval-every steps and the stop
     signals honoured after the step in hand; continued from the last complete checkpoint with --resume
     → (the trainer, the curve callback, the step resumed from or None)."""
@@ -504,6 +488,7 @@ def _training_loop(
 
     from tsenor_cli.evaluation.runner import EvalConfig, evaluate_model
 
+    cfg, ctx, stop, point, say = run.cfg, run.ctx, run.stop, run.point, run.say
     curve_cfg = EvalConfig(ppl_datasets=cfg.ppl_datasets, max_windows=cfg.max_windows)
 
     def ppl_now() -> dict[str, float]:
@@ -515,10 +500,10 @@ def _training_loop(
         return {name: entry.ppl for name, entry in report.perplexity.items()}
 
     wants_eval = bool(cfg.ppl_datasets or cfg.tasks)
-    curve = CurveCallback(ppl_now if wants_eval else None, cfg.eval_every, say, after_save)
+    curve = CurveCallback(ppl_now if wants_eval else None, cfg.eval_every, say, run.after_save)
     common: dict[str, Any] = {
         "model": model,
-        "args": args,
+        "args": run.args,
         "train_dataset": WindowDataset(inputs.text.windows),
         "data_collator": default_data_collator,
         "callbacks": [mask, curve, StopCallback(stop, point, save=cfg.save_every > 0)],
@@ -530,7 +515,7 @@ def _training_loop(
             **common, teacher=inputs.teacher, weight=cfg.distill_weight, temperature=cfg.distill_temperature
         )
     trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout; CurveCallback reports instead
-    checkpoint = last_complete_checkpoint(state_dir, say) if cfg.resume and state_dir.is_dir() else None
+    checkpoint = last_complete_checkpoint(run.state_dir, say) if cfg.resume and run.state_dir.is_dir() else None
     resumed = checkpoint_step(checkpoint) if checkpoint is not None else None
     if resumed is not None:
         say(f"resuming after step {resumed}/{cfg.max_steps} from {checkpoint}")
@@ -538,24 +523,20 @@ def _training_loop(
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
     if stop.requested:  # StopCallback ended training after the step in hand (and saved it)
         point.phase = "stopped"
-        raise point.interrupted(cfg, state_dir, stop.name)
+        raise point.interrupted(cfg, run.state_dir, stop.name)
     return trainer, curve, resumed
 
 
 def _finetune_report(
-    cfg: FinetuneConfig,
-    ctx: RunContext,
-    args: Any,
-    sparsity: RunSparsity,
+    run: _Run,
     inputs: _Inputs,
-    trainer: Any,
-    curve: CurveCallback,
+    trained: tuple[Any, CurveCallback, int | None],
     evaluations: tuple[dict[str, Any] | None, dict[str, Any] | None],
     nonzero: int,
-    resumed: int | None,
-    start: float,
 ) -> FinetuneReport:
-    """finetune.json's content; evaluations: eval.json's objects before and after training (None: not run)."""
+    """finetune.json's content; trained: `_training_loop`'s (trainer, curve, step resumed from); evaluations:
+    eval.json's objects before and after training (None: not run); nonzero: pruned weights found non-zero."""
+    cfg, args, (trainer, curve, resumed) = run.cfg, run.args, trained
     eval_before, eval_after = evaluations
     steps = int(trainer.state.global_step)
     loss, ce, ppl = _curves(
@@ -576,7 +557,7 @@ def _finetune_report(
             "saved_dtype": str(inputs.saved_dtype).removeprefix("torch."),
         },
         run_dir=str(cfg.run_dir),
-        pattern=sparsity.record.summary(),
+        pattern=run.sparsity.record.summary(),
         data=inputs.text.description,
         data_source=inputs.text.source.to_json(),
         windows=inputs.available,
@@ -590,12 +571,12 @@ def _finetune_report(
         eval_before=eval_before,
         eval_after=eval_after,
         pruned_nonzero=nonzero,
-        seconds=time.perf_counter() - start,
+        seconds=time.perf_counter() - run.start,
         seconds_per_step=statistics.median(curve.step_seconds) if curve.step_seconds else 0.0,
         resumed_from_step=resumed,
         output=str(cfg.output),
         command=cfg.command,
-        context=asdict(ContextRecord.of(ctx)),
+        context=asdict(ContextRecord.of(run.ctx)),
         versions=versions(),
     )
 

@@ -52,6 +52,18 @@ PROCESSOR_FILES = (
 
 
 @dataclass(frozen=True)
+class LoadOptions:
+    """How a model is loaded besides its dtype and device, as `load_model`'s keywords of the same names:
+    trust_remote_code (run the checkpoint's own model code), device_map (transformers' placement, "auto"),
+    progress (where the load's lines go), check_tokenizer (refuse a tokenizer whose ids pass the embedding)."""
+
+    trust_remote_code: bool = False
+    device_map: str | None = None
+    progress: Callable[[str], None] | None = None
+    check_tokenizer: bool = False
+
+
+@dataclass(frozen=True)
 class LoadedModel:
     """A causal LM (or a multimodal model around one) in eval mode with its tokenizer and its decoder
     structure; processor_files: {name: content} of the source's `PROCESSOR_FILES`, for the output."""
@@ -432,43 +444,78 @@ def load_model(
     """
     torch_device = resolve_device(device)
     torch_dtype = dtype if dtype is not None else default_dtype(torch_device)
-    source, is_local = resolve_source(name, ctx, progress=progress)
-    hub = {"trust_remote_code": trust_remote_code, "local_files_only": ctx.offline}
-    config = read_config(name, source, is_local, ctx, trust_remote_code=trust_remote_code)
+    src = _open_source(name, ctx, trust_remote_code=trust_remote_code, progress=progress)
+    source, is_local, config = src.path, src.is_local, src.config
     stored = checkpoint_dtype(config)
-    meta = meta_model(config, trust_remote_code=trust_remote_code)
-    discover_structure(meta)
-    if is_local:
-        check_weight_files(Path(source))
-        check_checkpoint(Path(source), meta, name=name)
+    meta = _checked_meta(src)
     checkpoint = _stream_checkpoint(name, source, is_local) if stream else None
     layout = _source_layout(meta, Path(source), checkpoint) if is_local else None
     sink(progress)(f"loading {name} ({config.model_type}, {torch_dtype}) on {torch_device}")
-    tokenizer = _load_tokenizer(name, source, is_local, ctx, hub)
-    if check_tokenizer:
-        check_vocabulary(name, tokenizer, embedding_rows(meta))
-    if before_weights is not None:
-        before_weights(config, tokenizer)
+    tokenizer = _checked_tokenizer(src, meta, check=check_tokenizer, before_weights=before_weights)
     files = processor_files(source, is_local, ctx)
     if checkpoint is not None:
-        streamed = _load_streamed(name, source, config, tokenizer, files, checkpoint, torch_dtype, torch_device, hub)
+        streamed = _load_streamed(src, tokenizer, files, checkpoint, torch_dtype, torch_device)
         if streamed is not None:
             return dataclasses.replace(streamed, source_dtype=stored, layout=layout)
-    model = _load_whole(name, source, is_local, ctx, config, torch_dtype, device_map, hub)
-    if device_map is None:
-        model = model.to(torch_device)
-    model.eval()
-    structure = discover_structure(model)
+    model = _load_whole(src, torch_dtype, device_map, torch_device)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         name=name,
         source=source,
-        structure=structure,
+        structure=discover_structure(model),
         processor_files=files,
         source_dtype=stored,
         layout=layout,
     )
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a load reads from: the name asked for, the folder or hub id it resolved to (`path`), whether that
+    is a local folder, the run's context, its transformers config, and the keywords every from_pretrained
+    call of the load takes (`hub`: trust_remote_code, local_files_only)."""
+
+    name: str
+    path: str
+    is_local: bool
+    ctx: RunContext
+    config: Any
+    hub: dict[str, Any]
+
+
+def _open_source(
+    name: str, ctx: RunContext, *, trust_remote_code: bool, progress: Callable[[str], None] | None
+) -> _Source:
+    """`name` resolved (`resolve_source`) and its config read (`read_config`), each failure one line."""
+    source, is_local = resolve_source(name, ctx, progress=progress)
+    hub = {"trust_remote_code": trust_remote_code, "local_files_only": ctx.offline}
+    config = read_config(name, source, is_local, ctx, trust_remote_code=trust_remote_code)
+    return _Source(name, source, is_local, ctx, config, hub)
+
+
+def _checked_meta(src: _Source) -> Any:
+    """The model of `src`'s config on the meta device, its structure found, and for a local folder its weight
+    files and their conformance to the config checked, before the tokenizer or any weight is read."""
+    meta = meta_model(src.config, trust_remote_code=src.hub["trust_remote_code"])
+    discover_structure(meta)
+    if src.is_local:
+        check_weight_files(Path(src.path))
+        check_checkpoint(Path(src.path), meta, name=src.name)
+    return meta
+
+
+def _checked_tokenizer(
+    src: _Source, meta: Any, *, check: bool, before_weights: Callable[[Any, Any], None] | None
+) -> Any:
+    """The tokenizer of `src`; with `check`, refused when its ids reach past the rows of `meta`'s token
+    embedding (`check_vocabulary`); then `before_weights(config, tokenizer)`, when given."""
+    tokenizer = _load_tokenizer(src.name, src.path, src.is_local, src.ctx, src.hub)
+    if check:
+        check_vocabulary(src.name, tokenizer, embedding_rows(meta))
+    if before_weights is not None:
+        before_weights(src.config, tokenizer)
+    return tokenizer
 
 
 def _load_tokenizer(name: str, source: str, is_local: bool, ctx: RunContext, hub: dict[str, Any]) -> Any:
@@ -486,30 +533,26 @@ def _load_tokenizer(name: str, source: str, is_local: bool, ctx: RunContext, hub
         raise hub_error(name, ctx) from exc
 
 
-def _load_whole(
-    name: str,
-    source: str,
-    is_local: bool,
-    ctx: RunContext,
-    config: Any,
-    dtype: torch.dtype,
-    device_map: str | None,
-    hub: dict[str, Any],
-) -> Any:
-    """The whole model of `source` on the CPU (or placed by `device_map`); a corrupt or missing weight
-    file is one line."""
+def _load_whole(src: _Source, dtype: torch.dtype, device_map: str | None, device: torch.device) -> Any:
+    """The whole model of `src` in eval mode on `device` (or placed by `device_map`); a corrupt or missing
+    weight file is one line."""
+    name, source = src.name, src.path
     placement = {} if device_map is None else {"device_map": device_map}
     try:
-        return auto_class(config).from_pretrained(source, dtype=dtype, **placement, **hub)
+        model = auto_class(src.config).from_pretrained(source, dtype=dtype, **placement, **src.hub)
     except SafetensorError as exc:
         raise BadInputError(f"the weights of {name} are corrupt ({exc}); re-download or re-copy them") from exc
     except OSError as exc:
-        if is_local:
+        if src.is_local:
             raise InputNotFoundError(
                 f"cannot load the checkpoint in {source} ({exc}); "
                 "it needs config.json, *.safetensors and tokenizer files"
             ) from exc
-        raise hub_error(name, ctx) from exc
+        raise hub_error(name, src.ctx) from exc
+    if device_map is None:
+        model = model.to(device)
+    model.eval()
+    return model
 
 
 def _stream_checkpoint(name: str, source: str, is_local: bool) -> Checkpoint | None:
@@ -538,23 +581,21 @@ def _stream_checkpoint(name: str, source: str, is_local: bool) -> Checkpoint | N
 
 
 def _load_streamed(
-    name: str,
-    source: str,
-    config: Any,
+    src: _Source,
     tokenizer: Any,
     files: dict[str, bytes],
     checkpoint: Checkpoint,
     dtype: torch.dtype,
     device: torch.device,
-    hub: dict[str, Any],
 ) -> LoadedModel | None:
-    """The model of `config` with what lies outside its decoder blocks read from `checkpoint` onto `device`
+    """The model of `src.config` with what lies outside its decoder blocks read from `checkpoint` onto `device`
     and its blocks on the meta device (`models/streaming.py`); None, with one warning line, when the
     checkpoint stores its tensors under other names than the model's parameters (transformers renames them
     on load): it cannot be read block by block, so the caller loads it whole."""
     from tsenor_cli.models.streaming import first_missing, load_resident, skeleton
 
-    model = skeleton(auto_class(config), config, dtype, trust_remote_code=hub["trust_remote_code"])
+    name, source, config = src.name, src.path, src.config
+    model = skeleton(auto_class(config), config, dtype, trust_remote_code=src.hub["trust_remote_code"])
     _checkpoint_generation_config(model, Path(source))
     missing = first_missing(model, checkpoint)
     if missing is not None:

@@ -176,6 +176,34 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data
 
 
+def _shard_of(shards: Sequence[Sequence[TensorSpec]]) -> dict[str, tuple[int, TensorSpec]]:
+    """{key: (its shard's number, its spec)}; ValueError for a key listed twice."""
+    where: dict[str, tuple[int, TensorSpec]] = {}
+    for number, shard in enumerate(shards):
+        for spec in shard:
+            if spec.key in where:
+                raise ValueError(f"tensor {spec.key} is listed twice")
+            where[spec.key] = (number, spec)
+    return where
+
+
+def _checked_shard(
+    key: str, tensor: torch.Tensor, where: Mapping[str, tuple[int, TensorSpec]], written: set[str]
+) -> int:
+    """The shard `key` goes to; ValueError for a key not in `where`, one `written` already, or a tensor
+    whose shape or dtype is not its spec's."""
+    if key not in where:
+        raise ValueError(f"tensor {key} is not one the checkpoint holds")
+    if key in written:
+        raise ValueError(f"tensor {key} was given twice")
+    number, spec = where[key]
+    if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+        raise ValueError(
+            f"tensor {key} is {tuple(tensor.shape)} {tensor.dtype}, the checkpoint expects {spec.shape} {spec.dtype}"
+        )
+    return number
+
+
 def write_weights(
     folder: Path,
     specs: Sequence[TensorSpec],
@@ -194,28 +222,14 @@ def write_weights(
     """
     shards = plan_shards(specs, max_shard_size)
     names = shard_names(len(shards))
-    where: dict[str, tuple[int, TensorSpec]] = {}
-    for number, shard in enumerate(shards):
-        for spec in shard:
-            if spec.key in where:
-                raise ValueError(f"tensor {spec.key} is listed twice")
-            where[spec.key] = (number, spec)
+    where = _shard_of(shards)
     left = [len(shard) for shard in shards]
     positions: list[dict[str, int]] = [{} for _ in shards]
     written: set[str] = set()
     handles: dict[int, IO[bytes]] = {}
     try:
         for key, tensor in tensors:
-            if key not in where:
-                raise ValueError(f"tensor {key} is not one the checkpoint holds")
-            if key in written:
-                raise ValueError(f"tensor {key} was given twice")
-            number, spec = where[key]
-            if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
-                raise ValueError(
-                    f"tensor {key} is {tuple(tensor.shape)} {tensor.dtype}, "
-                    f"the checkpoint expects {spec.shape} {spec.dtype}"
-                )
+            number = _checked_shard(key, tensor, where, written)
             if number not in handles:
                 header, positions[number] = shard_header(shards[number], SAFETENSORS_METADATA)
                 handles[number] = (folder / names[number]).open("wb")

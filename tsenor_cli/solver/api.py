@@ -7,7 +7,7 @@ import time
 import torch
 
 from tsenor_cli.solver.bounds import coordinate_upper_bound
-from tsenor_cli.solver.registry import resolve_method
+from tsenor_cli.solver.registry import MethodInfo, resolve_method
 from tsenor_cli.solver.tiling import from_blocks, to_blocks, validate_scores
 from tsenor_cli.solver.types import DualState, SolveResult
 
@@ -39,6 +39,22 @@ def _block_objective(blocks: torch.Tensor, mask: torch.Tensor, chunk_elements: i
     return torch.cat(parts) if parts else blocks.new_zeros(0, dtype=torch.float64)
 
 
+def _method(method: str, scores: torch.Tensor, m: int, options: dict[str, object]) -> MethodInfo:
+    """The method that runs when `method` is asked for on `scores` with M = m; ValueError when it does not
+    handle M or does not take one of `options`."""
+    info = resolve_method(method, scores.device, m, scores.numel())
+    named = repr(method) if info.name == method else f"{method!r} (which runs {info.name!r} here)"
+    if info.max_m is not None and m > info.max_m:
+        raise ValueError(f"method {named} handles M <= {info.max_m}, got M={m}; use method='auto' or 'exact'")
+    unknown = sorted(set(options) - set(info.options))
+    if unknown:
+        raise ValueError(
+            f"option(s) {', '.join(unknown)} do not apply to method {named}; "
+            f"its options: {', '.join(info.options) or 'none'}"
+        )
+    return info
+
+
 def solve(
     scores: torch.Tensor,
     n: int,
@@ -56,16 +72,7 @@ def solve(
     that ran. `options` go to that method and must be among its options.
     """
     validate_scores(scores, n, m)
-    info = resolve_method(method, scores.device, m, scores.numel())
-    named = repr(method) if info.name == method else f"{method!r} (which runs {info.name!r} here)"
-    if info.max_m is not None and m > info.max_m:
-        raise ValueError(f"method {named} handles M <= {info.max_m}, got M={m}; use method='auto' or 'exact'")
-    unknown = sorted(set(options) - set(info.options))
-    if unknown:
-        raise ValueError(
-            f"option(s) {', '.join(unknown)} do not apply to method {named}; "
-            f"its options: {', '.join(info.options) or 'none'}"
-        )
+    info = _method(method, scores, m, options)
     rows, cols = scores.shape
     work_dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
     blocks = to_blocks(scores.to(work_dtype), m)  # (B, M, M)

@@ -17,6 +17,8 @@ start). Measured in docs/design/solver.md; `auto` picks this solver on the CPU.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,40 +57,67 @@ class FlowResult:
     paths: torch.Tensor
 
 
+@dataclass(frozen=True)
+class FlowOptions:
+    """How `exact_flow` starts. rounds: dual coordinate descent rounds before the paths: each costs about 1.5
+    row selections and removes most of the remaining excess from a cold start (v = 0); a warm start from a
+    previous solve's potentials often needs none. retry_excess: a tile whose row selection leaves more than
+    this many entries to move (None: never) runs one more round first: ALPS's scores change too much
+    between iterations for its previous potentials alone (docs/design/solver.md). sweeps: with a previous
+    mask, mask-fixed centring sweeps of the potentials (off the previous solve's tight arcs)."""
+
+    rounds: int = 1
+    retry_excess: int | None = None
+    sweeps: int = 2
+
+    def __post_init__(self) -> None:
+        if self.rounds < 0:
+            raise ValueError(f"rounds must be >= 0, got {self.rounds}")
+        if self.sweeps < 0:
+            raise ValueError(f"sweeps must be >= 0, got {self.sweeps}")
+
+
+@contextmanager
+def _kernel_threads() -> Iterator[None]:
+    """numba's threads set to torch's (at most the machine's), and torch's put back afterwards."""
+    # Imported here: numba's import (~0.5 s) and the first compile (a few seconds per dtype) are paid
+    # by the first solve, not by every start of the CLI.
+    import numba
+
+    most = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # set at import from the machine
+    threads = torch.get_num_threads()
+    numba.set_num_threads(max(1, min(threads, most)))
+    try:
+        yield
+    finally:
+        # The first parallel kernel starts numba's OpenMP pool, which sets the process's OpenMP thread
+        # count, torch's too, to all of the machine's threads. Put torch's back: float results must not
+        # depend on whether a solve ran earlier in the process (a resumed prune would differ from an
+        # uninterrupted one in the blocks it computes before its first solve).
+        torch.set_num_threads(threads)
+
+
 def exact_flow(
     blocks: torch.Tensor,
     n: int,
     col: torch.Tensor | None = None,
-    rounds: int = 1,
-    retry_excess: int | None = None,
     init_mask: torch.Tensor | None = None,
-    sweeps: int = 2,
+    options: FlowOptions | None = None,
 ) -> FlowResult:
     """blocks: (B, M, M) non-negative scores (float32 or float64, any device), col: (B, M) starting
     column potentials in the scores' units or None for zeros, init_mask: (B, M, M) bool a previous
     mask with n per row and column or None → `FlowResult` on the blocks' device.
 
-    Each tile is divided by its max inside the kernel (one temperature-free scale for every layer).
-    `rounds` of dual coordinate descent run before the paths: each costs about 1.5 row selections and
-    removes most of the remaining excess from a cold start (v = 0); a warm start from a previous
-    solve's potentials often needs none. A tile whose row selection leaves more than `retry_excess`
-    entries to move (None: never) runs one more round first: ALPS's scores change too much between
-    iterations for its previous potentials alone (docs/design/solver.md). With `init_mask` (a warm start),
-    `sweeps` of mask-fixed centring move the potentials off the previous solve's tight arcs and every
-    row of the previous mask that still satisfies complementary slackness is kept, so only the tiles
-    and rows that the new scores really changed need paths. Runs on as many threads as torch uses.
+    Each tile is divided by its max inside the kernel (one temperature-free scale for every layer); then
+    `options.rounds` of dual coordinate descent and the paths (`FlowOptions`). With `init_mask` (a warm
+    start), `options.sweeps` of mask-fixed centring move the potentials off the previous solve's tight arcs
+    and every row of the previous mask that still satisfies complementary slackness is kept, so only the
+    tiles and rows that the new scores really changed need paths. Runs on as many threads as torch uses.
     """
-    # Imported here: numba's import (~0.5 s) and the first compile (a few seconds per dtype) are paid
-    # by the first solve, not by every start of the CLI.
-    import numba
-
     from tsenor_cli.solver import _flow_jit
 
+    opts = FlowOptions() if options is None else options
     B, M, _ = blocks.shape
-    if rounds < 0:
-        raise ValueError(f"rounds must be >= 0, got {rounds}")
-    if sweeps < 0:
-        raise ValueError(f"sweeps must be >= 0, got {sweeps}")
     if init_mask is not None and tuple(init_mask.shape) != (B, M, M):
         raise ValueError(f"init_mask has shape {tuple(init_mask.shape)}, expected {(B, M, M)}")
     if blocks.dtype not in (torch.float32, torch.float64):
@@ -102,19 +131,11 @@ def exact_flow(
     else:
         # A copy: the kernel rewrites the mask in place and the caller's previous result stays intact.
         mask = init_mask.detach().to("cpu", torch.bool).numpy().copy()
-    scale = np.empty(B)
-    bound = np.empty(B)
-    paths = np.zeros(B, dtype=np.int64)
-    most = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # set at import from the machine
-    threads = torch.get_num_threads()
-    numba.set_num_threads(max(1, min(threads, most)))
-    retry = B * M * M if retry_excess is None else retry_excess  # above any excess: never
-    _flow_jit.solve_tiles(w, n, u, v, mask, init_mask is not None, rounds, sweeps, retry, scale, bound, paths)
-    # The first parallel kernel starts numba's OpenMP pool, which sets the process's OpenMP thread
-    # count, torch's too, to all of the machine's threads. Put torch's back: float results must not
-    # depend on whether a solve ran earlier in the process (a resumed prune would differ from an
-    # uninterrupted one in the blocks it computes before its first solve).
-    torch.set_num_threads(threads)
+    scale, bound, paths = np.empty(B), np.empty(B), np.zeros(B, dtype=np.int64)
+    retry = B * M * M if opts.retry_excess is None else opts.retry_excess  # above any excess: never
+    warm = init_mask is not None
+    with _kernel_threads():
+        _flow_jit.solve_tiles(w, n, u, v, mask, warm, opts.rounds, opts.sweeps, retry, scale, bound, paths)
     device = blocks.device
     return FlowResult(
         mask=torch.from_numpy(mask).to(device),
@@ -171,9 +192,7 @@ def flow(
         init_mask = init.mask
     rounds = dual_rounds if dual_rounds is not None else (1 if init is None else 0)
     retry = None if init is None else int(RETRY_EXCESS_PER_M * M)
-    res = exact_flow(
-        blocks, n, col=col, rounds=rounds, retry_excess=retry, init_mask=init_mask, sweeps=WARM_CENTRING_SWEEPS
-    )
+    res = exact_flow(blocks, n, col, init_mask, FlowOptions(rounds, retry, WARM_CENTRING_SWEEPS))
     dtype = blocks.dtype if blocks.dtype in (torch.float32, torch.float64) else torch.float32
     return BlockSolution(
         mask=res.mask,

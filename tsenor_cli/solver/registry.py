@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TypeVar
 
 import torch
@@ -34,7 +34,11 @@ class MethodInfo:
 METHODS: dict[str, MethodInfo] = {}
 
 
-def _keyword_options(fn: Callable[..., BlockSolution]) -> tuple[str, ...]:
+def _keyword_options(fn: Callable[..., BlockSolution], record: type | None) -> tuple[str, ...]:
+    """The option names of a method: the fields of its options record (`record`, a dataclass whose fields
+    `fn` takes as keywords), else `fn`'s keyword-only parameters."""
+    if record is not None:
+        return tuple(field.name for field in fields(record))
     params = inspect.signature(fn).parameters.values()
     return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "init")
 
@@ -47,12 +51,16 @@ def register(
     supports_init: bool = False,
     max_m: int | None = None,
     choose: Chooser | None = None,
+    options: type | None = None,
 ) -> Callable[[F], F]:
+    """Register the block solver `fn` under `name`; `options`: the dataclass of its keyword options, for a
+    method that takes them as `**options` (`tsenor.TsenorOptions`)."""
+
     def wrap(fn: F) -> F:
         if name in METHODS:
             raise RuntimeError(f"mask method {name!r} registered twice")
         METHODS[name] = MethodInfo(
-            name, fn, description, exact, supports_init, max_m, options=_keyword_options(fn), choose=choose
+            name, fn, description, exact, supports_init, max_m, options=_keyword_options(fn, options), choose=choose
         )
         return fn
 

@@ -139,6 +139,54 @@ def _set_where(flat: torch.Tensor, pos: torch.Tensor, where: torch.Tensor, value
     flat.scatter_(1, pos[:, None], new)
 
 
+def _check_at_most(mask: torch.Tensor, n: int) -> None:
+    """ValueError when a row or column of mask (B, M, M) holds more than n."""
+    too_many = (mask.sum(dim=2) > n).any(dim=1) | (mask.sum(dim=1) > n).any(dim=1)  # (B,)
+    if bool(too_many.any()):
+        raise ValueError(f"complete_feasibility needs at most n={n} kept per row and column; got more")
+
+
+def _best_additions(
+    square: torch.Tensor, w: torch.Tensor, row_def: torch.Tensor, col_def: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """square, w: (b, M, M), row_def, col_def: (b, M) → ((b,) the flat index of the best unkept entry of a
+    deficit row and deficit column, (b,) whether there is one)."""
+    b, M, _ = square.shape
+    pair_free = row_def[:, :, None] & col_def[:, None, :] & ~square  # (b, M, M)
+    add_best, add_flat = w.masked_fill(~pair_free, float("-inf")).reshape(b, M * M).max(dim=1)  # (b,)
+    return add_flat, add_best > float("-inf")
+
+
+def _swap_first_deficits(
+    sub: torch.Tensor, w: torch.Tensor, row_def: torch.Tensor, col_def: torch.Tensor, sw: torch.Tensor
+) -> torch.Tensor:
+    """In place on sub (b, M²) bool: in each block of sw (k,), the best 3-swap of eq. (localscore) for its
+    first deficit row and column, whatever its gain → (k,) the gains (−inf where no swap existed)."""
+    M = w.shape[1]
+    square = sub.view(-1, M, M)
+    i, j = _first_true(row_def[sw]), _first_true(col_def[sw])  # (k,)
+    gain, ip, jp = _best_swap(square[sw], w[sw], i, j)
+    # The swap's three entries are distinct (i' != i, j' != j by eq. (localscore)'s validity).
+    sub[sw, ip * M + jp] = False
+    sub[sw, i * M + jp] = True
+    sub[sw, ip * M + j] = True
+    return gain
+
+
+def _check_swapped(failed: bool) -> None:
+    """RuntimeError when a block needed a swap and had none (impossible while the mask holds at most n)."""
+    if failed:
+        raise RuntimeError("complete_feasibility found no valid swap; the mask invariant is broken")
+
+
+def _write_back(
+    targets: tuple[torch.Tensor, torch.Tensor], active: torch.Tensor, values: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    """targets[k][active] = values[k]: the working blocks' masks and forced flags into the whole batch's."""
+    for target, value in zip(targets, values, strict=True):
+        target[active] = value
+
+
 def complete_feasibility(mask: torch.Tensor, weights: torch.Tensor, n: int) -> Completion:
     """mask: (B, M, M) bool with at most n per row and column, weights: (B, M, M) non-negative →
     `Completion` whose mask (B, M, M) has exactly n per row and column.
@@ -159,12 +207,9 @@ def complete_feasibility(mask: torch.Tensor, weights: torch.Tensor, n: int) -> C
     so every block's steps, and the mask, are those of one block completed alone.
     """
     B, M, _ = mask.shape
-    too_many = (mask.sum(dim=2) > n).any(dim=1) | (mask.sum(dim=1) > n).any(dim=1)  # (B,)
-    if bool(too_many.any()):
-        raise ValueError(f"complete_feasibility needs at most n={n} kept per row and column; got more")
+    _check_at_most(mask, n)
     mask = mask.clone()
-    forced = torch.zeros(B, dtype=torch.bool, device=mask.device)
-    steps = 0
+    forced, steps = torch.zeros(B, dtype=torch.bool, device=mask.device), 0
     # Work only on the blocks that still have deficits (usually a small share after greedy).
     row_def, _ = _deficits(mask, n)
     active = row_def.any(dim=1).nonzero().squeeze(1)  # (b,); row and column deficits have equal totals
@@ -177,39 +222,28 @@ def complete_feasibility(mask: torch.Tensor, weights: torch.Tensor, n: int) -> C
         square = sub.view(b, M, M)
         row_def, col_def = _deficits(square, n)
         live = row_def.any(dim=1)  # (b,)
-        pair_free = row_def[:, :, None] & col_def[:, None, :] & ~square  # (b, M, M)
-        add_best, add_flat = w.masked_fill(~pair_free, float("-inf")).reshape(b, M * M).max(dim=1)  # (b,)
-        do_add = add_best > float("-inf")
+        add_flat, do_add = _best_additions(square, w, row_def, col_def)
         do_swap = live & ~do_add
         # The step's one device read (a second only in steps where some block needs a swap).
         live_count, swap_count, failed = torch.stack([live.sum(), do_swap.sum(), broken.long()]).tolist()
-        if failed:
-            raise RuntimeError("complete_feasibility found no valid swap; the mask invariant is broken")
+        _check_swapped(failed)
         if live_count == 0:
-            mask[active] = square
-            forced[active] = sub_forced
+            _write_back((mask, forced), active, (square, sub_forced))
             break
         steps += 1
         _set_where(sub, add_flat, do_add, True)
         if swap_count:
             # The (k, M, M) swap search runs only on the k blocks that need a swap.
             sw = do_swap.nonzero().squeeze(1)  # (k,)
-            i, j = _first_true(row_def[sw]), _first_true(col_def[sw])  # (k,)
-            gain, ip, jp = _best_swap(square[sw], w[sw], i, j)
+            gain = _swap_first_deficits(sub, w, row_def, col_def, sw)
             broken = broken | (gain == float("-inf")).any()
             sub_forced[sw] |= gain <= 0
-            # The swap's three entries are distinct (i' != i, j' != j by eq. (localscore)'s validity).
-            sub[sw, ip * M + jp] = False
-            sub[sw, i * M + jp] = True
-            sub[sw, ip * M + j] = True
         if live_count < b and (2 * live_count <= b or not sub.is_cuda):
             # Compact: write the finished blocks back and keep the rest. On CUDA a sync, so only once
             # half the batch is done (at most log2(B) times); on the CPU, where ops cost their data,
             # at every step.
             still = (sub.view(b, M, M).sum(dim=2) < n).any(dim=1).nonzero().squeeze(1)  # (b',) one read
-            mask[active] = sub.view(b, M, M)
-            forced[active] = sub_forced
+            _write_back((mask, forced), active, (sub.view(b, M, M), sub_forced))
             active, sub, w, sub_forced = active[still], sub[still], w[still], sub_forced[still]
-    if bool(broken):
-        raise RuntimeError("complete_feasibility found no valid swap; the mask invariant is broken")
+    _check_swapped(bool(broken))
     return Completion(mask=mask, forced_blocks=int(forced.sum()), steps=steps)

@@ -24,6 +24,7 @@ from types import ModuleType
 import torch
 
 from tsenor_cli import settings
+from tsenor_cli.solver.types import SinkhornSchedule
 
 
 def available() -> bool:
@@ -61,14 +62,7 @@ def maxplus_fused(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def capped_sinkhorn_fused(
-    w: torch.Tensor,
-    n: int,
-    taus: list[float],
-    iterations: int,
-    tol: float,
-    u: torch.Tensor,
-    v: torch.Tensor,
-    absorb_every: int = 10,
+    w: torch.Tensor, n: int, schedule: SinkhornSchedule, u: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Same contract as `tsenor.capped_sinkhorn`: w (B, M, M) float32, u, v (B, M) → (u, v, most iterations)."""
     B, M, _ = w.shape
@@ -77,8 +71,9 @@ def capped_sinkhorn_fused(
     kernel = _jit().sinkhorn_kernel
     u = u.to(torch.float32).contiguous().clone()
     v = v.to(torch.float32).contiguous().clone()
-    taus_t = torch.tensor(taus, dtype=torch.float32, device=w.device)
+    taus_t = torch.tensor(schedule.taus, dtype=torch.float32, device=w.device)
     ran = torch.zeros(B, dtype=torch.int32, device=w.device)
+    iterations, absorb_every = schedule.iterations, schedule.absorb_every
     if B > 0:
         kernel[(B,)](
             w.contiguous(),
@@ -87,9 +82,9 @@ def capped_sinkhorn_fused(
             taus_t,
             ran,
             float(n),
-            float(tol * n),
+            float(schedule.tol * n),
             M=M,
-            TAUS=len(taus),
+            TAUS=len(schedule.taus),
             PERIODS=-(-iterations // absorb_every),
             ABSORB=absorb_every,
             LAST=iterations - absorb_every * (-(-iterations // absorb_every) - 1),

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -42,7 +42,7 @@ from tsenor_cli.solver.bounds import coordinate_upper_bound, dual_upper_bound
 from tsenor_cli.solver.registry import register
 from tsenor_cli.solver.rounding import complete_feasibility, greedy_select
 from tsenor_cli.solver.slices import blocks_per_slice, in_slices
-from tsenor_cli.solver.types import BlockSolution, DualState
+from tsenor_cli.solver.types import BlockSolution, DualState, SinkhornSchedule
 
 # Exponents are clipped to this range: above it exp overflows fp32, below it entries are
 # negligible (e^-60 ≈ 1e-26 of a kept entry) and would otherwise become slow denormals.
@@ -72,64 +72,69 @@ def _block_scale(blocks: torch.Tensor) -> torch.Tensor:
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
+def _scale(k: torch.Tensor, s: torch.Tensor, p: torch.Tensor, q: torch.Tensor, n: int, steps: int) -> float:
+    """`steps` clipped matrix scalings of k (b, M, M) = exp(τ·reduced cost): p, q (b, M), the row and column
+    scalings, updated in place; s (b, M, M), scratch → the largest row-marginal violation of the last step."""
+    one = s.new_ones(())
+    violation = float("inf")
+    for step in range(steps):
+        # S = min(K ⊙ p qᵀ, 1): the capacity projection (C3) of the previous iterate.
+        torch.mul(k, p[:, :, None], out=s)
+        s.mul_(q[:, None, :]).clamp_(max=one)
+        row_sum = s.sum(dim=2)  # (b, M)
+        if step == steps - 1:
+            # Only the period's last violation decides the early stop; reading it is a
+            # device sync on CUDA, so it is not read on the other steps.
+            violation = float((row_sum - n).abs().amax())
+        row_fac = n / row_sum  # row projection (C1)
+        # Σ_i S_ij·row_fac_i as a scaled reduction: batched (1×M)@(M×M) matmuls are slow.
+        col_sum = s.mul_(row_fac[:, :, None]).sum(dim=1)  # (b, M)
+        p.mul_(row_fac)
+        q.mul_(n / col_sum)  # column projection (C2)
+    return violation
+
+
 def capped_sinkhorn(
     w: torch.Tensor,
     n: int,
-    taus: list[float],
-    iterations: int,
-    tol: float,
+    schedule: SinkhornSchedule,
     u: torch.Tensor,
     v: torch.Tensor,
-    absorb_every: int = 10,
     chunk_elements: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Algorithm 1 (Dykstra for entropic OT with capacities) in potential form, ε-scaled.
 
     w: (B, M, M) normalized scores in [0, 1]; u, v: (B, M) initial potentials →
     (u, v) (B, M) final potentials and the largest number of iterations any chunk ran.
-    `iterations` is the budget per temperature in `taus`; a chunk of blocks leaves a temperature
-    early once max_i |Σ_j S_ij − n| ≤ tol·n in all its blocks. Chunks of about `chunk_elements`
+    `schedule.iterations` is the budget per temperature in `schedule.taus`; a chunk of blocks leaves a
+    temperature early once max_i |Σ_j S_ij − n| ≤ tol·n in all its blocks. Chunks of about `chunk_elements`
     scores run all their iterations while their data is in cache; much smaller chunks would be
     dominated by per-call overhead, much larger ones by memory traffic (default: by device).
     """
     B, M, _ = w.shape
     chunk = max(1, (chunk_elements or _chunks(w.device).sinkhorn) // (M * M))
+    iterations = schedule.iterations
     u = u.clone()
     v = v.clone()
-    one = w.new_ones(())
     most = 0
     for start in range(0, B, chunk):
         wc = w[start : start + chunk]  # (b, M, M)
         uc, vc = u[start : start + chunk], v[start : start + chunk]  # (b, M) views, updated in place
         s = torch.empty_like(wc)
         ran = 0
-        for tau in taus:
+        for tau in schedule.taus:
             done = 0
             while done < iterations:
                 k = torch.sub(wc, uc[:, :, None]).sub_(vc[:, None, :]).mul_(tau)  # (b, M, M) τ·reduced cost
                 k.clamp_(_EXP_MIN, _EXP_MAX).exp_()
                 p = uc.new_ones(uc.shape)  # row scalings, absorbed into u below
                 q = vc.new_ones(vc.shape)  # column scalings, absorbed into v below
-                steps = min(absorb_every, iterations - done)
-                violation = float("inf")
-                for step in range(steps):
-                    # S = min(K ⊙ p qᵀ, 1): the capacity projection (C3) of the previous iterate.
-                    torch.mul(k, p[:, :, None], out=s)
-                    s.mul_(q[:, None, :]).clamp_(max=one)
-                    row_sum = s.sum(dim=2)  # (b, M)
-                    if step == steps - 1:
-                        # Only the period's last violation decides the early stop; reading it is a
-                        # device sync on CUDA, so it is not read on the other steps.
-                        violation = float((row_sum - n).abs().amax())
-                    row_fac = n / row_sum  # row projection (C1)
-                    # Σ_i S_ij·row_fac_i as a scaled reduction: batched (1×M)@(M×M) matmuls are slow.
-                    col_sum = s.mul_(row_fac[:, :, None]).sum(dim=1)  # (b, M)
-                    p.mul_(row_fac)
-                    q.mul_(n / col_sum)  # column projection (C2)
+                steps = min(schedule.absorb_every, iterations - done)
+                violation = _scale(k, s, p, q, n, steps)
                 done += steps
                 uc.sub_(torch.log(p) / tau)
                 vc.sub_(torch.log(q) / tau)
-                if violation <= tol * n:
+                if violation <= schedule.tol * n:
                     break
             ran += done
         most = max(most, ran)
@@ -313,23 +318,16 @@ Sinkhorn = Literal["auto", "torch", "triton"]
 
 
 def _sinkhorn(
-    backend: Sinkhorn,
-    w: torch.Tensor,
-    n: int,
-    taus: list[float],
-    iterations: int,
-    tol: float,
-    u: torch.Tensor,
-    v: torch.Tensor,
+    backend: Sinkhorn, w: torch.Tensor, n: int, schedule: SinkhornSchedule, u: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Dispatch `capped_sinkhorn`: "auto" takes the fused Triton kernel for float32 tiles on CUDA
     when Triton is installed (it ships with CUDA builds of torch) and the torch loop otherwise."""
     if backend == "auto":
         backend = "triton" if w.is_cuda and triton_kernels.supports(w) else "torch"
     if backend == "torch":
-        return capped_sinkhorn(w, n, taus, iterations, tol, u, v)
+        return capped_sinkhorn(w, n, schedule, u, v)
     if backend == "triton":
-        return triton_kernels.capped_sinkhorn_fused(w, n, taus, iterations, tol, u, v)
+        return triton_kernels.capped_sinkhorn_fused(w, n, schedule, u, v)
     raise ValueError(f"unknown sinkhorn backend {backend!r}; choose 'auto', 'torch' or 'triton'")
 
 
@@ -377,17 +375,48 @@ def _check_choices(rounding: str | None, bound: str | None, sinkhorn: str | None
         raise ValueError(f"unknown sinkhorn backend {sinkhorn!r}; choose 'auto', 'torch' or 'triton'")
 
 
+@dataclass(frozen=True)
+class TsenorOptions:
+    """The options of `tsenor` (defaults chosen by measurement on SmolLM2 tiles, see docs/design/solver.md).
+
+    tau: the final inverse temperature on max-normalized scores; stages: ε-scaling stages ending at `tau`;
+    iterations: the Sinkhorn budget per stage; tol: the row-marginal tolerance for early stop; rounding: see
+    `_round` ("auto": greedy from 1024 blocks up on CPU, else rowcol); sweeps: the cycle-cancelling budget
+    (0 disables it); bound: "coordinate" tightens the certified bound by a round of dual coordinate descent,
+    "potentials" evaluates it at the Sinkhorn potentials only (looser, but one pass: for inner loops such as
+    ALPS's, whose intermediate masks need no tight certificate); sinkhorn: "triton" for the fused kernel of
+    solver/triton_kernels.py, "torch" for the loop here, "auto" for the kernel on CUDA when Triton is
+    installed; max_elements: scores per independent sub-solve (bounds every temporary; None: by device).
+    """
+
+    tau: float = 200.0
+    stages: int = 4
+    iterations: int = 25
+    tol: float = 1e-3
+    rounding: Rounding = "auto"
+    sweeps: int = 30
+    bound: Bound = "coordinate"
+    sinkhorn: Sinkhorn = "auto"
+    max_elements: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_choices(self.rounding, self.bound, self.sinkhorn)
+
+
 def _start(
-    w: torch.Tensor, scale: torch.Tensor, n: int, tau: float, stages: int | None, init: DualState | None
-) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+    w: torch.Tensor, scale: torch.Tensor, n: int, options: TsenorOptions, init: DualState | None
+) -> tuple[torch.Tensor, torch.Tensor, SinkhornSchedule]:
     """w: (B, M, M) normalized blocks, scale: (B,) their maxima → (u0, v0) (B, M) initial potentials and
-    the temperatures to run: the final one only from `init` (its potentials rescaled to these units),
+    the schedule to run: the final temperature only from `init` (its potentials rescaled to these units),
     else the ε-scaling schedule from the row-wise top-n threshold, a dual point close to the answer."""
+    tau = options.tau
     if init is not None:
         ratio = (init.scale.to(w) / scale)[:, None]  # (B, 1): old units → new units
-        return init.row.to(w) * ratio, init.col.to(w) * ratio, [tau]
-    u0 = w.topk(n, dim=2).values[:, :, n - 1] - 0.5 / tau
-    return u0, w.new_zeros(w.shape[:2]), _tau_schedule(tau, 4 if stages is None else stages)
+        u0, v0, taus = init.row.to(w) * ratio, init.col.to(w) * ratio, [tau]
+    else:
+        u0 = w.topk(n, dim=2).values[:, :, n - 1] - 0.5 / tau
+        v0, taus = w.new_zeros(w.shape[:2]), _tau_schedule(tau, options.stages)
+    return u0, v0, SinkhornSchedule(tuple(taus), options.iterations, options.tol)
 
 
 @register(
@@ -395,79 +424,39 @@ def _start(
     "the paper's TSENOR: ε-scaled entropic OT with capacities (Alg. 1) + greedy rounding + feasibility completion "
     "+ cycle cancelling + certified bound; Triton kernels on CUDA",
     supports_init=True,
+    options=TsenorOptions,
 )
-def tsenor(
-    blocks: torch.Tensor,
-    n: int,
-    *,
-    init: DualState | None = None,
-    tau: float | None = None,
-    stages: int | None = None,
-    iterations: int | None = None,
-    tol: float | None = None,
-    rounding: Rounding | None = None,
-    sweeps: int | None = None,
-    bound: Bound | None = None,
-    sinkhorn: Sinkhorn | None = None,
-    max_elements: int | None = None,
-) -> BlockSolution:
+def tsenor(blocks: torch.Tensor, n: int, *, init: DualState | None = None, **options: Any) -> BlockSolution:
     """blocks: (B, M, M) non-negative → mask (B, M, M) bool, exactly n per row and column.
 
-    Options (defaults chosen by measurement on SmolLM2 tiles, see docs/design/solver.md): `tau`, the final
-    inverse temperature on max-normalized scores; `stages`, ε-scaling stages ending at `tau`;
-    `iterations`, the Sinkhorn budget per stage; `tol`, the row-marginal tolerance for early stop;
-    `rounding`, see `_round` ("auto": greedy from 1024 blocks up on CPU, else rowcol); `sweeps`, the
-    cycle-cancelling budget (0 disables it); `bound`, "coordinate" tightens the certified bound by a
-    round of dual coordinate descent, "potentials" evaluates it at the Sinkhorn potentials only
-    (looser, but one pass: for inner loops such as ALPS's, whose intermediate masks need no tight
-    certificate); `sinkhorn`, "triton" for the fused kernel of solver/triton_kernels.py, "torch"
-    for the loop here, "auto" for the kernel on CUDA when Triton is installed; `max_elements`, scores
-    per independent sub-solve (bounds every temporary; default by device).
+    `options`: the fields of `TsenorOptions` by name (None: the field's default).
     With `init` (the state of an earlier solve on similar scores) only the final stage runs, and
     the cycle search starts from the earlier mask instead of a fresh rounding.
     """
-    _check_choices(rounding, bound, sinkhorn)
+    return solve_blocks(blocks, n, TsenorOptions(**{k: v for k, v in options.items() if v is not None}), init)
+
+
+def solve_blocks(blocks: torch.Tensor, n: int, options: TsenorOptions, init: DualState | None) -> BlockSolution:
+    """`tsenor` with its options as one record: blocks (B, M, M) → `BlockSolution`."""
     B, M, _ = blocks.shape
-    per_slice = blocks_per_slice(max_elements, _chunks(blocks.device).slice, M)
+    per_slice = blocks_per_slice(options.max_elements, _chunks(blocks.device).slice, M)
     if per_slice < B:
         # Blocks are independent: solving them in slices bounds the temporaries (index tensors of the
         # greedy pass, reduced costs, row graphs) to a fixed size instead of a multiple of the matrix.
-        return in_slices(
-            lambda part, state: tsenor(
-                part,
-                n,
-                init=state,
-                tau=tau,
-                stages=stages,
-                iterations=iterations,
-                tol=tol,
-                rounding=rounding,
-                sweeps=sweeps,
-                bound=bound,
-                sinkhorn=sinkhorn,
-                max_elements=max_elements,
-            ),
-            blocks,
-            init,
-            per_slice,
-        )
+        return in_slices(lambda part, state: solve_blocks(part, n, options, state), blocks, init, per_slice)
     work = blocks if blocks.dtype in (torch.float32, torch.float64) else blocks.float()
     scale = _block_scale(work)  # (B,)
     w = work / scale[:, None, None]  # (B, M, M) in [0, 1]
-    tau = 200.0 if tau is None else tau
-    iterations = 25 if iterations is None else iterations
-    tol = 1e-3 if tol is None else tol
-    sweeps = 30 if sweeps is None else sweeps
-    u0, v0, taus = _start(w, scale, n, tau, stages, init)
-    u, v, its = _sinkhorn(sinkhorn or "auto", w, n, taus, iterations, tol, u0, v0)
+    u0, v0, schedule = _start(w, scale, n, options, init)
+    u, v, its = _sinkhorn(options.sinkhorn, w, n, schedule, u0, v0)
 
     if init is not None and init.mask is not None:
         mask = init.mask.to(blocks.device)
     else:
-        mask = _round(w - u[:, :, None] - v[:, None, :], w, n, rounding or "auto")
-    if sweeps > 0:
-        mask, _ = cycle_search(mask, w, sweeps)
-    upper = _bound(w, u, v, n, bound or "coordinate") * scale.double()  # (B,)
+        mask = _round(w - u[:, :, None] - v[:, None, :], w, n, options.rounding)
+    if options.sweeps > 0:
+        mask, _ = cycle_search(mask, w, options.sweeps)
+    upper = _bound(w, u, v, n, options.bound) * scale.double()  # (B,)
     return BlockSolution(
         mask=mask,
         upper_bound=upper if bool(torch.isfinite(upper).all()) else None,

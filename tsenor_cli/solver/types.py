@@ -40,6 +40,21 @@ class BlockSolution:
     iterations: int = 0
 
 
+@dataclass(frozen=True)
+class SinkhornSchedule:
+    """The budget of an ε-scaled capped Sinkhorn (`tsenor.capped_sinkhorn` and its fused kernel).
+
+    taus: the inverse temperatures, in order; iterations: the budget at each one (a tile leaves a
+    temperature early once max_i |Σ_j S_ij − n| ≤ tol·n); absorb_every: iterations between two absorptions
+    of the scalings into the potentials (so nothing overflows), and between two reads of the violation.
+    """
+
+    taus: tuple[float, ...]
+    iterations: int
+    tol: float
+    absorb_every: int = 10
+
+
 class BlockSolver(Protocol):
     """blocks: (B, M, M) non-negative float → `BlockSolution`; `init` is a previous state or None."""
 

@@ -390,18 +390,25 @@ class SweepResult:
             )
 
 
+@dataclass(frozen=True)
+class SlurmLaunch:
+    """A sweep sent to SLURM: the job array's sbatch options, and whether `run_sweep` waits for the array."""
+
+    options: SlurmOptions
+    wait: bool = False
+
+
 def run_sweep(
     spec: SweepSpec,
     sweep_file: Path,
     output: Path,
     ctx: RunContext,
     *,
-    slurm: SlurmOptions | None,
-    wait: bool,
+    slurm: SlurmLaunch | None,
     echo: Callable[[str], None],
 ) -> SweepResult:
     """Run every launchable point of the sweep in the folder `output`: locally one after another (`slurm`
-    None), or as one SLURM job array (waiting for it with `wait`).
+    None), or as one SLURM job array (waiting for it with `slurm.wait`).
 
     Prints the summary first, prepares the run directories (recipe.yaml), records the sweep file
     (sweep.yaml), and undoes the preparation when sbatch refuses the array.
@@ -429,12 +436,12 @@ def run_sweep(
             )
     else:
         try:
-            submit_slurm(todo, directory, slurm, echo)
+            submit_slurm(todo, directory, slurm.options, echo)
         except UsageError:
             undo_prepare(directory, created, fresh=fresh, had_submitit=had_submitit)
             raise
         record_sweep(sweep_file, directory)
-        if not wait:
+        if not slurm.wait:
             echo(f"follow it with: tsenor sweep status {output}")
             return SweepResult(None)
         views = wait_for(directory, [p.spec.name for p in todo], echo, slurm_queue)

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
@@ -192,13 +193,8 @@ def mark_interrupted(job: RunJob, reason: str, step: str | None) -> None:
     _set_status(job, state="pending", note=f"interrupted by {reason}{during}; {_what_is_kept(step)}")
 
 
-def run_job(job: RunJob, *, job_id: str | None = None, watch: ChildWatch | None = None) -> str:
-    """Prune (resumable) and evaluate one run → "done" or "failed" (the error is in status.json).
-
-    A pruned checkpoint that is complete is not pruned again (interrupted during eval). Raises
-    `RunInterrupted` when a signal stopped it. job_id: the SLURM job, None when run locally.
-    """
-    watch = watch or ChildWatch()
+def _start_attempt(job: RunJob, job_id: str | None) -> None:
+    """status.json says the run is running this attempt (one more than the last), and its log says so too."""
     previous = read_status(job.run_dir)
     status = RunStatus(
         state="running",
@@ -213,6 +209,10 @@ def run_job(job: RunJob, *, job_id: str | None = None, watch: ChildWatch | None 
         when = time.strftime("%Y-%m-%d %H:%M:%S")
         log.write(f"=== {job.name}: attempt {status.attempt}{f' (job {job_id})' if job_id else ''}, {when}\n")
 
+
+def _on_sigterm(watch: ChildWatch, job_id: str | None) -> Callable[[int, FrameType | None], None]:
+    """The SIGTERM handler of a run: the stop is recorded in `watch`, and passed on to a local subprocess."""
+
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         watch.stopped_by = "SIGTERM"
         # Under SLURM the subprocess gets the same SIGTERM from slurmstepd; a second one could turn a
@@ -220,16 +220,33 @@ def run_job(job: RunJob, *, job_id: str | None = None, watch: ChildWatch | None 
         if job_id is None and watch.proc is not None and watch.proc.returncode is None:
             watch.proc.send_signal(signal.SIGTERM)
 
+    return on_sigterm
+
+
+def _steps(job: RunJob) -> list[tuple[str, list[str]]]:
+    """(step, command) of what the run has left: the prune unless its checkpoint is complete (or the run is
+    dense), then the evaluation."""
+    steps: list[tuple[str, list[str]]] = []
+    if not job.dense and not (job.run_dir / MODEL_DIR / PRUNE_REPORTS[0]).is_file():
+        steps.append(("prune", job.prune_command()))
+    steps.append(("eval", job.eval_command()))
+    return steps
+
+
+def run_job(job: RunJob, *, job_id: str | None = None, watch: ChildWatch | None = None) -> str:
+    """Prune (resumable) and evaluate one run → "done" or "failed" (the error is in status.json).
+
+    A pruned checkpoint that is complete is not pruned again (interrupted during eval). Raises
+    `RunInterrupted` when a signal stopped it. job_id: the SLURM job, None when run locally.
+    """
+    watch = watch or ChildWatch()
+    _start_attempt(job, job_id)
     in_main = threading.current_thread() is threading.main_thread()
-    before = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
+    before = signal.signal(signal.SIGTERM, _on_sigterm(watch, job_id)) if in_main else None
     step: str | None = None
     try:
-        steps: list[tuple[str, list[str]]] = []
         model_dir = job.run_dir / MODEL_DIR
-        if not job.dense and not (model_dir / PRUNE_REPORTS[0]).is_file():
-            steps.append(("prune", job.prune_command()))
-        steps.append(("eval", job.eval_command()))
-        for step, cmd in steps:
+        for step, cmd in _steps(job):
             if watch.stopped_by is not None:
                 break
             _set_status(job, step=step)
