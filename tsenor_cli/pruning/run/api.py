@@ -37,7 +37,7 @@ from tsenor_cli.pruning.run.output import (
     output_path,
     output_run,
 )
-from tsenor_cli.pruning.run.resume import ResumeStore
+from tsenor_cli.runfiles.resume import ResumeStore
 from tsenor_cli.pruning.run.run import RunPoint, RunSetup, execute
 from tsenor_cli.pruning.run.seams import BlockHook, Sink
 from tsenor_cli.pruning.settings.config import PruneConfig
@@ -124,7 +124,7 @@ def prune_model(
     checkpoint and resume state). Then, under the output's lock until the checkpoint is in place: a killed
     run's leftovers are recovered, the folder's contents checked (`prepare_output`), and with `cfg.resume`
     an interrupted run of the same settings continued; its state is saved after every block
-    (pruning/run/resume.py) and goes away with the final swap.
+    (runfiles/resume.py) and goes away with the final swap.
 
     stop: polled before each block; once set (SIGTERM/SIGUSR1/SIGUSR2, tsenor_cli.interrupt) the run
     raises `Interrupted` (exit 75) with its resume state saved; Ctrl-C is `Interrupted` (exit 130).

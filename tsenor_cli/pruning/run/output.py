@@ -36,7 +36,7 @@ from tsenor_cli.outputs import check_output_location, check_room, free_bytes, hu
 from tsenor_cli.packed.files import record_patterns
 from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.run.card import card_text
-from tsenor_cli.pruning.run.resume import ResumeStore
+from tsenor_cli.runfiles.resume import ResumeStore
 from tsenor_cli.pruning.settings.table import FIELDS
 from tsenor_cli.report.markdown import prune_markdown
 from tsenor_cli.runfiles import (

@@ -39,7 +39,7 @@ from tsenor_cli.pruning.methods.types import LayerRecord
 from tsenor_cli.pruning.plan.plan import PrunePlan
 from tsenor_cli.pruning.run.hooks import ResumeHook, ResumeRecord
 from tsenor_cli.pruning.run.output import interruption, sparsity_record
-from tsenor_cli.pruning.run.resume import ResumeStore
+from tsenor_cli.runfiles.resume import ResumeStore
 from tsenor_cli.pruning.run.seams import BlockContext, BlockHook, RunStart, Sink, SinkBlock
 from tsenor_cli.pruning.run.sinks import FileTensors, Sinks, block_records, block_tensors
 from tsenor_cli.pruning.run.steps import (
