@@ -33,8 +33,8 @@ from tsenor_cli.interrupt import StopRequest, stop_on_signals
 from tsenor_cli.locks import lock_path
 from tsenor_cli.pruning.methods.types import LayerRecord
 from tsenor_cli.pruning.run.api import prune_model
-from tsenor_cli.runfiles.resume import BlockSave, ResumeStore, StateKey
 from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, RESUME_DIR, RESUME_STATE_FILE, DataSource, block_file
+from tsenor_cli.runfiles.resume import BlockSave, ResumeStore, StateKey
 from tsenor_cli.settings import RunContext
 
 REPO = Path(__file__).resolve().parents[1]
