@@ -22,7 +22,7 @@ state.json that cannot be read or names a missing file, or one of another size o
 one line (`ResumeStateError`), never a traceback.
 
 The state belongs to one run's settings and one input: its key (`PruneConfig.result_hash`) takes the
-input checkpoint's identity (`checkpoint_identity`), so a checkpoint replaced at the same path between
+input checkpoint's identity (`models/identity.checkpoint_identity`), so a checkpoint replaced at the same path between
 a kill and the rerun is another run, never continued with blocks pruned from the old weights.
 """
 
