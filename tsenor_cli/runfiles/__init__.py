@@ -1,8 +1,13 @@
-"""The run folder and the sweep folder, defined once: every file name and every file's schema.
+"""The run folder and the sweep folder, defined once: every file name, every file's schema, and the only
+code that writes into either (tests/test_run_folder_writes.py).
 
 `runfiles.run` is the run folder (a prune's or finetune's --output: the checkpoint, its sparsity record,
-the reports, the resume state), `runfiles.sweep` the sweep folder (status and submission of each run),
-`runfiles.schema` what both share (field checking, data sources). Everything is imported from here.
+the reports, the resume state), `runfiles.sweep` the sweep folder (status and submission of each run, and
+its writers), `runfiles.schema` what both share (field checking, data sources); their names are imported
+from here. The writers that need more are imported from their modules, so that reading a report loads
+neither torch nor the folder's lock: `runfiles.write` (the checkpoint folder, eval.json, the model card),
+`runfiles.resume` (the prune resume state; torch) and `runfiles.output` (the output folder's life: its
+checks, lock, recovery and the interruption line).
 """
 
 from tsenor_cli.runfiles.run import (
