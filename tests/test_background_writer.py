@@ -30,9 +30,9 @@ from tsenor_cli.errors import Interrupted, OutputUnwritableError
 from tsenor_cli.interrupt import stop_on_signals
 from tsenor_cli.pruning.run import run
 from tsenor_cli.pruning.run.api import prune_model
-from tsenor_cli.pruning.run.resume import ResumeStore
 from tsenor_cli.pruning.settings.config import RefineConfig
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE
+from tsenor_cli.runfiles.resume import ResumeStore
 from tsenor_cli.settings import RunContext
 
 REPO = Path(__file__).resolve().parents[1]

@@ -145,9 +145,9 @@ def test_gpu_check_with_a_python_without_torch_is_one_line(tmp_path: Path) -> No
 
 
 def test_prune_and_the_others_share_one_check() -> None:
-    """One implementation: prune's names are the shared module's own objects, not copies."""
+    """One implementation: the run folder's names are the shared module's own objects, not copies."""
     from tsenor_cli import outputs
-    from tsenor_cli.pruning.run import output
+    from tsenor_cli.runfiles import output, write
 
     assert output.check_output_location is outputs.check_output_location
-    assert output.free_bytes is outputs.free_bytes and output.human_bytes is outputs.human_bytes
+    assert write.free_bytes is outputs.free_bytes and output.human_bytes is outputs.human_bytes

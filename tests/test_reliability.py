@@ -20,13 +20,13 @@ from safetensors.torch import load_file, save_file
 
 from tsenor_cli.cli import DEBUG_HINT, main
 from tsenor_cli.errors import BadInputError, UsageError
+from tsenor_cli.outputs import human_bytes
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.block.finite import first_non_finite
 from tsenor_cli.pruning.block.memory import check_fits
 from tsenor_cli.pruning.methods.stats import reconstruction_error
 from tsenor_cli.pruning.methods.types import LayerPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
-from tsenor_cli.pruning.run.output import human_bytes
 from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.settings import RunContext
 

@@ -33,8 +33,8 @@ from tsenor_cli.interrupt import StopRequest, stop_on_signals
 from tsenor_cli.locks import lock_path
 from tsenor_cli.pruning.methods.types import LayerRecord
 from tsenor_cli.pruning.run.api import prune_model
-from tsenor_cli.pruning.run.resume import ResumeStore
 from tsenor_cli.runfiles import PRUNE_FILE, PRUNE_MARKDOWN, RESUME_DIR, RESUME_STATE_FILE, DataSource, block_file
+from tsenor_cli.runfiles.resume import BlockSave, ResumeStore, StateKey
 from tsenor_cli.settings import RunContext
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,17 +86,8 @@ def _source() -> DataSource:
 def _save(store: ResumeStore, index: int, block: nn.Module, hidden: torch.Tensor | None, previous: object) -> object:
     record = LayerRecord(index, f"layers.{index}.proj", 4, 4, "pruned", recon_error=0.1 * index)
     records = [LayerRecord(i, f"layers.{i}.proj", 4, 4, "pruned", recon_error=0.1 * i) for i in range(index)]
-    return store.save_block(
-        index,
-        block,
-        hidden,
-        previous,
-        [*records, record],
-        "hash",
-        "calib",
-        _source(),
-        BLOCKS,  # type: ignore[arg-type]
-    )
+    save = BlockSave(index, block, hidden, [*records, record])
+    return store.save_block(save, StateKey("hash", "calib", _source(), BLOCKS), previous)  # type: ignore[arg-type]
 
 
 def test_state_save_is_atomic_at_every_step(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -152,18 +153,29 @@ def test_real_smollm2_is_written_as_save_pretrained_writes_it(tmp_path: Path, sh
     assert (WEIGHTS_NAME in _files(streamed)) is (shard == "2GB")
 
 
+def _write_model_folder(loaded: Any, out: Path, sparsity: Any, files: dict[str, str], tensors: Any = None) -> None:
+    """The run folder's checkpoint writer (`runfiles.write.write_model_folder`) with the model's files
+    (`models.saving.save_model`), in the shards every prune and finetune output has."""
+    from tsenor_cli.models.saving import SavedModel, save_model
+    from tsenor_cli.pruning.run.output import MAX_SHARD_SIZE
+    from tsenor_cli.runfiles.write import write_model_folder
+
+    saved = SavedModel(loaded.model, loaded.tokenizer, MAX_SHARD_SIZE, tensors=tensors)
+    write_model_folder(out, sparsity, files, partial(save_model, saved=saved, sparsity=sparsity))
+
+
 def test_prune_output_folder_is_what_save_pretrained_wrote(tmp_path: Path, tiny: Path) -> None:
-    """pruning/output.write_model_folder (every prune and finetune output) against the save_pretrained
+    """runfiles/write.write_model_folder (every prune and finetune output) against the save_pretrained
     path it replaced: the same files, byte for byte, and the checkpoint loads."""
     from transformers import AutoModelForCausalLM
 
     from tsenor_cli.models.loading import load_model
-    from tsenor_cli.pruning.run.output import MAX_SHARD_SIZE, SPARSITY_KEY, write_model_folder
-    from tsenor_cli.runfiles import SPARSITY_FILE, SparsityRecord
+    from tsenor_cli.pruning.run.output import MAX_SHARD_SIZE
+    from tsenor_cli.runfiles import SPARSITY_FILE, SPARSITY_KEY, SparsityRecord
 
     loaded = load_model(str(tiny), LOCAL_CTX)
     sparsity = SparsityRecord.of("magnitude", SparsityPattern.parse("2:4"), [], solver=None, solver_requested=None)
-    write_model_folder(loaded.model, loaded.tokenizer, tmp_path / "out", sparsity, {"extra.txt": "x"})
+    _write_model_folder(loaded, tmp_path / "out", sparsity, {"extra.txt": "x"})
     reference = tmp_path / "reference"
     setattr(loaded.model.config, SPARSITY_KEY, sparsity.summary())
     loaded.model.save_pretrained(reference, max_shard_size=MAX_SHARD_SIZE, save_original_format=False)
@@ -186,7 +198,6 @@ def test_the_checkpoints_generation_config_is_kept_by_a_streamed_and_a_whole_loa
     import shutil
 
     from tsenor_cli.models.loading import load_model
-    from tsenor_cli.pruning.run.output import write_model_folder
     from tsenor_cli.runfiles import GENERATION_CONFIG_FILE, SparsityRecord
 
     source = tmp_path / "source"
@@ -198,7 +209,7 @@ def test_the_checkpoints_generation_config_is_kept_by_a_streamed_and_a_whole_loa
         loaded = load_model(str(source), LOCAL_CTX, stream=stream)
         out = tmp_path / f"out-{stream}"
         tensors = loaded.checkpoint.iter_read(loaded.checkpoint.keys()) if loaded.checkpoint is not None else None
-        write_model_folder(loaded.model, loaded.tokenizer, out, sparsity, {}, tensors=tensors)
+        _write_model_folder(loaded, out, sparsity, {}, tensors=tensors)
         written = json.loads((out / GENERATION_CONFIG_FILE).read_text())
         assert {key: written.get(key) for key in settings} == settings, f"stream={stream}"
 
@@ -240,7 +251,6 @@ def test_the_output_carries_no_conversion_or_loading_keys(tmp_path: Path, tiny: 
     import shutil
 
     from tsenor_cli.models.loading import load_model
-    from tsenor_cli.pruning.run.output import write_model_folder
     from tsenor_cli.runfiles import SparsityRecord
 
     source = tmp_path / "source"
@@ -249,7 +259,7 @@ def test_the_output_carries_no_conversion_or_loading_keys(tmp_path: Path, tiny: 
     (source / "config.json").write_text(json.dumps({**config, "_model_name_or_path": "Smollm2 135M 8k Lc100K"}))
     loaded = load_model(str(source), LOCAL_CTX)
     sparsity = SparsityRecord.of("magnitude", SparsityPattern.parse("2:4"), [], solver=None, solver_requested=None)
-    write_model_folder(loaded.model, loaded.tokenizer, tmp_path / "out", sparsity, {})
+    _write_model_folder(loaded, tmp_path / "out", sparsity, {})
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "_model_name_or_path" not in written and written["hidden_size"] == config["hidden_size"]
     tokenizer = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())

@@ -114,9 +114,9 @@ def evaluate(
     tasks (lm-eval). options: `LOAD_OPTIONS` (dtype, device, trust_remote_code, device_map) and
     `EVAL_OPTIONS` (num_fewshot, limit, batch_size, seqlen, max_windows, stream: None streams where it
     can, True insists, False loads the model whole), as `tsenor eval`'s flags of the same names."""
-    from tsenor_cli import atomic
     from tsenor_cli.evaluation.runner import EvalConfig, eval_target, evaluate_model, load_for_evaluation
     from tsenor_cli.models.loading import LoadOptions
+    from tsenor_cli.runfiles.write import write_eval
 
     unknown = sorted(set(options) - {*LOAD_OPTIONS, *EVAL_OPTIONS})
     if unknown:
@@ -137,7 +137,7 @@ def evaluate(
     loaded = load_for_evaluation(str(model), ctx, cfg, dtype=dtype, device=device, options=load)
     report = evaluate_model(loaded, cfg, ctx)
     if target is not None:
-        atomic.write_json(target, report.to_json())
+        write_eval(target, report)
     return report
 
 

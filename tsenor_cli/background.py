@@ -1,7 +1,7 @@
 """The run's background writer: a block's files are written while the next block is pruned.
 
 The resume state's writes (each block's pruned weights, the next block's inputs, their
-sha256s and the state JSON, `pruning/run/resume.py`) and the checkpoint took 34.9 of the 124.0 s of a whole
+sha256s and the state JSON, `runfiles/resume.py`) and the checkpoint took 34.9 of the 124.0 s of a whole
 LLaMA-3.2-1B-shaped run on an H100 (docs/measurements/benchmarks-e2e.md), with the GPU idle meanwhile.
 `BackgroundWriter` runs those writes on one thread, in the order they were submitted, so what lands on
 disk, and when it is committed, is what the synchronous writes did, one block later at most:

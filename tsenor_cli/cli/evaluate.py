@@ -128,12 +128,12 @@ def eval_cmd(
 
 def _write_and_print(report: EvalReport, target: Path | None, *, as_json: bool) -> None:
     """eval.json at `target` (when given), and the table or the JSON on stdout."""
-    from tsenor_cli import atomic
     from tsenor_cli.progress import logger
     from tsenor_cli.report.markdown import eval_table
+    from tsenor_cli.runfiles.write import write_eval
 
     payload = report.to_json()
     if target is not None:
-        atomic.write_json(target, payload)
+        write_eval(target, report)
         logger.info("wrote %s", target)
     typer.echo(json.dumps(payload, indent=2) if as_json else eval_table(report))

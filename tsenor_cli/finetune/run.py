@@ -20,6 +20,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,13 +37,16 @@ from tsenor_cli.finetune.distill import DistillTrainer, check_teacher
 from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsity
 from tsenor_cli.fixedmask import FixedMask
 from tsenor_cli.interrupt import StopRequest
+from tsenor_cli.models.saving import SavedModel, save_model
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.pruning.run.card import card_text
-from tsenor_cli.pruning.run.output import check_not_input, interruption, output_run, write_model_folder
+from tsenor_cli.pruning.run.output import MAX_SHARD_SIZE
 from tsenor_cli.pruning.run.report import versions
 from tsenor_cli.runfiles import (
     EVAL_FILE,
     FINETUNE_FILE,
+    FINETUNE_LOSS_PLOT_FILE,
+    FINETUNE_PPL_PLOT_FILE,
     FINETUNE_STATE_FILE,
     FINETUNE_STATE_VERSION,
     MODEL_CARD,
@@ -54,14 +58,14 @@ from tsenor_cli.runfiles import (
     FinetuneReport,
     FinetuneState,
 )
+from tsenor_cli.runfiles.output import check_not_input, interruption, output_run
+from tsenor_cli.runfiles.write import write_model_folder
 from tsenor_cli.settings import RunContext
 
 if TYPE_CHECKING:
     from tsenor_cli.evaluation.runner import EvalConfig
     from tsenor_cli.kernels.sparse import KernelPlan
 
-LOSS_PNG = "finetune_loss.png"
-PPL_PNG = "finetune_ppl.png"
 # Trainer's defaults, recorded in the report because they decide the result.
 SCHEDULER = "linear"
 MAX_GRAD_NORM = 1.0
@@ -606,8 +610,8 @@ def _write_output(
         files[EVAL_FILE] = json.dumps(report.eval_after, indent=2) + "\n"
     files[MODEL_CARD] = card_text(sparsity.report, evaluation=evaluation, finetuned=report)
     for name, png in (
-        (LOSS_PNG, _png(lambda out: plot_training_loss({label: report.loss_curve}, out))),
-        (PPL_PNG, _png(lambda out: plot_perplexity_vs_steps({label: report.ppl_curve}, out))),
+        (FINETUNE_LOSS_PLOT_FILE, _png(lambda out: plot_training_loss({label: report.loss_curve}, out))),
+        (FINETUNE_PPL_PLOT_FILE, _png(lambda out: plot_perplexity_vs_steps({label: report.ppl_curve}, out))),
     ):
         if png is not None:
             files[name] = png
@@ -615,5 +619,5 @@ def _write_output(
     loaded.model.to(saved_dtype)
     # The output keeps its input's format: a packed prune fine-tuned is packed again (its masks are fixed).
     fmt = "packed" if declares_packed(cfg.run_dir) else "dense"
-    record, layout = sparsity.record, loaded.layout
-    write_model_folder(loaded.model, loaded.tokenizer, cfg.output, record, files, layout=layout, save_format=fmt)
+    saved = SavedModel(loaded.model, loaded.tokenizer, MAX_SHARD_SIZE, layout=loaded.layout, packed=fmt == "packed")
+    write_model_folder(cfg.output, sparsity.record, files, partial(save_model, saved=saved, sparsity=sparsity.record))

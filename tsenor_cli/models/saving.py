@@ -35,11 +35,11 @@ import torch
 
 from tsenor_cli.errors import UsageError
 from tsenor_cli.models.checkpoint import INDEX_NAME, tensor_nbytes
-from tsenor_cli.packed.files import PackedWriter, quantization_entry
+from tsenor_cli.packed.files import PackedWriter, quantization_entry, record_patterns
 from tsenor_cli.packed.layout import MatrixPattern
-from tsenor_cli.runfiles import shard_names
+from tsenor_cli.runfiles import SPARSITY_KEY, SparsityRecord, shard_names
 
-# save_pretrained's default; tsenor's outputs pass their own (pruning/run/output.MAX_SHARD_SIZE).
+# save_pretrained's default; tsenor's outputs pass their own (pruning/run/output.MAX_SHARD_SIZE, `SavedModel`).
 DEFAULT_MAX_SHARD_SIZE = "50GB"
 SAFETENSORS_METADATA = {"format": "pt"}
 # safetensors pads its JSON header with spaces to a multiple of this many bytes.
@@ -372,6 +372,51 @@ def save_tokenizer(tokenizer: Any, folder: Path) -> None:
         kept = {key: value for key, value in settings.items() if key not in STRAY_TOKENIZER_KEYS}
         if kept != settings:
             path.write_text(json.dumps(kept, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class SavedModel:
+    """What `save_model` writes of a model (a plain record): `model` and `tokenizer`, in `max_shard_size`
+    shards (`--max-shard-size`).
+
+    tensors: the weights as (key, tensor) one at a time (`pruning/run/writer.py`: a model whose blocks are on
+    the meta device); None: `model`'s own. dtype: the dtype the floating weights are written in
+    (`models.loading.output_dtype`: --dtype, else the checkpoint's own); None: the model's.
+    layout: {the model's own key: the key to write} (`LoadedModel.layout`, `source_layout`): the tensors
+    are saved under the source checkpoint's own names, so every class that loaded the source loads the
+    output with the same keys (Mllama's ``language_model.model.layers…`` loads as
+    ``MllamaForConditionalGeneration`` and, text only, as ``MllamaForCausalLM``; written under the
+    model's names ``model.language_model.layers…`` the second finds none of its weights). None: the
+    model's own names (``save_original_format=False``), which load with the model's own class: a hub
+    source, pickle weights, or a layout transformers converts (Mixtral's per-expert ``w1/w2/w3`` merged
+    into fused stacks) rather than renames. `tsenor_sparsity.json` lists the model's own parameter names;
+    `tsenor verify` maps them to the files' keys the same way. packed: the pruned matrices of the sparsity
+    record packed (`tsenor_cli.packed`); False: dense."""
+
+    model: Any
+    tokenizer: Any
+    max_shard_size: int | str
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None
+    dtype: torch.dtype | None = None
+    layout: Mapping[str, str] | None = None
+    packed: bool = False
+
+
+def save_model(folder: Path, saved: SavedModel, sparsity: SparsityRecord) -> None:
+    """save_pretrained's files of `saved` into `folder` (a temporary folder: `runfiles.write.write_model_folder`;
+    safetensors, sharded, written tensor by tensor by `save_streamed`, byte for byte what save_pretrained
+    writes) + the tokenizer, config.json with the sparsity's summary. What the source's conversion or our
+    loading left in the config and the tokenizer's settings (`STRAY_CONFIG_KEYS`, `STRAY_TOKENIZER_KEYS`)
+    is not written."""
+    model = saved.model
+    setattr(model.config, SPARSITY_KEY, sparsity.summary())
+    drop_stray_keys(model.config)
+    packed = record_patterns(sparsity) if saved.packed else None
+    save_streamed(
+        folder, model, saved.tensors, max_shard_size=saved.max_shard_size, dtype=saved.dtype,
+        layout=saved.layout, packed=packed,
+    )  # fmt: skip
+    save_tokenizer(saved.tokenizer, folder)
 
 
 def source_layout(model: Any, keys: Iterable[str]) -> dict[str, str] | None:

@@ -13,14 +13,9 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from tsenor_cli.runfiles import EvalReport, PruneReport
+from tsenor_cli.runfiles import EvalReport, PruneReport, block_range
 
 MAX_LISTED_IGNORED = 12  # more ignored layers than this are counted by reason in the report summary
-
-
-def block_range(done: int) -> str:
-    """The first `done` blocks for a person: "block 1", "blocks 1-3" (never "blocks 1-1")."""
-    return "block 1" if done == 1 else f"blocks 1-{done}"
 
 
 def prune_summary(report: PruneReport) -> list[str]:

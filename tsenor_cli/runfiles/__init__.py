@@ -1,14 +1,21 @@
-"""The run folder and the sweep folder, defined once: every file name and every file's schema.
+"""The run folder and the sweep folder, defined once: every file name, every file's schema, and the only
+code that writes into either (tests/test_run_folder_writes.py).
 
 `runfiles.run` is the run folder (a prune's or finetune's --output: the checkpoint, its sparsity record,
-the reports, the resume state), `runfiles.sweep` the sweep folder (status and submission of each run),
-`runfiles.schema` what both share (field checking, data sources). Everything is imported from here.
+the reports, the resume state), `runfiles.sweep` the sweep folder (status and submission of each run, and
+its writers), `runfiles.schema` what both share (field checking, data sources); their names are imported
+from here. The writers that need more are imported from their modules, so that reading a report loads
+neither torch nor the folder's lock: `runfiles.write` (the checkpoint folder, eval.json, the model card),
+`runfiles.resume` (the prune resume state; torch) and `runfiles.output` (the output folder's life: its
+checks, lock, recovery and the interruption line).
 """
 
 from tsenor_cli.runfiles.run import (
     CONFIG_FILE,
     EVAL_FILE,
     FINETUNE_FILE,
+    FINETUNE_LOSS_PLOT_FILE,
+    FINETUNE_PPL_PLOT_FILE,
     FINETUNE_STATE_FILE,
     FINETUNE_STATE_VERSION,
     GENERATION_CONFIG_FILE,
@@ -40,6 +47,7 @@ from tsenor_cli.runfiles.run import (
     TaskScore,
     ZeroShotResult,
     block_file,
+    block_range,
     hidden_file,
     load_run,
     read_sparsity,
@@ -65,19 +73,28 @@ from tsenor_cli.runfiles.sweep import (
     STATUS_FILE,
     STATUS_VERSION,
     SUBMISSION_FILE,
+    SUBMITIT_DIR,
     SWEEP_FILE,
     RunStatus,
     Submission,
+    keep_reports,
+    make_run_dir,
+    open_log,
     read_status,
     read_submission,
+    remove_folders,
+    write_recipe,
     write_status,
     write_submission,
+    write_sweep_file,
 )
 
 __all__ = [
     "CONFIG_FILE",
     "EVAL_FILE",
     "FINETUNE_FILE",
+    "FINETUNE_LOSS_PLOT_FILE",
+    "FINETUNE_PPL_PLOT_FILE",
     "FINETUNE_STATE_FILE",
     "FINETUNE_STATE_VERSION",
     "GENERATION_CONFIG_FILE",
@@ -101,6 +118,7 @@ __all__ = [
     "STATUS_FILE",
     "STATUS_VERSION",
     "SUBMISSION_FILE",
+    "SUBMITIT_DIR",
     "SWEEP_FILE",
     "WEIGHTS_NAME",
     "BlockRefinement",
@@ -126,15 +144,22 @@ __all__ = [
     "TaskSource",
     "ZeroShotResult",
     "block_file",
+    "block_range",
     "hidden_file",
+    "keep_reports",
     "load_run",
+    "make_run_dir",
+    "open_log",
     "read_json",
     "read_json_file",
     "read_sparsity",
     "read_status",
     "read_submission",
+    "remove_folders",
     "resume_progress",
     "shard_names",
+    "write_recipe",
     "write_status",
     "write_submission",
+    "write_sweep_file",
 ]

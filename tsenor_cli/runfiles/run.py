@@ -7,7 +7,7 @@ with a short summary of the sparsity under `SPARSITY_KEY`, the weights in `WEIGH
 (`PRUNE_REPORTS`; the Markdown is rendered by `tsenor_cli.report.markdown`), ``eval.json`` (`EvalReport`),
 ``finetune.json`` (`FinetuneReport`), and while a run is unfinished its resume state in `RESUME_DIR`: a
 prune's `RESUME_STATE_FILE` (`ResumeState`, beside the `block_file` and `hidden_file` it names;
-`pruning/run/resume.ResumeStore` checks it against those files) or a finetune's `FINETUNE_STATE_FILE`
+`runfiles/resume.ResumeStore` checks it against those files) or a finetune's `FINETUNE_STATE_FILE`
 (`FinetuneState`). The sweep folder's files are in `runfiles/sweep.py`.
 
 Every file is written through `tsenor_cli.atomic` (the one writer).
@@ -83,8 +83,10 @@ PRUNE_FILE = "tsenor_report.json"
 PRUNE_MARKDOWN = "tsenor_report.md"
 PRUNE_REPORTS = (PRUNE_FILE, PRUNE_MARKDOWN)
 FINETUNE_FILE = "finetune.json"
+FINETUNE_LOSS_PLOT_FILE = "finetune_loss.png"  # the training loss against steps
+FINETUNE_PPL_PLOT_FILE = "finetune_ppl.png"  # the perplexity against steps
 RESUME_DIR = ".tsenor-resume"
-RESUME_STATE_FILE = "state.json"  # a prune's resume state (pruning/run/resume.py)
+RESUME_STATE_FILE = "state.json"  # a prune's resume state (runfiles/resume.py)
 FINETUNE_STATE_FILE = "finetune_state.json"  # a finetune's, beside Trainer's checkpoint-N folders
 # Versions of the small state files (each carries its own `schema_version`).
 FINETUNE_STATE_VERSION = 1
@@ -841,6 +843,11 @@ class FinetuneState:
 
 
 # ---------------------------------------------------------------- .tsenor-resume/state.json (a prune's)
+
+
+def block_range(done: int) -> str:
+    """The first `done` blocks for a person: "block 1", "blocks 1-3" (never "blocks 1-1")."""
+    return "block 1" if done == 1 else f"blocks 1-{done}"
 
 
 def block_file(index: int) -> str:

@@ -2,17 +2,20 @@
 
 A sweep folder holds `SWEEP_FILE` and `RUNS_DIR`/NAME per run: `RECIPE_FILE`, the run folder in
 `MODEL_DIR`, `EVAL_FILE` and the prune reports beside it, `LOG_FILE`, `STATUS_FILE` (`RunStatus`) and
-`SUBMISSION_FILE` (`Submission`), each written through `tsenor_cli.atomic`.
+`SUBMISSION_FILE` (`Submission`), each written here through `tsenor_cli.atomic` (the log appended to as the
+run's subprocesses write it); a SLURM sweep's submitit files are in `SUBMITIT_DIR`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import shutil
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from tsenor_cli import atomic
+from tsenor_cli.runfiles.run import PRUNE_REPORTS
 from tsenor_cli.runfiles.schema import _flat_json, read_json_file
 
 SWEEP_FILE = "sweep.yaml"
@@ -22,6 +25,7 @@ MODEL_DIR = "model"
 STATUS_FILE = "status.json"
 SUBMISSION_FILE = "submission.json"
 LOG_FILE = "log.txt"
+SUBMITIT_DIR = ".submitit"  # submitit's own files of a SLURM sweep: its scripts and the jobs' logs
 # The version of status.json and submission.json (each carries its own `schema_version`).
 STATUS_VERSION = 1
 
@@ -85,3 +89,38 @@ def read_submission(run_dir: Path) -> Submission | None:
 
 def write_submission(run_dir: Path, submission: Submission) -> None:
     atomic.write_json(run_dir / SUBMISSION_FILE, submission.to_json())
+
+
+def make_run_dir(run_dir: Path) -> None:
+    """The folder of one run of a sweep (`RUNS_DIR`/NAME), made when missing."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def write_recipe(run_dir: Path, text: str) -> None:
+    """The run's `RECIPE_FILE`, which its prune reads with --config."""
+    atomic.write_text(run_dir / RECIPE_FILE, text)
+
+
+def write_sweep_file(directory: Path, text: str) -> None:
+    """The sweep folder's `SWEEP_FILE`: a copy of the sweep file, which `tsenor sweep status` and `tsenor
+    report` read."""
+    atomic.write_text(directory / SWEEP_FILE, text)
+
+
+def open_log(run_dir: Path) -> BinaryIO:
+    """The run's `LOG_FILE`, opened to append (the subprocesses' output goes to it as it comes)."""
+    return (run_dir / LOG_FILE).open("ab")
+
+
+def keep_reports(model_dir: Path, run_dir: Path) -> None:
+    """The prune's reports (`PRUNE_REPORTS`) of the run folder `model_dir` copied beside it into `run_dir`,
+    where they stay when the checkpoint is not kept."""
+    for report in PRUNE_REPORTS:
+        atomic.write_bytes(run_dir / report, (model_dir / report).read_bytes())
+
+
+def remove_folders(folders: Sequence[Path]) -> None:
+    """Remove each of `folders` with what it holds (a run's checkpoint not kept, what a refused submission
+    left); a missing one is skipped."""
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -23,7 +23,6 @@ from typing import Any
 import yaml
 
 from tsenor_cli import settings
-from tsenor_cli.atomic import write_text
 from tsenor_cli.errors import OutputBusyError, OutputExistsError, TsenorError, UsageError
 from tsenor_cli.locks import folder_lock
 from tsenor_cli.pruning.settings.recipe import validate_recipe
@@ -33,18 +32,22 @@ from tsenor_cli.runfiles import (
     PRUNE_FILE,
     RECIPE_FILE,
     RUNS_DIR,
+    SUBMITIT_DIR,
     SWEEP_FILE,
     Submission,
+    make_run_dir,
     read_status,
+    remove_folders,
     resume_progress,
+    write_recipe,
     write_submission,
+    write_sweep_file,
 )
 from tsenor_cli.settings import RunContext
 from tsenor_cli.sweep.job import RunJob, SweepTask, run_job
 from tsenor_cli.sweep.spec import TOP_KEYS, RunSpec, SlurmOptions, SweepSpec
 from tsenor_cli.sweep.status import RunView, collect, is_complete, is_sweep_dir, resolve, runs_text, slurm_queue
 
-SUBMITIT_DIR = ".submitit"
 POLL_SECONDS = 3.0
 
 
@@ -197,17 +200,17 @@ def prepare(directory: Path, todo: Sequence[PlannedRun], sweep_file: Path) -> li
     """Write each run's recipe.yaml (the run prunes with --config it) → the run directories created here."""
     created = [p.job.run_dir for p in todo if not p.job.run_dir.exists()]
     for planned in todo:
-        planned.job.run_dir.mkdir(parents=True, exist_ok=True)
+        make_run_dir(planned.job.run_dir)
         if not planned.spec.dense:
             header = f"# Written by tsenor sweep from {sweep_file}; the run prunes with --config this file.\n"
             recipe = yaml.safe_dump(planned.spec.recipe_dict(), sort_keys=False)
-            write_text(planned.job.run_dir / RECIPE_FILE, header + recipe)
+            write_recipe(planned.job.run_dir, header + recipe)
     return created
 
 
 def record_sweep(sweep_file: Path, directory: Path) -> None:
     """DIRECTORY/sweep.yaml: a copy of the sweep file, which `tsenor sweep status` and `tsenor report` read."""
-    write_text(directory / SWEEP_FILE, sweep_file.read_text())
+    write_sweep_file(directory, sweep_file.read_text())
 
 
 def run_local(
@@ -343,10 +346,9 @@ def undo_prepare(directory: Path, created: Sequence[Path], *, fresh: bool, had_s
     """Remove what `prepare` and a refused submission left (sbatch refused the array): the whole folder
     when this sweep created it, else the run directories and the submitit folder it created."""
     if fresh:
-        shutil.rmtree(directory, ignore_errors=True)
+        remove_folders([directory])
         return
-    for path in [*created, *([] if had_submitit else [directory / SUBMITIT_DIR])]:
-        shutil.rmtree(path, ignore_errors=True)
+    remove_folders([*created, *([] if had_submitit else [directory / SUBMITIT_DIR])])
 
 
 def summary_line(total: int, done: int, todo: int) -> str:

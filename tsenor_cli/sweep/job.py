@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import signal
 import subprocess
 import threading
@@ -41,7 +40,10 @@ from tsenor_cli.runfiles import (
     PRUNE_REPORTS,
     RECIPE_FILE,
     RunStatus,
+    keep_reports,
+    open_log,
     read_status,
+    remove_folders,
     write_status,
 )
 
@@ -150,8 +152,7 @@ def _error_line(output: str, step: str, returncode: int) -> str:
 
 def _run_step(job: RunJob, step: str, cmd: list[str], watch: ChildWatch) -> tuple[int, str]:
     """Run one subprocess with its output appended to log.txt → (return code, its output)."""
-    log_path = job.run_dir / LOG_FILE
-    with log_path.open("ab") as log:
+    with open_log(job.run_dir) as log:
         log.write(f"$ {shlex.join(cmd)}\n".encode())
         log.flush()
         start = log.tell()
@@ -171,7 +172,7 @@ def _run_step(job: RunJob, step: str, cmd: list[str], watch: ChildWatch) -> tupl
             raise
         finally:
             watch.proc = None
-    with log_path.open("rb") as log:
+    with (job.run_dir / LOG_FILE).open("rb") as log:
         log.seek(start)
         output = log.read().decode("utf-8", errors="replace")
     return returncode, output
@@ -205,9 +206,9 @@ def _start_attempt(job: RunJob, job_id: str | None) -> None:
         started_at=time.time(),
     )
     write_status(job.run_dir, status)
-    with (job.run_dir / LOG_FILE).open("a") as log:
+    with open_log(job.run_dir) as log:
         when = time.strftime("%Y-%m-%d %H:%M:%S")
-        log.write(f"=== {job.name}: attempt {status.attempt}{f' (job {job_id})' if job_id else ''}, {when}\n")
+        log.write(f"=== {job.name}: attempt {status.attempt}{f' (job {job_id})' if job_id else ''}, {when}\n".encode())
 
 
 def _on_sigterm(watch: ChildWatch, job_id: str | None) -> Callable[[int, FrameType | None], None]:
@@ -261,8 +262,7 @@ def run_job(job: RunJob, *, job_id: str | None = None, watch: ChildWatch | None 
                 _set_status(job, state="failed", finished_at=time.time(), error=_error_line(output, step, returncode))
                 return "failed"
             if step == "prune":
-                for report in PRUNE_REPORTS:
-                    shutil.copy2(model_dir / report, job.run_dir / report)
+                keep_reports(model_dir, job.run_dir)
         if watch.stopped_by is not None:
             mark_interrupted(job, watch.stopped_by, step)
             raise RunInterrupted(
@@ -272,7 +272,7 @@ def run_job(job: RunJob, *, job_id: str | None = None, watch: ChildWatch | None 
         if not (job.run_dir / EVAL_FILE).is_file():
             raise AssertionError(f"tsenor eval exited 0 without writing {job.run_dir / EVAL_FILE}")
         if not job.keep_checkpoint and model_dir.exists():
-            shutil.rmtree(model_dir)
+            remove_folders([model_dir])
         _set_status(job, state="done", step=None, finished_at=time.time(), error=None, note=None)
         return "done"
     except KeyboardInterrupt:

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tsenor_cli import atomic
 from tsenor_cli.errors import EXIT_RESUMABLE, EXIT_SIGINT, Interrupted, ResumeStateError, UsageError
 from tsenor_cli.evaluation import runner
 from tsenor_cli.evaluation.runner import EvalConfig
 from tsenor_cli.interrupt import StopRequest
+from tsenor_cli.outputs import output_path
 from tsenor_cli.phases import recording
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.pruning.block.distributed import Team, joined
@@ -29,20 +29,14 @@ from tsenor_cli.pruning.block.memory import check_fits
 from tsenor_cli.pruning.block.outside import check_outside
 from tsenor_cli.pruning.plan.plan import PrunePlan, dtype_and_device, plan_model
 from tsenor_cli.pruning.run.card import refresh_card
-from tsenor_cli.pruning.run.output import (
-    OutputRun,
-    check_free_space,
-    check_not_input,
-    copied_bytes,
-    output_path,
-    output_run,
-)
-from tsenor_cli.pruning.run.resume import ResumeStore
 from tsenor_cli.pruning.run.run import RunPoint, RunSetup, execute
 from tsenor_cli.pruning.run.seams import BlockHook, Sink
 from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.replay import BlockInputs, capture_block_inputs
 from tsenor_cli.runfiles import EVAL_FILE, EvalReport, PruneReport, ResumeState
+from tsenor_cli.runfiles.output import OutputRun, check_free_space, check_not_input, copied_bytes, output_run
+from tsenor_cli.runfiles.resume import ResumeStore
+from tsenor_cli.runfiles.write import write_eval
 from tsenor_cli.settings import RunContext
 
 if TYPE_CHECKING:
@@ -124,7 +118,7 @@ def prune_model(
     checkpoint and resume state). Then, under the output's lock until the checkpoint is in place: a killed
     run's leftovers are recovered, the folder's contents checked (`prepare_output`), and with `cfg.resume`
     an interrupted run of the same settings continued; its state is saved after every block
-    (pruning/run/resume.py) and goes away with the final swap.
+    (runfiles/resume.py) and goes away with the final swap.
 
     stop: polled before each block; once set (SIGTERM/SIGUSR1/SIGUSR2, tsenor_cli.interrupt) the run
     raises `Interrupted` (exit 75) with its resume state saved; Ctrl-C is `Interrupted` (exit 130).
@@ -290,6 +284,6 @@ def prune_and_evaluate(
             f"run `tsenor eval {cfg.output} --output {cfg.output}`",
             EXIT_RESUMABLE if stop is not None and stop.name else EXIT_SIGINT,
         ) from None
-    atomic.write_json(cfg.output / EVAL_FILE, evaluation.to_json())
+    write_eval(cfg.output / EVAL_FILE, evaluation)
     refresh_card(cfg.output)  # the model card's evaluation table
     return report, evaluation

@@ -15,13 +15,11 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from tsenor_cli import atomic
 from tsenor_cli.models.embedded import EMBEDDED_MODELS
 from tsenor_cli.packed.files import declares_packed
 from tsenor_cli.runfiles import (
     EVAL_FILE,
     FINETUNE_FILE,
-    MODEL_CARD,
     PRUNE_FILE,
     PRUNE_MARKDOWN,
     SPARSITY_FILE,
@@ -30,6 +28,7 @@ from tsenor_cli.runfiles import (
     PruneReport,
     read_json,
 )
+from tsenor_cli.runfiles.write import write_card
 
 # A hub id as the Hub accepts it in `base_model`: "org/name" (a local path is not one).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -177,4 +176,4 @@ def refresh_card(folder: Path) -> None:
     finetuned = FinetuneReport.from_json(read_json(finetune_path)) if finetune_path.is_file() else None
     packed = declares_packed(folder)
     text = card_text(report, evaluation=evaluation, finetuned=finetuned, packed=packed)
-    atomic.write_text(folder / MODEL_CARD, text)
+    write_card(folder, text)

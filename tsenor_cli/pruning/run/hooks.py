@@ -17,10 +17,10 @@ from tsenor_cli.background import BackgroundWriter
 from tsenor_cli.phases import phase
 from tsenor_cli.pruning.block.distributed import Team
 from tsenor_cli.pruning.methods.types import LayerRecord
-from tsenor_cli.pruning.run.resume import ResumeStore
 from tsenor_cli.pruning.run.seams import BlockContext, BlockHook
 from tsenor_cli.replay.source import CPU
 from tsenor_cli.runfiles import BlockRefinement, DataSource, ResumeState
+from tsenor_cli.runfiles.resume import BlockSave, ResumeStore, StateKey
 
 
 @dataclass(frozen=True)
@@ -117,9 +117,9 @@ class ResumeHook(BlockHook):
     def _commit(self, payload: _Payload) -> None:
         """On the writer's thread: `ResumeStore.save_block`, then `committed`."""
         record = self.record
-        record.state = self.store.save_block(
-            payload.index, payload.block, payload.hidden, record.state, payload.records, record.result_hash,
-            record.calibration, record.calibration_source, record.blocks, dense=payload.dense,
-            refinement=payload.refinement,
-        )  # fmt: skip
+        save = BlockSave(
+            payload.index, payload.block, payload.hidden, payload.records, payload.dense, payload.refinement
+        )
+        key = StateKey(record.result_hash, record.calibration, record.calibration_source, record.blocks)
+        record.state = self.store.save_block(save, key, record.state)
         self.committed(payload.index)

@@ -1,7 +1,7 @@
 """`tsenor pack` and `tsenor unpack`: a tsenor checkpoint folder converted between the dense and the packed format.
 
 Both read the source tensor by tensor (`models.checkpoint.Checkpoint`, which decodes a packed matrix as it
-is read) and write the other format into a temporary folder renamed into place (`atomic.atomic_dir`), so
+is read) and write the other format into a temporary folder renamed into place (`runfiles.write.converted_folder`), so
 a refused input or a failure writes nothing. The other files (tokenizer, reports, records) are copied;
 config.json gains or loses the packed format's ``quantization_config`` and the model card is rewritten.
 `unpack` of a packed prune gives the dense prune's tensors bit for bit.
@@ -9,12 +9,9 @@ config.json gains or loses the packed format's ``quantization_config`` and the m
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 from pathlib import Path
 
-from tsenor_cli import atomic
 from tsenor_cli.errors import InputNotFoundError, OutputExistsError, PackedFormatError
 from tsenor_cli.models.checkpoint import Checkpoint
 from tsenor_cli.models.saving import TensorSpec, parse_size, write_weights
@@ -22,7 +19,8 @@ from tsenor_cli.packed.files import PackedWriter, declares_packed, quantization_
 from tsenor_cli.packed.layout import encode, kept_mask
 from tsenor_cli.pruning.run.card import refresh_card
 from tsenor_cli.pruning.run.output import MAX_SHARD_SIZE
-from tsenor_cli.runfiles import CONFIG_FILE, INDEX_NAME, RESUME_DIR, read_sparsity
+from tsenor_cli.runfiles import CONFIG_FILE, read_sparsity
+from tsenor_cli.runfiles.write import converted_folder, copy_run_files
 
 
 def _check_paths(source: Path, output: Path, *, force: bool) -> None:
@@ -32,19 +30,6 @@ def _check_paths(source: Path, output: Path, *, force: bool) -> None:
         raise OutputExistsError(f"-o {output} is the input folder; choose another output folder")
     if output.exists() and not force:
         raise OutputExistsError(f"{output} already exists; pass --force to replace it or choose another -o")
-
-
-def _copy_other_files(source: Path, tmp: Path, *, packed: bool) -> None:
-    """Every file of `source` but its weights, config.json with the packed entry added (or removed)."""
-    for entry in source.iterdir():
-        weights = entry.suffix == ".safetensors" or entry.name == INDEX_NAME
-        if entry.is_file() and not weights and entry.name != CONFIG_FILE and entry.name != RESUME_DIR:
-            shutil.copy2(entry, tmp / entry.name)
-    config = json.loads((source / CONFIG_FILE).read_text(encoding="utf-8"))
-    config.pop("quantization_config", None)
-    if packed:
-        config["quantization_config"] = quantization_entry()
-    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def pack_folder(source: Path, output: Path, *, force: bool = False, max_shard_size: str = MAX_SHARD_SIZE) -> Path:
@@ -64,7 +49,7 @@ def pack_folder(source: Path, output: Path, *, force: bool = False, max_shard_si
     lacking = sorted(set(patterns) - set(checkpoint.keys()))
     if lacking:
         raise PackedFormatError(f"{source}: its sparsity record names {lacking[0]}, which its weights lack")
-    with atomic.atomic_dir(output, replace=True) as tmp:
+    with converted_folder(output) as tmp:
         writer = PackedWriter(tmp, parse_size(max_shard_size))
         for key, tensor in checkpoint.iter_read(checkpoint.keys()):
             pattern = patterns.get(key)
@@ -75,7 +60,7 @@ def pack_folder(source: Path, output: Path, *, force: bool = False, max_shard_si
                     raise PackedFormatError(f"{source}: {key} breaks its recorded pattern ({exc})") from exc
             writer.add(key, tensor, pattern)
         writer.finish(sum(math.prod(info.shape) for info in checkpoint.tensors.values()))
-        _copy_other_files(source, tmp, packed=True)
+        copy_run_files(source, tmp, quantization_entry())
         refresh_card(tmp)
     return output
 
@@ -89,7 +74,7 @@ def unpack_folder(source: Path, output: Path, *, force: bool = False, max_shard_
         raise PackedFormatError(f"{source} is not packed (its {CONFIG_FILE} has no tsenor_packed quantization_config)")
     checkpoint = Checkpoint.open(source)
     specs = [TensorSpec(key, info.shape, info.dtype) for key, info in checkpoint.tensors.items()]
-    with atomic.atomic_dir(output, replace=True) as tmp:
+    with converted_folder(output) as tmp:
         write_weights(
             tmp,
             specs,
@@ -97,6 +82,6 @@ def unpack_folder(source: Path, output: Path, *, force: bool = False, max_shard_
             max_shard_size=max_shard_size,
             total_parameters=sum(math.prod(spec.shape) for spec in specs),
         )
-        _copy_other_files(source, tmp, packed=False)
+        copy_run_files(source, tmp, None)
         refresh_card(tmp)
     return output

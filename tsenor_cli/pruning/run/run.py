@@ -38,8 +38,7 @@ from tsenor_cli.pruning.methods.registry import get_pruner
 from tsenor_cli.pruning.methods.types import LayerRecord
 from tsenor_cli.pruning.plan.plan import PrunePlan
 from tsenor_cli.pruning.run.hooks import ResumeHook, ResumeRecord
-from tsenor_cli.pruning.run.output import interruption, sparsity_record
-from tsenor_cli.pruning.run.resume import ResumeStore
+from tsenor_cli.pruning.run.output import sparsity_record
 from tsenor_cli.pruning.run.seams import BlockContext, BlockHook, RunStart, Sink, SinkBlock
 from tsenor_cli.pruning.run.sinks import FileTensors, Sinks, block_records, block_tensors
 from tsenor_cli.pruning.run.steps import (
@@ -63,6 +62,8 @@ from tsenor_cli.replay import BlockSource, run_block
 from tsenor_cli.replay.source import CPU
 from tsenor_cli.report.markdown import block_range
 from tsenor_cli.runfiles import BlockRefinement, PruneReport, ResumeState, block_file
+from tsenor_cli.runfiles.output import interruption
+from tsenor_cli.runfiles.resume import ResumeStore
 from tsenor_cli.settings import RunContext
 
 if TYPE_CHECKING:

@@ -33,12 +33,12 @@ from tsenor_cli.pruning.block.slots import LinearSlot, check_compatibility
 from tsenor_cli.pruning.methods.types import LayerRecord
 from tsenor_cli.pruning.plan.plan import PrunePlan, say_ruled, weight_plan
 from tsenor_cli.pruning.run.report import versions
-from tsenor_cli.pruning.run.resume import ResumeStore
 from tsenor_cli.pruning.run.writer import WeightCounts
 from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.replay import BlockCall, BlockSource, capture_block_calls, capture_block_inputs
 from tsenor_cli.replay.source import CPU
 from tsenor_cli.runfiles import BlockRefinement, ContextRecord, DataSource, PruneReport, ResumeState
+from tsenor_cli.runfiles.resume import ResumeStore
 from tsenor_cli.settings import RunContext
 
 if TYPE_CHECKING:

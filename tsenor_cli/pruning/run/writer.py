@@ -16,8 +16,6 @@ nonzeros (counted by `sinks.Sinks` as the blocks pass).
 from __future__ import annotations
 
 import contextlib
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -28,14 +26,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from tsenor_cli import atomic
 from tsenor_cli.background import BackgroundWriter
 from tsenor_cli.models.loading import output_dtype
-from tsenor_cli.models.saving import saved_tensors
+from tsenor_cli.models.saving import SavedModel, saved_tensors
 from tsenor_cli.models.structure import ModelStructure
 from tsenor_cli.pruning.run.output import write_checkpoint
 from tsenor_cli.pruning.run.seams import RunEnd, RunStart, SinkBlock
 from tsenor_cli.runfiles import block_file
+from tsenor_cli.runfiles.write import kept_blocks_folder, remove_kept_blocks, save_block_file
 
 if TYPE_CHECKING:
     from tsenor_cli.models.loading import LoadedModel
@@ -108,7 +106,7 @@ class CheckpointSink:
     def begin(self, run: RunStart) -> None:
         """The folder of kept blocks, when this sink keeps them."""
         if self.keeps:
-            self.spill = Path(tempfile.mkdtemp(prefix=atomic.temp_prefix(self.output), dir=self.output.parent))
+            self.spill = kept_blocks_folder(self.output)
             self.folder = self.spill
 
     def add_block(self, block: SinkBlock) -> None:
@@ -117,31 +115,27 @@ class CheckpointSink:
         if self.spill is None or block.restored:
             return
         local = {name.removeprefix(block.prefix): tensor for name, tensor in block.tensors.items()}
-        path = self.spill / block_file(block.index)
-        self.writer.submit(lambda: local, partial(atomic.save_safetensors, path=path))
+        self.writer.submit(lambda: local, partial(save_block_file, self.spill, block.index))
 
     def finish(self, end: RunEnd) -> None:
         """Write the checkpoint, the sparsity record in config.json, and the report (`output.write_checkpoint`)."""
         loaded = self.loaded
         self.writer.drain()  # the block files it reads back are complete
-        write_checkpoint(
+        saved = SavedModel(
             loaded.model,
             loaded.tokenizer,
-            self.output,
-            end.report,
-            end.sparsity,
-            loaded.processor_files,
+            self.max_shard_size,
             tensors=self.tensors(end.outside) if self.streamed else None,
-            max_shard_size=self.max_shard_size,
             dtype=output_dtype(self.dtype, loaded.source_dtype, loaded.model.dtype),
             layout=loaded.layout,
-            save_format=self.save_format,
+            packed=self.save_format == "packed",
         )
+        write_checkpoint(saved, self.output, end.report, end.sparsity, loaded.processor_files)
 
     def close(self) -> None:
         """Remove the temporary folder of pruned blocks."""
         if self.spill is not None:
-            shutil.rmtree(self.spill, ignore_errors=True)
+            remove_kept_blocks(self.spill)
             self.spill = None
 
     def _block_of(self, key: str) -> tuple[int, str] | None:

@@ -88,7 +88,7 @@ class PruneConfig:
     result field either.
     refine: block-wise reconstruction after each block is pruned (pruning/block/refine.py); off by default.
     resume: save a resume state after each block and continue an interrupted run of the same
-    settings found in `output` (pruning/run/resume.py); False saves none. force: replace a tsenor run
+    settings found in `output` (runfiles/resume.py); False saves none. force: replace a tsenor run
     in `output`, and discard a resume state that is damaged or from other settings.
     """
 

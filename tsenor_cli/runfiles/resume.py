@@ -1,4 +1,4 @@
-"""Resume state of a pruning run, kept in OUTPUT/.tsenor-resume/ (safetensors + JSON only).
+"""Resume state of a pruning run, kept in OUTPUT/.tsenor-resume/ (safetensors + JSON only): `ResumeStore`.
 
 After block i is pruned the store writes, each file atomically (tsenor_cli.atomic):
 
@@ -22,7 +22,7 @@ state.json that cannot be read or names a missing file, or one of another size o
 one line (`ResumeStateError`), never a traceback.
 
 The state belongs to one run's settings and one input: its key (`PruneConfig.result_hash`) takes the
-input checkpoint's identity (`checkpoint_identity`), so a checkpoint replaced at the same path between
+input checkpoint's identity (`models/identity.checkpoint_identity`), so a checkpoint replaced at the same path between
 a kill and the rerun is another run, never continued with blocks pruned from the old weights.
 """
 
@@ -35,6 +35,7 @@ import re
 import shutil
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,18 +46,18 @@ from torch import nn
 from tsenor_cli import atomic
 from tsenor_cli.errors import OutputUnwritableError, ResumeStateError, SchemaError
 from tsenor_cli.outputs import free_bytes, human_bytes
-from tsenor_cli.pruning.methods.types import LayerRecord
-from tsenor_cli.report.markdown import block_range
-from tsenor_cli.runfiles import (
+from tsenor_cli.runfiles.run import (
     PRUNE_STATE_VERSION,
     RESUME_DIR,
     RESUME_STATE_FILE,
     BlockRefinement,
-    DataSource,
+    LayerRecord,
     ResumeState,
     block_file,
+    block_range,
     hidden_file,
 )
+from tsenor_cli.runfiles.schema import DataSource
 
 # What this store writes in its folder: its files and their atomic temporaries (.NAME.tmp-<pid>-…).
 _OWN_FILE = re.compile(
@@ -64,8 +65,6 @@ _OWN_FILE = re.compile(
 )
 
 
-# The files of a checkpoint folder that decide the pruned weights: the weights, their index, the config and
-# the tokenizer (which turns the calibration text into tokens).
 def disk_full(exc: BaseException) -> str | None:
     """How a write failed for want of space (a full disk or quota: "No space left on device"), None when
     it failed otherwise. safetensors' writer reports the OS error inside its own SafetensorError's text."""
@@ -93,6 +92,110 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+@dataclass(frozen=True)
+class StateKey:
+    """What every committed state of one run repeats: the run's `result_hash` (the key a rerun must match),
+    the calibration text's description and source, and the model's block count."""
+
+    config_hash: str
+    calibration: str
+    calibration_source: DataSource
+    blocks: int
+
+
+@dataclass(frozen=True)
+class BlockSave:
+    """One block's commit (`ResumeStore.save_block`): block `index` pruned, as a module or its state dict
+    (the background writer's snapshot, `hooks.ResumeHook`); `hidden` (S, T, H) the input of block
+    index+1, None after the last block; the layer records of blocks 0..index; with `--refine block` the
+    dense stream's (S, T, H) there (`dense`, saved beside `hidden`) and the records of the blocks refined
+    so far (`refinement`)."""
+
+    index: int
+    block: nn.Module | Mapping[str, torch.Tensor]
+    hidden: torch.Tensor | None
+    records: list[LayerRecord]
+    dense: torch.Tensor | None = None
+    refinement: tuple[BlockRefinement, ...] = ()
+
+
+def _damaged(root: Path, why: str) -> ResumeStateError:
+    return ResumeStateError(
+        f"the resume state in {root} is damaged ({why}); pass --force to start over, or delete {root}"
+    )
+
+
+def _parse_state(root: Path, raw: object, config_hash: str) -> ResumeState:
+    """`raw` (state.json's JSON) as the state of the run keyed `config_hash`: ResumeStateError when it was
+    written by another tsenor version, for other settings, or is not a state at all."""
+    if not isinstance(raw, dict):
+        raise _damaged(root, f"{RESUME_STATE_FILE} is not a JSON object")
+    version = ResumeState.version_of(raw)
+    if version != PRUNE_STATE_VERSION:
+        raise ResumeStateError(
+            f"the resume state in {root} was written by another tsenor version (state version "
+            f"{version!r}, this one reads {PRUNE_STATE_VERSION}); pass --force to start over"
+        )
+    if raw.get("config_hash") != config_hash:
+        raise ResumeStateError(
+            f"the resume state in {root} was made with different settings or from another input "
+            "checkpoint (its files changed since); rerun the same command on the same checkpoint to "
+            "continue it, or pass --force to start over"
+        )
+    try:
+        return ResumeState.from_json(raw, RESUME_STATE_FILE)
+    except SchemaError as exc:
+        raise _damaged(root, str(exc)) from exc
+
+
+def _check_files(root: Path, state: ResumeState, blocks: int) -> None:
+    """ResumeStateError unless `state` is of a model with `blocks` blocks and names exactly the files of its
+    blocks, each in `root` with the size and sha256 it records."""
+    if state.blocks != blocks:
+        raise ResumeStateError(
+            f"the resume state in {root} is for a model with {state.blocks} blocks, not {blocks}; "
+            "pass --force to start over"
+        )
+    expected = {block_file(i) for i in range(state.next_block)}
+    if state.hidden is not None:
+        expected.add(state.hidden)
+    if not 1 <= state.next_block <= blocks or (state.hidden is None) != (state.next_block == blocks):
+        raise _damaged(root, f"next block {state.next_block} of {blocks} with hidden states {state.hidden}")
+    if set(state.files) != expected:
+        raise _damaged(root, f"{RESUME_STATE_FILE} lists {sorted(state.files)}, not the files of its blocks")
+    for name, size in state.files.items():
+        path = root / name
+        if not path.is_file():
+            raise _damaged(root, f"{name} is missing")
+        if path.stat().st_size != size:
+            raise _damaged(root, f"{name} has {path.stat().st_size} bytes, {RESUME_STATE_FILE} says {size}")
+        if file_sha256(path) != state.digests.get(name):
+            raise _damaged(root, f"{name} does not have the sha256 {RESUME_STATE_FILE} records")
+
+
+@contextmanager
+def _full_disk_is_one_line(root: Path, previous: ResumeState | None) -> Iterator[None]:
+    """A full disk (or quota) while the resume state is written → OutputUnwritableError (exit 4), as the
+    final write gives it: the block and hidden-state files are written by safetensors' own code, and a
+    disk that filled up there was "unexpected SafetensorError". The state committed before
+    (`previous`) stays whole, and the line says what it holds."""
+    try:
+        yield
+    except (OSError, SafetensorError) as exc:
+        why = disk_full(exc)
+        if why is None:
+            raise
+        done = previous.next_block if previous is not None else 0
+        held = f"the resume state holds {block_range(done)}" if done else ""
+        output = root.parent
+        raise OutputUnwritableError(
+            f"the disk holding --output {output} filled up while the resume state was written ({why}); "
+            + (f"{held}: free some space" if held else "no block is saved yet: free some space")
+            + f" (about {human_bytes(free_bytes(output))} are free now) and rerun the same command to "
+            "continue, or choose another --output"
+        ) from exc
+
+
 class ResumeStore:
     """The resume folder of one output directory; `save_block` after each block, `load` to continue."""
 
@@ -117,11 +220,6 @@ class ResumeStore:
         if self.root.is_dir():
             shutil.rmtree(self.root)
 
-    def _damaged(self, why: str) -> ResumeStateError:
-        return ResumeStateError(
-            f"the resume state in {self.root} is damaged ({why}); pass --force to start over, or delete {self.root}"
-        )
-
     def load(self, config_hash: str, blocks: int) -> ResumeState | None:
         """The committed state, None when there is none; removes what a kill left unnamed.
 
@@ -141,81 +239,27 @@ class ResumeStore:
             # Killed before the first block's state.json: nothing was committed.
             self.discard()
             return None
-        state = self._read(config_hash, blocks)
+        try:
+            raw = json.loads(self.state_path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise _damaged(self.root, f"{RESUME_STATE_FILE} is unreadable: {exc}") from exc
+        state = _parse_state(self.root, raw, config_hash)
+        _check_files(self.root, state, blocks)
         for entry in self.root.iterdir():
             if entry.name != RESUME_STATE_FILE and entry.name not in state.files:
                 entry.unlink()
         return state
 
-    def _read(self, config_hash: str, blocks: int) -> ResumeState:
-        try:
-            raw = json.loads(self.state_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise self._damaged(f"{RESUME_STATE_FILE} is unreadable: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise self._damaged(f"{RESUME_STATE_FILE} is not a JSON object")
-        version = ResumeState.version_of(raw)
-        if version != PRUNE_STATE_VERSION:
-            raise ResumeStateError(
-                f"the resume state in {self.root} was written by another tsenor version (state version "
-                f"{version!r}, this one reads {PRUNE_STATE_VERSION}); pass --force to start over"
-            )
-        if raw.get("config_hash") != config_hash:
-            raise ResumeStateError(
-                f"the resume state in {self.root} was made with different settings or from another input "
-                "checkpoint (its files changed since); rerun the same command on the same checkpoint to "
-                "continue it, or pass --force to start over"
-            )
-        try:
-            state = ResumeState.from_json(raw, RESUME_STATE_FILE)
-        except SchemaError as exc:
-            raise self._damaged(str(exc)) from exc
-        if state.blocks != blocks:
-            raise ResumeStateError(
-                f"the resume state in {self.root} is for a model with {state.blocks} blocks, not {blocks}; "
-                "pass --force to start over"
-            )
-        expected = {block_file(i) for i in range(state.next_block)}
-        if state.hidden is not None:
-            expected.add(state.hidden)
-        if not 1 <= state.next_block <= blocks or (state.hidden is None) != (state.next_block == blocks):
-            raise self._damaged(f"next block {state.next_block} of {blocks} with hidden states {state.hidden}")
-        if set(state.files) != expected:
-            raise self._damaged(f"{RESUME_STATE_FILE} lists {sorted(state.files)}, not the files of its blocks")
-        for name, size in state.files.items():
-            path = self.root / name
-            if not path.is_file():
-                raise self._damaged(f"{name} is missing")
-            if path.stat().st_size != size:
-                raise self._damaged(f"{name} has {path.stat().st_size} bytes, {RESUME_STATE_FILE} says {size}")
-            if file_sha256(path) != state.digests.get(name):
-                raise self._damaged(f"{name} does not have the sha256 {RESUME_STATE_FILE} records")
-        return state
+    def _save(self, name: str, tensors: Mapping[str, torch.Tensor]) -> tuple[int, str]:
+        """Write `tensors` as `name` in the folder (atomically); its size and sha256."""
+        path = self.root / name
+        atomic.save_safetensors(tensors, path)
+        return path.stat().st_size, file_sha256(path)
 
-    def save_block(
-        self,
-        index: int,
-        block: nn.Module | Mapping[str, torch.Tensor],
-        hidden: torch.Tensor | None,
-        previous: ResumeState | None,
-        records: list[LayerRecord],
-        config_hash: str,
-        calibration: str,
-        calibration_source: DataSource,
-        blocks: int,
-        *,
-        dense: torch.Tensor | None = None,
-        refinement: tuple[BlockRefinement, ...] = (),
-    ) -> ResumeState:
-        """Commit that blocks 0..index are done (the order of the module docstring); returns the new state.
-
-        block: the pruned block, or its state dict (the background writer's snapshot, `hooks.ResumeHook.done`).
-        hidden: (S, T, H) the input of block index+1, None after the last block. previous: the state
-        committed after block index-1 (None for the first block of a fresh run). dense: the dense
-        stream's (S, T, H) there (`--refine block`), saved beside `hidden`; refinement: the records of
-        the blocks refined so far.
-        """
-        with self._full_disk_is_one_line(previous):
+    def save_block(self, save: BlockSave, key: StateKey, previous: ResumeState | None) -> ResumeState:
+        """Commit that blocks 0..save.index are done (the order of the module docstring); returns the new
+        state. previous: the state committed after block index-1 (None for the first block of a fresh run)."""
+        with _full_disk_is_one_line(self.root, previous):
             self.root.mkdir(parents=True, exist_ok=True)
             files = dict(previous.files) if previous is not None else {}
             digests = dict(previous.digests) if previous is not None else {}
@@ -223,55 +267,23 @@ class ResumeStore:
             if old_hidden is not None:
                 del files[old_hidden]
                 digests.pop(old_hidden, None)
-            name = block_file(index)
+            name = block_file(save.index)
+            block = save.block
             tensors = dict(block.state_dict()) if isinstance(block, nn.Module) else dict(block)
-            atomic.save_safetensors(tensors, self.root / name)
-            files[name], digests[name] = (self.root / name).stat().st_size, file_sha256(self.root / name)
+            files[name], digests[name] = self._save(name, tensors)
             new_hidden = None
-            if hidden is not None:
-                new_hidden = hidden_file(index)
-                streams = {"hidden": hidden} if dense is None else {"hidden": hidden, "dense": dense}
-                atomic.save_safetensors(streams, self.root / new_hidden)
-                path = self.root / new_hidden
-                files[new_hidden], digests[new_hidden] = path.stat().st_size, file_sha256(path)
+            if save.hidden is not None:
+                new_hidden = hidden_file(save.index)
+                streams = {"hidden": save.hidden} | ({"dense": save.dense} if save.dense is not None else {})
+                files[new_hidden], digests[new_hidden] = self._save(new_hidden, streams)
             state = ResumeState(
-                config_hash,
-                index + 1,
-                blocks,
-                new_hidden,
-                files,
-                list(records),
-                calibration,
-                calibration_source,
-                tuple(refinement),
-                digests,
-            )
+                key.config_hash, save.index + 1, key.blocks, new_hidden, files, list(save.records),
+                key.calibration, key.calibration_source, tuple(save.refinement), digests,
+            )  # fmt: skip
             atomic.write_json(self.state_path, state.to_json(), indent=1)
             if old_hidden is not None:
                 (self.root / old_hidden).unlink(missing_ok=True)
             return state
-
-    @contextmanager
-    def _full_disk_is_one_line(self, previous: ResumeState | None) -> Iterator[None]:
-        """A full disk (or quota) while the resume state is written → OutputUnwritableError (exit 4), as the
-        final write gives it: the block and hidden-state files are written by safetensors' own code, and a
-        disk that filled up there was "unexpected SafetensorError". The state committed before
-        (`previous`) stays whole, and the line says what it holds."""
-        try:
-            yield
-        except (OSError, SafetensorError) as exc:
-            why = disk_full(exc)
-            if why is None:
-                raise
-            done = previous.next_block if previous is not None else 0
-            held = f"the resume state holds {block_range(done)}" if done else ""
-            output = self.root.parent
-            raise OutputUnwritableError(
-                f"the disk holding --output {output} filled up while the resume state was written ({why}); "
-                + (f"{held}: free some space" if held else "no block is saved yet: free some space")
-                + f" (about {human_bytes(free_bytes(output))} are free now) and rerun the same command to "
-                "continue, or choose another --output"
-            ) from exc
 
     def restore_blocks(self, blocks: nn.ModuleList, state: ResumeState) -> None:
         """Load the saved pruned parameters of blocks 0..next_block-1 into `blocks` (on the CPU)."""
@@ -280,7 +292,7 @@ class ResumeStore:
             try:
                 blocks[index].load_state_dict(load_file(str(self.root / name)), strict=True)
             except (SafetensorError, OSError, RuntimeError) as exc:
-                raise self._damaged(f"{name} does not load into block {index}: {exc}") from exc
+                raise _damaged(self.root, f"{name} does not load into block {index}: {exc}") from exc
 
     def load_hidden(
         self, state: ResumeState, device: torch.device, rows: slice | None = None, *, stream: str = "hidden"
@@ -297,7 +309,7 @@ class ResumeStore:
                 with safe_open(str(self.root / state.hidden), framework="pt") as handle:
                     hidden = handle.get_slice(stream)[rows]
         except (SafetensorError, OSError, KeyError) as exc:
-            raise self._damaged(f"{state.hidden} does not load: {exc}") from exc
+            raise _damaged(self.root, f"{state.hidden} does not load: {exc}") from exc
         if hidden.dim() != 3:
-            raise self._damaged(f"{state.hidden} holds a tensor of shape {tuple(hidden.shape)}, not (S, T, H)")
+            raise _damaged(self.root, f"{state.hidden} holds a tensor of shape {tuple(hidden.shape)}, not (S, T, H)")
         return hidden.to(device)
