@@ -75,7 +75,7 @@ def test_a_whole_matrix_comparison_stays_within_each_part() -> None:
     pattern = SparsityPattern.unstructured(0.5)
     stacked = torch.cat([q, k])
     assert not choose_mask(stacked, pattern, "flow", unstructured_scope="matrix").mask[2:].any()
-    per_part = choose_mask(stacked, pattern, "flow", unstructured_scope="matrix", parts=[2, 2]).mask
+    per_part = choose_mask(stacked, pattern, "flow", unstructured_scope=[2, 2]).mask
     expected = torch.tensor([[True, True], [False, False], [True, False], [False, True]])
     assert torch.equal(per_part, expected)
 
