@@ -23,8 +23,7 @@ from test_moe import MOE
 
 from tsenor_cli.models.loading import meta_model
 from tsenor_cli.models.structure import discover_structure
-from tsenor_cli.pruning.plan import plan as plan_module
-from tsenor_cli.pruning.plan import probe
+from tsenor_cli.pruning.plan import advice, probe
 
 SEQ_LEN = 24
 
@@ -150,7 +149,7 @@ def test_a_plan_that_does_not_fit_names_the_flags_that_would(
     # Whole loads (--no-stream), so that streaming is one of the fixes the refusal can name.
     host = _plan(tiny, "--nsamples", "64", "--no-stream")["estimated_host_bytes_per_process"]
     # One byte short of the plan: a smaller calibration set, bf16 weights or --stream (one block fewer held) fit.
-    monkeypatch.setattr(plan_module, "available_host_bytes", lambda: host["total"] - 1)
+    monkeypatch.setattr(advice, "available_host_bytes", lambda: host["total"] - 1)
     args = ["prune", "--model", str(tiny), "--no-stream", "--nm", "2:4", "--nsamples", "64", "--dry-run"]
     refused = invoke(args)
     assert refused.exit_code == 5, refused.output

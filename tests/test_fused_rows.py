@@ -75,7 +75,7 @@ def test_a_whole_matrix_comparison_stays_within_each_part() -> None:
     pattern = SparsityPattern.unstructured(0.5)
     stacked = torch.cat([q, k])
     assert not choose_mask(stacked, pattern, "flow", unstructured_scope="matrix").mask[2:].any()
-    per_part = choose_mask(stacked, pattern, "flow", unstructured_scope="matrix", parts=[2, 2]).mask
+    per_part = choose_mask(stacked, pattern, "flow", unstructured_scope=[2, 2]).mask
     expected = torch.tensor([[True, True], [False, False], [True, False], [False, True]])
     assert torch.equal(per_part, expected)
 
@@ -132,7 +132,7 @@ def _prune_block(tiny: Path, spec: PrunerSpec, cfg: LayerPruneConfig) -> tuple[d
 # (method, the tiny LLaMA's MLP width, the stacks the engine hands the method): q (64) / k, v (32: 2 of 4
 # heads) stacked, o and down alone (each reads its own input), nothing for ALPS. gate / up go apart at
 # MLP width 128: stacked (256, 64), their working set (`memory.matrix_workspace`) would pass down's
-# (64, 128), the largest the plan's device estimate holds (`BlockPruner._classes`); at width 512 (as at
+# (64, 128), the largest the plan's device estimate holds (`engine._classes`); at width 512 (as at
 # SmolLM2's widths) SparseGPT's stack (1024, 64) stays under down's (64, 512), whose H is 8² times q's.
 STACKS = [
     ("sparsegpt", 128, [[64, 32, 32]]),

@@ -179,7 +179,7 @@ def test_jambas_dt_proj_statistics_are_the_columns_it_multiplies() -> None:
     norm = block.get_submodule("mamba.dt_layernorm")
     handle = norm.register_forward_hook(lambda _m, _a, out: normed.append(out.reshape(-1, 16)))
     try:
-        stats = unit_input_stats(block, {name: unit}, inputs.hidden, call, torch.device("cpu"), MoeOptions())
+        stats = unit_input_stats(block, {name: unit}, inputs.hidden, call, MoeOptions())
     finally:
         handle.remove()
     rows = torch.cat(normed)  # (2·T, 16)

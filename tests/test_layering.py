@@ -179,27 +179,46 @@ def test_no_library_function_is_over_80_lines() -> None:
     assert _long_functions(40)  # the check sees functions at all: some are over half the limit
 
 
-# The run's composition (issue: a composed pipeline): its modules hold no function over 60 lines, no class
-# over 200 and no function with more than 6 parameters other than `self` (plain records excepted).
-RUN_MODULES = ("run", "steps", "sinks", "hooks", "seams", "writer", "api")
-PIPELINE = (*(f"pruning/run/{name}.py" for name in RUN_MODULES), "phases.py")
+# The pruning layers (methods, settings, block, plan, run) and the timing system hold no function over 60
+# lines, no class over 200 and no function with more than 6 parameters other than `self`; a wider signature
+# is allowed only for a plain record or a documented entry point, listed here with its count.
+SIZED = (*sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "pruning").rglob("*.py")), "phases.py")
 # The Python API's entry points take their options as keywords: the model, its settings, and where data,
 # progress, extra hooks and sinks (and for `prune_model`, a stop request, a kill for tests, a model in
 # memory) come from.
-WIDE_ENTRY_POINTS = {"api.py:prune": 7, "api.py:prune_model": 8}
+WIDE_ENTRY_POINTS = {"pruning/run/api.py:prune": 7, "pruning/run/api.py:prune_model": 8}
+# Split by the work on block refinement (refine.py, joint.py) and on the run folder's files (output.py,
+# resume.py), made beside this check: each entry is the size found before; an entry whose function or
+# class was split fails this test until it is removed, and the list ends empty.
+SPLIT_ELSEWHERE = {
+    "long": {"pruning/block/refine.py:refine_block": 76},
+    "wide": {
+        "pruning/block/joint.py:__init__": 7,
+        "pruning/block/refine.py:refine_block": 14,
+        "pruning/block/refine.py:_train": 14,
+        "pruning/block/refine.py:_accumulate": 7,
+        "pruning/block/refine.py:_ordered_gradients": 10,
+        "pruning/block/refine.py:_errors": 8,
+        "pruning/block/refine.py:refine_pruned_block": 14,
+        "pruning/run/output.py:write_model_folder": 10,
+        "pruning/run/output.py:write_checkpoint": 11,
+        "pruning/run/resume.py:save_block": 11,
+    },
+    "big": {"pruning/run/resume.py:ResumeStore": 208},
+}
 
 
-def _pipeline_nodes() -> list[tuple[str, ast.AST]]:
-    found = []
-    for name in PIPELINE:
-        path = PACKAGE / name
-        found += [(path.name, node) for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))]
-    return found
+def _sized_nodes() -> list[tuple[str, ast.AST]]:
+    return [
+        (name, node) for name in SIZED for node in ast.walk(ast.parse((PACKAGE / name).read_text(encoding="utf-8")))
+    ]
 
 
-def test_the_pipeline_modules_hold_small_functions_and_classes() -> None:
+def _sizes() -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """({module:function: lines} over 60, {module:function: parameters} over 6, {module:class: lines} over 200)
+    of the modules of `SIZED`."""
     long, wide, big = {}, {}, {}
-    for module, node in _pipeline_nodes():
+    for module, node in _sized_nodes():
         size = (getattr(node, "end_lineno", 0) or 0) - getattr(node, "lineno", 0) + 1
         if isinstance(node, ast.FunctionDef):
             if size > 60:
@@ -211,7 +230,24 @@ def test_the_pipeline_modules_hold_small_functions_and_classes() -> None:
                 wide[f"{module}:{node.name}"] = count
         elif isinstance(node, ast.ClassDef) and size > 200:
             big[f"{module}:{node.name}"] = size
-    assert (long, wide, big) == ({}, WIDE_ENTRY_POINTS, {})
+    return long, wide, big
+
+
+def test_the_pruning_layers_hold_small_functions_and_classes() -> None:
+    assert {"pruning/methods/alps.py", "pruning/plan/plan.py", "pruning/block/engine.py"} <= set(SIZED)
+    long, wide, big = _sizes()
+    assert long == SPLIT_ELSEWHERE["long"]
+    assert wide == WIDE_ENTRY_POINTS | SPLIT_ELSEWHERE["wide"]
+    assert big == SPLIT_ELSEWHERE["big"]
+
+
+def test_the_size_check_sees_functions_and_classes() -> None:
+    """The walk reaches what it measures: functions and classes past half their limits (methods included)."""
+    sizes: dict[type, list[int]] = {ast.FunctionDef: [], ast.ClassDef: []}
+    for _module, node in _sized_nodes():
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            sizes[type(node)].append((node.end_lineno or node.lineno) - node.lineno + 1)
+    assert max(sizes[ast.FunctionDef]) > 30 and max(sizes[ast.ClassDef]) > 100
 
 
 # What a code comment or docstring may not hold: an issue number ("issue 42", "Issue 26's") or an ISO date.

@@ -26,6 +26,7 @@ from tsenor_cli.pruning.block import engine
 from tsenor_cli.pruning.methods import magnitude
 from tsenor_cli.pruning.methods.types import LayerPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
+from tsenor_cli.pruning.plan.render import plan_lines
 from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.pruning.settings.config import PruneConfig, RefineConfig
 from tsenor_cli.runfiles import PRUNE_FILE
@@ -62,9 +63,9 @@ def test_the_dry_run_shows_no_calibration_and_no_activations(tiny_llama: Callabl
     assert wanda_plan.device_memory[0].activations >= 2 * 128 * 512 * hidden
     assert magnitude_plan.host_memory.tokens <= 16 * STAND_IN_SEQLEN  # int64 ids
     cfg = _cfg(model, None)
-    first = next(iter(magnitude_plan.lines(cfg)))
+    first = next(iter(plan_lines(magnitude_plan, cfg)))
     assert first.endswith("no calibration (magnitude reads no data)") and "c4" not in first
-    assert next(iter(wanda_plan.lines(_cfg(model, None, "wanda")))).endswith("calibration c4 128×512")
+    assert next(iter(plan_lines(wanda_plan, _cfg(model, None, "wanda")))).endswith("calibration c4 128×512")
     result = invoke(["prune", str(model), "--nm", "2:4", "--method", "magnitude", "--dry-run", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["calibration"] is False

@@ -288,8 +288,8 @@ def test_statistics_watched_in_scope_equal_the_whole_blocks_watch(family: str) -
     assert all(unit.scope is not None and name.startswith(unit.scope + ".") for name, unit in units.items())
     whole = {name: dataclasses.replace(unit, scope=None) for name, unit in units.items()}
     moe = MoeOptions(calibration="all")
-    scoped = unit_input_stats(block, units, hidden, call, torch.device("cpu"), moe)
-    reference = unit_input_stats(block, whole, hidden, call, torch.device("cpu"), moe)
+    scoped = unit_input_stats(block, units, hidden, call, moe)
+    reference = unit_input_stats(block, whole, hidden, call, moe)
     for name in units:
         got, want = scoped[name], reference[name]
         assert isinstance(got, StackInputs) and isinstance(want, StackInputs)
@@ -316,7 +316,7 @@ def test_every_token_statistics_count_each_token_once() -> None:
     experts = block.get_submodule(cast(str, units[first].routing))
     handle = experts.register_forward_pre_hook(lambda _m, args: tokens.append(args[0].reshape(-1, 64)))
     try:
-        stats = unit_input_stats(block, units, inputs.hidden, call, torch.device("cpu"), MoeOptions(calibration="all"))
+        stats = unit_input_stats(block, units, inputs.hidden, call, MoeOptions(calibration="all"))
     finally:
         handle.remove()
     routed_calls = tokens[: inputs.hidden.shape[0]]  # the routed forward's calls; the every-token re-calls follow
@@ -341,9 +341,7 @@ def test_routed_statistics_equal_each_experts_own_inputs() -> None:
     mlp = block.get_submodule(name.rsplit(".", 2)[0])  # the module holding the router and the experts
     handle = mlp.register_forward_pre_hook(lambda _m, args: moe_inputs.append(args[0].reshape(-1, 64)))
     try:
-        stats = unit_input_stats(
-            block, {name: seen.units[name]}, inputs.hidden, call, torch.device("cpu"), MoeOptions(min_tokens=1)
-        )
+        stats = unit_input_stats(block, {name: seen.units[name]}, inputs.hidden, call, MoeOptions(min_tokens=1))
     finally:
         handle.remove()
     router = next(u for u in seen.units.values() if u.role == "router")

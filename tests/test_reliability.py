@@ -19,11 +19,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tsenor_cli.cli import DEBUG_HINT, main
-from tsenor_cli.errors import BadInputError, UsageError
+from tsenor_cli.errors import BadInputError
 from tsenor_cli.outputs import human_bytes
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.block.finite import first_non_finite
-from tsenor_cli.pruning.block.memory import check_fits
+from tsenor_cli.pruning.block.memory import Demand, Limits, fit_refusal
 from tsenor_cli.pruning.methods.stats import reconstruction_error
 from tsenor_cli.pruning.methods.types import LayerPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
@@ -556,21 +556,9 @@ def test_host_and_device_estimates_by_hand(tiny: Path, data_ctx: RunContext) -> 
     def verdict(
         device: torch.device, host_available: int, device_total: int | None, offload: bool = False, processes: int = 1
     ) -> str:
-        try:
-            check_fits(
-                host,
-                plan.device_bytes,
-                device,
-                nsamples=4,
-                seqlen=32,
-                offload_activations=offload,
-                processes=processes,
-                host_available=host_available,
-                device_total=device_total,
-            )
-        except UsageError as exc:
-            return str(exc)
-        return "fits"
+        demand = Demand(host, plan.device_bytes, device, nsamples=4, seqlen=32, processes=processes)
+        refusal = fit_refusal(demand, Limits(host_available, device_total), offload_activations=offload)
+        return "fits" if refusal is None else refusal
 
     assert verdict(cpu, host.total, None) == "fits"
     assert verdict(cpu, host.total - 1, None).startswith("--nsamples 4 × --seqlen 32 needs about ")

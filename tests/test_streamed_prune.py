@@ -21,6 +21,7 @@ from tsenor_cli.models.loading import load_model
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.methods.types import LayerPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
+from tsenor_cli.pruning.plan.render import plan_lines
 from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.pruning.run.writer import CheckpointSink
 from tsenor_cli.replay import BlockSource
@@ -160,7 +161,7 @@ def test_dry_run_host_memory_is_one_block_when_streamed(model: Path, calib: Path
     per_block = whole_plan.blocks_bytes // BLOCKS
     assert streamed_plan.host_memory.model == whole_plan.host_memory.model - (BLOCKS - 1) * per_block
     assert streamed_plan.host_memory.streamed and "one block" in streamed_plan.host_memory.describe()
-    lines = list(streamed_plan.lines(sparsegpt_config(model, calib, None, stream=True)))
+    lines = list(plan_lines(streamed_plan, sparsegpt_config(model, calib, None, stream=True)))
     assert any(line.startswith("disk: checkpoint ") for line in lines)
 
 

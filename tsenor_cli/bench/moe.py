@@ -179,9 +179,9 @@ def run_moe_bench(cfg: MoeBenchConfig, progress: Progress) -> MoeBenchResult:
     timed = _interleaved(
         [
             dense,
-            lambda: found.update(unit_input_stats(block, stacks, hidden, call, device, moe)),
-            lambda: [unit_input_stats(block, {n: stacks[n] for n in g}, hidden, call, device, moe) for g in groups],
-            lambda: unit_input_stats(block, stacks, hidden, call, device, MoeOptions(calibration="all")),
+            lambda: found.update(unit_input_stats(block, stacks, hidden, call, moe)),
+            lambda: [unit_input_stats(block, {n: stacks[n] for n in g}, hidden, call, moe) for g in groups],
+            lambda: unit_input_stats(block, stacks, hidden, call, MoeOptions(calibration="all")),
         ],
         cfg.repeats,
     )

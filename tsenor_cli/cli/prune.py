@@ -134,13 +134,15 @@ def _check_calibration_source(cfg: PruneConfig, run_ctx: RunContext) -> None:
 
 
 def _dry_run(cfg: PruneConfig, run_ctx: RunContext, nproc: int, *, as_json: bool) -> None:
-    """Print the plan (text or JSON) and end as the run would (`PrunePlan.check`)."""
+    """Print the plan (text or JSON) and end as the run would (`advice.check_plan`)."""
+    from tsenor_cli.pruning.plan.advice import check_plan
     from tsenor_cli.pruning.plan.plan import plan_model
+    from tsenor_cli.pruning.plan.render import plan_dict, plan_lines
 
     processes = max(nproc, run_ctx.distributed.world_size)
     plan = plan_model(cfg, run_ctx, world_size=processes)
-    typer.echo(json.dumps(plan.to_dict(), indent=2) if as_json else "\n".join(plan.lines(cfg)))
-    plan.check(cfg, processes)
+    typer.echo(json.dumps(plan_dict(plan), indent=2) if as_json else "\n".join(plan_lines(plan, cfg)))
+    check_plan(plan, cfg, processes)
 
 
 def _eval_config(

@@ -137,26 +137,7 @@ class Team:
                 raise
             error = exc
         if self.distributed:
-            self._settle(error)
-
-    def _settle(self, error: Exception | None) -> None:
-        import torch.distributed as dist
-
-        flag = torch.tensor([self.rank if error is not None else self.world_size], device=self.comm_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        first = int(flag.item())
-        if first == self.world_size:
-            return
-        box: list[Any] = [None]
-        if self.rank == first:
-            assert error is not None
-            box[0] = _describe(error, self.rank)
-        dist.broadcast_object_list(box, src=first, device=self.comm_device)
-        failure: _Failure = box[0]
-        if self.rank == first and self.is_root:
-            assert error is not None
-            raise error
-        raise PeerError(failure.message, failure.exit_code) from error
+            _settle(self, error)
 
     def first_set(self, value: str | None) -> str | None:
         """The `value` of the lowest rank where it is not None (e.g. the signal that asked some ranks to
@@ -293,6 +274,28 @@ class Team:
                     if start + j < stop:
                         whole[start + j] = rows[rank].cpu()
         return whole
+
+
+def _settle(team: Team, error: Exception | None) -> None:
+    """`Team.agreed`'s end on every rank: the lowest failing rank (if any) is found by one all-reduce and
+    tells the others its line and exit code; rank 0 raises its own error, every other rank `PeerError`."""
+    import torch.distributed as dist
+
+    flag = torch.tensor([team.rank if error is not None else team.world_size], device=team.comm_device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    first = int(flag.item())
+    if first == team.world_size:
+        return
+    box: list[Any] = [None]
+    if team.rank == first:
+        assert error is not None
+        box[0] = _describe(error, team.rank)
+    dist.broadcast_object_list(box, src=first, device=team.comm_device)
+    failure: _Failure = box[0]
+    if team.rank == first and team.is_root:
+        assert error is not None
+        raise error
+    raise PeerError(failure.message, failure.exit_code) from error
 
 
 def shared_input_classes(kept: Mapping[str, Sequence[torch.Tensor]]) -> list[list[str]]:

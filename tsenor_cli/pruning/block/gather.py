@@ -211,6 +211,58 @@ class _UnitCollector:
                 chosen[name] = low.tolist()
         return chosen
 
+    def every_token_stats(
+        self,
+        block: nn.Module,
+        by_routing: Mapping[str, list[str]],
+        chosen: Mapping[str, list[int]],
+        inputs: torch.Tensor,
+        call: BlockCall,
+    ) -> dict[str, ExpertStats]:
+        """The every-token statistics of the `chosen` experts of each stack, one pass per routing module
+        (`by_routing`: its stacks' names) over `inputs` (`every_token_pass`)."""
+        every_stats: dict[str, ExpertStats] = {}
+        for routing, names in by_routing.items():
+            for name in names:
+                g = self.units[name].geometry
+                self.every[name] = RowBuffer(
+                    ExpertStats(g.experts, g.in_features, gram=True, device=self.device, zero_rows=False)
+                )
+            wanted = sorted({e for name in names for e in chosen[name]})
+            self.channel[0] = "skip"  # the routed call before each re-call was counted in the first pass
+            try:
+                experts = self.units[names[0]].geometry.experts
+                self.every_token_pass(block, routing, experts, wanted, inputs, call)
+            finally:
+                self.channel[0] = "routed"
+            every_stats.update({name: self.every.pop(name).flush() for name in names})
+        return every_stats
+
+    def every_token_pass(
+        self, block: nn.Module, routing: str, total: int, experts: list[int], inputs: torch.Tensor, call: BlockCall
+    ) -> None:
+        """Run each sample of `inputs` (S, T, H) up to the routing module `routing` (of `total` experts),
+        re-call it with every token sent to `experts` (this collector adds those inputs while the channel is
+        "every") and stop the forward there."""
+        channel = self.channel
+
+        def stop() -> None:
+            raise Seen
+
+        @contextlib.contextmanager
+        def recording() -> Iterator[None]:
+            previous, channel[0] = channel[0], "every"
+            try:
+                yield
+            finally:
+                channel[0] = previous
+
+        chosen = torch.tensor(experts, device=self.device)
+        with every_token(block, routing, total, chosen, after=stop, around=recording):
+            for j in range(inputs.shape[0]):
+                with contextlib.suppress(Seen):
+                    block_output(block, call, inputs[j : j + 1].to(self.device))
+
 
 @torch.no_grad()
 def unit_input_stats(
@@ -218,14 +270,14 @@ def unit_input_stats(
     units: Mapping[str, Unit],
     inputs: torch.Tensor,
     call: BlockCall,
-    device: torch.device,
     moe: MoeOptions,
     *,
     stop_early: bool = True,
 ) -> dict[str, InputStats | StackInputs]:
     """inputs: (S, T, H) → statistics of the inputs of each unit (parameters used as matmul weights, by
     name), gathered by watching the block's forward (`observe.watching`, only inside the units' scopes
-    when every unit has one), one sample at a time.
+    when every unit has one), one sample at a time on the device of the units' weights (where the
+    matrices that read those inputs compute).
 
     Single matrices get `InputStats` (what nn.Linear's hook path adds up, for Conv1D and bare 2D
     parameters); stacks of experts `StackInputs`, each row added to the expert it was routed to, in
@@ -234,6 +286,9 @@ def unit_input_stats(
     every token sent to the experts any of its stacks needs (`observe.every_token`), stopped as soon as
     that call is done.
     """
+    if not units:
+        return {}
+    device = block.get_parameter(next(iter(units.values())).param).device
     seen = _UnitCollector(units, device, stop_early)
     scopes = {unit.scope for unit in units.values()}
     result: dict[str, InputStats | StackInputs] = {}
@@ -252,57 +307,11 @@ def unit_input_stats(
         for name in seen.stacks:
             if chosen[name]:
                 by_routing.setdefault(cast(str, units[name].routing), []).append(name)
-        every_stats: dict[str, ExpertStats] = {}
-        for routing, names in by_routing.items():
-            for name in names:
-                g = units[name].geometry
-                seen.every[name] = RowBuffer(
-                    ExpertStats(g.experts, g.in_features, gram=True, device=device, zero_rows=False)
-                )
-            wanted = sorted({e for name in names for e in chosen[name]})
-            seen.channel[0] = "skip"  # the routed call before each re-call was counted in the first pass
-            try:
-                experts = units[names[0]].geometry.experts
-                _every_token_pass(block, routing, experts, wanted, inputs, call, device, seen.channel)
-            finally:
-                seen.channel[0] = "routed"
-            every_stats.update({name: seen.every.pop(name).flush() for name in names})
+        every_stats = seen.every_token_stats(block, by_routing, chosen, inputs, call)
         for name in units:
             if name in seen.stacks:
                 result[name] = StackInputs(counts[name], every_stats.get(name), frozenset(chosen[name]))
     return result
-
-
-def _every_token_pass(
-    block: nn.Module,
-    routing: str,
-    total: int,
-    experts: list[int],
-    inputs: torch.Tensor,
-    call: BlockCall,
-    device: torch.device,
-    channel: list[str],
-) -> None:
-    """Run each sample up to the routing module `routing` (of `total` experts), re-call it with every token
-    sent to `experts` (the caller's watch adds those inputs while channel[0] is "every") and stop the
-    forward there."""
-
-    def stop() -> None:
-        raise Seen
-
-    @contextlib.contextmanager
-    def recording() -> Iterator[None]:
-        previous, channel[0] = channel[0], "every"
-        try:
-            yield
-        finally:
-            channel[0] = previous
-
-    chosen = torch.tensor(experts, device=device)
-    with every_token(block, routing, total, chosen, after=stop, around=recording):
-        for j in range(inputs.shape[0]):
-            with contextlib.suppress(Seen):
-                block_output(block, call, inputs[j : j + 1].to(device))
 
 
 def observe_blocks(

@@ -9,16 +9,17 @@ every allocation (torch.profiler's memory events, internal LAPACK workspaces inc
 
 A prune whose calibration set cannot fit (``--nsamples 1000000000``) would otherwise allocate for
 minutes and die inside torch's allocator. `check_fits` compares the plan's host estimate
-(`HostEstimate`) with the memory this process may still take (`available_host_bytes`: the kernel's
-MemAvailable, or the cgroup's remaining limit under SLURM or a container when that is smaller) and
-the device estimate with the device's total memory; an estimate beyond its limit is refused with one
-line (`DoesNotFitError`, exit 5) naming the flags that would make it fit.
+(`HostEstimate`, like the device's a function of a `Workload`: the estimates' inputs) with the memory
+this process may still take (`available_host_bytes`: the kernel's MemAvailable, or the cgroup's
+remaining limit under SLURM or a container when that is smaller) and the device estimate with the
+device's total memory (`fit_problem` of a `Demand` against `Limits`); an estimate beyond its limit is
+refused with one line (`DoesNotFitError`, exit 5) naming the flags that would make it fit.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -190,75 +191,117 @@ def forward_bytes(candidates: Sequence[LinearSlot], *, seqlen: int, width: int, 
     return seqlen * outputs * width + heads * seqlen * seqlen * 4 + 2 * seqlen * widest * 4
 
 
-def estimate_device_memory(
-    block_params: Sequence[int],
-    candidates: Sequence[LinearSlot],
-    cost: MethodCost,
-    *,
-    nsamples: int,
-    seqlen: int,
-    hidden_size: int,
-    width: int,
-    heads: int = 0,
-    world_size: int = 1,
-    offload_activations: bool = False,
-    sequential: bool = True,
-    refine: bool = False,
-    gathers: bool = True,
-) -> list[MemoryEstimate]:
-    """One `MemoryEstimate` per rank. block_params: parameter count of each block; candidates: the linears
-    to prune (none when --targets selects only linears outside the language model); cost: the method's
-    (`MethodCost.of`); width: bytes per element of the model's dtype (statistics are float32); heads:
-    the attention heads (`forward_bytes`); refine: --refine block (`MemoryEstimate.refine`); gathers:
-    the method reads input statistics (`PrunerSpec.needs_data`; magnitude gathers none: no statistics,
-    and no linear inputs kept by a distributed rank).
+@dataclass(frozen=True)
+class Workload:
+    """What a run's memory estimates are computed from (a plain record; `plan.Sizing.estimate` fills it).
 
-    The workspace is the larger of the method's working set for the largest matrix (`slot_workspace`)
-    and one sample's forward (`forward_bytes`), which never run at once. These are torch's allocated
-    bytes (`torch.cuda.max_memory_allocated`, the H100 run's measure); what the caching allocator
-    reserves beyond them (its fragmentation: the H100 run did not record it) is not estimated, so a
-    GPU filled to the estimate's last percent may still run out.
+    block_params: the parameter count of each block; candidates: the linears to prune (none when --targets
+    selects only linears outside the language model); cost: the method's (`MethodCost.of`); nsamples and
+    seqlen: the samples and tokens the blocks run on; hidden_size; width: bytes per element of the model's
+    dtype (statistics are float32); heads: the attention heads (`forward_bytes`); world_size: the ranks;
+    device: the run's; model_params: the whole model's parameters; offload_activations, sequential,
+    refine (`MemoryEstimate.refine`), streamed and resume: the run's --offload-activations, --sequential,
+    --refine block, --stream and resume state; gathers: the method reads input statistics
+    (`PrunerSpec.needs_data`; magnitude gathers none: no statistics, and no linear inputs kept by a
+    distributed rank).
     """
-    from tsenor_cli.pruning.block.distributed import shard_bounds
 
-    blocks = len(block_params)
+    block_params: tuple[int, ...]
+    candidates: tuple[LinearSlot, ...]
+    cost: MethodCost
+    nsamples: int
+    seqlen: int
+    hidden_size: int
+    width: int
+    heads: int
+    world_size: int
+    device: torch.device
+    model_params: int
+    offload_activations: bool
+    sequential: bool
+    refine: bool
+    gathers: bool
+    streamed: bool
+    resume: bool
+
+    def per_block(self, size: Callable[[LinearSlot], int]) -> list[int]:
+        """`size` summed over each block's candidates, block by block."""
+        return [sum(size(s) for s in self.candidates if s.block == i) for i in range(len(self.block_params))]
+
+    @property
+    def sample_bytes(self) -> int:
+        """One sample's hidden states (T, H) in the model's dtype."""
+        return self.seqlen * self.hidden_size * self.width
+
+
+def _statistics_bytes(work: Workload) -> int:
+    """The input statistics (float32 XᵀX and column norms) one rank holds: a block's linears as one group,
+    in a distributed run twice (the sums in flight to the next rank) plus one linear's being added."""
+    if not work.gathers:
+        return 0
     # The engine holds one sequential group's statistics at a time (its linears share their input's);
     # the plan does not know the groups before a watch, so every linear of the block counts: exact
     # without --sequential, at most one block's other Gram matrices high with it (LLaMA-3.2-1B: 101 MB
     # over down_proj's 268 MB). A stack of E experts holds E Gram matrices at once (`stats.ExpertStats`).
-    stats_size = [
-        sum(s.matrices * (s.in_features**2 + s.in_features) for s in candidates if s.block == i) for i in range(blocks)
-    ]
-    statistics = 4 * max(stats_size) if gathers else 0
-    kept_features = 0  # per token, the linear inputs a distributed rank keeps for one group
-    if world_size > 1 and gathers:
-        statistics = 2 * statistics + 4 * max((s.in_features**2 + s.in_features for s in candidates), default=0)
-        per_block = [sum(s.in_features for s in candidates if s.block == i) for i in range(blocks)]
-        # One group's linears read one input (LLaMA's q,k,v; gate,up); without --sequential the block is
-        # one group and every linear's input counts (an upper bound: shared inputs are kept once).
-        kept_features = max((s.in_features for s in candidates), default=0) if sequential else max(per_block)
+    own = 4 * max(work.per_block(lambda s: s.matrices * (s.in_features**2 + s.in_features)))
+    if work.world_size <= 1:
+        return own
+    return 2 * own + 4 * max((s.in_features**2 + s.in_features for s in work.candidates), default=0)
+
+
+def _kept_features(work: Workload) -> int:
+    """Per token, the linear inputs a distributed rank keeps for one group's ordered sums (none alone or
+    without statistics). One group's linears read one input (LLaMA's q,k,v; gate,up); without
+    --sequential the block is one group and every linear's input counts (an upper bound: shared inputs
+    are kept once)."""
+    if work.world_size <= 1 or not work.gathers:
+        return 0
+    if work.sequential:
+        return max((s.in_features for s in work.candidates), default=0)
+    return max(work.per_block(lambda s: s.in_features))
+
+
+def _workspace_bytes(work: Workload) -> int:
+    """The larger of the method's working set for the largest matrix (`slot_workspace`) and one sample's
+    forward (`forward_bytes`), which never run at once; on CUDA the libraries' workspaces; and the block's
+    call arguments."""
     # No candidate when --targets selects only linears outside the language model (pruning/block/outside.py).
-    method = max((slot_workspace(s, cost) for s in candidates), default=0)
-    workspace = max(method, forward_bytes(candidates, seqlen=seqlen, width=width, heads=heads))
-    workspace += CUDA_LIBRARY_BYTES if cost.cuda else 0
+    method = max((slot_workspace(s, work.cost) for s in work.candidates), default=0)
+    forward = forward_bytes(work.candidates, seqlen=work.seqlen, width=work.width, heads=work.heads)
+    workspace = max(method, forward) + (CUDA_LIBRARY_BYTES if work.cost.cuda else 0)
     # What the model passes each block beside its hidden states (`engine.BlockCall`), held on the device
     # through the block: a (T, T) mask and the rotary cos and sin (T, head_dim), float32 (an upper bound).
-    workspace += 4 * seqlen * seqlen + 2 * 4 * seqlen * hidden_size
+    return workspace + 4 * work.seqlen * work.seqlen + 2 * 4 * work.seqlen * work.hidden_size
+
+
+def _refine_bytes(work: Workload) -> int:
+    """--refine block's training (`MemoryEstimate.refine`): the largest block in float32 with its gradients
+    and Adam's two moments, its weights before refinement, one sample's forward kept for backward."""
+    if not work.refine:
+        return 0
+    features = max(work.per_block(lambda s: s.matrices * (s.in_features + s.out_features)))
+    return max(work.block_params) * (4 * 4 + work.width) + 4 * work.seqlen * (features + 4 * work.hidden_size)
+
+
+def estimate_device_memory(work: Workload) -> list[MemoryEstimate]:
+    """One `MemoryEstimate` per rank of `work`.
+
+    These are torch's allocated bytes (`torch.cuda.max_memory_allocated`, the H100 run's measure); what
+    the caching allocator reserves beyond them (its fragmentation: the H100 run did not record it) is not
+    estimated, so a GPU filled to the estimate's last percent may still run out.
+    """
+    from tsenor_cli.pruning.block.distributed import shard_bounds
+
+    statistics, workspace, kept = _statistics_bytes(work), _workspace_bytes(work), _kept_features(work)
+    block, training = max(work.block_params) * work.width, _refine_bytes(work)
     estimates = []
-    for rank, (start, stop) in enumerate(shard_bounds(nsamples, world_size)):
-        rows = 1 if offload_activations else stop - start
-        activations = 2 * rows * seqlen * hidden_size * width  # block inputs and outputs
-        if not offload_activations:
-            activations += (stop - start) * seqlen * kept_features * width
-        training = 0
-        if refine:
-            activations += rows * seqlen * hidden_size * width  # the dense stream
-            features = max(
-                sum(s.matrices * (s.in_features + s.out_features) for s in candidates if s.block == i)
-                for i in range(blocks)
-            )
-            training = max(block_params) * (4 * 4 + width) + 4 * seqlen * (features + 4 * hidden_size)
-        estimates.append(MemoryEstimate(rank, max(block_params) * width, activations, statistics, workspace, training))
+    for rank, (start, stop) in enumerate(shard_bounds(work.nsamples, work.world_size)):
+        rows = 1 if work.offload_activations else stop - start
+        # Block inputs and outputs, and with --refine block the dense stream.
+        activations = (3 if work.refine else 2) * rows * work.sample_bytes
+        if not work.offload_activations:
+            activations += (stop - start) * work.seqlen * kept * work.width
+        estimates.append(MemoryEstimate(rank, block, activations, statistics, workspace, training))
     return estimates
 
 
@@ -313,42 +356,31 @@ class HostEstimate:
         }
 
 
-def host_estimate(
-    device_estimate: MemoryEstimate,
-    *,
-    device: torch.device,
-    params: int,
-    nsamples: int,
-    seqlen: int,
-    hidden_size: int,
-    width: int,
-    rows: int,
-    offload_activations: bool,
-    streamed: bool = False,
-    refine: bool = False,
-    resume: bool = False,
-    block_params: int = 0,
-) -> HostEstimate:
-    """The `HostEstimate` of the process whose device estimate is `device_estimate` (the largest rank's).
-    width: bytes per element of the model's dtype; rows: that rank's calibration samples (S_r); params:
-    the parameters the process holds (streamed: outside the blocks and the largest block); resume: the
-    run saves a resume state; block_params: the largest block's parameters."""
-    on_cpu = device.type == "cpu"
+def host_estimate(work: Workload, device_estimate: MemoryEstimate) -> HostEstimate:
+    """The `HostEstimate` of one process of `work` whose device estimate is `device_estimate` (the largest
+    rank's: `shard_bounds` gives rank 0 the most samples). A streamed run holds the parameters outside the
+    blocks and one block (the largest) at a time."""
+    rows = -(-work.nsamples // work.world_size)  # that rank's calibration samples (S_r)
+    on_cpu = work.device.type == "cpu"
+    streams = 3 if work.refine else 2
     if on_cpu:  # --offload-activations moves nothing on a CPU run: every sample stays in host memory
-        activations = max(device_estimate.activations, (3 if refine else 2) * rows * seqlen * hidden_size * width)
-    elif offload_activations:
-        activations = (3 if refine else 2) * rows * seqlen * hidden_size * width
+        activations = max(device_estimate.activations, streams * rows * work.sample_bytes)
+    elif work.offload_activations:
+        activations = streams * rows * work.sample_bytes
     else:
         activations = 0
     # Rank 0 saves every sample's inputs to the next block; a run without a resume state saves none.
-    inputs = (2 if refine else 1) * nsamples * seqlen * hidden_size * width if resume else 0
+    inputs = (2 if work.refine else 1) * work.nsamples * work.sample_bytes if work.resume else 0
+    largest = max(work.block_params, default=0)
+    held = work.model_params - sum(work.block_params) + largest if work.streamed else work.model_params
+    kept = largest * work.width if work.streamed else 0
     return HostEstimate(
-        model=params * width,
-        tokens=2 * nsamples * seqlen * TOKEN_BYTES,
+        model=held * work.width,
+        tokens=2 * work.nsamples * work.seqlen * TOKEN_BYTES,
         activations=activations,
         work=device_estimate.statistics + device_estimate.workspace + device_estimate.refine if on_cpu else 0,
-        streamed=streamed,
-        writer=WRITER_DEPTH * (inputs + (block_params * width if streamed else 0)) if resume or streamed else 0,
+        streamed=work.streamed,
+        writer=WRITER_DEPTH * (inputs + kept) if work.resume or work.streamed else 0,
     )
 
 
@@ -409,33 +441,64 @@ def device_total_bytes(device: torch.device) -> int | None:
     return int(torch.cuda.get_device_properties(device).total_memory)
 
 
-def fit_problem(
-    host: HostEstimate,
-    device_bytes: int,
-    device: torch.device,
-    *,
-    nsamples: int,
-    seqlen: int,
-    processes: int = 1,
-    host_limit: int | None,
-    device_limit: int | None,
-) -> str | None:
+@dataclass(frozen=True)
+class Demand:
+    """What a run asks of a machine (a plain record): one process's host estimate, the largest rank's
+    device peak (`PrunePlan.device_bytes`) on its device, how many processes run on the machine at once (a
+    dry run of --nproc K: K; each process of a run checks its own share), and the calibration sizes the
+    refusal names."""
+
+    host: HostEstimate
+    device_bytes: int
+    device: torch.device
+    nsamples: int
+    seqlen: int
+    processes: int = 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The bytes a run may take: host and device (None: not checked; a CPU run's device is the host)."""
+
+    host: int | None
+    device: int | None
+
+    @staticmethod
+    def here(device: torch.device) -> Limits:
+        """This machine's: the host memory this process may still take, `device`'s total."""
+        return Limits(available_host_bytes(), device_total_bytes(device))
+
+
+def fit_problem(demand: Demand, limits: Limits) -> str | None:
     """Why the run cannot fit, in one clause ("--nsamples S × --seqlen T needs about X of host memory
-    (...), but Y are available"), or None when it fits. host_limit / device_limit: the bytes available
-    (None: not checked; a CPU run's device is the host)."""
-    sizes = f"--nsamples {nsamples} × --seqlen {seqlen}"
-    if host_limit is not None and host.total * processes > host_limit:
+    (...), but Y are available"), or None when it fits."""
+    sizes = f"--nsamples {demand.nsamples} × --seqlen {demand.seqlen}"
+    host, processes = demand.host, demand.processes
+    if limits.host is not None and host.total * processes > limits.host:
         each = f" in each of {processes} processes" if processes > 1 else ""
         return (
             f"{sizes} needs about {human_bytes(host.total * processes)} of host memory ({host.describe()}{each}), "
-            f"but {human_bytes(host_limit)} are available"
+            f"but {human_bytes(limits.host)} are available"
         )
-    if device_limit is not None and device_bytes > device_limit:
+    if limits.device is not None and demand.device_bytes > limits.device:
         return (
-            f"{sizes} needs about {human_bytes(device_bytes)} of {device} memory per process, but the device "
-            f"has {human_bytes(device_limit)}"
+            f"{sizes} needs about {human_bytes(demand.device_bytes)} of {demand.device} memory per process, but "
+            f"the device has {human_bytes(limits.device)}"
         )
     return None
+
+
+def fit_refusal(demand: Demand, limits: Limits, *, offload_activations: bool) -> str | None:
+    """The line a run that cannot fit `limits` is refused with (the estimate, the limit, the fix: smaller
+    sizes, or --offload-activations when the host has room for it), None when it fits."""
+    problem = fit_problem(demand, limits)
+    if problem is None:
+        return None
+    on_device = limits.host is None or demand.host.total * demand.processes <= limits.host
+    fix = "pass a smaller --nsamples or --seqlen" + (
+        ", or --offload-activations" if on_device and not offload_activations else ""
+    )
+    return f"{problem}; {fix} (nothing was written)"
 
 
 def check_fits(
@@ -446,36 +509,13 @@ def check_fits(
     nsamples: int,
     seqlen: int,
     offload_activations: bool,
-    processes: int = 1,
-    host_available: int | None = None,
-    device_total: int | None = None,
-    fix: str | None = None,
 ) -> None:
-    """DoesNotFitError (one line: the estimate, the limit, the fix) when the run cannot fit.
-
-    host: one process's estimate; processes: how many of them run on this machine at once (a dry run of
-    --nproc K: K; each process of a run checks its own share); device_bytes: the largest rank's device
-    peak (`PrunePlan.device_bytes`). host_available and device_total default to this machine's
-    (`available_host_bytes`, `device_total_bytes`); tests pass their own. fix: what to pass instead
-    (`PrunePlan.fixes` computes it from the plan); by default smaller sizes, or --offload-activations.
-    """
-    limit = available_host_bytes() if host_available is None else host_available
-    total = device_total_bytes(device) if device_total is None else device_total
-    problem = fit_problem(
-        host,
-        device_bytes,
-        device,
-        nsamples=nsamples,
-        seqlen=seqlen,
-        processes=processes,
-        host_limit=limit,
-        device_limit=total,
+    """DoesNotFitError (`fit_refusal`'s line) when one process of the run cannot fit this machine (`Limits.here`).
+    host: its estimate; device_bytes: the largest rank's device peak (`PrunePlan.device_bytes`)."""
+    refusal = fit_refusal(
+        Demand(host, device_bytes, device, nsamples, seqlen),
+        Limits.here(device),
+        offload_activations=offload_activations,
     )
-    if problem is None:
-        return
-    if fix is None:
-        on_device = host.total * processes <= limit
-        fix = "pass a smaller --nsamples or --seqlen" + (
-            ", or --offload-activations" if on_device and not offload_activations else ""
-        )
-    raise DoesNotFitError(f"{problem}; {fix} (nothing was written)")
+    if refusal is not None:
+        raise DoesNotFitError(refusal)

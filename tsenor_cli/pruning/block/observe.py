@@ -238,6 +238,11 @@ def _geometry(param: torch.Tensor, weight: torch.Tensor, offset: int, usage: Usa
     return Geometry(experts, int(out_features), int(in_features), transposed), [s // numel for s in starts]
 
 
+# A weight's use as the watch caches it: its geometry, the expert of each matrix a call used, and the
+# same as a (G,) long tensor on the input's device.
+_View = tuple[Geometry, list[int], torch.Tensor]
+
+
 class _Watch(TorchFunctionMode):
     """Calls `on_use` for every matmul-like call whose weight is a block parameter; optionally tracks
     which unit's output each tensor derives from, to find routers (`taint`)."""
@@ -257,7 +262,7 @@ class _Watch(TorchFunctionMode):
         # (parameter, offset, shape, strides, usage, device) → the geometry, the expert of each used matrix
         # and those as a tensor: a forward repeats the same views, and a 64-expert stack's checks were a
         # fifth of the watch's cost per call (docs/measurements/benchmarks-moe.md).
-        self._views: dict[tuple[Any, ...], tuple[Geometry, list[int], torch.Tensor]] = {}
+        self._views: dict[tuple[Any, ...], _View] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -313,7 +318,7 @@ class _Watch(TorchFunctionMode):
                 geometry, experts = _geometry(param, weight, offset, usage)
                 view = self._views[key] = (geometry, experts, torch.tensor(experts, dtype=torch.long, device=x.device))
             geometry = view[0]
-            rows, ids = _rows(kind, x, geometry, view[1], view[2], args, kwargs)
+            rows, ids = _rows(kind, x, view, args, kwargs)
         except UnsupportedUse as exc:
             self.problems.setdefault(param_name, f"used by {name} through {exc}")
             return None
@@ -355,16 +360,12 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _rows(
-    kind: _CallKind,
-    x: torch.Tensor,
-    geometry: Geometry,
-    experts: list[int],
-    table: torch.Tensor,
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
+    kind: _CallKind, x: torch.Tensor, view: _View, args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The input rows (n, in) of a call and the expert of each row (n,) long (None: a single matrix);
-    experts: the expert of each matrix the call used, table: the same (G,) long on x's device."""
+    """The input rows (n, in) of a call (args, kwargs: a grouped call's offsets) and the expert of each
+    row (n,) long (None: a single matrix); view: the weight's geometry, the expert of each matrix the call
+    used, and the same (G,) long on x's device."""
+    geometry, experts, table = view
     width = geometry.in_features
     rows = x.reshape(-1, width)
     if kind == "single":
@@ -444,11 +445,7 @@ def observe_block(
 
     watch = _Watch(params, on_use, problems, taint=True)
     calls: dict[str, tuple[Any, ...]] = {}
-    holding = [(name, module) for name, module in block.named_modules() if name in _modules_holding(block)]
-    handles = [module.register_forward_pre_hook(_recorder(name, calls), with_kwargs=True) for name, module in holding]
-    for name, module in holding:
-        handles.append(module.register_forward_pre_hook(functools.partial(_enter, active, name)))
-        handles.append(module.register_forward_hook(functools.partial(_leave, active), always_call=True))
+    handles = _install_hooks(block, calls, active)
     try:
         with watch:
             run()
@@ -457,6 +454,31 @@ def observe_block(
             handle.remove()
     for name in watch.problems:
         units.pop(name, None)
+    _settle(units, watch, calls, enclosing)
+    groups: dict[Any, list[str]] = {}
+    for name in units:
+        groups.setdefault(keys[name], []).append(name)
+    held.clear()
+    return BlockObservation(units, tuple(tuple(g) for g in groups.values()), _unused(block, units, watch))
+
+
+def _install_hooks(block: nn.Module, calls: dict[str, tuple[Any, ...]], active: list[str]) -> list[Any]:
+    """Hooks on the block's modules holding parameters: each records its call's arguments in `calls` and
+    keeps `active` (the modules whose forward is running, outermost first); the handles to remove them."""
+    holding = [(name, module) for name, module in block.named_modules() if name in _modules_holding(block)]
+    handles = [module.register_forward_pre_hook(_recorder(name, calls), with_kwargs=True) for name, module in holding]
+    for name, module in holding:
+        handles.append(module.register_forward_pre_hook(functools.partial(_enter, active, name)))
+        handles.append(module.register_forward_hook(functools.partial(_leave, active), always_call=True))
+    return handles
+
+
+def _settle(
+    units: dict[str, Unit], watch: _Watch, calls: dict[str, tuple[Any, ...]], enclosing: dict[str, set[str]]
+) -> None:
+    """What the whole forward shows of each unit: its role (a router's or a one-output gate's), an expert
+    stack's routing (from the recorded `calls`), and its scope (the innermost module running at every
+    use, from `enclosing`)."""
     for unit in units.values():
         if unit.param in watch.routers:
             unit.role = "router"
@@ -465,10 +487,10 @@ def observe_block(
         if unit.geometry.experts:
             unit.routing = _find_routing(unit, calls)
         unit.scope = max(enclosing.get(unit.param, ()), key=len, default=None)
-    groups: dict[Any, list[str]] = {}
-    for name in units:
-        groups.setdefault(keys[name], []).append(name)
-    held.clear()
+
+
+def _unused(block: nn.Module, units: dict[str, Unit], watch: _Watch) -> dict[str, str]:
+    """{name: why} of the block's parameters of two or more dimensions that are no unit."""
     unused: dict[str, str] = {}
     for name in matrix_parameters(block):
         if name in units:
@@ -479,7 +501,7 @@ def observe_block(
             unused[name] = f"not a matmul weight of the forward (read by {', '.join(sorted(watch.touched[name]))})"
         else:
             unused[name] = "never read by the block's forward on this input"
-    return BlockObservation(units, tuple(tuple(g) for g in groups.values()), unused)
+    return unused
 
 
 def _modules_holding(block: nn.Module) -> set[str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from tsenor_cli.progress import bar, logger
 from tsenor_cli.pruning.methods.method import MethodOptions, PrunerSpec, option
@@ -202,52 +202,68 @@ def _final_infos(
     ]
 
 
-def prune_batch(
-    weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig, *, parts: Sequence[int] | None = None
-) -> list[PruneOutcome]:
-    """weights: (..., out, in), one matrix or a stack with Gram matrices (..., in, in) → one
-    `PruneOutcome` per matrix from ADMM + CG; `iterations` counts each matrix's ADMM steps.
+class _Problem(NamedTuple):
+    """The normalized problem ADMM solves: D (..., in) the damped Gram diagonal's square roots, Ĥ (...,
+    in, in) with unit diagonal and its eigenvalues Λ (..., in) and vectors Q (float64), B̂ = W·D and
+    Y = B̂Ĥ (..., out, in)."""
 
-    A stack runs its ADMMs side by side: one batched eigendecomposition, every step's products batched,
-    every projection one solver call for all matrices. Each matrix keeps its own ρ schedule and stops on
-    its own support change; a stopped matrix is frozen (its state no longer changes) while the others
-    run on. The ADMM loop shows a bar on a terminal and logs its ρ/support-change lines at DEBUG.
-    parts: always None, ALPS does not prune linears stacked along their outputs (`PrunerSpec.fuses_rows`).
-    """
+    scale: torch.Tensor
+    h_hat: torch.Tensor
+    evals: torch.Tensor
+    evecs: torch.Tensor
+    b_hat: torch.Tensor
+    y: torch.Tensor
+
+
+def _normalize(weights: torch.Tensor, stats: Statistics, percdamp: float) -> _Problem:
+    """`weights` and their Gram matrices as ADMM reads them, with Ĥ's one eigendecomposition."""
     import torch
 
     from tsenor_cli.phases import phase
     from tsenor_cli.pruning.methods.linalg import symmetric_eigh
-    from tsenor_cli.pruning.methods.masks import SolveTally
     from tsenor_cli.pruning.methods.stats import damped_gram
-    from tsenor_cli.pruning.methods.types import split_outcomes
 
-    if stats is None or parts is not None:
-        raise ValueError("alps needs each matrix's own Gram matrix (statistics with gram=True, no parts)")
-    opts = cfg.method_options(ALPSOptions)
     with phase("factorize"):
         gram = stats.require_gram().to(weights.device)
-        h = damped_gram(gram, opts.percdamp)  # (..., in, in)
+        h = damped_gram(gram, percdamp)  # (..., in, in)
         scale = h.diagonal(dim1=-2, dim2=-1).sqrt()  # (..., in) D
         h_hat = h / scale[..., :, None] / scale[..., None, :]  # (..., in, in) unit diagonal
         evals, evecs = symmetric_eigh(h_hat.double())  # Λ (..., in), Q (..., in, in); thread-count independent
-
     b_hat = weights.to(torch.float32) * scale[..., None, :]  # (..., out, in) normalized weights
-    y = b_hat @ h_hat  # (..., out, in)
-    tally = SolveTally(b_hat[..., 0, 0].numel(), b_hat.device)
+    return _Problem(scale, h_hat, evals, evecs, b_hat, b_hat @ h_hat)
+
+
+class _Iterate(NamedTuple):
+    """Where ADMM stopped: the last W, its mask and the solver's result (the warm start of the final
+    projection), each matrix's steps (...,) and safeguarded tiles (one count per matrix)."""
+
+    w: torch.Tensor
+    mask: torch.Tensor
+    result: SolveResult | None
+    iterations: torch.Tensor
+    safeguarded: torch.Tensor
+
+
+def _admm(problem: _Problem, cfg: LayerPruneConfig, tally: SolveTally) -> _Iterate:
+    """The ADMM of eq. (7) on every matrix of `problem` side by side, each with its own ρ schedule, frozen
+    once its support stops changing."""
+    import torch
+
+    opts = cfg.method_options(ALPSOptions)
+    b_hat, y, device = problem.b_hat, problem.y, problem.b_hat.device
     lead = b_hat.shape[:-2]
     mask, result, _, _ = _project(b_hat, cfg, None, None, tally)
     d, v = b_hat * mask, torch.zeros_like(b_hat)
     kept_total = mask.sum((-2, -1)).clamp_min(1).double()  # (...,)
-    rho = torch.full(lead, opts.rho0, dtype=torch.float64, device=b_hat.device)  # (...,)
-    inv = _inverse(evecs, evals, rho)
+    rho = torch.full(lead, opts.rho0, dtype=torch.float64, device=device)  # (...,)
+    inv = _inverse(problem.evecs, problem.evals, rho)
     checked_mask = mask
-    safeguarded = torch.zeros(tally.matrices, dtype=torch.long, device=b_hat.device)
-    running = torch.ones(lead, dtype=torch.bool, device=b_hat.device)  # (...,) matrices still iterating
-    iterations = torch.zeros(lead, dtype=torch.long, device=b_hat.device)
+    safeguarded = torch.zeros(tally.matrices, dtype=torch.long, device=device)
+    running = torch.ones(lead, dtype=torch.bool, device=device)  # (...,) matrices still iterating
+    iterations = torch.zeros(lead, dtype=torch.long, device=device)
     w_t = b_hat
     inner = inner_solver_options(
-        cfg.solver, opts.inner_sweeps, opts.inner_iterations, b_hat.device, cfg.pattern.m, b_hat.numel()
+        cfg.solver, opts.inner_sweeps, opts.inner_iterations, device, cfg.pattern.m, b_hat.numel()
     )
     steps = bar(total=opts.max_iter, desc="ADMM", unit="it", leave=False)
     for t in range(opts.max_iter):
@@ -266,21 +282,44 @@ def prune_batch(
             change = (mask ^ checked_mask).sum((-2, -1)).double() / kept_total  # (...,)
             checked_mask = mask
             rho = _grow_rho(rho, change, running)
-            inv = _inverse(evecs, evals, rho)
+            inv = _inverse(problem.evecs, problem.evals, rho)
             _show_rho(steps, t, rho, change)
             if t >= opts.switch_iter:
                 running = running & ~(change < opts.stop_change)
                 if not bool(running.any()):
                     break
-
     steps.close()
-    final_mask, final_result, block_obj, kept = _project(w_t, cfg, result, mask, tally)
-    safeguarded += kept
+    return _Iterate(w_t, mask, result, iterations, safeguarded)
+
+
+def prune_batch(
+    weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig, *, parts: Sequence[int] | None = None
+) -> list[PruneOutcome]:
+    """weights: (..., out, in), one matrix or a stack with Gram matrices (..., in, in) → one
+    `PruneOutcome` per matrix from ADMM + CG; `iterations` counts each matrix's ADMM steps.
+
+    A stack runs its ADMMs side by side: one batched eigendecomposition, every step's products batched,
+    every projection one solver call for all matrices. Each matrix keeps its own ρ schedule and stops on
+    its own support change; a stopped matrix is frozen (its state no longer changes) while the others
+    run on. The ADMM loop shows a bar on a terminal and logs its ρ/support-change lines at DEBUG.
+    parts: always None, ALPS does not prune linears stacked along their outputs (`PrunerSpec.fuses_rows`).
+    """
+    from tsenor_cli.phases import phase
+    from tsenor_cli.pruning.methods.masks import SolveTally
+    from tsenor_cli.pruning.methods.types import split_outcomes
+
+    if stats is None or parts is not None:
+        raise ValueError("alps needs each matrix's own Gram matrix (statistics with gram=True, no parts)")
+    opts = cfg.method_options(ALPSOptions)
+    problem = _normalize(weights, stats, opts.percdamp)
+    tally = SolveTally(problem.b_hat[..., 0, 0].numel(), problem.b_hat.device)
+    last = _admm(problem, cfg, tally)
+    final_mask, final_result, block_obj, kept = _project(last.w, cfg, last.result, last.mask, tally)
     with phase("cg"):
-        refined = conjugate_gradient(h_hat, y, final_mask, w_t * final_mask, opts.cg_iters)
-    new_weight = refined / scale[..., None, :]
+        refined = conjugate_gradient(problem.h_hat, problem.y, final_mask, last.w * final_mask, opts.cg_iters)
+    new_weight = refined / problem.scale[..., None, :]
     infos = _final_infos(tally, final_result, block_obj)
-    iters, tiles = iterations.reshape(-1).tolist(), safeguarded.tolist()
+    iters, tiles = last.iterations.reshape(-1).tolist(), (last.safeguarded + kept).tolist()
     return split_outcomes(new_weight * final_mask, final_mask, infos, iterations=iters, safeguard_tiles=tiles)
 
 

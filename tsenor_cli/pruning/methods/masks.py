@@ -33,9 +33,8 @@ def choose_mask(
     solver: str,
     *,
     init: SolveResult | None = None,
-    unstructured_scope: Literal["row", "matrix"] = "row",
+    unstructured_scope: Literal["row", "matrix"] | Sequence[int] = "row",
     solver_options: Mapping[str, object] | None = None,
-    parts: Sequence[int] | None = None,
 ) -> MaskChoice:
     """scores: (..., R, C) non-negative, one (R, C) matrix or a stack of them → mask (..., R, C) bool of
     `pattern` for each matrix.
@@ -43,21 +42,21 @@ def choose_mask(
     A stack goes to the solver as one call: its matrices are flattened to (L·R, C), which for R
     divisible by M puts every M×M tile (transposable) and every group of M inputs (N:M) inside one
     matrix, so each matrix gets exactly the mask it would get alone. unstructured_scope picks the
-    comparison group of unstructured sparsity: each output row (Wanda) or each whole matrix (magnitude,
-    ALPS). solver_options go to the transposable solver.
-
-    parts: row counts (summing to R) of matrices stacked along R that share their statistics
-    (`PrunerSpec.prune_rows`): each keeps the mask it would get alone. A transposable tile spans M rows
-    of one part (parts are multiples of M), an N:M group or a row-wise unstructured comparison one row,
-    so only the whole-matrix unstructured comparison needs them.
+    comparison group of unstructured sparsity: each output row (Wanda), each whole matrix (magnitude,
+    ALPS), or each part of a whole matrix: the row counts (summing to R) of matrices stacked along R that
+    share their statistics (`PrunerSpec.prune_rows`), each keeping the mask it would get alone (`parts`
+    of `matrix_scope`). A transposable tile spans M rows of one part (parts are multiples of M), an N:M
+    group one row, so only the whole-matrix comparison needs them. solver_options go to the
+    transposable solver.
     """
     rows, cols = scores.shape[-2:]
-    if parts is not None and len(parts) > 1 and pattern.kind == "unstructured" and unstructured_scope == "matrix":
-        # One comparison group per part; a stack of at most a few linears (q/k/v), so a loop over parts.
-        masks = [
-            choose_mask(part, pattern, solver, unstructured_scope="matrix").mask for part in scores.split(parts, -2)
-        ]
-        return MaskChoice(torch.cat(masks, -2), None)
+    if not isinstance(unstructured_scope, str):
+        if len(unstructured_scope) > 1 and pattern.kind == "unstructured":
+            # One comparison group per part; a stack of at most a few linears (q/k/v), so a loop over parts.
+            split = scores.split(list(unstructured_scope), -2)
+            masks = [choose_mask(part, pattern, solver, unstructured_scope="matrix").mask for part in split]
+            return MaskChoice(torch.cat(masks, -2), None)
+        unstructured_scope = "matrix"
     flat = scores.reshape(-1, cols)  # (L·R, C)
     with phase("solver"):
         if pattern.kind == "transposable":
@@ -75,6 +74,12 @@ def choose_mask(
     raise ValueError(f"unknown pattern kind {pattern.kind!r}")
 
 
+def matrix_scope(parts: Sequence[int] | None) -> Literal["matrix"] | Sequence[int]:
+    """`choose_mask`'s whole-matrix comparison group: each of the `parts` stacked along the rows, or
+    the whole matrix without them."""
+    return "matrix" if parts is None else parts
+
+
 def keep_top_scores(
     weights: torch.Tensor,
     scores: torch.Tensor,
@@ -86,8 +91,10 @@ def keep_top_scores(
     """weights: (..., out, in) float32, one matrix or a stack; scores: the same shape, larger = keep → one
     `PruneOutcome` per matrix (and part) keeping the largest scores under `cfg.pattern` and zeroing the
     rest (no weight update), from one solver call for the stack: the methods that score each weight once
-    (magnitude, Wanda). unstructured_scope and parts as `choose_mask`'s."""
-    choice = choose_mask(scores, cfg.pattern, cfg.solver, unstructured_scope=unstructured_scope, parts=parts)
+    (magnitude, Wanda). unstructured_scope as `choose_mask`'s; parts: the row counts of linears stacked
+    along `out` (`PrunerSpec.prune_rows`), each its own outcome and whole-matrix comparison group."""
+    scope = matrix_scope(parts) if unstructured_scope == "matrix" else unstructured_scope
+    choice = choose_mask(scores, cfg.pattern, cfg.solver, unstructured_scope=scope)
     tally = SolveTally(weights[..., 0, 0].numel(), weights.device, parts)
     if choice.result is not None:
         tally.add_result(choice.result)

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import torch
 
     from tsenor_cli.pruning.block.memory import MethodCost
+    from tsenor_cli.pruning.methods.masks import SolveTally
     from tsenor_cli.pruning.methods.stats import Statistics
     from tsenor_cli.pruning.methods.types import LayerPruneConfig, PruneOutcome
 
@@ -45,6 +46,44 @@ LAZY_COLUMNS = 128
 class SparseGPTOptions(MethodOptions):
     percdamp: float = option(0.01, "Hessian dampening as a share of mean diag(H) (SparseGPT uses 1%).", minimum=0)
     blocksize: int = option(LAZY_COLUMNS, "Lazy-update block width in columns (rounded to a multiple of M).", minimum=1)
+
+
+def _obs_block(
+    w1: torch.Tensor, hinv1: torch.Tensor, cfg: LayerPruneConfig, tally: SolveTally, parts: Sequence[int] | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One lazy-update block of columns: w1 (..., out, b) its weights (updated in place), hinv1 (..., b, b)
+    its part of H⁻¹ → (the pruned weights, each column's OBS error, the mask of pruned weights), each
+    (..., out, b). Each M-column slab's mask is chosen as the block reaches it, on the updated weights."""
+    import torch
+
+    from tsenor_cli.pruning.methods.masks import choose_mask, matrix_scope
+
+    pattern = cfg.pattern
+    grouped = pattern.kind in ("transposable", "nm")
+    q1 = torch.zeros_like(w1)
+    err1 = torch.zeros_like(w1)
+    d = hinv1.diagonal(dim1=-2, dim2=-1)  # (..., b)
+    prune1 = torch.zeros_like(w1, dtype=torch.bool)
+    if pattern.kind == "unstructured":
+        scores = w1.square() / d.square()[..., None, :]  # (..., out, b)
+        keep = choose_mask(scores, pattern, cfg.solver, unstructured_scope=matrix_scope(parts))
+        prune1 = ~keep.mask
+    # OBS is sequential over columns: each column's update depends on the errors of those left of it,
+    # so this loop cannot be vectorized away; what the solves batch is in the module docstring.
+    for i in range(w1.shape[-1]):
+        if grouped and i % pattern.m == 0:
+            slab = w1[..., i : i + pattern.m].square() / d[..., None, i : i + pattern.m].square()  # (..., out, M)
+            choice = choose_mask(slab, pattern, cfg.solver)
+            prune1[..., i : i + pattern.m] = ~choice.mask
+            if choice.result is not None:
+                tally.add_result(choice.result)
+        col = w1[..., i]  # (..., out)
+        q = torch.where(prune1[..., i], torch.zeros_like(col), col)
+        q1[..., i] = q
+        err = (col - q) / d[..., i, None]  # (..., out)
+        w1[..., i:] -= err[..., None] * hinv1[..., i, None, i:]
+        err1[..., i] = err
+    return q1, err1, prune1
 
 
 def prune_batch(
@@ -63,7 +102,7 @@ def prune_batch(
 
     from tsenor_cli.phases import phase
     from tsenor_cli.pruning.methods.linalg import inverse_cholesky_upper
-    from tsenor_cli.pruning.methods.masks import SolveTally, choose_mask
+    from tsenor_cli.pruning.methods.masks import SolveTally
     from tsenor_cli.pruning.methods.stats import damped_gram
     from tsenor_cli.pruning.methods.types import split_outcomes
 
@@ -77,45 +116,18 @@ def prune_batch(
     w.masked_fill_((gram.diagonal(dim1=-2, dim2=-1) == 0).unsqueeze(-2), 0.0)
     with phase("factorize"):
         hinv = inverse_cholesky_upper(damped_gram(gram, opts.percdamp))  # (..., in, in) upper
-    grouped = pattern.kind in ("transposable", "nm")
     blocksize = opts.blocksize
-    if grouped and blocksize % pattern.m:
+    if pattern.kind in ("transposable", "nm") and blocksize % pattern.m:
         # The lazy-update block must hold whole groups of M columns.
         blocksize = max(pattern.m, (blocksize // pattern.m) * pattern.m)
-
     pruned = torch.zeros_like(w, dtype=torch.bool)  # (..., out, in) True = set to zero
     tally = SolveTally(w[..., 0, 0].numel(), w.device, parts)
-    # OBS is sequential over columns: each column's update depends on the errors of those left of it,
-    # so these loops cannot be vectorized away; what the solves batch is in the module docstring.
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)
-        w1 = w[..., i1:i2].clone()  # (..., out, b)
-        q1 = torch.zeros_like(w1)
-        err1 = torch.zeros_like(w1)
-        hinv1 = hinv[..., i1:i2, i1:i2]  # (..., b, b)
-        d = hinv1.diagonal(dim1=-2, dim2=-1)  # (..., b)
-        prune1 = torch.zeros_like(w1, dtype=torch.bool)
-        if pattern.kind == "unstructured":
-            scores = w1.square() / d.square()[..., None, :]  # (..., out, b)
-            keep = choose_mask(scores, pattern, cfg.solver, unstructured_scope="matrix", parts=parts)
-            prune1 = ~keep.mask
-        for i in range(i2 - i1):
-            if grouped and i % pattern.m == 0:
-                slab = w1[..., i : i + pattern.m].square() / d[..., None, i : i + pattern.m].square()  # (..., out, M)
-                choice = choose_mask(slab, pattern, cfg.solver)
-                prune1[..., i : i + pattern.m] = ~choice.mask
-                if choice.result is not None:
-                    tally.add_result(choice.result)
-            col = w1[..., i]  # (..., out)
-            q = torch.where(prune1[..., i], torch.zeros_like(col), col)
-            q1[..., i] = q
-            err = (col - q) / d[..., i, None]  # (..., out)
-            w1[..., i:] -= err[..., None] * hinv1[..., i, None, i:]
-            err1[..., i] = err
+        q1, err1, prune1 = _obs_block(w[..., i1:i2].clone(), hinv[..., i1:i2, i1:i2], cfg, tally, parts)
         w[..., i1:i2] = q1
         w[..., i2:] -= err1 @ hinv[..., i1:i2, i2:]
         pruned[..., i1:i2] = prune1
-
     mask = ~pruned
     return split_outcomes(w * mask, mask, tally.infos(), parts=parts)
 

@@ -2,49 +2,39 @@
 
 The plan lists the linears and their compatibility with the pattern, and estimates the memory (host and
 each rank's device, `MemoryEstimate`) and the disk (checkpoint, resume state) a run needs. `prune_model`
-makes the same plan first and refuses what cannot fit; `tsenor prune --dry-run` prints it (`PrunePlan.lines`)
-and ends as the run would (`PrunePlan.check`).
+makes the same plan first and refuses what cannot fit; `tsenor prune --dry-run` prints it (`render.py`) and
+ends as the run would (`advice.check_plan`, which names the flags that would make a refused run fit).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tsenor_cli.data.calibration import STAND_IN_SEQLEN
-from tsenor_cli.errors import DoesNotFitError, IncompatibleModelError, UsageError
-from tsenor_cli.outputs import free_bytes, human_bytes, output_path
+from tsenor_cli.errors import IncompatibleModelError, UsageError
 from tsenor_cli.progress import Progress, logger
 from tsenor_cli.pruning.block.idle import UNKNOWN_ORIENTATION
 from tsenor_cli.pruning.block.memory import (
-    KNOWN_GPUS,
     HostEstimate,
     MemoryEstimate,
     MethodCost,
-    available_host_bytes,
-    device_present,
-    device_total_bytes,
+    Workload,
     estimate_device_memory,
-    fit_problem,
     host_estimate,
 )
 from tsenor_cli.pruning.block.observe import BlockObservation
 from tsenor_cli.pruning.block.outside import (
-    OUTSIDE_BLOCK,
     OutsideWeight,
-    check_outside,
     outside_linears,
     selected_outside,
 )
-from tsenor_cli.pruning.block.outside import REASON as OUTSIDE_REASON
 from tsenor_cli.pruning.block.slots import (
     LinearSlot,
-    check_compatibility,
     incompatible_slots,
     linear_slots,
     observed_slots,
@@ -208,17 +198,6 @@ def _checkable(
     ]
 
 
-# How the dry run's table words each status of `PrunePlan.verdict`.
-_VERDICTS: dict[str, Callable[[str | None], str]] = {
-    "prune": lambda reason: "yes" if reason is None else f"yes, {reason}",
-    "incompatible": lambda reason: f"NO: {reason}",
-    "ignored": lambda reason: f"ignored: {reason}",
-    "skipped": lambda reason: f"skipped: {reason}",
-    "decided at prune time": lambda reason: f"decided at prune time: {reason}",
-    "not a matmul weight": lambda reason: f"left dense: {reason}",
-}
-
-
 @dataclass(frozen=True)
 class PrunePlan:
     """What a run would do, without loading weights: layers, compatibility, memory and disk estimates (bytes).
@@ -231,22 +210,22 @@ class PrunePlan:
     orientation and role are decided at prune time; observed: the slots the probe watched
     (`pruning/plan/probe.py`); probe_bytes: the most bytes the probe gave real storage at once (random values,
     not the checkpoint's).
-    checkpoint_bytes: the pruned checkpoint's weights; resume_bytes: the most the resume state holds at
+    resume_bytes: the most the resume state holds at
     once (every block's parameters and two (S, T, H) hidden-state files while one replaces the other,
     each with the dense stream's too with --refine block).
     device_memory: the peak device memory of each rank (one for a single process); device_bytes: the
     largest of them; host_memory: the peak host memory of one process (`memory.HostEstimate`; a streamed
-    run holds the weights outside the blocks and one block). blocks_bytes: every block's parameters (what
-    a streamed run without a resume state keeps on disk until the write); stream: the plan is for --stream;
+    run holds the weights outside the blocks and one block); stream: the plan is for --stream;
     beyond: the linears outside the language model that --targets selects (pruned by magnitude,
     `pruning/block/outside.py`). seqlen is --seqlen capped at the model's positions. selection: the
     `--ignore`/`--targets` selection with the names beside the blocks it judges (`selection.Selection`);
     the plan is the only place that makes it: the run reads `ignored` for the nn.Linear check before
     calibration, `selection` for the watched matrices, `beyond` for the linears outside the language
-    model and `seqlen` for the calibration. What a run can take from
-    the plan instead of recomputing it: sizing (the estimates' inputs, `fixes` re-estimates other
-    flags), weights (the probe's `WeightPlan`: slots, ignored, unused, ruled; None without the probe),
-    world_size (the processes it was made for), modules (the full names of the blocks' nn.Linear layers).
+    model and `seqlen` for the calibration. What a run can take from the plan instead of recomputing
+    it: sizing (the estimates' inputs, `advice.fixes` re-estimates other flags; the parameter and byte
+    counts derive from it), weights (the probe's `WeightPlan`: slots, ignored, unused, ruled; None
+    without the probe), world_size (the processes it was made for), modules (the full names of the
+    blocks' nn.Linear layers).
     calibrate: the run reads calibration text (`reads_data`); without it (magnitude, no --refine block)
     its blocks run on one stand-in sample of a few tokens per process (`calibration_samples`,
     `calibration_seqlen`) and the estimates hold no activations of size.
@@ -262,25 +241,21 @@ class PrunePlan:
     ignored: dict[str, str]
     seqlen: int
     nsamples: int
-    params: int
-    cpu_bytes: int
     device_memory: tuple[MemoryEstimate, ...]
     device: str
     dtype: str
     blocks: int
-    checkpoint_bytes: int
     resume_bytes: int
     host_memory: HostEstimate
     selection: Selection
+    sizing: Sizing
     unused: tuple[LayerRecord, ...] = ()
     idle: dict[str, str] = field(default_factory=dict)
     pending: dict[str, str] = field(default_factory=dict)
     observed: frozenset[str] = frozenset()
     probe_bytes: int = 0
-    blocks_bytes: int = 0
     stream: bool = False
     beyond: tuple[OutsideWeight, ...] = ()
-    sizing: Sizing | None = None
     weights: WeightPlan | None = None
     world_size: int = 1
     modules: frozenset[str] = frozenset()
@@ -302,6 +277,31 @@ class PrunePlan:
     @property
     def device_bytes(self) -> int:
         return max(estimate.total for estimate in self.device_memory)
+
+    @property
+    def params(self) -> int:
+        """The model's parameters."""
+        return self.sizing.params
+
+    @property
+    def width(self) -> int:
+        """Bytes per element of the run's dtype."""
+        return int(torch.finfo(getattr(torch, self.dtype)).bits // 8)
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """The pruned checkpoint's weights (all the model's parameters in the run's dtype)."""
+        return self.params * self.width
+
+    @property
+    def cpu_bytes(self) -> int:
+        """The whole model's weights in host memory (those of a load that is not streamed)."""
+        return self.params * self.width
+
+    @property
+    def blocks_bytes(self) -> int:
+        """Every block's parameters: what a streamed run without a resume state keeps on disk until the write."""
+        return sum(self.sizing.per_block) * self.width
 
     @property
     def candidates(self) -> list[LinearSlot]:
@@ -330,236 +330,6 @@ class PrunePlan:
             if record.name == name:
                 return "not a matmul weight", record.reason
         return "prune", self.idle.get(name)
-
-    def rows(self) -> list[tuple[str, str, str]]:
-        """The dry run's table: (name, shape, verdict) for every weight matrix of the decoder blocks, the
-        report's accounting before any weight is read (a stack of E experts is one row, "E×out×in")."""
-        found: list[tuple[int, str, str, str]] = []
-        for slot in self.slots:
-            shape = f"{slot.out_features}×{slot.in_features}"
-            if slot.experts:
-                shape = f"{slot.experts}×{shape}"
-            status, reason = self.verdict(slot.full_name)
-            found.append((slot.block, slot.full_name, shape, _VERDICTS[status](reason)))
-        for record in self.unused:
-            shape = f"{record.out_features}×{record.in_features}"
-            found.append((record.block, record.name, shape, _VERDICTS["not a matmul weight"](record.reason)))
-        found.sort(key=lambda row: row[0])  # stable: block by block, each in the order found
-        for weight in self.beyond:
-            verdict = f"NO: {weight.incompatible}" if weight.incompatible else f"yes, {OUTSIDE_REASON}"
-            found.append((OUTSIDE_BLOCK, weight.name, f"{weight.out_features}×{weight.in_features}", verdict))
-        return [(name, shape, verdict) for _block, name, shape, verdict in found]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "method": self.method,
-            "pattern": self.pattern,
-            "source": self.source,
-            "model_type": self.model_type,
-            "layers": [
-                {
-                    "name": s.full_name,
-                    "shape": [s.out_features, s.in_features],
-                    "experts": s.experts,
-                    "transposed": s.transposed,
-                    "role": s.role,
-                    "status": self.verdict(s.full_name)[0],
-                    "compatible": s.full_name not in self.incompatible,
-                    "reason": self.incompatible.get(s.full_name),
-                    "ignored": self.ignored.get(s.full_name),
-                }
-                for s in self.slots
-            ]
-            + [
-                {
-                    "name": r.name,
-                    "shape": [r.out_features, r.in_features],
-                    "experts": 0,
-                    "transposed": False,
-                    "role": None,
-                    "status": "not a matmul weight",
-                    "compatible": True,
-                    "reason": None,
-                    "ignored": r.reason,
-                }
-                for r in self.unused
-            ]
-            + [
-                {
-                    "name": w.name,
-                    "shape": [w.out_features, w.in_features],
-                    "experts": 0,
-                    "transposed": False,
-                    "role": None,
-                    "status": "incompatible" if w.incompatible else "prune",
-                    "compatible": w.incompatible is None,
-                    "reason": w.incompatible,
-                    "ignored": None,
-                    "outside": OUTSIDE_REASON,
-                }
-                for w in self.beyond
-            ],
-            "skipped": len(self.idle_dense),
-            "decided_at_prune_time": len(self.pending),
-            "probe_bytes": self.probe_bytes,
-            "incompatible": len(self.incompatible),
-            "ignored": len(self.ignored),
-            "seqlen": self.seqlen,
-            "nsamples": self.nsamples,
-            "calibration": self.calibrate,
-            "params": self.params,
-            "estimated_cpu_bytes": self.cpu_bytes,
-            "estimated_host_bytes_per_process": self.host_memory.to_dict(),
-            "estimated_device_bytes": self.device_bytes,
-            "estimated_device_bytes_per_rank": [estimate.to_dict() for estimate in self.device_memory],
-            "estimated_checkpoint_bytes": self.checkpoint_bytes,
-            "estimated_resume_state_bytes": self.resume_bytes,
-            "estimated_blocks_bytes": self.blocks_bytes,
-            "stream": self.stream,
-            "blocks": self.blocks,
-            "device": self.device,
-            "device_present": device_present(torch.device(self.device)),
-            "fits_gpus": [name for name, size in KNOWN_GPUS if size >= self.device_bytes],
-            "dtype": self.dtype,
-        }
-
-    def lines(self, cfg: PruneConfig) -> Iterator[str]:
-        """The dry run's text: the run in one line, a row per weight matrix (`rows`),
-        the memory estimate and each rank's share of the device memory."""
-        calibration = (
-            f"calibration {cfg.calib_data} {self.nsamples}×{self.seqlen}"
-            if self.calibrate
-            else f"no calibration ({cfg.method} reads no data)"
-        )
-        yield (
-            f"plan: {cfg.method} {cfg.pattern.label} ({cfg.pattern.kind}) on {self.model} "
-            f"({self.model_type}, {self.params / 1e6:.1f}M params, {self.dtype}), {calibration}"
-        )
-        yield f"{'layer':<44} {'shape':>13}  compatible"
-        for name, shape, verdict in self.rows():
-            yield f"{name:<44} {shape:>13}  {verdict}"
-        host = self.host_memory
-        several = len(self.device_memory) > 1
-        yield (
-            f"estimated memory: host {human_bytes(host.total)} ({host.describe()}"
-            + (", in each process)" if several else ")")
-            + f", {self.device} {human_bytes(self.device_bytes)} peak"
-            + (" per process" if several else "")
-            + (", activations offloaded" if cfg.offload_activations else "")
-        )
-        if not device_present(torch.device(self.device)):
-            fitting = [name for name, size in KNOWN_GPUS if size >= self.device_bytes]
-            yield (
-                f"{self.device} is not on this machine: the run needs a GPU with {human_bytes(self.device_bytes)} "
-                f"per process and {human_bytes(host.total)} of host memory on its machine; "
-                + (f"fits GPUs of {', '.join(fitting)}" if fitting else "fits no GPU of up to 141 GB")
-            )
-        kept = (
-            f", pruned blocks until the write {human_bytes(self.blocks_bytes)}" if cfg.stream and not cfg.resume else ""
-        )
-        resume = f"resume state up to {human_bytes(self.resume_bytes)}" if cfg.resume else "no resume state"
-        free = (
-            "" if cfg.output is None else f"; {human_bytes(free_bytes(cfg.output))} free at {output_path(cfg.output)}"
-        )
-        yield f"disk: checkpoint {human_bytes(self.checkpoint_bytes)}, {resume}{kept}{free}"
-        for estimate in self.device_memory:
-            yield (
-                f"  rank {estimate.rank}: {human_bytes(estimate.total)} = block {human_bytes(estimate.block)} "
-                f"+ activations {human_bytes(estimate.activations)} + statistics {human_bytes(estimate.statistics)} "
-                f"+ workspace {human_bytes(estimate.workspace)}"
-                + (f" + refine {human_bytes(estimate.refine)}" if estimate.refine else "")
-            )
-
-    def limits(self) -> tuple[int | None, int | None]:
-        """(host bytes available, device bytes) the plan is checked against: this machine's when it has
-        the plan's device; for a GPU it lacks (a login node planning a GPU job) the host is not the
-        run's and is not checked, and the device is the largest of `KNOWN_GPUS`."""
-        device = torch.device(self.device)
-        if device_present(device):
-            return available_host_bytes(), device_total_bytes(device)
-        return None, max(size for _name, size in KNOWN_GPUS)
-
-    def fit_problem(self, cfg: PruneConfig, processes: int, limits: tuple[int | None, int | None]) -> str | None:
-        """Why this plan does not fit `limits` (`memory.fit_problem`), None when it fits."""
-        return fit_problem(
-            self.host_memory,
-            self.device_bytes,
-            torch.device(self.device),
-            nsamples=cfg.nsamples,
-            seqlen=self.seqlen,
-            processes=processes,
-            host_limit=limits[0],
-            device_limit=limits[1],
-        )
-
-    def fixes(self, cfg: PruneConfig, processes: int, limits: tuple[int | None, int | None]) -> list[str]:
-        """The flags that would make the run fit `limits`, each computed from the plan: --stream,
-        --dtype bf16 and --offload-activations alone where they apply, else the fewest of them together,
-        then the largest --nsamples and --seqlen that fit alone."""
-        if self.sizing is None:
-            return []
-        sizing, device = self.sizing, torch.device(self.device)
-
-        def fits(changed: PruneConfig) -> bool:
-            memory, host = sizing.estimate(changed, min(changed.seqlen, self.seqlen), device, self.world_size)
-            device_bytes = max(estimate.total for estimate in memory)
-            problem = fit_problem(
-                host,
-                device_bytes,
-                device,
-                nsamples=changed.nsamples,
-                seqlen=changed.seqlen,
-                processes=processes,
-                host_limit=limits[0],
-                device_limit=limits[1],
-            )
-            return problem is None
-
-        changes: dict[str, Callable[[PruneConfig], PruneConfig]] = {}
-        if not cfg.stream:
-            changes["--stream"] = lambda c: replace(c, stream=True)
-        if self.dtype == "float32":
-            changes["--dtype bf16"] = lambda c: replace(c, dtype="bf16")
-        if not cfg.offload_activations:
-            changes["--offload-activations"] = lambda c: replace(c, offload_activations=True)
-        found: list[str] = []
-        for size in range(1, len(changes) + 1):
-            for combo in itertools.combinations(changes, size):
-                changed = cfg
-                for flag in combo:
-                    changed = changes[flag](changed)
-                if fits(changed):
-                    found.append(" ".join(combo))
-            if found:
-                break
-        sizes: tuple[tuple[str, int, Callable[[int], PruneConfig]], ...] = (
-            ("--nsamples", cfg.nsamples, lambda v: replace(cfg, nsamples=v)),
-            ("--seqlen", self.seqlen, lambda v: replace(cfg, seqlen=v)),
-        )
-        for flag, value, smaller in sizes:
-            low, high = 0, value - 1  # the largest smaller value that fits, by bisection (the estimate grows with it)
-            while low < high:
-                middle = (low + high + 1) // 2
-                low, high = (middle, high) if fits(smaller(middle)) else (low, middle - 1)
-            if low:
-                found.append(f"{flag} {low}")
-        return found
-
-    def check(self, cfg: PruneConfig, processes: int) -> None:
-        """The run's own error (its exit code too) when the run would not fit in memory (`processes` of it
-        on this machine, or on the largest known GPU when this machine lacks the device: `limits`), would
-        stop on an incompatible layer or a matrix --nproc cannot prune, or has nothing to prune, so a dry
-        run fails where the run would. A refusal to fit names the flags that would (`fixes`)."""
-        limits = self.limits()
-        problem = self.fit_problem(cfg, processes, limits)
-        if problem is not None:
-            fixes = self.fixes(cfg, processes, limits)
-            fix = f"pass {' or '.join(fixes)}" if fixes else "no flag of tsenor makes it fit: prune a smaller model"
-            raise DoesNotFitError(f"{problem}; {fix} (nothing was written)")
-        self.check_processes()
-        check_compatibility(self.candidates, cfg.pattern, skip=cfg.skip_incompatible)
-        check_outside(self.beyond, cfg.pattern, skip=cfg.skip_incompatible)
 
     def check_processes(self) -> None:
         """IncompatibleModelError when the plan is for several processes (--nproc, torchrun) and would prune
@@ -603,7 +373,7 @@ class PrunePlan:
 @dataclass(frozen=True)
 class Sizing:
     """What the memory estimates are computed from, so the plan can estimate other settings of the same
-    model (`PrunePlan.fixes`): the candidates to prune, each block's parameter count, the model's, the
+    model (`advice.fixes`): the candidates to prune, each block's parameter count, the model's, the
     hidden size and the attention heads."""
 
     candidates: tuple[LinearSlot, ...]
@@ -624,39 +394,27 @@ class Sizing:
         nsamples = cfg.nsamples
         if not reads_data(cfg):  # a stand-in sample of a few tokens per process (`PrunePlan.calibration_samples`)
             nsamples, seqlen = world_size, min(seqlen, STAND_IN_SEQLEN)
-        memory = estimate_device_memory(
-            self.per_block,
-            self.candidates,
-            MethodCost.of(spec, cfg.pattern, cfg.layer.solver, device=device, width=width),
+        work = Workload(
+            block_params=self.per_block,
+            candidates=self.candidates,
+            cost=MethodCost.of(spec, cfg.pattern, cfg.layer.solver, device=device, width=width),
             nsamples=nsamples,
             seqlen=seqlen,
             hidden_size=self.hidden,
             width=width,
             heads=self.heads,
             world_size=world_size,
+            device=device,
+            model_params=self.params,
             offload_activations=cfg.offload_activations,
             sequential=cfg.sequential,
             refine=cfg.refine.on,
             gathers=spec.needs_data,
-        )
-        # A streamed run holds the parameters outside the blocks and one block (the largest) at a time.
-        blocks = sum(self.per_block)
-        held = self.params - blocks + max(self.per_block, default=0) if cfg.stream else self.params
-        host = host_estimate(
-            memory[0],  # shard_bounds gives rank 0 the most samples
-            device=device,
-            params=held,
             streamed=cfg.stream,
-            nsamples=nsamples,
-            seqlen=seqlen,
-            hidden_size=self.hidden,
-            width=width,
-            rows=-(-nsamples // len(memory)),
-            offload_activations=cfg.offload_activations,
-            refine=cfg.refine.on,
             resume=cfg.resume,
-            block_params=max(self.per_block, default=0),
         )
+        memory = estimate_device_memory(work)
+        host = host_estimate(work, memory[0])  # shard_bounds gives rank 0 the most samples
         return memory, host
 
 
@@ -665,7 +423,7 @@ class _Accounted:
     """The plan's weight matrices (`_account`); weights: the probe's `WeightPlan`, None without it;
     modules: the full names of the blocks' nn.Linear layers."""
 
-    slots: list[LinearSlot]
+    slots: tuple[LinearSlot, ...]
     ignored: dict[str, str]
     unused: tuple[LayerRecord, ...] = ()
     idle: dict[str, str] = field(default_factory=dict)
@@ -675,11 +433,21 @@ class _Accounted:
     weights: WeightPlan | None = None
     modules: frozenset[str] = frozenset()
 
+    def plan_fields(self) -> dict[str, Any]:
+        """These fields by name, as `PrunePlan` holds them (the same names)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
 
 def _account(structure: ModelStructure, hidden: int, selection: Selection, observe: bool) -> _Accounted:
-    """The weight matrices of the blocks and their fate under `selection`; with `observe`, as the probe
-    watched them (see `plan_model`)."""
-    slots = linear_slots(structure)
+    """The weight matrices of the blocks and their fate under `selection`.
+
+    With `observe`, one block of each kind is watched on random values (`pruning/plan/probe.py`), so the
+    plan accounts for every weight matrix as the run's report does: expert stacks, Conv1D and bare
+    parameters with their orientation, routers and gates left dense, parameters that are not matmul
+    weights, blocks that never run on text; what the probe could not watch is "decided at prune time".
+    `prune_model` plans without it (it watches the real blocks).
+    """
+    slots = tuple(linear_slots(structure))
     names = [s.full_name for s in slots]
     modules = frozenset(s.full_name for s in slots if not s.param)
     # The patterns first: a typo is found before the probe runs a forward.
@@ -689,7 +457,7 @@ def _account(structure: ModelStructure, hidden: int, selection: Selection, obser
     probe = probe_blocks(structure, hidden)
     accounted = weight_plan(structure, slots, probe.observed, selection)
     say_ruled(accounted)
-    slots, ignored = accounted.slots, accounted.ignored
+    slots, ignored = tuple(accounted.slots), accounted.ignored
     unused = tuple(record for index in sorted(accounted.unused) for record in accounted.unused[index])
     idle: dict[str, str] = {}
     pending: dict[str, str] = {}
@@ -747,17 +515,11 @@ def plan_model(
 ) -> PrunePlan:
     """The dry-run plan, from the model built on the meta device (no weights read, nothing written).
 
-    The structure and the linears come from the same discovery as a run. With `observe`, one block of
-    each kind is watched on random values (`pruning/plan/probe.py`), so the plan accounts for every weight
-    matrix as the run's report does: expert stacks, Conv1D and bare parameters with their orientation,
-    routers and gates left dense, parameters that are not matmul weights, blocks that never run on text;
-    what the probe could not watch is "decided at prune time". `prune_model` plans without it (it
-    watches the real blocks). The sequential groups are not used, so the Gram-matrix estimate takes all
-    of a block's pruned matrices at once: exact without --sequential, an upper bound with it.
-    world_size: the processes the device memory is estimated for (default: this run's, `ctx.distributed`).
-    The device need not be present: the plan is arithmetic (`planned_device`).
-    conform: refuse a checkpoint whose weights disagree with its config.json, as its load would
-    (`_meta_structure`); False for a model built in memory (`PrunePlan.check_model` checks that one).
+    The structure and the linears come from the same discovery as a run; with `observe` the probe watches
+    one block of each kind (`_account`). world_size: the processes the device memory is estimated for
+    (default: this run's, `ctx.distributed`). The device need not be present: the plan is arithmetic
+    (`planned_device`). conform: refuse a checkpoint whose weights disagree with its config.json, as its
+    load would (`_meta_structure`); False for a model built in memory (`PrunePlan.check_model` checks it).
     """
     from tsenor_cli.models.loading import config_value
 
@@ -766,14 +528,12 @@ def plan_model(
     hidden = int(config_value(config, "hidden_size"))
     selection, beyond = _selection(cfg, model, structure)
     found = _account(structure, hidden, selection, observe)
-    slots, ignored, idle = found.slots, found.ignored, _idle_dense(found.idle, found.modules)
-    bad = incompatible_slots(_checkable(slots, (ignored, idle, found.pending), found.observed), cfg.pattern)
-    candidates = tuple(s for s in slots if s.full_name not in ignored and s.full_name not in idle)
+    idle = _idle_dense(found.idle, found.modules)
+    bad = incompatible_slots(_checkable(found.slots, (found.ignored, idle, found.pending), found.observed), cfg.pattern)
+    candidates = tuple(s for s in found.slots if s.full_name not in found.ignored and s.full_name not in idle)
     max_pos = config_value(config, "max_position_embeddings")
     seqlen = min(cfg.seqlen, int(max_pos)) if max_pos else cfg.seqlen
-    width = torch.finfo(dtype).bits // 8
     sizing = _sizing(model, structure, candidates, hidden, int(config_value(config, "num_attention_heads") or 0))
-    per_block, params = sizing.per_block, sizing.params
     ranks = world_size if world_size is not None else ctx.distributed.world_size
     memory, host = sizing.estimate(cfg, seqlen, device, ranks)
     return PrunePlan(
@@ -782,33 +542,20 @@ def plan_model(
         pattern=cfg.pattern.label,
         source=source,
         model_type=structure.model_type,
-        slots=tuple(slots),
         incompatible=bad,
-        ignored=ignored,
         seqlen=seqlen,
         nsamples=cfg.nsamples,
-        params=params,
-        cpu_bytes=params * width,
         device_memory=tuple(memory),
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         blocks=len(structure),
         beyond=beyond,
-        checkpoint_bytes=params * width,
-        # With --refine the hidden-state files hold the dense stream too.
-        resume_bytes=_resume_bytes(cfg, sum(per_block), seqlen, hidden, width, ranks),
+        resume_bytes=_resume_bytes(cfg, sum(sizing.per_block), seqlen, hidden, torch.finfo(dtype).bits // 8, ranks),
         host_memory=host,
         selection=selection,
-        unused=found.unused,
-        idle=found.idle,
-        pending=found.pending,
-        observed=found.observed,
-        probe_bytes=found.probe_bytes,
-        blocks_bytes=sum(per_block) * width,
         stream=cfg.stream,
         sizing=sizing,
-        weights=found.weights,
         world_size=ranks,
-        modules=found.modules,
         calibrate=reads_data(cfg),
+        **found.plan_fields(),
     )

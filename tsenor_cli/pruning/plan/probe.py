@@ -111,16 +111,23 @@ def _kind(block: nn.Module) -> tuple[Any, ...]:
     return (type(block), params)
 
 
-def probe_blocks(structure: ModelStructure, hidden_size: int, *, limit: int | None = None) -> Probe:
-    """Watch one block of each kind of `structure` (a model on the meta device) on random values; see the
-    module docstring. limit: the most bytes one probed block may take (default `probe_limit()`)."""
-    limit = probe_limit() if limit is None else limit
+def _outside_blocks(structure: ModelStructure) -> list[nn.Module]:
+    """The language model's modules outside its blocks and its input embedding (whose forward the probe
+    replaces by random hidden states): what the probe gives storage besides the blocks."""
     base, blocks = structure.base, structure.blocks
     in_blocks = {id(m) for block in blocks for m in block.modules()}
     getter = getattr(base, "get_input_embeddings", None)
     embedding = getter() if getter is not None else None
     in_embedding = {id(m) for m in embedding.modules()} if isinstance(embedding, nn.Module) else set()
-    small = [m for m in base.modules() if id(m) not in in_blocks and id(m) not in in_embedding]
+    return [m for m in base.modules() if id(m) not in in_blocks and id(m) not in in_embedding]
+
+
+def probe_blocks(structure: ModelStructure, hidden_size: int, *, limit: int | None = None) -> Probe:
+    """Watch one block of each kind of `structure` (a model on the meta device) on random values; see the
+    module docstring. limit: the most bytes one probed block may take (default `probe_limit()`)."""
+    limit = probe_limit() if limit is None else limit
+    blocks = structure.blocks
+    small = _outside_blocks(structure)
     small_bytes = _bytes(small)
     every = range(len(blocks))
     if small_bytes > limit:
