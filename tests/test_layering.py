@@ -187,9 +187,9 @@ SIZED = (*sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "pruning").rglo
 # progress, extra hooks and sinks (and for `prune_model`, a stop request, a kill for tests, a model in
 # memory) come from.
 WIDE_ENTRY_POINTS = {"pruning/run/api.py:prune": 7, "pruning/run/api.py:prune_model": 8}
-# Split by the work on block refinement (refine.py, joint.py) and on the run folder's files (output.py,
-# resume.py), made beside this check: each entry is the size found before; an entry whose function or
-# class was split fails this test until it is removed, and the list ends empty.
+# Split by the work on block refinement (refine.py, joint.py), made beside this check: each entry is the
+# size found before; an entry whose function or class was split fails this test until it is removed, and
+# the list ends empty.
 SPLIT_ELSEWHERE = {
     "long": {"pruning/block/refine.py:refine_block": 76},
     "wide": {
@@ -200,42 +200,18 @@ SPLIT_ELSEWHERE = {
         "pruning/block/refine.py:_ordered_gradients": 10,
         "pruning/block/refine.py:_errors": 8,
         "pruning/block/refine.py:refine_pruned_block": 14,
-        "pruning/run/output.py:write_model_folder": 10,
-        "pruning/run/output.py:write_checkpoint": 11,
-        "pruning/run/resume.py:save_block": 11,
     },
-    "big": {"pruning/run/resume.py:ResumeStore": 208},
+    "big": {},
 }
-
-
-def _sized_nodes() -> list[tuple[str, ast.AST]]:
-    return [
-        (name, node) for name in SIZED for node in ast.walk(ast.parse((PACKAGE / name).read_text(encoding="utf-8")))
-    ]
-
-
-def _sizes() -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-    """({module:function: lines} over 60, {module:function: parameters} over 6, {module:class: lines} over 200)
-    of the modules of `SIZED`."""
-    long, wide, big = {}, {}, {}
-    for module, node in _sized_nodes():
-        size = (getattr(node, "end_lineno", 0) or 0) - getattr(node, "lineno", 0) + 1
-        if isinstance(node, ast.FunctionDef):
-            if size > 60:
-                long[f"{module}:{node.name}"] = size
-            args = node.args
-            count = len(args.posonlyargs) + len(args.args) + len(args.kwonlyargs)
-            count -= 1 if args.args and args.args[0].arg in ("self", "cls") else 0
-            if count > 6:
-                wide[f"{module}:{node.name}"] = count
-        elif isinstance(node, ast.ClassDef) and size > 200:
-            big[f"{module}:{node.name}"] = size
-    return long, wide, big
 
 
 def test_the_pruning_layers_hold_small_functions_and_classes() -> None:
     assert {"pruning/methods/alps.py", "pruning/plan/plan.py", "pruning/block/engine.py"} <= set(SIZED)
-    long, wide, big = _sizes()
+    long, wide, big = {}, {}, {}
+    for module in SIZED:
+        found = _sizes(ast.parse((PACKAGE / module).read_text(encoding="utf-8")), module)
+        for total, part in zip((long, wide, big), found, strict=True):
+            total.update(part)
     assert long == SPLIT_ELSEWHERE["long"]
     assert wide == WIDE_ENTRY_POINTS | SPLIT_ELSEWHERE["wide"]
     assert big == SPLIT_ELSEWHERE["big"]
@@ -244,7 +220,8 @@ def test_the_pruning_layers_hold_small_functions_and_classes() -> None:
 def test_the_size_check_sees_functions_and_classes() -> None:
     """The walk reaches what it measures: functions and classes past half their limits (methods included)."""
     sizes: dict[type, list[int]] = {ast.FunctionDef: [], ast.ClassDef: []}
-    for _module, node in _sized_nodes():
+    nodes = [node for name in SIZED for node in ast.walk(ast.parse((PACKAGE / name).read_text(encoding="utf-8")))]
+    for node in nodes:
         if isinstance(node, ast.FunctionDef | ast.ClassDef):
             sizes[type(node)].append((node.end_lineno or node.lineno) - node.lineno + 1)
     assert max(sizes[ast.FunctionDef]) > 30 and max(sizes[ast.ClassDef]) > 100
