@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPattern, reconstruction_error
+from tsenor_cli.pruning import PRUNERS, InputStats, MatrixPruneConfig, SparsityPattern, reconstruction_error
 from tsenor_cli.pruning.run.api import dense_calibration_inputs
 from tsenor_cli.replay import run_block
 from tsenor_cli.settings import RunContext
@@ -61,7 +61,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     runs = (("transposable", True, "exact (flow)"), ("ordinary", False, "row top-n"))
     for label, transposable, projections in runs:
-        cfg = LayerPruneConfig(SparsityPattern.from_nm(16, 32, transposable=transposable))
+        cfg = MatrixPruneConfig(SparsityPattern.from_nm(16, 32, transposable=transposable))
         start = time.perf_counter()
         out = alps(weight, stats, cfg)
         secs = time.perf_counter() - start

@@ -377,7 +377,7 @@ def layers(args: argparse.Namespace) -> None:
     from tsenor_cli.pattern import SparsityPattern
     from tsenor_cli.pruning.methods.registry import get_pruner
     from tsenor_cli.pruning.methods.stats import InputStats, reconstruction_error
-    from tsenor_cli.pruning.methods.types import LayerPruneConfig
+    from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 
     device = torch.device(args.device)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -392,7 +392,7 @@ def layers(args: argparse.Namespace) -> None:
         stats = InputStats.from_inputs(x, gram=True)
         for method in args.methods:
             for transposable in (True, False):
-                cfg = LayerPruneConfig(pattern=SparsityPattern.from_nm(16, 32, transposable=transposable))
+                cfg = MatrixPruneConfig(pattern=SparsityPattern.from_nm(16, 32, transposable=transposable))
                 fn = get_pruner(method).prune
                 if not any(r["method"] == method and r["transposable"] == transposable for r in rows):
                     small = InputStats.from_inputs(x[:256, :256], gram=True)

@@ -17,7 +17,7 @@ import torch
 
 from tsenor_cli.bench.solver import real_matrix
 from tsenor_cli.models.embedded import DEFAULT_MODEL, materialize
-from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning import PRUNERS, InputStats, MatrixPruneConfig, SparsityPattern
 from tsenor_cli.settings import RunContext
 from tsenor_cli.solver import flow as flow_module
 from tsenor_cli.solver import to_blocks
@@ -84,8 +84,8 @@ def alps_retry(repeats: int) -> None:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(1536, 576, generator=gen)
     stats = InputStats.from_inputs(torch.randn(8192, 576, generator=gen))
-    transposable = LayerPruneConfig(SparsityPattern.from_nm(16, 32, transposable=True))
-    ordinary = LayerPruneConfig(SparsityPattern.from_nm(16, 32, transposable=False))
+    transposable = MatrixPruneConfig(SparsityPattern.from_nm(16, 32, transposable=True))
+    ordinary = MatrixPruneConfig(SparsityPattern.from_nm(16, 32, transposable=False))
     print("\n| ALPS 16:32, random 1536×576 | retry above × M | ADMM iterations | seconds | in the solver |")
     print("|---|---:|---:|---:|---:|")
     default = flow_module.RETRY_EXCESS_PER_M

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning import PRUNERS, InputStats, MatrixPruneConfig, SparsityPattern
 from tsenor_cli.pruning.block.refine import block_masks, refine_block
 from tsenor_cli.pruning.run.api import dense_calibration_inputs
 from tsenor_cli.pruning.settings.config import RefineConfig
@@ -62,7 +62,7 @@ def _prune(block: torch.nn.Module, call: BlockCall, hidden: torch.Tensor, method
         for h in hooks:
             h.remove()
     for name, module in linears.items():
-        out = PRUNERS[method].prune(module.weight.data, stats[name], LayerPruneConfig(T1632))
+        out = PRUNERS[method].prune(module.weight.data, stats[name], MatrixPruneConfig(T1632))
         module.weight.data = out.weight.to(module.weight.dtype)
 
 

@@ -21,7 +21,7 @@ import torch
 
 from tsenor_cli.data.sources import encode, wikitext2_text
 from tsenor_cli.models.embedded import materialize
-from tsenor_cli.pruning.methods.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig, SparsityPattern
 from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.settings import RunContext
@@ -88,7 +88,7 @@ def main() -> None:
             out = work / f"{method}-{calibration}"
             cfg = PruneConfig(
                 model=str(source),
-                layer=LayerPruneConfig(pattern=SparsityPattern.from_nm(2, 4, transposable=True)),
+                matrix=MatrixPruneConfig(pattern=SparsityPattern.from_nm(2, 4, transposable=True)),
                 method=method,
                 nsamples=args.nsamples,
                 seqlen=args.seqlen,

@@ -318,12 +318,12 @@ def blockwise_forward(model: Any, input_ids: torch.Tensor) -> tuple[torch.Tensor
 def sparsegpt_config(model: Path, calib: Path, output: Path | None, **changes: Any) -> PruneConfig:
     """The shared test prune of `model` on the text file `calib` into `output`, with `changes` on top."""
     from tsenor_cli.pattern import SparsityPattern
-    from tsenor_cli.pruning.methods.types import LayerPruneConfig
+    from tsenor_cli.pruning.methods.types import MatrixPruneConfig
     from tsenor_cli.pruning.settings.config import PruneConfig
 
     base = PruneConfig(
         model=str(model),
-        layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exhaustive"),
+        matrix=MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exhaustive"),
         method="sparsegpt",
         calib_data=str(calib),
         nsamples=4,

@@ -28,7 +28,7 @@ from tsenor_cli.errors import IncompatibleModelError
 from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.block.gather import linear_groups
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.pruning.run.verify import verify_checkpoint
 from tsenor_cli.pruning.settings.config import PruneConfig
@@ -138,7 +138,7 @@ def test_two_block_prune_verifies_and_loads(
     out = tmp_path / "pruned"
     cfg = PruneConfig(
         model=str(checkpoints[family]),
-        layer=LayerPruneConfig(SparsityPattern.from_nm(16, 32, transposable=True)),
+        matrix=MatrixPruneConfig(SparsityPattern.from_nm(16, 32, transposable=True)),
         method=method,
         calib_data=str(calibration_text),
         nsamples=2,

@@ -141,13 +141,14 @@ def test_verify_and_finetune_give_the_same_verdict(good: Path, tmp_path: Path, c
 
 def test_the_python_api_refuses_the_folder_before_any_output(good: Path, tmp_path: Path) -> None:
     from tsenor_cli.pattern import SparsityPattern
-    from tsenor_cli.pruning.methods.types import LayerPruneConfig
+    from tsenor_cli.pruning.methods.types import MatrixPruneConfig
     from tsenor_cli.pruning.run.api import prune
     from tsenor_cli.pruning.settings.config import PruneConfig
 
     folder = _case(good, tmp_path / "model", "fewer blocks")
     cfg = PruneConfig(
-        model=str(folder), layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)), method="magnitude",
+        model=str(folder), matrix=MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)),
+        method="magnitude",
         output=tmp_path / "out",
     )  # fmt: skip
     with pytest.raises(CheckpointMismatchError, match=r"config\.json describes 3 decoder block"):

@@ -43,7 +43,7 @@ from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.block import engine, gather
 from tsenor_cli.pruning.block.distributed import assign_owners, shard_bounds, shared_input_classes
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
 from tsenor_cli.pruning.run import api
 from tsenor_cli.pruning.run.launch import run_status, without_option
@@ -66,7 +66,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _cfg(model: Path, calib: Path, output: Path, method: str, transposable: bool, **changes: Any) -> PruneConfig:
     fields: dict[str, Any] = {
         "model": str(model),
-        "layer": LayerPruneConfig(SparsityPattern.from_nm(8, 16, transposable=transposable)),
+        "layer": MatrixPruneConfig(SparsityPattern.from_nm(8, 16, transposable=transposable)),
         "method": method,
         "calib_data": str(calib),
         "nsamples": 5,  # odd: the shards are 3 and 2 samples
@@ -455,7 +455,7 @@ def test_real_smollm2_block_with_two_processes_equals_one(
     """The real SmolLM2-135M, ALPS transposable 16:32 on block 0 (every block still runs): 2 ranks, bit-identical."""
     cfg = PruneConfig(
         model=str(smollm2_path),
-        layer=LayerPruneConfig(SparsityPattern.from_nm(16, 32, transposable=True)),
+        matrix=MatrixPruneConfig(SparsityPattern.from_nm(16, 32, transposable=True)),
         method="alps",
         calib_data="wikitext2",
         nsamples=4,

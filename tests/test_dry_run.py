@@ -115,7 +115,7 @@ def test_a_block_the_text_forward_skips_is_planned_as_pruned(tmp_path: Path) -> 
     """Mllama's cross-attention block: its linears are pruned (pruning/block/idle.py), the table says how."""
     source = make_tiny_model(tmp_path / "mllama", "mllama")
     plan = _plan(source)
-    assert {layer["status"] for layer in plan["layers"]} == {"prune"} and plan["skipped"] == 0
+    assert {layer["status"] for layer in plan["layers"]} == {"prune"} and plan["idle"] == 0
     result = invoke(["prune", "--model", str(source), "--nm", "2:4", "--dry-run"])
     assert result.exit_code == 0, result.output
     rows = [line for line in result.stdout.splitlines() if line.startswith("model.language_model.layers.")]

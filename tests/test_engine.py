@@ -15,7 +15,7 @@ from helpers_tiny import LOCAL_CTX, make_tiny_llama
 from safetensors.torch import load_file, save_file
 
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.runfiles import RESUME_DIR
@@ -110,7 +110,7 @@ def test_reconstruction_methods_beat_wanda_through_the_engine(tmp_path: Path, da
     for name in ("wanda", "sparsegpt", "alps"):
         cfg = PruneConfig(
             model=str(src),
-            layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exhaustive"),
+            matrix=MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exhaustive"),
             method=name,
             calib_data="wikitext2",
             nsamples=4,
@@ -169,7 +169,7 @@ def test_statistics_passes_stop_early_with_identical_results(tiny: Path) -> None
 
     slots = linear_slots(structure)
     skipped = {"model.layers.0.self_attn.v_proj": "left dense by the test"}  # [q,k] must stop before v runs
-    layer_cfg = LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exhaustive")
+    matrix_cfg = MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exhaustive")
     results = {}
     for stop_early in (True, False):
         pruned = copy.deepcopy(block)
@@ -177,7 +177,7 @@ def test_statistics_passes_stop_early_with_identical_results(tiny: Path) -> None
             structure,
             slots,
             get_pruner("sparsegpt"),  # updates the kept weights, so later groups depend on earlier ones
-            layer_cfg,
+            matrix_cfg,
             cpu,
             lambda _msg: None,
             skipped=skipped,
@@ -195,7 +195,7 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tiny: Path, tmp_path: P
     def cfg(output: Path, resume: bool) -> PruneConfig:
         return PruneConfig(
             model=str(tiny),
-            layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exhaustive"),
+            matrix=MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exhaustive"),
             method="sparsegpt",
             calib_data="wikitext2",
             nsamples=4,

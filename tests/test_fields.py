@@ -39,7 +39,7 @@ FINETUNE_RUN_OPTIONS = {
 # PruneConfig attributes that a setting reaches converted (model: required; dtype "auto" → None; output → Path)
 # or through another object (layer: pattern, solver, method options; refine: RefineConfig), and the run's
 # own inputs; every other attribute must take its default from the table.
-PRUNE_CONVERTED = {"model", "layer", "dtype", "output", "refine", "force", "resume", "command"}
+PRUNE_CONVERTED = {"model", "matrix", "dtype", "output", "refine", "force", "resume", "command"}
 FINETUNE_OWN = {"run_dir", "output", "ppl_datasets", "max_windows", "tasks", "limit", "force", "resume", "command"}
 
 
@@ -216,7 +216,7 @@ def test_method_options_from_flags_and_recipes_build_the_same_config(built: Any,
     _, from_file = built(["--config", str(recipe)])
     _, from_flags = built(["m", "--nm", "2:4", "--alps-rho0", "0.2", "--alps-max-iter", "50"])
     assert from_file == from_flags
-    assert from_flags.layer.options == ALPSOptions(rho0=0.2, max_iter=50)
+    assert from_flags.matrix.options == ALPSOptions(rho0=0.2, max_iter=50)
     assert from_flags.result_hash() != built(["m", "--nm", "2:4"])[1].result_hash()  # they decide the weights
 
 
@@ -319,7 +319,7 @@ def test_sweep_axes_take_method_options_and_torch_dtype_names() -> None:
     runs = spec.runs()
     assert [run.name for run in runs] == ["alps_rho0-0.1", "alps_rho0-0.2"]
     check_recipes(spec, runs)
-    options = [build_config(run.recipe_dict(), force=False, resume=True, command="x").layer.options for run in runs]
+    options = [build_config(run.recipe_dict(), force=False, resume=True, command="x").matrix.options for run in runs]
     assert options == [ALPSOptions(rho0=0.1), ALPSOptions(rho0=0.2)]
     bad = parse_sweep({"base": {"model": "m", "nm": "2:4", "method": "wanda"}, "axes": {"alps_rho0": [0.2]}}, "s.yaml")
     with pytest.raises(UsageError, match=r"--alps-rho0 is not an option of --method wanda; its options: none"):

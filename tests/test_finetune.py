@@ -26,7 +26,7 @@ from tsenor_cli.finetune.run import FinetuneConfig, finetune, last_complete_chec
 from tsenor_cli.fixedmask import FixedMask
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.pruning.run.verify import verify_checkpoint
 from tsenor_cli.pruning.settings.config import PruneConfig
@@ -45,7 +45,7 @@ def pruned(tmp_path_factory: pytest.TempPathFactory, data_ctx: RunContext) -> Pa
     src = make_tiny_llama(root / "src")
     cfg = PruneConfig(
         model=str(src),
-        layer=LayerPruneConfig(SparsityPattern.from_nm(8, 16, transposable=True), solver="exact"),
+        matrix=MatrixPruneConfig(SparsityPattern.from_nm(8, 16, transposable=True), solver="exact"),
         method="magnitude",
         calib_data="wikitext2",
         nsamples=2,

@@ -16,7 +16,7 @@ from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.methods.masks import SolveTally, choose_mask
 from tsenor_cli.pruning.methods.registry import PRUNERS, PrunerSpec, get_pruner
 from tsenor_cli.pruning.methods.stats import InputStats
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 
 FUSING = ("sparsegpt", "wanda", "magnitude")
 # (pattern, solver): the exact reference solver (HiGHS), the CPU's default exact one (flow, what `auto`
@@ -45,7 +45,7 @@ def _qkv(seed: int) -> tuple[list[torch.Tensor], InputStats]:
 def test_stacked_linears_get_the_masks_they_get_alone(method: str, case: str) -> None:
     weights, stats = _qkv(seed=3)
     pattern, solver = CASES[case]
-    cfg = LayerPruneConfig(pattern, solver=solver)
+    cfg = MatrixPruneConfig(pattern, solver=solver)
     spec = PRUNERS[method]
     fused = spec.prune_rows(torch.cat(weights), [len(w) for w in weights], stats, cfg)
     alone = [spec.prune(w, stats, cfg) for w in weights]
@@ -103,7 +103,7 @@ def test_tally_splits_each_call_by_part() -> None:
 
 def test_prune_rows_refuses_what_it_cannot_stack() -> None:
     weights, stats = _qkv(seed=0)
-    cfg = LayerPruneConfig(SparsityPattern.from_nm(4, 8, transposable=True), solver="flow")
+    cfg = MatrixPruneConfig(SparsityPattern.from_nm(4, 8, transposable=True), solver="flow")
     with pytest.raises(ValueError, match="multiples of M = 8"):
         PRUNERS["sparsegpt"].prune_rows(torch.cat([weights[0], weights[1][:12]]), [32, 12], stats, cfg)
     with pytest.raises(ValueError, match="do not add up"):
@@ -113,7 +113,7 @@ def test_prune_rows_refuses_what_it_cannot_stack() -> None:
     assert {name for name, spec in PRUNERS.items() if spec.fuses_rows} == set(FUSING)
 
 
-def _prune_block(tiny: Path, spec: PrunerSpec, cfg: LayerPruneConfig) -> tuple[dict[str, torch.Tensor], list[Any]]:
+def _prune_block(tiny: Path, spec: PrunerSpec, cfg: MatrixPruneConfig) -> tuple[dict[str, torch.Tensor], list[Any]]:
     """Block 0 of the tiny LLaMA pruned with `spec` → (its state dict, its records)."""
     from tsenor_cli.models.loading import load_model
     from tsenor_cli.pruning.block.engine import BlockPruner
@@ -157,7 +157,7 @@ def test_the_engine_stacks_exactly_the_linears_that_share_an_input(
         return original(self, weight, parts, stats, cfg)
 
     monkeypatch.setattr(PrunerSpec, "prune_rows", spy)
-    cfg = LayerPruneConfig(SparsityPattern.from_nm(4, 8, transposable=True), solver="exact")
+    cfg = MatrixPruneConfig(SparsityPattern.from_nm(4, 8, transposable=True), solver="exact")
     spec = get_pruner(method)
     fused_weights, fused = _prune_block(tiny, spec, cfg)
     assert stacked == expected

@@ -34,14 +34,14 @@ from tsenor_cli.pruning.block.slots import LinearSlot, linear_slots
 from tsenor_cli.pruning.methods import magnitude, sparsegpt
 from tsenor_cli.pruning.methods.registry import get_pruner
 from tsenor_cli.pruning.methods.stats import InputStats
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.run.steps import check_targets_run as _check_targets_run
 from tsenor_cli.pruning.run.verify import verify_checkpoint
 from tsenor_cli.replay import BlockCall, capture_block_calls, capture_block_inputs, run_block
 from tsenor_cli.runfiles import PruneReport
 
 PATTERN = SparsityPattern.from_nm(2, 4, transposable=True)
-LAYER = LayerPruneConfig(PATTERN, solver="exhaustive")
+LAYER = MatrixPruneConfig(PATTERN, solver="exhaustive")
 CPU = torch.device("cpu")
 SEQ_LEN = 24
 IDLE = 1  # the tiny Mllama's cross-attention block (helpers_tiny.MULTIMODAL["mllama"])
@@ -89,10 +89,10 @@ def test_the_idle_block_gets_the_arguments_of_the_running_block_before_it(
     carries block 0's, not to run (its replay is the identity); `running()` runs it."""
     _structure, calls, _hidden = mllama
     idle, lender = calls[IDLE], calls[0]
-    assert not idle.runs and lender.runs and calls[2].runs
+    assert idle.idle and not lender.idle and not calls[2].idle
     assert idle.kwargs.keys() == lender.kwargs.keys() and idle.hidden_keyword == lender.hidden_keyword
     assert all(idle.kwargs[key] is lender.kwargs[key] for key in idle.kwargs)
-    assert idle.running().runs and idle.running().kwargs is idle.kwargs
+    assert not idle.as_running().idle and idle.as_running().kwargs is idle.kwargs
 
 
 def test_mllama_cross_attention_is_pruned_from_the_text_that_reaches_it(
@@ -208,7 +208,7 @@ def _toy(idle: type[_Block]) -> tuple[ModelStructure, tuple[BlockCall, ...], tor
 
 def test_an_idle_block_whose_forward_finishes_on_text_is_calibrated_whole() -> None:
     structure, calls, hidden = _toy(_GatedBlock)
-    assert not calls[IDLE].runs
+    assert calls[IDLE].idle
     block = copy.deepcopy(structure.blocks[IDLE])
     (record,) = _pruner(structure).prune(block, IDLE, hidden, calls[IDLE])
     assert record.reason == TEXT_REASON and record.recon_error is not None
@@ -236,7 +236,7 @@ def test_an_idle_block_failing_for_another_reason_stops_the_run() -> None:
 def test_a_targets_selection_left_wholly_dense_is_refused() -> None:
     """An idle block's nn.Linear is prunable; its other matrices, whose orientation no forward shows, are
     not: a selection of only those (or of nothing) is refused, unless it names linears outside the LM."""
-    calls = (BlockCall((), {}), BlockCall((), {}).lent())
+    calls = (BlockCall((), {}), BlockCall((), {}).as_idle())
     linear = LinearSlot(1, "proj", "layers.1.proj", 8, 8)
     bare = LinearSlot(1, "table", "layers.1.table", 8, 8, param="table")
     _check_targets_run([linear, bare], calls, has_outside=False)

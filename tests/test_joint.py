@@ -122,7 +122,7 @@ def test_a_mask_period_needs_an_n_m_pattern() -> None:
         RefineConfig("block", 2, 1e-3, -1, pattern=T816)
     cfg = build_config({"model": "m", "nm": "16:32", "refine": "block", "refine_mask_every": 8}, force=False,
                        resume=True, command="")  # fmt: skip
-    assert cfg.refine.mask_every == 8 and cfg.refine.pattern == cfg.layer.pattern
+    assert cfg.refine.mask_every == 8 and cfg.refine.pattern == cfg.matrix.pattern
     assert cfg.result_fields()["refine"]["mask_every"] == 8  # type: ignore[index]
 
 

@@ -166,14 +166,14 @@ def test_weights_that_break_the_recorded_two_four_are_refused() -> None:
 @pytest.fixture(scope="module")
 def pruned_two_four(tmp_path_factory: pytest.TempPathFactory, data_ctx: RunContext) -> Path:
     """A tiny random LLaMA pruned to transposable 2:4 by magnitude."""
-    from tsenor_cli.pruning.methods.types import LayerPruneConfig
+    from tsenor_cli.pruning.methods.types import MatrixPruneConfig
     from tsenor_cli.pruning.run.api import prune_model
     from tsenor_cli.pruning.settings.config import PruneConfig
 
     root = tmp_path_factory.mktemp("kernels")
     cfg = PruneConfig(
         model=str(make_tiny_llama(root / "src")),
-        layer=LayerPruneConfig(TWO_FOUR, solver="exact"),
+        matrix=MatrixPruneConfig(TWO_FOUR, solver="exact"),
         method="magnitude",
         calib_data="wikitext2",
         nsamples=2,

@@ -24,18 +24,18 @@ from tsenor_cli.data.calibration import STAND_IN_SEQLEN
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.block import engine
 from tsenor_cli.pruning.methods import magnitude
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
 from tsenor_cli.pruning.plan.render import plan_lines
 from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.pruning.settings.config import PruneConfig, RefineConfig
 from tsenor_cli.runfiles import PRUNE_FILE
 
-TWO_FOUR = LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True))
+TWO_FOUR = MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True))
 
 
 def _cfg(model: Path, output: Path | None, method: str = "magnitude", **changes: Any) -> PruneConfig:
-    return PruneConfig(model=str(model), layer=TWO_FOUR, method=method, output=output, **changes)
+    return PruneConfig(model=str(model), matrix=TWO_FOUR, method=method, output=output, **changes)
 
 
 def _no_statistics(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,7 +26,7 @@ from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.block.memory import SOLVER_COPIES, MethodCost, matrix_workspace
 from tsenor_cli.pruning.methods.method_options import ALPSOptions
 from tsenor_cli.pruning.methods.registry import get_pruner
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
 from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.pruning.settings.config import PruneConfig
@@ -93,7 +93,7 @@ def test_the_device_estimate_bounds_what_a_run_allocates(
     pattern = SparsityPattern.from_nm(4, 8, transposable=transposable)
     cfg = PruneConfig(
         model=str(model),
-        layer=LayerPruneConfig(pattern, options=ALPSOptions(max_iter=30) if method == "alps" else None),
+        matrix=MatrixPruneConfig(pattern, options=ALPSOptions(max_iter=30) if method == "alps" else None),
         method=method,
         calib_data=str(calibration_text),
         nsamples=4,
@@ -117,7 +117,7 @@ def test_each_solvers_working_set_is_bounded(solver: str, rows: int, cols: int, 
     if solver == "exhaustive" and m > 4:
         pytest.skip("exhaustive solves M <= 4 only")
     spec = get_pruner("magnitude")
-    cfg = LayerPruneConfig(SparsityPattern.from_nm(n, m, transposable=True), solver=solver)
+    cfg = MatrixPruneConfig(SparsityPattern.from_nm(n, m, transposable=True), solver=solver)
     weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
     times, live, _spans = _live_bytes(lambda: spec.prune(weight.clone(), None, cfg))
     measured = max(live)

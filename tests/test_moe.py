@@ -27,7 +27,7 @@ from tsenor_cli.pruning.block.gather import MoeOptions, StackInputs, unit_input_
 from tsenor_cli.pruning.block.observe import Geometry, matrices, observe_block
 from tsenor_cli.pruning.methods.method_options import ALPSOptions
 from tsenor_cli.pruning.methods.stats import ExpertStats, RowBuffer
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.pruning.run.verify import verify_checkpoint
 from tsenor_cli.pruning.settings.config import PruneConfig, RefineConfig
@@ -169,7 +169,7 @@ def _sparsegpt_2_4(source: Path, output: Path, **changes: Any) -> PruneConfig:
     """SparseGPT transposable 2:4 of `source` on 4 × 64 C4 tokens into `output`, with `changes` on top."""
     return PruneConfig(
         model=str(source),
-        layer=LayerPruneConfig(pattern=SparsityPattern.from_nm(2, 4, transposable=True)),
+        matrix=MatrixPruneConfig(pattern=SparsityPattern.from_nm(2, 4, transposable=True)),
         method="sparsegpt",
         nsamples=4,
         seqlen=64,
@@ -371,7 +371,7 @@ def test_routed_statistics_reconstruct_a_moe_block_better_than_magnitude(tmp_pat
     for method in ("magnitude", "sparsegpt"):
         cfg = PruneConfig(
             model=str(source),
-            layer=LayerPruneConfig(pattern=SparsityPattern.from_nm(2, 4, transposable=True)),
+            matrix=MatrixPruneConfig(pattern=SparsityPattern.from_nm(2, 4, transposable=True)),
             method=method,
             nsamples=8,
             seqlen=64,
@@ -405,7 +405,7 @@ def test_experts_pruned_in_chunks_equal_one_by_one(
         monkeypatch.setattr(memory, "EXPERT_BATCH_BYTES", budget)
         cfg = PruneConfig(
             model=str(source),
-            layer=LayerPruneConfig(
+            matrix=MatrixPruneConfig(
                 SparsityPattern.from_nm(2, 4, transposable=True),
                 options=ALPSOptions(max_iter=40) if method == "alps" else None,
             ),

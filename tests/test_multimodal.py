@@ -48,7 +48,7 @@ from tsenor_cli.pruning.block.idle import MAGNITUDE_REASON, TEXT_REASON
 from tsenor_cli.pruning.block.outside import OUTSIDE_BLOCK
 from tsenor_cli.pruning.block.outside import REASON as OUTSIDE_REASON
 from tsenor_cli.pruning.methods import magnitude
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.pruning.run.verify import verify_checkpoint
 from tsenor_cli.pruning.settings.config import PruneConfig
@@ -110,7 +110,7 @@ def pruned(
     def prune(family: str) -> tuple[Path, PruneReport]:
         cfg = PruneConfig(
             model=str(checkpoints[family]),
-            layer=LayerPruneConfig(PATTERN),
+            matrix=MatrixPruneConfig(PATTERN),
             method="sparsegpt",
             calib_data=str(calibration_text),
             nsamples=2,
@@ -161,7 +161,7 @@ def test_blockwise_replay_reproduces_the_whole_model(family: str) -> None:
     structure = discover_structure(model)
     calls = capture_block_calls(structure, SEQ_LEN)
     idle = IDLE.get(family, set())
-    assert {index for index, call in enumerate(calls) if not call.runs} == idle
+    assert {index for index, call in enumerate(calls) if call.idle} == idle
     kinds = {type(block).__name__ for block in structure.blocks}
     assert len(kinds) == (2 if family in ("jamba", "mllama") else 1)  # mixed lists are taken whole
     for index in idle:
@@ -279,7 +279,7 @@ def test_refinement_trains_the_language_model_only(
     out = tmp_path / "refined"
     cfg = PruneConfig(
         model=str(source),
-        layer=LayerPruneConfig(PATTERN),
+        matrix=MatrixPruneConfig(PATTERN),
         method="sparsegpt",
         calib_data=str(calibration_text),
         nsamples=4,
@@ -365,7 +365,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_one_line_exit_5(
     family: str, tmp_path: Path, calibration_text: Path
 ) -> None:
     """The SmolLM2 tokenizer's 49152 ids against a 1024-row embedding: refused before any weight is read
-    by prune and by eval, nothing written. Mllama's embedding has 8 rows beyond its vocab_size (for its
+    by prune and by eval, nothing written. Mllama's embedding has 8 rows outside its vocab_size (for its
     image token): those rows count."""
     text_config = {**MULTIMODAL[family]["text_config"], "vocab_size": 1024}
     source = make_tiny_model(tmp_path / "src", family, text_config=text_config)
@@ -478,7 +478,7 @@ def test_the_text_decoder_wins_over_a_larger_vision_tower_and_its_skipped_block_
     assert (structure.base_name, structure.blocks_name, structure.outside) == ("text", "text.layers", ("vision",))
     assert structure.base is model.text and len(structure) == 3
     calls = capture_block_calls(structure, 5)
-    assert [call.runs for call in calls] == [True, False, True]
+    assert [call.idle for call in calls] == [False, True, False]
     ids = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(0))
     replayed = capture_block_inputs(structure, ids, torch.device("cpu")).hidden
     for index, block in enumerate(structure.blocks):  # the skipped block passes its input on unchanged
@@ -502,12 +502,12 @@ def test_a_block_list_that_never_runs_on_text_is_refused_in_one_line() -> None:
 
 
 def test_an_idle_call_survives_the_move_to_a_device_and_differs_from_a_running_one() -> None:
-    idle = BlockCall.idle().to(torch.device("cpu"))
-    assert not idle.runs and idle.args == () and idle.kwargs == {}
+    idle = BlockCall.empty_idle().to(torch.device("cpu"))
+    assert idle.idle and idle.args == () and idle.kwargs == {}
     from tsenor_cli.replay import call_difference
 
     assert call_difference(idle, BlockCall((), {})) == "decision to run the block at all"
-    assert call_difference(idle, BlockCall.idle()) is None
+    assert call_difference(idle, BlockCall.empty_idle()) is None
 
 
 def test_processor_files_of_a_hub_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -597,9 +597,9 @@ def test_targets_prune_the_vision_tower_by_magnitude(
     ran = invoke(args)
     assert ran.exit_code == 0, ran.output
     report = PruneReport.from_json(json.loads((out / "tsenor_report.json").read_text()))
-    beyond = [r for r in report.layers if r.block == OUTSIDE_BLOCK]
-    assert {r.name for r in beyond} == linears
-    assert all(r.status == "pruned" and r.reason == OUTSIDE_REASON and r.density == 0.5 for r in beyond)
+    outside = [r for r in report.layers if r.block == OUTSIDE_BLOCK]
+    assert {r.name for r in outside} == linears
+    assert all(r.status == "pruned" and r.reason == OUTSIDE_REASON and r.density == 0.5 for r in outside)
     assert not [r for r in report.layers if r.block >= 0 and r.status == "pruned"]
     verified = verify_checkpoint(out)
     assert verified.ok and {layer.name for layer in verified.layers} == linears
@@ -611,7 +611,7 @@ def test_targets_prune_the_vision_tower_by_magnitude(
         if name not in linears:
             assert torch.equal(after[key], tensor), key
             continue
-        expected = magnitude.prune(tensor, None, LayerPruneConfig(PATTERN)).weight
+        expected = magnitude.prune(tensor, None, MatrixPruneConfig(PATTERN)).weight
         assert torch.equal(after[key], expected), key
     tokenizer = AutoTokenizer.from_pretrained(out)
     prompt = tokenizer("the image shows a model", return_tensors="pt").input_ids
@@ -635,15 +635,15 @@ def test_a_targeted_vision_linear_the_pattern_cannot_take_is_one_line_exit_5(
         assert not out.exists()
     assert invoke([*args, "--skip-incompatible"]).exit_code == 0
     report = PruneReport.from_json(json.loads((out / "tsenor_report.json").read_text()))
-    beyond = [r for r in report.layers if r.block == OUTSIDE_BLOCK]
-    assert beyond and all(r.status == "skipped" and r.reason for r in beyond)
+    outside = [r for r in report.layers if r.block == OUTSIDE_BLOCK]
+    assert outside and all(r.status == "skipped" and r.reason for r in outside)
 
 
 def _mllama_sparsegpt(model: Path, calibration_text: Path, output: Path, **options: Any) -> PruneConfig:
     """SparseGPT at PATTERN on 2 × SEQ_LEN tokens of the tiny Mllama, into `output` (with `options`)."""
     return PruneConfig(
         model=str(model),
-        layer=LayerPruneConfig(PATTERN),
+        matrix=MatrixPruneConfig(PATTERN),
         method="sparsegpt",
         calib_data=str(calibration_text),
         nsamples=2,

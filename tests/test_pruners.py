@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tsenor_cli.pruning import PRUNERS, InputStats, LayerPruneConfig, SparsityPattern, reconstruction_error
+from tsenor_cli.pruning import PRUNERS, InputStats, MatrixPruneConfig, SparsityPattern, reconstruction_error
 from tsenor_cli.pruning.methods.alps import conjugate_gradient, inner_solver_options
 from tsenor_cli.pruning.methods.linalg import inverse_cholesky_upper
 from tsenor_cli.pruning.methods.masks import keep_better_tiles
@@ -48,7 +48,7 @@ def _assert_pattern(mask: torch.Tensor, pattern: SparsityPattern) -> None:
 def test_masks_feasible_and_weights_supported(method: str, kind: str, device: torch.device) -> None:
     w, x = _problem(16, 32, 256, seed=1, device=device)
     pattern = PATTERNS[kind]
-    out = PRUNERS[method].prune(w, InputStats.from_inputs(x), LayerPruneConfig(pattern, solver="exhaustive"))
+    out = PRUNERS[method].prune(w, InputStats.from_inputs(x), MatrixPruneConfig(pattern, solver="exhaustive"))
     assert out.mask.shape == w.shape and out.mask.dtype == torch.bool
     _assert_pattern(out.mask, pattern)
     assert bool((out.weight[~out.mask] == 0).all())
@@ -78,7 +78,7 @@ def test_a_stack_prunes_as_each_matrix_alone(method: str, kind: str, device: tor
         stats.add(x, torch.full((x.shape[0],), e, device=device))
     solver = "flow" if device.type == "cpu" else "auto"
     options = ALPSOptions(switch_iter=0, update_iter=1) if method == "alps" else None
-    cfg = LayerPruneConfig(PATTERNS[kind], solver=solver, options=options)
+    cfg = MatrixPruneConfig(PATTERNS[kind], solver=solver, options=options)
     spec = PRUNERS[method]
     batched = spec.prune_batch(weights.clone(), stats, cfg)
     assert len(batched) == experts
@@ -113,12 +113,12 @@ def test_expert_statistics_select_takes_fallback_experts_from_every_token() -> N
 def test_wanda_mask_is_the_optimal_transposable_mask_of_its_score() -> None:
     w, x = _problem(16, 32, 128, seed=2, device=torch.device("cpu"))
     stats = InputStats.from_inputs(x)
-    out = PRUNERS["wanda"].prune(w, stats, LayerPruneConfig(PATTERNS["transposable"], solver="exhaustive"))
+    out = PRUNERS["wanda"].prune(w, stats, MatrixPruneConfig(PATTERNS["transposable"], solver="exhaustive"))
     score = w.abs() * x.norm(dim=0)[None, :]  # (out, in): |W_ij|·‖X_j‖ (paper Section 4)
     best = solve(score, 2, 4, method="exhaustive")
     assert float((score * out.mask).sum()) == pytest.approx(best.objective, rel=1e-6)
     # Magnitude ignores X: its mask is optimal for |W| instead.
-    mag = PRUNERS["magnitude"].prune(w, None, LayerPruneConfig(PATTERNS["transposable"], solver="exhaustive"))
+    mag = PRUNERS["magnitude"].prune(w, None, MatrixPruneConfig(PATTERNS["transposable"], solver="exhaustive"))
     assert float((w.abs() * mag.mask).sum()) == pytest.approx(solve(w.abs(), 2, 4, method="exhaustive").objective)
 
 
@@ -135,10 +135,10 @@ def test_sparsegpt_lazy_blocks_equal_column_by_column(kind: str) -> None:
     w, x = _problem(16, 64, 256, seed=4, device=torch.device("cpu"))
     stats = InputStats.from_inputs(x)
     wide = PRUNERS["sparsegpt"].prune(
-        w, stats, LayerPruneConfig(PATTERNS[kind], "exhaustive", SparseGPTOptions(blocksize=128))
+        w, stats, MatrixPruneConfig(PATTERNS[kind], "exhaustive", SparseGPTOptions(blocksize=128))
     )
     narrow = PRUNERS["sparsegpt"].prune(
-        w, stats, LayerPruneConfig(PATTERNS[kind], "exhaustive", SparseGPTOptions(blocksize=4))
+        w, stats, MatrixPruneConfig(PATTERNS[kind], "exhaustive", SparseGPTOptions(blocksize=4))
     )
     assert torch.equal(wide.mask, narrow.mask)
     torch.testing.assert_close(wide.weight, narrow.weight, rtol=1e-4, atol=1e-5)
@@ -178,7 +178,7 @@ def test_sparsegpt_transposable_slab_solves_equal_column_by_column(
     weights = []
     for blocksize in sorted({m, 3 * m, 30, 100, 128}):
         out = PRUNERS["sparsegpt"].prune(
-            w, stats, LayerPruneConfig(pattern, solver="flow", options=SparseGPTOptions(blocksize=blocksize))
+            w, stats, MatrixPruneConfig(pattern, solver="flow", options=SparseGPTOptions(blocksize=blocksize))
         )
         assert torch.equal(out.mask, want), f"blocksize {blocksize}"
         weights.append(out.weight)
@@ -190,7 +190,7 @@ def test_sparsegpt_updates_beat_masking_alone() -> None:
     w, x = _problem(32, 64, 512, seed=5, device=torch.device("cpu"))
     gram = InputStats.from_inputs(x).require_gram()
     out = PRUNERS["sparsegpt"].prune(
-        w, InputStats.from_inputs(x), LayerPruneConfig(PATTERNS["transposable"], "exhaustive")
+        w, InputStats.from_inputs(x), MatrixPruneConfig(PATTERNS["transposable"], "exhaustive")
     )
     assert reconstruction_error(w, out.weight, gram) < 0.8 * reconstruction_error(w, w * out.mask, gram)
 
@@ -210,7 +210,7 @@ def test_alps_weights_are_optimal_on_their_support_and_beat_one_shot_methods() -
     w, x = _problem(16, 32, 512, seed=6, device=torch.device("cpu"))
     stats = InputStats.from_inputs(x)
     gram = stats.require_gram()
-    cfg = LayerPruneConfig(PATTERNS["transposable"], solver="exhaustive")
+    cfg = MatrixPruneConfig(PATTERNS["transposable"], solver="exhaustive")
     alps = PRUNERS["alps"].prune(w, stats, cfg)
     assert 1 <= alps.iterations <= ALPSOptions().max_iter
     # CG refinement reaches the damped least-squares optimum on the chosen support.
@@ -247,9 +247,9 @@ def test_alps_with_cheap_inner_projections_stays_close_to_full_projections() -> 
     stats = InputStats.from_inputs(x)
     gram = stats.require_gram()
     pattern = SparsityPattern.from_nm(8, 16, transposable=True)
-    cheap = PRUNERS["alps"].prune(w, stats, LayerPruneConfig(pattern))
+    cheap = PRUNERS["alps"].prune(w, stats, MatrixPruneConfig(pattern))
     full = PRUNERS["alps"].prune(
-        w, stats, LayerPruneConfig(pattern, options=ALPSOptions(inner_sweeps=30, inner_iterations=25))
+        w, stats, MatrixPruneConfig(pattern, options=ALPSOptions(inner_sweeps=30, inner_iterations=25))
     )
     assert reconstruction_error(w, cheap.weight, gram) <= 1.05 * reconstruction_error(w, full.weight, gram)
 
@@ -261,8 +261,8 @@ def test_alps_on_cpu_follows_exact_projections(solver: str) -> None:
     w, x = _problem(32, 64, 512, seed=9, device=torch.device("cpu"))
     stats = InputStats.from_inputs(x)
     pattern = SparsityPattern.from_nm(8, 16, transposable=True)
-    ours = PRUNERS["alps"].prune(w, stats, LayerPruneConfig(pattern, solver=solver))
-    exact = PRUNERS["alps"].prune(w, stats, LayerPruneConfig(pattern, solver="exact"))
+    ours = PRUNERS["alps"].prune(w, stats, MatrixPruneConfig(pattern, solver=solver))
+    exact = PRUNERS["alps"].prune(w, stats, MatrixPruneConfig(pattern, solver="exact"))
     assert ours.iterations == exact.iterations
     assert torch.equal(ours.mask, exact.mask)
     torch.testing.assert_close(ours.weight, exact.weight)
@@ -323,7 +323,7 @@ def test_method_ordering_on_a_real_smollm2_layer(smollm2_path: object, data_ctx:
         loaded.model(calib.input_ids)
     handle.remove()
     w = linear.weight.data.float()
-    cfg = LayerPruneConfig(PATTERNS["transposable"], solver="exhaustive")
+    cfg = MatrixPruneConfig(PATTERNS["transposable"], solver="exhaustive")
     gram = stats.require_gram()
     errors = {}
     for method, spec in PRUNERS.items():

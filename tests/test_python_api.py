@@ -104,7 +104,7 @@ def test_a_model_in_memory_unlike_its_folders_config_is_refused_before_any_outpu
 
     from tsenor_cli.errors import UsageError
     from tsenor_cli.pattern import SparsityPattern
-    from tsenor_cli.pruning.methods.types import LayerPruneConfig
+    from tsenor_cli.pruning.methods.types import MatrixPruneConfig
     from tsenor_cli.pruning.run.api import prune
     from tsenor_cli.pruning.settings.config import PruneConfig
     from tsenor_cli.settings import RunContext, cache_dir_default
@@ -119,7 +119,8 @@ def test_a_model_in_memory_unlike_its_folders_config_is_refused_before_any_outpu
         expected = "(model.layers.1.mlp.down_proj: 64×256 in memory, 64×128 in the config)"
     out = tmp_path / "out"
     cfg = PruneConfig(
-        model=str(folder), layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)), method="magnitude",
+        model=str(folder), matrix=MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)),
+        method="magnitude",
         calib_data=str(calibration_text), nsamples=2, seqlen=16, output=out,
     )  # fmt: skip
     ctx = RunContext(data_dir=None, offline=True, cache_dir=cache_dir_default())

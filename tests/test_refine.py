@@ -22,7 +22,7 @@ from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.block import refine
 from tsenor_cli.pruning.block.refine import block_masks, refine_block
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
 from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.pruning.run.verify import verify_checkpoint
@@ -45,7 +45,7 @@ def tiny(tiny_llama: Callable[..., Path]) -> Path:
 def _cfg(model: Path, calib: Path, output: Path, **changes: Any) -> PruneConfig:
     fields: dict[str, Any] = {
         "model": str(model),
-        "layer": LayerPruneConfig(SparsityPattern.from_nm(8, 16, transposable=True)),
+        "layer": MatrixPruneConfig(SparsityPattern.from_nm(8, 16, transposable=True)),
         "method": "sparsegpt",
         "calib_data": str(calib),
         "nsamples": 5,  # odd: two processes get 3 and 2, and the last step of an epoch holds one sample
@@ -152,7 +152,7 @@ def test_refined_runs_keep_the_pattern_and_never_raise_a_block_error(
     method: str, pattern: SparsityPattern, tiny: Path, calib: Path, data_ctx: RunContext, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
-    report = prune_model(_cfg(tiny, calib, out, method=method, layer=LayerPruneConfig(pattern)), data_ctx)
+    report = prune_model(_cfg(tiny, calib, out, method=method, matrix=MatrixPruneConfig(pattern)), data_ctx)
     assert [b.block for b in report.refinement] == [0, 1]
     for b in report.refinement:
         assert b.error_after < b.error_before if b.kept else b.error_after >= b.error_before

@@ -25,7 +25,7 @@ from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.block.finite import first_non_finite
 from tsenor_cli.pruning.block.memory import Demand, Limits, fit_refusal
 from tsenor_cli.pruning.methods.stats import reconstruction_error
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
 from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.settings import RunContext
@@ -538,7 +538,7 @@ def test_host_and_device_estimates_by_hand(tiny: Path, data_ctx: RunContext) -> 
     verdicts against given limits: host first, then the device with the fix that applies."""
     cfg = PruneConfig(
         model=str(tiny),
-        layer=LayerPruneConfig(pattern=SparsityPattern.from_nm(2, 4, transposable=True)),
+        matrix=MatrixPruneConfig(pattern=SparsityPattern.from_nm(2, 4, transposable=True)),
         method="sparsegpt",
         nsamples=4,
         seqlen=32,

@@ -23,7 +23,7 @@ from tsenor_cli import atomic
 from tsenor_cli.errors import OutputBusyError, OutputUnwritableError
 from tsenor_cli.locks import lock_path
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
 from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR
@@ -151,7 +151,7 @@ def test_not_enough_space_fails_before_the_model_is_loaded(
 ) -> None:
     cfg = PruneConfig(
         model=str(tiny),
-        layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)),
+        matrix=MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)),
         calib_data=str(calib),
         nsamples=2,
         seqlen=16,

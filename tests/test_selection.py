@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from tsenor_cli.errors import UsageError
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.pruning.settings.selection import check_patterns, excluded_layers, matches
 from tsenor_cli.runfiles import read_sparsity
@@ -81,10 +81,12 @@ def test_bad_patterns_are_one_line_usage_errors() -> None:
     with pytest.raises(UsageError, match=r"--ignore 're:\(' is not a valid regular expression"):
         check_patterns(["re:("], "--ignore")
     with pytest.raises(UsageError, match="--targets got an empty pattern"):
-        PruneConfig(model="x", layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)), targets=(" ",))
-    cfg = PruneConfig(model="x", layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)))
+        PruneConfig(
+            model="x", matrix=MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)), targets=(" ",)
+        )
+    cfg = PruneConfig(model="x", matrix=MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)))
     with_ignore = PruneConfig(
-        model="x", layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)), ignore=("*.q_proj",)
+        model="x", matrix=MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)), ignore=("*.q_proj",)
     )
     assert with_ignore.result_fields()["ignore"] == ["*.q_proj"] and cfg.result_hash() != with_ignore.result_hash()
 
@@ -165,7 +167,7 @@ def test_the_run_takes_its_selection_from_the_plan_it_was_given(
     monkeypatch.setattr(api, "plan_model", planned_with_ignore)
     monkeypatch.setattr(Selection, "excluded", spied)
     cfg = PruneConfig(
-        model=str(tiny), layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)), method="magnitude",
+        model=str(tiny), matrix=MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)), method="magnitude",
         calib_data=str(calib), nsamples=2, seqlen=32, output=tmp_path / "out",
     )  # fmt: skip
     ctx = RunContext(data_dir=None, offline=True, cache_dir=cache_dir_default())
@@ -218,7 +220,7 @@ def test_many_ignored_layers_are_counted_by_reason_in_the_summary() -> None:
     from tsenor_cli.report.markdown import MAX_LISTED_IGNORED, prune_markdown
     from tsenor_cli.runfiles import PruneReport
 
-    cfg = PruneConfig(model="m", layer=LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)))
+    cfg = PruneConfig(model="m", matrix=MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True)))
     layers = [LayerRecord(0, f"model.layers.{i}.q", 4, 4, "ignored", "not matched by --targets") for i in range(13)]
     layers += [
         LayerRecord(0, "model.layers.0.o", 4, 4, "ignored", "matched --ignore *.o"),

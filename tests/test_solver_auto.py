@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from tsenor_cli.cli import app
 from tsenor_cli.errors import UsageError
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.solver import METHODS, resolve_method, solve, to_blocks
 from tsenor_cli.solver.auto import HOST_SCORES
@@ -92,9 +92,9 @@ def test_cli_solver_choices_come_from_the_registry(tmp_path: Path) -> None:
     help_text = " ".join(CliRunner().invoke(app, ["prune", "--help"]).output.split())
     for name in METHODS:
         assert name in help_text
-    cfg = LayerPruneConfig(SparsityPattern.from_nm(8, 16, transposable=True), solver="hungarian")
+    cfg = MatrixPruneConfig(SparsityPattern.from_nm(8, 16, transposable=True), solver="hungarian")
     with pytest.raises(UsageError, match=r"unknown --solver 'hungarian'; choose one of: auto, .*flow.*tsenor"):
-        PruneConfig(model="m", layer=cfg)
+        PruneConfig(model="m", matrix=cfg)
 
 
 @pytest.mark.parametrize(
@@ -103,9 +103,9 @@ def test_cli_solver_choices_come_from_the_registry(tmp_path: Path) -> None:
 )
 def test_solver_that_runs(solver: str, nm: tuple[int, int], transposable: bool, ran: str) -> None:
     pattern = SparsityPattern.from_nm(*nm, transposable=transposable)
-    cfg = PruneConfig(model="m", layer=LayerPruneConfig(pattern, solver=solver))
+    cfg = PruneConfig(model="m", matrix=MatrixPruneConfig(pattern, solver=solver))
     assert cfg.solver_that_runs(torch.device("cpu")) == ran
-    ordinary = PruneConfig(model="m", layer=LayerPruneConfig(SparsityPattern.from_nm(*nm, transposable=False)))
+    ordinary = PruneConfig(model="m", matrix=MatrixPruneConfig(SparsityPattern.from_nm(*nm, transposable=False)))
     assert ordinary.solver_that_runs(torch.device("cpu")) is None
 
 

@@ -19,7 +19,7 @@ from helpers_tiny import LOCAL_CTX, sparsegpt_config
 from tsenor_cli.models.checkpoint import INDEX_NAME
 from tsenor_cli.models.loading import load_model
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
 from tsenor_cli.pruning.plan.render import plan_lines
 from tsenor_cli.pruning.run.api import prune_model
@@ -175,7 +175,7 @@ def test_streamed_prune_of_smollm2_equals_the_whole_load(
     options = {
         "method": method,
         "seqlen": 64,
-        "layer": LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="flow"),
+        "layer": MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="flow"),
     }
     whole_out, streamed_out = tmp_path / "whole", tmp_path / "streamed"
     prune_model(sparsegpt_config(smollm2_path, calib, whole_out, resume=False, **options), data_ctx)

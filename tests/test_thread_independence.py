@@ -17,7 +17,7 @@ import torch
 
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.methods.linalg import inverse_cholesky_upper, symmetric_eigh, thread_independent
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.run import api
 from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.runfiles import PRUNE_FILE
@@ -77,7 +77,7 @@ def test_real_smollm2_prunes_to_the_same_bytes_on_one_and_two_threads(
         out = tmp_path / f"{threads}"
         cfg = PruneConfig(
             model=str(smollm2_path),
-            layer=LayerPruneConfig(SparsityPattern.from_nm(16, 32, transposable=True)),
+            matrix=MatrixPruneConfig(SparsityPattern.from_nm(16, 32, transposable=True)),
             method=method,
             calib_data="c4",
             nsamples=8,

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     import torch
 
     from tsenor_cli.pruning.methods.stats import Statistics
-    from tsenor_cli.pruning.methods.types import LayerPruneConfig, PruneOutcome
+    from tsenor_cli.pruning.methods.types import MatrixPruneConfig, PruneOutcome
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class ToyOptions(MethodOptions):
 
 
 def prune_batch(
-    weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig, *, parts: Sequence[int] | None = None
+    weights: torch.Tensor, stats: Statistics | None, cfg: MatrixPruneConfig, *, parts: Sequence[int] | None = None
 ) -> list[PruneOutcome]:
     """Keep the largest |W|^power (the smallest with `smallest`): magnitude pruning by default."""
     import torch

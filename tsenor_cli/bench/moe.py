@@ -42,7 +42,7 @@ from tsenor_cli.pruning.block.observe import matrices, observe_block
 from tsenor_cli.pruning.methods.method import PruneFn
 from tsenor_cli.pruning.methods.registry import get_pruner
 from tsenor_cli.pruning.methods.stats import ExpertStats
-from tsenor_cli.pruning.methods.types import LayerPruneConfig, SparsityPattern
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig, SparsityPattern
 from tsenor_cli.replay import block_output, capture_block_inputs, input_key
 
 # This bench's target: the routed statistics of all experts cost at most this many dense forwards.
@@ -145,7 +145,7 @@ def _moe_block(cfg: MoeBenchConfig) -> Any:
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-def _one_by_one(prune: PruneFn, weights: torch.Tensor, stats: ExpertStats, cfg: LayerPruneConfig) -> None:
+def _one_by_one(prune: PruneFn, weights: torch.Tensor, stats: ExpertStats, cfg: MatrixPruneConfig) -> None:
     """weights: (E, out, in) → `prune` called once per expert with that expert's statistics."""
     for expert in range(weights.shape[0]):
         prune(weights[expert], stats.select(torch.tensor(expert)), cfg)
@@ -195,14 +195,14 @@ def run_moe_bench(cfg: MoeBenchConfig, progress: Progress) -> MoeBenchResult:
     geometry = stacks[largest].geometry
     weights = matrices(block.get_parameter(largest).data, geometry).to(torch.float32).clone()  # (E, out, in)
     stats: ExpertStats = found[largest].routed
-    layer_cfg = LayerPruneConfig(SparsityPattern.from_nm(cfg.n, cfg.m, transposable=True))
+    matrix_cfg = MatrixPruneConfig(SparsityPattern.from_nm(cfg.n, cfg.m, transposable=True))
     for method in cfg.methods:
         spec = get_pruner(method)
         progress(f"{method}: {geometry.experts} experts of {largest} batched, then one by one")
         batched, single = _interleaved(
             [
-                functools.partial(spec.prune_batch, weights, stats, layer_cfg),
-                functools.partial(_one_by_one, spec.prune, weights, stats, layer_cfg),
+                functools.partial(spec.prune_batch, weights, stats, matrix_cfg),
+                functools.partial(_one_by_one, spec.prune, weights, stats, matrix_cfg),
             ],
             cfg.repeats,
         )

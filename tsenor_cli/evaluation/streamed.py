@@ -98,14 +98,14 @@ def streamed_perplexity(
         block = first_block if index == 0 else source.load(index)
         if prepare is not None and index > 0:
             prepare(index, block)
-        if call.runs and not template:
+        if not call.idle and not template:
             args, kwargs = call.bind(hidden[:1])
             template.append(block(*args, **kwargs))
         run_block(block, hidden, call, hidden)
         source.release(index)
         if blocks_progress is not None:
             blocks_progress(index + 1, count)
-    first = next(index for index, call in enumerate(inputs.calls) if call.runs)
+    first = next(index for index, call in enumerate(inputs.calls) if not call.idle)
     current: list[torch.Tensor] = []
     nll = torch.zeros(cut.shape[0], dtype=torch.float64)
     with _blocks_returning(structure, template[0], first, current):

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from tsenor_cli.pruning.methods.registry import get_pruner as get_pruner
     from tsenor_cli.pruning.methods.stats import InputStats as InputStats
     from tsenor_cli.pruning.methods.stats import reconstruction_error as reconstruction_error
-    from tsenor_cli.pruning.methods.types import LayerPruneConfig as LayerPruneConfig
     from tsenor_cli.pruning.methods.types import MaskSolveInfo as MaskSolveInfo
+    from tsenor_cli.pruning.methods.types import MatrixPruneConfig as MatrixPruneConfig
     from tsenor_cli.pruning.methods.types import PruneOutcome as PruneOutcome
 
 _EXPORTS = {
@@ -31,7 +31,7 @@ _EXPORTS = {
     "get_pruner": "tsenor_cli.pruning.methods.registry",
     "InputStats": "tsenor_cli.pruning.methods.stats",
     "reconstruction_error": "tsenor_cli.pruning.methods.stats",
-    "LayerPruneConfig": "tsenor_cli.pruning.methods.types",
+    "MatrixPruneConfig": "tsenor_cli.pruning.methods.types",
     "MaskSolveInfo": "tsenor_cli.pruning.methods.types",
     "PruneOutcome": "tsenor_cli.pruning.methods.types",
     "SparsityPattern": "tsenor_cli.pattern",

@@ -9,7 +9,7 @@ not on the token values; so one record per calibration shape serves every sample
 states differ between samples.
 
 A block the forward does not run on text (Mllama's cross-attention layers, skipped without image
-features) is recorded as such (`BlockCall.runs` False): its replay passes the hidden states on
+features) is recorded as such (`BlockCall.idle`): its replay passes the hidden states on
 unchanged, as the model's forward does. Its record lends it the arguments the model passes the
 running block nearest before it (after it, when none runs before): transformers 5's Mllama text model
 calls every decoder layer with the same keywords, so that is what the block would get on text, and
@@ -43,27 +43,27 @@ class BlockCall:
 
     args: the positional arguments after the hidden states; kwargs: the keyword arguments;
     hidden_keyword: None when the hidden states are the first positional argument, else their keyword.
-    runs: False for a block the model's forward skips on this input (`BlockCall.idle`, `BlockCall.lent`):
-    replaying it returns the hidden states unchanged, whatever arguments it carries.
+    idle: True for a block the model's forward skips on this input, an idle block (`BlockCall.empty_idle`,
+    `BlockCall.as_idle`): replaying it returns the hidden states unchanged, whatever arguments it carries.
     """
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     hidden_keyword: str | None = None
-    runs: bool = True
+    idle: bool = False
 
     @staticmethod
-    def idle() -> BlockCall:
-        """The record of a block the model's forward did not run."""
-        return BlockCall((), {}, None, runs=False)
+    def empty_idle() -> BlockCall:
+        """The record of an idle block (one the model's forward did not run), with no arguments."""
+        return BlockCall((), {}, None, idle=True)
 
-    def lent(self) -> BlockCall:
-        """The record of a block the model's forward did not run, carrying this running call's arguments."""
-        return BlockCall(self.args, self.kwargs, self.hidden_keyword, runs=False)
+    def as_idle(self) -> BlockCall:
+        """The record of an idle block carrying this running call's arguments (lent to it for its own forward)."""
+        return BlockCall(self.args, self.kwargs, self.hidden_keyword, idle=True)
 
-    def running(self) -> BlockCall:
+    def as_running(self) -> BlockCall:
         """This call with the block's own forward run on replay, even when the model skips the block."""
-        return BlockCall(self.args, self.kwargs, self.hidden_keyword, runs=True)
+        return BlockCall(self.args, self.kwargs, self.hidden_keyword, idle=False)
 
     @staticmethod
     def split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, BlockCall]:
@@ -87,7 +87,7 @@ class BlockCall:
 
     def to(self, device: torch.device) -> BlockCall:
         """The same call with its tensors on `device`."""
-        return BlockCall(_to_device(self.args, device), _to_device(self.kwargs, device), self.hidden_keyword, self.runs)
+        return BlockCall(_to_device(self.args, device), _to_device(self.kwargs, device), self.hidden_keyword, self.idle)
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,7 +143,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def call_difference(a: BlockCall, b: BlockCall) -> str | None:
     """The first argument in which two calls of a block differ ("attention_mask", "positional argument 1"), or None."""
-    if a.runs != b.runs:
+    if a.idle != b.idle:
         return "decision to run the block at all"
     if a.hidden_keyword != b.hidden_keyword:
         return "hidden-state argument"
@@ -182,7 +182,7 @@ def capture_block_calls(
     computes and the record costs the embedding and mask/rotary set-up; block 0's real output, computed
     once, shows the return type the model's loop expects. Returns one BlockCall per block, on the
     model's device; a block the forward never ran gets the arguments of the running block nearest before
-    it (after it when none runs before), not to run (`BlockCall.lent`; IncompatibleModelError when no
+    it (after it when none runs before), not to run (`BlockCall.as_idle`; IncompatibleModelError when no
     block ran).
     """
     blocks = structure.blocks
@@ -228,7 +228,7 @@ def capture_block_calls(
             f"the forward of {type(structure.base).__name__} never ran a block of {structure.blocks_name} on "
             "text-only input; tsenor needs the decoder blocks to run on text"
         )
-    return tuple(calls[index] if index in calls else _lender(calls, index).lent() for index in range(len(blocks)))
+    return tuple(calls[index] if index in calls else _lender(calls, index).as_idle() for index in range(len(blocks)))
 
 
 def _lender(calls: dict[int, BlockCall], index: int) -> BlockCall:
@@ -262,7 +262,7 @@ def capture_block_inputs(structure: ModelStructure, input_ids: torch.Tensor, dev
     def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         raise _Captured(*BlockCall.split(args, kwargs))
 
-    first_running = next(index for index, call in enumerate(calls) if call.runs)
+    first_running = next(index for index, call in enumerate(calls) if not call.idle)
     handle = structure.blocks[first_running].register_forward_pre_hook(hook, with_kwargs=True)
     captured: list[torch.Tensor] = []
     try:

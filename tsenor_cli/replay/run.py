@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 def block_output(block: nn.Module, call: BlockCall, hidden: torch.Tensor) -> torch.Tensor:
     """hidden: (B, T, H) → the block's output hidden states (B, T, H); `hidden` itself for an idle block."""
-    if not call.runs:
+    if call.idle:
         return hidden
     args, kwargs = call.bind(hidden)
     result = block(*args, **kwargs)

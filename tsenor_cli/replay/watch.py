@@ -79,7 +79,7 @@ def watch_blocks(
     found: dict[int, T] = {}
     hidden = sample.to(source.device)
     for index in range(first, len(source.structure)):
-        if not calls[index].runs:
+        if calls[index].idle:
             continue
         with source.resident(index) as block:
             call = calls[index].to(source.device)

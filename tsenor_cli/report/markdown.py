@@ -41,7 +41,8 @@ def prune_summary(report: PruneReport) -> list[str]:
         f"- command: `{report.command or ''}`",
         f"- versions: {', '.join(f'{k} {v}' for k, v in report.versions.items())}",
         _time_line(report, t),
-        f"- layers pruned: {t['layers_pruned']}, skipped: {t['layers_skipped']}, ignored: {t['layers_ignored']}",
+        f"- layers pruned: {t['layers_pruned']}, skipped: {t['layers_skipped']}, "
+        f"idle: {t['layers_idle']}, ignored: {t['layers_ignored']}",
         *_density_lines(report, t),
         f"- mean relative reconstruction error: {_fmt(t['mean_recon_error'])}; max certified gap: {_fmt(t['max_gap'])}",
     ]

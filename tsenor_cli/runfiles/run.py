@@ -95,7 +95,7 @@ FINETUNE_STATE_VERSION = 1
 # (`digests`: a file damaged at the same size is seen), keyed by the input checkpoint's identity too.
 PRUNE_STATE_VERSION = 4
 SPARSITY_VERSION = 1  # tsenor_sparsity.json's
-LAYER_STATUSES = ("pruned", "skipped", "ignored")
+LAYER_STATUSES = ("pruned", "skipped", "idle", "ignored")
 
 
 # ---------------------------------------------------------------- tsenor_report.json
@@ -109,8 +109,10 @@ class LayerRecord:
     (pruning/block/outside.py).
     name: full module name ("model.layers.3.mlp.down_proj"), or for a matrix that is not an nn.Linear
     the parameter's ("model.layers.3.mlp.experts.gate_up_proj", with ``[e]`` for expert e of a stack);
-    status "pruned", "skipped" (with reason: the pattern does not fit) or "ignored" (with reason: left
-    dense by choice or by a rule: routers, gates, weights that are not matmul weights); a pruned record's
+    status "pruned", "skipped" (with reason: the pattern does not fit), "idle" (with reason: a matrix of
+    an idle block, one the model's forward does not run, that no forward of its own reaches as a linear)
+    or "ignored" (with reason: left dense by choice or by a rule: routers, gates, weights that are not
+    matmul weights); a pruned record's
     reason notes how its statistics were gathered when that is not the default.
     param: the parameter that holds the matrix (v3; None in older files: ``name + ".weight"``); expert:
     its index in a stack of experts; tokens: the calibration tokens routed to that expert; transposed:
@@ -239,6 +241,7 @@ class PruneReport:
         return {
             "layers_pruned": len(pruned),
             "layers_skipped": sum(r.status == "skipped" for r in self.layers),
+            "layers_idle": sum(r.status == "idle" for r in self.layers),
             "layers_ignored": sum(r.status == "ignored" for r in self.layers),
             "mean_recon_error": statistics.fmean(errors) if errors else None,
             "max_recon_error": max(errors) if errors else None,
@@ -348,13 +351,14 @@ class PrunedWeight:
         return cls(**_read(cls, obj, where, shape=tuple(shape) if shape is not None else None))
 
 
-DenseStatus = Literal["skipped", "ignored"]
+DenseStatus = Literal["skipped", "idle", "ignored"]
 
 
 @dataclass(frozen=True)
 class DenseWeight:
-    """A weight the run left dense: status "skipped" (the pattern does not fit, or the block never ran)
-    or "ignored" (by choice or by a rule), with the layer record's reason (None in older checkpoints)."""
+    """A weight the run left dense: status "skipped" (the pattern does not fit), "idle" (in a block the
+    model's forward does not run) or "ignored" (by choice or by a rule), with the layer record's reason
+    (None in older checkpoints)."""
 
     name: str
     status: DenseStatus

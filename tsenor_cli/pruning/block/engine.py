@@ -32,13 +32,13 @@ from tsenor_cli.pruning.block.gather import (
     group_inputs,
     unit_input_stats,
 )
-from tsenor_cli.pruning.block.idle import idle_line, prune_unreached, text_record, watch_idle
+from tsenor_cli.pruning.block.idle import idle_line, prune_idle_by_magnitude, text_record, watch_idle
 from tsenor_cli.pruning.block.memory import MethodCost, expert_chunk, matrix_workspace, slot_workspace
 from tsenor_cli.pruning.block.observe import BlockObservation, Unit, matrices, observe_block
 from tsenor_cli.pruning.block.slots import LinearSlot, dense_records
 from tsenor_cli.pruning.methods.registry import PrunerSpec
 from tsenor_cli.pruning.methods.stats import InputStats, reconstruction_error
-from tsenor_cli.pruning.methods.types import LayerPruneConfig, LayerRecord, MaskSolveInfo, PruneOutcome
+from tsenor_cli.pruning.methods.types import LayerRecord, MaskSolveInfo, MatrixPruneConfig, PruneOutcome
 from tsenor_cli.replay import BlockCall, block_output, input_key
 
 
@@ -97,7 +97,7 @@ def _prune_stacked(
     _sync(pruner.device)
     start = time.perf_counter()
     with phase("method", layer="+".join(slot.record_name(None) for slot in slots)):
-        outcomes = pruner.spec.prune_rows(stacked, parts, stats, pruner.layer_cfg)
+        outcomes = pruner.spec.prune_rows(stacked, parts, stats, pruner.matrix_cfg)
     _sync(pruner.device)
     seconds = time.perf_counter() - start
     gram = stats.require_gram()
@@ -179,7 +179,7 @@ def _prune_matrix(weight: torch.Tensor, slot: LinearSlot, stats: InputStats, pru
     _sync(pruner.device)
     start = time.perf_counter()
     with phase("method", layer=slot.record_name(None)):
-        outcome = pruner.spec.prune(dense, stats, pruner.layer_cfg)
+        outcome = pruner.spec.prune(dense, stats, pruner.matrix_cfg)
     _sync(pruner.device)
     seconds = time.perf_counter() - start
     return _record_outcome(weight, dense, outcome, stats.require_gram(), _Entry(slot, None, seconds), pruner)
@@ -226,7 +226,7 @@ def _prune_unit(
         _sync(device)
         start = time.perf_counter()
         with phase("method", layer=f"{slot.full_param}[{first}:{first + ids.numel()}]"):
-            outcomes = spec.prune_batch(dense, batch, pruner.layer_cfg)
+            outcomes = spec.prune_batch(dense, batch, pruner.matrix_cfg)
         _sync(device)
         seconds = (time.perf_counter() - start) / ids.numel()
         gram = batch.require_gram()  # (L, in, in)
@@ -277,7 +277,7 @@ class BlockPruner:
     structure: ModelStructure
     slots: Sequence[LinearSlot]
     spec: PrunerSpec
-    layer_cfg: LayerPruneConfig
+    matrix_cfg: MatrixPruneConfig
     device: torch.device
     progress: Progress
     skipped: Mapping[str, str] = field(default_factory=dict)
@@ -306,7 +306,7 @@ class BlockPruner:
         matrices (expert stacks, Conv1D, bare parameters) through the watch (`unit_input_stats`).
         """
         team = self.team if self.team is not None else Team.solo(self.device)
-        if not call.runs:
+        if call.idle:
             return self._prune_idle(_Work(block, index, inputs, call, team))
         by_param = {slot.param_name: slot for slot in self.slots if slot.block == index}
         records: dict[str, list[LayerRecord]] = {}
@@ -360,7 +360,7 @@ class BlockPruner:
         statistics, the others by magnitude → its records, those the text reached first."""
         block, index, inputs, call, team = work
         by_param = {slot.param_name: slot for slot in self.slots if slot.block == index}
-        running = call.running()
+        running = call.as_running()
         with phase("statistics"), team.agreed():
             seen = watch_idle(block, running, inputs[:1].to(self.device), input_key=input_key)
         self.progress(idle_line(self.structure, index, seen))
@@ -380,9 +380,9 @@ class BlockPruner:
         with phase("method"), team.agreed():
             for name, slot in by_param.items():
                 if name not in records:
-                    records[name] = prune_unreached(block, slot, self.layer_cfg, seen, self.progress)
-        unreached = [name for name in by_param if name not in reached]
-        return [record for name in (*reached, *unreached) for record in records[name]]
+                    records[name] = prune_idle_by_magnitude(block, slot, self.matrix_cfg, seen, self.progress)
+        others = [name for name in by_param if name not in reached]
+        return [record for name in (*reached, *others) for record in records[name]]
 
     def _prune_without_data(
         self, block: nn.Module, slots: Mapping[str, LinearSlot], observed: BlockObservation
@@ -414,7 +414,7 @@ class BlockPruner:
         own function, so the chunk's dense copy and outcomes are freed before the next chunk's are made."""
         start = time.perf_counter()
         dense = views[first : first + chunk].to(torch.float32).clone()  # (L, out, in)
-        outcomes = self.spec.prune_batch(dense, None, self.layer_cfg)
+        outcomes = self.spec.prune_batch(dense, None, self.matrix_cfg)
         made = [
             _record_outcome(
                 views[first + i], dense[i], outcome, None, _Entry(slot, first + i if experts else None, 0.0), self
@@ -507,7 +507,7 @@ def _classes(
     solver's, go apart), else each linear alone. width: bytes per element of the weights."""
     if not pruner.spec.fuses_rows:
         return [[name] for name in local]
-    cfg = pruner.layer_cfg
+    cfg = pruner.matrix_cfg
     cost = MethodCost.of(pruner.spec, cfg.pattern, cfg.solver, device=pruner.device, width=width)
     block = next(iter(local.values())).block
     pruned = [s for s in pruner.slots if s.block == block and pruner.left_dense(s) is None]

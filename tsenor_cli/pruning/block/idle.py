@@ -2,11 +2,11 @@
 
 Mllama's text model skips its cross-attention layers when no image is given: 8 of the 40 layers of the
 11B model, with their full-size MLPs, about 20% of its decoder weights, which the
-calibration text never reaches through the model's own forward (`BlockCall.runs` False). Their replay
+calibration text never reaches through the model's own forward (`BlockCall.idle`). Their replay
 stays the identity the model's forward makes it, so the blocks after one see what they see in the
 model. To prune the block itself, its own forward runs on the text hidden states that reach it (its
 calibration inputs, as any block's: the pruned outputs of the blocks before it) with the arguments the
-model passes its running blocks (`BlockCall.lent`: Mllama's text model calls every decoder layer with
+model passes its running blocks (`BlockCall.as_idle`: Mllama's text model calls every decoder layer with
 the same keywords). The matrices that forward reaches are pruned by the run's method on their
 statistics, as in any block (paper Section 4's layer-wise reconstruction); the forward of Mllama's
 cross-attention stops once ``q_proj`` has run (without image features it reads the keys and values
@@ -30,7 +30,7 @@ from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.block.observe import BlockObservation, observe_block
 from tsenor_cli.pruning.block.slots import LinearSlot, dense_records
 from tsenor_cli.pruning.methods import magnitude
-from tsenor_cli.pruning.methods.types import LayerPruneConfig, LayerRecord, MaskSolveInfo
+from tsenor_cli.pruning.methods.types import LayerRecord, MaskSolveInfo, MatrixPruneConfig
 from tsenor_cli.replay import BlockCall, block_output
 
 # What a forward raises when an input the text does not give is used (a None where a tensor or a cache
@@ -97,14 +97,14 @@ def text_record(record: LayerRecord) -> LayerRecord:
 
 
 @torch.no_grad()
-def prune_unreached(
-    block: nn.Module, slot: LinearSlot, cfg: LayerPruneConfig, seen: IdleWatch, say: Progress
+def prune_idle_by_magnitude(
+    block: nn.Module, slot: LinearSlot, cfg: MatrixPruneConfig, seen: IdleWatch, say: Progress
 ) -> list[LayerRecord]:
     """Prune `slot` of an idle block, which the text did not reach, by magnitude under `cfg`'s pattern, in
     place → its record. A matrix that is no nn.Linear (`slot.param` set) stays dense: only its use in
     the forward tells its orientation."""
     if slot.param:
-        return dense_records(slot, "skipped", UNKNOWN_ORIENTATION)
+        return dense_records(slot, "idle", UNKNOWN_ORIENTATION)
     weight = block.get_parameter(slot.param_name)  # (out, in)
     start = time.perf_counter()
     outcome = magnitude.METHOD.prune(weight, None, cfg)

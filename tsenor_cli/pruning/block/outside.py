@@ -27,7 +27,7 @@ from tsenor_cli.models.structure import ModelStructure
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.methods import magnitude
-from tsenor_cli.pruning.methods.types import LayerPruneConfig, LayerRecord
+from tsenor_cli.pruning.methods.types import LayerRecord, MatrixPruneConfig
 from tsenor_cli.pruning.settings.selection import matches
 
 OUTSIDE_BLOCK = -1
@@ -81,7 +81,7 @@ def check_outside(chosen: Sequence[OutsideWeight], pattern: SparsityPattern, *, 
 
 @torch.no_grad()
 def prune_outside(
-    linears: dict[str, nn.Linear], chosen: Sequence[OutsideWeight], cfg: LayerPruneConfig, say: Progress
+    linears: dict[str, nn.Linear], chosen: Sequence[OutsideWeight], cfg: MatrixPruneConfig, say: Progress
 ) -> list[LayerRecord]:
     """Prune each compatible `chosen` linear in place by magnitude under `cfg`'s pattern; one record each
     (status "skipped" with the reason where the pattern does not fit, as `--skip-incompatible` would)."""

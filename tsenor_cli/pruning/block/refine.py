@@ -326,7 +326,7 @@ def refine_pruned_block(
     run on text or none of its matrices was pruned (records: the run's layer records; prefix: the block's
     full name and a dot), so blocks left dense stay bit-identical."""
     pruned = [r.param or f"{r.name}.weight" for r in records if r.block == index and r.status == "pruned"]
-    if not call.runs or not pruned:
+    if call.idle or not pruned:
         return [], False
     masks = block_masks(block, prefix, pruned)
     record = refine_block(

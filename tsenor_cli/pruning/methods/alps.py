@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from tsenor_cli.pruning.block.memory import MethodCost
     from tsenor_cli.pruning.methods.masks import SolveTally
     from tsenor_cli.pruning.methods.stats import Statistics
-    from tsenor_cli.pruning.methods.types import LayerPruneConfig, MaskSolveInfo, PruneOutcome
+    from tsenor_cli.pruning.methods.types import MaskSolveInfo, MatrixPruneConfig, PruneOutcome
     from tsenor_cli.solver import SolveResult
 
 RHO_MAX = 1e6
@@ -82,7 +82,7 @@ def inner_solver_options(
 
 def _project(
     z: torch.Tensor,
-    cfg: LayerPruneConfig,
+    cfg: MatrixPruneConfig,
     prev: SolveResult | None,
     prev_mask: torch.Tensor | None,
     tally: SolveTally,
@@ -244,7 +244,7 @@ class _Iterate(NamedTuple):
     safeguarded: torch.Tensor
 
 
-def _admm(problem: _Problem, cfg: LayerPruneConfig, tally: SolveTally) -> _Iterate:
+def _admm(problem: _Problem, cfg: MatrixPruneConfig, tally: SolveTally) -> _Iterate:
     """The ADMM of eq. (7) on every matrix of `problem` side by side, each with its own ρ schedule, frozen
     once its support stops changing."""
     import torch
@@ -293,7 +293,7 @@ def _admm(problem: _Problem, cfg: LayerPruneConfig, tally: SolveTally) -> _Itera
 
 
 def prune_batch(
-    weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig, *, parts: Sequence[int] | None = None
+    weights: torch.Tensor, stats: Statistics | None, cfg: MatrixPruneConfig, *, parts: Sequence[int] | None = None
 ) -> list[PruneOutcome]:
     """weights: (..., out, in), one matrix or a stack with Gram matrices (..., in, in) → one
     `PruneOutcome` per matrix from ADMM + CG; `iterations` counts each matrix's ADMM steps.
@@ -357,6 +357,6 @@ METHOD = PrunerSpec(
 )
 
 
-def prune(weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> PruneOutcome:
+def prune(weight: torch.Tensor, stats: Statistics | None, cfg: MatrixPruneConfig) -> PruneOutcome:
     """weight: (out, in), one matrix → its `PruneOutcome` (`PrunerSpec.prune`)."""
     return METHOD.prune(weight, stats, cfg)

@@ -11,11 +11,11 @@ if TYPE_CHECKING:
     import torch
 
     from tsenor_cli.pruning.methods.stats import Statistics
-    from tsenor_cli.pruning.methods.types import LayerPruneConfig, PruneOutcome
+    from tsenor_cli.pruning.methods.types import MatrixPruneConfig, PruneOutcome
 
 
 def prune_batch(
-    weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig, *, parts: Sequence[int] | None = None
+    weights: torch.Tensor, stats: Statistics | None, cfg: MatrixPruneConfig, *, parts: Sequence[int] | None = None
 ) -> list[PruneOutcome]:
     """weights: (..., out, in), one matrix or a stack → one `PruneOutcome` per matrix with the
     largest-magnitude entries kept, from one solver call for the whole stack; `stats` is unused.
@@ -38,6 +38,6 @@ METHOD = PrunerSpec(
 )
 
 
-def prune(weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> PruneOutcome:
+def prune(weight: torch.Tensor, stats: Statistics | None, cfg: MatrixPruneConfig) -> PruneOutcome:
     """weight: (out, in), one matrix → its `PruneOutcome` (`PrunerSpec.prune`)."""
     return METHOD.prune(weight, stats, cfg)

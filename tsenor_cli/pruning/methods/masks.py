@@ -14,7 +14,7 @@ import torch
 
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.phases import phase
-from tsenor_cli.pruning.methods.types import LayerPruneConfig, MaskSolveInfo, PruneOutcome, split_outcomes
+from tsenor_cli.pruning.methods.types import MaskSolveInfo, MatrixPruneConfig, PruneOutcome, split_outcomes
 from tsenor_cli.solver import SolveResult, from_blocks, nm_mask, solve, to_blocks, unstructured_mask
 
 
@@ -83,7 +83,7 @@ def matrix_scope(parts: Sequence[int] | None) -> Literal["matrix"] | Sequence[in
 def keep_top_scores(
     weights: torch.Tensor,
     scores: torch.Tensor,
-    cfg: LayerPruneConfig,
+    cfg: MatrixPruneConfig,
     *,
     unstructured_scope: Literal["row", "matrix"],
     parts: Sequence[int] | None = None,

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from tsenor_cli.pruning.block.memory import MethodCost
     from tsenor_cli.pruning.methods.stats import Statistics
-    from tsenor_cli.pruning.methods.types import LayerPruneConfig, PruneOutcome
+    from tsenor_cli.pruning.methods.types import MatrixPruneConfig, PruneOutcome
 
 # The kinds an option's value may have, by the name its annotation spells.
 OPTION_KINDS: dict[str, type] = {"int": int, "float": float, "bool": bool, "str": str}
@@ -91,7 +91,7 @@ def _check_option(item: dataclasses.Field[Any], kind: type, value: Any) -> None:
 class PruneFn(Protocol):
     """weight: (out, in), statistics of the layer inputs, config → `PruneOutcome` (`PrunerSpec.prune`)."""
 
-    def __call__(self, weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig, /) -> PruneOutcome: ...
+    def __call__(self, weight: torch.Tensor, stats: Statistics | None, cfg: MatrixPruneConfig, /) -> PruneOutcome: ...
 
 
 class PruneBatchFn(Protocol):
@@ -105,7 +105,7 @@ class PruneBatchFn(Protocol):
         self,
         weights: torch.Tensor,
         stats: Statistics | None,
-        cfg: LayerPruneConfig,
+        cfg: MatrixPruneConfig,
         /,
         *,
         parts: Sequence[int] | None = None,
@@ -151,12 +151,12 @@ class PrunerSpec:
     iterative: bool = False
     fuses_rows: bool = False
 
-    def prune(self, weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> PruneOutcome:
+    def prune(self, weight: torch.Tensor, stats: Statistics | None, cfg: MatrixPruneConfig) -> PruneOutcome:
         """weight: (out, in), one matrix → its `PruneOutcome`."""
         return self.prune_batch(weight, stats, cfg)[0]
 
     def prune_rows(
-        self, weight: torch.Tensor, parts: Sequence[int], stats: Statistics | None, cfg: LayerPruneConfig
+        self, weight: torch.Tensor, parts: Sequence[int], stats: Statistics | None, cfg: MatrixPruneConfig
     ) -> list[PruneOutcome]:
         """weight: (Σ parts, in), the linears sharing `stats` (q/k/v, gate/up) stacked along their outputs,
         parts: their out_features in order → one `PruneOutcome` per part, pruned as one matrix: one

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from tsenor_cli.pruning.block.memory import MethodCost
     from tsenor_cli.pruning.methods.masks import SolveTally
     from tsenor_cli.pruning.methods.stats import Statistics
-    from tsenor_cli.pruning.methods.types import LayerPruneConfig, PruneOutcome
+    from tsenor_cli.pruning.methods.types import MatrixPruneConfig, PruneOutcome
 
 # The lazy batch of columns updated at once (fasterprune's blocksize).
 LAZY_COLUMNS = 128
@@ -49,7 +49,7 @@ class SparseGPTOptions(MethodOptions):
 
 
 def _obs_block(
-    w1: torch.Tensor, hinv1: torch.Tensor, cfg: LayerPruneConfig, tally: SolveTally, parts: Sequence[int] | None
+    w1: torch.Tensor, hinv1: torch.Tensor, cfg: MatrixPruneConfig, tally: SolveTally, parts: Sequence[int] | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One lazy-update block of columns: w1 (..., out, b) its weights (updated in place), hinv1 (..., b, b)
     its part of H⁻¹ → (the pruned weights, each column's OBS error, the mask of pruned weights), each
@@ -87,7 +87,7 @@ def _obs_block(
 
 
 def prune_batch(
-    weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig, *, parts: Sequence[int] | None = None
+    weights: torch.Tensor, stats: Statistics | None, cfg: MatrixPruneConfig, *, parts: Sequence[int] | None = None
 ) -> list[PruneOutcome]:
     """weights: (..., out, in), one matrix or a stack with Gram matrices (..., in, in) → one
     `PruneOutcome` per matrix with OBS-updated weights under the pattern.
@@ -160,6 +160,6 @@ METHOD = PrunerSpec(
 )
 
 
-def prune(weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> PruneOutcome:
+def prune(weight: torch.Tensor, stats: Statistics | None, cfg: MatrixPruneConfig) -> PruneOutcome:
     """weight: (out, in), one matrix → its `PruneOutcome` (`PrunerSpec.prune`)."""
     return METHOD.prune(weight, stats, cfg)

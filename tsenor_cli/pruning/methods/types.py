@@ -24,7 +24,7 @@ O = TypeVar("O", bound=MethodOptions)
 
 
 @dataclass(frozen=True)
-class LayerPruneConfig:
+class MatrixPruneConfig:
     """Everything a method's `prune` reads besides the weight and the statistics.
 
     solver: a `tsenor_cli.solver.METHODS` name, used for transposable masks; "auto" picks by device

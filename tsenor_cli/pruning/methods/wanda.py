@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from tsenor_cli.pruning.methods.stats import Statistics
-    from tsenor_cli.pruning.methods.types import LayerPruneConfig, PruneOutcome
+    from tsenor_cli.pruning.methods.types import MatrixPruneConfig, PruneOutcome
 
 
 def scores(weight: torch.Tensor, stats: Statistics) -> torch.Tensor:
@@ -27,7 +27,7 @@ def scores(weight: torch.Tensor, stats: Statistics) -> torch.Tensor:
 
 
 def prune_batch(
-    weights: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig, *, parts: Sequence[int] | None = None
+    weights: torch.Tensor, stats: Statistics | None, cfg: MatrixPruneConfig, *, parts: Sequence[int] | None = None
 ) -> list[PruneOutcome]:
     """weights: (..., out, in), one matrix or a stack with statistics of matching leading shape → one
     `PruneOutcome` per matrix keeping the largest Wanda scores, from one solver call for the stack.
@@ -53,6 +53,6 @@ METHOD = PrunerSpec(
 )
 
 
-def prune(weight: torch.Tensor, stats: Statistics | None, cfg: LayerPruneConfig) -> PruneOutcome:
+def prune(weight: torch.Tensor, stats: Statistics | None, cfg: MatrixPruneConfig) -> PruneOutcome:
     """weight: (out, in), one matrix → its `PruneOutcome` (`PrunerSpec.prune`)."""
     return METHOD.prune(weight, stats, cfg)

@@ -105,4 +105,4 @@ def check_plan(plan: PrunePlan, cfg: PruneConfig, processes: int) -> None:
         raise DoesNotFitError(f"{problem}; {fix} (nothing was written)")
     plan.check_processes()
     check_compatibility(plan.candidates, cfg.pattern, skip=cfg.skip_incompatible)
-    check_outside(plan.beyond, cfg.pattern, skip=cfg.skip_incompatible)
+    check_outside(plan.outside_targets, cfg.pattern, skip=cfg.skip_incompatible)

@@ -82,7 +82,7 @@ def planned_device(name: str) -> torch.device:
 
 
 @dataclass(frozen=True)
-class WeightPlan:
+class ProbedWeights:
     """Every weight matrix of the decoder blocks once their forwards were watched (by the run on its
     weights, or by the dry run's probe on random ones: `pruning/plan/probe.py`).
 
@@ -98,12 +98,12 @@ class WeightPlan:
     ruled: dict[str, int]
 
 
-def weight_plan(
+def probed_weights(
     structure: ModelStructure,
     static: Sequence[LinearSlot],
     observed: dict[int, BlockObservation],
     selection: Selection,
-) -> WeightPlan:
+) -> ProbedWeights:
     """Slots of watched blocks take their orientation, experts and role from the watch; routers and gates
     are left dense unless a --targets pattern names them; the other patterns as for nn.Linear layers.
     selection: the plan's `--ignore`/`--targets` selection (`PrunePlan.selection`), applied to the
@@ -138,10 +138,10 @@ def weight_plan(
         if slot.role != "weight" and slot.full_name not in targeted:
             ignored[slot.full_name] = f"{slot.role}, left dense (--targets {slot.full_name} prunes it)"
             ruled[slot.role] = ruled.get(slot.role, 0) + 1
-    return WeightPlan(slots, ignored, unused, ruled)
+    return ProbedWeights(slots, ignored, unused, ruled)
 
 
-def say_ruled(plan: WeightPlan) -> None:
+def say_ruled(plan: ProbedWeights) -> None:
     """One stderr line per kind of weight left dense by a rule."""
     ruled, unused = plan.ruled, plan.unused
     for role, count in ruled.items():
@@ -158,7 +158,7 @@ def say_ruled(plan: WeightPlan) -> None:
 
 def _selection(cfg: PruneConfig, model: Any, structure: ModelStructure) -> tuple[Selection, tuple[OutsideWeight, ...]]:
     """The run's `--ignore`/`--targets` selection (made here only: `PrunePlan.selection`) and the linears
-    outside the language model it selects (`PrunePlan.beyond`). The selection knows the module names (as
+    outside the language model it selects (`PrunePlan.outside_targets`). The selection knows the module names (as
     patterns see them) of the weight matrices outside the decoder blocks (a vision tower's and projector's
     linears, the embeddings, the output head) for its error line, and which of them are selectable
     linears."""
@@ -169,8 +169,8 @@ def _selection(cfg: PruneConfig, model: Any, structure: ModelStructure) -> tuple
         if id(module) not in in_blocks and any(p.dim() >= 2 for p in module.parameters(recurse=False))
     )
     linears = outside_linears(model, structure)
-    beyond = selected_outside(linears, cfg.targets, cfg.ignore, cfg.pattern) if cfg.targets else ()
-    return Selection(tuple(cfg.ignore), tuple(cfg.targets), outside, tuple(linears)), beyond
+    outside_targets = selected_outside(linears, cfg.targets, cfg.ignore, cfg.pattern) if cfg.targets else ()
+    return Selection(tuple(cfg.ignore), tuple(cfg.targets), outside, tuple(linears)), outside_targets
 
 
 def _idle_reason(structure: ModelStructure, index: int) -> str:
@@ -216,14 +216,14 @@ class PrunePlan:
     device_memory: the peak device memory of each rank (one for a single process); device_bytes: the
     largest of them; host_memory: the peak host memory of one process (`memory.HostEstimate`; a streamed
     run holds the weights outside the blocks and one block); stream: the plan is for --stream;
-    beyond: the linears outside the language model that --targets selects (pruned by magnitude,
+    outside_targets: the linears outside the language model that --targets selects (pruned by magnitude,
     `pruning/block/outside.py`). seqlen is --seqlen capped at the model's positions. selection: the
     `--ignore`/`--targets` selection with the names beside the blocks it judges (`selection.Selection`);
     the plan is the only place that makes it: the run reads `ignored` for the nn.Linear check before
-    calibration, `selection` for the watched matrices, `beyond` for the linears outside the language
+    calibration, `selection` for the watched matrices, `outside_targets` for the linears outside the language
     model and `seqlen` for the calibration. What a run can take from the plan instead of recomputing
     it: sizing (the estimates' inputs, `advice.fixes` re-estimates other flags; the parameter and byte
-    counts derive from it), weights (the probe's `WeightPlan`: slots, ignored, unused, ruled; None
+    counts derive from it), weights (the probe's `ProbedWeights`: slots, ignored, unused, ruled; None
     without the probe), world_size (the processes it was made for), modules (the full names of the
     blocks' nn.Linear layers).
     calibrate: the run reads calibration text (`reads_data`); without it (magnitude, no --refine block)
@@ -255,8 +255,8 @@ class PrunePlan:
     observed: frozenset[str] = frozenset()
     probe_bytes: int = 0
     stream: bool = False
-    beyond: tuple[OutsideWeight, ...] = ()
-    weights: WeightPlan | None = None
+    outside_targets: tuple[OutsideWeight, ...] = ()
+    weights: ProbedWeights | None = None
     world_size: int = 1
     modules: frozenset[str] = frozenset()
     calibrate: bool = True
@@ -315,12 +315,12 @@ class PrunePlan:
 
     def verdict(self, name: str) -> tuple[str, str | None]:
         """(status, reason) of the slot or parameter `name`: "prune", "ignored" (--ignore/--targets, a
-        router or gate rule), "incompatible", "skipped" (no nn.Linear in a block that never runs on text),
+        router or gate rule), "incompatible", "idle" (no nn.Linear in an idle block, one that never runs on text),
         "not a matmul weight", "decided at prune time" (a block the probe could not watch), or "prune" (with
         a reason for an nn.Linear of a block that never runs on text: how it is pruned)."""
         for status, reasons in (
             ("ignored", self.ignored),
-            ("skipped", self.idle_dense),
+            ("idle", self.idle_dense),
             ("decided at prune time", self.pending),
             ("incompatible", self.incompatible),
         ):
@@ -397,7 +397,7 @@ class Sizing:
         work = Workload(
             block_params=self.per_block,
             candidates=self.candidates,
-            cost=MethodCost.of(spec, cfg.pattern, cfg.layer.solver, device=device, width=width),
+            cost=MethodCost.of(spec, cfg.pattern, cfg.matrix.solver, device=device, width=width),
             nsamples=nsamples,
             seqlen=seqlen,
             hidden_size=self.hidden,
@@ -419,8 +419,8 @@ class Sizing:
 
 
 @dataclass(frozen=True)
-class _Accounted:
-    """The plan's weight matrices (`_account`); weights: the probe's `WeightPlan`, None without it;
+class _Matrices:
+    """The plan's weight matrices (`_account`); weights: the probe's `ProbedWeights`, None without it;
     modules: the full names of the blocks' nn.Linear layers."""
 
     slots: tuple[LinearSlot, ...]
@@ -430,7 +430,7 @@ class _Accounted:
     pending: dict[str, str] = field(default_factory=dict)
     observed: frozenset[str] = frozenset()
     probe_bytes: int = 0
-    weights: WeightPlan | None = None
+    weights: ProbedWeights | None = None
     modules: frozenset[str] = frozenset()
 
     def plan_fields(self) -> dict[str, Any]:
@@ -438,7 +438,7 @@ class _Accounted:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _account(structure: ModelStructure, hidden: int, selection: Selection, observe: bool) -> _Accounted:
+def _account(structure: ModelStructure, hidden: int, selection: Selection, observe: bool) -> _Matrices:
     """The weight matrices of the blocks and their fate under `selection`.
 
     With `observe`, one block of each kind is watched on random values (`pruning/plan/probe.py`), so the
@@ -453,9 +453,9 @@ def _account(structure: ModelStructure, hidden: int, selection: Selection, obser
     # The patterns first: a typo is found before the probe runs a forward.
     excluded = selection.excluded(names)
     if not observe:
-        return _Accounted(slots, excluded, modules=modules)
+        return _Matrices(slots, excluded, modules=modules)
     probe = probe_blocks(structure, hidden)
-    accounted = weight_plan(structure, slots, probe.observed, selection)
+    accounted = probed_weights(structure, slots, probe.observed, selection)
     say_ruled(accounted)
     slots, ignored = tuple(accounted.slots), accounted.ignored
     unused = tuple(record for index in sorted(accounted.unused) for record in accounted.unused[index])
@@ -467,7 +467,7 @@ def _account(structure: ModelStructure, hidden: int, selection: Selection, obser
         elif slot.block in probe.pending and slot.param:
             pending[slot.full_name] = probe.pending[slot.block]
     observed = frozenset(s.full_name for s in slots if s.block in probe.observed)
-    return _Accounted(slots, ignored, unused, idle, pending, observed, probe.peak_bytes, accounted, modules)
+    return _Matrices(slots, ignored, unused, idle, pending, observed, probe.peak_bytes, accounted, modules)
 
 
 def _meta_structure(
@@ -526,7 +526,7 @@ def plan_model(
     dtype, device = dtype_and_device(cfg, ctx, present=False)
     source, config, model, structure = _meta_structure(cfg, ctx, progress, conform=conform)
     hidden = int(config_value(config, "hidden_size"))
-    selection, beyond = _selection(cfg, model, structure)
+    selection, outside_targets = _selection(cfg, model, structure)
     found = _account(structure, hidden, selection, observe)
     idle = _idle_dense(found.idle, found.modules)
     bad = incompatible_slots(_checkable(found.slots, (found.ignored, idle, found.pending), found.observed), cfg.pattern)
@@ -549,7 +549,7 @@ def plan_model(
         device=str(device),
         dtype=str(dtype).removeprefix("torch."),
         blocks=len(structure),
-        beyond=beyond,
+        outside_targets=outside_targets,
         resume_bytes=_resume_bytes(cfg, sum(sizing.per_block), seqlen, hidden, torch.finfo(dtype).bits // 8, ranks),
         host_memory=host,
         selection=selection,

@@ -148,7 +148,7 @@ def probe_blocks(structure: ModelStructure, hidden_size: int, *, limit: int | No
         except _FORWARD_ERRORS as exc:
             why = f"the language model's forward does not run without its weights ({type(exc).__name__}: {exc})"
             return Probe(pending=dict.fromkeys(every, why.splitlines()[0]), peak_bytes=peak)
-        idle = frozenset(index for index, call in enumerate(calls) if not call.runs)
+        idle = frozenset(index for index, call in enumerate(calls) if call.idle)
         observed: dict[int, BlockObservation] = {}
         pending: dict[int, str] = {}
         for indices in kinds.values():

@@ -24,7 +24,7 @@ _VERDICTS: dict[str, Callable[[str | None], str]] = {
     "prune": lambda reason: "yes" if reason is None else f"yes, {reason}",
     "incompatible": lambda reason: f"NO: {reason}",
     "ignored": lambda reason: f"ignored: {reason}",
-    "skipped": lambda reason: f"skipped: {reason}",
+    "idle": lambda reason: f"idle: {reason}",
     "decided at prune time": lambda reason: f"decided at prune time: {reason}",
     "not a matmul weight": lambda reason: f"left dense: {reason}",
 }
@@ -44,7 +44,7 @@ def plan_rows(plan: PrunePlan) -> list[tuple[str, str, str]]:
         shape = f"{record.out_features}×{record.in_features}"
         found.append((record.block, record.name, shape, _VERDICTS["not a matmul weight"](record.reason)))
     found.sort(key=lambda row: row[0])  # stable: block by block, each in the order found
-    for weight in plan.beyond:
+    for weight in plan.outside_targets:
         verdict = f"NO: {weight.incompatible}" if weight.incompatible else f"yes, {OUTSIDE_REASON}"
         found.append((OUTSIDE_BLOCK, weight.name, f"{weight.out_features}×{weight.in_features}", verdict))
     return [(name, shape, verdict) for _block, name, shape, verdict in found]
@@ -105,8 +105,8 @@ def plan_dict(plan: PrunePlan) -> dict[str, Any]:
         "pattern": plan.pattern,
         "source": plan.source,
         "model_type": plan.model_type,
-        "layers": layers + [_outside_layer(w) for w in plan.beyond],
-        "skipped": len(plan.idle_dense),
+        "layers": layers + [_outside_layer(w) for w in plan.outside_targets],
+        "idle": len(plan.idle_dense),
         "decided_at_prune_time": len(plan.pending),
         "probe_bytes": plan.probe_bytes,
         "incompatible": len(plan.incompatible),

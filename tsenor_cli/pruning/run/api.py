@@ -195,7 +195,7 @@ def _checked_plan(
             folder.check_location()
         plan = plan_model(cfg, ctx, progress=say, observe=False, conform=not built)
         check_not_input(folder.output, plan.source)
-        check_outside(plan.beyond, cfg.pattern, skip=cfg.skip_incompatible)
+        check_outside(plan.outside_targets, cfg.pattern, skip=cfg.skip_incompatible)
         plan.check_processes()  # a matrix --nproc cannot prune is refused once, before any work
         check_fits(
             plan.host_memory,

@@ -152,7 +152,7 @@ def card_text(
         f"- **Calibration**: {report.settings.get('nsamples')} samples of {report.settings.get('seqlen')} tokens, "
         f"seed {report.settings.get('seed')}: {report.calibration}",
         f"- **Weights**: {totals['layers_pruned']} matrices pruned, "
-        f"{totals['layers_skipped'] + totals['layers_ignored']} left dense"
+        f"{totals['layers_skipped'] + totals['layers_idle'] + totals['layers_ignored']} left dense"
         + (f"; density of the decoder's linear weights {density:.4f}" if density is not None else ""),
     ]
     if finetuned is not None:

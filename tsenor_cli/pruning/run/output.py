@@ -34,7 +34,7 @@ def sparsity_record(cfg: PruneConfig, records: list[LayerRecord], solver: str | 
     the record keeps the name asked for ("auto") beside it."""
     p = cfg.pattern
     return SparsityRecord.of(
-        cfg.method, p, records, solver=solver, solver_requested=cfg.layer.solver if p.transposable else None
+        cfg.method, p, records, solver=solver, solver_requested=cfg.matrix.solver if p.transposable else None
     )
 
 

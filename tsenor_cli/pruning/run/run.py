@@ -42,9 +42,9 @@ from tsenor_cli.pruning.run.output import sparsity_record
 from tsenor_cli.pruning.run.seams import BlockContext, BlockHook, RunStart, Sink, SinkBlock
 from tsenor_cli.pruning.run.sinks import FileTensors, Sinks, block_records, block_tensors
 from tsenor_cli.pruning.run.steps import (
-    BlockPlan,
     RunFacts,
     Start,
+    WatchedWeights,
     build_report,
     capture_start,
     check_linears,
@@ -192,7 +192,7 @@ class LoopParts:
 
     source: BlockSource
     pruner: BlockPruner
-    blocks: BlockPlan
+    blocks: WatchedWeights
     hooks: Sequence[BlockHook]
     sinks: Sinks
     team: Team
@@ -371,11 +371,11 @@ def block_hooks(run: RunSetup, writer: BackgroundWriter, begin: Start) -> list[B
     return [*hooks, *run.hooks]
 
 
-def block_pruner(run: RunSetup, structure: ModelStructure, blocks: BlockPlan) -> BlockPruner:
+def block_pruner(run: RunSetup, structure: ModelStructure, blocks: WatchedWeights) -> BlockPruner:
     """How each block is pruned: the watched matrices, the method, its settings and policies."""
     cfg = run.cfg
     return BlockPruner(
-        structure, blocks.slots, get_pruner(cfg.method), cfg.layer, run.device, logger.debug,
+        structure, blocks.slots, get_pruner(cfg.method), cfg.matrix, run.device, logger.debug,
         skipped=blocks.skipped, ignored=blocks.ignored, sequential=cfg.sequential,
         moe=MoeOptions(cfg.moe_calibration, cfg.moe_min_tokens), team=run.team,
     )  # fmt: skip
@@ -410,7 +410,7 @@ def execute(run: RunSetup) -> PruneReport:
         )  # fmt: skip
         records = BlockLoop(parts).run(begin)
         drain(writer, team)  # every block's files complete before the sinks read or follow them
-        records += prune_outside(linears, run.plan.beyond, cfg.layer, run.say)
+        records += prune_outside(linears, run.plan.outside_targets, cfg.matrix, run.say)
         run.say(f"writing {run.output}")
         run.point.writing = True
         refine = next((h for h in hooks if isinstance(h, RefineHook)), None)

@@ -31,7 +31,7 @@ from tsenor_cli.pruning.block.observe import BlockObservation
 from tsenor_cli.pruning.block.outside import REASON as OUTSIDE_REASON
 from tsenor_cli.pruning.block.slots import LinearSlot, check_compatibility
 from tsenor_cli.pruning.methods.types import LayerRecord
-from tsenor_cli.pruning.plan.plan import PrunePlan, say_ruled, weight_plan
+from tsenor_cli.pruning.plan.plan import PrunePlan, probed_weights, say_ruled
 from tsenor_cli.pruning.run.report import versions
 from tsenor_cli.pruning.run.writer import WeightCounts
 from tsenor_cli.pruning.settings.config import PruneConfig
@@ -181,7 +181,7 @@ def restore_start(
 
 
 @dataclass(frozen=True)
-class BlockPlan:
+class WatchedWeights:
     """The run's weight matrices once the blocks' dense forwards were watched: slots, those left dense
     (`ignored`) or skipped (the pattern does not fit), the records of block parameters that are not
     matmul weights (per block), and each watched block's observation."""
@@ -195,25 +195,25 @@ class BlockPlan:
 
 def watch_blocks(
     cfg: PruneConfig, plan: PrunePlan, source: BlockSource, slots: list[LinearSlot], begin: Start, team: Team
-) -> BlockPlan:
+) -> WatchedWeights:
     """Watch the dense forward of the blocks left to prune (one sample; a streamed run reads each block for
     it and releases it) and settle the run's weight matrices from what they multiply by
-    (`plan.weight_plan`), checking them against the pattern as the nn.Linear layers were. A kind of weight
+    (`plan.probed_weights`), checking them against the pattern as the nn.Linear layers were. A kind of weight
     left dense by a rule is said once on stderr. The selection is the plan's (`PrunePlan.selection`)."""
     observed: dict[int, BlockObservation] = {}
     with team.agreed():
         if begin.hidden is not None:
             observed = observe_blocks(source, begin.hidden[:1], begin.calls, begin.first)
-        accounted = weight_plan(source.structure, slots, observed, plan.selection)
+        accounted = probed_weights(source.structure, slots, observed, plan.selection)
         say_ruled(accounted)
         candidates = [s for s in accounted.slots if s.full_name not in accounted.ignored]
         skipped = check_compatibility(candidates, cfg.pattern, skip=cfg.skip_incompatible)
         if cfg.targets and begin.first == 0:
-            check_targets_run(candidates, begin.calls, has_outside=bool(plan.beyond))
-    return BlockPlan(accounted.slots, accounted.ignored, skipped, accounted.unused, observed)
+            check_targets_run(candidates, begin.calls, has_outside=bool(plan.outside_targets))
+    return WatchedWeights(accounted.slots, accounted.ignored, skipped, accounted.unused, observed)
 
 
-def say_matrices(structure: ModelStructure, blocks: BlockPlan, say: Progress) -> None:
+def say_matrices(structure: ModelStructure, blocks: WatchedWeights, say: Progress) -> None:
     """The run's lines on its weight matrices: how many, and how many are left dense."""
     matrices = sum(s.matrices for s in blocks.slots)
     say(
@@ -226,10 +226,10 @@ def say_matrices(structure: ModelStructure, blocks: BlockPlan, say: Progress) ->
 def check_targets_run(candidates: Sequence[LinearSlot], calls: Sequence[BlockCall], *, has_outside: bool) -> None:
     """A --targets selection that leaves no matrix to prune (every one it names is left dense: not a
     matmul weight of its block's forward, or no nn.Linear in a block the text-only forward skips, whose
-    orientation no forward shows: `idle.prune_unreached`) is refused, as a selection that matches nothing
+    orientation no forward shows: `idle.prune_idle_by_magnitude`) is refused, as a selection that matches nothing
     is (`selection.excluded_layers`), instead of writing a dense copy with exit 0. Weights of blocks the
     text-only forward skips (Mllama's cross-attention layers) are prunable (`pruning/block/idle.py`)."""
-    if has_outside or any(calls[s.block].runs or not s.param for s in candidates):
+    if has_outside or any(not calls[s.block].idle or not s.param for s in candidates):
         return
     shown = ", ".join(sorted({s.full_name for s in candidates})[:3]) or "no weight matrix of the decoder blocks"
     raise UsageError(
@@ -239,17 +239,17 @@ def check_targets_run(candidates: Sequence[LinearSlot], calls: Sequence[BlockCal
 
 
 def outside_linears(loaded: LoadedModel, plan: PrunePlan, say: Progress, *, root: bool) -> dict[str, nn.Linear]:
-    """The linears `--targets` selects outside the language model (`PrunePlan.beyond`), by name; says
+    """The linears `--targets` selects outside the language model (`PrunePlan.outside_targets`), by name; says
     which modules outside it stay dense, and (rank 0) warns that the selected ones are pruned by magnitude."""
-    structure, beyond = loaded.structure, plan.beyond
+    structure, targets = loaded.structure, plan.outside_targets
     if structure.outside:
-        dense = [name for name in structure.outside if not any(w.name.startswith(f"{name}.") for w in beyond)]
+        dense = [name for name in structure.outside if not any(w.name.startswith(f"{name}.") for w in targets)]
         if dense:
             say(f"left dense, outside the language model {structure.base_name}: {', '.join(dense)}")
-    if beyond and root:
+    if targets and root:
         # The report says it per record too; a user who asked for --method wanda must see it now.
-        logger.warning("--targets selects %d linear(s) outside the language model: %s", len(beyond), OUTSIDE_REASON)
-    return {w.name: cast(nn.Linear, loaded.model.get_submodule(w.name)) for w in beyond}
+        logger.warning("--targets selects %d linear(s) outside the language model: %s", len(targets), OUTSIDE_REASON)
+    return {w.name: cast(nn.Linear, loaded.model.get_submodule(w.name)) for w in targets}
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from tsenor_cli.errors import UsageError
 from tsenor_cli.fields import default_of, validate_settings
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.methods.registry import get_pruner
-from tsenor_cli.pruning.methods.types import LayerPruneConfig
+from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.settings.table import FIELDS, PRUNE_FIELDS
 
 if TYPE_CHECKING:
@@ -74,7 +74,8 @@ class PruneConfig:
 
     model: embedded name, local checkpoint folder or hub id; calib_data: c4 | wikitext2 | ptb | a file.
     seqlen is capped by the model's context length. output None is only valid for a dry run.
-    layer: the per-layer method options (pattern, solver, dampening, ALPS schedule).
+    matrix: what pruning each weight matrix reads, the same for every matrix (pattern, solver, the
+      method's options: dampening, the ALPS schedule).
     ignore / targets: patterns on full module names (globs, or `re:` regexes) of the linears to leave
     dense / to restrict pruning to (`tsenor_cli.pruning.settings.selection`); empty targets means all.
     command: the command line, recorded in the report.
@@ -93,7 +94,7 @@ class PruneConfig:
     """
 
     model: str
-    layer: LayerPruneConfig
+    matrix: MatrixPruneConfig
     method: str = default_of(PRUNE_FIELDS, "method")
     calib_data: str = default_of(PRUNE_FIELDS, "calib_data")
     nsamples: int = default_of(PRUNE_FIELDS, "nsamples")
@@ -121,11 +122,11 @@ class PruneConfig:
     def __post_init__(self) -> None:
         """Each setting's own checks (`table.PRUNE_FIELDS`), the solver's, and the method's options."""
         validate_settings(self)
-        FIELDS["solver"].validate(self.layer.solver)
+        FIELDS["solver"].validate(self.matrix.solver)
         spec = get_pruner(self.method)
-        if self.layer.options is not None and not isinstance(self.layer.options, spec.options):
+        if self.matrix.options is not None and not isinstance(self.matrix.options, spec.options):
             raise UsageError(
-                f"{type(self.layer.options).__name__} are not the options of --method {self.method}; "
+                f"{type(self.matrix.options).__name__} are not the options of --method {self.method}; "
                 f"pass {spec.options.__name__}"
             )
 
@@ -136,7 +137,7 @@ class PruneConfig:
 
     @property
     def pattern(self) -> SparsityPattern:
-        return self.layer.pattern
+        return self.matrix.pattern
 
     def solver_that_runs(self, device: torch.device) -> str | None:
         """The transposable mask solver that runs on `device`: `layer.solver`, or for "auto" the method it
@@ -145,7 +146,7 @@ class PruneConfig:
             return None
         from tsenor_cli.solver import resolve_method
 
-        return resolve_method(self.layer.solver, device, self.pattern.m).name
+        return resolve_method(self.matrix.solver, device, self.pattern.m).name
 
     def result_fields(self) -> dict[str, object]:
         """The fields that decide the pruned weights (what a resumed run must share). `refine` only when on,
@@ -161,7 +162,7 @@ class PruneConfig:
         return {
             "model": self.model,
             "dtype": self.dtype,
-            "layer": {"solver": self.layer.solver, "options": self.layer.method_options(self.options_kind).to_dict()},
+            "layer": {"solver": self.matrix.solver, "options": self.matrix.method_options(self.options_kind).to_dict()},
             "pattern": {"kind": pattern.kind, "n": pattern.n, "m": pattern.m, "sparsity": pattern.sparsity},
             **settings,
             **refine,

@@ -117,7 +117,7 @@ def _check_calibration(calib: str) -> None:
 def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, command: str | None) -> PruneConfig:
     """Cross-check a validated recipe (unset keys take `RECIPE_DEFAULTS`) and freeze it into a `PruneConfig`:
     the one place a run's settings are checked (each field's `validate`, then the cross-checks)."""
-    from tsenor_cli.pruning.methods.types import LayerPruneConfig
+    from tsenor_cli.pruning.methods.types import MatrixPruneConfig
     from tsenor_cli.pruning.settings.config import PruneConfig, RefineConfig
 
     values = {**RECIPE_DEFAULTS, **recipe}
@@ -146,7 +146,7 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
     }
     return PruneConfig(
         **plain,
-        layer=LayerPruneConfig(pattern=pattern, solver=str(values["solver"]), options=options),
+        matrix=MatrixPruneConfig(pattern=pattern, solver=str(values["solver"]), options=options),
         force=force,
         resume=resume,
         command=command,

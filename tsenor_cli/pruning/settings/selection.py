@@ -84,10 +84,10 @@ def excluded_layers(
     for flag, patterns in (("--targets", targets), ("--ignore", ignore)):
         for pattern in patterns:
             if not any(matches(pattern, name) for name in (*names, *selectable)):
-                beyond = next((name for name in outside if matches(pattern, name)), None)
-                if beyond is not None:
+                example = next((name for name in outside if matches(pattern, name)), None)
+                if example is not None:
                     raise UsageError(
-                        f"{flag} {pattern!r} names only weights outside the decoder blocks (e.g. {beyond}) that "
+                        f"{flag} {pattern!r} names only weights outside the decoder blocks (e.g. {example}) that "
                         "tsenor leaves dense: the embeddings, the output head and matrices that are no nn.Linear "
                         "(only a vision tower's and projector's linear layers can be targeted); drop the pattern"
                     )
