@@ -23,20 +23,6 @@ from tsenor_cli.runfiles import BlockRefinement, DataSource, ResumeState
 from tsenor_cli.runfiles.resume import BlockSave, ResumeStore, StateKey
 
 
-@dataclass(frozen=True)
-class _Payload:
-    """What the background writer needs of block `index` for `ResumeStore.save_block`, taken when the
-    block is done: its parameters, the next block's inputs (whole, on rank 0; None after the last block)
-    and the dense stream's, the records so far and the refined blocks' records."""
-
-    index: int
-    block: dict[str, torch.Tensor]
-    hidden: torch.Tensor | None
-    dense: torch.Tensor | None
-    records: list[LayerRecord]
-    refinement: tuple[BlockRefinement, ...]
-
-
 def _owned(tensor: torch.Tensor | None, buffer: torch.Tensor | None) -> torch.Tensor | None:
     """`tensor` as the background writer may hold it: copied to the CPU when it is the loop's `buffer`
     (written again by a later block), else as it is (a gathered copy, or None)."""
@@ -98,28 +84,25 @@ class ResumeHook(BlockHook):
             whole_dense = None if last or refine is None else team.gather_samples(refine.dense, nsamples)
             refinement = tuple(refine.refined) if refine is not None else self.refinement
 
-            def snapshot() -> _Payload:
+            def snapshot() -> BlockSave:
                 # The loop writes into its hidden-state buffers again (the rerun two blocks on writes
                 # `outputs`' buffer, the next dense forward the dense stream in place): what a queued write
                 # reads must be its own copy. A distributed gather is a new tensor already, and the
                 # block's parameters are not changed once it is done (streamed, `release` swaps them for
                 # meta tensors and the state dict keeps the pruned ones alive until written).
                 dense = refine.dense if refine is not None else None
-                return _Payload(
+                return BlockSave(
                     block.index, dict(block.module.state_dict()), _owned(whole, block.outputs),
-                    _owned(whole_dense, dense), list(records), refinement,
+                    list(records), _owned(whole_dense, dense), refinement,
                 )  # fmt: skip
 
             with team.agreed():
                 if team.is_root:
                     self.writer.submit(snapshot, self._commit)
 
-    def _commit(self, payload: _Payload) -> None:
-        """On the writer's thread: `ResumeStore.save_block`, then `committed`."""
+    def _commit(self, save: BlockSave) -> None:
+        """On the writer's thread: `ResumeStore.save_block` of the block's snapshot, then `committed`."""
         record = self.record
-        save = BlockSave(
-            payload.index, payload.block, payload.hidden, payload.records, payload.dense, payload.refinement
-        )
         key = StateKey(record.result_hash, record.calibration, record.calibration_source, record.blocks)
         record.state = self.store.save_block(save, key, record.state)
-        self.committed(payload.index)
+        self.committed(save.index)
