@@ -306,10 +306,8 @@ OUTSIDE_PRUNING_WIDE: dict[str, int] = {
     "api.py:prune": 10,
     # A plain record's constructor: `register`'s keywords are the fields of the `MethodInfo` it records.
     "solver/registry.py:register": 7,
-    # Called from pruning/ with these keywords or positions (pruning/run/steps.py, pruning/run/output.py,
-    # pruning/block/gather.py), which this side does not edit: narrowed together with those callers
-    # (`models.loading.LoadOptions` holds load_model's optional keywords already).
-    "models/loading.py:load_model": 10,
+    # Called from pruning/ with these positions (pruning/run/output.py, pruning/block/gather.py): to be
+    # narrowed together with those callers.
     "models/saving.py:save_streamed": 7,
     "replay/watch.py:each_module_input": 7,
 }

@@ -16,7 +16,7 @@ from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
 from tsenor_cli.evaluation.perplexity import Windows, perplexity
 from tsenor_cli.evaluation.streamed import BlockCallbacks, streamed_perplexity
 from tsenor_cli.models.checkpoint import INDEX_NAME
-from tsenor_cli.models.loading import load_model
+from tsenor_cli.models.loading import LoadOptions, load_model
 from tsenor_cli.runfiles import EVAL_FILE
 from tsenor_cli.settings import RunContext
 
@@ -186,7 +186,7 @@ def test_device_map_auto_loads_the_whole_model_where_accelerate_places_it(tmp_pa
     """--device-map auto (zero-shot on models larger than one GPU): here, with no GPU, all on the CPU,
     the same perplexity as the plain load."""
     folder = make_tiny_llama(tmp_path / "m", num_layers=2)
-    mapped = load_model(str(folder), LOCAL_CTX, device_map="auto")
+    mapped = load_model(str(folder), LOCAL_CTX, options=LoadOptions(device_map="auto"))
     assert {p.device.type for p in mapped.model.parameters()} == {"cuda" if torch.cuda.is_available() else "cpu"}
     ids = _ids(2 * SEQLEN, seed=3)
     plain = perplexity(load_model(str(folder), LOCAL_CTX).model, ids, Windows(SEQLEN), device="cpu")

@@ -167,11 +167,8 @@ def load_for_evaluation(
         ctx,
         dtype=parse_dtype(dtype),
         device=device,
-        trust_remote_code=how.trust_remote_code,
-        device_map=how.device_map,
         stream=stream,
-        progress=how.progress,
-        check_tokenizer=how.check_tokenizer,
+        options=how,
     )
 
 

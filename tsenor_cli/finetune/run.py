@@ -116,7 +116,7 @@ def last_complete_checkpoint(state_dir: Path, say: Progress) -> Path | None:
 
 def _load_teacher(cfg: FinetuneConfig, ctx: RunContext, student: Any, device: Any, say: Progress) -> Any:
     """The frozen dense teacher (`--teacher`) on the training device (bf16 under --bf16, else fp32)."""
-    from tsenor_cli.models.loading import load_model
+    from tsenor_cli.models.loading import LoadOptions, load_model
 
     name = str(cfg.teacher)
     say(f"loading the teacher {name}")
@@ -125,8 +125,7 @@ def _load_teacher(cfg: FinetuneConfig, ctx: RunContext, student: Any, device: An
         ctx,
         dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
         device=device,
-        trust_remote_code=cfg.trust_remote_code,
-        progress=say,
+        options=LoadOptions(cfg.trust_remote_code, progress=say),
     )
     check_teacher(student, teacher, name)
     return teacher.model
@@ -428,15 +427,14 @@ def _sparse_kernels(
 def _load_inputs(cfg: FinetuneConfig, ctx: RunContext, args: Any, sparsity: RunSparsity, say: Progress) -> _Inputs:
     """Load the pruned checkpoint, its masks (checked against the recorded pattern), the training windows
     and the teacher; every input the user can fix fails here, before a step."""
-    from tsenor_cli.models.loading import load_model
+    from tsenor_cli.models.loading import LoadOptions, load_model
 
     if cfg.tasks:
         from tsenor_cli.evaluation.zeroshot import validate_tasks
 
         validate_tasks(cfg.tasks)
-    loaded = load_model(
-        str(cfg.run_dir), ctx, dtype=torch.float32, device="cpu", trust_remote_code=cfg.trust_remote_code, progress=say
-    )
+    how = LoadOptions(cfg.trust_remote_code, progress=say)
+    loaded = load_model(str(cfg.run_dir), ctx, dtype=torch.float32, device="cpu", options=how)
     saved_dtype = loaded.source_dtype or torch.float32
     if loaded.max_positions is not None and cfg.seqlen > loaded.max_positions:
         raise UsageError(

@@ -53,14 +53,16 @@ PROCESSOR_FILES = (
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How a model is loaded besides its dtype and device, as `load_model`'s keywords of the same names:
+    """How a model is loaded besides its dtype, device and streaming (`load_model`'s `options`):
     trust_remote_code (run the checkpoint's own model code), device_map (transformers' placement, "auto"),
-    progress (where the load's lines go), check_tokenizer (refuse a tokenizer whose ids pass the embedding)."""
+    progress (where the load's lines go), check_tokenizer (refuse a tokenizer whose ids pass the embedding),
+    before_weights (a check of the config and tokenizer run before any weight is read)."""
 
     trust_remote_code: bool = False
     device_map: str | None = None
     progress: Callable[[str], None] | None = None
     check_tokenizer: bool = False
+    before_weights: Callable[[Any, Any], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -415,26 +417,23 @@ def load_model(
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
-    trust_remote_code: bool = False,
-    progress: Callable[[str], None] | None = None,
-    before_weights: Callable[[Any, Any], None] | None = None,
-    check_tokenizer: bool = False,
     stream: bool = False,
-    device_map: str | None = None,
+    options: LoadOptions | None = None,
 ) -> LoadedModel:
     """Load `name` in eval mode on `device` (default dtype: bf16 on CUDA, fp32 on CPU) with its own class
     (`auto_class`: a causal LM, or a multimodal model whose language model the structure describes).
 
-    before_weights(config, tokenizer) runs once both are loaded and before the weights are read, so a
-    check that needs only them (e.g. that the calibration text fills its windows) fails in seconds.
-    check_tokenizer: refuse, before the weights are read, a tokenizer with more ids than the model's
-    token embedding has rows (`check_vocabulary`), for the commands that feed it tokenized text.
     stream: read only what lies outside the decoder blocks; the blocks stay on the meta device, to be read
     one at a time from `LoadedModel.checkpoint` (`models/streaming.py`). It needs a local folder of
     safetensors weights (every bad one is refused here, before anything is read: `models/checkpoint.py`);
     a folder of pickle weights is loaded whole, with one warning line saying so.
-    device_map: transformers' device_map for from_pretrained ("auto": accelerate spreads the model over the
-    GPUs present, then the CPU); `device` is then not used to place the model.
+    options: `LoadOptions` (None: its defaults). Its before_weights(config, tokenizer) runs once both are
+    loaded and before the weights are read, so a check that needs only them (e.g. that the calibration
+    text fills its windows) fails in seconds; check_tokenizer refuses, before the weights are read, a
+    tokenizer with more ids than the model's token embedding has rows (`check_vocabulary`), for the
+    commands that feed it tokenized text; device_map is transformers' device_map for from_pretrained
+    ("auto": accelerate spreads the model over the GPUs present, then the CPU), and `device` is then not
+    used to place the model.
 
     Raises InputNotFoundError for a missing folder or an unreachable (or, offline, uncached) hub id,
     IncompatibleModelError for a model without a decoder block list of nn.Linear-holding blocks
@@ -442,22 +441,24 @@ def load_model(
     CheckpointMismatchError for a local checkpoint whose weights disagree with its config.json
     (`models/conformance.py`: the same verdict streamed or whole, before the tokenizer or a weight is read).
     """
+    how = LoadOptions() if options is None else options
+    progress = how.progress
     torch_device = resolve_device(device)
     torch_dtype = dtype if dtype is not None else default_dtype(torch_device)
-    src = _open_source(name, ctx, trust_remote_code=trust_remote_code, progress=progress)
+    src = _open_source(name, ctx, trust_remote_code=how.trust_remote_code, progress=progress)
     source, is_local, config = src.path, src.is_local, src.config
     stored = checkpoint_dtype(config)
     meta = _checked_meta(src)
     checkpoint = _stream_checkpoint(name, source, is_local) if stream else None
     layout = _source_layout(meta, Path(source), checkpoint) if is_local else None
     sink(progress)(f"loading {name} ({config.model_type}, {torch_dtype}) on {torch_device}")
-    tokenizer = _checked_tokenizer(src, meta, check=check_tokenizer, before_weights=before_weights)
+    tokenizer = _checked_tokenizer(src, meta, check=how.check_tokenizer, before_weights=how.before_weights)
     files = processor_files(source, is_local, ctx)
     if checkpoint is not None:
         streamed = _load_streamed(src, tokenizer, files, checkpoint, torch_dtype, torch_device)
         if streamed is not None:
             return dataclasses.replace(streamed, source_dtype=stored, layout=layout)
-    model = _load_whole(src, torch_dtype, device_map, torch_device)
+    model = _load_whole(src, torch_dtype, how.device_map, torch_device)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -96,7 +96,7 @@ def dense_calibration_inputs(
     from tsenor_cli.data.calibration import calibration_batches
     from tsenor_cli.models.loading import load_model
 
-    loaded = load_model(model, ctx, dtype=torch.float32, device="cpu", trust_remote_code=False)
+    loaded = load_model(model, ctx, dtype=torch.float32, device="cpu")
     calib = calibration_batches(calib_data, loaded.tokenizer, ctx, nsamples=nsamples, seqlen=seqlen, seed=seed)
     return loaded, capture_block_inputs(loaded.structure, calib.input_ids, torch.device("cpu"))
 

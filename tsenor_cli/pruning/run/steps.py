@@ -80,7 +80,7 @@ def load_for_pruning(
     is loaded whole. before_weights(config, tokenizer): runs before any weight is read (a fresh run reads
     its calibration text there: text too short for --nsamples × --seqlen is found in seconds, not after
     minutes of reading a large checkpoint)."""
-    from tsenor_cli.models.loading import load_model
+    from tsenor_cli.models.loading import LoadOptions, load_model
 
     if built is not None:
         if cfg.stream:
@@ -89,10 +89,8 @@ def load_for_pruning(
             before_weights(built.model.config, built.tokenizer)
         loaded = built
     else:
-        loaded = load_model(
-            cfg.model, ctx, dtype=dtype, device="cpu", trust_remote_code=cfg.trust_remote_code, progress=say,
-            before_weights=before_weights, check_tokenizer=True, stream=cfg.stream,
-        )  # fmt: skip
+        how = LoadOptions(cfg.trust_remote_code, progress=say, check_tokenizer=True, before_weights=before_weights)
+        loaded = load_model(cfg.model, ctx, dtype=dtype, device="cpu", stream=cfg.stream, options=how)
     check_loaded(cfg, loaded)
     return loaded
 
