@@ -65,7 +65,7 @@ def reads_data(cfg: PruneConfig) -> bool:
     `--refine block` trains each block towards the dense one's outputs on it. A magnitude prune without
     it takes no calibration pass: its blocks run on a few stand-in tokens
     (`data.calibration.stand_in_batches`) and it gathers no statistics."""
-    return get_pruner(cfg.method).needs_data or cfg.refine.on
+    return get_pruner(cfg.method).needs_data or cfg.refine.on or cfg.loss_aware > 0
 
 
 def dtype_and_device(
