@@ -70,9 +70,7 @@ def test_row_weights_give_the_transposable_tile_to_the_high_curvature_row() -> N
     row 2's curvature 4× the others' (D = diag(1, 1, 4, 1), its |w| doubled): rows 0 and 2 keep their
     large pair, 4.2 + 7.6 + row 1's small 2 + 4 = 17.8, against 17.6 with row 1 large instead of row 0,
     and 16.2 for the plain mask. The kept weights are the dense ones, bit for bit."""
-    weight = torch.tensor(
-        [[2.1, 2.1, 1.0, 1.0], [2.0, 2.0, 1.0, 1.0], [1.9, 1.9, 1.0, 1.0], [1.0, 1.0, 2.0, 2.0]]
-    )
+    weight = torch.tensor([[2.1, 2.1, 1.0, 1.0], [2.0, 2.0, 1.0, 1.0], [1.9, 1.9, 1.0, 1.0], [1.0, 1.0, 2.0, 2.0]])
     cfg = LayerPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exact")
     spec = PRUNERS["magnitude"]
     large, small = [True, True, False, False], [False, False, True, True]
@@ -168,9 +166,10 @@ def test_weight_zero_is_todays_run_and_streamed_equals_whole(
     }
     for name, changes in runs.items():
         prune_model(sparsegpt_config(tiny, calib, tmp_path / name, **changes), data_ctx)
-    assert sparsegpt_config(tiny, calib, None).result_hash() == sparsegpt_config(
-        tiny, calib, None, loss_aware=0.0
-    ).result_hash()
+    assert (
+        sparsegpt_config(tiny, calib, None).result_hash()
+        == sparsegpt_config(tiny, calib, None, loss_aware=0.0).result_hash()
+    )
     assert _sha(tmp_path / "today") == _sha(tmp_path / "zero")
     assert _sha(tmp_path / "streamed") == _sha(tmp_path / "whole") != _sha(tmp_path / "today")
     settings = json.loads((tmp_path / "streamed" / PRUNE_FILE).read_text())["settings"]

@@ -273,7 +273,9 @@ class BlockPruner:
             return None
         ones = torch.ones(sum(slot.out_features for slot in slots), device=self.device)
         found = [self.row_weights.get(slot.full_name) for slot in slots]
-        return torch.cat([ones[: s.out_features] if w is None else w.to(ones) for s, w in zip(slots, found, strict=True)])
+        return torch.cat(
+            [ones[: s.out_features] if w is None else w.to(ones) for s, w in zip(slots, found, strict=True)]
+        )
 
     def prune(
         self,
@@ -407,8 +409,10 @@ class BlockPruner:
         start = time.perf_counter()
         dense = views[first : first + chunk].to(torch.float32).clone()  # (L, out, in)
         rows = None if experts else self.rows([slot])
-        outcomes = prune_weighted(self.spec, dense[0], None, self.layer_cfg, rows) if rows is not None else (
-            self.spec.prune_batch(dense, None, self.layer_cfg)
+        outcomes = (
+            prune_weighted(self.spec, dense[0], None, self.layer_cfg, rows)
+            if rows is not None
+            else (self.spec.prune_batch(dense, None, self.layer_cfg))
         )
         made = [
             _record_outcome(views[first + i], dense[i], outcome, None, slot, first + i if experts else None, 0.0, self)

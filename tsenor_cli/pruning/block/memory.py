@@ -278,7 +278,9 @@ class HostEstimate:
     (`MemoryEstimate.statistics` + `workspace` + `refine`); writer: what the background writer holds
     (`background.py`, `WRITER_DEPTH` payloads): with a resume state, rank 0's copy of the next
     block's inputs (S, T, H) (and the dense stream's with --refine), plus a streamed run's pruned block;
-    streamed without one, the pruned block it keeps on disk.
+    streamed without one, the pruned block it keeps on disk. curvature: `--loss-aware`'s pass before the
+    blocks (`curvature_bytes`), which ends before the loop's activations, work and writes are made: the
+    peak is the larger of the two.
     """
 
     model: int
@@ -287,10 +289,11 @@ class HostEstimate:
     work: int
     streamed: bool = False
     writer: int = 0
+    curvature: int = 0
 
     @property
     def total(self) -> int:
-        return self.model + self.tokens + self.activations + self.work + self.writer
+        return self.model + self.tokens + max(self.curvature, self.activations + self.work + self.writer)
 
     def describe(self) -> str:
         """The parts for a person: "model 12.3 MiB, calibration tokens 1.0 MiB, ..."."""
@@ -299,6 +302,7 @@ class HostEstimate:
             f"{weights} {human_bytes(self.model)}, calibration tokens {human_bytes(self.tokens)}, "
             f"activations {human_bytes(self.activations)}, work {human_bytes(self.work)}"
             + (f", background writes {human_bytes(self.writer)}" if self.writer else "")
+            + (f"; before the blocks, the loss curvature pass {human_bytes(self.curvature)}" if self.curvature else "")
         )
 
     def to_dict(self) -> dict[str, int]:
@@ -308,6 +312,7 @@ class HostEstimate:
             "activations": self.activations,
             "work": self.work,
             "writer": self.writer,
+            "curvature": self.curvature,
             "total": self.total,
             "streamed": int(self.streamed),
         }
@@ -350,6 +355,14 @@ def host_estimate(
         streamed=streamed,
         writer=WRITER_DEPTH * (inputs + (block_params * width if streamed else 0)) if resume or streamed else 0,
     )
+
+
+def curvature_bytes(activations: int, blocks: int, logits: int, sums: int) -> int:
+    """The host memory of `--loss-aware`'s pass (`pruning/block/curvature.py`): activations: one copy of
+    the rank's calibration hidden states (S_r, T, H), of which it keeps every block's input, the last
+    output and the gradient (blocks + 2); logits: one sample's (T, V) float32 logits, held with their
+    float32 copy and their gradient (3×); sums: the per-sample sums, S × Σ out × 4 bytes."""
+    return (blocks + 2) * activations + 3 * logits + sums
 
 
 def _cgroup_remaining() -> int | None:

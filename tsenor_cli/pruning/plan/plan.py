@@ -27,6 +27,7 @@ from tsenor_cli.pruning.block.memory import (
     MemoryEstimate,
     MethodCost,
     available_host_bytes,
+    curvature_bytes,
     device_present,
     device_total_bytes,
     estimate_device_memory,
@@ -611,6 +612,7 @@ class Sizing:
     params: int
     hidden: int
     heads: int
+    vocab: int = 0  # the head's outputs, for --loss-aware's logits
 
     def estimate(
         self, cfg: PruneConfig, seqlen: int, device: torch.device, world_size: int
@@ -657,6 +659,12 @@ class Sizing:
             resume=cfg.resume,
             block_params=max(self.per_block, default=0),
         )
+        if cfg.loss_aware:
+            rows = -(-nsamples // len(memory))
+            outputs = sum(slot.out_features for slot in self.candidates if not slot.experts)
+            pass_bytes = curvature_bytes(rows * seqlen * self.hidden * width, len(self.per_block),
+                                         seqlen * self.vocab * 4, nsamples * outputs * 4)  # fmt: skip
+            host = replace(host, curvature=pass_bytes)
         return memory, host
 
 
@@ -725,7 +733,9 @@ def _meta_structure(
 def _sizing(model: Any, structure: Any, candidates: tuple[Any, ...], hidden: int, heads: int) -> Sizing:
     """What the estimates read of the model: its candidates, each block's and the model's parameters."""
     per_block = tuple(sum(p.numel() for p in b.parameters()) for b in structure.blocks)
-    return Sizing(candidates, per_block, sum(p.numel() for p in model.parameters()), hidden, heads)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    vocab = int(head.weight.shape[0]) if head is not None else 0
+    return Sizing(candidates, per_block, sum(p.numel() for p in model.parameters()), hidden, heads, vocab)
 
 
 def _resume_bytes(cfg: PruneConfig, params: int, seqlen: int, hidden: int, width: int, ranks: int) -> int:

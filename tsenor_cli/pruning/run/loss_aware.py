@@ -43,7 +43,9 @@ def loss_rows(
         begin = capture_start(source, calib, shard, CPU, refine=False)
         assert begin.hidden is not None  # a fresh capture always has block 0's inputs
         ids = calib.input_ids[shard]
-        curvature = loss_curvature(loaded.model, source, begin.calls, begin.hidden, ids, linear_slots(loaded.structure), run.team)
+        curvature = loss_curvature(
+            loaded.model, source, begin.calls, begin.hidden, ids, linear_slots(loaded.structure), run.team
+        )
     run.say(
         f"loss curvature at {len(curvature)} linears' outputs (--loss-aware {weight:g}): "
         f"{time.perf_counter() - started:.1f}s"

@@ -405,7 +405,8 @@ def execute(run: RunSetup) -> PruneReport:
         sinks.begin(first, restored_blocks(run, source, begin))
         hooks = block_hooks(run, writer, begin)
         parts = LoopParts(
-            source, replace(block_pruner(run, structure, blocks), row_weights=rows), blocks, hooks, sinks, team, run.device, writer,
+            source, replace(block_pruner(run, structure, blocks), row_weights=rows), blocks, hooks, sinks, team,
+            run.device, writer,
             run.point, run.stop, run.after_block, run.say, run.output, saving=run.store is not None,
             commits_count=run.store is not None and team.is_root,
         )  # fmt: skip
