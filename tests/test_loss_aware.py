@@ -204,3 +204,45 @@ def test_a_bad_weight_is_one_line_and_writes_nothing(tiny: Path, calib: Path, tm
     result = invoke([*args, "--loss-aware", value, "--output", str(out)])
     assert result.exit_code == 2, result.output
     assert "--loss-aware" in str(result.exception) and not out.exists()
+
+
+def test_the_plan_counts_the_tensors_of_the_curvature_pass(
+    tiny: Path, calib: Path, data_ctx: RunContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dry run's `curvature` part against what the pass holds in a run: every block's kept input and the
+    last output (`_forward`), the gradient (`_head_gradient`) and the per-sample sums; the head's logits
+    are the rest, (T, V) float32 three times. Without --loss-aware the part is 0 and the total unchanged."""
+    from tsenor_cli.pruning.block import curvature
+    from tsenor_cli.pruning.plan.plan import plan_model
+
+    held: dict[str, int] = {}
+    forward, head = curvature._forward, curvature._head_gradient
+
+    def kept(*args: object) -> list[torch.Tensor]:
+        made = forward(*args)  # type: ignore[arg-type]
+        held["inputs"] = sum(t.numel() * t.element_size() for t in made)
+        return made
+
+    def gradient(*args: object) -> torch.Tensor:
+        made = head(*args)  # type: ignore[arg-type]
+        held["grad"] = made.numel() * made.element_size()
+        return made
+
+    monkeypatch.setattr(curvature, "_forward", kept)
+    monkeypatch.setattr(curvature, "_head_gradient", gradient)
+    cfg = sparsegpt_config(tiny, calib, tmp_path / "out", loss_aware=4.0)
+    plain = plan_model(sparsegpt_config(tiny, calib, tmp_path / "out"), data_ctx).host_memory
+    host = plan_model(cfg, data_ctx).host_memory
+    prune_model(cfg, data_ctx)
+    seqlen, vocab = cfg.seqlen, 49152  # the tiny model's head: the SmolLM2 tokenizer's vocabulary
+    assert plain.curvature == 0 and host.curvature > 0
+    assert host.total >= plain.total
+    sums = cfg.nsamples * sum(_outputs(tiny)) * 4
+    logits = 3 * seqlen * vocab * 4
+    assert host.curvature == held["inputs"] + held["grad"] + logits + sums
+
+
+def _outputs(model: Path) -> list[int]:
+    """The out_features of every nn.Linear in the model's blocks."""
+    loaded = load_model(str(model), LOCAL_CTX, dtype=torch.float32, device="cpu")
+    return [slot.out_features for slot in linear_slots(loaded.structure)]
