@@ -209,37 +209,39 @@ def test_a_bad_weight_is_one_line_and_writes_nothing(tiny: Path, calib: Path, tm
 def test_the_plan_counts_the_tensors_of_the_curvature_pass(
     tiny: Path, calib: Path, data_ctx: RunContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The dry run's `curvature` part against what the pass holds in a run: every block's kept input and the
-    last output (`_forward`), the gradient (`_head_gradient`) and the per-sample sums; the head's logits
-    are the rest, (T, V) float32 three times. Without --loss-aware the part is 0 and the total unchanged."""
+    """The dry run's `curvature` part against what the pass holds in a run: the checkpoints `_forward`
+    keeps, then at once either the last output and the gradient or one replayed segment's inputs and the
+    gradient; the head's logits, (T, V) float32 three times; the per-sample sums. Without --loss-aware the
+    part is 0 and the total unchanged. 3 blocks: segments of 2 (⌈√3⌉), checkpoints at blocks 0 and 2."""
     from tsenor_cli.pruning.block import curvature
     from tsenor_cli.pruning.plan.plan import plan_model
 
-    held: dict[str, int] = {}
-    forward, head = curvature._forward, curvature._head_gradient
+    held: dict[str, list[int]] = {"checkpoints": [], "segments": []}
+    forward, replay = curvature._forward, curvature._replay
 
-    def kept(*args: object) -> list[torch.Tensor]:
-        made = forward(*args)  # type: ignore[arg-type]
-        held["inputs"] = sum(t.numel() * t.element_size() for t in made)
-        return made
+    def kept(*args: object) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        checkpoints, last = forward(*args)  # type: ignore[arg-type]
+        held["checkpoints"] = sorted(checkpoints)
+        held["copy"] = [last.numel() * last.element_size()]
+        return checkpoints, last
 
-    def gradient(*args: object) -> torch.Tensor:
-        made = head(*args)  # type: ignore[arg-type]
-        held["grad"] = made.numel() * made.element_size()
-        return made
+    def segment(*args: object) -> list[torch.Tensor]:
+        inputs = replay(*args)  # type: ignore[arg-type]
+        held["segments"].append(len(inputs))
+        return inputs
 
     monkeypatch.setattr(curvature, "_forward", kept)
-    monkeypatch.setattr(curvature, "_head_gradient", gradient)
+    monkeypatch.setattr(curvature, "_replay", segment)
     cfg = sparsegpt_config(tiny, calib, tmp_path / "out", loss_aware=4.0)
     plain = plan_model(sparsegpt_config(tiny, calib, tmp_path / "out"), data_ctx).host_memory
     host = plan_model(cfg, data_ctx).host_memory
     prune_model(cfg, data_ctx)
-    seqlen, vocab = cfg.seqlen, 49152  # the tiny model's head: the SmolLM2 tokenizer's vocabulary
-    assert plain.curvature == 0 and host.curvature > 0
-    assert host.total >= plain.total
+    assert held["checkpoints"] == [0, 2] and held["segments"] == [1, 2]  # the last segment first
+    assert plain.curvature == 0 and host.curvature > 0 and host.total >= plain.total
+    copies = len(held["checkpoints"]) + max(2, *held["segments"])  # 4: every peak of the pass, counted above
+    logits = 3 * cfg.seqlen * 49152 * 4  # the tiny model's head: the SmolLM2 tokenizer's vocabulary
     sums = cfg.nsamples * sum(_outputs(tiny)) * 4
-    logits = 3 * seqlen * vocab * 4
-    assert host.curvature == held["inputs"] + held["grad"] + logits + sums
+    assert host.curvature == copies * held["copy"][0] + logits + sums
 
 
 def _outputs(model: Path) -> list[int]:

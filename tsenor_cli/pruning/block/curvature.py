@@ -5,16 +5,22 @@ the calibration tokens; the diagonal of K-FAC's output factor E[δδᵀ].
 One dense forward and backward pass over the calibration samples before any block is pruned, block by
 block so that it keeps a streamed run's memory bound (one block's weights at a time):
 
-1. forward: from the hidden states entering block 0, each block is read (`BlockSource.resident`), run on
-   every sample, and its input kept on the CPU (L + 1 copies of the calibration hidden states: the plan's
-   estimate counts them, `memory.curvature_bytes`);
+1. forward: from the hidden states entering block 0, each block is read (`BlockSource.resident`) and run on
+   every sample; the input of every k-th block is kept on the CPU (k = ⌈√L⌉, `memory.segment_length`), a
+   checkpoint its segment of k blocks is replayed from in step 3;
 2. the loss: the model's own forward on each sample's tokens, with every block's forward a stand-in (the
    first running block returns the last block's output, the others pass their input on, as the streamed
    evaluation does), so whatever follows the blocks (final norm, head, logit scaling) is the model's; the
    gradient of the sample's mean next-token cross-entropy with respect to the last block's output;
-3. backward: from the last block to the first, each block read again and run on its kept input with
-   gradients on, the output gradient pushed through it (`torch.autograd.grad`: no parameter gradient is
-   kept); a hook on each nn.Linear's output adds Σ_t δ_ti² of the sample.
+3. backward: segment by segment from the last, the segment's block inputs made again from its checkpoint,
+   then each of its blocks, last first, read again and run on its input with gradients on, the output
+   gradient pushed through it (`torch.autograd.grad`: no parameter gradient is kept); a hook on each
+   nn.Linear's output adds Σ_t δ_ti² of the sample.
+
+So the pass holds ⌈L/k⌉ + max(k, 2) copies of the calibration hidden states (the checkpoints, a segment's
+inputs, the gradient), about 2√L instead of the L + 2 of keeping every block's input, for one more
+forward of the blocks (each block is read three times); the plan's estimate counts them
+(`memory.curvature_bytes`).
 
 Each sample's sums are kept apart and added in sample order at the end, so that a `--nproc` run (each
 rank its shard of the samples, the sums gathered) gives the single process's curvature bit for bit. The
@@ -32,6 +38,7 @@ from torch import nn
 
 from tsenor_cli.errors import IncompatibleModelError
 from tsenor_cli.pruning.block.distributed import Team
+from tsenor_cli.pruning.block.memory import segment_length
 from tsenor_cli.pruning.block.slots import LinearSlot
 from tsenor_cli.replay import BlockCall, BlockSource, block_output, forwards_replaced, run_block
 from tsenor_cli.replay.calls import output_like
@@ -54,14 +61,20 @@ def loss_curvature(
     their tokens; slots: the run's weight matrices (the nn.Linear ones get a curvature) → {full name:
     (out,) float32 g on the CPU}, the whole calibration's (every rank's samples, in sample order)."""
     first = _first_sample(team, int(hidden.shape[0]))
-    inputs = _forward(source, calls, hidden)
-    grad = _head_gradient(model, source, calls, inputs.pop(), input_ids)
+    blocks = len(calls)
+    k = segment_length(blocks)
+    checkpoints, last = _forward(source, calls, hidden, k)
+    grad = _head_gradient(model, source, calls, last, input_ids)
+    del last
     per_sample: PerSample = {first + j: {} for j in range(int(hidden.shape[0]))}
-    for index in reversed(range(len(calls))):
-        linears = [s for s in slots if s.block == index and not s.param and not s.experts]
-        if calls[index].runs:
-            _backward_block(source, index, calls[index], inputs[index], grad, linears, per_sample, first)
-        inputs[index] = torch.empty(0)  # its activations are not needed again
+    for start in reversed(range(0, blocks, k)):
+        stop = min(start + k, blocks)
+        segment = _replay(source, calls, checkpoints.pop(start), start, stop)
+        for index in reversed(range(start, stop)):
+            linears = [s for s in slots if s.block == index and not s.param and not s.experts]
+            if calls[index].runs:
+                _backward_block(source, index, calls[index], segment[index - start], grad, linears, per_sample, first)
+            segment[index - start] = torch.empty(0)  # its activations are not needed again
     merged = team.gather_objects({str(j): sums for j, sums in per_sample.items()})
     total: dict[str, torch.Tensor] = {}
     for j in sorted(int(key) for key in merged):  # sample order, whatever the ranks
@@ -76,16 +89,35 @@ def _first_sample(team: Team, mine: int) -> int:
     return sum(count for rank, count in counts.items() if int(rank) < team.rank)
 
 
-def _forward(source: BlockSource, calls: Sequence[BlockCall], hidden: torch.Tensor) -> list[torch.Tensor]:
-    """The dense blocks run in turn on `hidden` → [block 0's input, …, block L−1's input, the last output],
-    each (S_r, T, H) on the CPU."""
-    kept = [hidden.to(CPU, copy=True)]
+def _forward(
+    source: BlockSource, calls: Sequence[BlockCall], hidden: torch.Tensor, k: int
+) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """The dense blocks run in turn on `hidden` → ({c: block c's input, for c = 0, k, 2k, …}, the last
+    block's output), each (S_r, T, H) on the CPU: the checkpoints the backward replays its segments from."""
+    checkpoints: dict[int, torch.Tensor] = {}
+    current = hidden.to(CPU, copy=True)
     for index, call in enumerate(calls):
-        out = torch.empty_like(kept[-1])
+        if index % k == 0:
+            checkpoints[index] = current
+        out = torch.empty_like(current)
         with source.resident(index) as block:
-            run_block(block, kept[-1], call.to(source.device), out, source.device)
-        kept.append(out)
-    return kept
+            run_block(block, current, call.to(source.device), out, source.device)
+        current = out
+    return checkpoints, current
+
+
+def _replay(
+    source: BlockSource, calls: Sequence[BlockCall], checkpoint: torch.Tensor, start: int, stop: int
+) -> list[torch.Tensor]:
+    """checkpoint: (S_r, T, H) block `start`'s input → the inputs of blocks start … stop − 1, the dense
+    blocks run again from it (on the CPU)."""
+    inputs = [checkpoint]
+    for index in range(start, stop - 1):
+        out = torch.empty_like(checkpoint)
+        with source.resident(index) as block:
+            run_block(block, inputs[-1], calls[index].to(source.device), out, source.device)
+        inputs.append(out)
+    return inputs
 
 
 def _head_gradient(

@@ -17,6 +17,7 @@ line (`DoesNotFitError`, exit 5) naming the flags that would make it fit.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -357,12 +358,20 @@ def host_estimate(
     )
 
 
+def segment_length(blocks: int) -> int:
+    """The blocks of one segment of `--loss-aware`'s backward (`pruning/block/curvature.py`): ⌈√L⌉, which
+    makes the checkpoints and one segment's inputs together about 2√L copies, the least."""
+    return math.isqrt(max(blocks - 1, 0)) + 1
+
+
 def curvature_bytes(activations: int, blocks: int, logits: int, sums: int) -> int:
     """The host memory of `--loss-aware`'s pass (`pruning/block/curvature.py`): activations: one copy of
-    the rank's calibration hidden states (S_r, T, H), of which it keeps every block's input, the last
-    output and the gradient (blocks + 2); logits: one sample's (T, V) float32 logits, held with their
-    float32 copy and their gradient (3×); sums: the per-sample sums, S × Σ out × 4 bytes."""
-    return (blocks + 2) * activations + 3 * logits + sums
+    the rank's calibration hidden states (S_r, T, H), of which it holds ⌈L/k⌉ checkpoints and, at once,
+    the last output and the gradient or one segment's k inputs and the gradient (k = `segment_length`);
+    logits: one sample's (T, V) float32 logits, held with their float32 copy and their gradient (3×);
+    sums: the per-sample sums, S × Σ out × 4 bytes."""
+    k = segment_length(blocks)
+    return (-(-blocks // k) + max(k, 2)) * activations + 3 * logits + sums
 
 
 def _cgroup_remaining() -> int | None:
