@@ -291,6 +291,38 @@ def test_two_streamed_processes_give_the_checkpoint_of_one_bit_for_bit(
         assert [totals[0][k] for k in counts] == [totals[1][k] for k in counts]
 
 
+def test_two_loss_aware_processes_give_the_checkpoint_of_one_and_resume_to_it(
+    models: dict[str, Path], calib: Path, data_ctx: RunContext, tmp_path: Path
+) -> None:
+    """--loss-aware with --nproc: each rank runs the curvature pass on its shard and the per-sample sums are
+    added in sample order, so the row weights and the checkpoint are one process's, bit for bit; streamed
+    and whole, and a run stopped after block 1 resumes to the same bytes (odd shards: 3 and 2 samples)."""
+    model = models["llama"]
+    jobs: list[dict[str, Any]] = []
+    for stream in (True, False):
+        single = tmp_path / f"single-{stream}"
+        api.prune_model(_cfg(model, calib, single, "alps", True, loss_aware=4.0, stream=stream), data_ctx)
+        resumed = _cfg(model, calib, tmp_path / f"resumed-{stream}", "alps", True, loss_aware=4.0, stream=stream,
+                       resume=True)  # fmt: skip
+        jobs += [
+            {"name": f"dist-{stream}", "cfg": _cfg(model, calib, tmp_path / f"dist-{stream}", "alps", True,
+                                                    loss_aware=4.0, stream=stream)},
+            {"name": f"stopped-{stream}", "cfg": resumed, "stop_after_first": True},
+            {"name": f"resumed-{stream}", "cfg": resumed},
+        ]  # fmt: skip
+    plain = tmp_path / "plain"
+    api.prune_model(_cfg(model, calib, plain, "alps", True), data_ctx)
+    outcomes = _spawn(tmp_path, jobs, data_ctx)
+    for stream in (True, False):
+        assert [o[f"dist-{stream}"] for o in outcomes] == ["ok"] * WORLD, outcomes
+        assert all(o[f"stopped-{stream}"]["type"] == "Interrupted" for o in outcomes), outcomes
+        assert [o[f"resumed-{stream}"] for o in outcomes] == ["ok"] * WORLD, outcomes
+        single = _sha(tmp_path / f"single-{stream}" / "model.safetensors")
+        assert single != _sha(plain / "model.safetensors")  # the row weights moved some masks
+        assert _sha(tmp_path / f"dist-{stream}" / "model.safetensors") == single
+        assert _sha(tmp_path / f"resumed-{stream}" / "model.safetensors") == single
+
+
 def test_resumed_distributed_run_equals_an_uninterrupted_one_and_failures_stop_every_rank(
     models: dict[str, Path], calib: Path, data_ctx: RunContext, tmp_path: Path
 ) -> None:

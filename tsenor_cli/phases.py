@@ -32,7 +32,8 @@ import torch
 # the resume state; watch: the dense forwards that settle the weight matrices; statistics: each block's
 # input statistics (and what else `BlockPruner.prune` does around the method); factorize, solver (the
 # mask solver), method (the method's own updates), cg: inside the method; dense stream and refine:
-# `--refine block`; rerun: the pruned block run for the next block's inputs; save: the resume state and
+# `--refine block` (dense stream also `--loss-aware`'s dense forward and backward before the
+# blocks); rerun: the pruned block run for the next block's inputs; save: the resume state and
 # the sinks' blocks (the snapshot, waiting for the background writer); write: the sinks' last step.
 PHASES = (
     "plan",

@@ -36,6 +36,7 @@ from tsenor_cli.pruning.block.idle import idle_line, prune_idle_by_magnitude, te
 from tsenor_cli.pruning.block.memory import MethodCost, expert_chunk, matrix_workspace, slot_workspace
 from tsenor_cli.pruning.block.observe import BlockObservation, Unit, matrices, observe_block
 from tsenor_cli.pruning.block.slots import LinearSlot, dense_records
+from tsenor_cli.pruning.methods.loss_aware import prune_weighted
 from tsenor_cli.pruning.methods.registry import PrunerSpec
 from tsenor_cli.pruning.methods.stats import InputStats, reconstruction_error
 from tsenor_cli.pruning.methods.types import LayerRecord, MaskSolveInfo, MatrixPruneConfig, PruneOutcome
@@ -97,7 +98,7 @@ def _prune_stacked(
     _sync(pruner.device)
     start = time.perf_counter()
     with phase("method", layer="+".join(slot.record_name(None) for slot in slots)):
-        outcomes = pruner.spec.prune_rows(stacked, parts, stats, pruner.matrix_cfg)
+        outcomes = prune_weighted(pruner.spec, stacked, stats, pruner.matrix_cfg, pruner.rows(slots), parts)
     _sync(pruner.device)
     seconds = time.perf_counter() - start
     gram = stats.require_gram()
@@ -179,7 +180,7 @@ def _prune_matrix(weight: torch.Tensor, slot: LinearSlot, stats: InputStats, pru
     _sync(pruner.device)
     start = time.perf_counter()
     with phase("method", layer=slot.record_name(None)):
-        outcome = pruner.spec.prune(dense, stats, pruner.matrix_cfg)
+        outcome = prune_weighted(pruner.spec, dense, stats, pruner.matrix_cfg, pruner.rows([slot]))[0]
     _sync(pruner.device)
     seconds = time.perf_counter() - start
     return _record_outcome(weight, dense, outcome, stats.require_gram(), _Entry(slot, None, seconds), pruner)
@@ -286,6 +287,18 @@ class BlockPruner:
     moe: MoeOptions = field(default_factory=MoeOptions)
     team: Team | None = None
     stop_early: bool = True
+    row_weights: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    def rows(self, slots: Sequence[LinearSlot]) -> torch.Tensor | None:
+        """The loss-aware row weights (`methods/loss_aware.py`) of linears stacked in this order: (Σ out,)
+        on the device, 1 for a linear without any; None when the run has none (`--loss-aware 0`)."""
+        if not self.row_weights:
+            return None
+        ones = torch.ones(sum(slot.out_features for slot in slots), device=self.device)
+        found = [self.row_weights.get(slot.full_name) for slot in slots]
+        return torch.cat(
+            [ones[: s.out_features] if w is None else w.to(ones) for s, w in zip(slots, found, strict=True)]
+        )
 
     def prune(
         self,
@@ -414,7 +427,12 @@ class BlockPruner:
         own function, so the chunk's dense copy and outcomes are freed before the next chunk's are made."""
         start = time.perf_counter()
         dense = views[first : first + chunk].to(torch.float32).clone()  # (L, out, in)
-        outcomes = self.spec.prune_batch(dense, None, self.matrix_cfg)
+        rows = None if experts else self.rows([slot])
+        outcomes = (
+            prune_weighted(self.spec, dense[0], None, self.matrix_cfg, rows)
+            if rows is not None
+            else (self.spec.prune_batch(dense, None, self.matrix_cfg))
+        )
         made = [
             _record_outcome(
                 views[first + i], dense[i], outcome, None, _Entry(slot, first + i if experts else None, 0.0), self

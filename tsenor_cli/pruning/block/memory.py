@@ -18,6 +18,7 @@ refused with one line (`DoesNotFitError`, exit 5) naming the flags that would ma
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -321,7 +322,9 @@ class HostEstimate:
     (`MemoryEstimate.statistics` + `workspace` + `refine`); writer: what the background writer holds
     (`background.py`, `WRITER_DEPTH` payloads): with a resume state, rank 0's copy of the next
     block's inputs (S, T, H) (and the dense stream's with --refine), plus a streamed run's pruned block;
-    streamed without one, the pruned block it keeps on disk.
+    streamed without one, the pruned block it keeps on disk. curvature: `--loss-aware`'s pass before the
+    blocks (`curvature_bytes`), which ends before the loop's activations, work and writes are made: the
+    peak is the larger of the two.
     """
 
     model: int
@@ -330,10 +333,11 @@ class HostEstimate:
     work: int
     streamed: bool = False
     writer: int = 0
+    curvature: int = 0
 
     @property
     def total(self) -> int:
-        return self.model + self.tokens + self.activations + self.work + self.writer
+        return self.model + self.tokens + max(self.curvature, self.activations + self.work + self.writer)
 
     def describe(self) -> str:
         """The parts for a person: "model 12.3 MiB, calibration tokens 1.0 MiB, ..."."""
@@ -342,6 +346,7 @@ class HostEstimate:
             f"{weights} {human_bytes(self.model)}, calibration tokens {human_bytes(self.tokens)}, "
             f"activations {human_bytes(self.activations)}, work {human_bytes(self.work)}"
             + (f", background writes {human_bytes(self.writer)}" if self.writer else "")
+            + (f"; before the blocks, the loss curvature pass {human_bytes(self.curvature)}" if self.curvature else "")
         )
 
     def to_dict(self) -> dict[str, int]:
@@ -351,6 +356,7 @@ class HostEstimate:
             "activations": self.activations,
             "work": self.work,
             "writer": self.writer,
+            "curvature": self.curvature,
             "total": self.total,
             "streamed": int(self.streamed),
         }
@@ -382,6 +388,22 @@ def host_estimate(work: Workload, device_estimate: MemoryEstimate) -> HostEstima
         streamed=work.streamed,
         writer=WRITER_DEPTH * (inputs + kept) if work.resume or work.streamed else 0,
     )
+
+
+def segment_length(blocks: int) -> int:
+    """The blocks of one segment of `--loss-aware`'s backward (`pruning/block/curvature.py`): ⌈√L⌉, which
+    makes the checkpoints and one segment's inputs together about 2√L copies, the least."""
+    return math.isqrt(max(blocks - 1, 0)) + 1
+
+
+def curvature_bytes(activations: int, blocks: int, logits: int, sums: int) -> int:
+    """The host memory of `--loss-aware`'s pass (`pruning/block/curvature.py`): activations: one copy of
+    the rank's calibration hidden states (S_r, T, H), of which it holds ⌈L/k⌉ checkpoints and, at once,
+    the last output and the gradient or one segment's k inputs and the gradient (k = `segment_length`);
+    logits: one sample's (T, V) float32 logits, held with their float32 copy and their gradient (3×);
+    sums: the per-sample sums, S × Σ out × 4 bytes."""
+    k = segment_length(blocks)
+    return (-(-blocks // k) + max(k, 2)) * activations + 3 * logits + sums
 
 
 def _cgroup_remaining() -> int | None:

@@ -9,7 +9,7 @@ ends as the run would (`advice.check_plan`, which names the flags that would mak
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,7 @@ from tsenor_cli.pruning.block.memory import (
     MemoryEstimate,
     MethodCost,
     Workload,
+    curvature_bytes,
     estimate_device_memory,
     host_estimate,
 )
@@ -55,7 +56,7 @@ def reads_data(cfg: PruneConfig) -> bool:
     `--refine block` trains each block towards the dense one's outputs on it. A magnitude prune without
     it takes no calibration pass: its blocks run on a few stand-in tokens
     (`data.calibration.stand_in_batches`) and it gathers no statistics."""
-    return get_pruner(cfg.method).needs_data or cfg.refine.on
+    return get_pruner(cfg.method).needs_data or cfg.refine.on or cfg.loss_aware > 0
 
 
 def dtype_and_device(
@@ -381,6 +382,7 @@ class Sizing:
     params: int
     hidden: int
     heads: int
+    vocab: int = 0  # the head's outputs, for --loss-aware's logits
 
     def estimate(
         self, cfg: PruneConfig, seqlen: int, device: torch.device, world_size: int
@@ -415,6 +417,12 @@ class Sizing:
         )
         memory = estimate_device_memory(work)
         host = host_estimate(work, memory[0])  # shard_bounds gives rank 0 the most samples
+        if cfg.loss_aware:
+            rows = -(-nsamples // len(memory))
+            outputs = sum(slot.out_features for slot in self.candidates if not slot.experts)
+            pass_bytes = curvature_bytes(rows * seqlen * self.hidden * width, len(self.per_block),
+                                         seqlen * self.vocab * 4, nsamples * outputs * 4)  # fmt: skip
+            host = replace(host, curvature=pass_bytes)
         return memory, host
 
 
@@ -493,7 +501,9 @@ def _meta_structure(
 def _sizing(model: Any, structure: Any, candidates: tuple[Any, ...], hidden: int, heads: int) -> Sizing:
     """What the estimates read of the model: its candidates, each block's and the model's parameters."""
     per_block = tuple(sum(p.numel() for p in b.parameters()) for b in structure.blocks)
-    return Sizing(candidates, per_block, sum(p.numel() for p in model.parameters()), hidden, heads)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    vocab = int(head.weight.shape[0]) if head is not None else 0
+    return Sizing(candidates, per_block, sum(p.numel() for p in model.parameters()), hidden, heads, vocab)
 
 
 def _resume_bytes(cfg: PruneConfig, params: int, seqlen: int, hidden: int, width: int, ranks: int) -> int:

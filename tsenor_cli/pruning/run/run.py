@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +38,7 @@ from tsenor_cli.pruning.methods.registry import get_pruner
 from tsenor_cli.pruning.methods.types import LayerRecord
 from tsenor_cli.pruning.plan.plan import PrunePlan
 from tsenor_cli.pruning.run.hooks import ResumeHook, ResumeRecord
+from tsenor_cli.pruning.run.loss_aware import loss_rows
 from tsenor_cli.pruning.run.output import sparsity_record
 from tsenor_cli.pruning.run.seams import BlockContext, BlockHook, RunStart, Sink, SinkBlock
 from tsenor_cli.pruning.run.sinks import FileTensors, Sinks, block_records, block_tensors
@@ -300,7 +301,7 @@ def load(run: RunSetup) -> tuple[LoadedModel, CalibrationData | None]:
     def calibrate(_config: object, tokenizer: object) -> None:
         texts.append(read_calibration(cfg, run.ctx, run.plan, tokenizer))
 
-    fresh = run.state is None
+    fresh = run.state is None or bool(cfg.loss_aware)  # --loss-aware's pass reads the text on resume too
     with phase("load"), run.team.agreed():
         loaded = load_for_pruning(
             cfg, run.ctx, run.dtype, run.say, before_weights=calibrate if fresh else None, built=run.built
@@ -396,6 +397,7 @@ def execute(run: RunSetup) -> PruneReport:
     sinks = Sinks([checkpoint, *run.sinks], team, structure, streamed=source.streamed)
     # The writer drains (and its thread ends) before the sinks remove their folders of kept blocks.
     with contextlib.closing(sinks), writer:
+        rows = loss_rows(run, loaded, source, calib)
         begin = start(run, source, calib)
         with phase("watch"):
             blocks = watch_blocks(cfg, run.plan, source, linear_slots(structure), begin, team)
@@ -404,7 +406,8 @@ def execute(run: RunSetup) -> PruneReport:
         sinks.begin(first, restored_blocks(run, source, begin))
         hooks = block_hooks(run, writer, begin)
         parts = LoopParts(
-            source, block_pruner(run, structure, blocks), blocks, hooks, sinks, team, run.device, writer,
+            source, replace(block_pruner(run, structure, blocks), row_weights=rows), blocks, hooks, sinks, team,
+            run.device, writer,
             run.point, run.stop, run.after_block, run.say, run.output, saving=run.store is not None,
             commits_count=run.store is not None and team.is_root,
         )  # fmt: skip

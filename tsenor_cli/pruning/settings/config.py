@@ -104,6 +104,7 @@ class PruneConfig:
     device: str = default_of(PRUNE_FIELDS, "device")
     trust_remote_code: bool = default_of(PRUNE_FIELDS, "trust_remote_code")
     sequential: bool = default_of(PRUNE_FIELDS, "sequential")
+    loss_aware: float = default_of(PRUNE_FIELDS, "loss_aware")
     skip_incompatible: bool = default_of(PRUNE_FIELDS, "skip_incompatible")
     ignore: tuple[str, ...] = default_of(PRUNE_FIELDS, "ignore")
     targets: tuple[str, ...] = default_of(PRUNE_FIELDS, "targets")
@@ -158,6 +159,8 @@ class PruneConfig:
             for item in fields(self)
             if item.metadata.get("setting") is not None and item.metadata["setting"].result
         }
+        if not self.loss_aware:  # off: the hash runs had before the setting existed
+            settings.pop("loss_aware")
         pattern = self.pattern
         return {
             "model": self.model,

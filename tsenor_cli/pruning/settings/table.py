@@ -10,9 +10,11 @@ methods in `ALL_FIELDS`, those of a method named `package.module:NAME` added for
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from tsenor_cli.errors import UsageError
 from tsenor_cli.fields import Field, by_name
 from tsenor_cli.pruning.methods.method import DEFAULT_SOLVER, option_kinds
 from tsenor_cli.pruning.methods.registry import all_methods, get_pruner, is_reference, method_names
@@ -54,6 +56,11 @@ def _check_shard_size(value: str) -> None:
     from tsenor_cli.models.saving import parse_size
 
     parse_size(value)
+
+
+def _check_finite(value: float) -> None:
+    if not math.isfinite(value):
+        raise UsageError(f"--loss-aware {value} must be a finite number >= 0; pass e.g. 1")
 
 
 def _check_method(value: str) -> None:
@@ -99,6 +106,10 @@ PRUNE_FIELDS: tuple[Field, ...] = (
     Field("solver", str, DEFAULT_SOLVER,
           "Transposable mask solver (auto: exact flow on CPU and for few tiles on CUDA, tsenor on CUDA).", PATTERN,
           choices=_solvers),
+    Field("loss_aware", float, 0.0, "Weight λ of the language-model loss's curvature in each layer's objective: "
+          "output row i's reconstruction error counts (1 + λ·g_i/mean g), g_i the dense model's squared loss "
+          "gradient at that output on the calibration data (one forward and backward pass before pruning; "
+          "docs/design/loss-aware.md). 0: the reconstruction alone.", PATTERN, minimum=0.0, check=_check_finite),
     Field("calib_data", str, "c4", "Calibration text: c4, wikitext2, ptb or a text/jsonl file.", DATA,
           flag="--data", aliases=("--calib-data",)),
     Field("nsamples", int, 128, "Calibration sequences.", DATA, minimum=1),
