@@ -22,7 +22,7 @@ import torch
 from tsenor_cli.data.calibration import calibration_batches
 from tsenor_cli.models.loading import load_model
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.block.curvature import curvature_rows, loss_curvature
+from tsenor_cli.pruning.block.curvature import CalibrationBatch, curvature_rows, loss_curvature
 from tsenor_cli.pruning.block.distributed import Team
 from tsenor_cli.pruning.block.engine import BlockPruner
 from tsenor_cli.pruning.block.slots import linear_slots
@@ -64,7 +64,9 @@ def main() -> None:
     slots = linear_slots(structure)
     start = time.perf_counter()
     source = BlockSource(structure, CPU, offloaded=False)
-    curvature = loss_curvature(model, source, inputs.calls, inputs.hidden[:n], ids[:n], slots, Team.solo(CPU))
+    curvature = loss_curvature(
+        model, source, CalibrationBatch(inputs.calls, inputs.hidden[:n], ids[:n]), slots, Team.solo(CPU)
+    )
     print(f"curvature pre-pass over {n} x {args.seqlen}: {time.perf_counter() - start:.1f}s", flush=True)
     dense_loss = heldout_loss(model, ids[n:])
     print(f"dense held-out loss {dense_loss:.5f}", flush=True)

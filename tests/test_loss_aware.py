@@ -18,7 +18,7 @@ from torch import nn
 
 from tsenor_cli.models.loading import load_model
 from tsenor_cli.pattern import SparsityPattern
-from tsenor_cli.pruning.block.curvature import loss_curvature
+from tsenor_cli.pruning.block.curvature import CalibrationBatch, loss_curvature
 from tsenor_cli.pruning.block.distributed import Team
 from tsenor_cli.pruning.block.slots import linear_slots
 from tsenor_cli.pruning.methods.loss_aware import prune_weighted, row_weights
@@ -122,7 +122,7 @@ def test_curvature_is_the_models_own_loss_gradient_at_each_linear(tiny: Path) ->
     slots = linear_slots(structure)
     inputs = capture_block_inputs(structure, ids, CPU)
     source = BlockSource(structure, CPU, offloaded=False)
-    found = loss_curvature(model, source, inputs.calls, inputs.hidden, ids, slots, Team.solo(CPU))
+    found = loss_curvature(model, source, CalibrationBatch(inputs.calls, inputs.hidden, ids), slots, Team.solo(CPU))
     expected: dict[str, torch.Tensor] = {}
     handles = []
     for slot in slots:

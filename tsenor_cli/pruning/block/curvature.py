@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,18 +49,36 @@ from tsenor_cli.replay.source import CPU
 PerSample = dict[int, dict[str, torch.Tensor]]
 
 
+@dataclass(frozen=True)
+class CalibrationBatch:
+    """This rank's calibration as the curvature pass reads it: the blocks' calls, the hidden states entering
+    block 0 (S_r, T, H) and their tokens (S_r, T) long."""
+
+    calls: Sequence[BlockCall]
+    hidden: torch.Tensor
+    input_ids: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Backward:
+    """What every block's backward shares: the blocks' source and calls, the nn.Linear slots of each block
+    (by block index) and the per-sample sums, keyed by the sample's index in the whole calibration (this
+    rank's first sample is `first`)."""
+
+    source: BlockSource
+    calls: Sequence[BlockCall]
+    linears: Mapping[int, list[LinearSlot]]
+    per_sample: PerSample
+    first: int
+
+
 def loss_curvature(
-    model: nn.Module,
-    source: BlockSource,
-    calls: Sequence[BlockCall],
-    hidden: torch.Tensor,
-    input_ids: torch.Tensor,
-    slots: Sequence[LinearSlot],
-    team: Team,
+    model: nn.Module, source: BlockSource, batch: CalibrationBatch, slots: Sequence[LinearSlot], team: Team
 ) -> dict[str, torch.Tensor]:
-    """hidden: (S_r, T, H) this rank's calibration hidden states entering block 0; input_ids: (S_r, T) long,
-    their tokens; slots: the run's weight matrices (the nn.Linear ones get a curvature) → {full name:
-    (out,) float32 g on the CPU}, the whole calibration's (every rank's samples, in sample order)."""
+    """batch: this rank's calibration; slots: the run's weight matrices (the nn.Linear ones get a
+    curvature) → {full name: (out,) float32 g on the CPU}, the whole calibration's (every rank's samples,
+    in sample order)."""
+    calls, hidden, input_ids = batch.calls, batch.hidden, batch.input_ids
     first = _first_sample(team, int(hidden.shape[0]))
     blocks = len(calls)
     k = segment_length(blocks)
@@ -67,13 +86,16 @@ def loss_curvature(
     grad = _head_gradient(model, source, calls, last, input_ids)
     del last
     per_sample: PerSample = {first + j: {} for j in range(int(hidden.shape[0]))}
+    linears = {
+        index: [s for s in slots if s.block == index and not s.param and not s.experts] for index in range(blocks)
+    }
+    backward = _Backward(source, calls, linears, per_sample, first)
     for start in reversed(range(0, blocks, k)):
         stop = min(start + k, blocks)
         segment = _replay(source, calls, checkpoints.pop(start), start, stop)
         for index in reversed(range(start, stop)):
-            linears = [s for s in slots if s.block == index and not s.param and not s.experts]
             if not calls[index].idle:
-                _backward_block(source, index, calls[index], segment[index - start], grad, linears, per_sample, first)
+                _backward_block(backward, index, segment[index - start], grad)
             segment[index - start] = torch.empty(0)  # its activations are not needed again
     merged = team.gather_objects({str(j): sums for j, sums in per_sample.items()})
     total: dict[str, torch.Tensor] = {}
@@ -164,18 +186,11 @@ def _blocks_returning(source: BlockSource, template: Any, first: int, current: l
         yield
 
 
-def _backward_block(
-    source: BlockSource,
-    index: int,
-    call: BlockCall,
-    inputs: torch.Tensor,
-    grad: torch.Tensor,
-    linears: Sequence[LinearSlot],
-    per_sample: PerSample,
-    first: int,
-) -> None:
+def _backward_block(backward: _Backward, index: int, inputs: torch.Tensor, grad: torch.Tensor) -> None:
     """Push `grad` (S_r, T, H: d loss / d block output, on the CPU) through block `index` on its dense
     `inputs`, in place (it becomes d loss / d block input), adding each linear's Σ_t δ² per sample."""
+    source, call, linears = backward.source, backward.calls[index], backward.linears[index]
+    per_sample, first = backward.per_sample, backward.first
     device = source.device
     sample: list[int] = [0]
 

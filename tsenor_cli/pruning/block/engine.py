@@ -98,7 +98,7 @@ def _prune_stacked(
     _sync(pruner.device)
     start = time.perf_counter()
     with phase("method", layer="+".join(slot.record_name(None) for slot in slots)):
-        outcomes = prune_weighted(pruner.spec, stacked, stats, pruner.matrix_cfg, pruner.rows(slots), parts)
+        outcomes = prune_weighted(pruner.spec, stacked, stats, pruner.matrix_cfg, stacked_rows(pruner, slots), parts)
     _sync(pruner.device)
     seconds = time.perf_counter() - start
     gram = stats.require_gram()
@@ -180,7 +180,7 @@ def _prune_matrix(weight: torch.Tensor, slot: LinearSlot, stats: InputStats, pru
     _sync(pruner.device)
     start = time.perf_counter()
     with phase("method", layer=slot.record_name(None)):
-        outcome = prune_weighted(pruner.spec, dense, stats, pruner.matrix_cfg, pruner.rows([slot]))[0]
+        outcome = prune_weighted(pruner.spec, dense, stats, pruner.matrix_cfg, stacked_rows(pruner, [slot]))[0]
     _sync(pruner.device)
     seconds = time.perf_counter() - start
     return _record_outcome(weight, dense, outcome, stats.require_gram(), _Entry(slot, None, seconds), pruner)
@@ -251,6 +251,16 @@ def _prune_unit(
     return records
 
 
+def stacked_rows(pruner: BlockPruner, slots: Sequence[LinearSlot]) -> torch.Tensor | None:
+    """The loss-aware row weights (`methods/loss_aware.py`) of `pruner`'s linears `slots` stacked in order: (Σ out,)
+    on the device, 1 for a linear without any; None when the run has none (`--loss-aware 0`)."""
+    if not pruner.row_weights:
+        return None
+    ones = torch.ones(sum(slot.out_features for slot in slots), device=pruner.device)
+    found = [pruner.row_weights.get(slot.full_name) for slot in slots]
+    return torch.cat([ones[: s.out_features] if w is None else w.to(ones) for s, w in zip(slots, found, strict=True)])
+
+
 class _Work(NamedTuple):
     """One block's pruning as its steps share it: the block (on the device), its index, its calibration
     inputs (S, T, H), the call the model passes it and the team of ranks."""
@@ -288,17 +298,6 @@ class BlockPruner:
     team: Team | None = None
     stop_early: bool = True
     row_weights: Mapping[str, torch.Tensor] = field(default_factory=dict)
-
-    def rows(self, slots: Sequence[LinearSlot]) -> torch.Tensor | None:
-        """The loss-aware row weights (`methods/loss_aware.py`) of linears stacked in this order: (Σ out,)
-        on the device, 1 for a linear without any; None when the run has none (`--loss-aware 0`)."""
-        if not self.row_weights:
-            return None
-        ones = torch.ones(sum(slot.out_features for slot in slots), device=self.device)
-        found = [self.row_weights.get(slot.full_name) for slot in slots]
-        return torch.cat(
-            [ones[: s.out_features] if w is None else w.to(ones) for s, w in zip(slots, found, strict=True)]
-        )
 
     def prune(
         self,
@@ -427,7 +426,7 @@ class BlockPruner:
         own function, so the chunk's dense copy and outcomes are freed before the next chunk's are made."""
         start = time.perf_counter()
         dense = views[first : first + chunk].to(torch.float32).clone()  # (L, out, in)
-        rows = None if experts else self.rows([slot])
+        rows = None if experts else stacked_rows(self, [slot])
         outcomes = (
             prune_weighted(self.spec, dense[0], None, self.matrix_cfg, rows)
             if rows is not None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tsenor_cli.phases import phase
-from tsenor_cli.pruning.block.curvature import curvature_rows, loss_curvature
+from tsenor_cli.pruning.block.curvature import CalibrationBatch, curvature_rows, loss_curvature
 from tsenor_cli.pruning.block.slots import linear_slots
 from tsenor_cli.pruning.run.steps import capture_start
 from tsenor_cli.replay import BlockSource
@@ -43,9 +43,8 @@ def loss_rows(
         begin = capture_start(source, calib, shard, CPU, refine=False)
         assert begin.hidden is not None  # a fresh capture always has block 0's inputs
         ids = calib.input_ids[shard]
-        curvature = loss_curvature(
-            loaded.model, source, begin.calls, begin.hidden, ids, linear_slots(loaded.structure), run.team
-        )
+        batch = CalibrationBatch(begin.calls, begin.hidden, ids)
+        curvature = loss_curvature(loaded.model, source, batch, linear_slots(loaded.structure), run.team)
     run.say(
         f"loss curvature at {len(curvature)} linears' outputs (--loss-aware {weight:g}): "
         f"{time.perf_counter() - started:.1f}s"
