@@ -203,13 +203,14 @@ def estimate_device_memory(
     world_size: int = 1,
     offload_activations: bool = False,
     sequential: bool = True,
-    refine: bool = False,
+    refine: int = 0,
     gathers: bool = True,
 ) -> list[MemoryEstimate]:
     """One `MemoryEstimate` per rank. block_params: parameter count of each block; candidates: the linears
     to prune (none when --targets selects only linears outside the language model); cost: the method's
     (`MethodCost.of`); width: bytes per element of the model's dtype (statistics are float32); heads:
-    the attention heads (`forward_bytes`); refine: --refine block (`MemoryEstimate.refine`); gathers:
+    the attention heads (`forward_bytes`); refine: the dense streams --refine block holds (`RefineConfig.streams`:
+    0 off, 2 with sub-blocks' boundary values; `MemoryEstimate.refine`); gathers:
     the method reads input statistics (`PrunerSpec.needs_data`; magnitude gathers none: no statistics,
     and no linear inputs kept by a distributed rank).
 
@@ -252,7 +253,7 @@ def estimate_device_memory(
             activations += (stop - start) * seqlen * kept_features * width
         training = 0
         if refine:
-            activations += rows * seqlen * hidden_size * width  # the dense stream
+            activations += refine * rows * seqlen * hidden_size * width  # the dense stream (and boundaries)
             features = max(
                 sum(s.matrices * (s.in_features + s.out_features) for s in candidates if s.block == i)
                 for i in range(blocks)
@@ -325,7 +326,7 @@ def host_estimate(
     rows: int,
     offload_activations: bool,
     streamed: bool = False,
-    refine: bool = False,
+    refine: int = 0,
     resume: bool = False,
     block_params: int = 0,
 ) -> HostEstimate:
@@ -335,9 +336,9 @@ def host_estimate(
     run saves a resume state; block_params: the largest block's parameters."""
     on_cpu = device.type == "cpu"
     if on_cpu:  # --offload-activations moves nothing on a CPU run: every sample stays in host memory
-        activations = max(device_estimate.activations, (3 if refine else 2) * rows * seqlen * hidden_size * width)
+        activations = max(device_estimate.activations, (2 + refine) * rows * seqlen * hidden_size * width)
     elif offload_activations:
-        activations = (3 if refine else 2) * rows * seqlen * hidden_size * width
+        activations = (2 + refine) * rows * seqlen * hidden_size * width
     else:
         activations = 0
     # Rank 0 saves every sample's inputs to the next block; a run without a resume state saves none.

@@ -6,13 +6,15 @@ from what the block's forward calls, never from module names:
 
 - the block's direct children run in some order; a child that holds a weight matrix (a floating
   parameter of two or more dimensions: the attention, the MLP, a mixture of experts) closes a region;
-- the region's output is what the block hands the next direct child it calls (that child's first tensor
-  argument: LLaMA's and GPT-2's second norm read the residual stream there, after the attention's
-  output was added, gated or not);
-- such a boundary counts only when it has the block's hidden shape and moves when the region's output
-  moves (one sample, the child's output perturbed): a parallel block's MLP reads the normed input, not the
-  attention's output, and a matrix feeding a wider activation (OPT's fc1) is inside an MLP; those regions
-  merge with the next. The last region's output is the block's output.
+- the region's output is what the block hands the next direct child it calls after that one (that
+  child's first tensor argument: LLaMA's and GPT-2's second norm read the residual stream there, after
+  the attention's output was added, gated or not), or the first such call up to the next weight-holding
+  child that has the block's hidden shape, is not the region's own output (a post-norm, Gemma-2's and
+  OLMo-2's, reads that before the residual addition) and moves when the region's output moves (one
+  sample, the child's output perturbed);
+- a parallel block's MLP reads the normed input, not the attention's output, and a matrix feeding a wider
+  activation (OPT's fc1) is inside an MLP: no call qualifies, and the region merges with the next. The
+  last region's output is the block's output.
 
 A block with fewer than two regions is refined as a whole (`find_regions` says why). Region k trains the
 parameters of the children called from its first child to its boundary, and the block's own parameters
@@ -49,8 +51,8 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
 
 
 def _call_events(block: nn.Module, call: BlockCall, sample: torch.Tensor) -> list[tuple[str, str, Any]]:
-    """One forward of `sample` (1, T, H) → [(start|end, child name, its first tensor argument or None)]
-    of the block's direct children, in order."""
+    """One forward of `sample` (1, T, H) → [(start|end, child name, the first tensor of its arguments
+    (start) or of its output (end), or None)] of the block's direct children, in order."""
     events: list[tuple[str, str, Any]] = []
     handles = []
     for name, child in block.named_children():
@@ -58,8 +60,8 @@ def _call_events(block: nn.Module, call: BlockCall, sample: torch.Tensor) -> lis
         def start(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str = name) -> None:
             events.append(("start", name, _first_tensor(args, kwargs)))
 
-        def end(_m: nn.Module, _args: tuple[Any, ...], _out: Any, name: str = name) -> None:
-            events.append(("end", name, None))
+        def end(_m: nn.Module, _args: tuple[Any, ...], out: Any, name: str = name) -> None:
+            events.append(("end", name, _first_tensor(out if isinstance(out, tuple) else (out,), {})))
 
         handles += [child.register_forward_pre_hook(start, with_kwargs=True), child.register_forward_hook(end)]
     try:
@@ -103,18 +105,34 @@ def find_regions(block: nn.Module, call: BlockCall, sample: torch.Tensor) -> Reg
     if any(names.count(name) > 1 for name in matrices):
         return "a child holding weights runs more than once in the block's forward"
     boundaries: list[int] = []
-    for child in matrices[:-1]:
-        ended = events.index(("end", child, None))
-        position = sum(kind == "start" for kind, _, _ in events[:ended])  # the next call after it ends
-        arg = starts[position][1] if position < len(starts) else None
-        if not isinstance(arg, torch.Tensor) or arg.shape != sample.shape:
-            continue
-        moved = _perturbed_input(block, call, sample, child, position)
-        if not torch.equal(moved, arg):
-            boundaries.append(position)
+    for child, following in itertools.pairwise(matrices):
+        ended = next(i for i, (kind, name, _) in enumerate(events) if (kind, name) == ("end", child))
+        first = sum(kind == "start" for kind, _, _ in events[:ended])  # the first call after it ends
+        found = _boundary(block, call, sample, child, (starts, first, names.index(following), events[ended][2]))
+        if found is not None:
+            boundaries.append(found)
     if not boundaries:
         return "no point inside the block reads one part's output before the next part runs"
     return Regions(tuple(boundaries), _region_params(block, names, boundaries))
+
+
+def _boundary(
+    block: nn.Module, call: BlockCall, sample: torch.Tensor, child: str, seen: tuple[Any, int, int, Any]
+) -> int | None:
+    """The position of the first call from `first` through the next weight-holding child's (`last`) whose
+    first tensor argument has the hidden shape, is not `child`'s output itself (a post-norm reads that
+    before the residual addition: Gemma-2, OLMo-2) and moves when `child`'s output moves; None if none.
+    seen: (starts, first, last, child's output) from the watched forward."""
+    starts, first, last, output = seen
+    for position in range(first, last + 1):
+        arg = starts[position][1]
+        if not isinstance(arg, torch.Tensor) or arg.shape != sample.shape:
+            continue
+        if isinstance(output, torch.Tensor) and output.shape == arg.shape and torch.equal(output, arg):
+            continue
+        if not torch.equal(_perturbed_input(block, call, sample, child, position), arg):
+            return position
+    return None
 
 
 def _region_params(block: nn.Module, names: Sequence[str], boundaries: Sequence[int]) -> tuple[tuple[str, ...], ...]:

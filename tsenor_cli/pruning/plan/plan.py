@@ -636,7 +636,7 @@ class Sizing:
             world_size=world_size,
             offload_activations=cfg.offload_activations,
             sequential=cfg.sequential,
-            refine=cfg.refine.on,
+            refine=cfg.refine.streams,
             gathers=spec.needs_data,
         )
         # A streamed run holds the parameters outside the blocks and one block (the largest) at a time.
@@ -653,7 +653,7 @@ class Sizing:
             width=width,
             rows=-(-nsamples // len(memory)),
             offload_activations=cfg.offload_activations,
-            refine=cfg.refine.on,
+            refine=cfg.refine.streams,
             resume=cfg.resume,
             block_params=max(self.per_block, default=0),
         )

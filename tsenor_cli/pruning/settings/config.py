@@ -71,6 +71,12 @@ class RefineConfig:
     def on(self) -> bool:
         return self.mode != "none"
 
+    @property
+    def streams(self) -> int:
+        """The dense (S_r, T, H) streams the run holds beside the pruned one: the dense stream, and with
+        sub-blocks the dense values at the block's region boundary (one in every family observed)."""
+        return 0 if not self.on else 1 if self.regions == "block" else 2
+
     def result_fields(self) -> dict[str, object]:
         fields: dict[str, object] = {"mode": self.mode, "epochs": self.epochs, "lr": self.lr}
         fields["samples_per_step"] = SAMPLES_PER_STEP
