@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers_cli import invoke
 from helpers_faults import Killed
-from helpers_tiny import random_causal_lm, random_model
+from helpers_tiny import make_tiny_llama, make_tiny_model, random_causal_lm, random_model, sparsegpt_config
 from test_moe import MOE
 
 from tsenor_cli.errors import UsageError
@@ -213,6 +213,26 @@ def test_two_processes_refine_sub_blocks_as_one(tiny: Path, calib: Path, data_ct
     two = PruneReport.from_json(json.loads((tmp_path / "dist" / PRUNE_FILE).read_text()))
     assert two.settings["processes"] == 2 and _records(two) == _records(one)
     assert _sha(tmp_path / "single" / "model.safetensors") == _sha(tmp_path / "dist" / "model.safetensors")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "mixtral", "mllama"])
+def test_sub_blocks_run_on_conv1d_experts_and_cross_attention_models(
+    family: str, calib: Path, data_ctx: RunContext, tmp_path: Path
+) -> None:
+    """GPT-2's Conv1D blocks, Mixtral's experts (their stacks' masks held) and Mllama (its cross-attention
+    block idle on text: no record) through a whole run: the records are the running blocks', none got
+    worse, and the checkpoint passes `tsenor verify`."""
+    src = tmp_path / "src"
+    if family == "mllama":
+        make_tiny_model(src, "mllama")
+    else:
+        make_tiny_llama(src, model_type=family, **MOE.get(family, {}))
+    out = tmp_path / "out"
+    report = prune_model(sparsegpt_config(src, calib, out, refine=SUB, resume=False), data_ctx)
+    expected = [0, 2] if family == "mllama" else [0, 1]  # Mllama's block 1 is its idle cross-attention block
+    assert [b.block for b in report.refinement] == expected
+    assert all(b.error_after < b.error_before if b.kept else b.error_after >= b.error_before for b in report.refinement)
+    assert any(b.kept for b in report.refinement) and verify_checkpoint(out).ok
 
 
 @pytest.mark.parametrize(
