@@ -7,7 +7,8 @@ Runs the dense model on offline C4 windows up to each block (the first `--nsampl
 next `--heldout` are held out), prunes the block's seven linears with `--method` at transposable 16:32 on
 the dense inputs (each linear on its own input statistics, not sequentially; cached in --cache), then,
 from the same pruned block every time, runs `refine.refine_block` towards the dense block's outputs with
-each variant of `VARIANTS` and prints a Markdown table: the relative squared error of the block output
+each variant of `VARIANTS` (sub-block variants: each region towards the dense block's residual stream
+after it, `refine.dense_pass`) and prints a Markdown table: the relative squared error of the block output
 before and after, on the calibration and the held-out samples. The dense stream stands for the pruned
 one (no earlier block is pruned), so the numbers compare variants, not whole-model quality.
 """
@@ -15,6 +16,7 @@ one (no earlier block is pruned), so the numbers compare variants, not whole-mod
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from argparse import Namespace
 from pathlib import Path
@@ -22,26 +24,29 @@ from pathlib import Path
 import torch
 
 from tsenor_cli.pruning import PRUNERS, InputStats, MatrixPruneConfig, SparsityPattern
-from tsenor_cli.pruning.block.refine import block_masks, refine_block
+from tsenor_cli.pruning.block.refine import RefineJob, block_masks, dense_pass, refine_block
 from tsenor_cli.pruning.run.api import dense_calibration_inputs
 from tsenor_cli.pruning.settings.config import RefineConfig
 from tsenor_cli.replay import BlockCall, run_block
 from tsenor_cli.settings import RunContext
 
 T1632 = SparsityPattern.from_nm(16, 32, transposable=True)
-# name: (epochs, lr, mask period, shadows start from the dense weights); period 0 holds the mask fixed
-# (today's --refine block).
-VARIANTS: dict[str, tuple[int, float, int, bool]] = {
-    "fixed e2 lr1e-3 (default)": (2, 1e-3, 0, False),
-    "fixed e4 lr1e-3": (4, 1e-3, 0, False),
-    "fixed e8 lr1e-3": (8, 1e-3, 0, False),
-    "fixed e2 lr3e-3": (2, 3e-3, 0, False),
-    "joint k4 e2 lr1e-3": (2, 1e-3, 4, False),
-    "joint k1 e2 lr1e-3": (2, 1e-3, 1, False),
-    "joint k4 e4 lr1e-3": (4, 1e-3, 4, False),
-    "joint k8 e8 lr1e-3": (8, 1e-3, 8, False),
-    "joint k4 e2 lr1e-3 dense-init": (2, 1e-3, 4, True),
-    "joint k4 e2 lr3e-3": (2, 3e-3, 4, False),
+# name: (epochs, lr, mask period, shadows start from the dense weights, regions); period 0 holds the mask
+# fixed (today's --refine block); regions "sub-blocks" trains each region of the block in turn
+# (--refine-regions sub-blocks), `epochs` epochs each.
+VARIANTS: dict[str, tuple[int, float, int, bool, str]] = {
+    "fixed e2 lr1e-3 (default)": (2, 1e-3, 0, False, "block"),
+    "fixed e4 lr1e-3": (4, 1e-3, 0, False, "block"),
+    "fixed e8 lr1e-3": (8, 1e-3, 0, False, "block"),
+    "fixed e2 lr3e-3": (2, 3e-3, 0, False, "block"),
+    "joint k4 e2 lr1e-3": (2, 1e-3, 4, False, "block"),
+    "joint k1 e2 lr1e-3": (2, 1e-3, 1, False, "block"),
+    "joint k4 e4 lr1e-3": (4, 1e-3, 4, False, "block"),
+    "joint k8 e8 lr1e-3": (8, 1e-3, 8, False, "block"),
+    "joint k4 e2 lr1e-3 dense-init": (2, 1e-3, 4, True, "block"),
+    "joint k4 e2 lr3e-3": (2, 3e-3, 4, False, "block"),
+    "sub-blocks e2 lr1e-3": (2, 1e-3, 0, False, "sub-blocks"),
+    "sub-blocks e4 lr1e-3": (4, 1e-3, 0, False, "sub-blocks"),
 }
 
 
@@ -105,17 +110,19 @@ def _study(
         torch.save(pruned, path)
     names = [f"{m}.weight" for m, mod in block.named_modules() if isinstance(mod, torch.nn.Linear)]
     for variant in args.variants:
-        epochs, lr, every, from_dense = VARIANTS[variant]
+        epochs, lr, every, from_dense, regions = VARIANTS[variant]
+        cfg = RefineConfig("block", epochs, lr, every, regions, pattern=T1632)
+        block.load_state_dict(dense)  # the regions' dense targets come from the dense block
+        found, values, why = dense_pass(block, hidden[:n].clone(), call, torch.device("cpu"), cfg)
+        if why is not None:
+            print(f"block {index}: {why}; refined as a whole block", flush=True)
         block.load_state_dict(pruned)
         masks = block_masks(block, "", names)
         held_before = _error(block, call, hidden[n:], targets[n:])
-        cfg = RefineConfig("block", epochs, lr, every, pattern=T1632)
         start = time.perf_counter()
         start_from = {k: dense[k] for k in names} if from_dense else None
-        rec = refine_block(
-            block, index, hidden[:n], call, targets[:n], masks, cfg, seed=0, device=torch.device("cpu"),
-            dense=start_from,
-        )  # fmt: skip
+        job = RefineJob(block, index, hidden[:n], call, targets[:n], cfg, 0, torch.device("cpu"), masks)
+        rec = refine_block(dataclasses.replace(job, dense=start_from, regions=found, region_targets=values))
         secs = time.perf_counter() - start
         held = _error(block, call, hidden[n:], targets[n:])
         print(

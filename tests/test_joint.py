@@ -19,7 +19,7 @@ from tsenor_cli.errors import UsageError
 from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.block.joint import joint_scores
-from tsenor_cli.pruning.block.refine import block_masks, refine_block
+from tsenor_cli.pruning.block.refine import RefineJob, block_masks, refine_block
 from tsenor_cli.pruning.methods.masks import choose_mask
 from tsenor_cli.pruning.run.verify import verify_checkpoint
 from tsenor_cli.pruning.settings.config import RefineConfig
@@ -54,7 +54,7 @@ def _block(pattern: SparsityPattern) -> tuple[Any, ...]:
 def _refine(pattern: SparsityPattern, every: int) -> tuple[Any, ...]:
     block, call, inputs, targets, masks = _block(pattern)
     cfg = RefineConfig("block", 4, 3e-3, every, pattern=pattern)
-    record = refine_block(block, 0, inputs, call, targets, masks, cfg, seed=0, device=torch.device("cpu"))
+    record = refine_block(RefineJob(block, 0, inputs, call, targets, cfg, 0, torch.device("cpu"), masks))
     return block, masks, record
 
 
@@ -81,7 +81,7 @@ def test_shadows_started_from_the_dense_weights_move_more_of_the_mask() -> None:
     for start in (None, dense):
         block.load_state_dict(_block(pattern)[0].state_dict())
         cfg = RefineConfig("block", 1, 1e-4, 1, pattern=pattern)
-        rec = refine_block(block, 0, inputs, call, targets, masks, cfg, seed=0, device=torch.device("cpu"), dense=start)
+        rec = refine_block(RefineJob(block, 0, inputs, call, targets, cfg, 0, torch.device("cpu"), masks, dense=start))
         runs.append(rec.mask_changed)
         for name in masks:
             tiles = to_blocks(block.get_parameter(name).detach() != 0, 16)

@@ -443,10 +443,10 @@ def test_refinement_trains_fused_experts_with_their_masks_held(
     held: list[dict[str, torch.Tensor]] = []
     trained: list[bool] = []
 
-    def watched(block: Any, *args: Any, **kwargs: Any) -> Any:
-        masks = args[4]
+    def watched(job: Any) -> Any:
+        block, masks = job.block, job.masks
         before = {name: block.get_parameter(name).detach().clone() for name in masks}
-        record = original(block, *args, **kwargs)
+        record = original(job)
         for name, mask in masks.items():
             after = block.get_parameter(name).detach()
             assert torch.equal(after == 0, mask), name

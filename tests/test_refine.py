@@ -4,6 +4,7 @@ processes against one, recipe and sweep keys, bad options."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from tsenor_cli.errors import UsageError
 from tsenor_cli.models.structure import discover_structure
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.block import refine
-from tsenor_cli.pruning.block.refine import block_masks, refine_block
+from tsenor_cli.pruning.block.refine import RefineJob, block_masks, refine_block
 from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
 from tsenor_cli.pruning.run.api import prune_model
@@ -100,7 +101,7 @@ def test_refinement_holds_the_mask_exactly_and_lowers_the_block_error(dtype: tor
     pruned = {name: p.detach().clone() for name, p in block.named_parameters()}
     outputs = torch.full_like(inputs, float("nan"))
     cfg = RefineConfig("block", 3, 1e-3)
-    record = refine_block(block, 0, inputs, call, targets, masks, cfg, seed=0, device=device, outputs=outputs)
+    record = refine_block(RefineJob(block, 0, inputs, call, targets, cfg, 0, device, masks, outputs=outputs))
     assert record.kept and record.error_after < record.error_before and record.steps == 3 * 2  # 6 samples, 4 a step
     rerun = torch.empty_like(inputs)
     run_block(block, inputs, call, rerun, device)
@@ -119,7 +120,7 @@ def test_a_refinement_that_does_not_help_leaves_the_pruned_block_bit_identical()
     cpu = torch.device("cpu")
     block, call, inputs, targets, masks = _pruned_block(torch.float32, cpu)
     pruned = {name: p.detach().clone() for name, p in block.named_parameters()}
-    record = refine_block(block, 0, inputs, call, targets, masks, RefineConfig("block", 1, 10.0), seed=0, device=cpu)
+    record = refine_block(RefineJob(block, 0, inputs, call, targets, RefineConfig("block", 1, 10.0), 0, cpu, masks))
     assert not record.kept and record.error_after > record.error_before
     assert all(torch.equal(p, pruned[name]) for name, p in block.named_parameters())
     assert record.error_before == pytest.approx(_block_error(block, call, inputs, targets), rel=1e-9)
@@ -130,7 +131,7 @@ def test_the_sample_order_is_drawn_from_the_seed_and_the_block() -> None:
     results = []
     for seed in (0, 0, 1):
         block, call, inputs, targets, masks = _pruned_block(torch.float32, cpu)
-        refine_block(block, 0, inputs, call, targets, masks, RefineConfig("block", 1, 1e-3), seed=seed, device=cpu)
+        refine_block(RefineJob(block, 0, inputs, call, targets, RefineConfig("block", 1, 1e-3), seed, cpu, masks))
         results.append(torch.cat([p.detach().reshape(-1) for p in block.parameters()]))
     assert torch.equal(results[0], results[1])
     assert not torch.equal(results[0], results[2])
@@ -192,8 +193,8 @@ def test_the_block_outputs_a_kept_refinement_wrote_are_those_the_engine_would_co
     skipping = len(forwards)
     forwards.clear()
 
-    def rerun(*args: Any, **kwargs: Any) -> tuple[list[Any], bool]:
-        records, _ = refine.refine_pruned_block(*args, **{**kwargs, "outputs": None})
+    def rerun(job: RefineJob, *args: Any) -> tuple[list[Any], bool]:
+        records, _ = refine.refine_pruned_block(dataclasses.replace(job, outputs=None), *args)
         return records, False
 
     monkeypatch.setattr(pruning_run, "refine_pruned_block", rerun)

@@ -31,6 +31,7 @@ from tsenor_cli.errors import UsageError
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.block.distributed import Team
 from tsenor_cli.pruning.methods.masks import choose_mask
+from tsenor_cli.pruning.settings.config import RefineConfig
 from tsenor_cli.solver import SolveResult
 
 
@@ -90,13 +91,15 @@ class JointMasks:
         block: nn.Module,
         masks: Mapping[str, torch.Tensor],
         column_sq: Mapping[str, torch.Tensor],
-        pattern: SparsityPattern,
-        solver: str,
-        every: int,
+        cfg: RefineConfig,
         dense: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        if pattern.kind not in ("transposable", "nm"):
-            raise UsageError(f"--refine-mask-every needs an N:M pattern, not {pattern.kind}")
+        """masks: {name: True where pruned}; column_sq: `ColumnNorms.close`'s; cfg: the run's pattern,
+        solver and period (`RefineConfig.mask_every`); dense: {name: the weight before pruning} or None."""
+        pattern, solver, every = cfg.pattern, cfg.solver, cfg.mask_every
+        if pattern is None or pattern.kind not in ("transposable", "nm"):
+            kind = pattern.kind if pattern is not None else "none"
+            raise UsageError(f"--refine-mask-every needs an N:M pattern, not {kind}")
         self.names = tuple(masks)
         self.weights = [block.get_parameter(name) for name in self.names]
         self.keep = [~m.to(w.device) for m, w in zip(masks.values(), self.weights, strict=True)]
@@ -105,7 +108,8 @@ class JointMasks:
         # dense: {name: the weight before pruning}, the shadows' start at pruned positions (None: zeros).
         self.start = None if dense is None else [dense[name] for name in self.names]
         self.warm: list[SolveResult | None] = [None] * len(self.names)
-        self.pattern, self.solver, self.every = pattern, solver, every
+        self.pattern: SparsityPattern = pattern
+        self.solver, self.every = solver, every
         self.steps = self.resolves = self.changed = 0
         self.seconds = 0.0
         self._dense = False

@@ -201,8 +201,9 @@ class Workload:
     seqlen: the samples and tokens the blocks run on; hidden_size; width: bytes per element of the model's
     dtype (statistics are float32); heads: the attention heads (`forward_bytes`); world_size: the ranks;
     device: the run's; model_params: the whole model's parameters; offload_activations, sequential,
-    refine (`MemoryEstimate.refine`), streamed and resume: the run's --offload-activations, --sequential,
-    --refine block, --stream and resume state; gathers: the method reads input statistics
+    streamed and resume: the run's --offload-activations, --sequential, --stream and resume state; refine:
+    the dense streams --refine block holds (`RefineConfig.streams`: 0 off, 1, 2 with the sub-blocks'
+    boundary values; `MemoryEstimate.refine`); gathers: the method reads input statistics
     (`PrunerSpec.needs_data`; magnitude gathers none: no statistics, and no linear inputs kept by a
     distributed rank).
     """
@@ -220,7 +221,7 @@ class Workload:
     model_params: int
     offload_activations: bool
     sequential: bool
-    refine: bool
+    refine: int
     gathers: bool
     streamed: bool
     resume: bool
@@ -298,8 +299,8 @@ def estimate_device_memory(work: Workload) -> list[MemoryEstimate]:
     estimates = []
     for rank, (start, stop) in enumerate(shard_bounds(work.nsamples, work.world_size)):
         rows = 1 if work.offload_activations else stop - start
-        # Block inputs and outputs, and with --refine block the dense stream.
-        activations = (3 if work.refine else 2) * rows * work.sample_bytes
+        # Block inputs and outputs, and with --refine block the dense stream (and the sub-blocks' boundary).
+        activations = (2 + work.refine) * rows * work.sample_bytes
         if not work.offload_activations:
             activations += (stop - start) * work.seqlen * kept * work.width
         estimates.append(MemoryEstimate(rank, block, activations, statistics, workspace, training))
@@ -368,7 +369,7 @@ def host_estimate(work: Workload, device_estimate: MemoryEstimate) -> HostEstima
     blocks and one block (the largest) at a time."""
     rows = -(-work.nsamples // work.world_size)  # that rank's calibration samples (S_r)
     on_cpu = work.device.type == "cpu"
-    streams = 3 if work.refine else 2
+    streams = 2 + work.refine
     if on_cpu:  # --offload-activations moves nothing on a CPU run: every sample stays in host memory
         activations = max(device_estimate.activations, streams * rows * work.sample_bytes)
     elif work.offload_activations:

@@ -27,16 +27,25 @@ Adam step: one process's sums, bit for bit, so the checkpoint is one process's t
 the steps depend on (seed, block, samples) only, so a run killed inside a block's refinement and
 resumed redoes that block from its saved input and ends identical.
 
-Memory (in the plan, `memory.estimate_device_memory`): the dense stream (S_r, T, H) beside the pruned one,
-a float32 copy of the block with its gradients and Adam's two moments plus a copy of the weights
-before refinement, and one sample's forward kept for backward.
+Regions (`--refine-regions sub-blocks`, `regions.py`): the training runs in stages, one per region of the
+block in call order (attention, then MLP), each with `epochs` epochs of its own, towards the dense model's
+residual stream after the region (captured while the dense block runs on the dense stream,
+`regions.run_dense_block`), with only that region's weights training; the last stage matches the block's
+output. The errors before and after, and whether the result is kept, are the whole block's as without
+regions.
+
+Memory (in the plan, `memory.estimate_device_memory`): the dense stream (S_r, T, H) beside the pruned one
+(with sub-blocks one more per region boundary), a float32 copy of the block with its gradients and Adam's
+two moments plus a copy of the weights before refinement, and one sample's forward kept for backward.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -45,8 +54,9 @@ from tsenor_cli.fixedmask import FixedMask
 from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.block.distributed import Team, shard_bounds
 from tsenor_cli.pruning.block.joint import ColumnNorms, JointMasks
+from tsenor_cli.pruning.block.regions import Regions, find_regions, run_dense_block, stage_outputs
 from tsenor_cli.pruning.settings.config import SAMPLES_PER_STEP, RefineConfig
-from tsenor_cli.replay import BlockCall, block_output
+from tsenor_cli.replay import BlockCall, run_block
 from tsenor_cli.runfiles import BlockRefinement, LayerRecord
 
 
@@ -61,72 +71,89 @@ def block_masks(block: nn.Module, prefix: str, params: Iterable[str]) -> dict[st
     return masks
 
 
-def refine_block(
-    block: nn.Module,
-    index: int,
-    inputs: torch.Tensor,
-    call: BlockCall,
-    targets: torch.Tensor,
-    masks: Mapping[str, torch.Tensor],
-    cfg: RefineConfig,
-    *,
-    seed: int,
-    device: torch.device,
-    team: Team | None = None,
-    nsamples: int | None = None,
-    progress: Progress | None = None,
-    outputs: torch.Tensor | None = None,
-    dense: Mapping[str, torch.Tensor] | None = None,
-) -> BlockRefinement:
-    """Train `block` (on `device`, pruned) in place towards `targets`; keep the result only if it lowers
-    the block's error. Returns the block's record (errors before and after, seconds, steps).
+@dataclass(frozen=True)
+class RefineJob:
+    """What one block's refinement takes (a plain record).
 
-    inputs: (S_r, T, H) the block's calibration inputs in the pruned stream, targets: (S_r, T, H) the
-    dense block's outputs on the dense stream, this rank's shard of `nsamples` samples (None: all of them,
-    one process); masks: {parameter name: (shape) bool, True where pruned} (`block_masks`). Both may be on
-    the CPU (--offload-activations): one sample at a time moves to `device`.
-    outputs: (S_r, T, H) or None; the error pass after training writes the refined block's outputs there.
-    When the record says kept, they are the block's outputs as the run keeps it, bit for bit what
-    `replay.run_block` would compute (the same forwards), so the engine need not run the block again
-    (one forward pass over the samples: 43 s of a 745 s SparseGPT O16:32 prune, docs/results.md);
+    block: the pruned block, on `device`, trained in place; index: its index (the sample order's seed with
+    `seed`); inputs: (S_r, T, H) its calibration inputs in the pruned stream; targets: (S_r, T, H) the dense
+    block's outputs on the dense stream; both this rank's shard of `nsamples` samples (None: all of them,
+    one process) and possibly on the CPU (--offload-activations: one sample at a time moves to `device`).
+    masks: {parameter name: (shape) bool, True where pruned} (`block_masks`). outputs: (S_r, T, H) or None;
+    the error pass after training writes the refined block's outputs there: when the record says kept, bit
+    for bit what `replay.run_block` would compute (the same forwards), so the engine need not run the block
+    again (one forward pass over the samples: 43 s of a 745 s SparseGPT O16:32 prune, docs/results.md);
     otherwise they are not. dense: {parameter name: its weight before pruning}, where the mask re-solves'
-    shadows start at pruned positions (`joint.JointMasks`; None: at zero).
+    shadows start at pruned positions (`joint.JointMasks`; None: at zero). regions, region_targets: the
+    block's regions and the dense values (S_r, T, H) at each boundary (`regions.run_dense_block`; None: one
+    stage, the whole block).
     """
-    team = team if team is not None else Team.solo(device)
-    total = int(inputs.shape[0]) if nsamples is None else nsamples
-    bounds = shard_bounds(total, team.world_size)
+
+    block: nn.Module
+    index: int
+    inputs: torch.Tensor
+    call: BlockCall
+    targets: torch.Tensor
+    cfg: RefineConfig
+    seed: int
+    device: torch.device
+    masks: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    team: Team | None = None
+    nsamples: int | None = None
+    progress: Progress | None = None
+    outputs: torch.Tensor | None = None
+    dense: Mapping[str, torch.Tensor] | None = None
+    regions: Regions | None = None
+    region_targets: tuple[torch.Tensor, ...] = ()
+
+    @property
+    def crew(self) -> Team:
+        """The team (one process when none was given)."""
+        return self.team if self.team is not None else Team.solo(self.device)
+
+    @property
+    def total(self) -> int:
+        return int(self.inputs.shape[0]) if self.nsamples is None else self.nsamples
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        """Every rank's [start, stop) of the samples (`distributed.shard_bounds`)."""
+        return shard_bounds(self.total, self.crew.world_size)
+
+    @property
+    def first(self) -> int:
+        """This rank's first sample (global index)."""
+        return self.bounds[self.crew.rank][0]
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """One training stage: what the block computes from a sample that it matches (`output`), the dense
+    values (S_r, T, H), the parameters that train, and the objective's scale (mean ‖y_j‖²)."""
+
+    output: Callable[[torch.Tensor], torch.Tensor]
+    values: torch.Tensor
+    params: list[nn.Parameter]
+    scale: float
+
+
+def refine_block(job: RefineJob) -> BlockRefinement:
+    """Train `job.block` in place towards `job.targets`; keep the result only if it lowers the block's
+    error. Returns the block's record (errors before and after, seconds, steps)."""
     start = time.perf_counter()
-    params = [p for p in block.parameters() if p.is_floating_point()]
-    stored = [(p.dtype, p.requires_grad) for p in params]
+    params = [p for p in job.block.parameters() if p.is_floating_point()]
     before_weights = [p.detach().clone() for p in params]
-    norms = ColumnNorms(block, list(masks)) if cfg.mask_every else None
-    num, den = _errors(block, inputs, call, targets, device, team, bounds[team.rank][0])
-    column_sq = norms.close(team, bounds[team.rank][0]) if norms is not None else {}
+    norms = ColumnNorms(job.block, list(job.masks)) if job.cfg.mask_every else None
+    whole = stage_outputs(job.block, job.call, None)[0]
+    num, den = _errors(job, whole, job.targets)
+    column_sq = norms.close(job.crew, job.first) if norms is not None else {}
     before = num / den if den > 0 else 0.0
     if not (den > 0 and math.isfinite(num) and math.isfinite(den)):
         # A zero target has nothing to match, and non-finite outputs nothing to learn from: left as pruned.
-        return BlockRefinement(index, before, before, False, 0, time.perf_counter() - start)
-    fixed = _mask_keeper(block, masks, column_sq, cfg, dense)
-    for p in params:
-        p.data = p.data.float()
-        p.requires_grad_(True)
-    scale = den / total  # mean ‖y_j‖²: each sample's term of the objective is ‖f(x_j) − y_j‖² / scale
-    was_training = block.training
-    block.train(False)  # dropout off: the target is the deterministic dense output
-    fixed.apply()
-    fixed.attach()
-    try:
-        steps = _train(
-            block, params, fixed, inputs, call, targets, cfg, index, seed, total, scale, bounds, device, team
-        )
-    finally:
-        fixed.detach()
-        block.train(was_training)
-        for p, (dtype, requires_grad) in zip(params, stored, strict=True):
-            p.data = p.data.to(dtype)
-            p.grad = None
-            p.requires_grad_(requires_grad)
-    num, den = _errors(block, inputs, call, targets, device, team, bounds[team.rank][0], outputs)
+        return BlockRefinement(job.index, before, before, False, 0, time.perf_counter() - start)
+    fixed = _mask_keeper(job, column_sq)
+    steps = _train_stages(job, params, fixed, den)
+    num, den = _errors(job, whole, job.targets, job.outputs)
     after = num / den if den > 0 else 0.0
     kept = math.isfinite(after) and after < before
     if not kept:
@@ -134,8 +161,8 @@ def refine_block(
             for p, old in zip(params, before_weights, strict=True):
                 p.copy_(old)
     joint = (fixed.resolves, fixed.seconds, fixed.changed) if isinstance(fixed, JointMasks) else (0, 0.0, 0)
-    record = BlockRefinement(index, before, after, kept, steps, time.perf_counter() - start, *joint)
-    _say(record, progress)
+    record = BlockRefinement(job.index, before, after, kept, steps, time.perf_counter() - start, *joint)
+    _say(record, job.progress)
     return record
 
 
@@ -153,51 +180,71 @@ def _say(record: BlockRefinement, progress: Progress | None) -> None:
     )
 
 
-def _mask_keeper(
-    block: nn.Module,
-    masks: Mapping[str, torch.Tensor],
-    column_sq: Mapping[str, torch.Tensor],
-    cfg: RefineConfig,
-    dense: Mapping[str, torch.Tensor] | None,
-) -> FixedMask | JointMasks:
+def _mask_keeper(job: RefineJob, column_sq: Mapping[str, torch.Tensor]) -> FixedMask | JointMasks:
     """The mask fixed (`FixedMask`), or re-solved every `cfg.mask_every` steps (`joint.JointMasks`)."""
-    if not cfg.mask_every:
-        return FixedMask(block, dict(masks), parameters=True)
-    assert cfg.pattern is not None  # RefineConfig refuses a mask period without a pattern
-    return JointMasks(block, masks, column_sq, cfg.pattern, cfg.solver, cfg.mask_every, dense)
+    if not job.cfg.mask_every:
+        return FixedMask(job.block, dict(job.masks), parameters=True)
+    return JointMasks(job.block, job.masks, column_sq, job.cfg, job.dense)
 
 
-def _train(
-    block: nn.Module,
-    params: list[nn.Parameter],
-    fixed: FixedMask | JointMasks,
-    inputs: torch.Tensor,
-    call: BlockCall,
-    targets: torch.Tensor,
-    cfg: RefineConfig,
-    index: int,
-    seed: int,
-    total: int,
-    scale: float,
-    bounds: list[tuple[int, int]],
-    device: torch.device,
-    team: Team,
-) -> int:
-    """The Adam steps of `refine_block` (module docstring: the order of the samples from (seed, block)
-    alone, `SAMPLES_PER_STEP` per step, the mask written again after each) → how many were taken."""
-    optimizer = torch.optim.Adam(params, lr=cfg.lr, foreach=False)
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+def _train_stages(job: RefineJob, params: list[nn.Parameter], fixed: FixedMask | JointMasks, den: float) -> int:
+    """Every stage's Adam steps (`_train`), the block in float32 with dropout off meanwhile → the steps taken.
+    den: Σ_j ‖y_j‖² of the block's targets."""
+    block = job.block
+    stored = [(p.dtype, p.requires_grad) for p in params]
+    for p in params:
+        p.data = p.data.float()
+        p.requires_grad_(True)
+    was_training = block.training
+    block.train(False)  # dropout off: the target is the deterministic dense output
+    fixed.apply()
+    fixed.attach()
+    try:
+        steps = 0
+        for stage in _stages(job, params, den):
+            chosen = {id(p) for p in stage.params}
+            for p in params:  # a region's stage trains its own weights only
+                p.requires_grad_(id(p) in chosen)
+            steps += _train(job, stage, fixed)
+    finally:
+        fixed.detach()
+        block.train(was_training)
+        for p, (dtype, requires_grad) in zip(params, stored, strict=True):
+            p.data = p.data.to(dtype)
+            p.grad = None
+            p.requires_grad_(requires_grad)
+    return steps
+
+
+def _stages(job: RefineJob, params: list[nn.Parameter], den: float) -> list[_Stage]:
+    """One stage (the whole block), or one per region (module docstring)."""
+    outputs = stage_outputs(job.block, job.call, job.regions)
+    if job.regions is None:
+        return [_Stage(outputs[0], job.targets, params, den / job.total)]  # mean ‖y_j‖², module docstring
+    named = dict(job.block.named_parameters())
+    stages = []
+    for k, output in enumerate(outputs):
+        values = job.region_targets[k] if k < len(job.region_targets) else job.targets
+        norm = den if values is job.targets else _norm(job, values)
+        stages.append(_Stage(output, values, [named[n] for n in job.regions.params[k]], norm / job.total))
+    return stages
+
+
+def _train(job: RefineJob, stage: _Stage, fixed: FixedMask | JointMasks) -> int:
+    """The Adam steps of one stage (module docstring: the order of the samples from (seed, block) alone,
+    `SAMPLES_PER_STEP` per step, the mask written again after each) → how many were taken."""
+    optimizer = torch.optim.Adam(stage.params, lr=job.cfg.lr, foreach=False)
+    generator = torch.Generator().manual_seed(job.seed * 1_000_003 + job.index)
     steps = 0
-    for _ in range(cfg.epochs):
-        order = torch.randperm(total, generator=generator).tolist()
-        for first in range(0, total, SAMPLES_PER_STEP):
+    for _ in range(job.cfg.epochs):
+        order = torch.randperm(job.total, generator=generator).tolist()
+        for first in range(0, job.total, SAMPLES_PER_STEP):
             step = order[first : first + SAMPLES_PER_STEP]
-            if team.distributed:
-                args = (block, params, inputs, call, targets, step, bounds, device, team, scale * len(step))
-                _ordered_gradients(*args)
+            if job.crew.distributed:
+                _ordered_gradients(job, stage, step, stage.scale * len(step))
             else:
-                _accumulate(block, inputs, call, targets, step, device, scale * len(step))
-                for p in params:  # as the distributed sum has them: zeros, not None (Adam steps both alike)
+                _accumulate(job, stage, step, stage.scale * len(step))
+                for p in stage.params:  # as the distributed sum has them: zeros, not None (Adam steps both alike)
                     p.grad = _grad(p)
             if isinstance(fixed, JointMasks):
                 fixed.dense()  # the step updates the dense shadows (pruning/block/joint.py)
@@ -208,49 +255,30 @@ def _train(
     return steps
 
 
-def _accumulate(
-    block: nn.Module,
-    inputs: torch.Tensor,
-    call: BlockCall,
-    targets: torch.Tensor,
-    rows: list[int],
-    device: torch.device,
-    scale: float,
-) -> None:
-    """Add the gradient of Σ_rows ‖f(x_j) − y_j‖² / scale into the parameters' .grad, one sample per
-    forward (the recorded arguments are for batch 1)."""
+def _accumulate(job: RefineJob, stage: _Stage, rows: list[int], divisor: float) -> None:
+    """Add the gradient of Σ_rows ‖f(x_j) − y_j‖² / divisor into the parameters' .grad (rows: this rank's
+    local indices), one sample per forward (the recorded arguments are for batch 1)."""
     with torch.enable_grad():
         for j in rows:
-            x = inputs[j : j + 1].to(device=device, dtype=torch.float32)
-            y = targets[j : j + 1].to(device=device, dtype=torch.float32)
-            out = block_output(block, call, x)
-            loss = (out - y).square().sum() / scale
+            x = job.inputs[j : j + 1].to(device=job.device, dtype=torch.float32)
+            y = stage.values[j : j + 1].to(device=job.device, dtype=torch.float32)
+            out = stage.output(x)
+            loss = (out - y).square().sum() / divisor
             loss.backward()
 
 
-def _ordered_gradients(
-    block: nn.Module,
-    params: list[nn.Parameter],
-    inputs: torch.Tensor,
-    call: BlockCall,
-    targets: torch.Tensor,
-    step: list[int],
-    bounds: list[tuple[int, int]],
-    device: torch.device,
-    team: Team,
-    scale: float,
-) -> None:
+def _ordered_gradients(job: RefineJob, stage: _Stage, step: list[int], divisor: float) -> None:
     """A distributed step's gradient into each parameter's .grad, bit for bit what one process adds up.
 
-    step: the step's samples (global indices) in their order; bounds: every rank's [start, stop) of them
-    (`distributed.shard_bounds`). Each rank computes the per-sample gradients
+    step: the step's samples (global indices) in their order. Each rank computes the per-sample gradients
     of its own samples (in parallel), then every gradient goes from its rank to all (`Team.broadcast`) and
     each rank adds them in the step's order, as one process's backward passes add into .grad."""
+    team, bounds, params = job.crew, job.bounds, stage.params
     mine: dict[int, torch.Tensor] = {}
     start, stop = bounds[team.rank]
     for j in step:
         if start <= j < stop:
-            _accumulate(block, inputs, call, targets, [j - start], device, scale)
+            _accumulate(job, stage, [j - start], divisor)
             mine[j] = torch.cat([_grad(p).reshape(-1) for p in params])
             for p in params:
                 p.grad = None
@@ -258,7 +286,7 @@ def _ordered_gradients(
     total: torch.Tensor | None = None
     for j in step:
         owner = next(rank for rank, (start, stop) in enumerate(bounds) if start <= j < stop)
-        gradient = team.broadcast(mine.get(j, torch.empty(size, device=device)), src=owner)
+        gradient = team.broadcast(mine.get(j, torch.empty(size, device=job.device)), src=owner)
         total = gradient if total is None else total + gradient
     assert total is not None  # a step holds at least one sample
     for p, g in zip(params, torch.split(total, [p.numel() for p in params]), strict=True):
@@ -277,26 +305,32 @@ def _step(optimizer: torch.optim.Optimizer) -> None:
 
 @torch.no_grad()
 def _errors(
-    block: nn.Module,
-    inputs: torch.Tensor,
-    call: BlockCall,
-    targets: torch.Tensor,
-    device: torch.device,
-    team: Team,
-    first: int,
+    job: RefineJob,
+    output: Callable[[torch.Tensor], torch.Tensor],
+    values: torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> tuple[float, float]:
-    """(Σ_j ‖f(x_j) − y_j‖², Σ_j ‖y_j‖²) over every rank's samples (this rank's start at sample `first`),
-    the block run as the pruned model runs it (its stored dtype); per sample in float64, added in sample
-    order whatever the number of ranks. out: (S_r, T, H) where this rank's block outputs go (None: dropped)."""
+    """(Σ_j ‖f(x_j) − y_j‖², Σ_j ‖y_j‖²) over every rank's samples, f = `output`, y = `values`, the block
+    run as the pruned model runs it (its stored dtype); per sample in float64, added in sample order
+    whatever the number of ranks. out: (S_r, T, H) where this rank's outputs go (None: dropped)."""
     mine: dict[str, tuple[float, float]] = {}
-    for j in range(inputs.shape[0]):
-        y = targets[j : j + 1].to(device).double()
-        hidden = block_output(block, call, inputs[j : j + 1].to(device))
+    for j in range(job.inputs.shape[0]):
+        y = values[j : j + 1].to(job.device).double()
+        hidden = output(job.inputs[j : j + 1].to(job.device))
         if out is not None:
             out[j : j + 1] = hidden
-        mine[str(first + j)] = (float((hidden.double() - y).square().sum()), float(y.square().sum()))
-    every = team.gather_objects(mine)
+        mine[str(job.first + j)] = (float((hidden.double() - y).square().sum()), float(y.square().sum()))
+    return _sum_in_order(job.crew, mine)
+
+
+def _norm(job: RefineJob, values: torch.Tensor) -> float:
+    """Σ_j ‖y_j‖² of `values` over every rank's samples, added in sample order."""
+    mine = {str(job.first + j): (0.0, float(values[j : j + 1].double().square().sum())) for j in range(len(values))}
+    return _sum_in_order(job.crew, mine)[1]
+
+
+def _sum_in_order(team: Team, mine: Mapping[str, tuple[float, float]]) -> tuple[float, float]:
+    every = team.gather_objects(dict(mine))
     num = den = 0.0
     for key in sorted(every, key=int):
         num += every[key][0]
@@ -304,33 +338,33 @@ def _errors(
     return num, den
 
 
+def dense_pass(
+    block: nn.Module, stream: torch.Tensor, call: BlockCall, device: torch.device, cfg: RefineConfig
+) -> tuple[Regions | None, tuple[torch.Tensor, ...], str | None]:
+    """The dense block on the dense stream (S_r, T, H), in place: its outputs are the refinement's targets
+    and the next block's dense inputs. With `--refine-regions sub-blocks`, also the block's regions and the
+    dense values at their boundaries → (regions, values, None), or (None, (), why) when the block shows
+    fewer than two regions (`regions.find_regions`); otherwise (None, (), None)."""
+    if cfg.regions == "block" or call.idle:
+        run_block(block, stream, call, stream, device)
+        return None, (), None
+    found = find_regions(block, call, stream[:1].to(device))
+    if isinstance(found, str):
+        run_block(block, stream, call, stream, device)
+        return None, (), found
+    return found, run_dense_block(block, stream, call, device, found), None
+
+
 def refine_pruned_block(
-    block: nn.Module,
-    index: int,
-    prefix: str,
-    records: Iterable[LayerRecord],
-    inputs: torch.Tensor,
-    call: BlockCall,
-    targets: torch.Tensor,
-    cfg: RefineConfig,
-    *,
-    seed: int,
-    device: torch.device,
-    team: Team,
-    nsamples: int,
-    progress: Progress,
-    outputs: torch.Tensor | None = None,
+    job: RefineJob, prefix: str, records: Iterable[LayerRecord]
 ) -> tuple[list[BlockRefinement], bool]:
-    """`refine_block` for block `index` once the engine has pruned it → ([its record], whether `outputs`
-    now holds the block's outputs on `inputs`, see `refine_block`); ([], False) when its forward does not
-    run on text or none of its matrices was pruned (records: the run's layer records; prefix: the block's
-    full name and a dot), so blocks left dense stay bit-identical."""
-    pruned = [r.param or f"{r.name}.weight" for r in records if r.block == index and r.status == "pruned"]
-    if call.idle or not pruned:
+    """`refine_block` for block `job.index` once the engine has pruned it → ([its record], whether
+    `job.outputs` now holds the block's outputs on its inputs, see `RefineJob`); ([], False) when its
+    forward does not run on text or none of its matrices was pruned (records: the run's layer records;
+    prefix: the block's full name and a dot), so blocks left dense stay bit-identical. The masks are read
+    from the pruned block (`block_masks`)."""
+    pruned = [r.param or f"{r.name}.weight" for r in records if r.block == job.index and r.status == "pruned"]
+    if job.call.idle or not pruned:
         return [], False
-    masks = block_masks(block, prefix, pruned)
-    record = refine_block(
-        block, index, inputs, call, targets, masks, cfg, seed=seed, device=device, team=team,
-        nsamples=nsamples, progress=progress, outputs=outputs,
-    )  # fmt: skip
-    return [record], outputs is not None and record.kept
+    record = refine_block(dataclasses.replace(job, masks=block_masks(job.block, prefix, pruned)))
+    return [record], job.outputs is not None and record.kept

@@ -410,7 +410,7 @@ class Sizing:
             model_params=self.params,
             offload_activations=cfg.offload_activations,
             sequential=cfg.sequential,
-            refine=cfg.refine.on,
+            refine=cfg.refine.streams,
             gathers=spec.needs_data,
             streamed=cfg.stream,
             resume=cfg.resume,

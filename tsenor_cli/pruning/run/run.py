@@ -32,7 +32,8 @@ from tsenor_cli.pruning.block.distributed import Team
 from tsenor_cli.pruning.block.engine import BlockPruner
 from tsenor_cli.pruning.block.gather import MoeOptions
 from tsenor_cli.pruning.block.outside import prune_outside
-from tsenor_cli.pruning.block.refine import refine_pruned_block
+from tsenor_cli.pruning.block.refine import RefineJob, dense_pass, refine_pruned_block
+from tsenor_cli.pruning.block.regions import Regions
 from tsenor_cli.pruning.block.slots import linear_slots
 from tsenor_cli.pruning.methods.registry import get_pruner
 from tsenor_cli.pruning.methods.types import LayerRecord
@@ -151,19 +152,28 @@ class RefineHook(BlockHook):
         self.dense = dense
         self.refined = list(refined)
         self.run = run
+        # With --refine-regions sub-blocks: the block's regions and the dense values at their boundaries.
+        self.regions: Regions | None = None
+        self.region_targets: tuple[torch.Tensor, ...] = ()
 
     def before(self, block: BlockContext) -> None:
         with phase("dense stream"), self.run.team.agreed():
-            run_block(block.module, self.dense, block.call, self.dense, self.run.device)
+            self.regions, self.region_targets, why = dense_pass(
+                block.module, self.dense, block.call, self.run.device, self.cfg
+            )
+        if why is not None:
+            self.run.say(f"  block {block.index}: {why}; refined as a whole block")
 
     def after(self, block: BlockContext) -> None:
         run = self.run
+        job = RefineJob(
+            block.module, block.index, block.inputs, block.call, self.dense, self.cfg, run.seed, run.device,
+            team=run.team, nsamples=run.nsamples, progress=run.say, outputs=block.outputs,
+            regions=self.regions, region_targets=self.region_targets,
+        )  # fmt: skip
         with phase("refine"), run.team.agreed():
-            fresh, written = refine_pruned_block(
-                block.module, block.index, block.prefix, block.records, block.inputs, block.call, self.dense,
-                self.cfg, seed=run.seed, device=run.device, team=run.team, nsamples=run.nsamples,
-                progress=run.say, outputs=block.outputs,
-            )  # fmt: skip
+            fresh, written = refine_pruned_block(job, block.prefix, block.records)
+        self.region_targets = ()  # the boundaries' values are this block's only
         self.refined += fresh
         block.outputs_ready = block.outputs_ready or written
 

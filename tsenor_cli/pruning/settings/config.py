@@ -28,6 +28,7 @@ REFINE_MODES: tuple[str, ...] = tuple(FIELDS["refine"].choice_list() or ())
 DEFAULT_EPOCHS: int = FIELDS["refine_epochs"].default
 DEFAULT_LR: float = FIELDS["refine_lr"].default
 DEFAULT_MASK_EVERY: int = FIELDS["refine_mask_every"].default
+REFINE_REGIONS: tuple[str, ...] = tuple(FIELDS["refine_regions"].choice_list() or ())
 # Samples per Adam step, fixed so that a run's steps do not depend on the number of processes.
 SAMPLES_PER_STEP = 4
 
@@ -36,12 +37,15 @@ SAMPLES_PER_STEP = 4
 class RefineConfig:
     """mode: "none" (default) or "block"; epochs: passes over the calibration samples per block; lr:
     Adam's learning rate; mask_every: 0 (the mask fixed) or re-solve the masks every that many Adam steps
-    (pruning/block/joint.py) with `pattern` and `solver`, the run's own."""
+    (pruning/block/joint.py) with `pattern` and `solver`, the run's own; regions: "block" (train towards the
+    block's output) or "sub-blocks" (each region in turn towards the dense residual stream after it,
+    pruning/block/regions.py)."""
 
     mode: str = "none"
     epochs: int = DEFAULT_EPOCHS
     lr: float = DEFAULT_LR
     mask_every: int = DEFAULT_MASK_EVERY
+    regions: str = "block"
     # The run's own pattern and solver (not settings of their own: the run's result fields hold them).
     pattern: SparsityPattern | None = field(default=None, compare=False)
     solver: str = field(default="auto", compare=False)
@@ -57,15 +61,27 @@ class RefineConfig:
             raise UsageError(f"--refine-mask-every {self.mask_every} must be a whole number >= 0 (0: the mask fixed)")
         if self.mask_every and (self.pattern is None or self.pattern.kind == "unstructured"):
             raise UsageError("--refine-mask-every needs an N:M pattern (--nm N:M)")
+        if self.regions not in REFINE_REGIONS:
+            raise UsageError(f"--refine-regions {self.regions!r} is not one of {', '.join(REFINE_REGIONS)}")
+        if self.mask_every and self.regions != "block":
+            # A region's stage freezes the other regions' weights, whose masks a re-solve would still move.
+            raise UsageError("--refine-mask-every needs --refine-regions block; drop one of the two")
 
     @property
     def on(self) -> bool:
         return self.mode != "none"
 
+    @property
+    def streams(self) -> int:
+        """The dense (S_r, T, H) streams the run holds beside the pruned one: the dense stream, and with
+        sub-blocks the dense values at the block's region boundary (one in every family observed)."""
+        return 0 if not self.on else 1 if self.regions == "block" else 2
+
     def result_fields(self) -> dict[str, object]:
         fields: dict[str, object] = {"mode": self.mode, "epochs": self.epochs, "lr": self.lr}
         fields["samples_per_step"] = SAMPLES_PER_STEP
-        return fields | ({"mask_every": self.mask_every} if self.mask_every else {})
+        fields |= {"mask_every": self.mask_every} if self.mask_every else {}
+        return fields | ({"regions": self.regions} if self.regions != "block" else {})
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,7 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
             values["refine_epochs"],
             values["refine_lr"],
             values["refine_mask_every"],
+            str(values["refine_regions"]),
             pattern=pattern,
             solver=str(values["solver"]),
         ),

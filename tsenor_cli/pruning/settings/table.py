@@ -144,6 +144,9 @@ PRUNE_FIELDS: tuple[Field, ...] = (
     Field("refine_lr", float, 1e-3, "Adam's learning rate.", REFINE),
     Field("refine_mask_every", int, 0, "Re-solve the pruned matrices' masks every this many Adam steps from "
           "dense shadows of the weights (0: the mask fixed); N:M patterns.", REFINE),
+    Field("refine_regions", str, "block", "What each training stage matches: block (the block's output) or "
+          "sub-blocks (each region of the block in turn, e.g. attention then MLP, against the dense model's "
+          "residual stream after it; only that region's weights train).", REFINE, choices=("block", "sub-blocks")),
     Field("moe_calibration", str, "routed", "Statistics of expert matrices: 'routed' (the tokens the router "
           "sends each expert) or 'all' (every calibration token through every expert, for the statistics only).",
           MOE, choices=("routed", "all")),
@@ -189,7 +192,7 @@ FIELDS: dict[str, Field] = by_name(ALL_FIELDS)
 RECIPE_KEYS: dict[str, type] = {f.name: f.kind for f in ALL_FIELDS}
 RECIPE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in ALL_FIELDS}
 # The settings RefineConfig checks; every one after the mode is read only with --refine block.
-REFINE_KEYS: tuple[str, ...] = ("refine", "refine_epochs", "refine_lr", "refine_mask_every")
+REFINE_KEYS: tuple[str, ...] = ("refine", "refine_epochs", "refine_lr", "refine_mask_every", "refine_regions")
 
 
 def fields_for(method: object) -> dict[str, Field]:
