@@ -66,7 +66,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _cfg(model: Path, calib: Path, output: Path, method: str, transposable: bool, **changes: Any) -> PruneConfig:
     fields: dict[str, Any] = {
         "model": str(model),
-        "layer": MatrixPruneConfig(SparsityPattern.from_nm(8, 16, transposable=transposable)),
+        "matrix": MatrixPruneConfig(SparsityPattern.from_nm(8, 16, transposable=transposable)),
         "method": method,
         "calib_data": str(calib),
         "nsamples": 5,  # odd: the shards are 3 and 2 samples

@@ -46,7 +46,7 @@ def tiny(tiny_llama: Callable[..., Path]) -> Path:
 def _cfg(model: Path, calib: Path, output: Path, **changes: Any) -> PruneConfig:
     fields: dict[str, Any] = {
         "model": str(model),
-        "layer": MatrixPruneConfig(SparsityPattern.from_nm(8, 16, transposable=True)),
+        "matrix": MatrixPruneConfig(SparsityPattern.from_nm(8, 16, transposable=True)),
         "method": "sparsegpt",
         "calib_data": str(calib),
         "nsamples": 5,  # odd: two processes get 3 and 2, and the last step of an epoch holds one sample

@@ -175,7 +175,7 @@ def test_streamed_prune_of_smollm2_equals_the_whole_load(
     options = {
         "method": method,
         "seqlen": 64,
-        "layer": MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="flow"),
+        "matrix": MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="flow"),
     }
     whole_out, streamed_out = tmp_path / "whole", tmp_path / "streamed"
     prune_model(sparsegpt_config(smollm2_path, calib, whole_out, resume=False, **options), data_ctx)
