@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -36,9 +36,54 @@ def safetensors_dtype(dtype: torch.dtype) -> str:
     """safetensors' name of `dtype` ("BF16"), read from the header it writes for a one-element stand-in."""
     from safetensors.torch import save
 
-    blob = save({"x": torch.zeros(1, dtype=dtype)})
+    blob = save({"x": torch.zeros(1, dtype=dtype, device="cpu")})  # cpu: also under a meta device context
     (length,) = struct.unpack("<Q", blob[:8])
     return str(json.loads(blob[8 : 8 + length])["x"]["dtype"])
+
+
+# The dtypes a packed file's tensors can have (safetensors' names are read from `safetensors_dtype`).
+_STORED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor's bytes lie in a safetensors file: the file, the first byte's offset from the
+    file's start, the byte count, the dtype and the shape (from the file's header)."""
+
+    path: Path
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def read(self) -> torch.Tensor:
+        """The tensor, read into memory of its own (not a view of a memory map, whose pages would stay
+        resident as long as the map lives)."""
+        buffer = torch.empty(self.nbytes, dtype=torch.uint8, device="cpu")
+        with self.path.open("rb") as handle:
+            handle.seek(self.offset)
+            got = handle.readinto(buffer.numpy().data)
+        if got != self.nbytes:
+            raise PackedFormatError(f"{self.path} is truncated: re-copy it")
+        return buffer.view(self.dtype).view(self.shape)
+
+
+def stored_tensors(path: Path, keys: Iterable[str]) -> dict[str, StoredTensor]:
+    """{key: StoredTensor} of `keys` in the safetensors file `path`, from its header alone (a file safe_open
+    has read already, which checks its offsets); PackedFormatError for a key it lacks or a dtype a packed
+    matrix's tensors never have."""
+    names = {safetensors_dtype(dtype): dtype for dtype in _STORED_DTYPES}
+    with path.open("rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    found = {}
+    for key in keys:
+        entry = header.get(key)
+        if not isinstance(entry, dict) or entry.get("dtype") not in names:
+            raise PackedFormatError(f"{path}: packed tensor {key} is missing or of another dtype; re-copy it")
+        start, end = entry["data_offsets"]
+        found[key] = StoredTensor(path, 8 + length + start, end - start, names[entry["dtype"]], tuple(entry["shape"]))
+    return found
 
 
 @dataclass
