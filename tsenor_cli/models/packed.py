@@ -78,9 +78,10 @@ class PackedDecode(ConversionOps):
         def one(value: Any) -> torch.Tensor:
             return value[0] if isinstance(value, list) else value
 
-        target = full_layer_name or "weight"
-        values = one(input_dict["weight"])
-        codes = [name for name in input_dict if name != "weight"]
+        own = (kwargs.get("target_patterns") or ["weight"])[0]  # the values' name; the others are codes
+        target = full_layer_name or own
+        values = one(input_dict[own])
+        codes = [name for name in input_dict if name != own]
         if not codes:
             return {target: values}
         source = self.quantizer.patterns.get(target)
@@ -114,6 +115,13 @@ class TsenorPackedQuantizer(HfQuantizer):
                 found[key] = PackedSource(pattern, where[key], where[key + pattern.suffix])
         layout = source_layout(model, found) or {key: key for key in found}
         self.patterns = {own: found[key] for own, key in layout.items()}
+        # A stack of experts is a parameter of its own name (``experts.gate_up_proj``, no ``.weight``): its
+        # values and code are routed to the decoding by their last two names, which no linear's weight ends in.
+        names = {".".join(key.split(".")[-2:]) for key in found if not key.endswith(".weight")}
+        self.serialized_names = {
+            "weight": self.serialized_names["weight"],
+            **{name: [name, *(name + suffix for suffix in SUFFIXES)] for name in sorted(names)},
+        }
 
     def _process_model_after_weight_loading(self, model: Any, **kwargs: Any) -> None:
         self.remove_quantization_config(model)
@@ -122,8 +130,7 @@ class TsenorPackedQuantizer(HfQuantizer):
         return {"dequantize": PackedDecode, "deserialize": PackedDecode}
 
     def get_weight_conversions(self) -> list[WeightConverter]:
-        names = self.serialized_names["weight"]
-        return [WeightConverter(names, "weight", [PackedDecode(self)])]
+        return [WeightConverter(names, param, [PackedDecode(self)]) for param, names in self.serialized_names.items()]
 
     def is_serializable(self) -> bool:
         return False

@@ -22,9 +22,12 @@ import torch
 
 from tsenor_cli.errors import PackedFormatError, one_line
 from tsenor_cli.packed.layout import MatrixPattern, decode, encode
-from tsenor_cli.runfiles import CONFIG_FILE, INDEX_NAME, WEIGHTS_NAME, SparsityRecord, shard_names
+from tsenor_cli.runfiles import CONFIG_FILE, INDEX_NAME, WEIGHTS_NAME, PrunedWeight, SparsityRecord, shard_names
 
-FORMAT_VERSION = 1
+# Version 2 adds stacks of experts and transposed (Conv1D) parameters to the records; a version-1 file is
+# a version-2 file without them, read as it is.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = ("1", "2")
 QUANT_METHOD = "tsenor_packed"
 VERSION_KEY = "tsenor_packed_version"
 PATTERNS_KEY = "tsenor_patterns"
@@ -114,6 +117,7 @@ class PackedWriter:
         if pattern is None:
             parts = [(key, tensor)]
         else:
+            pattern = pattern.fitted(tuple(tensor.shape))
             values, code = encode(tensor, pattern)
             parts = [(key, values), (key + pattern.suffix, code)]
         size = sum(t.numel() * t.element_size() for _, t in parts)
@@ -172,7 +176,7 @@ def read_patterns(path: Path, metadata: Mapping[str, str] | None) -> dict[str, M
     if not metadata or VERSION_KEY not in metadata:
         return None
     version = metadata[VERSION_KEY]
-    if version != str(FORMAT_VERSION):
+    if version not in READABLE_VERSIONS:
         raise PackedFormatError(
             f"{path} is packed in format version {version}; this tsenor reads version {FORMAT_VERSION}: "
             "upgrade tsenor, or unpack it with the tsenor that wrote it"
@@ -222,11 +226,31 @@ def declares_packed(folder: Path) -> bool:
 
 
 def record_patterns(sparsity: SparsityRecord) -> dict[str, MatrixPattern]:
-    """{parameter: pattern} of the pruned matrices a packed checkpoint packs: each whole 2-D parameter in
-    its stored orientation; an expert of a stack or a transposed (Conv1D) parameter stays dense."""
+    """{parameter: pattern} of the pruned parameters a packed checkpoint packs: a whole 2-D parameter, a
+    transposed one (Conv1D: the pattern is the matrix's as pruned) and a stack of experts whose every
+    expert was pruned; a stack some of whose experts were left dense (an expert no calibration token
+    reached) is stored dense, as its dense experts follow no pattern."""
     pattern = sparsity.pattern
-    return {
-        entry.param: MatrixPattern.of(pattern.kind, pattern.n, pattern.m, entry.shape)
-        for entry in sparsity.pruned
-        if entry.expert is None and not entry.transposed and entry.shape is not None
-    }
+    stacks: dict[str, list[PrunedWeight]] = {}
+    found: dict[str, MatrixPattern] = {}
+    for entry in sparsity.pruned:
+        if entry.shape is None:
+            continue
+        if entry.expert is not None:
+            stacks.setdefault(entry.param, []).append(entry)
+            continue
+        found[entry.param] = MatrixPattern.of(
+            pattern.kind, pattern.n, pattern.m, entry.shape, transposed=entry.transposed
+        )
+    dense_names = [weight.name for weight in sparsity.dense]
+    for param, entries in stacks.items():
+        experts = sorted(entry.expert for entry in entries if entry.expert is not None)
+        base = entries[0].name.rpartition("[")[0]
+        whole = experts == list(range(len(experts))) and not any(name.startswith(base + "[") for name in dense_names)
+        if whole and len({(entry.shape, entry.transposed) for entry in entries}) == 1:
+            first = entries[0]
+            assert first.shape is not None  # entries without a shape were skipped above
+            found[param] = MatrixPattern.of(
+                pattern.kind, pattern.n, pattern.m, first.shape, experts=len(experts), transposed=first.transposed
+            )
+    return found

@@ -70,6 +70,7 @@ def pack_folder(source: Path, output: Path, *, force: bool = False, max_shard_si
             pattern = patterns.get(key)
             if pattern is not None:
                 try:
+                    pattern = pattern.fitted(tuple(tensor.shape))
                     kept_mask(encode(tensor, pattern)[1], pattern)
                 except PackedFormatError as exc:
                     raise PackedFormatError(f"{source}: {key} breaks its recorded pattern ({exc})") from exc

@@ -1,0 +1,122 @@
+"""Every pruned weight packed (docs/reference/packed-format.md, "Stacks and transposed parameters"): a fused
+stack of experts (E, rows, cols), a GPT-2 Conv1D weight stored (in, out) and a stack kept in one 2-D
+parameter round trip bit for bit, and a tiny MoE and a tiny GPT-2 pruned packed load through
+AutoModelForCausalLM equal to their dense prunes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_tiny import make_tiny_llama, sparsegpt_config
+from safetensors import safe_open
+
+from tsenor_cli.errors import PackedFormatError
+from tsenor_cli.models.checkpoint import Checkpoint
+from tsenor_cli.packed.files import PATTERNS_KEY
+from tsenor_cli.packed.layout import MatrixPattern, decode, encode, kept_mask, stored_mask
+from tsenor_cli.pruning.run.api import prune_model
+from tsenor_cli.settings import RunContext
+
+
+def _transposable(rows: int, cols: int, n: int, m: int, seed: int) -> torch.Tensor:
+    """A random bf16 (rows, cols) matrix keeping a shifted circulant mask: n per row and column of each tile."""
+    generator = torch.Generator().manual_seed(seed)
+    r, c = torch.arange(rows)[:, None], torch.arange(cols)[None, :]
+    mask = ((c - r + seed) % m) < n
+    weight = torch.randn(rows, cols, generator=generator).to(torch.bfloat16)
+    return torch.where(mask, weight, torch.zeros((), dtype=weight.dtype))
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.int16)
+
+
+def test_a_stack_of_experts_packs_each_expert_and_round_trips() -> None:
+    experts = torch.stack([_transposable(8, 12, 2, 4, seed) for seed in range(3)])  # (E, out, in)
+    pattern = MatrixPattern.of("transposable", 2, 4, (8, 12), experts=3)
+    values, code = encode(experts, pattern)
+    assert tuple(values.shape) == (3, 8, 3, 2) and tuple(code.shape) == (3, 8, 2)
+    # Expert e's values and code are exactly its own matrix's, packed alone.
+    for e in range(3):
+        alone = encode(experts[e], MatrixPattern.of("transposable", 2, 4, (8, 12)))
+        assert torch.equal(_bits(values[e]), _bits(alone[0])) and torch.equal(code[e], alone[1])
+    assert torch.equal(_bits(decode(values, code, pattern)), _bits(experts))
+    assert torch.equal(kept_mask(code, pattern), experts != 0)
+
+
+def test_a_conv1d_weight_is_packed_as_the_matrix_it_prunes() -> None:
+    """A Conv1D stores (in, out); the pattern runs along the inputs of each output, i.e. on its transpose."""
+    matrix = _transposable(8, 16, 2, 4, seed=1)  # (out, in) as pruned
+    stored = matrix.T.contiguous()  # (in, out) as the parameter holds it
+    pattern = MatrixPattern.of("nm", 2, 4, (8, 16), transposed=True)
+    assert pattern.stored_shape() == (16, 8)
+    values, code = encode(stored, pattern)
+    plain = encode(matrix, MatrixPattern.of("nm", 2, 4, (8, 16)))
+    assert torch.equal(_bits(values), _bits(plain[0])) and torch.equal(code, plain[1])
+    assert torch.equal(_bits(decode(values, code, pattern)), _bits(stored))
+    assert torch.equal(stored_mask(code, pattern), matrix != 0)
+    with pytest.raises(PackedFormatError, match="record's shape"):
+        encode(matrix, pattern)  # the (out, in) layout is not what the record describes
+
+
+def test_a_stack_kept_in_one_2d_parameter_is_one_matrix_of_all_rows() -> None:
+    """DBRX views an (E·out, in) parameter per expert: the record of its experts fits it as one matrix."""
+    flat = torch.cat([_transposable(8, 12, 2, 4, seed) for seed in range(2)])
+    pattern = MatrixPattern.of("transposable", 2, 4, (8, 12), experts=2).fitted(tuple(flat.shape))
+    assert (pattern.rows, pattern.experts) == (16, 0)
+    values, code = encode(flat, pattern)
+    assert torch.equal(_bits(decode(values, code, pattern)), _bits(flat))
+    with pytest.raises(PackedFormatError, match="record's shape"):
+        MatrixPattern.of("nm", 2, 4, (8, 12), experts=2).fitted((8, 24))
+
+
+MODELS = {
+    "mixtral": {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
+    "gpt2": {"model_type": "gpt2"},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def pruned(
+    request: pytest.FixtureRequest, calib: Path, data_ctx: RunContext, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """A tiny MoE or GPT-2 pruned by magnitude (every expert pruned: no routing decides), dense and packed."""
+    root = tmp_path_factory.mktemp(request.param)
+    model = make_tiny_llama(root / "src", **MODELS[request.param])
+    outs = {fmt: root / fmt for fmt in ("dense", "packed")}
+    for fmt, out in outs.items():
+        cfg = sparsegpt_config(model, calib, out, resume=False, save_format=fmt, method="magnitude")
+        prune_model(cfg, data_ctx)
+    return outs
+
+
+def test_every_pruned_weight_is_packed_and_decodes_to_the_dense_prune(pruned: dict[str, Path]) -> None:
+    from tsenor_cli.runfiles import read_sparsity
+
+    sparsity = read_sparsity(pruned["packed"])
+    assert sparsity is not None
+    params = {entry.param for entry in sparsity.pruned}
+    assert any(e.expert is not None for e in sparsity.pruned) or any(e.transposed for e in sparsity.pruned)
+    with safe_open(str(pruned["packed"] / "model.safetensors"), framework="pt") as handle:
+        packed = set(__import__("json").loads(handle.metadata()[PATTERNS_KEY]))
+    assert packed == params  # every pruned parameter, stacks and Conv1D included
+    dense, decoded = Checkpoint.open(pruned["dense"]), Checkpoint.open(pruned["packed"])
+    assert dense.keys() == decoded.keys()
+    for key, tensor in dense.iter_read(dense.keys()):
+        other = decoded.read([key])[key]
+        assert other.dtype == tensor.dtype and torch.equal(other.view(torch.uint8), tensor.view(torch.uint8)), key
+
+
+def test_auto_model_loads_the_packed_stack_or_conv1d_as_the_dense_prune(pruned: dict[str, Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    import tsenor_cli  # noqa: F401  # registers the packed format
+
+    model, info = AutoModelForCausalLM.from_pretrained(pruned["packed"], output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    dense = AutoModelForCausalLM.from_pretrained(pruned["dense"]).state_dict()
+    loaded = model.state_dict()
+    assert loaded.keys() == dense.keys()
+    assert all(torch.equal(loaded[k].view(torch.uint8), dense[k].view(torch.uint8)) for k in dense)
