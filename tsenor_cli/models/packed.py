@@ -26,6 +26,7 @@ from tsenor_cli.models.saving import source_layout
 from tsenor_cli.packed.files import (
     FORMAT_VERSION,
     QUANT_METHOD,
+    READABLE_VERSIONS,
     StoredTensor,
     decode_matrix,
     read_patterns,
@@ -40,10 +41,10 @@ class TsenorPackedConfig(QuantizationConfigMixin):
     def __init__(self, format_version: int = FORMAT_VERSION, **kwargs: Any) -> None:
         self.quant_method = QUANT_METHOD  # type: ignore[assignment]
         self.format_version = format_version
-        if format_version != FORMAT_VERSION:
+        if str(format_version) not in READABLE_VERSIONS:
             raise PackedFormatError(
-                f"the checkpoint is packed in format version {format_version}; this tsenor reads version "
-                f"{FORMAT_VERSION}: upgrade tsenor"
+                f"the checkpoint is packed in format version {format_version}; this tsenor reads versions "
+                f"{', '.join(READABLE_VERSIONS)}: upgrade tsenor"
             )
 
 

@@ -178,7 +178,7 @@ def read_patterns(path: Path, metadata: Mapping[str, str] | None) -> dict[str, M
     version = metadata[VERSION_KEY]
     if version not in READABLE_VERSIONS:
         raise PackedFormatError(
-            f"{path} is packed in format version {version}; this tsenor reads version {FORMAT_VERSION}: "
+            f"{path} is packed in format version {version}; this tsenor reads versions {', '.join(READABLE_VERSIONS)}: "
             "upgrade tsenor, or unpack it with the tsenor that wrote it"
         )
     try:
