@@ -120,3 +120,49 @@ def test_auto_model_loads_the_packed_stack_or_conv1d_as_the_dense_prune(pruned: 
     loaded = model.state_dict()
     assert loaded.keys() == dense.keys()
     assert all(torch.equal(loaded[k].view(torch.uint8), dense[k].view(torch.uint8)) for k in dense)
+
+
+@pytest.fixture(scope="module", params=["llava", "mllama"])
+def multimodal(
+    request: pytest.FixtureRequest, calib: Path, data_ctx: RunContext, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """A tiny vision-language model (Mllama's checkpoint keys are renamed by transformers on load) pruned
+    dense and packed."""
+    from helpers_tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp(request.param)
+    model = make_tiny_model(root / "src", request.param)
+    outs = {fmt: root / fmt for fmt in ("dense", "packed")}
+    for fmt, out in outs.items():
+        cfg = sparsegpt_config(model, calib, out, resume=False, save_format=fmt, method="magnitude")
+        prune_model(cfg, data_ctx)
+    return outs
+
+
+def test_a_packed_vision_language_model_loads_through_its_own_class(multimodal: dict[str, Path]) -> None:
+    """The source's class (AutoModelForImageTextToText) and tsenor_cli.load find every key, equal to the dense
+    output's tensors."""
+    from transformers import AutoModelForImageTextToText
+
+    import tsenor_cli
+
+    model, info = AutoModelForImageTextToText.from_pretrained(multimodal["packed"], output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    dense = AutoModelForImageTextToText.from_pretrained(multimodal["dense"]).state_dict()
+    for loaded in (model.state_dict(), tsenor_cli.load(multimodal["packed"]).state_dict()):
+        assert loaded.keys() == dense.keys()
+        assert all(torch.equal(loaded[k].view(torch.uint8), dense[k].view(torch.uint8)) for k in dense)
+
+
+def test_pack_of_a_folder_in_its_source_layout_equals_the_packed_prune(
+    multimodal: dict[str, Path], tmp_path: Path
+) -> None:
+    """`tsenor pack` of the dense output (written under the source checkpoint's keys, which transformers
+    renames on load for Mllama) packs the same matrices as the packed prune: equal decoded tensors."""
+    from tsenor_cli.pruning.run.packing import pack_folder
+
+    out = pack_folder(multimodal["dense"], tmp_path / "packed")
+    made, pruned = Checkpoint.open(out), Checkpoint.open(multimodal["packed"])
+    assert {k: i.pattern for k, i in made.tensors.items()} == {k: i.pattern for k, i in pruned.tensors.items()}
+    for key, tensor in pruned.iter_read(pruned.keys()):
+        assert torch.equal(made.read([key])[key].view(torch.uint8), tensor.view(torch.uint8)), key

@@ -19,7 +19,7 @@ from tsenor_cli.errors import InputNotFoundError, OutputExistsError, PackedForma
 from tsenor_cli.models.checkpoint import Checkpoint
 from tsenor_cli.models.saving import TensorSpec, parse_size, write_weights
 from tsenor_cli.packed.files import PackedWriter, declares_packed, quantization_entry, record_patterns
-from tsenor_cli.packed.layout import encode, kept_mask
+from tsenor_cli.packed.layout import MatrixPattern, encode, kept_mask
 from tsenor_cli.pruning.run.card import refresh_card
 from tsenor_cli.pruning.run.output import MAX_SHARD_SIZE
 from tsenor_cli.runfiles import CONFIG_FILE, INDEX_NAME, RESUME_DIR, read_sparsity
@@ -47,6 +47,22 @@ def _copy_other_files(source: Path, tmp: Path, *, packed: bool) -> None:
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
+def _file_keys(source: Path, patterns: dict[str, MatrixPattern], keys: list[str]) -> dict[str, MatrixPattern]:
+    """`patterns` under the files' keys: the sparsity record names each parameter by the model's own key, and
+    a prune writes the source checkpoint's layout (Mllama's ``language_model.model.layers…``, which
+    transformers renames on load), mapped back as transformers maps it (`models.saving.source_layout`)."""
+    if set(patterns) <= set(keys):
+        return patterns
+    import transformers
+
+    from tsenor_cli.models.loading import meta_model
+    from tsenor_cli.models.saving import source_layout
+
+    config = transformers.AutoConfig.from_pretrained(str(source), local_files_only=True)
+    layout = source_layout(meta_model(config), keys) or {}
+    return {layout.get(own, own): pattern for own, pattern in patterns.items()}
+
+
 def pack_folder(source: Path, output: Path, *, force: bool = False, max_shard_size: str = MAX_SHARD_SIZE) -> Path:
     """Write the packed form of the dense tsenor checkpoint `source` into `output` → output.
 
@@ -60,7 +76,7 @@ def pack_folder(source: Path, output: Path, *, force: bool = False, max_shard_si
     if sparsity is None:
         raise PackedFormatError(f"{source} is not a tsenor output (its {CONFIG_FILE} records no sparsity)")
     checkpoint = Checkpoint.open(source)
-    patterns = record_patterns(sparsity)
+    patterns = _file_keys(source, record_patterns(sparsity), checkpoint.keys())
     lacking = sorted(set(patterns) - set(checkpoint.keys()))
     if lacking:
         raise PackedFormatError(f"{source}: its sparsity record names {lacking[0]}, which its weights lack")
