@@ -109,6 +109,26 @@ def test_every_pruned_weight_is_packed_and_decodes_to_the_dense_prune(pruned: di
         assert other.dtype == tensor.dtype and torch.equal(other.view(torch.uint8), tensor.view(torch.uint8)), key
 
 
+def test_verify_checks_packed_stacks_and_conv1d_from_their_code(
+    pruned: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each expert's and each Conv1D's tiles are counted from the stored code, as the dense prune's weights."""
+    from tsenor_cli.pruning.run.verify import verify_checkpoint
+
+    dense = verify_checkpoint(pruned["dense"])
+
+    def no_decoding(*args: object, **kwargs: object) -> None:
+        raise AssertionError("verify decoded a packed matrix")
+
+    monkeypatch.setattr("tsenor_cli.models.checkpoint.decode_matrix", no_decoding)
+    report = verify_checkpoint(pruned["packed"])
+    assert report.ok and dense.ok and report.layers
+    # `under` may differ: a stored mask keeps exactly N where a kept weight is exactly zero.
+    assert [(c.name, c.shape, c.groups, c.over) for c in report.layers] == [
+        (c.name, c.shape, c.groups, c.over) for c in dense.layers
+    ]
+
+
 def test_auto_model_loads_the_packed_stack_or_conv1d_as_the_dense_prune(pruned: dict[str, Path]) -> None:
     from transformers import AutoModelForCausalLM
 
