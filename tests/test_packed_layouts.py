@@ -14,9 +14,11 @@ from safetensors import safe_open
 
 from tsenor_cli.errors import PackedFormatError
 from tsenor_cli.models.checkpoint import Checkpoint
-from tsenor_cli.packed.files import PATTERNS_KEY
+from tsenor_cli.packed.files import PATTERNS_KEY, record_patterns
 from tsenor_cli.packed.layout import MatrixPattern, decode, encode, kept_mask, stored_mask
+from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.run.api import prune_model
+from tsenor_cli.runfiles import DenseWeight, PrunedWeight, SparsityRecord
 from tsenor_cli.settings import RunContext
 
 
@@ -70,6 +72,35 @@ def test_a_stack_kept_in_one_2d_parameter_is_one_matrix_of_all_rows() -> None:
     assert torch.equal(_bits(decode(values, code, pattern)), _bits(flat))
     with pytest.raises(PackedFormatError, match="record's shape"):
         MatrixPattern.of("nm", 2, 4, (8, 12), experts=2).fitted((8, 24))
+
+
+def _record(pruned: list[tuple[str, int | None, bool]], dense: list[str]) -> SparsityRecord:
+    """A sparsity record of transposable 2:4 pruned (param, expert, transposed) entries of (8, 12) matrices."""
+    weights = tuple(
+        PrunedWeight(param if expert is None else f"{param}[{expert}]", param, expert, transposed, (8, 12))
+        for param, expert, transposed in pruned
+    )
+    return SparsityRecord(
+        "magnitude",
+        SparsityPattern.from_nm(2, 4, transposable=True),
+        None,
+        None,
+        weights,
+        tuple(DenseWeight(name, "skipped", "no tokens") for name in dense),
+        None,
+    )
+
+
+def test_a_stack_is_packed_only_when_every_expert_was_pruned() -> None:
+    stack = "model.layers.0.mlp.experts.gate_up_proj"
+    whole = record_patterns(
+        _record([(stack, e, False) for e in range(4)] + [("h.0.attn.c_attn.weight", None, True)], [])
+    )
+    assert whole[stack] == MatrixPattern.of("transposable", 2, 4, (8, 12), experts=4)
+    assert whole["h.0.attn.c_attn.weight"].transposed and whole["h.0.attn.c_attn.weight"].stored_shape() == (12, 8)
+    # Expert 3 left dense (no calibration token reached it): the stack follows no pattern, it stays dense.
+    partial = record_patterns(_record([(stack, e, False) for e in range(3)], [f"{stack}[3]"]))
+    assert stack not in partial
 
 
 MODELS = {
