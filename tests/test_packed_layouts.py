@@ -63,6 +63,26 @@ def test_a_conv1d_weight_is_packed_as_the_matrix_it_prunes() -> None:
         encode(matrix, pattern)  # the (out, in) layout is not what the record describes
 
 
+@pytest.mark.parametrize(("kind", "n", "m"), [("unstructured", 0, 0), ("nm", 16, 32)])
+def test_a_transposed_stack_of_every_kind_round_trips(kind: str, n: int, m: int) -> None:
+    """Stored (E, in, out); unstructured values are every expert's kept entries in row-major order as pruned."""
+    generator = torch.Generator().manual_seed(3)
+    matrices = torch.randn(2, 4, 64, generator=generator)  # (E, out, in) as pruned
+    if kind == "unstructured":
+        matrices = matrices.masked_fill(torch.rand(2, 4, 64, generator=generator) < 0.5, 0.0)
+    else:
+        top = matrices.abs().view(2, 4, 2, 32).topk(n, -1).indices
+        keep = torch.zeros(2, 4, 2, 32, dtype=torch.bool).scatter_(-1, top, True).view(2, 4, 64)
+        matrices = matrices.masked_fill(~keep, 0.0)
+    stored = matrices.transpose(1, 2).contiguous()
+    pattern = MatrixPattern.of(kind, n, m, (4, 64), experts=2, transposed=True)
+    values, code = encode(stored, pattern)
+    if kind == "unstructured":
+        assert torch.equal(values, matrices[matrices != 0])
+    assert torch.equal(decode(values, code, pattern).view(torch.int32), stored.view(torch.int32))
+    assert torch.equal(kept_mask(code, pattern), matrices != 0)
+
+
 def test_a_stack_kept_in_one_2d_parameter_is_one_matrix_of_all_rows() -> None:
     """DBRX views an (E·out, in) parameter per expert: the record of its experts fits it as one matrix."""
     flat = torch.cat([_transposable(8, 12, 2, 4, seed) for seed in range(2)])
