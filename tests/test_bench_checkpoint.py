@@ -50,6 +50,8 @@ def test_a_shape_row_counts_only_the_block_linears_packed() -> None:
 def test_load_and_eval_are_measured_and_the_printed_ppl_agrees(result: dict) -> None:
     assert set(result["loads"]) == {"dense", "packed"}
     assert all(found["median_peak_rss"] > 0 and found["median_seconds"] > 0 for found in result["loads"].values())
+    # The peak after a forward pass is the same process's high-water mark later on: never below the load's.
+    assert all(found["median_peak_rss_forward"] >= found["median_peak_rss"] for found in result["loads"].values())
     assert result["eval"]["packed"]["printed"] == result["eval"]["dense"]["printed"]
     assert judged(result)["ppl"]
     page = to_markdown(result, "tsenor bench checkpoint")

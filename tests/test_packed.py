@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from tsenor_cli.errors import PackedFormatError
 from tsenor_cli.models.checkpoint import Checkpoint
-from tsenor_cli.packed.files import PATTERNS_KEY, VERSION_KEY
+from tsenor_cli.packed.files import FORMAT_VERSION, PATTERNS_KEY, VERSION_KEY
 from tsenor_cli.packed.layout import MatrixPattern, decode, encode, kept_mask
 from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.settings import RunContext
@@ -171,7 +171,7 @@ def test_a_packed_prune_decodes_to_the_dense_prune_bit_for_bit(pruned: dict[str,
         metadata = handle.metadata()
         keys = set(handle.keys())
     patterns = json.loads(metadata[PATTERNS_KEY])
-    assert metadata[VERSION_KEY] == "1" and patterns
+    assert metadata[VERSION_KEY] == str(FORMAT_VERSION) and patterns
     assert all(f"{key}_tsenor_index" in keys for key in patterns)
     assert _same(_dense_tensors(pruned["packed"]), _dense_tensors(pruned["dense"]))
     config = json.loads((pruned["packed"] / "config.json").read_text())

@@ -123,7 +123,7 @@ def _dense_view(
             raise PackedFormatError(
                 f"{path}: packed matrix {key}'s tensors do not have its record's shapes; re-copy it"
             )
-        infos[key] = TensorInfo(path.name, (pattern.rows, pattern.cols), dtype, pattern, code)
+        infos[key] = TensorInfo(path.name, pattern.stored_shape(), dtype, pattern, code)
         del infos[code]
     return infos
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -22,9 +22,12 @@ import torch
 
 from tsenor_cli.errors import PackedFormatError, one_line
 from tsenor_cli.packed.layout import MatrixPattern, decode, encode
-from tsenor_cli.runfiles import CONFIG_FILE, INDEX_NAME, WEIGHTS_NAME, SparsityRecord, shard_names
+from tsenor_cli.runfiles import CONFIG_FILE, INDEX_NAME, WEIGHTS_NAME, PrunedWeight, SparsityRecord, shard_names
 
-FORMAT_VERSION = 1
+# Version 2 adds stacks of experts and transposed (Conv1D) parameters to the records; a version-1 file is
+# a version-2 file without them, read as it is.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = ("1", "2")
 QUANT_METHOD = "tsenor_packed"
 VERSION_KEY = "tsenor_packed_version"
 PATTERNS_KEY = "tsenor_patterns"
@@ -36,9 +39,54 @@ def safetensors_dtype(dtype: torch.dtype) -> str:
     """safetensors' name of `dtype` ("BF16"), read from the header it writes for a one-element stand-in."""
     from safetensors.torch import save
 
-    blob = save({"x": torch.zeros(1, dtype=dtype)})
+    blob = save({"x": torch.zeros(1, dtype=dtype, device="cpu")})  # cpu: also under a meta device context
     (length,) = struct.unpack("<Q", blob[:8])
     return str(json.loads(blob[8 : 8 + length])["x"]["dtype"])
+
+
+# The dtypes a packed file's tensors can have (safetensors' names are read from `safetensors_dtype`).
+_STORED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor's bytes lie in a safetensors file: the file, the first byte's offset from the
+    file's start, the byte count, the dtype and the shape (from the file's header)."""
+
+    path: Path
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def read(self) -> torch.Tensor:
+        """The tensor, read into memory of its own (not a view of a memory map, whose pages would stay
+        resident as long as the map lives)."""
+        buffer = torch.empty(self.nbytes, dtype=torch.uint8, device="cpu")
+        with self.path.open("rb") as handle:
+            handle.seek(self.offset)
+            got = handle.readinto(buffer.numpy().data)
+        if got != self.nbytes:
+            raise PackedFormatError(f"{self.path} is truncated: re-copy it")
+        return buffer.view(self.dtype).view(self.shape)
+
+
+def stored_tensors(path: Path, keys: Iterable[str]) -> dict[str, StoredTensor]:
+    """{key: StoredTensor} of `keys` in the safetensors file `path`, from its header alone (a file safe_open
+    has read already, which checks its offsets); PackedFormatError for a key it lacks or a dtype a packed
+    matrix's tensors never have."""
+    names = {safetensors_dtype(dtype): dtype for dtype in _STORED_DTYPES}
+    with path.open("rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    found = {}
+    for key in keys:
+        entry = header.get(key)
+        if not isinstance(entry, dict) or entry.get("dtype") not in names:
+            raise PackedFormatError(f"{path}: packed tensor {key} is missing or of another dtype; re-copy it")
+        start, end = entry["data_offsets"]
+        found[key] = StoredTensor(path, 8 + length + start, end - start, names[entry["dtype"]], tuple(entry["shape"]))
+    return found
 
 
 @dataclass
@@ -69,6 +117,7 @@ class PackedWriter:
         if pattern is None:
             parts = [(key, tensor)]
         else:
+            pattern = pattern.fitted(tuple(tensor.shape))
             values, code = encode(tensor, pattern)
             parts = [(key, values), (key + pattern.suffix, code)]
         size = sum(t.numel() * t.element_size() for _, t in parts)
@@ -127,9 +176,9 @@ def read_patterns(path: Path, metadata: Mapping[str, str] | None) -> dict[str, M
     if not metadata or VERSION_KEY not in metadata:
         return None
     version = metadata[VERSION_KEY]
-    if version != str(FORMAT_VERSION):
+    if version not in READABLE_VERSIONS:
         raise PackedFormatError(
-            f"{path} is packed in format version {version}; this tsenor reads version {FORMAT_VERSION}: "
+            f"{path} is packed in format version {version}; this tsenor reads versions {', '.join(READABLE_VERSIONS)}: "
             "upgrade tsenor, or unpack it with the tsenor that wrote it"
         )
     try:
@@ -177,11 +226,31 @@ def declares_packed(folder: Path) -> bool:
 
 
 def record_patterns(sparsity: SparsityRecord) -> dict[str, MatrixPattern]:
-    """{parameter: pattern} of the pruned matrices a packed checkpoint packs: each whole 2-D parameter in
-    its stored orientation; an expert of a stack or a transposed (Conv1D) parameter stays dense."""
+    """{parameter: pattern} of the pruned parameters a packed checkpoint packs: a whole 2-D parameter, a
+    transposed one (Conv1D: the pattern is the matrix's as pruned) and a stack of experts whose every
+    expert was pruned; a stack some of whose experts were left dense (an expert no calibration token
+    reached) is stored dense, as its dense experts follow no pattern."""
     pattern = sparsity.pattern
-    return {
-        entry.param: MatrixPattern.of(pattern.kind, pattern.n, pattern.m, entry.shape)
-        for entry in sparsity.pruned
-        if entry.expert is None and not entry.transposed and entry.shape is not None
-    }
+    stacks: dict[str, list[PrunedWeight]] = {}
+    found: dict[str, MatrixPattern] = {}
+    for entry in sparsity.pruned:
+        if entry.shape is None:
+            continue
+        if entry.expert is not None:
+            stacks.setdefault(entry.param, []).append(entry)
+            continue
+        found[entry.param] = MatrixPattern.of(
+            pattern.kind, pattern.n, pattern.m, entry.shape, transposed=entry.transposed
+        )
+    dense_names = [weight.name for weight in sparsity.dense]
+    for param, entries in stacks.items():
+        experts = sorted(entry.expert for entry in entries if entry.expert is not None)
+        base = entries[0].name.rpartition("[")[0]
+        whole = experts == list(range(len(experts))) and not any(name.startswith(base + "[") for name in dense_names)
+        if whole and len({(entry.shape, entry.transposed) for entry in entries}) == 1:
+            first = entries[0]
+            assert first.shape is not None  # entries without a shape were skipped above
+            found[param] = MatrixPattern.of(
+                pattern.kind, pattern.n, pattern.m, first.shape, experts=len(experts), transposed=first.transposed
+            )
+    return found

@@ -17,7 +17,7 @@ import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 from typing import Any, Literal
 
@@ -53,7 +53,9 @@ def choose_encoding(kind: str, n: int, m: int) -> Encoding:
 @dataclass(frozen=True)
 class MatrixPattern:
     """What the file records of one packed matrix: kind (transposable, nm or unstructured), n and m (0 for
-    unstructured), its dense shape, and its code's encoding."""
+    unstructured), its (rows, cols) shape as pruned, and its code's encoding; experts: 0 for one matrix,
+    else the number E of (rows, cols) matrices stacked in one 3-D parameter; transposed: the parameter
+    stores each matrix as (cols, rows) (GPT-2's Conv1D), the pattern being the matrix's as pruned."""
 
     kind: str
     n: int
@@ -61,15 +63,40 @@ class MatrixPattern:
     rows: int
     cols: int
     encoding: Encoding
+    experts: int = 0
+    transposed: bool = False
 
     @classmethod
-    def of(cls, kind: str, n: int, m: int, shape: tuple[int, ...]) -> MatrixPattern:
+    def of(
+        cls, kind: str, n: int, m: int, shape: tuple[int, ...], *, experts: int = 0, transposed: bool = False
+    ) -> MatrixPattern:
+        """The record of a (rows, cols) matrix as pruned (`experts` of them stacked, each stored transposed)."""
         if len(shape) != 2:
             raise PackedFormatError(f"a packed matrix must be 2-D, got shape {tuple(shape)}")
         rows, cols = shape
         if kind == "unstructured":
-            return cls(kind, 0, 0, rows, cols, "mask")
-        return cls(kind, n, m, rows, cols, choose_encoding(kind, n, m))
+            return cls(kind, 0, 0, rows, cols, "mask", experts, transposed)
+        return cls(kind, n, m, rows, cols, choose_encoding(kind, n, m), experts, transposed)
+
+    def flat(self) -> MatrixPattern:
+        """The one (E·rows, cols) matrix the stack's matrices are encoded as, rows after rows (a tile of M rows
+        never spans two experts, rows being a multiple of M for transposable)."""
+        return replace(self, rows=self.rows * max(self.experts, 1), experts=0, transposed=False)
+
+    def fitted(self, shape: tuple[int, ...]) -> MatrixPattern:
+        """This record for a parameter of `shape`: a stack of experts kept in one 2-D parameter (DBRX's
+        (E·rows, cols), viewed per expert) is one matrix of E·rows rows; PackedFormatError for another shape."""
+        if tuple(shape) == self.stored_shape():
+            return self
+        flat = replace(self.flat(), transposed=self.transposed)
+        if self.experts and tuple(shape) == flat.stored_shape():
+            return flat
+        raise PackedFormatError(f"a {tuple(shape)} weight does not have its record's shape {self.stored_shape()}")
+
+    def stored_shape(self) -> tuple[int, ...]:
+        """The parameter's dense shape, as the checkpoint stores it."""
+        matrix = (self.cols, self.rows) if self.transposed else (self.rows, self.cols)
+        return (self.experts, *matrix) if self.experts else matrix
 
     @property
     def suffix(self) -> str:
@@ -90,7 +117,8 @@ class MatrixPattern:
         try:
             made = cls(**data)
             ok = made.kind in ("transposable", "nm", "unstructured") and made.encoding in ("mask", "index")
-            ok = ok and made.rows > 0 and made.cols > 0
+            ok = ok and made.rows > 0 and made.cols > 0 and isinstance(made.experts, int) and made.experts >= 0
+            ok = ok and isinstance(made.transposed, bool)
             if made.kind != "unstructured":
                 ok = ok and 1 <= made.n < made.m and made.cols % made.m == 0
                 ok = ok and made.encoding == choose_encoding(made.kind, made.n, made.m)
@@ -101,10 +129,13 @@ class MatrixPattern:
             raise PackedFormatError(f"{where}: {json.dumps(data)} is not a packed matrix's pattern record")
         return made
 
-    def code_shape(self) -> tuple[int, int]:
+    def code_shape(self) -> tuple[int, ...]:
+        """(rows, B), or (E, rows, B) for a stack: each matrix row's code."""
         if self.encoding == "mask":
-            return (self.rows, math.ceil(self.cols / 8))
-        return (self.rows, math.ceil(self.cols // self.m * self.n * index_bits(self.m) / 8))
+            per_row = math.ceil(self.cols / 8)
+        else:
+            per_row = math.ceil(self.cols // self.m * self.n * index_bits(self.m) / 8)
+        return (self.experts, self.rows, per_row) if self.experts else (self.rows, per_row)
 
     def stored_nbytes(self, itemsize: int, kept: int | None = None) -> int:
         """Bytes the matrix takes packed: its values (`itemsize` bytes each; `kept` of them for unstructured,
@@ -119,7 +150,8 @@ class MatrixPattern:
         """The values' shape; None for unstructured (its length is the matrix's kept count)."""
         if self.kind == "unstructured":
             return None
-        return (self.rows, self.cols // self.m, self.n)
+        shape = (self.rows, self.cols // self.m, self.n)
+        return (self.experts, *shape) if self.experts else shape
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -225,8 +257,8 @@ def transposable_mask(weight: torch.Tensor, n: int, m: int) -> torch.Tensor:
     return tiles.transpose(1, 2).reshape(rows, cols)
 
 
-def encode(weight: torch.Tensor, pattern: MatrixPattern) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, code) of a 2-D `weight` under `pattern`; PackedFormatError when a group holds more than N
+def _encode_matrix(weight: torch.Tensor, pattern: MatrixPattern) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, code) of a 2-D `weight` under the 2-D `pattern`; PackedFormatError when a group holds more than N
     nonzeros. The zeros' sign bits at positions not kept are not stored (they decode as +0.0)."""
     if tuple(weight.shape) != (pattern.rows, pattern.cols):
         raise PackedFormatError(f"a {tuple(weight.shape)} weight does not have its record's shape")
@@ -307,7 +339,7 @@ def _index_mask(positions: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor
     return grouped.scatter_(-1, positions.long(), True).view(pattern.rows, pattern.cols)
 
 
-def stored_mask(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
+def _stored_matrix_mask(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
     """The (rows, cols) bool mask of the positions the code marks, without checking it against the pattern
     (`tsenor verify` counts its tiles itself); PackedFormatError when the code's shape, dtype, padding or
     an index past M cannot describe the matrix at all."""
@@ -322,13 +354,13 @@ def _count_dtype(m: int) -> torch.dtype:
     return torch.uint8 if m < 256 else torch.int32
 
 
-def kept_mask(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
+def _kept_matrix_mask(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
     """The (rows, cols) bool mask of kept positions, checked against the pattern (N per group, and per
     column of each M×M tile for transposable; indices strictly ascending); PackedFormatError when it breaks it.
     Each check is one vectorized pass: indices strictly ascending and below M already keep exactly N per
     group, so only a mask code has its groups counted."""
     if pattern.kind == "unstructured":
-        return stored_mask(code, pattern)
+        return _stored_matrix_mask(code, pattern)
     _check_code(code, pattern)
     rows, cols, n, m = pattern.rows, pattern.cols, pattern.n, pattern.m
     if pattern.encoding == "index" and 8 % (n * index_bits(m)) == 0:
@@ -370,16 +402,65 @@ def _decode_threads(elements: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def decode(values: torch.Tensor, code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
-    """The dense (rows, cols) weight in the values' dtype; PackedFormatError when the code breaks the
+def _decode_matrix(values: torch.Tensor, code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
+    """The dense (rows, cols) weight of a 2-D `pattern` in the values' dtype; PackedFormatError when the code breaks the
     pattern or does not fit the values."""
     expected = pattern.values_shape()
     if expected is not None and tuple(values.shape) != expected:
         raise PackedFormatError(f"its values are {tuple(values.shape)}, not {expected}")
     with _decode_threads(pattern.rows * pattern.cols):
-        mask = kept_mask(code, pattern)
+        mask = _kept_matrix_mask(code, pattern)
         if expected is None and (values.dim() != 1 or values.numel() != int(mask.sum())):
             raise PackedFormatError(f"its {values.numel()} values do not match the {int(mask.sum())} kept positions")
         dense = torch.zeros(pattern.rows, pattern.cols, dtype=values.dtype, device=values.device)
         # masked_scatter fills the kept positions in row-major order: the values' own order.
         return dense.masked_scatter_(mask, values.reshape(-1))
+
+
+def _as_flat(tensor: torch.Tensor, shape: tuple[int, ...] | None) -> torch.Tensor:
+    return tensor.reshape(shape) if shape is not None else tensor
+
+
+def encode(weight: torch.Tensor, pattern: MatrixPattern) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, code) of a parameter stored as `pattern.stored_shape()`: each matrix as pruned (transposed
+    back from a Conv1D's layout), a stack's matrices one after the other; PackedFormatError when a group
+    holds more than N nonzeros or the shape is not the record's."""
+    if tuple(weight.shape) != pattern.stored_shape():
+        raise PackedFormatError(f"a {tuple(weight.shape)} weight does not have its record's shape")
+    flat = pattern.flat()
+    matrix = weight.transpose(-1, -2) if pattern.transposed else weight
+    values, code = _encode_matrix(matrix.reshape(flat.rows, flat.cols), flat)
+    return _as_flat(values, pattern.values_shape()), code.reshape(pattern.code_shape())
+
+
+def decode(values: torch.Tensor, code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
+    """The dense parameter (`pattern.stored_shape()`) in the values' dtype; PackedFormatError when the code
+    breaks the pattern or does not fit the values."""
+    expected = pattern.values_shape()
+    if expected is not None and tuple(values.shape) != expected:
+        raise PackedFormatError(f"its values are {tuple(values.shape)}, not {expected}")
+    _check_code(code, pattern)
+    flat = pattern.flat()
+    dense = _decode_matrix(_as_flat(values, flat.values_shape()), code.reshape(flat.code_shape()), flat)
+    if pattern.experts:
+        dense = dense.view(pattern.experts, pattern.rows, pattern.cols)
+    return dense.transpose(-1, -2).contiguous() if pattern.transposed else dense
+
+
+def stored_mask(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
+    """The bool mask of the positions the code marks, each matrix as pruned ((rows, cols), or (E, rows, cols)
+    for a stack), not checked against the pattern (`tsenor verify` counts its tiles itself);
+    PackedFormatError when the code's shape, dtype, padding or an index past M cannot describe it at all."""
+    _check_code(code, pattern)
+    flat = pattern.flat()
+    mask = _stored_matrix_mask(code.reshape(flat.code_shape()), flat)
+    return mask.view(pattern.experts, pattern.rows, pattern.cols) if pattern.experts else mask
+
+
+def kept_mask(code: torch.Tensor, pattern: MatrixPattern) -> torch.Tensor:
+    """`stored_mask`, checked against the pattern (N per group, and per column of each M×M tile for
+    transposable; indices strictly ascending); PackedFormatError when it breaks it."""
+    _check_code(code, pattern)
+    flat = pattern.flat()
+    mask = _kept_matrix_mask(code.reshape(flat.code_shape()), flat)
+    return mask.view(pattern.experts, pattern.rows, pattern.cols) if pattern.experts else mask

@@ -16,7 +16,7 @@ from tsenor_cli.errors import InputNotFoundError, OutputExistsError, PackedForma
 from tsenor_cli.models.checkpoint import Checkpoint
 from tsenor_cli.models.saving import TensorSpec, parse_size, write_weights
 from tsenor_cli.packed.files import PackedWriter, declares_packed, quantization_entry, record_patterns
-from tsenor_cli.packed.layout import encode, kept_mask
+from tsenor_cli.packed.layout import MatrixPattern, encode, kept_mask
 from tsenor_cli.pruning.run.card import refresh_card
 from tsenor_cli.pruning.run.output import MAX_SHARD_SIZE
 from tsenor_cli.runfiles import CONFIG_FILE, read_sparsity
@@ -32,6 +32,22 @@ def _check_paths(source: Path, output: Path, *, force: bool) -> None:
         raise OutputExistsError(f"{output} already exists; pass --force to replace it or choose another -o")
 
 
+def _file_keys(source: Path, patterns: dict[str, MatrixPattern], keys: list[str]) -> dict[str, MatrixPattern]:
+    """`patterns` under the files' keys: the sparsity record names each parameter by the model's own key, and
+    a prune writes the source checkpoint's layout (Mllama's ``language_model.model.layers…``, which
+    transformers renames on load), mapped back as transformers maps it (`models.saving.source_layout`)."""
+    if set(patterns) <= set(keys):
+        return patterns
+    import transformers
+
+    from tsenor_cli.models.loading import meta_model
+    from tsenor_cli.models.saving import source_layout
+
+    config = transformers.AutoConfig.from_pretrained(str(source), local_files_only=True)
+    layout = source_layout(meta_model(config), keys) or {}
+    return {layout.get(own, own): pattern for own, pattern in patterns.items()}
+
+
 def pack_folder(source: Path, output: Path, *, force: bool = False, max_shard_size: str = MAX_SHARD_SIZE) -> Path:
     """Write the packed form of the dense tsenor checkpoint `source` into `output` → output.
 
@@ -45,7 +61,7 @@ def pack_folder(source: Path, output: Path, *, force: bool = False, max_shard_si
     if sparsity is None:
         raise PackedFormatError(f"{source} is not a tsenor output (its {CONFIG_FILE} records no sparsity)")
     checkpoint = Checkpoint.open(source)
-    patterns = record_patterns(sparsity)
+    patterns = _file_keys(source, record_patterns(sparsity), checkpoint.keys())
     lacking = sorted(set(patterns) - set(checkpoint.keys()))
     if lacking:
         raise PackedFormatError(f"{source}: its sparsity record names {lacking[0]}, which its weights lack")
@@ -55,6 +71,7 @@ def pack_folder(source: Path, output: Path, *, force: bool = False, max_shard_si
             pattern = patterns.get(key)
             if pattern is not None:
                 try:
+                    pattern = pattern.fitted(tuple(tensor.shape))
                     kept_mask(encode(tensor, pattern)[1], pattern)
                 except PackedFormatError as exc:
                     raise PackedFormatError(f"{source}: {key} breaks its recorded pattern ({exc})") from exc

@@ -166,10 +166,16 @@ class _Parameters:
     def matrix(self, entry: PrunedWeight) -> torch.Tensor | None:
         """The (out, in) matrix of one pruned weight (a packed one's stored mask), or None when the checkpoint
         lacks it."""
-        if entry.expert is None and not entry.transposed:
-            mask = self.packed_mask(entry.param)
-            if mask is not None:
-                return mask
+        # A packed mask is each matrix as pruned: (out, in); (E, out, in) for a stack; (E·out, in) for a
+        # stack kept in one 2-D parameter.
+        mask = self.packed_mask(entry.param)
+        if mask is not None and entry.expert is None:
+            return mask
+        if mask is not None and entry.expert is not None and mask.dim() == 3:
+            return mask[entry.expert]
+        if mask is not None and entry.expert is not None and entry.shape is not None:
+            start = entry.expert * entry.shape[0]
+            return mask[start : start + entry.shape[0]]
         tensor = self.tensor(entry.param)
         if tensor is None:
             return None
