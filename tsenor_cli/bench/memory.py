@@ -470,7 +470,7 @@ def _what(command: str, cfg: dict[str, Any]) -> str:
     calibration = f"{cfg.get('prune_nsamples')} × {cfg.get('prune_seqlen')} calibration tokens"
     if command == "eval":
         return (
-            f"`--ppl` on {cfg['windows']} windows of {cfg['seqlen']} tokens; both modes give the same "
+            f"`--ppl` on {cfg['windows']} window(s) of {cfg['seqlen']} tokens; both modes give the same "
             "perplexity (checked to 1e-5 relative)."
         )
     if command == "prune":
