@@ -331,3 +331,23 @@ def sparsegpt_config(model: Path, calib: Path, output: Path | None, **changes: A
         output=output,
     )
     return replace(base, **changes)
+
+
+def refine_config(model: Path, calib: Path, output: Path | None, **changes: Any) -> PruneConfig:
+    """The shared refined test prune: SparseGPT transposable 8:16 on 5 samples (odd: two processes get 3
+    and 2, and an epoch's last step holds one sample), `--refine block` for 2 epochs at lr 1e-3, without a
+    resume state; `changes` on top."""
+    from tsenor_cli.pattern import SparsityPattern
+    from tsenor_cli.pruning.methods.types import MatrixPruneConfig
+    from tsenor_cli.pruning.settings.config import RefineConfig
+
+    base = sparsegpt_config(
+        model,
+        calib,
+        output,
+        matrix=MatrixPruneConfig(SparsityPattern.from_nm(8, 16, transposable=True)),
+        nsamples=5,
+        resume=False,
+        refine=RefineConfig("block", 2, 1e-3),
+    )
+    return replace(base, **changes)

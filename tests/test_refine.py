@@ -16,7 +16,7 @@ import torch
 import yaml
 from helpers_cli import invoke
 from helpers_faults import Killed
-from helpers_tiny import random_causal_lm
+from helpers_tiny import random_causal_lm, refine_config
 
 from tsenor_cli.errors import UsageError
 from tsenor_cli.models.structure import discover_structure
@@ -27,7 +27,7 @@ from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
 from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.pruning.run.verify import verify_checkpoint
-from tsenor_cli.pruning.settings.config import PruneConfig, RefineConfig
+from tsenor_cli.pruning.settings.config import RefineConfig
 from tsenor_cli.pruning.settings.recipe import build_config, validate_recipe
 from tsenor_cli.replay import capture_block_inputs, run_block
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE, PruneReport
@@ -43,20 +43,7 @@ def tiny(tiny_llama: Callable[..., Path]) -> Path:
     return tiny_llama(num_layers=2)
 
 
-def _cfg(model: Path, calib: Path, output: Path, **changes: Any) -> PruneConfig:
-    fields: dict[str, Any] = {
-        "model": str(model),
-        "matrix": MatrixPruneConfig(SparsityPattern.from_nm(8, 16, transposable=True)),
-        "method": "sparsegpt",
-        "calib_data": str(calib),
-        "nsamples": 5,  # odd: two processes get 3 and 2, and the last step of an epoch holds one sample
-        "seqlen": 32,
-        "output": output,
-        "resume": False,
-        "refine": RefineConfig("block", 2, 1e-3),
-        **changes,
-    }
-    return PruneConfig(**fields)
+_cfg = refine_config
 
 
 def _sha(path: Path) -> str:

@@ -17,16 +17,21 @@ import pytest
 import torch
 from helpers_cli import invoke
 from helpers_faults import Killed
-from helpers_tiny import make_tiny_llama, make_tiny_model, random_causal_lm, random_model, sparsegpt_config
+from helpers_tiny import (
+    make_tiny_llama,
+    make_tiny_model,
+    random_causal_lm,
+    random_model,
+    refine_config,
+    sparsegpt_config,
+)
 from test_moe import MOE
 
 from tsenor_cli.errors import UsageError
 from tsenor_cli.models.structure import discover_structure
-from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.block import refine
 from tsenor_cli.pruning.block.refine import RefineJob, block_masks, dense_pass, refine_block
 from tsenor_cli.pruning.block.regions import Regions, find_regions
-from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.pruning.run.verify import verify_checkpoint
 from tsenor_cli.pruning.settings.config import PruneConfig, RefineConfig
@@ -144,19 +149,7 @@ def tiny(tiny_llama: Callable[..., Path]) -> Path:
 
 
 def _cfg(model: Path, calib: Path, output: Path, **changes: Any) -> PruneConfig:
-    fields: dict[str, Any] = {
-        "model": str(model),
-        "matrix": MatrixPruneConfig(SparsityPattern.from_nm(8, 16, transposable=True)),
-        "method": "sparsegpt",
-        "calib_data": str(calib),
-        "nsamples": 5,
-        "seqlen": 32,
-        "output": output,
-        "resume": False,
-        "refine": SUB,
-        **changes,
-    }
-    return PruneConfig(**fields)
+    return refine_config(model, calib, output, **{"refine": SUB, **changes})
 
 
 def _sha(path: Path) -> str:
