@@ -131,7 +131,7 @@ def test_a_merged_result_keeps_each_sections_rows_settings_and_provenance() -> N
         "Measured 2026-11-25 with `bench 2026-11-25`.\ntsenor 0, torch t, transformers x, Python 3; load average 1.5"
         in page
     )
-    assert "`--ppl` on 2 windows" in page and "WikiText-2, 1 window(s) of 2048 tokens" in page
+    assert "`--ppl` on 2 window(s)" in page and "WikiText-2, 1 window(s) of 2048 tokens" in page
     assert "Peak RSS at 32 blocks over 8 blocks: whole 2.50x, streamed 2.50x" in page
     # Merging the merged page again keeps the provenance it has.
     again = merge_results(merged, _result(("eval",), 3, {8: 2**30, 32: 2**30}, load=0.5, date="2026-12-01"), "m")
