@@ -33,6 +33,7 @@ from tsenor_cli.packed.files import (
     stored_tensors,
 )
 from tsenor_cli.packed.layout import SUFFIXES, MatrixPattern
+from tsenor_cli.packed.pages import MappedPages
 
 
 class TsenorPackedConfig(QuantizationConfigMixin):
@@ -60,10 +61,11 @@ class PackedSource:
 class PackedDecode(ConversionOps):
     """values + code → the dense weight, under the pattern its file records for the target parameter.
 
-    The values and the code are read from the file here, one matrix at a time, into memory of their own,
-    not taken from the tensors transformers hands over: those are views of the shard's memory map, and
-    every page of it read would stay resident until the map closes (after the last weight is loaded), so
-    the load's peak would hold the packed file and the dense model at once (1.57× the dense load's)."""
+    The values and the code are the tensors transformers hands over: views of the shard's memory map (or
+    their copies on the parameter's device). Each view faulted in pages of the map, which would stay in the
+    process's resident set until the map closes, after the last weight, so the load's peak would hold the
+    packed file's pages beside the dense matrices decoded from them; once a matrix is decoded, the map's
+    pages of its values and code are dropped (`packed.pages`). The dense result is the parameter itself."""
 
     def __init__(self, quantizer: TsenorPackedQuantizer) -> None:
         self.quantizer = quantizer
@@ -89,9 +91,14 @@ class PackedDecode(ConversionOps):
         if source is None:
             raise PackedFormatError(f"{target} has a packed code but its file records no pattern for it")
         # Decoded where transformers placed the values (a GPU decodes faster), in the dtype it gave them.
-        stored, code = (part.read().to(values.device) for part in (source.values, source.code))
-        dense = decode_matrix(target, stored, code, source.pattern, source.values.path)
-        return {target: dense.to(values.dtype)}
+        code_name = own + source.pattern.suffix
+        if code_name not in input_dict:
+            raise PackedFormatError(f"{target}: its file records a {source.pattern.encoding} code, not {codes[0]}")
+        code = one(input_dict[code_name]).to(values.device)
+        dense = decode_matrix(target, values, code, source.pattern, source.values.path)
+        spans = [(part.offset, part.nbytes) for part in (source.values, source.code)]
+        self.quantizer.pages.release(source.values.path, spans)
+        return {target: dense}
 
 
 class TsenorPackedQuantizer(HfQuantizer):
@@ -104,6 +111,7 @@ class TsenorPackedQuantizer(HfQuantizer):
     def __init__(self, quantization_config: QuantizationConfigMixin, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)
         self.patterns: dict[str, PackedSource] = {}
+        self.pages = MappedPages()  # the shards' maps, for dropping the pages of decoded matrices
 
     def _process_model_before_weight_loading(self, model: Any, **kwargs: Any) -> None:
         found: dict[str, PackedSource] = {}

@@ -51,24 +51,14 @@ _STORED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, t
 @dataclass(frozen=True)
 class StoredTensor:
     """Where one tensor's bytes lie in a safetensors file: the file, the first byte's offset from the
-    file's start, the byte count, the dtype and the shape (from the file's header)."""
+    file's start, the byte count, the dtype and the shape (from the file's header); the loader drops its
+    memory map's pages of them once the matrix is decoded (`packed.pages`)."""
 
     path: Path
     offset: int
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
-
-    def read(self) -> torch.Tensor:
-        """The tensor, read into memory of its own (not a view of a memory map, whose pages would stay
-        resident as long as the map lives)."""
-        buffer = torch.empty(self.nbytes, dtype=torch.uint8, device="cpu")
-        with self.path.open("rb") as handle:
-            handle.seek(self.offset)
-            got = handle.readinto(buffer.numpy().data)
-        if got != self.nbytes:
-            raise PackedFormatError(f"{self.path} is truncated: re-copy it")
-        return buffer.view(self.dtype).view(self.shape)
 
 
 def stored_tensors(path: Path, keys: Iterable[str]) -> dict[str, StoredTensor]:

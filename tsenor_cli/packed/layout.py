@@ -409,10 +409,12 @@ def _decode_matrix(values: torch.Tensor, code: torch.Tensor, pattern: MatrixPatt
     if expected is not None and tuple(values.shape) != expected:
         raise PackedFormatError(f"its values are {tuple(values.shape)}, not {expected}")
     with _decode_threads(pattern.rows * pattern.cols):
+        # The result is allocated before the mask and its temporaries: above it, they free to the top of the
+        # heap when the decoding ends, instead of into a hole under it that a loaded model keeps resident.
+        dense = torch.zeros(pattern.rows, pattern.cols, dtype=values.dtype, device=values.device)
         mask = _kept_matrix_mask(code, pattern)
         if expected is None and (values.dim() != 1 or values.numel() != int(mask.sum())):
             raise PackedFormatError(f"its {values.numel()} values do not match the {int(mask.sum())} kept positions")
-        dense = torch.zeros(pattern.rows, pattern.cols, dtype=values.dtype, device=values.device)
         # masked_scatter fills the kept positions in row-major order: the values' own order.
         return dense.masked_scatter_(mask, values.reshape(-1))
 
