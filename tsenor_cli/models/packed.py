@@ -35,6 +35,10 @@ from tsenor_cli.packed.files import (
 from tsenor_cli.packed.layout import SUFFIXES, MatrixPattern
 from tsenor_cli.packed.pages import MappedPages
 
+# The most of a file one page fault maps in (a PMD-sized large folio of the page cache on x86-64): a tensor
+# stored as it is and smaller than this is copied at load (`PackedDecode._stored_as_is`).
+_FAULT_BLOCK = 2 << 20
+
 
 class TsenorPackedConfig(QuantizationConfigMixin):
     """config.json's ``quantization_config`` of a packed checkpoint: the format version."""
@@ -86,7 +90,7 @@ class PackedDecode(ConversionOps):
         values = one(input_dict[own])
         codes = [name for name in input_dict if name != own]
         if not codes:
-            return {target: values}
+            return {target: self._stored_as_is(values)}
         source = self.quantizer.patterns.get(target)
         if source is None:
             raise PackedFormatError(f"{target} has a packed code but its file records no pattern for it")
@@ -100,6 +104,20 @@ class PackedDecode(ConversionOps):
         self.quantizer.pages.release(source.values.path, spans)
         return {target: dense}
 
+    def _stored_as_is(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor the file stores as it is (a norm, the embeddings): a small view of the shard's map is
+        copied and its pages dropped, so that no later read of it (the first forward pass) maps again the
+        large folio it shares with decoded matrices' pages; a large one (the embeddings) stays a view, read
+        when first used, as a dense load leaves it."""
+        if tensor.numel() * tensor.element_size() >= _FAULT_BLOCK:
+            return tensor
+        span = self.quantizer.pages.view_span(tensor)
+        if span is None:
+            return tensor
+        copy = tensor.clone()
+        self.quantizer.pages.release(span[0], [span[1:]])
+        return copy
+
 
 class TsenorPackedQuantizer(HfQuantizer):
     """Reads the packed matrices' patterns from the shards' metadata before the weights load, decodes each
@@ -111,10 +129,11 @@ class TsenorPackedQuantizer(HfQuantizer):
     def __init__(self, quantization_config: QuantizationConfigMixin, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)
         self.patterns: dict[str, PackedSource] = {}
-        self.pages = MappedPages()  # the shards' maps, for dropping the pages of decoded matrices
+        self.pages = MappedPages()  # the shards' maps, for dropping the pages of consumed tensors
 
     def _process_model_before_weight_loading(self, model: Any, **kwargs: Any) -> None:
         found: dict[str, PackedSource] = {}
+        self.pages = MappedPages(Path(file) for file in kwargs.get("checkpoint_files") or ())
         for file in kwargs.get("checkpoint_files") or ():
             path = Path(file)
             with safe_open(str(path), framework="pt") as handle:

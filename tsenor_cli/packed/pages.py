@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import torch
+
 _PAGE = mmap.PAGESIZE
 _MAPS, _PAGEMAP = Path("/proc/self/maps"), Path("/proc/self/pagemap")
 # The kernel's pagemap flags of a page: present in memory, swapped out, and "file-page or shared-anon"
@@ -91,9 +93,22 @@ class MappedPages:
     a range lies outside them (a map seen once and since gone would only have its address checked page by
     page, `_shares_file`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, paths: Iterable[Path] = ()) -> None:
+        self.paths = [Path(path) for path in paths]  # the files `view_span` looks for a tensor in
         self.maps: dict[Path, list[_Mapping]] = {}
         self.consumed: dict[Path, list[tuple[int, int]]] = {}
+
+    def view_span(self, tensor: torch.Tensor) -> tuple[Path, int, int] | None:
+        """(file, offset, nbytes) of `tensor`'s bytes when it is a view of a map of one of `paths` (a CPU
+        tensor lying inside one), else None (a copy, a GPU tensor, or a system `supported` says no to)."""
+        if not supported() or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        for path in self.paths:
+            for mapping in self.maps.setdefault(path, file_mappings(path)):
+                if mapping.start <= address and address + nbytes <= mapping.start + mapping.length:
+                    return path, address - mapping.start + mapping.offset, nbytes
+        return None
 
     def _covering(self, path: Path, offset: int, nbytes: int) -> list[_Mapping]:
         def covered(maps: list[_Mapping]) -> bool:
