@@ -105,7 +105,9 @@ class MappedPages:
             return None
         address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
         for path in self.paths:
-            for mapping in self.maps.setdefault(path, file_mappings(path)):
+            if path not in self.maps:
+                self.maps[path] = file_mappings(path)
+            for mapping in self.maps[path]:
                 if mapping.start <= address and address + nbytes <= mapping.start + mapping.length:
                     return path, address - mapping.start + mapping.offset, nbytes
         return None
