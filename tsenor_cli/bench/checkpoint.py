@@ -328,6 +328,12 @@ def _bytes_sections(result: dict[str, Any], targets: dict[str, bool]) -> list[st
     ]
 
 
+def _spread(found: dict[str, Any], key: str, unit: float, digits: int) -> str:
+    """A load measurement's median with the lowest and highest run, in `unit`s: "2.18 (2.01–2.40)"."""
+    runs = [value / unit for value in found[key]]
+    return f"{found['median_' + key] / unit:.{digits}f} ({min(runs):.{digits}f}–{max(runs):.{digits}f})"
+
+
 def _load_eval_sections(result: dict[str, Any], targets: dict[str, bool]) -> list[str]:
     loads, evaluation, model = result["loads"], result["eval"], result["real"]["model"]
     seconds = loads["packed"]["median_seconds"] / loads["dense"]["median_seconds"]
@@ -338,13 +344,14 @@ def _load_eval_sections(result: dict[str, Any], targets: dict[str, bool]) -> lis
         "",
         f"Each folder loaded {result['config']['loads']} times in a fresh process (`import tsenor_cli` in both), "
         "alternating; seconds of `from_pretrained` alone; peak RSS the child's own VmHWM (imports included) after "
-        "`from_pretrained`, and after one forward pass of 16 tokens; medians.",
+        "`from_pretrained`, and after one forward pass of 16 tokens; medians, and in brackets the lowest and "
+        "highest of the runs (MB = 10^6 bytes).",
         "",
-        "| folder | seconds (median) | peak RSS GiB after the load | after a forward pass |",
+        "| folder | seconds | peak RSS MB after the load | after a forward pass |",
         "|---|---:|---:|---:|",
         *(
-            f"| {fmt} | {found['median_seconds']:.2f} | {found['median_peak_rss'] / 2**30:.3f} | "
-            f"{found['median_peak_rss_forward'] / 2**30:.3f} |"
+            f"| {fmt} | {_spread(found, 'seconds', 1, 2)} | {_spread(found, 'peak_rss', 1e6, 1)} | "
+            f"{_spread(found, 'peak_rss_forward', 1e6, 1)} |"
             for fmt, found in loads.items()
         ),
         "",
@@ -353,8 +360,8 @@ def _load_eval_sections(result: dict[str, Any], targets: dict[str, bool]) -> lis
         f"pass {forward:.3f} (≤ 1: {_verdict(targets['forward_peak'])}). The dense load maps its file and reads no "
         "weight until it is used (transformers keeps each tensor as a view of the map), so its peak after "
         "`from_pretrained` holds almost none of the weights; the packed load has decoded every pruned matrix into "
-        "memory of its own by then (each read from the file on its own, never through the map, "
-        "`models/packed.py`). After the forward pass both hold every weight.",
+        "memory of its own by then (and dropped the map's pages of their values and codes, `packed/pages.py`). "
+        "After the forward pass both hold every weight: that peak is the one to compare.",
         "",
         f"## `tsenor eval --ppl {PPL_DATA}`",
         "",
