@@ -144,3 +144,21 @@ def test_a_packed_load_holds_each_weight_once(packed: Path) -> None:
                 inside += last - first
                 assert not any(present(mapping.start + first * PAGE - mapping.offset, last - first)), span
     assert inside, "no packed tensor spans a whole page: this check has nothing to look at"
+
+
+def test_unreadable_pagemap_keeps_pages_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sandbox that hides /proc/self/pagemap: nothing is dropped (no error mid-load), one log line says so."""
+    from tsenor_cli.packed import pages
+
+    monkeypatch.setattr(pages, "_PAGEMAP", tmp_path / "missing-pagemap")
+    pages.supported.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="tsenor"):
+            assert not pages.supported()
+        assert MappedPages([tmp_path / "x"]).release(tmp_path / "x", [(0, 4 * PAGE)]) == 0
+        assert MappedPages([tmp_path / "x"]).view_span(torch.zeros(4)) is None
+    finally:
+        pages.supported.cache_clear()
+    assert any("unreadable" in record.getMessage() for record in caplog.records)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from tsenor_cli.progress import logger
+
 _PAGE = mmap.PAGESIZE
 _MAPS, _PAGEMAP = Path("/proc/self/maps"), Path("/proc/self/pagemap")
 # The kernel's pagemap flags of a page: present in memory, swapped out, and "file-page or shared-anon"
@@ -45,9 +47,25 @@ class _Mapping:
     offset: int
 
 
+@cache
 def supported() -> bool:
-    """Whether this system exposes what `MappedPages` needs (Linux's /proc/self/maps and pagemap)."""
-    return sys.platform.startswith("linux") and hasattr(mmap, "MADV_DONTNEED")
+    """Whether this system exposes what `MappedPages` needs (Linux's /proc/self/maps and a readable
+    /proc/self/pagemap). Some sandboxes (gVisor, hardened kernels) hide them: the load then keeps the map's
+    pages, which costs memory, not correctness, and one log line says so."""
+    if not (sys.platform.startswith("linux") and hasattr(mmap, "MADV_DONTNEED")):
+        return False
+    try:
+        with _PAGEMAP.open("rb") as handle:
+            handle.read(8)
+        _MAPS.read_bytes()
+    except OSError as error:
+        logger.info(
+            "packed load: %s unreadable (%s); the file's mapped pages stay resident until the load ends",
+            _PAGEMAP,
+            error.strerror,
+        )
+        return False
+    return True
 
 
 @cache
