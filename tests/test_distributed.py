@@ -48,6 +48,7 @@ from tsenor_cli.pruning.plan.plan import plan_model
 from tsenor_cli.pruning.run import api
 from tsenor_cli.pruning.run.launch import run_status, without_option
 from tsenor_cli.pruning.settings.config import PruneConfig
+from tsenor_cli.pruning.settings.recipe import build_config, read_recipe
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE, read_sparsity
 from tsenor_cli.settings import DistributedContext, RunContext
 
@@ -321,6 +322,49 @@ def test_two_loss_aware_processes_give_the_checkpoint_of_one_and_resume_to_it(
         assert single != _sha(plain / "model.safetensors")  # the row weights moved some masks
         assert _sha(tmp_path / f"dist-{stream}" / "model.safetensors") == single
         assert _sha(tmp_path / f"resumed-{stream}" / "model.safetensors") == single
+
+
+def _folder_sha(folder: Path) -> str:
+    """One hash of every safetensors file of an output folder (a dense or a packed checkpoint)."""
+    files = sorted(folder.glob("*.safetensors"))
+    assert files, folder
+    return hashlib.sha256(b"".join(_sha(f).encode() for f in files)).hexdigest()
+
+
+@pytest.mark.parametrize("name", ["quality-16x32.yaml", "quality-2x4.yaml"])
+def test_the_quality_recipes_give_one_process_bytes_streamed_in_two_processes_and_resumed(
+    name: str, models: dict[str, Path], calib: Path, data_ctx: RunContext, tmp_path: Path
+) -> None:
+    """Each recipe as shipped (calibration made small): the whole-model run, the streamed one, two processes
+    and a two-process run stopped after block 1 and resumed write the same bytes, dense and packed."""
+    recipe = read_recipe(REPO / "configs" / name)
+    assert "model" not in recipe
+
+    def cfg(folder: str, resume: bool = False, **changes: Any) -> PruneConfig:
+        small = {"model": str(models["llama"]), "calib_data": str(calib), "nsamples": 5, "seqlen": 32}
+        values = {**recipe, **small, "output": str(tmp_path / folder), **changes}
+        return build_config(values, force=False, resume=resume, command=None)
+
+    jobs: list[dict[str, Any]] = []
+    for save_format in ("dense", "packed"):
+        api.prune_model(cfg(f"whole-{save_format}", stream=False, save_format=save_format), data_ctx)
+        api.prune_model(cfg(f"streamed-{save_format}", save_format=save_format), data_ctx)
+        resumed = cfg(f"resumed-{save_format}", resume=True, save_format=save_format)
+        jobs += [
+            {"name": f"two-{save_format}", "cfg": cfg(f"two-{save_format}", save_format=save_format)},
+            {"name": f"stopped-{save_format}", "cfg": resumed, "stop_after_first": True},
+            {"name": f"resumed-{save_format}", "cfg": resumed},
+        ]
+    outcomes = _spawn(tmp_path, jobs, data_ctx)
+    for save_format in ("dense", "packed"):
+        assert all(o[f"stopped-{save_format}"]["type"] == "Interrupted" for o in outcomes), outcomes
+        for run in ("two", "resumed"):
+            assert [o[f"{run}-{save_format}"] for o in outcomes] == ["ok"] * WORLD, outcomes
+        one = _folder_sha(tmp_path / f"whole-{save_format}")
+        for run in ("streamed", "two", "resumed"):
+            assert _folder_sha(tmp_path / f"{run}-{save_format}") == one, (run, save_format)
+    report = json.loads((tmp_path / "two-dense" / PRUNE_FILE).read_text())
+    assert len(report["refinement"]) == 2 and report["settings"]["processes"] == WORLD
 
 
 def test_resumed_distributed_run_equals_an_uninterrupted_one_and_failures_stop_every_rank(
