@@ -232,6 +232,10 @@ def test_cli_nproc_checks_and_the_per_rank_dry_run(
     assert ranks == ["rank 0", "rank 1"] and "peak per process" in plan.output
     few = runner.invoke(app, [*base, "--nsamples", "1", "--nproc", "2", "--output", str(tmp_path / "o")])
     assert isinstance(few.exception, TsenorError) and "--nsamples 1 is fewer than --nproc 2" in str(few.exception)
+    pass_args = ["--nsamples", "4", "--loss-aware", "1", "--loss-aware-fraction", "0.25", "--nproc", "2"]
+    short = runner.invoke(app, [*base, *pass_args, "--output", str(tmp_path / "o")])
+    assert isinstance(short.exception, TsenorError)
+    assert "--loss-aware-fraction 0.25 leaves the loss pass 1 samples, fewer than --nproc 2" in str(short.exception)
     torchrun_env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
     nested = runner.invoke(app, [*base, "--nsamples", "4", "--nproc", "2", "--output", "o"], env=torchrun_env)
     assert isinstance(nested.exception, TsenorError) and "inside a torchrun process (rank 1 of 2)" in str(

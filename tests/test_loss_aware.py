@@ -197,6 +197,60 @@ def test_a_killed_loss_aware_run_resumes_to_the_same_checkpoint(
         assert _sha(resumed) == _sha(full)
 
 
+def test_a_fraction_reads_the_first_samples_and_all_of_them_is_todays_run(
+    tiny: Path, calib: Path, data_ctx: RunContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--loss-aware-fraction f: the pass reads the first ⌈f·nsamples⌉ calibration samples, the same tokens the
+    blocks' loop starts with, and nothing else; f = 1 (or a fraction giving every sample) keeps the
+    checkpoint and the resume key of a run without the setting, a smaller one changes the row weights."""
+    from tsenor_cli.pruning.run import loss_aware
+
+    read: dict[str, torch.Tensor] = {}
+    calibrated = loss_aware.capture_start
+
+    def capture(source: BlockSource, calib_data: object, shard: slice, *args: object, **kwargs: object) -> object:
+        read["ids"] = calib_data.input_ids[shard]  # type: ignore[attr-defined]
+        read["all"] = calib_data.input_ids  # type: ignore[attr-defined]
+        return calibrated(source, calib_data, shard, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loss_aware, "capture_start", capture)
+    runs = {"all": 1.0, "every": 0.9, "half": 0.5, "one": 0.1}  # of 4 samples: 4, 4, 2, 1
+    seen = {}
+    for name, fraction in runs.items():
+        prune_model(sparsegpt_config(tiny, calib, tmp_path / name, loss_aware=4.0, loss_aware_fraction=fraction),
+                    data_ctx)  # fmt: skip
+        seen[name] = read["ids"]
+        assert torch.equal(read["ids"], read["all"][: seen[name].shape[0]])
+    assert [seen[name].shape[0] for name in runs] == [4, 4, 2, 1]
+    hashes = {name: sparsegpt_config(tiny, calib, None, loss_aware=4.0, loss_aware_fraction=f).result_hash()
+              for name, f in runs.items()}  # fmt: skip
+    assert hashes["all"] == hashes["every"] == sparsegpt_config(tiny, calib, None, loss_aware=4.0).result_hash()
+    assert len({hashes["all"], hashes["half"], hashes["one"]}) == 3
+    assert _sha(tmp_path / "all") == _sha(tmp_path / "every") != _sha(tmp_path / "half")
+    settings = json.loads((tmp_path / "half" / PRUNE_FILE).read_text())["settings"]
+    assert settings["loss_aware_fraction"] == 0.5
+
+
+@pytest.mark.parametrize("value", ["0", "-0.5", "1.5"])
+def test_a_bad_fraction_is_one_line_and_writes_nothing(tiny: Path, calib: Path, tmp_path: Path, value: str) -> None:
+    out = tmp_path / "out"
+    args = ["prune", str(tiny), "--nm", "2:4", "--calib-data", str(calib), "--nsamples", "2", "--seqlen", "16"]
+    result = invoke([*args, "--loss-aware", "1", "--loss-aware-fraction", value, "--output", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "--loss-aware-fraction" in str(result.exception) and not out.exists()
+
+
+def test_a_fraction_that_leaves_a_process_without_a_sample_is_refused(tiny: Path, calib: Path) -> None:
+    """Two processes, 4 samples, a quarter of them: the pass would give one process none."""
+    from tsenor_cli.errors import UsageError
+
+    cfg = sparsegpt_config(tiny, calib, None, loss_aware=1.0, loss_aware_fraction=0.25)
+    cfg.check_samples(1, "one process")
+    with pytest.raises(UsageError, match=r"--loss-aware-fraction 0.25 leaves the loss pass 1 samples.*at least 0.5"):
+        cfg.check_samples(2, "--nproc 2")
+    sparsegpt_config(tiny, calib, None, loss_aware_fraction=0.25).check_samples(2, "--nproc 2")  # no pass: no limit
+
+
 @pytest.mark.parametrize("value", ["-1", "nan", "inf"])
 def test_a_bad_weight_is_one_line_and_writes_nothing(tiny: Path, calib: Path, tmp_path: Path, value: str) -> None:
     out = tmp_path / "out"
@@ -206,13 +260,15 @@ def test_a_bad_weight_is_one_line_and_writes_nothing(tiny: Path, calib: Path, tm
     assert "--loss-aware" in str(result.exception) and not out.exists()
 
 
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_the_plan_counts_the_tensors_of_the_curvature_pass(
-    tiny: Path, calib: Path, data_ctx: RunContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny: Path, calib: Path, data_ctx: RunContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fraction: float
 ) -> None:
     """The dry run's `curvature` part against what the pass holds in a run: the checkpoints `_forward`
     keeps, then at once either the last output and the gradient or one replayed segment's inputs and the
     gradient; the head's logits, (T, V) float32 three times; the per-sample sums. Without --loss-aware the
-    part is 0 and the total unchanged. 3 blocks: segments of 2 (⌈√3⌉), checkpoints at blocks 0 and 2."""
+    part is 0 and the total unchanged. 3 blocks: segments of 2 (⌈√3⌉), checkpoints at blocks 0 and 2. With
+    half the samples (--loss-aware-fraction 0.5) the hidden states and the sums are of those 2 of 4."""
     from tsenor_cli.pruning.block import curvature
     from tsenor_cli.pruning.plan.plan import plan_model
 
@@ -232,7 +288,7 @@ def test_the_plan_counts_the_tensors_of_the_curvature_pass(
 
     monkeypatch.setattr(curvature, "_forward", kept)
     monkeypatch.setattr(curvature, "_replay", segment)
-    cfg = sparsegpt_config(tiny, calib, tmp_path / "out", loss_aware=4.0)
+    cfg = sparsegpt_config(tiny, calib, tmp_path / "out", loss_aware=4.0, loss_aware_fraction=fraction)
     plain = plan_model(sparsegpt_config(tiny, calib, tmp_path / "out"), data_ctx).host_memory
     host = plan_model(cfg, data_ctx).host_memory
     prune_model(cfg, data_ctx)
@@ -240,7 +296,10 @@ def test_the_plan_counts_the_tensors_of_the_curvature_pass(
     assert plain.curvature == 0 and host.curvature > 0 and host.total >= plain.total
     copies = len(held["checkpoints"]) + max(2, *held["segments"])  # 4: every peak of the pass, counted above
     logits = 3 * cfg.seqlen * 49152 * 4  # the tiny model's head: the SmolLM2 tokenizer's vocabulary
-    sums = cfg.nsamples * sum(_outputs(tiny)) * 4
+    rows = int(cfg.nsamples * fraction)
+    hidden = json.loads((tiny / "config.json").read_text())["hidden_size"]
+    assert held["copy"][0] == rows * cfg.seqlen * hidden * 4  # (S, T, H) float32 of the samples the pass reads
+    sums = rows * sum(_outputs(tiny)) * 4
     assert host.curvature == copies * held["copy"][0] + logits + sums
 
 

@@ -162,3 +162,40 @@ def test_unreadable_pagemap_keeps_pages_and_says_so(
     finally:
         pages.supported.cache_clear()
     assert any("unreadable" in record.getMessage() for record in caplog.records)
+
+
+def test_a_drop_the_kernel_refuses_keeps_the_pages_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Locked pages (mlock, as a job under mlockall holds them) cannot be dropped (madvise: EINVAL): the load
+    goes on with its pages mapped, one log line says so, and that load drops nothing more. The map is
+    read-only: locking a private writable one would copy its pages, which are then not the file's."""
+    path = tmp_path / "locked.bin"
+    path.write_bytes(bytes(PAGES * PAGE))
+    with path.open("rb") as handle:
+        view = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    address = file_mappings(path)[0].start  # a read-only map exposes no buffer address to ctypes
+    assert sum(view[i * PAGE] for i in range(PAGES)) == 0 and all(present(address, PAGES))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mlock.argtypes = libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    if libc.mlock(address + 2 * PAGE, 2 * PAGE) != 0:
+        view.close()
+        pytest.skip("mlock is not allowed here")
+    try:
+        pages = MappedPages()
+        with caplog.at_level("INFO", logger="tsenor"):
+            assert pages.release(path, [(2 * PAGE, 2 * PAGE)]) == 0
+        assert pages.refused and present(address, PAGES) == [True] * PAGES
+        assert pages.release(path, [(6 * PAGE, 2 * PAGE)]) == 0  # unlocked, but this load stopped dropping
+        assert present(address, PAGES) == [True] * PAGES
+    finally:
+        libc.munlock(address + 2 * PAGE, 2 * PAGE)
+    try:
+        assert [r.getMessage() for r in caplog.records if "keeps" in r.getMessage()] == [
+            f"packed load: the kernel keeps {path.name}'s mapped pages (madvise: Invalid argument); they stay "
+            "resident until the load ends"
+        ]
+        assert MappedPages().release(path, [(6 * PAGE, 2 * PAGE)]) == 2 * PAGE  # a new load drops again
+        assert present(address, PAGES)[6:] == [False, False]
+    finally:
+        view.close()

@@ -33,11 +33,7 @@ from tsenor_cli.packed.files import (
     stored_tensors,
 )
 from tsenor_cli.packed.layout import SUFFIXES, MatrixPattern
-from tsenor_cli.packed.pages import MappedPages
-
-# The most of a file one page fault maps in (a PMD-sized large folio of the page cache on x86-64): a tensor
-# stored as it is and smaller than this is copied at load (`PackedDecode._stored_as_is`).
-_FAULT_BLOCK = 2 << 20
+from tsenor_cli.packed.pages import FAULT_BLOCK, MappedPages
 
 
 class TsenorPackedConfig(QuantizationConfigMixin):
@@ -109,7 +105,7 @@ class PackedDecode(ConversionOps):
         copied and its pages dropped, so that no later read of it (the first forward pass) maps again the
         large folio it shares with decoded matrices' pages; a large one (the embeddings) stays a view, read
         when first used, as a dense load leaves it."""
-        if tensor.numel() * tensor.element_size() >= _FAULT_BLOCK:
+        if tensor.numel() * tensor.element_size() >= FAULT_BLOCK:
             return tensor
         span = self.quantizer.pages.view_span(tensor)
         if span is None:

@@ -36,6 +36,9 @@ _MAPS, _PAGEMAP = Path("/proc/self/maps"), Path("/proc/self/pagemap")
 # The kernel's pagemap flags of a page: present in memory, swapped out, and "file-page or shared-anon"
 # (set for a page of a private map while it is still the file's own, clear once written to).
 _PRESENT, _SWAPPED, _FILE_PAGE = 1 << 63, 1 << 62, 1 << 61
+# The most of a file one page fault maps in (a PMD-sized large folio of the page cache on x86-64): a view
+# smaller than this shares the folio with its neighbours, so reading it later maps them in again.
+FAULT_BLOCK = 2 << 20
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,7 @@ class MappedPages:
         self.paths = [Path(path) for path in paths]  # the files `view_span` looks for a tensor in
         self.maps: dict[Path, list[_Mapping]] = {}
         self.consumed: dict[Path, list[tuple[int, int]]] = {}
+        self.refused = False  # the kernel refused a drop (locked memory, `release`): the rest stay mapped
 
     def view_span(self, tensor: torch.Tensor) -> tuple[Path, int, int] | None:
         """(file, offset, nbytes) of `tensor`'s bytes when it is a view of a map of one of `paths` (a CPU
@@ -158,7 +162,7 @@ class MappedPages:
         process's mapped pages of it that lie wholly inside consumed bytes, in every map of it this process
         holds → the bytes whose pages were dropped (present or not). A range holding a page that is not the
         file's own (a private copy, or swapped out) is left as it is. Nothing on a system `supported` says no to."""
-        if not supported():
+        if not supported() or self.refused:
             return 0
         released = 0
         for offset, nbytes in spans:
@@ -171,7 +175,15 @@ class MappedPages:
                 if not _shares_file(address, high - low):
                     continue
                 if _madvise()(address, high - low, mmap.MADV_DONTNEED) != 0:
-                    error = ctypes.get_errno()
-                    raise OSError(error, f"madvise of {path}'s memory map failed: {os.strerror(error)}")
+                    # EINVAL for locked pages (mlockall, a memlock'd job): keeping them costs memory, not
+                    # correctness, as on a system `supported` says no to.
+                    logger.info(
+                        "packed load: the kernel keeps %s's mapped pages (madvise: %s); they stay resident "
+                        "until the load ends",
+                        path.name,
+                        os.strerror(ctypes.get_errno()),
+                    )
+                    self.refused = True
+                    return released
                 released += high - low
         return released

@@ -117,7 +117,7 @@ def _forward(
     """The dense blocks run in turn on `hidden` → ({c: block c's input, for c = 0, k, 2k, …}, the last
     block's output), each (S_r, T, H) on the CPU: the checkpoints the backward replays its segments from."""
     checkpoints: dict[int, torch.Tensor] = {}
-    current = hidden.to(CPU, copy=True)
+    current = hidden.to(CPU)  # read, never written: the first checkpoint is the caller's tensor, not a copy
     for index, call in enumerate(calls):
         if index % k == 0:
             checkpoints[index] = current

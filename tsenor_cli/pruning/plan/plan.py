@@ -418,10 +418,11 @@ class Sizing:
         memory = estimate_device_memory(work)
         host = host_estimate(work, memory[0])  # shard_bounds gives rank 0 the most samples
         if cfg.loss_aware:
-            rows = -(-nsamples // len(memory))
+            samples = cfg.curvature_samples  # a loss-aware run reads calibration text (`reads_data`)
+            rows = -(-samples // len(memory))
             outputs = sum(slot.out_features for slot in self.candidates if not slot.experts)
             pass_bytes = curvature_bytes(rows * seqlen * self.hidden * width, len(self.per_block),
-                                         seqlen * self.vocab * 4, nsamples * outputs * 4)  # fmt: skip
+                                         seqlen * self.vocab * 4, samples * outputs * 4)  # fmt: skip
             host = replace(host, curvature=pass_bytes)
         return memory, host
 

@@ -164,14 +164,10 @@ def prune_model(
 
 
 def _checked_output(cfg: PruneConfig, processes: int) -> Path:
-    """The output folder, refused before any work when missing, or with fewer samples than processes."""
+    """The output folder, refused before any work when missing, or when a process would get no sample."""
     if cfg.output is None:
         raise UsageError("--output is required to prune; pass --output DIR (or --dry-run to only print the plan)")
-    if cfg.nsamples < processes:
-        raise UsageError(
-            f"--nsamples {cfg.nsamples} is fewer than the {processes} processes of the run; "
-            "pass at least one calibration sample per process"
-        )
+    cfg.check_samples(processes, f"the {processes} processes of the run")
     return output_path(cfg.output)
 
 

@@ -32,7 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from tsenor_cli.errors import PeerError, UsageError
+from tsenor_cli.errors import PeerError
 from tsenor_cli.settings import (
     LOCAL_RANK_ENV,
     RANK_ENV,
@@ -173,9 +173,6 @@ def launch_prune(args: Sequence[str], cfg: PruneConfig, nproc: int) -> int:
     once, then `launch` → the run's exit code."""
     from tsenor_cli.models.loading import resolve_device
 
-    if cfg.nsamples < nproc:
-        raise UsageError(
-            f"--nsamples {cfg.nsamples} is fewer than --nproc {nproc}; pass at least one calibration sample per process"
-        )
+    cfg.check_samples(nproc, f"--nproc {nproc}")
     resolve_device(cfg.device)
     return launch(args, nproc)

@@ -36,7 +36,7 @@ def loss_rows(
     if not weight:
         return {}
     assert calib is not None  # `run.load` reads the calibration text for a loss-aware run, resumed or not
-    shard = run.team.shard(run.plan.calibration_samples)
+    shard = run.team.shard(run.cfg.curvature_samples)  # the first --loss-aware-samples, or all
     started = time.perf_counter()
     # The dense forward and backward over the blocks is the dense stream's kind of pass (phases.py).
     with phase("dense stream"), run.team.agreed():
@@ -46,7 +46,8 @@ def loss_rows(
         batch = CalibrationBatch(begin.calls, begin.hidden, ids)
         curvature = loss_curvature(loaded.model, source, batch, linear_slots(loaded.structure), run.team)
     run.say(
-        f"loss curvature at {len(curvature)} linears' outputs (--loss-aware {weight:g}): "
+        f"loss curvature at {len(curvature)} linears' outputs (--loss-aware {weight:g}, "
+        f"{run.cfg.curvature_samples} samples): "
         f"{time.perf_counter() - started:.1f}s"
     )
     return curvature_rows(curvature, weight)

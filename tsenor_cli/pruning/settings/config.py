@@ -121,6 +121,7 @@ class PruneConfig:
     trust_remote_code: bool = default_of(PRUNE_FIELDS, "trust_remote_code")
     sequential: bool = default_of(PRUNE_FIELDS, "sequential")
     loss_aware: float = default_of(PRUNE_FIELDS, "loss_aware")
+    loss_aware_fraction: float = default_of(PRUNE_FIELDS, "loss_aware_fraction")
     skip_incompatible: bool = default_of(PRUNE_FIELDS, "skip_incompatible")
     ignore: tuple[str, ...] = default_of(PRUNE_FIELDS, "ignore")
     targets: tuple[str, ...] = default_of(PRUNE_FIELDS, "targets")
@@ -145,6 +146,26 @@ class PruneConfig:
             raise UsageError(
                 f"{type(self.matrix.options).__name__} are not the options of --method {self.method}; "
                 f"pass {spec.options.__name__}"
+            )
+
+    @property
+    def curvature_samples(self) -> int:
+        """The calibration samples `--loss-aware`'s pass reads, the first ⌈loss_aware_fraction · nsamples⌉
+        (the first of a shuffled draw: `data/calibration.py`)."""
+        return max(1, math.ceil(self.loss_aware_fraction * self.nsamples))
+
+    def check_samples(self, processes: int, ran_as: str) -> None:
+        """UsageError when a phase would leave a process without a calibration sample: the blocks' loop
+        shares --nsamples among the processes, `--loss-aware`'s pass its own samples. ran_as: how the
+        processes were asked for, for the message ("--nproc 4")."""
+        if self.nsamples < processes:
+            raise UsageError(
+                f"--nsamples {self.nsamples} is fewer than {ran_as}; pass at least one calibration sample per process"
+            )
+        if self.loss_aware and self.curvature_samples < processes:
+            raise UsageError(
+                f"--loss-aware-fraction {self.loss_aware_fraction:g} leaves the loss pass {self.curvature_samples} "
+                f"samples, fewer than {ran_as}; pass a fraction of at least {processes / self.nsamples:.3g}"
             )
 
     @property
@@ -177,6 +198,8 @@ class PruneConfig:
         }
         if not self.loss_aware:  # off: the hash runs had before the setting existed
             settings.pop("loss_aware")
+        if not self.loss_aware or self.curvature_samples == self.nsamples:  # all samples: the hash before it
+            settings.pop("loss_aware_fraction")
         pattern = self.pattern
         return {
             "model": self.model,

@@ -63,6 +63,11 @@ def _check_finite(value: float) -> None:
         raise UsageError(f"--loss-aware {value} must be a finite number >= 0; pass e.g. 1")
 
 
+def _check_fraction(value: float) -> None:
+    if not 0 < value <= 1:
+        raise UsageError(f"--loss-aware-fraction {value} must be in (0, 1]; pass e.g. 0.25 (1: every sample)")
+
+
 def _check_method(value: str) -> None:
     get_pruner(value)  # an unknown or broken method is one line
 
@@ -110,6 +115,9 @@ PRUNE_FIELDS: tuple[Field, ...] = (
           "output row i's reconstruction error counts (1 + λ·g_i/mean g), g_i the dense model's squared loss "
           "gradient at that output on the calibration data (one forward and backward pass before pruning; "
           "docs/design/loss-aware.md). 0: the reconstruction alone.", PATTERN, minimum=0.0, check=_check_finite),
+    Field("loss_aware_fraction", float, 1.0, "Share of the calibration sequences the --loss-aware pass reads: "
+          "the first ⌈f·nsamples⌉ (1: all). The pass's time scales with it; at 1 it costs about one plain ALPS "
+          "prune (docs/design/loss-aware.md).", PATTERN, positive=True, check=_check_fraction),
     Field("calib_data", str, "c4", "Calibration text: c4, wikitext2, ptb or a text/jsonl file.", DATA,
           flag="--data", aliases=("--calib-data",)),
     Field("nsamples", int, 128, "Calibration sequences.", DATA, minimum=1),
