@@ -31,22 +31,31 @@ from tsenor_cli.replay import BlockCall, run_block
 from tsenor_cli.settings import RunContext
 
 T1632 = SparsityPattern.from_nm(16, 32, transposable=True)
-# name: (epochs, lr, mask period, shadows start from the dense weights, regions); period 0 holds the mask
+# name: RefineConfig's settings (epochs, lr, mask_every, regions, samples_per_step, schedule) and whether
+# the mask re-solves' shadows start from the dense weights ("dense_init"). mask_every 0 holds the mask
 # fixed (today's --refine block); regions "sub-blocks" trains each region of the block in turn
 # (--refine-regions sub-blocks), `epochs` epochs each.
-VARIANTS: dict[str, tuple[int, float, int, bool, str]] = {
-    "fixed e2 lr1e-3 (default)": (2, 1e-3, 0, False, "block"),
-    "fixed e4 lr1e-3": (4, 1e-3, 0, False, "block"),
-    "fixed e8 lr1e-3": (8, 1e-3, 0, False, "block"),
-    "fixed e2 lr3e-3": (2, 3e-3, 0, False, "block"),
-    "joint k4 e2 lr1e-3": (2, 1e-3, 4, False, "block"),
-    "joint k1 e2 lr1e-3": (2, 1e-3, 1, False, "block"),
-    "joint k4 e4 lr1e-3": (4, 1e-3, 4, False, "block"),
-    "joint k8 e8 lr1e-3": (8, 1e-3, 8, False, "block"),
-    "joint k4 e2 lr1e-3 dense-init": (2, 1e-3, 4, True, "block"),
-    "joint k4 e2 lr3e-3": (2, 3e-3, 4, False, "block"),
-    "sub-blocks e2 lr1e-3": (2, 1e-3, 0, False, "sub-blocks"),
-    "sub-blocks e4 lr1e-3": (4, 1e-3, 0, False, "sub-blocks"),
+VARIANTS: dict[str, dict[str, object]] = {
+    "fixed e2 lr1e-3 (default)": {"epochs": 2},
+    "fixed e4 lr1e-3": {"epochs": 4},
+    "fixed e8 lr1e-3": {"epochs": 8},
+    "fixed e2 lr3e-3": {"epochs": 2, "lr": 3e-3},
+    "joint k4 e2 lr1e-3": {"epochs": 2, "mask_every": 4},
+    "joint k1 e2 lr1e-3": {"epochs": 2, "mask_every": 1},
+    "joint k4 e4 lr1e-3": {"epochs": 4, "mask_every": 4},
+    "joint k8 e8 lr1e-3": {"epochs": 8, "mask_every": 8},
+    "joint k4 e2 lr1e-3 dense-init": {"epochs": 2, "mask_every": 4, "dense_init": True},
+    "joint k4 e2 lr3e-3": {"epochs": 2, "lr": 3e-3, "mask_every": 4},
+    "sub-blocks e2 lr1e-3": {"epochs": 2, "regions": "sub-blocks"},
+    "sub-blocks e4 lr1e-3": {"epochs": 4, "regions": "sub-blocks"},
+    # The schedule (quality issue, item 4): steps of fewer samples, and a cosine learning rate.
+    "fixed e4 lr1e-3 cosine": {"epochs": 4, "schedule": "cosine"},
+    "fixed e4 lr2e-3 cosine": {"epochs": 4, "lr": 2e-3, "schedule": "cosine"},
+    "fixed e4 lr1e-3 spp2": {"epochs": 4, "samples_per_step": 2},
+    "fixed e4 lr1e-3 spp1": {"epochs": 4, "samples_per_step": 1},
+    "fixed e4 lr1e-3 spp1 cosine": {"epochs": 4, "samples_per_step": 1, "schedule": "cosine"},
+    "fixed e4 lr1e-3 spp2 cosine": {"epochs": 4, "samples_per_step": 2, "schedule": "cosine"},
+    "fixed e4 lr5e-4 spp1 cosine": {"epochs": 4, "lr": 5e-4, "samples_per_step": 1, "schedule": "cosine"},
 }
 
 
@@ -110,8 +119,9 @@ def _study(
         torch.save(pruned, path)
     names = [f"{m}.weight" for m, mod in block.named_modules() if isinstance(mod, torch.nn.Linear)]
     for variant in args.variants:
-        epochs, lr, every, from_dense, regions = VARIANTS[variant]
-        cfg = RefineConfig("block", epochs, lr, every, regions, pattern=T1632)
+        settings = dict(VARIANTS[variant])
+        from_dense = bool(settings.pop("dense_init", False))
+        cfg = RefineConfig("block", pattern=T1632, **settings)  # type: ignore[arg-type]
         block.load_state_dict(dense)  # the regions' dense targets come from the dense block
         found, values, why = dense_pass(block, hidden[:n].clone(), call, torch.device("cpu"), cfg)
         if why is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,104 @@ def test_the_sample_order_is_drawn_from_the_seed_and_the_block() -> None:
         results.append(torch.cat([p.detach().reshape(-1) for p in block.parameters()]))
     assert torch.equal(results[0], results[1])
     assert not torch.equal(results[0], results[2])
+
+
+@pytest.mark.parametrize(("per_step", "steps_per_epoch"), [(1, 6), (2, 3), (4, 2), (6, 1), (10, 1)])
+@pytest.mark.parametrize("schedule", ["constant", "cosine"])
+def test_the_steps_take_the_samples_per_step_and_the_learning_rate_follows_the_schedule(
+    per_step: int, steps_per_epoch: int, schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """6 samples, `per_step` a step, 2 epochs: 2·⌈6/per_step⌉ Adam steps, each at the schedule's learning
+    rate (cosine: lr·(1 + cos(π t/T))/2 at step t of T, worked by hand for T = 2: lr, lr/2)."""
+    cpu = torch.device("cpu")
+    block, call, inputs, targets, masks = _pruned_block(torch.float32, cpu)
+    rates: list[float] = []
+    sizes: list[int] = []
+    take = refine._step
+
+    def recording(optimizer: torch.optim.Optimizer) -> None:
+        rates.append(optimizer.param_groups[0]["lr"])
+        take(optimizer)
+
+    def sizing(job: RefineJob, stage: Any, rows: list[int], divisor: float) -> None:
+        sizes.append(len(rows))
+        accumulate(job, stage, rows, divisor)
+
+    accumulate = refine._accumulate
+    monkeypatch.setattr(refine, "_step", recording)
+    monkeypatch.setattr(refine, "_accumulate", sizing)
+    cfg = RefineConfig("block", 2, 1e-3, samples_per_step=per_step, schedule=schedule)
+    record = refine_block(RefineJob(block, 0, inputs, call, targets, cfg, 0, cpu, masks))
+    total = 2 * steps_per_epoch
+    assert record.steps == total == len(rates)
+    assert sum(sizes) == 2 * 6 and max(sizes) == min(per_step, 6)
+    if schedule == "constant":
+        assert rates == [1e-3] * total
+    else:
+        expected = [1e-3 * (1 + math.cos(math.pi * t / total)) / 2 for t in range(total)]
+        assert rates == pytest.approx(expected, rel=1e-12)
+        if total == 2:
+            assert rates == pytest.approx([1e-3, 5e-4], rel=1e-12)
+
+
+def test_the_schedule_and_the_step_size_change_the_result_and_repeat_exactly() -> None:
+    cpu = torch.device("cpu")
+    results = {}
+    for name, cfg in {
+        "default": RefineConfig("block", 2, 1e-3),
+        "default again": RefineConfig("block", 2, 1e-3),
+        "one a step": RefineConfig("block", 2, 1e-3, samples_per_step=1),
+        "cosine": RefineConfig("block", 2, 1e-3, schedule="cosine"),
+    }.items():
+        block, call, inputs, targets, masks = _pruned_block(torch.float32, cpu)
+        record = refine_block(RefineJob(block, 0, inputs, call, targets, cfg, 0, cpu, masks))
+        assert record.kept
+        results[name] = torch.cat([p.detach().reshape(-1) for p in block.parameters()])
+    assert torch.equal(results["default"], results["default again"])
+    assert not torch.equal(results["default"], results["one a step"])
+    assert not torch.equal(results["default"], results["cosine"])
+
+
+def test_the_weighted_squares_worked_by_hand() -> None:
+    diff = torch.tensor([[1.0, -2.0], [3.0, 0.5]])
+    assert torch.equal(refine._squares(diff, None), diff.square())
+    assert torch.equal(refine._squares(diff, torch.tensor([2.0, 1.0])), torch.tensor([[2.0, 4.0], [18.0, 0.25]]))
+    metric = torch.tensor([[2.0, 1.0], [1.0, 3.0]])  # rows' sums: e1ᵀMe1 = 2 − 4 + 12 = 10, e2ᵀMe2 = 18 + 3 + 0.75
+    assert refine._squares(diff, metric).sum(-1).tolist() == [10.0, 21.75]
+
+
+@pytest.mark.parametrize("kind", ["ones", "identity"])
+def test_unit_feature_weights_refine_as_no_weights(kind: str) -> None:
+    """All-one weights (H,) or the identity metric (H, H) are the plain objective: the same errors and the
+    same weights after training (to float32 rounding: the metric's product sums in another order)."""
+    cpu = torch.device("cpu")
+    results = []
+    for weights in (None, torch.ones(64) if kind == "ones" else torch.eye(64)):
+        block, call, inputs, targets, masks = _pruned_block(torch.float32, cpu)
+        cfg = RefineConfig("block", 2, 1e-3)
+        record = refine_block(RefineJob(block, 0, inputs, call, targets, cfg, 0, cpu, masks, weights=weights))
+        results.append((record, torch.cat([p.detach().reshape(-1) for p in block.parameters()])))
+    (plain, trained), (weighted, trained_w) = results
+    assert weighted.error_before == pytest.approx(plain.error_before, rel=1e-12)
+    assert weighted.error_after == pytest.approx(plain.error_after, rel=1e-5)
+    torch.testing.assert_close(trained_w, trained, rtol=1e-4, atol=1e-6)
+
+
+def test_feature_weights_steer_the_refinement_towards_the_heavy_features() -> None:
+    """Weighting the first half of the output features 100 to 1 leaves them a smaller share of the error
+    than the plain objective does."""
+    cpu = torch.device("cpu")
+    heavy = torch.cat([torch.full((32,), 100.0), torch.ones(32)])
+    shares = []
+    for weights in (None, heavy):
+        block, call, inputs, targets, masks = _pruned_block(torch.float32, cpu)
+        cfg = RefineConfig("block", 3, 1e-3)
+        refine_block(RefineJob(block, 0, inputs, call, targets, cfg, 0, cpu, masks, weights=weights))
+        out = torch.empty_like(inputs)
+        run_block(block, inputs, call, out)
+        squares = (out - targets).double().square().sum((0, 1))
+        shares.append(float(squares[:32].sum() / squares.sum()))
+    assert shares[1] < shares[0]
 
 
 # ---------------------------------------------------------------- whole runs
@@ -259,15 +358,27 @@ def test_a_streamed_run_refines_as_a_whole_load_also_when_resumed(
     assert _sha(out / "model.safetensors") == _sha(tmp_path / "whole" / "model.safetensors")
 
 
-def test_two_processes_refine_as_one(tiny: Path, calib: Path, data_ctx: RunContext, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        RefineConfig("block", 2, 1e-3),
+        # 3 samples a step across the ranks' 3 and 2 samples, the learning rate changing every step.
+        RefineConfig("block", 2, 1e-3, samples_per_step=3, schedule="cosine"),
+    ],
+    ids=["default", "3-a-step-cosine"],
+)
+def test_two_processes_refine_as_one(
+    schedule: RefineConfig, tiny: Path, calib: Path, data_ctx: RunContext, tmp_path: Path
+) -> None:
     """The per-sample gradients are added in the step's order on every rank, the errors in sample order:
     the checkpoint and the records are one process's, bit for bit (Adam would amplify any fp32 rounding
     difference in a near-zero gradient to a step of the learning rate's size)."""
     from test_distributed import _spawn
 
     single = tmp_path / "single"
-    one = prune_model(_cfg(tiny, calib, single), data_ctx)
-    outcomes = _spawn(tmp_path, [{"name": "refine", "cfg": _cfg(tiny, calib, tmp_path / "dist")}], data_ctx)
+    one = prune_model(_cfg(tiny, calib, single, refine=schedule), data_ctx)
+    dist = _cfg(tiny, calib, tmp_path / "dist", refine=schedule)
+    outcomes = _spawn(tmp_path, [{"name": "refine", "cfg": dist}], data_ctx)
     assert [o["refine"] for o in outcomes] == ["ok", "ok"], outcomes
     two = _report(tmp_path / "dist")
     assert two.settings["processes"] == 2 and any(b.kept for b in two.refinement)
@@ -287,6 +398,11 @@ def test_two_processes_refine_as_one(tiny: Path, calib: Path, data_ctx: RunConte
         (["--refine", "block", "--refine-epochs", "0"], "--refine-epochs 0 must be a whole number >= 1"),
         (["--refine", "block", "--refine-lr", "0"], "--refine-lr 0.0 must be a positive number"),
         (["--refine", "block", "--refine-lr", "nan"], "--refine-lr nan must be a positive number"),
+        (
+            ["--refine", "block", "--refine-samples-per-step", "0"],
+            "--refine-samples-per-step 0 must be a whole number >= 1",
+        ),
+        (["--refine", "block", "--refine-schedule", "linear"], "--refine-schedule 'linear' is not one of constant"),
     ],
 )
 def test_bad_refine_options_are_one_line_and_write_nothing(
@@ -305,6 +421,16 @@ def test_recipe_and_sweep_keys(tmp_path: Path) -> None:
     cfg = build_config({"model": "m", "nm": "16:32", **recipe}, force=False, resume=True, command="")
     assert cfg.refine == RefineConfig("block", 3, 1.0)
     assert cfg.result_fields()["refine"] == {"mode": "block", "epochs": 3, "lr": 1.0, "samples_per_step": 4}
+    tuned = validate_recipe({"refine": "block", "refine_samples_per_step": 1, "refine_schedule": "cosine"}, "r.yaml")
+    tuned_cfg = build_config({"model": "m", "nm": "16:32", **tuned}, force=False, resume=True, command="")
+    assert tuned_cfg.refine == RefineConfig("block", samples_per_step=1, schedule="cosine")
+    assert tuned_cfg.result_fields()["refine"] == {
+        "mode": "block",
+        "epochs": 2,
+        "lr": 1e-3,
+        "samples_per_step": 1,
+        "schedule": "cosine",
+    }
     default = build_config({"model": "m", "nm": "16:32"}, force=False, resume=True, command="")
     assert not default.refine.on and "refine" not in default.result_fields()
     with pytest.raises(UsageError, match="refine_epochs must be a int"):

@@ -18,13 +18,14 @@ below the weights' resolution would be lost), and the result is cast back. The e
 before and after on what the run keeps (the stored dtype), and the refined weights are kept only when
 they lower it: refinement never makes a block worse on its calibration data.
 
-Steps: each epoch visits the samples in an order drawn from (seed, block) alone, `SAMPLES_PER_STEP` per
-Adam step; the engine replays a block one sample per forward (its recorded arguments are for batch 1),
-so a step is a sum of per-sample backward passes, batched over tokens, never a loop over them. In a
-distributed run (`--nproc`) each rank computes the per-sample gradients of the step's samples in its
-shard, and every rank adds all of them in the step's order (`_ordered_gradients`) before taking the same
-Adam step: one process's sums, bit for bit, so the checkpoint is one process's too. The order and
-the steps depend on (seed, block, samples) only, so a run killed inside a block's refinement and
+Steps: each epoch visits the samples in an order drawn from (seed, block) alone, `--refine-samples-per-step`
+per Adam step (4 by default), the learning rate constant or, with `--refine-schedule cosine`, along a half
+cosine from `--refine-lr` towards 0 over each stage's steps; the engine replays a block one sample per forward
+(its recorded arguments are for batch 1), so a step is a sum of per-sample backward passes, batched over
+tokens, never a loop over them. In a distributed run (`--nproc`) each rank computes the per-sample gradients
+of the step's samples in its shard, and every rank adds all of them in the step's order (`_ordered_gradients`)
+before taking the same Adam step: one process's sums, bit for bit, so the checkpoint is one process's too. The
+order and the steps depend on (seed, block, samples) only, so a run killed inside a block's refinement and
 resumed redoes that block from its saved input and ends identical.
 
 Regions (`--refine-regions sub-blocks`, `regions.py`): the training runs in stages, one per region of the
@@ -55,7 +56,7 @@ from tsenor_cli.progress import Progress
 from tsenor_cli.pruning.block.distributed import Team, shard_bounds
 from tsenor_cli.pruning.block.joint import ColumnNorms, JointMasks
 from tsenor_cli.pruning.block.regions import Regions, find_regions, run_dense_block, stage_outputs
-from tsenor_cli.pruning.settings.config import SAMPLES_PER_STEP, RefineConfig
+from tsenor_cli.pruning.settings.config import RefineConfig
 from tsenor_cli.replay import BlockCall, run_block
 from tsenor_cli.runfiles import BlockRefinement, LayerRecord
 
@@ -86,7 +87,10 @@ class RefineJob:
     otherwise they are not. dense: {parameter name: its weight before pruning}, where the mask re-solves'
     shadows start at pruned positions (`joint.JointMasks`; None: at zero). regions, region_targets: the
     block's regions and the dense values (S_r, T, H) at each boundary (`regions.run_dense_block`; None: one
-    stage, the whole block).
+    stage, the whole block). weights: (H,) float32 > 0, each feature of the block output's weight in the
+    objective and the errors, Σ_j Σ_h w_h (f_h(x_j) − y_jh)² / Σ_j Σ_h w_h y_jh² (the loss-aware refinement:
+    1 + λ·g_h/mean g, g the loss's curvature at the block output; None: all 1). The stages towards a
+    region boundary are not weighted (the curvature is the block output's).
     """
 
     block: nn.Module
@@ -105,6 +109,7 @@ class RefineJob:
     dense: Mapping[str, torch.Tensor] | None = None
     regions: Regions | None = None
     region_targets: tuple[torch.Tensor, ...] = ()
+    weights: torch.Tensor | None = None
 
     @property
     def crew(self) -> Team:
@@ -129,12 +134,14 @@ class RefineJob:
 @dataclass(frozen=True)
 class _Stage:
     """One training stage: what the block computes from a sample that it matches (`output`), the dense
-    values (S_r, T, H), the parameters that train, and the objective's scale (mean ‖y_j‖²)."""
+    values (S_r, T, H), the parameters that train, the objective's scale (mean ‖y_j‖², weighted as the
+    errors are) and the features' weights (H,) (None: all 1)."""
 
     output: Callable[[torch.Tensor], torch.Tensor]
     values: torch.Tensor
     params: list[nn.Parameter]
     scale: float
+    weights: torch.Tensor | None = None
 
 
 def refine_block(job: RefineJob) -> BlockRefinement:
@@ -145,7 +152,7 @@ def refine_block(job: RefineJob) -> BlockRefinement:
     before_weights = [p.detach().clone() for p in params]
     norms = ColumnNorms(job.block, list(job.masks)) if job.cfg.mask_every else None
     whole = stage_outputs(job.block, job.call, None)[0]
-    num, den = _errors(job, whole, job.targets)
+    num, den = _errors(job, whole, job.targets, weights=job.weights)
     column_sq = norms.close(job.crew, job.first) if norms is not None else {}
     before = num / den if den > 0 else 0.0
     if not (den > 0 and math.isfinite(num) and math.isfinite(den)):
@@ -153,7 +160,7 @@ def refine_block(job: RefineJob) -> BlockRefinement:
         return BlockRefinement(job.index, before, before, False, 0, time.perf_counter() - start)
     fixed = _mask_keeper(job, column_sq)
     steps = _train_stages(job, params, fixed, den)
-    num, den = _errors(job, whole, job.targets, job.outputs)
+    num, den = _errors(job, whole, job.targets, job.outputs, job.weights)
     after = num / den if den > 0 else 0.0
     kept = math.isfinite(after) and after < before
     if not kept:
@@ -220,26 +227,36 @@ def _stages(job: RefineJob, params: list[nn.Parameter], den: float) -> list[_Sta
     """One stage (the whole block), or one per region (module docstring)."""
     outputs = stage_outputs(job.block, job.call, job.regions)
     if job.regions is None:
-        return [_Stage(outputs[0], job.targets, params, den / job.total)]  # mean ‖y_j‖², module docstring
+        return [_Stage(outputs[0], job.targets, params, den / job.total, job.weights)]  # mean ‖y_j‖², module docstring
     named = dict(job.block.named_parameters())
     stages = []
     for k, output in enumerate(outputs):
         values = job.region_targets[k] if k < len(job.region_targets) else job.targets
-        norm = den if values is job.targets else _norm(job, values)
-        stages.append(_Stage(output, values, [named[n] for n in job.regions.params[k]], norm / job.total))
+        last = values is job.targets
+        norm = den if last else _norm(job, values)
+        weights = job.weights if last else None
+        stages.append(_Stage(output, values, [named[n] for n in job.regions.params[k]], norm / job.total, weights))
     return stages
 
 
 def _train(job: RefineJob, stage: _Stage, fixed: FixedMask | JointMasks) -> int:
     """The Adam steps of one stage (module docstring: the order of the samples from (seed, block) alone,
-    `SAMPLES_PER_STEP` per step, the mask written again after each) → how many were taken."""
+    `cfg.samples_per_step` per step, the mask written again after each, the learning rate constant or
+    along a half cosine over the stage's steps) → how many were taken."""
+    per_step = job.cfg.samples_per_step
     optimizer = torch.optim.Adam(stage.params, lr=job.cfg.lr, foreach=False)
+    total_steps = job.cfg.epochs * math.ceil(job.total / per_step)
+    schedule = (
+        torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+        if job.cfg.schedule == "cosine"
+        else None
+    )
     generator = torch.Generator().manual_seed(job.seed * 1_000_003 + job.index)
     steps = 0
     for _ in range(job.cfg.epochs):
         order = torch.randperm(job.total, generator=generator).tolist()
-        for first in range(0, job.total, SAMPLES_PER_STEP):
-            step = order[first : first + SAMPLES_PER_STEP]
+        for first in range(0, job.total, per_step):
+            step = order[first : first + per_step]
             if job.crew.distributed:
                 _ordered_gradients(job, stage, step, stage.scale * len(step))
             else:
@@ -249,6 +266,8 @@ def _train(job: RefineJob, stage: _Stage, fixed: FixedMask | JointMasks) -> int:
             if isinstance(fixed, JointMasks):
                 fixed.dense()  # the step updates the dense shadows (pruning/block/joint.py)
             _step(optimizer)
+            if schedule is not None:
+                schedule.step()
             fixed.apply()
             optimizer.zero_grad(set_to_none=True)
             steps += 1
@@ -256,15 +275,27 @@ def _train(job: RefineJob, stage: _Stage, fixed: FixedMask | JointMasks) -> int:
 
 
 def _accumulate(job: RefineJob, stage: _Stage, rows: list[int], divisor: float) -> None:
-    """Add the gradient of Σ_rows ‖f(x_j) − y_j‖² / divisor into the parameters' .grad (rows: this rank's
-    local indices), one sample per forward (the recorded arguments are for batch 1)."""
+    """Add the gradient of Σ_rows ‖f(x_j) − y_j‖² / divisor (weighted by the stage's features' weights) into
+    the parameters' .grad (rows: this rank's local indices), one sample per forward (the recorded arguments
+    are for batch 1)."""
+    weights = None if stage.weights is None else stage.weights.to(device=job.device, dtype=torch.float32)
     with torch.enable_grad():
         for j in rows:
             x = job.inputs[j : j + 1].to(device=job.device, dtype=torch.float32)
             y = stage.values[j : j + 1].to(device=job.device, dtype=torch.float32)
             out = stage.output(x)
-            loss = (out - y).square().sum() / divisor
+            loss = _squares(out - y, weights).sum() / divisor
             loss.backward()
+
+
+def _squares(diff: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """diff: (..., H) → its weighted squares (..., H): diff² (weights None), w·diff² (weights (H,)), or
+    (diff·M)∘diff (weights (H, H) a metric M, so that the sum over H is diffᵀ M diff)."""
+    if weights is None:
+        return diff.square()
+    if weights.ndim == 1:
+        return diff.square() * weights
+    return (diff @ weights) * diff
 
 
 def _ordered_gradients(job: RefineJob, stage: _Stage, step: list[int], divisor: float) -> None:
@@ -309,17 +340,20 @@ def _errors(
     output: Callable[[torch.Tensor], torch.Tensor],
     values: torch.Tensor,
     out: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[float, float]:
-    """(Σ_j ‖f(x_j) − y_j‖², Σ_j ‖y_j‖²) over every rank's samples, f = `output`, y = `values`, the block
-    run as the pruned model runs it (its stored dtype); per sample in float64, added in sample order
-    whatever the number of ranks. out: (S_r, T, H) where this rank's outputs go (None: dropped)."""
+    """(Σ_j ‖f(x_j) − y_j‖², Σ_j ‖y_j‖²) over every rank's samples, f = `output`, y = `values`, each square
+    times its feature's weight (H,) when `weights` is given, the block run as the pruned model runs it
+    (its stored dtype); per sample in float64, added in sample order whatever the number of ranks. out:
+    (S_r, T, H) where this rank's outputs go (None: dropped)."""
+    w = None if weights is None else weights.to(job.device, torch.float64)
     mine: dict[str, tuple[float, float]] = {}
     for j in range(job.inputs.shape[0]):
         y = values[j : j + 1].to(job.device).double()
         hidden = output(job.inputs[j : j + 1].to(job.device))
         if out is not None:
             out[j : j + 1] = hidden
-        mine[str(job.first + j)] = (float((hidden.double() - y).square().sum()), float(y.square().sum()))
+        mine[str(job.first + j)] = (float(_squares(hidden.double() - y, w).sum()), float(_squares(y, w).sum()))
     return _sum_in_order(job.crew, mine)
 
 

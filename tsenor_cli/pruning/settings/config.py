@@ -29,8 +29,10 @@ DEFAULT_EPOCHS: int = FIELDS["refine_epochs"].default
 DEFAULT_LR: float = FIELDS["refine_lr"].default
 DEFAULT_MASK_EVERY: int = FIELDS["refine_mask_every"].default
 REFINE_REGIONS: tuple[str, ...] = tuple(FIELDS["refine_regions"].choice_list() or ())
-# Samples per Adam step, fixed so that a run's steps do not depend on the number of processes.
-SAMPLES_PER_STEP = 4
+REFINE_SCHEDULES: tuple[str, ...] = tuple(FIELDS["refine_schedule"].choice_list() or ())
+# Samples per Adam step: a setting, never derived from the number of processes, so that a run's steps
+# are the same with any --nproc.
+SAMPLES_PER_STEP: int = FIELDS["refine_samples_per_step"].default
 
 
 @dataclass(frozen=True)
@@ -39,13 +41,16 @@ class RefineConfig:
     Adam's learning rate; mask_every: 0 (the mask fixed) or re-solve the masks every that many Adam steps
     (pruning/block/joint.py) with `pattern` and `solver`, the run's own; regions: "block" (train towards the
     block's output) or "sub-blocks" (each region in turn towards the dense residual stream after it,
-    pruning/block/regions.py)."""
+    pruning/block/regions.py); samples_per_step: calibration samples per Adam step; schedule: "constant"
+    or "cosine" (the learning rate along a half cosine from `lr` towards 0 over each stage's steps)."""
 
     mode: str = "none"
     epochs: int = DEFAULT_EPOCHS
     lr: float = DEFAULT_LR
     mask_every: int = DEFAULT_MASK_EVERY
     regions: str = "block"
+    samples_per_step: int = SAMPLES_PER_STEP
+    schedule: str = "constant"
     # The run's own pattern and solver (not settings of their own: the run's result fields hold them).
     pattern: SparsityPattern | None = field(default=None, compare=False)
     solver: str = field(default="auto", compare=False)
@@ -63,6 +68,14 @@ class RefineConfig:
             raise UsageError("--refine-mask-every needs an N:M pattern (--nm N:M)")
         if self.regions not in REFINE_REGIONS:
             raise UsageError(f"--refine-regions {self.regions!r} is not one of {', '.join(REFINE_REGIONS)}")
+        per_step = self.samples_per_step
+        if isinstance(per_step, bool) or not isinstance(per_step, int) or per_step < 1:
+            raise UsageError(
+                f"--refine-samples-per-step {self.samples_per_step} must be a whole number >= 1 "
+                f"(default {SAMPLES_PER_STEP})"
+            )
+        if self.schedule not in REFINE_SCHEDULES:
+            raise UsageError(f"--refine-schedule {self.schedule!r} is not one of {', '.join(REFINE_SCHEDULES)}")
         if self.mask_every and self.regions != "block":
             # A region's stage freezes the other regions' weights, whose masks a re-solve would still move.
             raise UsageError("--refine-mask-every needs --refine-regions block; drop one of the two")
@@ -79,8 +92,10 @@ class RefineConfig:
 
     def result_fields(self) -> dict[str, object]:
         fields: dict[str, object] = {"mode": self.mode, "epochs": self.epochs, "lr": self.lr}
-        fields["samples_per_step"] = SAMPLES_PER_STEP
+        fields["samples_per_step"] = self.samples_per_step
         fields |= {"mask_every": self.mask_every} if self.mask_every else {}
+        # Absent when constant: runs made before the setting existed keep their resume key.
+        fields |= {"schedule": self.schedule} if self.schedule != "constant" else {}
         return fields | ({"regions": self.regions} if self.regions != "block" else {})
 
 

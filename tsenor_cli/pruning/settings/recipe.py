@@ -157,6 +157,8 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
             values["refine_lr"],
             values["refine_mask_every"],
             str(values["refine_regions"]),
+            values["refine_samples_per_step"],
+            str(values["refine_schedule"]),
             pattern=pattern,
             solver=str(values["solver"]),
         ),

@@ -155,6 +155,11 @@ PRUNE_FIELDS: tuple[Field, ...] = (
     Field("refine_regions", str, "block", "What each training stage matches: block (the block's output) or "
           "sub-blocks (each region of the block in turn, e.g. attention then MLP, against the dense model's "
           "residual stream after it; only that region's weights train).", REFINE, choices=("block", "sub-blocks")),
+    Field("refine_samples_per_step", int, 4, "Calibration samples per Adam step (a step's gradient is their sum; "
+          "fewer samples, more steps for the same forward and backward work).", REFINE),
+    Field("refine_schedule", str, "constant", "Learning rate over each training stage's steps: constant, or "
+          "cosine (from --refine-lr along a half cosine towards 0 over the stage's steps).", REFINE,
+          choices=("constant", "cosine")),
     Field("moe_calibration", str, "routed", "Statistics of expert matrices: 'routed' (the tokens the router "
           "sends each expert) or 'all' (every calibration token through every expert, for the statistics only).",
           MOE, choices=("routed", "all")),
@@ -200,7 +205,15 @@ FIELDS: dict[str, Field] = by_name(ALL_FIELDS)
 RECIPE_KEYS: dict[str, type] = {f.name: f.kind for f in ALL_FIELDS}
 RECIPE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in ALL_FIELDS}
 # The settings RefineConfig checks; every one after the mode is read only with --refine block.
-REFINE_KEYS: tuple[str, ...] = ("refine", "refine_epochs", "refine_lr", "refine_mask_every", "refine_regions")
+REFINE_KEYS: tuple[str, ...] = (
+    "refine",
+    "refine_epochs",
+    "refine_lr",
+    "refine_mask_every",
+    "refine_regions",
+    "refine_samples_per_step",
+    "refine_schedule",
+)
 
 
 def fields_for(method: object) -> dict[str, Field]:
