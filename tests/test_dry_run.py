@@ -127,6 +127,26 @@ def test_a_block_the_text_forward_skips_is_planned_as_pruned(tmp_path: Path) -> 
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="plans a GPU job from a machine without one")
+def test_the_plan_measures_its_own_runtime_and_adds_it_to_the_peak(tiny: Path) -> None:
+    """The host estimate's runtime is this process's resident memory when the plan is made (measured: the
+    interpreter with torch and transformers, hundreds of MB, not zero), outside `total` and inside `peak`;
+    the dry run prints both."""
+    import psutil
+
+    from tsenor_cli.pruning.block import memory
+
+    before = psutil.Process().memory_info().rss
+    host = _plan(tiny, "--nsamples", "4", "--seqlen", "16")["estimated_host_bytes_per_process"]
+    after = psutil.Process().memory_info().rss
+    assert host["runtime"] > 100 << 20 and before * 0.8 <= host["runtime"] <= after * 1.2
+    assert host["peak"] == host["runtime"] + host["total"]
+    assert memory.resident_bytes() > 100 << 20
+    result = invoke(["prune", "--model", str(tiny), "--nm", "2:4", "--nsamples", "4", "--seqlen", "16", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "over this process's " in result.stdout and "(measured), " in result.stdout
+    assert " at the peak; cpu " in result.stdout
+
+
 def test_a_gpu_run_is_planned_on_a_machine_without_a_gpu(tiny: Path) -> None:
     """The plan is arithmetic: --device cuda is planned here (bf16, the GPU's default), the GPU's memory
     said against the usual cards, and the host of this machine is not the run's, so it is not checked."""

@@ -37,6 +37,7 @@ IMPORTED_WRITERS = {"save_file", *ATOMIC_WRITERS, "copy2", "copytree", "rmtree",
 # Modules outside runfiles/ that write, and what: none of it is a run folder or a sweep folder.
 ELSEWHERE = {
     "atomic.py": "the atomic writers themselves, which runfiles/ calls",
+    "tensorfile.py": "one safetensors file, into the temporary file atomic.save_safetensors opens",
     "outputs.py": "a probe file made and removed beside --output to see that it can be written",
     "locks.py": "the lock file beside a locked folder",
     "models/embedded.py": "the embedded model's folder in the cache",

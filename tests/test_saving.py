@@ -14,16 +14,9 @@ from helpers_tiny import ARCHITECTURES, LOCAL_CTX, MULTIMODAL, random_causal_lm,
 from tsenor_cli.errors import UsageError
 from tsenor_cli.models.checkpoint import INDEX_NAME, WEIGHTS_NAME, Checkpoint
 from tsenor_cli.models.loading import meta_model
-from tsenor_cli.models.saving import (
-    TensorSpec,
-    parse_size,
-    plan_shards,
-    save_streamed,
-    saved_tensors,
-    shard_header,
-    write_weights,
-)
+from tsenor_cli.models.saving import parse_size, plan_shards, save_streamed, saved_tensors, write_weights
 from tsenor_cli.pattern import SparsityPattern
+from tsenor_cli.tensorfile import TensorSpec, file_header, write_file
 
 # Two MoE layouts (tests/test_moe.py has them all): fused (E, out, in) stacks, and gpt-oss's (E, in, out) with biases.
 MOE = {
@@ -117,9 +110,30 @@ def test_header_matches_safetensors_for_awkward_names(tmp_path: Path) -> None:
     }
     blob = save(tensors, metadata={"format": "pt"})
     specs = [TensorSpec(k, tuple(t.shape), t.dtype) for k, t in tensors.items()]
-    header, offsets = shard_header(specs, {"format": "pt"})
+    header, offsets = file_header(specs, {"format": "pt"})
     assert blob[: len(header)] == header
     assert offsets["z"] == len(header)  # int64 first, as safetensors orders it
+
+
+# One metadata key: safetensors writes several in a hash map's order, which varies from call to call.
+@pytest.mark.parametrize("metadata", [None, {"format": "pt"}, {"note": "ü"}])
+def test_a_file_written_tensor_by_tensor_is_the_file_safetensors_writes(
+    metadata: dict[str, str] | None, tmp_path: Path
+) -> None:
+    from safetensors.torch import save
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "hidden": torch.randn(3, 5, 4, generator=gen),
+        "dense": torch.randn(4, 6, generator=gen).t(),  # not contiguous: written through one copy of its own
+        "a.bf16": torch.randn(7, generator=gen).to(torch.bfloat16),
+        "ids": torch.arange(5),
+        "mask": torch.rand(2, 3, generator=gen) > 0.5,
+        "empty": torch.zeros(0, 4),
+    }
+    write_file(tmp_path / "f.safetensors", tensors, metadata)
+    reference = save({key: t.contiguous() for key, t in tensors.items()}, metadata=metadata)
+    assert (tmp_path / "f.safetensors").read_bytes() == reference
 
 
 def test_bad_streams_are_refused(tmp_path: Path) -> None:

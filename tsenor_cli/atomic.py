@@ -74,12 +74,12 @@ def write_json(path: Path, payload: Any, *, indent: int | None = 2) -> None:
 
 
 def save_safetensors(tensors: Mapping[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Save `tensors` (moved to the CPU, made contiguous) as a safetensors file at `path` atomically."""
-    from safetensors.torch import save_file
+    """Save `tensors` as a safetensors file at `path` atomically, tensor by tensor from their memory
+    (`tensorfile.write_file`: safetensors' bytes without its in-memory copy of them)."""
+    from tsenor_cli.tensorfile import write_file
 
-    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     with _temp_file(Path(path)) as tmp:
-        save_file(cpu, str(tmp), metadata=metadata)
+        write_file(tmp, tensors, metadata)
 
 
 def _finish_tree(root: Path) -> None:

@@ -16,8 +16,9 @@ transformers 5 (`tests/test_saving.py` compares the two byte for byte):
   indent 2);
 - each shard: a safetensors file with ``{"format": "pt"}`` metadata. Its header (the tensors' order in
   the file, their offsets, the padding) is fixed by the names, dtypes and shapes alone, so it is written
-  first and each tensor's bytes go to their offset when the tensor comes. The order is safetensors' own,
-  read from the header safetensors writes for one-element stand-ins of the same names and dtypes;
+  first and each tensor's bytes go to their offset when the tensor comes (`tensorfile.py`). The order is
+  safetensors' own, read from the header safetensors writes for one-element stand-ins of the same names
+  and dtypes;
 - config.json (``dtype`` and ``architectures`` set as save_pretrained sets them), generation_config.json
   for a model that generates, a remote-code model's code files (transformers' ``custom_object_save``).
 """
@@ -25,7 +26,6 @@ transformers 5 (`tests/test_saving.py` compares the two byte for byte):
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,29 +34,15 @@ from typing import IO, Any
 import torch
 
 from tsenor_cli.errors import UsageError
-from tsenor_cli.models.checkpoint import INDEX_NAME, tensor_nbytes
+from tsenor_cli.models.checkpoint import INDEX_NAME
 from tsenor_cli.packed.files import PackedWriter, quantization_entry, record_patterns
 from tsenor_cli.packed.layout import MatrixPattern
 from tsenor_cli.runfiles import SPARSITY_KEY, SparsityRecord, shard_names
+from tsenor_cli.tensorfile import TensorSpec, file_header, tensor_bytes
 
 # save_pretrained's default; tsenor's outputs pass their own (pruning/run/output.MAX_SHARD_SIZE, `SavedModel`).
 DEFAULT_MAX_SHARD_SIZE = "50GB"
 SAFETENSORS_METADATA = {"format": "pt"}
-# safetensors pads its JSON header with spaces to a multiple of this many bytes.
-_HEADER_ALIGN = 8
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One tensor of the checkpoint: its key, shape and dtype (what its shard's header says)."""
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return tensor_nbytes(self.shape, self.dtype)
 
 
 def saved_tensors(model: Any) -> list[TensorSpec]:
@@ -121,61 +107,6 @@ def plan_shards(specs: Sequence[TensorSpec], max_shard_size: int | str) -> list[
     return shards
 
 
-_DTYPE_NAMES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-
-
-def _file_order(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
-    """`specs` in the order safetensors lays their data out in a file (it sorts by dtype, then name), read
-    from the header it writes for one-element stand-ins: the rule stays safetensors' own."""
-    from safetensors.torch import save
-
-    blob = save({spec.key: torch.zeros(1, dtype=spec.dtype) for spec in specs})
-    (length,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + length])
-    header.pop("__metadata__", None)
-    by_key = {spec.key: spec for spec in specs}
-    return [by_key[key] for key in sorted(header, key=lambda key: header[key]["data_offsets"][0])]
-
-
-def shard_header(specs: Sequence[TensorSpec], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
-    """(the first bytes of the safetensors file holding `specs`: length and padded JSON header,
-    {key: offset of its data from the file's start})."""
-    entries: dict[str, Any] = {"__metadata__": metadata}
-    offsets: dict[str, int] = {}
-    position = 0
-    for spec in _file_order(specs):
-        entries[spec.key] = {
-            "dtype": _DTYPE_NAMES[spec.dtype],
-            "shape": list(spec.shape),
-            "data_offsets": [position, position + spec.nbytes],
-        }
-        offsets[spec.key] = position
-        position += spec.nbytes
-    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-len(text) % _HEADER_ALIGN)
-    start = 8 + len(text)
-    return struct.pack("<Q", len(text)) + text, {key: start + offset for key, offset in offsets.items()}
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of `tensor` (on the CPU, contiguous), as safetensors stores them."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().data
-
-
 def _shard_of(shards: Sequence[Sequence[TensorSpec]]) -> dict[str, tuple[int, TensorSpec]]:
     """{key: (its shard's number, its spec)}; ValueError for a key listed twice."""
     where: dict[str, tuple[int, TensorSpec]] = {}
@@ -231,12 +162,12 @@ def write_weights(
         for key, tensor in tensors:
             number = _checked_shard(key, tensor, where, written)
             if number not in handles:
-                header, positions[number] = shard_header(shards[number], SAFETENSORS_METADATA)
+                header, positions[number] = file_header(shards[number], SAFETENSORS_METADATA)
                 handles[number] = (folder / names[number]).open("wb")
                 handles[number].write(header)
             handle = handles[number]
             handle.seek(positions[number][key])
-            handle.write(_tensor_bytes(tensor))
+            handle.write(tensor_bytes(tensor))
             written.add(key)
             left[number] -= 1
             if left[number] == 0:

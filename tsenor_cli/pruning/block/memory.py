@@ -325,7 +325,11 @@ class HostEstimate:
     block's inputs (S, T, H) (and the dense stream's with --refine), plus a streamed run's pruned block;
     streamed without one, the pruned block it keeps on disk. curvature: `--loss-aware`'s pass before the
     blocks (`curvature_bytes`), which ends before the loop's activations, work and writes are made: the
-    peak is the larger of the two.
+    peak is the larger of the two. runtime: the planning process's own resident memory when the plan was
+    made (`resident_bytes`: the Python runtime with torch, transformers, the tokenizer and the model on the
+    meta device), measured, not estimated; it is outside `total`, which is what the run adds to it (the
+    memory a machine must still have free, `fit_problem`), and inside `peak`, what the process's resident
+    memory reaches (a batch job's memory request).
     """
 
     model: int
@@ -335,10 +339,16 @@ class HostEstimate:
     streamed: bool = False
     writer: int = 0
     curvature: int = 0
+    runtime: int = 0
 
     @property
     def total(self) -> int:
         return self.model + self.tokens + max(self.curvature, self.activations + self.work + self.writer)
+
+    @property
+    def peak(self) -> int:
+        """The process's resident memory at its peak: the runtime measured and the run's tensors estimated."""
+        return self.runtime + self.total
 
     def describe(self) -> str:
         """The parts for a person: "model 12.3 MiB, calibration tokens 1.0 MiB, ..."."""
@@ -359,6 +369,8 @@ class HostEstimate:
             "writer": self.writer,
             "curvature": self.curvature,
             "total": self.total,
+            "runtime": self.runtime,
+            "peak": self.peak,
             "streamed": int(self.streamed),
         }
 
@@ -389,6 +401,13 @@ def host_estimate(work: Workload, device_estimate: MemoryEstimate) -> HostEstima
         streamed=work.streamed,
         writer=WRITER_DEPTH * (inputs + kept) if work.resume or work.streamed else 0,
     )
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (psutil's RSS, on every system psutil supports)."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
 
 
 def segment_length(blocks: int) -> int:

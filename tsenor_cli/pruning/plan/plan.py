@@ -27,6 +27,7 @@ from tsenor_cli.pruning.block.memory import (
     curvature_bytes,
     estimate_device_memory,
     host_estimate,
+    resident_bytes,
 )
 from tsenor_cli.pruning.block.observe import BlockObservation
 from tsenor_cli.pruning.block.outside import (
@@ -547,6 +548,7 @@ def plan_model(
     sizing = _sizing(model, structure, candidates, hidden, int(config_value(config, "num_attention_heads") or 0))
     ranks = world_size if world_size is not None else ctx.distributed.world_size
     memory, host = sizing.estimate(cfg, seqlen, device, ranks)
+    host = replace(host, runtime=resident_bytes())  # measured here: the model is on the meta device
     return PrunePlan(
         model=cfg.model,
         method=cfg.method,

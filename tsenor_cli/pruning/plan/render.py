@@ -138,7 +138,8 @@ def _memory_lines(plan: PrunePlan, cfg: PruneConfig) -> Iterator[str]:
     yield (
         f"estimated memory: host {human_bytes(host.total)} ({host.describe()}"
         + (", in each process)" if several else ")")
-        + f", {plan.device} {human_bytes(plan.device_bytes)} peak"
+        + f" over this process's {human_bytes(host.runtime)} (measured), {human_bytes(host.peak)} at the peak"
+        + f"; {plan.device} {human_bytes(plan.device_bytes)} peak"
         + (" per process" if several else "")
         + (", activations offloaded" if cfg.offload_activations else "")
     )

@@ -14,13 +14,14 @@ from pathlib import Path
 
 from tsenor_cli.errors import InputNotFoundError, OutputExistsError, PackedFormatError
 from tsenor_cli.models.checkpoint import Checkpoint
-from tsenor_cli.models.saving import TensorSpec, parse_size, write_weights
+from tsenor_cli.models.saving import parse_size, write_weights
 from tsenor_cli.packed.files import PackedWriter, declares_packed, quantization_entry, record_patterns
 from tsenor_cli.packed.layout import MatrixPattern, encode, kept_mask
 from tsenor_cli.pruning.run.card import refresh_card
 from tsenor_cli.pruning.run.output import MAX_SHARD_SIZE
 from tsenor_cli.runfiles import CONFIG_FILE, read_sparsity
 from tsenor_cli.runfiles.write import converted_folder, copy_run_files
+from tsenor_cli.tensorfile import TensorSpec
 
 
 def _check_paths(source: Path, output: Path, *, force: bool) -> None:
