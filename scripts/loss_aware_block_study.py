@@ -28,7 +28,7 @@ from tsenor_cli.pruning.block.engine import BlockPruner
 from tsenor_cli.pruning.block.slots import linear_slots
 from tsenor_cli.pruning.methods.registry import get_pruner
 from tsenor_cli.pruning.methods.types import MatrixPruneConfig
-from tsenor_cli.replay import BlockSource, capture_block_inputs, run_block
+from tsenor_cli.replay import BlockCall, BlockSource, capture_block_inputs, run_block
 from tsenor_cli.settings import RunContext
 
 CPU = torch.device("cpu")
@@ -42,6 +42,23 @@ def heldout_loss(model: torch.nn.Module, ids: torch.Tensor) -> float:
         logits = model(input_ids=row[None], use_cache=False).logits[0, :-1].float()
         total += float(torch.nn.functional.cross_entropy(logits, row[1:], reduction="sum"))
     return total / (ids.shape[0] * (ids.shape[1] - 1))
+
+
+def heldout_scores(
+    model: torch.nn.Module,
+    block: torch.nn.Module,
+    call: BlockCall,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    ids: torch.Tensor,
+) -> tuple[float, float]:
+    """(the block's relative output error on the held-out `inputs` against the dense `targets`, the whole
+    model's held-out loss on `ids` with the block as it is)."""
+    out = torch.empty_like(inputs)
+    run_block(block, inputs, call, out)
+    target = targets.double()
+    error = float((out.double() - target).square().sum() / target.square().sum())
+    return error, heldout_loss(model, ids)
 
 
 def main() -> None:
@@ -88,11 +105,7 @@ def main() -> None:
                 began = time.perf_counter()
                 pruner.prune(block, index, hidden[:n], call)
                 seconds = time.perf_counter() - began
-                out = torch.empty_like(hidden[n:])
-                run_block(block, hidden[n:], call, out)
-                target = buffer[n:].double()
-                error = float((out.double() - target).square().sum() / target.square().sum())
-                loss = heldout_loss(model, ids[n:])
+                error, loss = heldout_scores(model, block, call, hidden[n:], buffer[n:], ids[n:])
                 print(
                     f"| {index} | {weight:g} | {loss:.5f} ({loss - dense_loss:+.5f}) | {error:.4e} | {seconds:.0f} |",
                     flush=True,

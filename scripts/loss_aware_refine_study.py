@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from joint_block_study import _prune  # scripts/ is on the path when a script runs
+from loss_aware_block_study import heldout_loss, heldout_scores
 
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.block.refine import RefineJob, block_masks, refine_block
@@ -39,16 +40,6 @@ from tsenor_cli.settings import RunContext
 
 CPU = torch.device("cpu")
 T1632 = SparsityPattern.from_nm(16, 32, transposable=True)
-
-
-@torch.no_grad()
-def heldout_loss(model: torch.nn.Module, ids: torch.Tensor) -> float:
-    """ids: (W, T) → the mean next-token cross-entropy over every window's T − 1 predictions."""
-    total = 0.0
-    for row in ids:
-        logits = model(input_ids=row[None], use_cache=False).logits[0, :-1].float()
-        total += float(torch.nn.functional.cross_entropy(logits, row[1:], reduction="sum"))
-    return total / (ids.shape[0] * (ids.shape[1] - 1))
 
 
 def output_curvature(model: torch.nn.Module, blocks: dict[int, torch.nn.Module], ids: torch.Tensor) -> dict[int, Any]:
@@ -151,11 +142,7 @@ def main() -> None:
                 job = RefineJob(block, index, hidden[:n], call, buffer[:n], cfg, 0, CPU, masks, weights=features)
                 record = refine_block(job)
                 seconds = time.perf_counter() - began
-                out = torch.empty_like(hidden[held])
-                run_block(block, hidden[held], call, out)
-                target = buffer[held].double()
-                error = float((out.double() - target).square().sum() / target.square().sum())
-                loss = heldout_loss(model, ids.input_ids[held])
+                error, loss = heldout_scores(model, block, call, hidden[held], buffer[held], ids.input_ids[held])
                 print(
                     f"| {index} | {weight:g} | {loss:.5f} ({loss - dense_loss:+.5f}) | {error:.4e} | {record.steps} "
                     f"| {seconds:.0f} |",

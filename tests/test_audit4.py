@@ -29,30 +29,30 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_a_full_disk_in_safetensors_writer_of_the_resume_state_is_the_exit_4_line(
     tiny: Path, calib: Path, data_ctx: RunContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The block and hidden-state files are written by safetensors' own code, which reports a full disk
-    as SafetensorError ("unexpected SafetensorError … run with TSENOR_DEBUG=1", exit 1): now the line the
-    final write gives, exit 4, saying what the state holds; the rerun resumes to the checkpoint of an
-    uninterrupted run."""
-    import safetensors.torch
-    from safetensors import SafetensorError
+    """The block and hidden-state files are written tensor by tensor (`tensorfile.write_file`); a disk that
+    fills up in the middle of one (its header and part of its data written, then ENOSPC, as the kernel
+    reports it) is the line the final write gives, exit 4, saying what the state holds; the rerun resumes
+    to the checkpoint of an uninterrupted run. (With safetensors' own writer a full disk was "unexpected
+    SafetensorError … run with TSENOR_DEBUG=1", exit 1.)"""
+    import errno
+    import os
+
+    from tsenor_cli import tensorfile
 
     reference = tmp_path / "reference"
     prune_model(sparsegpt_config(tiny, calib, reference, resume=False), data_ctx)
     out = tmp_path / "out"
-    real = safetensors.torch.save_file
+    real = tensorfile.write_file
     calls: list[str] = []
 
-    def full(tensors: Any, filename: str, *args: Any, **kwargs: Any) -> None:
-        if RESUME_DIR in filename:
-            calls.append(filename)
-            if len(calls) == 3:  # block 2's file, after block 1's file and hidden states
-                raise SafetensorError(
-                    'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on '
-                    'device" })'
-                )
-        real(tensors, filename, *args, **kwargs)
+    def full(path: Path, tensors: Any, metadata: Any = None) -> None:
+        calls.append(str(path))
+        if len(calls) == 3:  # block 2's file, after block 1's file and hidden states
+            Path(path).write_bytes(b"\x10\x00")  # what got onto the disk before it filled up
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(path, tensors, metadata)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    monkeypatch.setattr(tensorfile, "write_file", full)
     with pytest.raises(OutputUnwritableError) as caught:
         prune_model(sparsegpt_config(tiny, calib, out), data_ctx)
     message = str(caught.value)
@@ -63,7 +63,8 @@ def test_a_full_disk_in_safetensors_writer_of_the_resume_state_is_the_exit_4_lin
     )
     assert message.endswith("are free now) and rerun the same command to continue, or choose another --output")
     assert json.loads((out / RESUME_DIR / RESUME_STATE_FILE).read_text())["next_block"] == 1
-    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    assert all(RESUME_DIR in call for call in calls)
+    monkeypatch.setattr(tensorfile, "write_file", real)
     report = prune_model(sparsegpt_config(tiny, calib, out), data_ctx)
     assert report.resumed_from_block == 1
     assert (out / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
