@@ -87,9 +87,10 @@ class RefineJob:
     otherwise they are not. dense: {parameter name: its weight before pruning}, where the mask re-solves'
     shadows start at pruned positions (`joint.JointMasks`; None: at zero). regions, region_targets: the
     block's regions and the dense values (S_r, T, H) at each boundary (`regions.run_dense_block`; None: one
-    stage, the whole block). weights: (H,) float32 > 0, each feature of the block output's weight in the
-    objective and the errors, Σ_j Σ_h w_h (f_h(x_j) − y_jh)² / Σ_j Σ_h w_h y_jh² (the loss-aware refinement:
-    1 + λ·g_h/mean g, g the loss's curvature at the block output; None: all 1). The stages towards a
+    stage, the whole block). weights: how the objective and the errors measure the block output's error e
+    of each token (`_squares`): (H,) float32 > 0, each feature's weight, Σ_h w_h e_h² (e.g. 1 + λ·g_h/mean g,
+    g the loss's curvature at the block output), or (H, H) a metric M, eᵀMe; the denominator Σ yᵀMy alike
+    (None: the plain squares, scripts/loss_aware_refine_study.py screens the others). The stages towards a
     region boundary are not weighted (the curvature is the block output's).
     """
 
