@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,34 @@ def test_the_plan_measures_its_own_runtime_and_adds_it_to_the_peak(tiny: Path) -
     assert result.exit_code == 0, result.output
     assert "over this process's " in result.stdout and "(measured), " in result.stdout
     assert " at the peak; cpu " in result.stdout
+
+
+@pytest.mark.parametrize(("nm", "flags", "loads"), [("16:32", (), True), ("2:4", ("--no-transposable",), False)])
+def test_the_runtime_is_measured_with_the_solver_the_run_loads(
+    tiny: Path, monkeypatch: pytest.MonkeyPatch, nm: str, flags: tuple[str, ...], loads: bool
+) -> None:
+    """A transposable run loads the exact solver's compiled kernels at its first solve (numba, llvmlite:
+    file pages and code the fifteenth session's dry run did not see); the plan loads them for float32
+    scores before it measures the runtime. A row-wise pattern runs no solver and loads nothing."""
+    from tsenor_cli.pruning.block import memory
+    from tsenor_cli.pruning.plan import plan
+    from tsenor_cli.solver import flow, registry
+
+    calls: list[str] = []
+    info = registry.METHODS["flow"]
+    assert info.prepare is flow.load_kernels
+    monkeypatch.setitem(registry.METHODS, "flow", replace(info, prepare=lambda dtype: calls.append(str(dtype))))
+    monkeypatch.setattr(plan, "resident_bytes", lambda: calls.append("measured") or memory.resident_bytes())
+    _plan(tiny, "--nm", nm, *flags, "--nsamples", "4", "--seqlen", "16")
+    assert calls == (["torch.float32", "measured"] if loads else ["measured"])
+
+
+def test_loading_the_flow_kernels_compiles_the_dtype_asked_for() -> None:
+    """`flow.load_kernels` leaves the compiled solver with a float32 signature (what `prepare` promises)."""
+    from tsenor_cli.solver import _flow_jit, flow
+
+    flow.load_kernels(torch.float32)
+    assert any("float32" in str(sig) for sig in _flow_jit.solve_tiles.signatures)
 
 
 def test_a_gpu_run_is_planned_on_a_machine_without_a_gpu(tiny: Path) -> None:

@@ -29,6 +29,9 @@ class MethodInfo:
     max_m: int | None = None  # largest M the method accepts, None for any
     options: tuple[str, ...] = ()  # the keyword options `fn` takes besides `init`
     choose: Chooser | None = None  # set for a method that runs another one (see `resolve_method`)
+    # Loads what the method's first solve on scores of a dtype loads (compiled kernels), so that a plan
+    # measures the process with them (`plan.plan_prune`); None: nothing beyond its module.
+    prepare: Callable[[torch.dtype], None] | None = None
 
 
 METHODS: dict[str, MethodInfo] = {}
@@ -52,15 +55,24 @@ def register(
     max_m: int | None = None,
     choose: Chooser | None = None,
     options: type | None = None,
+    prepare: Callable[[torch.dtype], None] | None = None,
 ) -> Callable[[F], F]:
     """Register the block solver `fn` under `name`; `options`: the dataclass of its keyword options, for a
-    method that takes them as `**options` (`tsenor.TsenorOptions`)."""
+    method that takes them as `**options` (`tsenor.TsenorOptions`); `prepare`: `MethodInfo.prepare`."""
 
     def wrap(fn: F) -> F:
         if name in METHODS:
             raise RuntimeError(f"mask method {name!r} registered twice")
         METHODS[name] = MethodInfo(
-            name, fn, description, exact, supports_init, max_m, options=_keyword_options(fn, options), choose=choose
+            name,
+            fn,
+            description,
+            exact,
+            supports_init,
+            max_m,
+            options=_keyword_options(fn, options),
+            choose=choose,
+            prepare=prepare,
         )
         return fn
 

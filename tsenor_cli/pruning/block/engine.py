@@ -33,7 +33,13 @@ from tsenor_cli.pruning.block.gather import (
     unit_input_stats,
 )
 from tsenor_cli.pruning.block.idle import idle_line, prune_idle_by_magnitude, text_record, watch_idle
-from tsenor_cli.pruning.block.memory import MethodCost, expert_chunk, matrix_workspace, slot_workspace
+from tsenor_cli.pruning.block.memory import (
+    MethodCost,
+    expert_chunk,
+    matrix_workspace,
+    return_free_memory,
+    slot_workspace,
+)
 from tsenor_cli.pruning.block.observe import BlockObservation, Unit, matrices, observe_block
 from tsenor_cli.pruning.block.slots import LinearSlot, dense_records
 from tsenor_cli.pruning.methods.loss_aware import prune_weighted
@@ -363,6 +369,10 @@ class BlockPruner:
             else:
                 local = {by_param[n].local_name: by_param[n] for n in active}
                 records.update(_prune_linears(self, work, local, linears))
+            # The group's statistics and method work are freed: their pages go back before the next
+            # group's are made (`memory.return_free_memory`). Without it the 16:32 recipe's block 2 climbed
+            # from 1.29 to 1.66 GB RSS over its four groups; with it the block peaked at 1.38 GB.
+            return_free_memory()
         return order
 
     def _prune_idle(self, work: _Work) -> list[LayerRecord]:

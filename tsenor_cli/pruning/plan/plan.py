@@ -47,6 +47,7 @@ from tsenor_cli.pruning.plan.probe import probe_blocks
 from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.pruning.settings.selection import Selection
 from tsenor_cli.settings import RunContext
+from tsenor_cli.solver.registry import resolve_method
 
 if TYPE_CHECKING:
     from tsenor_cli.models.structure import ModelStructure
@@ -548,6 +549,7 @@ def plan_model(
     sizing = _sizing(model, structure, candidates, hidden, int(config_value(config, "num_attention_heads") or 0))
     ranks = world_size if world_size is not None else ctx.distributed.world_size
     memory, host = sizing.estimate(cfg, seqlen, device, ranks)
+    _load_solver(cfg, device)
     host = replace(host, runtime=resident_bytes())  # measured here: the model is on the meta device
     return PrunePlan(
         model=cfg.model,
@@ -572,3 +574,15 @@ def plan_model(
         calibrate=reads_data(cfg),
         **found.plan_fields(),
     )
+
+
+def _load_solver(cfg: PruneConfig, device: torch.device) -> None:
+    """Load what the run's mask solver loads at its first solve (`MethodInfo.prepare`: the exact solver's
+    compiled kernels), so the runtime measured after it counts them: the fifteenth session's 16:32 recipe
+    held 0.2 GB more file pages than its dry run measured, numba's and llvmlite's among them
+    (docs/results.md, "Where the peak memory is"). The methods solve float32 scores."""
+    if cfg.pattern.kind != "transposable":
+        return
+    prepare = resolve_method(cfg.matrix.solver, device, cfg.pattern.m).prepare
+    if prepare is not None:
+        prepare(torch.float32)

@@ -31,6 +31,7 @@ from tsenor_cli.progress import Progress, bar, logger
 from tsenor_cli.pruning.block.distributed import Team
 from tsenor_cli.pruning.block.engine import BlockPruner
 from tsenor_cli.pruning.block.gather import MoeOptions
+from tsenor_cli.pruning.block.memory import return_free_memory
 from tsenor_cli.pruning.block.outside import prune_outside
 from tsenor_cli.pruning.block.refine import RefineJob, dense_pass, refine_pruned_block
 from tsenor_cli.pruning.block.regions import Regions
@@ -261,6 +262,10 @@ class BlockLoop:
         """One block (class docstring); its records into `block.records`."""
         parts, index = self.parts, block.index
         start = time.perf_counter()
+        # Each phase's freed memory goes back to the system before the next phase allocates its own
+        # (`memory.return_free_memory`: glibc kept 0.4-0.5 GB of the method's freed work resident through
+        # the refinement).
+        return_free_memory()
         for hook in parts.hooks:
             hook.before(block)
         with phase("statistics"):
@@ -268,8 +273,10 @@ class BlockLoop:
                 block.module, index, block.inputs, block.call, parts.blocks.observed.get(index)
             )
         block.records += parts.blocks.unused.get(index, [])
+        return_free_memory()
         for hook in parts.hooks:
             hook.after(block)
+        return_free_memory()
         if not block.outputs_ready:
             with phase("rerun"), parts.team.agreed():  # the next block sees the pruned outputs
                 run_block(block.module, block.inputs, block.call, block.outputs, parts.device)
