@@ -286,8 +286,9 @@ OUTSIDE_PRUNING_WIDE: dict[str, int] = {
     **_KERNELS_WIDE,
     # The Python API's one call: its keyword options are the recipe keys (docs/guide/python-api.md).
     "api.py:prune": 10,
-    # A plain record's constructor: `register`'s keywords are the fields of the `MethodInfo` it records.
-    "solver/registry.py:register": 7,
+    # A plain record's constructor: `register`'s keywords are the fields of the `MethodInfo` it records
+    # (`prepare` since the dry run measures its runtime with the solver loaded).
+    "solver/registry.py:register": 8,
     # Called from pruning/ with these positions (pruning/run/output.py, pruning/block/gather.py): to be
     # narrowed together with those callers.
     "models/saving.py:save_streamed": 7,
