@@ -264,7 +264,7 @@ class BlockLoop:
         start = time.perf_counter()
         # Each phase's freed memory goes back to the system before the next phase allocates its own
         # (`memory.return_free_memory`: glibc kept 0.4-0.5 GB of the method's freed work resident through
-        # the refinement).
+        # the refinement); the method's own goes back in the engine, after each group of matrices.
         return_free_memory()
         for hook in parts.hooks:
             hook.before(block)
@@ -273,7 +273,6 @@ class BlockLoop:
                 block.module, index, block.inputs, block.call, parts.blocks.observed.get(index)
             )
         block.records += parts.blocks.unused.get(index, [])
-        return_free_memory()
         for hook in parts.hooks:
             hook.after(block)
         return_free_memory()
