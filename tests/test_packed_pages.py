@@ -146,6 +146,31 @@ def test_a_packed_load_holds_each_weight_once(packed: Path) -> None:
     assert inside, "no packed tensor spans a whole page: this check has nothing to look at"
 
 
+def test_biases_load_as_copies_not_views_of_the_map(
+    tiny_llama: Callable[..., Path], calib: Path, data_ctx: RunContext, tmp_path: Path
+) -> None:
+    """A packed file stores a linear's bias as it is. Left a view of the shard's map, reading it in the
+    forward pass would map again the folio it shares with decoded matrices' bytes, so a model with biases
+    (Qwen2's q/k/v) would hold its packed file's pages beside the dense matrices; each bias is a copy of its
+    stored bytes instead."""
+    from transformers import AutoModelForCausalLM
+
+    import tsenor_cli  # noqa: F401  # registers the packed format
+
+    out = tmp_path / "packed"
+    config = sparsegpt_config(tiny_llama(model_type="qwen2"), calib, out, resume=False, save_format="packed")
+    prune_model(config, data_ctx)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    shard = out / "model.safetensors"
+    maps = file_mappings(shard)
+    biases = {name: param for name, param in model.named_parameters() if name.endswith(".bias")}
+    assert biases and maps, "no bias, or nothing left mapped: this check has nothing to look at"
+    with safe_open(str(shard), framework="pt") as handle:
+        for name, param in biases.items():
+            assert not any(m.start <= param.data_ptr() < m.start + m.length for m in maps), name
+            assert torch.equal(param.detach(), handle.get_tensor(name)), name
+
+
 def test_unreadable_pagemap_keeps_pages_and_says_so(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

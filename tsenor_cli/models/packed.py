@@ -120,7 +120,10 @@ class TsenorPackedQuantizer(HfQuantizer):
     one as it loads, and leaves a plain dense model."""
 
     requires_calibration = True
-    serialized_names = {"weight": ["weight", *(f"weight{suffix}" for suffix in SUFFIXES)]}  # noqa: RUF012
+    # What the conversion sees: every weight (a packed one with its code) and every bias, which a packed
+    # file stores as it is; a bias left a view of the shard's map would map again, when the forward pass
+    # reads it, the large folio it shares with decoded matrices' bytes (`PackedDecode._stored_as_is`).
+    serialized_names = {"weight": ["weight", *(f"weight{suffix}" for suffix in SUFFIXES)], "bias": ["bias"]}  # noqa: RUF012
 
     def __init__(self, quantization_config: QuantizationConfigMixin, **kwargs: Any) -> None:
         super().__init__(quantization_config, **kwargs)
@@ -143,7 +146,7 @@ class TsenorPackedQuantizer(HfQuantizer):
         # values and code are routed to the decoding by their last two names, which no linear's weight ends in.
         names = {".".join(key.split(".")[-2:]) for key in found if not key.endswith(".weight")}
         self.serialized_names = {
-            "weight": self.serialized_names["weight"],
+            **type(self).serialized_names,
             **{name: [name, *(name + suffix for suffix in SUFFIXES)] for name in sorted(names)},
         }
 
