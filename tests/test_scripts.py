@@ -1,7 +1,8 @@
 """The analysis scripts behind docs/results.md, on hand-written inputs.
 
 scripts/paper_ratios.py: parsing the paper's result tables and the ratio report. scripts/pattern_cost.py:
-the score a pattern leaves out, on a tile worked by hand.
+the score a pattern leaves out, on a tile worked by hand. scripts/rotation_floor.py: a row's refit on its
+mask against a direct least-squares solve.
 """
 
 from __future__ import annotations
@@ -89,3 +90,30 @@ def test_pattern_cost_outlier_column_hand_worked(pattern_cost: ModuleType) -> No
     assert pattern_cost.left_out(scores, 2, 4, transposable=False) == pytest.approx(8 / 68)
     assert pattern_cost.left_out(scores, 2, 4, transposable=True) == pytest.approx(34 / 68)
     assert pattern_cost.top_channel_share(scores, 0.25) == pytest.approx(40 / 68)
+
+
+@pytest.fixture(scope="module")
+def rotation_floor() -> ModuleType:
+    return _load_script("rotation_floor")
+
+
+def test_rotation_floor_refit_is_each_row_s_least_squares_on_its_mask(rotation_floor: ModuleType) -> None:
+    """With uncorrelated inputs (G = I) the kept weights are already optimal: the refit keeps them and the
+    error is the dropped weights' share (hand-worked); with correlated ones each row's refit equals a least
+    squares fit of w·X by the kept columns of X, solved directly, and it never raises the error."""
+    weight = torch.tensor([[4.0, 1.0, 2.0, 3.0], [1.0, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    kept = torch.tensor([[True, False, False, True], [False, True, True, False]])
+    eye = torch.eye(4, dtype=torch.float64)
+    assert torch.equal(rotation_floor.refit(weight, eye, kept, damp=0.0), weight * kept)
+    assert rotation_floor.relative_error(weight, eye, weight * ~kept) == pytest.approx((1 + 4 + 1 + 1) / (30 + 4))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=gen, dtype=torch.float64) @ torch.randn(4, 4, generator=gen, dtype=torch.float64)
+    gram = x.T @ x
+    fitted = rotation_floor.refit(weight, gram, kept, damp=0.0)
+    for row in range(2):
+        columns = kept[row].nonzero().flatten()
+        solution = torch.linalg.lstsq(x[:, columns], x @ weight[row]).solution
+        assert torch.allclose(fitted[row, columns], solution) and not fitted[row, ~kept[row]].any()
+    assert rotation_floor.relative_error(weight, gram, weight - fitted) <= rotation_floor.relative_error(
+        weight, gram, weight * ~kept
+    )
