@@ -148,7 +148,7 @@ def test_the_host_estimate_counts_the_writers_payload(tiny: Path, calib: Path, d
         cfg = replace(base, stream=stream, resume=resume, refine=replace(base.refine, mode=refine))
         host = plan_model(cfg, data_ctx).host_memory
         assert host.writer == background.WRITER_DEPTH * expected, (stream, resume, refine)
-        assert host.total == host.model + host.tokens + host.activations + host.work + host.writer
+        assert host.total == host.model + host.tokens + host.activations + host.work + host.allocator + host.writer
 
 
 # ---------------------------------------------------------------- whole prunes

@@ -23,7 +23,7 @@ from tsenor_cli.errors import BadInputError
 from tsenor_cli.outputs import human_bytes
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.block.finite import first_non_finite
-from tsenor_cli.pruning.block.memory import Demand, Limits, fit_refusal
+from tsenor_cli.pruning.block.memory import ALLOCATOR_SLACK, Demand, Limits, fit_refusal
 from tsenor_cli.pruning.methods.stats import reconstruction_error
 from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
@@ -551,6 +551,7 @@ def test_host_and_device_estimates_by_hand(tiny: Path, data_ctx: RunContext) -> 
     assert host.activations == 2 * 4 * 32 * 64 * 4  # (S, T, H) in and out, on the CPU
     (device,) = plan.device_memory
     assert host.work == device.statistics + device.workspace
+    assert host.allocator == round(ALLOCATOR_SLACK * device.workspace) > 0  # on the CPU: glibc's arenas
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
 
     def verdict(

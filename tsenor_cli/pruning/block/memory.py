@@ -60,6 +60,14 @@ TOPK_COPIES = 1.5
 # cuBLAS and cuBLASLt keep their workspaces in torch's caching allocator on CUDA (counted by
 # max_memory_allocated: the measured peaks above sit 45-50 MB over the rest of this estimate).
 CUDA_LIBRARY_BYTES = 64 << 20
+# Freed memory the C allocator keeps while one matrix is pruned on the CPU, as a multiple of the method's
+# working set (`HostEstimate.allocator`): glibc serves the method's loop from per-thread arenas and keeps
+# what it frees there until the group's `return_free_memory`. ALPS transposable 16:32, one matrix each in
+# a fresh process after a trim (seventeenth session, docs/results.md "The memory target, steady state"):
+# the RSS rose 1.33-1.81× its working set on 576 × 1536 (5 runs), 1.56-1.76× on 1536 × 576, 1.08× on
+# 576 × 576; with glibc's mmap threshold held at 1 MiB, which hands large blocks straight back, 1.10×.
+# Counted as the working set once more, above the 0.81× measured.
+ALLOCATOR_SLACK = 1.0
 
 
 @dataclass(frozen=True)
@@ -322,9 +330,11 @@ class HostEstimate:
     entering and leaving a block, (S_r, T, H) twice (a distributed group's kept inputs not counted: an
     estimate that errs low refuses no run that fits), and with --refine the dense stream (S_r, T, H) too;
     work: on a CPU run, the rank's statistics, method buffers and refinement
-    (`MemoryEstimate.statistics` + `workspace` + `refine`); writer: what the background writer holds
-    (`background.py`, `WRITER_DEPTH` payloads): with a resume state, rank 0's copy of the next
-    block's inputs (S, T, H) (and the dense stream's with --refine), plus a streamed run's pruned block;
+    (`MemoryEstimate.statistics` + `workspace` + `refine`); allocator: on a CPU run, the freed memory the C
+    allocator keeps during the method's work (`ALLOCATOR_SLACK` × the method's working set); writer: what
+    the background writer holds (`background.py`, `WRITER_DEPTH` payloads): with a resume state, rank 0's
+    copy of the next block's inputs (S, T, H) (and the dense stream's with --refine), plus a streamed run's
+    pruned block;
     streamed without one, the pruned block it keeps on disk. curvature: `--loss-aware`'s pass before the
     blocks (`curvature_bytes`), which ends before the loop's activations, work and writes are made: the
     peak is the larger of the two. runtime: the planning process's own resident memory when the plan was
@@ -342,10 +352,12 @@ class HostEstimate:
     writer: int = 0
     curvature: int = 0
     runtime: int = 0
+    allocator: int = 0
 
     @property
     def total(self) -> int:
-        return self.model + self.tokens + max(self.curvature, self.activations + self.work + self.writer)
+        loop = self.activations + self.work + self.allocator + self.writer
+        return self.model + self.tokens + max(self.curvature, loop)
 
     @property
     def peak(self) -> int:
@@ -358,6 +370,7 @@ class HostEstimate:
         return (
             f"{weights} {human_bytes(self.model)}, calibration tokens {human_bytes(self.tokens)}, "
             f"activations {human_bytes(self.activations)}, work {human_bytes(self.work)}"
+            + (f", freed memory the allocator keeps {human_bytes(self.allocator)}" if self.allocator else "")
             + (f", background writes {human_bytes(self.writer)}" if self.writer else "")
             + (f"; before the blocks, the loss curvature pass {human_bytes(self.curvature)}" if self.curvature else "")
         )
@@ -368,6 +381,7 @@ class HostEstimate:
             "tokens": self.tokens,
             "activations": self.activations,
             "work": self.work,
+            "allocator": self.allocator,
             "writer": self.writer,
             "curvature": self.curvature,
             "total": self.total,
@@ -400,6 +414,7 @@ def host_estimate(work: Workload, device_estimate: MemoryEstimate) -> HostEstima
         tokens=2 * work.nsamples * work.seqlen * TOKEN_BYTES,
         activations=activations,
         work=device_estimate.statistics + device_estimate.workspace + device_estimate.refine if on_cpu else 0,
+        allocator=round(ALLOCATOR_SLACK * device_estimate.workspace) if on_cpu else 0,
         streamed=work.streamed,
         writer=WRITER_DEPTH * (inputs + kept) if work.resume or work.streamed else 0,
     )
