@@ -65,7 +65,7 @@ CUDA_LIBRARY_BYTES = 64 << 20
 # what it frees there until the group's `return_free_memory`. ALPS transposable 16:32, one matrix in a
 # fresh process after a trim (`scripts/method_memory.py`, seventeenth session, docs/results.md "The memory
 # target in the steady state"): the RSS rose 1.33-1.81x its working set on 576 x 1536 (9 runs), 1.59-1.91x
-# on 1536 x 576 (6), 1.08-2.05x on 576 x 576 (5); with glibc's mmap threshold held at 1 MiB, which hands
+# on 1536 x 576 (6), 1.08-2.05x on 576 x 576 (6); with glibc's mmap threshold held at 1 MiB, which hands
 # large blocks straight back, 1.04-1.10x: the formula holds the tensors, the rest is the allocator's.
 # Counted as 1.25 working sets more, above the highest 1.05 measured.
 ALLOCATOR_SLACK = 1.25
