@@ -143,6 +143,14 @@ def _memory_lines(plan: PrunePlan, cfg: PruneConfig) -> Iterator[str]:
         + (" per process" if several else "")
         + (", activations offloaded" if cfg.offload_activations else "")
     )
+    if cfg.refine.mask_every:
+        # Measured, not yet modelled: the re-solves' refinements peaked 0.2-0.35 GB above the fixed mask's
+        # (the 16:32 recipe on SmolLM2-135M: 1.72 GB against its 1.51 GB estimate; docs/results.md,
+        # "Seventeenth session"). Said, so that a batch job's memory request is not taken from the line above.
+        yield (
+            "not counted above: --refine-mask-every's re-solves, which raised the refinement's peak by up to "
+            "0.35 GB on SmolLM2-135M (docs/results.md); request more host memory"
+        )
     if not device_present(torch.device(plan.device)):
         fitting = [name for name, size in KNOWN_GPUS if size >= plan.device_bytes]
         yield (
