@@ -28,6 +28,7 @@ from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.run.api import prune_model
+from tsenor_cli.pruning.run.seams import BlockContext, BlockHook
 from tsenor_cli.pruning.run.verify import verify_checkpoint
 from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.runfiles import RESUME_DIR, SCHEMA_VERSION, SPARSITY_FILE, FinetuneReport, SchemaError, read_sparsity
@@ -678,3 +679,99 @@ def test_the_prunes_own_evaluation_is_reused_as_before_when_its_settings_match(
     fresh, said = run_finetune("fresh", 1)
     assert any(line.startswith("evaluating the pruned checkpoint before fine-tuning") for line in said)
     assert reused.ppl("before") == fresh.ppl("before")  # the reused number is the one evaluation gives
+
+
+# ---- `--data calibration`: the prune's own calibration windows (issue 49) -----------------------------------
+
+
+class _FirstInputs(BlockHook):
+    """A block hook that keeps block 0's calibration inputs (the embedded tokens, for a LLaMA)."""
+
+    def __init__(self) -> None:
+        self.inputs: torch.Tensor | None = None
+
+    def before(self, block: BlockContext) -> None:
+        if block.index == 0:
+            self.inputs = block.inputs.detach().clone()
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory: pytest.TempPathFactory, calibration_text: Path) -> tuple[Path, torch.Tensor]:
+    """A tiny LLaMA pruned by Wanda (which reads data) on 4 windows of 16 tokens of a file, seed 1; and the
+    hidden states its block 0 received (the embedded calibration tokens)."""
+    root = tmp_path_factory.mktemp("calibrated")
+    src = make_tiny_llama(root / "src")
+    cfg = PruneConfig(
+        model=str(src),
+        matrix=MatrixPruneConfig(SparsityPattern.from_nm(8, 16, transposable=True), solver="exact"),
+        method="wanda",
+        calib_data=str(calibration_text),
+        nsamples=4,
+        seqlen=16,
+        seed=1,
+        output=root / "pruned",
+    )
+    first = _FirstInputs()
+    prune_model(cfg, LOCAL_CTX, hooks=[first])
+    assert first.inputs is not None
+    return root / "pruned", first.inputs
+
+
+def test_calibration_windows_are_the_tokens_the_prune_read(calibrated: tuple[Path, torch.Tensor]) -> None:
+    """Embedding the windows `--data calibration` trains on gives exactly block 0's calibration inputs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tsenor_cli.finetune.data import calibration_windows
+    from tsenor_cli.finetune.masks import read_run_sparsity
+
+    run, first_inputs = calibrated
+    report = read_run_sparsity(run).report
+    text = calibration_windows(report, AutoTokenizer.from_pretrained(run), ctx=LOCAL_CTX)
+    assert tuple(text.windows.shape) == (4, 16)
+    assert text.description == f"the prune's calibration windows: {report.calibration}"
+    dense = AutoModelForCausalLM.from_pretrained(run.parent / "src")
+    with torch.no_grad():
+        embedded = dense.get_input_embeddings()(text.windows)
+    assert torch.equal(embedded, first_inputs.to(embedded.dtype))
+
+
+def test_finetune_on_calibration_trains_on_the_prunes_windows(
+    calibrated: tuple[Path, torch.Tensor], tmp_path: Path
+) -> None:
+    run, _ = calibrated
+    out = tmp_path / "ft"
+    args = ["finetune", str(run), "--output", str(out), "--data", "calibration", "--max-steps", "4"]
+    args += ["--batch-size", "2", "--lr", "1e-2", "--ppl", "none", "--save-every", "0"]
+    args += ["--teacher", str(run.parent / "src")]
+    result = invoke([*args, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "finetune.json").read_text())
+    # 4 windows of the prune's 16 tokens (not --seqlen's default 512), read twice by 4 steps of 2
+    assert report["windows"] == 4 and report["tokens"] == 4 * 2 * 16 and report["epochs"] == 2.0
+    assert report["data"].startswith("the prune's calibration windows: ")
+    assert report["settings"]["data"] == "calibration"
+    assert verify_checkpoint(out).ok
+
+
+def test_bad_calibration_data_gets_one_line_errors_and_nothing_written(
+    calibrated: tuple[Path, torch.Tensor], pruned: Path, tmp_path: Path
+) -> None:
+    run, _ = calibrated
+    moved = tmp_path / "moved"  # the report names calibration text other than what the file gives now
+    shutil.copytree(run, moved)
+    report = json.loads((moved / "tsenor_report.json").read_text())
+    report["calibration"] = report["calibration"].replace("4 random", "8 random")
+    (moved / "tsenor_report.json").write_text(json.dumps(report))
+    cases = {
+        "seqlen": (run, ["--seqlen", "32"], "does not apply to --data calibration"),
+        "stand_in": (pruned, [], "read no calibration text"),
+        "other_text": (moved, [], "but the prune calibrated on"),
+    }
+    for label, (folder, extra, words) in cases.items():
+        out = tmp_path / f"out_{label}"
+        args = ["finetune", str(folder), "--output", str(out), "--data", "calibration", "--ppl", "none", *extra]
+        result = invoke([*args, "--max-steps", "1"])
+        message = str(result.exception)
+        assert result.exit_code == 2, (label, result.output)
+        assert words in message and "\n" not in message, (label, message)
+        assert not out.exists(), label

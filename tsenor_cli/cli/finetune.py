@@ -29,17 +29,24 @@ from tsenor_cli.cli.options import (
 )
 from tsenor_cli.data.sources import NAMED_TEXTS
 from tsenor_cli.errors import InputNotFoundError, UsageError
-from tsenor_cli.finetune.config import FINETUNE_FIELDS, FinetuneConfig
+from tsenor_cli.finetune.config import CALIBRATION_DATA, FINETUNE_FIELDS, FinetuneConfig
 
 if TYPE_CHECKING:
     from tsenor_cli.runfiles import FinetuneReport
 
 
-def _check_data(data: str) -> None:
+def _check_data(data: str, given: dict[str, Any]) -> None:
+    if data == CALIBRATION_DATA:
+        if "seqlen" in given:
+            raise UsageError(
+                "--seqlen does not apply to --data calibration, whose windows are the prune's own (its --seqlen); "
+                "drop --seqlen"
+            )
+        return
     if data not in NAMED_TEXTS and not Path(data).expanduser().is_file():
         raise InputNotFoundError(
-            f"--data {data} is not a readable file nor one of {', '.join(NAMED_TEXTS)}; "
-            "pass c4, wikitext2, ptb or an existing .txt/.jsonl/.json.gz/.parquet file"
+            f"--data {data} is not a readable file nor one of {', '.join(NAMED_TEXTS)}, {CALIBRATION_DATA}; "
+            f"pass c4, wikitext2, ptb, {CALIBRATION_DATA} or an existing .txt/.jsonl/.json.gz/.parquet file"
         )
 
 
@@ -95,7 +102,7 @@ def finetune_cmd(
         if given.get("dtype", "bf16") != "bf16":
             raise UsageError(f"--bf16 and --dtype {given['dtype']} disagree; pass --dtype bf16 alone")
         given["dtype"] = "bf16"
-    _check_data(given.get("data", FINETUNE_FIELDS[0].default))
+    _check_data(given.get("data", FINETUNE_FIELDS[0].default), given)
     run_ctx = run_context(ctx, data_dir, offline)
     cfg = FinetuneConfig(
         run_dir=run_dir.expanduser(),

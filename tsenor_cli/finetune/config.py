@@ -28,9 +28,14 @@ def _check_share(value: float) -> None:
 
 
 TRAIN, DATA, DISTILL, MODEL = "Training", "Data", "Distillation (--teacher)", "Model"
+# `--data calibration`: the pruning run's own calibration windows, made again from what its report
+# records (finetune/data.calibration_windows); `--seqlen` does not apply to them.
+CALIBRATION_DATA = "calibration"
 FINETUNE_FIELDS: tuple[Field, ...] = (
-    Field("data", str, "c4", "Training text: c4, wikitext2, ptb or a text/jsonl file.", DATA),
-    Field("seqlen", int, 512, "Tokens per training window.", DATA, minimum=2),
+    Field("data", str, "c4", "Training text: c4, wikitext2, ptb, a text/jsonl file, or calibration (the prune's "
+          "own calibration windows).", DATA),
+    Field("seqlen", int, 512, "Tokens per training window (--data calibration: the prune's --seqlen).", DATA,
+          minimum=2),
     Field("max_steps", int, 200, "Optimizer steps.", TRAIN, minimum=1),
     Field("lr", float, 2e-5, "Peak learning rate (AdamW, linear decay to 0).", TRAIN, positive=True),
     Field("batch_size", int, 4, "Windows per micro-batch (per process).", TRAIN, minimum=1),

@@ -7,6 +7,9 @@
 - ``wikitext2`` / ``ptb``: the train split joined with " " as calibration does (offline WikiText-2:
   its validation split, the train split is not in the data folder); ``eval`` reads the test splits.
 - a file path: its documents.
+- ``calibration``: the pruning run's own calibration windows (`calibration_windows`), made again by
+  the function that made them for the prune, from the settings its report records; training on them
+  uses no text the prune did not already read ("from calibration data alone").
 
 Documents are shuffled with ``random.Random(seed)``, tokenized without special tokens and followed
 by EOS, as for calibration; the stream is then cut into consecutive, non-overlapping windows (the
@@ -23,9 +26,9 @@ import torch
 from torch.utils.data import Dataset
 
 from tsenor_cli.data import sources
-from tsenor_cli.data.calibration import document_separator, shuffled_documents
+from tsenor_cli.data.calibration import calibration_batches, document_separator, shuffled_documents
 from tsenor_cli.errors import UsageError
-from tsenor_cli.runfiles import DataSource
+from tsenor_cli.runfiles import DataSource, PruneReport
 from tsenor_cli.settings import RunContext
 
 # Documents tokenized per batch while filling the stream (the tokenizer is fastest in batches).
@@ -125,6 +128,37 @@ def training_windows(
         f"{packed.shape[0]} consecutive windows of {seqlen} tokens"
     )
     return TrainingText(packed, description, raw.source, used)
+
+
+def calibration_windows(report: PruneReport, tokenizer: object, *, ctx: RunContext) -> TrainingText:
+    """The windows the prune calibrated on: (nsamples, seqlen) long, as its report records them.
+
+    They come from `data.calibration.calibration_batches` with the prune's calibration source, sample
+    count, length (the capped one it ran with) and seed, so they are the same tokens. Raises UsageError
+    when the prune read no text (a method that needs none), when the report records no calibration
+    settings, or when the text read now is described differently from the prune's (another data folder,
+    or the hub instead of offline files): then the windows would not be the ones the prune read.
+    """
+    if report.calibration_source is not None and report.calibration_source.kind == "none":
+        raise UsageError(
+            f"the prune read no calibration text ({report.calibration}); pass --data c4, wikitext2, ptb or a file"
+        )
+    settings = report.settings
+    try:
+        source = str(settings["calib_data"])
+        nsamples, seqlen, seed = int(settings["nsamples"]), int(settings["seqlen"]), int(settings["seed"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UsageError(
+            f"the prune's report records no calibration settings ({exc}); pass --data c4 or re-run tsenor prune"
+        ) from exc
+    calib = calibration_batches(source, tokenizer, ctx, nsamples=nsamples, seqlen=seqlen, seed=seed)
+    if calib.source_description != report.calibration:
+        raise UsageError(
+            f"--data calibration reads '{calib.source_description}', but the prune calibrated on "
+            f"'{report.calibration}'; pass the prune's --data-dir (or --offline setting), or another --data"
+        )
+    description = f"the prune's calibration windows: {calib.source_description}"
+    return TrainingText(calib.input_ids, description, calib.source, None)
 
 
 def _check_filled(packed: torch.Tensor, stream: torch.Tensor, seqlen: int, source: str) -> None:

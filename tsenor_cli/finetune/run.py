@@ -31,8 +31,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from tsenor_cli.errors import Interrupted, UsageError
 from tsenor_cli.finetune.callback import PPL_LOG_PREFIX, CurveCallback, MaskCallback
+from tsenor_cli.finetune.config import CALIBRATION_DATA
 from tsenor_cli.finetune.config import FinetuneConfig as FinetuneConfig
-from tsenor_cli.finetune.data import TrainingText, WindowDataset, training_windows
+from tsenor_cli.finetune.data import TrainingText, WindowDataset, calibration_windows, training_windows
 from tsenor_cli.finetune.distill import DistillTrainer, check_teacher
 from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsity
 from tsenor_cli.fixedmask import FixedMask
@@ -436,25 +437,24 @@ def _load_inputs(cfg: FinetuneConfig, ctx: RunContext, args: Any, sparsity: RunS
     how = LoadOptions(cfg.trust_remote_code, progress=say)
     loaded = load_model(str(cfg.run_dir), ctx, dtype=torch.float32, device="cpu", options=how)
     saved_dtype = loaded.source_dtype or torch.float32
-    if loaded.max_positions is not None and cfg.seqlen > loaded.max_positions:
+    calibration = cfg.data == CALIBRATION_DATA  # the prune's windows, whose length is the prune's
+    if not calibration and loaded.max_positions is not None and cfg.seqlen > loaded.max_positions:
         raise UsageError(
             f"--seqlen {cfg.seqlen} exceeds the model's max_position_embeddings {loaded.max_positions}; "
             f"pass --seqlen {loaded.max_positions} or less"
         )
     masks = pruned_masks(loaded.model, sparsity)
     per_step = cfg.batch_size * cfg.grad_accum * args.world_size
-    text = training_windows(
-        cfg.data,
-        loaded.tokenizer,
-        seqlen=cfg.seqlen,
-        windows=cfg.max_steps * per_step,
-        seed=cfg.seed,
-        ctx=ctx,
-    )
-    available = int(text.windows.shape[0])
+    if calibration:
+        text = calibration_windows(sparsity.report, loaded.tokenizer, ctx=ctx)
+    else:
+        text = training_windows(
+            cfg.data, loaded.tokenizer, seqlen=cfg.seqlen, windows=cfg.max_steps * per_step, seed=cfg.seed, ctx=ctx
+        )
+    available, seqlen = (int(n) for n in text.windows.shape)
     if available < cfg.batch_size * args.world_size:
         raise UsageError(
-            f"--data {cfg.data} fills only {available} windows of {cfg.seqlen} tokens, fewer than one batch "
+            f"--data {cfg.data} fills only {available} windows of {seqlen} tokens, fewer than one batch "
             f"({cfg.batch_size} per process); pass more text, a smaller --seqlen or a smaller --batch-size"
         )
     say(f"training data: {text.description}")
@@ -564,7 +564,7 @@ def _finetune_report(
         data_source=inputs.text.source.to_json(),
         windows=inputs.available,
         steps=steps,
-        tokens=steps * inputs.per_step * cfg.seqlen,
+        tokens=steps * inputs.per_step * int(inputs.text.windows.shape[1]),
         epochs=steps * inputs.per_step / inputs.available,
         world_size=int(args.world_size),
         loss_curve=loss,
