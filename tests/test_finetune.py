@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_cli import invoke
-from helpers_tiny import LOCAL_CTX, make_tiny_llama
+from helpers_tiny import LOCAL_CTX, make_tiny_llama, sparsegpt_config
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -697,20 +697,10 @@ class _FirstInputs(BlockHook):
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory: pytest.TempPathFactory, calibration_text: Path) -> tuple[Path, torch.Tensor]:
-    """A tiny LLaMA pruned by Wanda (which reads data) on 4 windows of 16 tokens of a file, seed 1; and the
-    hidden states its block 0 received (the embedded calibration tokens)."""
+    """A tiny LLaMA pruned by the shared SparseGPT test prune (it reads data: 4 windows of 32 tokens of a
+    file) with seed 1; and the hidden states its block 0 received (the embedded calibration tokens)."""
     root = tmp_path_factory.mktemp("calibrated")
-    src = make_tiny_llama(root / "src")
-    cfg = PruneConfig(
-        model=str(src),
-        matrix=MatrixPruneConfig(SparsityPattern.from_nm(8, 16, transposable=True), solver="exact"),
-        method="wanda",
-        calib_data=str(calibration_text),
-        nsamples=4,
-        seqlen=16,
-        seed=1,
-        output=root / "pruned",
-    )
+    cfg = sparsegpt_config(make_tiny_llama(root / "src"), calibration_text, root / "pruned", seed=1)
     first = _FirstInputs()
     prune_model(cfg, LOCAL_CTX, hooks=[first])
     assert first.inputs is not None
@@ -727,7 +717,7 @@ def test_calibration_windows_are_the_tokens_the_prune_read(calibrated: tuple[Pat
     run, first_inputs = calibrated
     report = read_run_sparsity(run).report
     text = calibration_windows(report, AutoTokenizer.from_pretrained(run), ctx=LOCAL_CTX)
-    assert tuple(text.windows.shape) == (4, 16)
+    assert tuple(text.windows.shape) == (4, 32)
     assert text.description == f"the prune's calibration windows: {report.calibration}"
     dense = AutoModelForCausalLM.from_pretrained(run.parent / "src")
     with torch.no_grad():
@@ -746,8 +736,8 @@ def test_finetune_on_calibration_trains_on_the_prunes_windows(
     result = invoke([*args, "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "finetune.json").read_text())
-    # 4 windows of the prune's 16 tokens (not --seqlen's default 512), read twice by 4 steps of 2
-    assert report["windows"] == 4 and report["tokens"] == 4 * 2 * 16 and report["epochs"] == 2.0
+    # 4 windows of the prune's 32 tokens (not --seqlen's default 512), read twice by 4 steps of 2
+    assert report["windows"] == 4 and report["tokens"] == 4 * 2 * 32 and report["epochs"] == 2.0
     assert report["data"].startswith("the prune's calibration windows: ")
     assert report["settings"]["data"] == "calibration"
     assert verify_checkpoint(out).ok
