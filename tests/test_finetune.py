@@ -752,10 +752,16 @@ def test_bad_calibration_data_gets_one_line_errors_and_nothing_written(
     report = json.loads((moved / "tsenor_report.json").read_text())
     report["calibration"] = report["calibration"].replace("4 random", "8 random")
     (moved / "tsenor_report.json").write_text(json.dumps(report))
+    edited = tmp_path / "edited"  # the file the prune read has other bytes now
+    shutil.copytree(run, edited)
+    report = json.loads((edited / "tsenor_report.json").read_text())
+    report["calibration_source"]["files"][0]["sha256"] = "0" * 64
+    (edited / "tsenor_report.json").write_text(json.dumps(report))
     cases = {
         "seqlen": (run, ["--seqlen", "32"], "does not apply to --data calibration"),
         "stand_in": (pruned, [], "read no calibration text"),
         "other_text": (moved, [], "but the prune calibrated on"),
+        "other_bytes": (edited, [], "changed since the prune read it"),
     }
     for label, (folder, extra, words) in cases.items():
         out = tmp_path / f"out_{label}"

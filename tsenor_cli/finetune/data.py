@@ -137,7 +137,8 @@ def calibration_windows(report: PruneReport, tokenizer: object, *, ctx: RunConte
     count, length (the capped one it ran with) and seed, so they are the same tokens. Raises UsageError
     when the prune read no text (a method that needs none), when the report records no calibration
     settings, or when the text read now is described differently from the prune's (another data folder,
-    or the hub instead of offline files): then the windows would not be the ones the prune read.
+    or the hub instead of offline files) or its files' sha256s differ from the recorded ones: then the
+    windows would not be the ones the prune read.
     """
     if report.calibration_source is not None and report.calibration_source.kind == "none":
         raise UsageError(
@@ -156,6 +157,13 @@ def calibration_windows(report: PruneReport, tokenizer: object, *, ctx: RunConte
         raise UsageError(
             f"--data calibration reads '{calib.source_description}', but the prune calibrated on "
             f"'{report.calibration}'; pass the prune's --data-dir (or --offline setting), or another --data"
+        )
+    recorded = report.calibration_source  # its files' sha256s, when the report records them
+    if recorded is not None and recorded.files and recorded.files != calib.source.files:
+        changed = ", ".join(f.path for f in recorded.files if f not in calib.source.files) or "the file list"
+        raise UsageError(
+            f"--data calibration: {changed} changed since the prune read it (another sha256); restore the "
+            "file the prune read, or pass another --data"
         )
     description = f"the prune's calibration windows: {calib.source_description}"
     return TrainingText(calib.input_ids, description, calib.source, None)
