@@ -48,6 +48,11 @@ class TrainingText:
     source: DataSource
     documents: tuple[str, ...] | None
 
+    @property
+    def seqlen(self) -> int:
+        """Tokens per window: `--seqlen`, or the prune's own for `--data calibration`."""
+        return int(self.windows.shape[1])
+
 
 class WindowDataset(Dataset[dict[str, torch.Tensor]]):
     """Trainer's view of the windows: causal-LM items whose labels are the inputs (the model shifts)."""

@@ -451,10 +451,10 @@ def _load_inputs(cfg: FinetuneConfig, ctx: RunContext, args: Any, sparsity: RunS
         text = training_windows(
             cfg.data, loaded.tokenizer, seqlen=cfg.seqlen, windows=cfg.max_steps * per_step, seed=cfg.seed, ctx=ctx
         )
-    available, seqlen = (int(n) for n in text.windows.shape)
+    available = int(text.windows.shape[0])
     if available < cfg.batch_size * args.world_size:
         raise UsageError(
-            f"--data {cfg.data} fills only {available} windows of {seqlen} tokens, fewer than one batch "
+            f"--data {cfg.data} fills only {available} windows of {text.seqlen} tokens, fewer than one batch "
             f"({cfg.batch_size} per process); pass more text, a smaller --seqlen or a smaller --batch-size"
         )
     say(f"training data: {text.description}")
@@ -564,7 +564,7 @@ def _finetune_report(
         data_source=inputs.text.source.to_json(),
         windows=inputs.available,
         steps=steps,
-        tokens=steps * inputs.per_step * int(inputs.text.windows.shape[1]),
+        tokens=steps * inputs.per_step * inputs.text.seqlen,
         epochs=steps * inputs.per_step / inputs.available,
         world_size=int(args.world_size),
         loss_curve=loss,
