@@ -471,6 +471,61 @@ def test_distillation_loss_by_hand() -> None:
     assert same.total.dtype == torch.float32 and float(same.total) == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.parametrize(("weight", "temperature"), [(1.0, 1.0), (0.3, 2.0), (0.5, 1.0)])
+def test_the_loss_by_chunks_equals_the_whole_logits_loss_with_its_gradients(
+    weight: float, temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`head_distillation_loss` (the output layer and the loss 3 positions at a time, the gradient in closed
+    form) against `distillation_loss` of the whole logits under autograd: the three values, and the
+    gradients of the hidden states, the head's weight and its bias."""
+    from tsenor_cli.finetune import distill
+
+    monkeypatch.setattr(distill, "CHUNK_BYTES", 4 * 11 * 3)  # 3 of the 16 positions a chunk
+    assert distill.chunk_rows(11) == 3
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 9, 5, generator=gen, requires_grad=True)  # (B, T, H)
+    head_w = torch.randn(11, 5, generator=gen, requires_grad=True)  # (V, H)
+    head_b = torch.randn(11, generator=gen, requires_grad=True)
+    taught, teacher_w = torch.randn(2, 9, 5, generator=gen), torch.randn(11, 5, generator=gen)
+    ids = torch.randint(0, 11, (2, 9), generator=gen)
+    settings = {"weight": weight, "temperature": temperature}
+
+    whole = distill.distillation_loss(hidden @ head_w.T + head_b, taught @ teacher_w.T, ids, **settings)
+    expected = torch.autograd.grad(whole.total, (hidden, head_w, head_b))
+    chunked = distill.head_distillation_loss(
+        hidden, distill.OutputHead(head_w, head_b), taught, distill.OutputHead(teacher_w, None), ids, **settings
+    )
+    got = torch.autograd.grad(chunked.total, (hidden, head_w, head_b))
+    for name in ("total", "kl", "ce"):
+        mine, theirs = getattr(chunked, name).detach(), getattr(whole, name).detach()
+        assert float(mine) == pytest.approx(float(theirs), rel=1e-5), name
+    for mine, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    assert not chunked.kl.requires_grad and not chunked.ce.requires_grad
+
+
+def test_a_model_whose_logits_are_not_its_output_layers_is_seen(tmp_path: Path) -> None:
+    """`head_mismatch` on a tiny LLaMA: None as it is; a reason once its logits are scaled after the output
+    layer (as a soft cap would change them), so the whole-logits loss is kept for it."""
+    from transformers import AutoModelForCausalLM
+
+    from tsenor_cli.finetune.distill import head_mismatch, last_hidden
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_llama(tmp_path / "m"))
+    vocab = model.config.vocab_size
+    assert head_mismatch(model, vocab) is None
+    with torch.no_grad(), last_hidden(model) as taken:
+        out = model(input_ids=torch.tensor([[1, 2, 3]]))
+    assert out.logits.shape == (1, 0, vocab) and taken[0].shape == (1, 3, model.config.hidden_size)
+
+    def scaled(_module: nn.Module, _args: object, output: object) -> object:
+        output.logits = output.logits * 2.0  # type: ignore[attr-defined]
+        return output
+
+    model.register_forward_hook(scaled)
+    assert "differ from its output layer" in str(head_mismatch(model, vocab))
+
+
 @pytest.fixture(scope="module")
 def teacher(pruned: Path, text_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A teacher that knows the training text: `pruned` fine-tuned on it without a teacher (the random
@@ -495,6 +550,32 @@ def test_distilling_keeps_the_mask_and_learns_from_the_teacher_alone(
     assert FinetuneReport.from_json(report.to_json()).ce_curve == report.ce_curve
     plain = finetune(_config(pruned, tmp_path / "plain", text_file, max_steps=6), LOCAL_CTX)  # same windows
     assert plain.ce_curve == [] and report.ce_curve[0][1] == pytest.approx(plain.loss_curve[0][1], rel=1e-5)
+
+
+def test_distilling_by_chunks_trains_as_the_whole_logits_do(
+    pruned: Path, teacher: Path, text_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same 3 steps with the loss by chunks (the default) and with the whole logits (as for a model whose
+    logits `head_mismatch` rejects, which says so): the same loss curves and weights, to fp32 rounding."""
+    from tsenor_cli.finetune import distill
+
+    said: list[str] = []
+    lines: list[str] = []
+    settings = {"teacher": str(teacher), "max_steps": 3, "distill_weight": 0.5}
+    chunked = finetune(_config(pruned, tmp_path / "chunked", text_file, **settings), LOCAL_CTX, progress=said.append)
+    assert not any("whole logits" in line for line in said)
+    monkeypatch.setattr(distill, "head_mismatch", lambda _model, _vocab: "a test's reason")
+    whole = finetune(_config(pruned, tmp_path / "whole", text_file, **settings), LOCAL_CTX, progress=lines.append)
+    assert "distillation forms the whole logits of every batch: a test's reason" in lines
+    for mine, theirs in ((chunked.loss_curve, whole.loss_curve), (chunked.ce_curve, whole.ce_curve)):
+        assert [s for s, _ in mine] == [s for s, _ in theirs] == [1, 2, 3]
+        assert [v for _, v in mine] == pytest.approx([v for _, v in theirs], rel=1e-4)
+    # AdamW divides each gradient by its own running size, so an entry whose gradient is near 0 turns fp32
+    # rounding into up to a step of lr (1e-2) in either direction; measured: 1 entry of 4096 off by 9.5e-5.
+    ours, reference = _weights(tmp_path / "chunked"), _weights(tmp_path / "whole")
+    for name, tensor in reference.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-4, atol=1e-3)
+        assert float((ours[name] - tensor).abs().gt(1e-5).float().mean()) < 0.01, name
 
 
 def test_distillation_loss_is_the_same_with_gradient_accumulation(

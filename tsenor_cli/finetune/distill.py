@@ -13,10 +13,20 @@ loss is Hinton et al.'s (2015):
 averaged over the predicted positions (every position but the last of each window); τ² keeps the
 gradient's size independent of τ. The teacher runs under no_grad in eval mode, on the student's
 device, and never changes.
+
+The whole logits are never held (`head_distillation_loss`): the output layer, both softmaxes and the
+loss's gradient run a few hundred positions at a time, from the models' last hidden states, which a
+pre-hook on each model's output layer (`get_output_embeddings`) takes while handing the layer no positions.
+With the whole (B, T, V) logits the loss held about eight fp32 copies of them (4 × 512 × 49,152 on
+SmolLM2: 0.4 GB each); measured in docs/results.md ("Nineteenth session"). A model whose logits are
+not its output layer of that hidden state (a soft cap, a scale) is seen on a short input before training
+and keeps the whole-logits loss, said in one line.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +80,185 @@ def distillation_loss(
     return DistillLoss(total=total, kl=kl.detach(), ce=ce.detach())
 
 
+# Positions the output layer and the loss take at a time: a chunk's fp32 logits are at most this size. The
+# loss holds about seven tensors of that size at once (both logits, the log-softmaxes, the teacher's
+# probabilities, the gradient), so 32 MiB keeps it near a quarter of a GB whatever the batch.
+CHUNK_BYTES = 32 << 20
+
+
+def chunk_rows(vocab: int) -> int:
+    """Positions per chunk for a vocabulary of `vocab` logits."""
+    return max(1, CHUNK_BYTES // (4 * vocab))
+
+
+@dataclass(frozen=True)
+class OutputHead:
+    """A model's output layer as the loss computes it: weight (V, H) and bias (V,) or None."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, model: Any) -> OutputHead:
+        """The output layer `get_output_embeddings()` names (transformers' API for it, on every causal LM)."""
+        head = model.get_output_embeddings()
+        weight, bias = getattr(head, "weight", None), getattr(head, "bias", None)
+        if not isinstance(weight, torch.Tensor):
+            raise ValueError(f"{type(model).__name__} has no output layer with a weight")
+        return cls(weight, bias if isinstance(bias, torch.Tensor) else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (n, H) → fp32 logits (n, V)."""
+        out = hidden.float() @ self.weight.float().T
+        return out + self.bias.float() if self.bias is not None else out
+
+
+class _HeadLoss(torch.autograd.Function):
+    """`distillation_loss` from the last hidden states, a chunk of positions at a time (`chunk_rows`).
+
+    The gradient is the closed form of the loss's, taken in the same pass: with q = softmax(s/τ) and
+    p = softmax(t/τ), d(τ² · KL)/ds = τ · (q − p) and dCE/ds = softmax(s) − onehot(target), each over the
+    N positions; then dL/dhidden = g · W and dL/dW = gᵀ · hidden. Only those two (and the bias's) are kept
+    for backward, never a (N, V) tensor.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        teacher_hidden: torch.Tensor,
+        teacher: OutputHead,
+        targets: torch.Tensor,
+        share: float,
+        temperature: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        count = hidden.shape[0]
+        student = OutputHead(weight.float(), bias.float() if bias is not None else None)
+        teacher = OutputHead(teacher.weight.float(), teacher.bias.float() if teacher.bias is not None else None)
+        wants = ctx.needs_input_grad
+        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if wants[0] else None
+        grad_weight = torch.zeros_like(student.weight) if wants[1] else None
+        grad_bias = torch.zeros_like(student.bias) if wants[2] and student.bias is not None else None
+        kl_sum = hidden.new_zeros((), dtype=torch.float32)
+        ce_sum = hidden.new_zeros((), dtype=torch.float32)
+        rows = chunk_rows(student.weight.shape[0])
+        # fp32 whatever the autocast (a bf16 log-softmax over 49k-128k entries loses the small probabilities
+        # the KL term weighs).
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            for start in range(0, count, rows):
+                piece = hidden[start : start + rows].float()  # (r, H)
+                s = student.logits(piece)  # (r, V)
+                log_q = F.log_softmax(s / temperature, dim=-1)
+                log_p = F.log_softmax(teacher.logits(teacher_hidden[start : start + rows]) / temperature, dim=-1)
+                p = log_p.exp()
+                kl_sum += (p * (log_p - log_q)).sum()
+                log_s = log_q if temperature == 1.0 else F.log_softmax(s, dim=-1)
+                picked = targets[start : start + rows, None]  # (r, 1)
+                ce_sum -= log_s.gather(1, picked).sum()
+                if grad_hidden is None and grad_weight is None and grad_bias is None:
+                    continue
+                g = log_q.exp().sub_(p).mul_(share * temperature / count)  # (r, V)
+                if share < 1.0:
+                    softmax_minus_onehot = log_s.exp().scatter_add_(1, picked, torch.full_like(s[:, :1], -1.0))
+                    g.add_(softmax_minus_onehot, alpha=(1.0 - share) / count)
+                if grad_hidden is not None:
+                    grad_hidden[start : start + rows] = g @ student.weight
+                if grad_weight is not None:
+                    grad_weight.addmm_(g.T, piece)
+                if grad_bias is not None:
+                    grad_bias += g.sum(0)
+        kl = kl_sum * temperature**2 / count
+        ce = ce_sum / count
+        total = share * kl + (1.0 - share) * ce if share < 1.0 else kl.clone()
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = hidden.dtype, weight.dtype, bias.dtype if bias is not None else None
+        ctx.mark_non_differentiable(kl, ce)
+        return total, kl, ce
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_total: torch.Tensor, _grad_kl: torch.Tensor, _grad_ce: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        saved = ctx.saved_tensors
+        grads = tuple(
+            None if g is None else (g * grad_total).to(dtype) for g, dtype in zip(saved, ctx.dtypes, strict=True)
+        )
+        return (*grads, None, None, None, None, None)
+
+
+def head_distillation_loss(
+    hidden: torch.Tensor,
+    head: OutputHead,
+    teacher_hidden: torch.Tensor,
+    teacher_head: OutputHead,
+    input_ids: torch.Tensor,
+    *,
+    weight: float,
+    temperature: float,
+) -> DistillLoss:
+    """hidden, teacher_hidden: (B, T, H) last hidden states (what each output layer takes); input_ids (B, T)
+    → `distillation_loss` of the logits head(hidden) and teacher_head(teacher_hidden), without forming them
+    whole. Gradients reach `hidden` and the student head's weight and bias; the teacher's are not touched.
+    """
+    width = hidden.shape[-1]
+    total, kl, ce = _HeadLoss.apply(
+        hidden[:, :-1].reshape(-1, width),
+        head.weight,
+        head.bias,
+        teacher_hidden[:, :-1].reshape(-1, width).detach(),
+        OutputHead(teacher_head.weight.detach(), teacher_head.bias.detach() if teacher_head.bias is not None else None),
+        input_ids[:, 1:].reshape(-1),
+        weight,
+        temperature,
+    )
+    return DistillLoss(total=total, kl=kl, ce=ce)
+
+
+@contextmanager
+def last_hidden(model: Any) -> Iterator[list[torch.Tensor]]:
+    """While open, each call of `model`'s output layer appends the hidden states it was given to the yielded
+    list and computes the logits of no position instead (its output is (..., 0, V)): the whole logits are
+    never formed. A call that passes the states by keyword is left alone (and appends nothing)."""
+    taken: list[torch.Tensor] = []
+
+    def take(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
+            return None
+        taken.append(args[0])
+        return (args[0][..., :0, :], *args[1:])
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(take)
+    try:
+        yield taken
+    finally:
+        handle.remove()
+
+
+def head_mismatch(model: Any, vocab: int) -> str | None:
+    """Why `model`'s logits are not its output layer applied to the hidden states that layer takes, seen on a
+    short input (eval mode, no grad), or None when they are. Where they are not (a soft cap or a scale
+    after the layer, another head), `head_distillation_loss` would train the wrong logits."""
+    ids = (torch.arange(8, device=model.device) % vocab)[None]  # (1, 8)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits  # (1, 8, V)
+            with last_hidden(model) as taken:
+                model(input_ids=ids)
+            if len(taken) != 1:
+                return f"its output layer took {len(taken)} positional inputs in one forward, not 1"
+            head = OutputHead.of(model)
+            mine = head.logits(taken[0].reshape(-1, taken[0].shape[-1])).reshape(logits.shape)
+    finally:
+        model.train(was_training)
+    if not torch.allclose(mine, logits.float(), rtol=1e-4, atol=1e-4):
+        return "its logits differ from its output layer's (a soft cap or a scale after it)"
+    return None
+
+
 def check_teacher(student: Any, teacher: Any, teacher_name: str) -> None:
     """Raise UsageError unless the teacher scores the same vocabulary the student was tokenized with.
 
@@ -96,17 +285,35 @@ class DistillTrainer(Trainer):
     Trainer's division by the accumulation steps (`loss_is_scaled_for_ga = False`) gives the exact mean
     over the optimizer step; data-parallel ranks are averaged by DDP. The cross-entropy part is logged
     as `ce` beside Trainer's `loss`, so the curve compares with a run without a teacher.
+
+    The loss is `head_distillation_loss` from both models' last hidden states, unless `head_mismatch`
+    finds either model's logits to be more than its output layer's; then the whole logits are formed
+    and `say` is told why, once.
     """
 
     loss_is_scaled_for_ga = False
 
-    def __init__(self, *args: Any, teacher: nn.Module, weight: float, temperature: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        teacher: nn.Module,
+        weight: float,
+        temperature: float,
+        say: Callable[[str], None],
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.teacher = teacher.eval().requires_grad_(False)
         self.weight = weight
         self.temperature = temperature
         self._ce_sum = 0.0
         self._ce_count = 0
+        self.student: Any = self.model  # Trainer's own model, unwrapped (DDP's wrapper is `model` below)
+        vocab = OutputHead.of(teacher).weight.shape[0]
+        why = head_mismatch(self.student, vocab) or head_mismatch(teacher, vocab)
+        if why is not None:
+            say(f"distillation forms the whole logits of every batch: {why}")
+        self.by_chunks = why is None
 
     def compute_loss(
         self,
@@ -116,12 +323,32 @@ class DistillTrainer(Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
         input_ids = inputs["input_ids"]  # (B, T)
-        with torch.no_grad():
-            teacher_logits = self.teacher(input_ids=input_ids).logits  # (B, T, V)
-        outputs = model(input_ids=input_ids)
-        loss = distillation_loss(
-            outputs.logits, teacher_logits, input_ids, weight=self.weight, temperature=self.temperature
-        )
+        if self.by_chunks:
+            with torch.no_grad(), last_hidden(self.teacher) as taught:
+                self.teacher(input_ids=input_ids)
+            with last_hidden(self.student) as taken:  # the hook sits on the unwrapped model's own layer
+                outputs = model(input_ids=input_ids)  # through DDP's wrapper, which syncs the gradients
+            if len(taken) != 1 or len(taught) != 1:
+                raise RuntimeError(
+                    f"the output layers took {len(taken)} and {len(taught)} inputs in one forward, not 1 (checked "
+                    "before training); this is a bug in tsenor"
+                )
+            loss = head_distillation_loss(
+                taken[0],
+                OutputHead.of(self.student),
+                taught[0],
+                OutputHead.of(self.teacher),
+                input_ids,
+                weight=self.weight,
+                temperature=self.temperature,
+            )
+        else:
+            with torch.no_grad():
+                teacher_logits = self.teacher(input_ids=input_ids).logits  # (B, T, V)
+            outputs = model(input_ids=input_ids)
+            loss = distillation_loss(
+                outputs.logits, teacher_logits, input_ids, weight=self.weight, temperature=self.temperature
+            )
         if model.training:
             self._ce_sum += float(loss.ce)
             self._ce_count += 1

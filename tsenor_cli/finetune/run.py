@@ -514,7 +514,11 @@ def _training_loop(run: _Run, inputs: _Inputs, model: Any, mask: MaskCallback) -
         trainer = Trainer(**common)
     else:
         trainer = DistillTrainer(
-            **common, teacher=inputs.teacher, weight=cfg.distill_weight, temperature=cfg.distill_temperature
+            **common,
+            teacher=inputs.teacher,
+            weight=cfg.distill_weight,
+            temperature=cfg.distill_temperature,
+            say=say,
         )
     trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout; CurveCallback reports instead
     checkpoint = last_complete_checkpoint(run.state_dir, say) if cfg.resume and run.state_dir.is_dir() else None
