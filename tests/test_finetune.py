@@ -493,7 +493,10 @@ def test_the_loss_by_chunks_equals_the_whole_logits_loss_with_its_gradients(
     whole = distill.distillation_loss(hidden @ head_w.T + head_b, taught @ teacher_w.T, ids, **settings)
     expected = torch.autograd.grad(whole.total, (hidden, head_w, head_b))
     chunked = distill.head_distillation_loss(
-        hidden, distill.OutputHead(head_w, head_b), taught, distill.OutputHead(teacher_w, None), ids, **settings
+        distill.LastHidden(hidden, distill.OutputHead(head_w, head_b)),
+        distill.LastHidden(taught, distill.OutputHead(teacher_w, None)),
+        ids,
+        **settings,
     )
     got = torch.autograd.grad(chunked.total, (hidden, head_w, head_b))
     for name in ("total", "kl", "ce"):
@@ -502,6 +505,20 @@ def test_the_loss_by_chunks_equals_the_whole_logits_loss_with_its_gradients(
     for mine, theirs in zip(got, expected, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
     assert not chunked.kl.requires_grad and not chunked.ce.requires_grad
+
+
+def test_hidden_state_loss_by_hand() -> None:
+    """SquareHead's term: the mean over the layers' outputs (the embeddings' entry is skipped) of
+    ‖h_s − h_t‖² / ‖h_t‖²; 0 for the teacher's own states."""
+    from tsenor_cli.finetune.distill import hidden_state_loss
+
+    embedded = torch.zeros(1, 1, 2)
+    teacher = [embedded, torch.tensor([[[3.0, 4.0]]]), torch.tensor([[[1.0, 0.0]]])]  # ‖·‖² 25 and 1
+    student = [embedded + 7.0, torch.tensor([[[3.0, 9.0]]]), torch.tensor([[[1.0, 2.0]]])]  # errors 25 and 4
+    assert float(hidden_state_loss(student, teacher)) == pytest.approx((25 / 25 + 4 / 1) / 2)
+    assert float(hidden_state_loss(teacher, teacher)) == 0.0
+    with pytest.raises(ValueError, match="2 student hidden states against 3"):
+        hidden_state_loss(student[:2], teacher)
 
 
 def test_a_model_whose_logits_are_not_its_output_layers_is_seen(tmp_path: Path) -> None:
@@ -578,6 +595,22 @@ def test_distilling_by_chunks_trains_as_the_whole_logits_do(
         assert float((ours[name] - tensor).abs().gt(1e-5).float().mean()) < 0.01, name
 
 
+def test_the_hidden_state_term_adds_to_the_loss_and_trains(
+    pruned: Path, teacher: Path, text_file: Path, tmp_path: Path
+) -> None:
+    """--distill-hidden 1: the first step's loss is the plain distillation loss plus the (positive)
+    hidden-state term on the same windows, its cross-entropy part the same; the mask holds."""
+    settings = {"teacher": str(teacher), "max_steps": 6}
+    plain = finetune(_config(pruned, tmp_path / "plain", text_file, **settings), LOCAL_CTX)
+    out = tmp_path / "hidden"
+    both = finetune(_config(pruned, out, text_file, distill_hidden=1.0, **settings), LOCAL_CTX)
+    _check_mask_kept(pruned, out)
+    assert both.settings["distill_hidden"] == 1.0 and plain.settings["distill_hidden"] == 0.0
+    assert both.ce_curve[0][1] == pytest.approx(plain.ce_curve[0][1], rel=1e-6)
+    assert both.loss_curve[0][1] > plain.loss_curve[0][1] + 1e-3
+    assert both.loss_curve[-1][1] < 0.5 * both.loss_curve[0][1], both.loss_curve
+
+
 def test_distillation_loss_is_the_same_with_gradient_accumulation(
     pruned: Path, teacher: Path, text_file: Path, tmp_path: Path
 ) -> None:
@@ -608,6 +641,8 @@ def test_bad_teacher_settings_get_one_line_errors_and_nothing_written(
         "tokenizer": (["--teacher", str(other_tokenizer)], 2, "different tokenizer"),
         "missing": (["--teacher", str(tmp_path / "nowhere")], 3, "does not exist"),
         "weight_without_teacher": (["--distill-weight", "0.5"], 2, "need --teacher"),
+        "hidden_without_teacher": (["--distill-hidden", "1"], 2, "need --teacher"),
+        "hidden_negative": (["--teacher", str(pruned.parent / "src"), "--distill-hidden", "-1"], 2, "--distill-hidden"),
         "weight_zero": (["--teacher", str(pruned.parent / "src"), "--distill-weight", "0"], 2, "must be in (0, 1]"),
         "temperature": (["--teacher", str(pruned.parent / "src"), "--distill-temperature", "-1"], 2, "positive"),
     }

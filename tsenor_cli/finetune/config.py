@@ -56,6 +56,8 @@ FINETUNE_FIELDS: tuple[Field, ...] = (
           check=_check_share),
     Field("distill_temperature", float, 1.0, "Softmax temperature of the distillation loss.", DISTILL,
           positive=True),
+    Field("distill_hidden", float, 0.0, "Weight of a term matching every layer's output to the teacher's "
+          "(normalized squared error, SquareHead); 0: off.", DISTILL, minimum=0.0),
 )  # fmt: skip
 
 
@@ -95,6 +97,7 @@ class FinetuneConfig:
     teacher: str | None = default_of(FINETUNE_FIELDS, "teacher")
     distill_weight: float = default_of(FINETUNE_FIELDS, "distill_weight")
     distill_temperature: float = default_of(FINETUNE_FIELDS, "distill_temperature")
+    distill_hidden: float = default_of(FINETUNE_FIELDS, "distill_hidden")
     force: bool = False
     resume: bool = False
     command: str | None = None
@@ -120,8 +123,12 @@ class FinetuneConfig:
             raise UsageError(
                 f"--device {self.device!r}: use cpu or cuda (pick GPUs with CUDA_VISIBLE_DEVICES, or torchrun)"
             )
-        if self.teacher is None and (self.distill_weight != 1.0 or self.distill_temperature != 1.0):
-            raise UsageError("--distill-weight/--distill-temperature need --teacher; pass the dense model")
+        if self.teacher is None and (
+            self.distill_weight != 1.0 or self.distill_temperature != 1.0 or self.distill_hidden != 0.0
+        ):
+            raise UsageError(
+                "--distill-weight/--distill-temperature/--distill-hidden need --teacher; pass the dense model"
+            )
 
     def result_fields(self) -> dict[str, Any]:
         """What decides the fine-tuned weights and the recorded curves (what a resumed run must share)."""
@@ -144,6 +151,7 @@ class FinetuneConfig:
             "teacher": self.teacher,
             "distill_weight": self.distill_weight,
             "distill_temperature": self.distill_temperature,
+            "distill_hidden": self.distill_hidden,
         }
 
     def result_hash(self) -> str:

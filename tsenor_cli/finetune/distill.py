@@ -25,7 +25,7 @@ and keeps the whole-logits loss, said in one line.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -107,10 +107,33 @@ class OutputHead:
             raise ValueError(f"{type(model).__name__} has no output layer with a weight")
         return cls(weight, bias if isinstance(bias, torch.Tensor) else None)
 
+    def float(self) -> OutputHead:
+        """The layer in fp32 (itself when it is)."""
+        return OutputHead(self.weight.float(), self.bias.float() if self.bias is not None else None)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (n, H) → fp32 logits (n, V)."""
         out = hidden.float() @ self.weight.float().T
         return out + self.bias.float() if self.bias is not None else out
+
+
+@dataclass(frozen=True)
+class LastHidden:
+    """What a model's output layer takes, and the layer: states (B, T, H) and head."""
+
+    states: torch.Tensor
+    head: OutputHead
+
+
+@dataclass(frozen=True)
+class _Taught:
+    """`_HeadLoss`'s inputs that take no gradient: the teacher's states at the predicted positions (N, H)
+    and its output layer, detached, and the loss's settings (`distillation_loss`'s weight and temperature)."""
+
+    states: torch.Tensor
+    head: OutputHead
+    share: float
+    temperature: float
 
 
 class _HeadLoss(torch.autograd.Function):
@@ -128,15 +151,14 @@ class _HeadLoss(torch.autograd.Function):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        teacher_hidden: torch.Tensor,
-        teacher: OutputHead,
         targets: torch.Tensor,
-        share: float,
-        temperature: float,
+        taught: _Taught,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden (N, H), weight (V, H), bias (V,) or None, targets (N,) long → (total, kl, ce) scalars."""
         count = hidden.shape[0]
-        student = OutputHead(weight.float(), bias.float() if bias is not None else None)
-        teacher = OutputHead(teacher.weight.float(), teacher.bias.float() if teacher.bias is not None else None)
+        share, temperature, teacher_hidden = taught.share, taught.temperature, taught.states
+        student = OutputHead(weight, bias).float()
+        teacher = taught.head.float()
         wants = ctx.needs_input_grad
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if wants[0] else None
         grad_weight = torch.zeros_like(student.weight) if wants[1] else None
@@ -185,33 +207,30 @@ class _HeadLoss(torch.autograd.Function):
         grads = tuple(
             None if g is None else (g * grad_total).to(dtype) for g, dtype in zip(saved, ctx.dtypes, strict=True)
         )
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None)
 
 
 def head_distillation_loss(
-    hidden: torch.Tensor,
-    head: OutputHead,
-    teacher_hidden: torch.Tensor,
-    teacher_head: OutputHead,
-    input_ids: torch.Tensor,
-    *,
-    weight: float,
-    temperature: float,
+    student: LastHidden, teacher: LastHidden, input_ids: torch.Tensor, *, weight: float, temperature: float
 ) -> DistillLoss:
-    """hidden, teacher_hidden: (B, T, H) last hidden states (what each output layer takes); input_ids (B, T)
-    → `distillation_loss` of the logits head(hidden) and teacher_head(teacher_hidden), without forming them
-    whole. Gradients reach `hidden` and the student head's weight and bias; the teacher's are not touched.
+    """student, teacher: each model's last hidden states (B, T, H) and output layer; input_ids (B, T) →
+    `distillation_loss` of the logits student.head(student.states) and teacher.head(teacher.states), without
+    forming them whole. Gradients reach the student's states and its head's weight and bias, not the teacher.
     """
-    width = hidden.shape[-1]
-    total, kl, ce = _HeadLoss.apply(
-        hidden[:, :-1].reshape(-1, width),
-        head.weight,
-        head.bias,
-        teacher_hidden[:, :-1].reshape(-1, width).detach(),
-        OutputHead(teacher_head.weight.detach(), teacher_head.bias.detach() if teacher_head.bias is not None else None),
-        input_ids[:, 1:].reshape(-1),
+    width = student.states.shape[-1]
+    head = teacher.head
+    taught = _Taught(
+        teacher.states[:, :-1].reshape(-1, width).detach(),
+        OutputHead(head.weight.detach(), head.bias.detach() if head.bias is not None else None),
         weight,
         temperature,
+    )
+    total, kl, ce = _HeadLoss.apply(
+        student.states[:, :-1].reshape(-1, width),
+        student.head.weight,
+        student.head.bias,
+        input_ids[:, 1:].reshape(-1),
+        taught,
     )
     return DistillLoss(total=total, kl=kl, ce=ce)
 
@@ -259,6 +278,19 @@ def head_mismatch(model: Any, vocab: int) -> str | None:
     return None
 
 
+def hidden_state_loss(student: Sequence[torch.Tensor], teacher: Sequence[torch.Tensor]) -> torch.Tensor:
+    """student, teacher: the models' reported hidden states, (B, T, H) each, the embeddings' first → the mean
+    over the layers' outputs (all but the first) of ‖h_s − h_t‖² / ‖h_t‖²: the normalized squared error of
+    SquareHead distillation (Kurtic et al. 2023), which weighs every layer alike whatever its scale. In fp32."""
+    if len(student) != len(teacher) or len(student) < 2:
+        raise ValueError(f"{len(student)} student hidden states against {len(teacher)} of the teacher's")
+    terms = [
+        (s.float() - t.float()).pow(2).sum() / t.float().pow(2).sum().clamp_min(torch.finfo(torch.float32).tiny)
+        for s, t in zip(student[1:], teacher[1:], strict=True)
+    ]
+    return torch.stack(terms).mean()
+
+
 def check_teacher(student: Any, teacher: Any, teacher_name: str) -> None:
     """Raise UsageError unless the teacher scores the same vocabulary the student was tokenized with.
 
@@ -286,6 +318,8 @@ class DistillTrainer(Trainer):
     over the optimizer step; data-parallel ranks are averaged by DDP. The cross-entropy part is logged
     as `ce` beside Trainer's `loss`, so the curve compares with a run without a teacher.
 
+    With `hidden` > 0 the loss adds `hidden` × `hidden_state_loss` of the layers' outputs.
+
     The loss is `head_distillation_loss` from both models' last hidden states, unless `head_mismatch`
     finds either model's logits to be more than its output layer's; then the whole logits are formed
     and `say` is told why, once.
@@ -299,6 +333,7 @@ class DistillTrainer(Trainer):
         teacher: nn.Module,
         weight: float,
         temperature: float,
+        hidden: float,
         say: Callable[[str], None],
         **kwargs: Any,
     ) -> None:
@@ -306,6 +341,7 @@ class DistillTrainer(Trainer):
         self.teacher = teacher.eval().requires_grad_(False)
         self.weight = weight
         self.temperature = temperature
+        self.hidden = hidden
         self._ce_sum = 0.0
         self._ce_count = 0
         self.student: Any = self.model  # Trainer's own model, unwrapped (DDP's wrapper is `model` below)
@@ -323,36 +359,39 @@ class DistillTrainer(Trainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
         input_ids = inputs["input_ids"]  # (B, T)
+        states = self.hidden > 0.0  # the layers' outputs too, for `hidden_state_loss`
         if self.by_chunks:
             with torch.no_grad(), last_hidden(self.teacher) as taught:
-                self.teacher(input_ids=input_ids)
+                teacher_out = self.teacher(input_ids=input_ids, output_hidden_states=states)
             with last_hidden(self.student) as taken:  # the hook sits on the unwrapped model's own layer
-                outputs = model(input_ids=input_ids)  # through DDP's wrapper, which syncs the gradients
+                # through DDP's wrapper, which syncs the gradients
+                outputs = model(input_ids=input_ids, output_hidden_states=states)
             if len(taken) != 1 or len(taught) != 1:
                 raise RuntimeError(
                     f"the output layers took {len(taken)} and {len(taught)} inputs in one forward, not 1 (checked "
                     "before training); this is a bug in tsenor"
                 )
             loss = head_distillation_loss(
-                taken[0],
-                OutputHead.of(self.student),
-                taught[0],
-                OutputHead.of(self.teacher),
+                LastHidden(taken[0], OutputHead.of(self.student)),
+                LastHidden(taught[0], OutputHead.of(self.teacher)),
                 input_ids,
                 weight=self.weight,
                 temperature=self.temperature,
             )
         else:
             with torch.no_grad():
-                teacher_logits = self.teacher(input_ids=input_ids).logits  # (B, T, V)
-            outputs = model(input_ids=input_ids)
+                teacher_out = self.teacher(input_ids=input_ids, output_hidden_states=states)
+            outputs = model(input_ids=input_ids, output_hidden_states=states)
             loss = distillation_loss(
-                outputs.logits, teacher_logits, input_ids, weight=self.weight, temperature=self.temperature
+                outputs.logits, teacher_out.logits, input_ids, weight=self.weight, temperature=self.temperature
             )
+        total = loss.total
+        if states:
+            total = total + self.hidden * hidden_state_loss(outputs.hidden_states, teacher_out.hidden_states)
         if model.training:
             self._ce_sum += float(loss.ce)
             self._ce_count += 1
-        return (loss.total, outputs) if return_outputs else loss.total
+        return (total, outputs) if return_outputs else total
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._ce_count:

@@ -518,6 +518,7 @@ def _training_loop(run: _Run, inputs: _Inputs, model: Any, mask: MaskCallback) -
             teacher=inputs.teacher,
             weight=cfg.distill_weight,
             temperature=cfg.distill_temperature,
+            hidden=cfg.distill_hidden,
             say=say,
         )
     trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout; CurveCallback reports instead
