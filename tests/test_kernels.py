@@ -264,3 +264,46 @@ def test_finetune_on_sparse_kernels_trains_as_the_dense_run(
     monkeypatch.setattr(sparse.KernelPlan, "refresh", lambda self: None)
     stale = run("stale", "sparse")
     assert any(not torch.allclose(stale[key], want, rtol=1e-4, atol=1e-5) for key, want in dense.items())
+
+
+def test_the_direct_path_searches_each_shape_once_and_calls_its_algorithm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuSPARSELt's default algorithm left the 8B MLP step at 0.59x dense on an H200 (gpu-check 2026-11-29):
+    the product runs the searched one, searched once per (shape, padded tokens) for every linear of that
+    shape and kept across refreshes. torch's ops stand in on the CPU (compress: a copy; the product: A·B)."""
+    searched: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    used: list[int] = []
+
+    def search(packed: torch.Tensor, dense: torch.Tensor, transpose_result: bool = False) -> int:
+        searched.append((tuple(packed.shape), tuple(dense.shape)))
+        return 7
+
+    def sparse_mm(packed: torch.Tensor, dense: torch.Tensor, transpose_result: bool = False, alg_id: int = 0):
+        used.append(alg_id)
+        product = packed @ dense
+        return product.t() if transpose_result else product
+
+    monkeypatch.setattr(torch, "_cslt_compress", lambda w: w.clone())
+    monkeypatch.setattr(torch, "_cslt_sparse_mm_search", search)
+    monkeypatch.setattr(torch, "_cslt_sparse_mm", sparse_mm)
+    monkeypatch.setattr(sparse, "_ALGORITHMS", {})
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(16, 32, generator=gen, dtype=torch.float64) for _ in range(2)]  # two linears, one shape
+    x = torch.randn(13, 32, generator=gen, dtype=torch.float64)  # 13 tokens: padded to 16
+    kernels = [sparse.LinearKernel("cusparselt-direct", transposable=False) for _ in weights]
+    for kernel, weight in zip(kernels, weights, strict=True):
+        for _ in range(2):
+            out = kernel.operand(weight, transposed=False).linear(x)
+            torch.testing.assert_close(out, x @ weight.t())
+        kernel.refresh()
+    kernels[0].operand(weights[0], transposed=False).linear(x[:3])  # 3 tokens: padded to 8, another shape
+    assert searched == [((16, 32), (32, 16)), ((16, 32), (32, 8))]
+    assert used == [7] * 5
+
+
+def test_the_break_even_tokens_per_optimizer_step_by_hand() -> None:
+    """k micro-batches of T tokens: dense k·10 ms, sparse k·8 ms + 6 ms of compression: even at k = 3."""
+    from tsenor_cli.bench.kernels import breakeven_tokens
+
+    assert breakeven_tokens(8192, 10.0, 8.0, 6.0) == pytest.approx(3 * 8192)
+    assert breakeven_tokens(8192, 10.0, 10.0, 6.0) is None  # the products alone no faster: never
+    assert breakeven_tokens(8192, 10.0, 8.0, -0.5) == 0.0  # timing noise below zero: even at once

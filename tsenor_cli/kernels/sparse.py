@@ -84,12 +84,29 @@ def cuda_backend(device: torch.device) -> tuple[str | None, str]:
     return None, f"this torch {torch.__version__} has no cuSPARSELt, and CUTLASS's 2:4 kernels need a GPU of 8.x"
 
 
+# cuSPARSELt's algorithm for each product shape, searched on first use and kept for the process:
+# {(device, dtype, A's rows, A's columns, padded tokens): alg_id}. The default algorithm (0) left the 8B
+# MLP training step at 0.59x dense and prefill at 0.84x on an H200, 0.68x and 0.97x with the searched one
+# (docs/measurements/gpu.md, Runs). Shared by every linear of a shape and kept across `refresh`: the
+# search runs each candidate algorithm (0.5 s for the 8B MLP's shapes), far more than a product costs.
+_ALGORITHMS: dict[tuple[str, torch.dtype, int, int, int], int] = {}
+
+
+def cslt_algorithm(packed: torch.Tensor, shape: tuple[int, int], dense: torch.Tensor) -> int:
+    """The searched cuSPARSELt algorithm for the compressed A of `shape` (r, c) times `dense`ᵀ, dense (T', c)."""
+    key = (str(dense.device), dense.dtype, shape[0], shape[1], dense.shape[0])
+    if key not in _ALGORITHMS:
+        _ALGORITHMS[key] = int(torch._cslt_sparse_mm_search(packed, dense.t(), transpose_result=True))
+    return _ALGORITHMS[key]
+
+
 class SparseOperand:
     """A matrix A (r, c) keeping at most 2 of every 4 consecutive entries of each row, compressed once
     for `backend`: `linear(y)` is y·Aᵀ (T, r) for y (T, c), in A's dtype."""
 
     def __init__(self, matrix: torch.Tensor, backend: str) -> None:
         self.backend = backend
+        self.shape = (int(matrix.shape[0]), int(matrix.shape[1]))
         dense = matrix.detach().contiguous()
         if backend == "cusparselt-direct":
             self.data: torch.Tensor = torch._cslt_compress(dense)
@@ -109,7 +126,8 @@ class SparseOperand:
         pad = -tokens % TOKEN_MULTIPLE
         dense = F.pad(y, (0, 0, 0, pad)) if pad else y.contiguous()  # (T', c)
         # (A·yᵀ)ᵀ = y·Aᵀ, written (T', r) by the kernel itself (transpose_result), no copy.
-        out = torch._cslt_sparse_mm(self.data, dense.t(), transpose_result=True)
+        alg = cslt_algorithm(self.data, self.shape, dense)
+        out = torch._cslt_sparse_mm(self.data, dense.t(), transpose_result=True, alg_id=alg)
         return out[:tokens] if pad else out
 
 
