@@ -15,7 +15,12 @@ the plan, the weight checks and the installation a run does.
   the intermediate width: found by shape) forward and backward on `tokens` tokens, the input gradient
   and every weight gradient; with the kernels, the compressed copies are made again inside the step,
   as a fine-tuning step does after its optimizer update. The optimizer's own update is the same in both
-  and left out.
+  and left out. The step is also timed with the compressed copies kept (the products alone: what each
+  further micro-batch of an optimizer step costs under gradient accumulation, `tsenor finetune
+  --grad-accum`), which splits the sparse step into its products and its compression, and gives the
+  tokens per optimizer step at which the sparse step breaks even with the dense one.
+- per shape: each distinct linear shape's forward product alone on `tokens` tokens, dense against sparse,
+  and the compression of W and of Wᵀ, so a report shows which linears gain and what a refresh costs.
 
 On a CUDA GPU the kernels are the real ones (bf16); on the CPU (the CPU mode of `make gpu-check`, toy
 sizes) the same autograd function runs with the dense stand-in in fp32, so the path is exercised and
@@ -32,13 +37,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tsenor_cli.bench.machine import environment
 from tsenor_cli.bench.prune import build_random_model, shape_config
 from tsenor_cli.bench.speedup import two_four_masks
 from tsenor_cli.errors import UsageError
-from tsenor_cli.kernels.sparse import STAND_IN, KernelPlan, plan_kernels
+from tsenor_cli.kernels.sparse import STAND_IN, KernelPlan, SparseOperand, plan_kernels
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.runfiles import PrunedWeight, SparsityRecord
@@ -68,7 +74,8 @@ class KernelsResult:
     line: str
     linears: int
     prefill: dict[str, float]
-    mlp_step: dict[str, float]
+    mlp_step: dict[str, float | None]
+    shapes: list[dict[str, Any]]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -146,6 +153,67 @@ def _mlp_step(mlps: list[nn.Module], x: torch.Tensor, grad: torch.Tensor, plan: 
     return step
 
 
+def breakeven_tokens(tokens: int, dense_ms: float, kept_ms: float, compress_ms: float) -> float | None:
+    """Tokens per optimizer step from which the sparse step is no slower than the dense one: k micro-batches
+    of `tokens` cost k·kept + compress sparse against k·dense, equal at k = compress / (dense − kept);
+    None when the products alone are no faster (never)."""
+    if dense_ms <= kept_ms:
+        return None
+    return tokens * max(compress_ms, 0.0) / (dense_ms - kept_ms)
+
+
+def _shape_rows(model: nn.Module, plan: KernelPlan, gen: torch.Generator, cfg: KernelsConfig) -> list[dict[str, Any]]:
+    """Each distinct shape (out, in) of the plan's linears: the forward product on `cfg.tokens` random
+    tokens dense and sparse, and the compression of W and of Wᵀ (milliseconds, medians)."""
+    backend = str(plan.backend)
+    weights: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for name, module in model.named_modules():
+        if name in plan.linears and isinstance(module, nn.Linear):
+            weights.setdefault((module.out_features, module.in_features), []).append(module.weight.detach())
+    return [
+        {"shape": list(shape), "linears": len(found), **_time_shape(found[0], backend, gen, cfg)}
+        for shape, found in weights.items()
+    ]
+
+
+def _time_shape(weight: torch.Tensor, backend: str, gen: torch.Generator, cfg: KernelsConfig) -> dict[str, float]:
+    """weight (out, in): its forward product on `cfg.tokens` random tokens dense and on `backend`, and its
+    compression and its transpose's, in milliseconds."""
+    device = weight.device
+    x = torch.randn(cfg.tokens, weight.shape[1], generator=gen, device=device, dtype=weight.dtype)  # (T, in)
+    operand = SparseOperand(weight, backend)
+    calls = {
+        "dense_ms": lambda: F.linear(x, weight),
+        "sparse_ms": lambda: operand.linear(x),
+        "compress_ms": lambda: SparseOperand(weight, backend),
+        "compress_t_ms": lambda: SparseOperand(weight.t(), backend),
+    }
+    timed = {key: median_ms(call, device, cfg.warmup, cfg.repeats) for key, call in calls.items()}
+    # A call's fixed cost, host or device: the sparse product alone took 0.4-0.8 ms at every token count
+    # on an H200 where the dense one took 0.04-0.38 ms (docs/measurements/gpu.md, Runs). Issued back to back, the
+    # host's time per call (before synchronizing) and the wall time per call (after) tell the two apart.
+    for key in ("dense", "sparse"):
+        timed[f"{key}_host_ms"], timed[f"{key}_burst_ms"] = burst_ms(calls[f"{key}_ms"], device, cfg)
+    return timed
+
+
+def burst_ms(fn: Callable[[], object], device: torch.device, cfg: KernelsConfig) -> tuple[float, float]:
+    """(host milliseconds to issue one call, wall milliseconds a call) over `cfg.repeats` calls issued back
+    to back after `cfg.warmup`, synchronized once at the end."""
+    for _ in range(cfg.warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    began = time.perf_counter()
+    for _ in range(cfg.repeats):
+        fn()
+    issued = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    done = time.perf_counter()
+    return (issued - began) * 1e3 / cfg.repeats, (done - began) * 1e3 / cfg.repeats
+
+
 def run_kernels(cfg: KernelsConfig, progress: Progress | None = None) -> KernelsResult:
     """Prefill and MLP training step, dense then on the sparse kernels (module docstring)."""
     from tsenor_cli.models.loading import resolve_device
@@ -178,6 +246,11 @@ def run_kernels(cfg: KernelsConfig, progress: Progress | None = None) -> Kernels
     sparse_out, sparse_grads = prefill(), _mlp_step(mlps, flat, grad, plan)()
     sparse_ms = median_ms(prefill, device, cfg.warmup, cfg.repeats)
     sparse_step_ms = median_ms(_mlp_step(mlps, flat, grad, plan), device, cfg.warmup, cfg.repeats)
+    # The same step with the copies of the step before kept: the products alone.
+    kept_ms = median_ms(_mlp_step(mlps, flat, grad, None), device, cfg.warmup, cfg.repeats)
+    step_grads = max(_rel(s, d) for s, d in zip(sparse_grads, dense_grads, strict=True))
+    say(f"{cfg.model}: each linear shape alone on {cfg.tokens} tokens")
+    shapes = _shape_rows(model, plan, gen, cfg)
     plan.uninstall()
     return KernelsResult(
         config=asdict(cfg),
@@ -191,10 +264,64 @@ def run_kernels(cfg: KernelsConfig, progress: Progress | None = None) -> Kernels
             "speedup": dense_ms / sparse_ms,
             "rel_diff": _rel(sparse_out, dense_out),
         },
-        mlp_step={
-            "dense_ms": dense_step_ms,
-            "sparse_ms": sparse_step_ms,
-            "speedup": dense_step_ms / sparse_step_ms,
-            "rel_diff": max(_rel(s, d) for s, d in zip(sparse_grads, dense_grads, strict=True)),
-        },
+        mlp_step=_step_record(cfg.tokens, dense_step_ms, sparse_step_ms, kept_ms) | {"rel_diff": step_grads},
+        shapes=shapes,
     )
+
+
+def _step_record(tokens: int, dense_ms: float, sparse_ms: float, kept_ms: float) -> dict[str, float | None]:
+    """The MLP step's times: dense, sparse with the copies made again, sparse with them kept (ms)."""
+    return {
+        "dense_ms": dense_ms,
+        "sparse_ms": sparse_ms,
+        "speedup": dense_ms / sparse_ms,
+        "sparse_kept_ms": kept_ms,
+        "kept_speedup": dense_ms / kept_ms,
+        "compress_ms": sparse_ms - kept_ms,
+        "breakeven_tokens": breakeven_tokens(tokens, dense_ms, kept_ms, sparse_ms - kept_ms),
+    }
+
+
+def to_markdown(result: KernelsResult) -> str:
+    """The result as Markdown tables: the summary (prefill, the MLP step) and each linear shape alone."""
+    cfg, env, pre, step = result.config, result.environment, result.prefill, result.mlp_step
+    kept = step["sparse_kept_ms"]
+    even = step["breakeven_tokens"]
+    lines = [
+        f"# --kernels sparse at the {cfg['model']} shape: {cfg['blocks']} blocks, {cfg['tokens']} tokens",
+        "",
+        f"- device: {env.get('gpu', env.get('device', '?'))}; torch {env.get('torch', '?')}, "
+        f"cuSPARSELt {env.get('cusparselt', '–')}; {env.get('date', '')}",
+        f"- {result.line}",
+        f"- medians of {cfg['repeats']} calls after {cfg['warmup']} warm-up calls",
+        "",
+        "| what | dense | sparse | dense / sparse | largest rel. difference |",
+        "|---|---:|---:|---:|---:|",
+        f"| prefill tokens/s | {pre['dense_tokens_per_s']:,.0f} | {pre['sparse_tokens_per_s']:,.0f} | "
+        f"{pre['speedup']:.2f} | {pre['rel_diff']:.1e} |",
+        f"| MLP training step ms, compressed copies made again | {step['dense_ms']:.3f} | {step['sparse_ms']:.3f} | "
+        f"{step['speedup']:.2f} | {step['rel_diff']:.1e} |",
+        f"| MLP training step ms, copies kept (the products alone) | {step['dense_ms']:.3f} | {kept:.3f} | "
+        f"{step['kept_speedup']:.2f} | |",
+        "",
+        f"The compression costs {step['compress_ms']:.3f} ms a step. "
+        + (
+            "The sparse step is never as fast as the dense one: the products alone are no faster."
+            if even is None
+            else f"The sparse step is as fast as the dense one from {even:,.0f} tokens per optimizer step "
+            "(`tsenor finetune --grad-accum`: the copies are made once per optimizer step)."
+        ),
+        "",
+        "| shape (out×in) | linears | dense ms | sparse ms | dense / sparse | compress W ms | compress Wᵀ ms "
+        "| host ms a call, dense / sparse | burst ms a call, dense / sparse |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for row in result.shapes:
+        out_features, in_features = row["shape"]
+        lines.append(
+            f"| {out_features}×{in_features} | {row['linears']} | {row['dense_ms']:.3f} | {row['sparse_ms']:.3f} | "
+            f"{row['dense_ms'] / row['sparse_ms']:.2f} | {row['compress_ms']:.3f} | {row['compress_t_ms']:.3f} | "
+            f"{row['dense_host_ms']:.3f} / {row['sparse_host_ms']:.3f} | "
+            f"{row['dense_burst_ms']:.3f} / {row['sparse_burst_ms']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -216,10 +216,11 @@ def bench_kernels(
     repeats: int = typer.Option(10, min=1, help="Timed calls; the median is reported."),
     output: Path | None = typer.Option(None, help="Write the JSON result here."),
     force: ForceOpt = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Prefill tokens/s and an MLP training step, dense against --kernels sparse, at a LLaMA shape (CUDA;
     on the CPU the kernels' dense stand-in, to check the path, not to time it)."""
-    from tsenor_cli.bench.kernels import KernelsConfig, run_kernels
+    from tsenor_cli.bench.kernels import KernelsConfig, run_kernels, to_markdown
 
     _check_outputs(force, {"--output": output})
     _require_device(device)
@@ -227,7 +228,7 @@ def bench_kernels(
     result = run_kernels(cfg)
     if output is not None:
         atomic.write_text(output, result.to_json() + "\n")
-    typer.echo(result.to_json())
+    typer.echo(result.to_json() if json_out else to_markdown(result))
 
 
 _E2E_HEADER = """# End-to-end pruning benchmarks at LLaMA shapes
