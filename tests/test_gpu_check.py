@@ -103,6 +103,37 @@ def test_steps_past_the_run_budget_are_skipped_and_say_so(gpu_check: ModuleType,
     assert all(s["status"] == "skipped" and "budget of 5 s was spent" in s["note"] for s in report["steps"])
 
 
+def test_path_steps_run_two_at_a_time_on_a_gpu_and_the_others_alone(gpu_check: ModuleType, tmp_path: Path) -> None:
+    """Seven path steps in series took 143 s of the H200 run's 551 (2026-11-29): on CUDA they go two at a
+    time, each with its own folder, and the records keep the steps' order. Both steps of a group wait on
+    one barrier, so the test passes only if they really run at once."""
+    import threading
+
+    barrier = threading.Barrier(2, timeout=20)
+
+    def together(r: object) -> dict:
+        barrier.wait()
+        return {"checks": [gpu_check.fact("ran", True, str(r.folder.name))]}  # type: ignore[attr-defined]
+
+    def alone(r: object) -> dict:
+        return {"checks": []}
+
+    steps = [
+        gpu_check.Step("big", "big", "whole", alone),
+        gpu_check.Step("p1", "p1", "path", together),
+        gpu_check.Step("p2", "p2", "path", together),
+        gpu_check.Step("p3", "p3", "path", alone),
+    ]
+    groups = gpu_check.step_groups(steps, gpu_check.PATH_AT_ONCE["cuda"])
+    assert [[s.name for s in g] for g in groups] == [["big"], ["p1", "p2"], ["p3"]]
+    assert [len(g) for g in gpu_check.step_groups(steps, gpu_check.PATH_AT_ONCE["cpu"])] == [1, 1, 1, 1]
+    sizes = gpu_check.Sizes(0, (), (), (), "1", (), caps={"whole": 30, "path": 30})
+    run = gpu_check.Run(tmp_path / "out", "cuda", tmp_path / "carry", sizes)
+    records = gpu_check.run_group(run, groups[1], None)
+    shown = [(r["name"], r["status"], r["checks"][0]["shown"]) for r in records]
+    assert shown == [("p1", "ok", "p1"), ("p2", "ok", "p2")]
+
+
 def test_a_carry_folder_without_the_prepared_inputs_is_refused(gpu_check: ModuleType, tmp_path: Path) -> None:
     assert gpu_check.main(["run", "--device", "cpu", "--carry", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert not (tmp_path / "o").exists()
