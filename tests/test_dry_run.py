@@ -161,7 +161,15 @@ def test_the_dry_run_says_what_its_estimate_leaves_out(tiny: Path) -> None:
     assert "not counted above" not in fixed.stdout
 
 
-@pytest.mark.parametrize(("nm", "flags", "loads"), [("16:32", (), True), ("2:4", ("--no-transposable",), False)])
+@pytest.mark.parametrize(
+    ("nm", "flags", "loads"),
+    [
+        ("16:32", (), True),
+        # On CUDA `auto` solves whole matrices by tsenor and SparseGPT's slabs by flow: flow is loaded too.
+        ("16:32", ("--device", "cuda"), True),
+        ("2:4", ("--no-transposable",), False),
+    ],
+)
 def test_the_runtime_is_measured_with_the_solver_the_run_loads(
     tiny: Path, monkeypatch: pytest.MonkeyPatch, nm: str, flags: tuple[str, ...], loads: bool
 ) -> None:

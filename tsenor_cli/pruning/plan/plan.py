@@ -577,12 +577,18 @@ def plan_model(
 
 
 def _load_solver(cfg: PruneConfig, device: torch.device) -> None:
-    """Load what the run's mask solver loads at its first solve (`MethodInfo.prepare`: the exact solver's
+    """Load what the run's mask solvers load at their first solve (`MethodInfo.prepare`: the exact solver's
     compiled kernels), so the runtime measured after it counts them: the fifteenth session's 16:32 recipe
     held 0.2 GB more file pages than its dry run measured, numba's and llvmlite's among them
-    (docs/results.md, "Where the peak memory is"). The methods solve float32 scores."""
+    (docs/results.md, "Where the peak memory is"). A choosing solver (`auto`) may run one method on whole
+    matrices and another on a few tiles (on CUDA: tsenor, and flow for SparseGPT's slabs and small
+    experts), so both are loaded. Their compile (7 s cold on 2 cores) is then the plan's, paid once, not
+    the first block's: on the H200 it sat in a one-block SparseGPT run's solver phase (12.7 s), which the
+    whole-model projection counted once per block (docs/measurements/gpu.md, Runs). The methods solve
+    float32 scores."""
     if cfg.pattern.kind != "transposable":
         return
-    prepare = resolve_method(cfg.matrix.solver, device, cfg.pattern.m).prepare
-    if prepare is not None:
-        prepare(torch.float32)
+    methods = [resolve_method(cfg.matrix.solver, device, cfg.pattern.m, scores) for scores in (None, 1)]
+    for info in {info.name: info for info in methods}.values():
+        if info.prepare is not None:
+            info.prepare(torch.float32)
