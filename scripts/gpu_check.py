@@ -332,9 +332,23 @@ def step_transposable_cost(run: Run) -> dict[str, Any]:
         # Wanda's pair has no target: left out for the run's 8 minutes (docs/measurements/gpu.md, the budget).
         ["--model", "llama-3.2-1b", "--blocks", run.sizes.few_blocks, "--methods", ",".join(TO_TARGETS)],
     )
-    seconds = {(r["method"], r["kind"]): r["seconds"] for r in result["runs"]}
+    # Judged on the whole model projected from the block(s): a one-time cost (the exact solver's compile,
+    # now in the plan) counts once there, as in a real run, where the block's own total would count it
+    # against a single block and the projection's block phases once per block.
+    seconds = {(r["method"], r["kind"]): r["projected_whole_seconds"] or r["seconds"] for r in result["runs"]}
+    block = {(r["method"], r["kind"]): r["seconds"] for r in result["runs"]}
     ratios = {m: seconds[(m, "transposable")] / seconds[(m, "ordinary")] for m in TO_TARGETS}
-    checks = [check(f"{m} transposable / ordinary", ratios[m], t, fmt=".2f") for m, t in TO_TARGETS.items()]
+    checks = [
+        check(f"{m} transposable / ordinary, the whole model projected", ratios[m], t, fmt=".2f")
+        for m, t in TO_TARGETS.items()
+    ]
+    checks += [
+        info(
+            f"{m} transposable / ordinary, the measured block(s)",
+            f"{block[(m, 'transposable')] / block[(m, 'ordinary')]:.2f}",
+        )
+        for m in TO_TARGETS
+    ]
     checks += [
         fact(f"{r['method']} {r['kind']}: verified", r["verified"], "yes" if r["verified"] else "NO")
         for r in result["runs"]
