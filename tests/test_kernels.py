@@ -268,8 +268,9 @@ def test_finetune_on_sparse_kernels_trains_as_the_dense_run(
 
 def test_the_direct_path_searches_each_shape_once_and_calls_its_algorithm(monkeypatch: pytest.MonkeyPatch) -> None:
     """cuSPARSELt's default algorithm left the 8B MLP step at 0.59x dense on an H200 (gpu-check 2026-11-29):
-    the product runs the searched one, searched once per (shape, padded tokens) for every linear of that
-    shape and kept across refreshes. torch's ops stand in on the CPU (compress: a copy; the product: A·B)."""
+    the product runs the searched one, searched once per (shape, padded tokens up to a power of two) for
+    every linear of that shape and kept across refreshes. torch's ops stand in on the CPU (compress: a
+    copy; the product: A·B)."""
     searched: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     used: list[int] = []
 
@@ -296,8 +297,11 @@ def test_the_direct_path_searches_each_shape_once_and_calls_its_algorithm(monkey
             torch.testing.assert_close(out, x @ weight.t())
         kernel.refresh()
     kernels[0].operand(weights[0], transposed=False).linear(x[:3])  # 3 tokens: padded to 8, another shape
-    assert searched == [((16, 32), (32, 16)), ((16, 32), (32, 8))]
-    assert used == [7] * 5
+    long = torch.randn(30, 32, generator=gen, dtype=torch.float64)
+    for tokens in (20, 30):  # padded to 24 and 32: one power of two, one search
+        kernels[0].operand(weights[0], transposed=False).linear(long[:tokens])
+    assert searched == [((16, 32), (32, 16)), ((16, 32), (32, 8)), ((16, 32), (32, 24))]
+    assert used == [7] * 7
 
 
 def test_the_break_even_tokens_per_optimizer_step_by_hand() -> None:

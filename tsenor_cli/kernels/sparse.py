@@ -85,7 +85,9 @@ def cuda_backend(device: torch.device) -> tuple[str | None, str]:
 
 
 # cuSPARSELt's algorithm for each product shape, searched on first use and kept for the process:
-# {(device, dtype, A's rows, A's columns, padded tokens): alg_id}. The default algorithm (0) left the 8B
+# {(device, dtype, A's rows, A's columns, padded tokens rounded up to a power of two): alg_id}; the
+# tokens by powers of two so that inputs of many lengths (lm-eval's documents) search a few times, not
+# once per length. The default algorithm (0) left the 8B
 # MLP training step at 0.59x dense and prefill at 0.84x on an H200, 0.68x and 0.97x with the searched one
 # (docs/measurements/gpu.md, Runs). Shared by every linear of a shape and kept across `refresh`: the
 # search runs each candidate algorithm (0.5 s for the 8B MLP's shapes), far more than a product costs.
@@ -94,7 +96,7 @@ _ALGORITHMS: dict[tuple[str, torch.dtype, int, int, int], int] = {}
 
 def cslt_algorithm(packed: torch.Tensor, shape: tuple[int, int], dense: torch.Tensor) -> int:
     """The searched cuSPARSELt algorithm for the compressed A of `shape` (r, c) times `dense`ᵀ, dense (T', c)."""
-    key = (str(dense.device), dense.dtype, shape[0], shape[1], dense.shape[0])
+    key = (str(dense.device), dense.dtype, shape[0], shape[1], 1 << (int(dense.shape[0]) - 1).bit_length())
     if key not in _ALGORITHMS:
         _ALGORITHMS[key] = int(torch._cslt_sparse_mm_search(packed, dense.t(), transpose_result=True))
     return _ALGORITHMS[key]
