@@ -419,15 +419,17 @@ def step_speedup(run: Run) -> dict[str, Any]:
     timings = json.loads(out.read_text())["timings"]
     mlp = {(t["variant"], t["backend"]): t["ms"] for t in timings if t["op"] == "MLP fwd+bwd"}
     dense = mlp[("dense", "cublas")]
-    checks = []
-    for backend in ("cusparselt-direct",):
-        for variant in ("ordinary", "transposable"):
-            ms = mlp.get((variant, backend))
-            speedup = None if ms is None else dense / ms
-            target = SPEEDUP_TARGET if variant == "transposable" else 0.0
-            checks.append(
-                check(f"8B MLP fwd+bwd {variant} ({backend}) speedup", speedup, target, at_most=False, fmt=".2f")
-            )
+    backend = "cusparselt-direct"
+    speedup = {
+        v: None if mlp.get((v, backend)) is None else dense / mlp[(v, backend)] for v in ("ordinary", "transposable")
+    }
+    checks = [
+        check(f"8B MLP fwd+bwd transposable ({backend}) speedup", speedup["transposable"], SPEEDUP_TARGET,
+              at_most=False, fmt=".2f"),
+        # Ordinary 2:4 runs only the forward sparse (its Wᵀ is not 2:4): no target, shown beside.
+        info(f"8B MLP fwd+bwd ordinary ({backend}) speedup",
+             "n/a" if speedup["ordinary"] is None else f"{speedup['ordinary']:.2f}"),
+    ]  # fmt: skip
     return {"checks": checks, "files": [out.name, md.name]}
 
 

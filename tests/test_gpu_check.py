@@ -134,6 +134,31 @@ def test_path_steps_run_two_at_a_time_on_a_gpu_and_the_others_alone(gpu_check: M
     assert shown == [("p1", "ok", "p1"), ("p2", "ok", "p2")]
 
 
+def test_the_speedup_step_judges_transposable_and_shows_ordinary(
+    gpu_check: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tsenor bench speedup`'s MLP rows, by hand: dense 10 ms, transposable 8 ms (1.25x, target 1.15) and
+    ordinary 9.5 ms, shown without a target (its input gradient cannot run sparse)."""
+    sizes = gpu_check.Sizes(0, (), (), (), "1", (), caps={"speedup": 30})
+    run = gpu_check.Run(tmp_path / "out", "cuda", tmp_path / "carry", sizes, folder=tmp_path)
+    rows = [
+        ("dense", "cublas", 10.0),
+        ("transposable", "cusparselt-direct", 8.0),
+        ("ordinary", "cusparselt-direct", 9.5),
+    ]
+    timings = [{"op": "MLP fwd+bwd", "variant": v, "backend": b, "ms": ms} for v, b, ms in rows]
+
+    def call(name: str, argv: list[str]) -> str:
+        assert argv[argv.index("--backends") + 1] == "cusparselt-direct"
+        (tmp_path / "speedup.json").write_text(json.dumps({"timings": timings}))
+        return ""
+
+    monkeypatch.setattr(run, "call", call)
+    checks = gpu_check.step_speedup(run)["checks"]
+    assert [(c["shown"], c["ok"]) for c in checks] == [("1.25", True), ("1.05", None)]
+    assert checks[1]["target"] == "none"
+
+
 def test_a_carry_folder_without_the_prepared_inputs_is_refused(gpu_check: ModuleType, tmp_path: Path) -> None:
     assert gpu_check.main(["run", "--device", "cpu", "--carry", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert not (tmp_path / "o").exists()
