@@ -311,3 +311,18 @@ def test_the_break_even_tokens_per_optimizer_step_by_hand() -> None:
     assert breakeven_tokens(8192, 10.0, 8.0, 6.0) == pytest.approx(3 * 8192)
     assert breakeven_tokens(8192, 10.0, 10.0, 6.0) is None  # the products alone no faster: never
     assert breakeven_tokens(8192, 10.0, 8.0, -0.5) == 0.0  # timing noise below zero: even at once
+
+
+def test_the_graphed_prefill_record_says_which_side_was_not_captured() -> None:
+    """`tsenor bench kernels`' CUDA-graph row: the ratio when both sides replay, else one note naming the side."""
+    from tsenor_cli.bench.kernels import _graphed_record
+
+    assert _graphed_record(8192, 4.0, 2.0) == pytest.approx(
+        {"dense_tokens_per_s": 2048e3, "sparse_tokens_per_s": 4096e3, "speedup": 2.0}
+    )
+    cpu = "CUDA graphs need a CUDA GPU"
+    assert _graphed_record(8, cpu, cpu) == {"note": cpu}
+    assert _graphed_record(8, "not measured: the sparse capture failed", "not captured: X") == {
+        "note": "sparse not captured: X"
+    }
+    assert _graphed_record(8, "not captured: Y", 2.0) == {"note": "dense not captured: Y"}
