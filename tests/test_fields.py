@@ -33,8 +33,8 @@ PRUNE_RUN_OPTIONS = {
     "--max-windows", "--json", "--data-dir", "--offline", "--help",
 }  # fmt: skip
 FINETUNE_RUN_OPTIONS = {
-    "--output", "--force", "--resume", "--ppl", "--max-windows", "--tasks", "--limit", "--json", "--data-dir",
-    "--offline", "--help",
+    "--output", "--force", "--resume", "--ppl", "--max-windows", "--tasks", "--limit", "--dry-run", "--json",
+    "--data-dir", "--offline", "--help",
 }  # fmt: skip
 # PruneConfig attributes that a setting reaches converted (model: required; dtype "auto" → None; output → Path)
 # or through another object (layer: pattern, solver, method options; refine: RefineConfig), and the run's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -505,6 +506,20 @@ def test_the_loss_by_chunks_equals_the_whole_logits_loss_with_its_gradients(
     for mine, theirs in zip(got, expected, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
     assert not chunked.kl.requires_grad and not chunked.ce.requires_grad
+    # Under bf16 autocast the values stay fp32's; the states' gradient is a bf16 product (its rounding).
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = distill.head_distillation_loss(
+            distill.LastHidden(hidden, distill.OutputHead(head_w, head_b)),
+            distill.LastHidden(taught, distill.OutputHead(teacher_w, None)),
+            ids,
+            **settings,
+        )
+    low_grads = torch.autograd.grad(low.total, (hidden, head_w, head_b))
+    assert float(low.total.detach()) == float(chunked.total.detach())
+    torch.testing.assert_close(low_grads[0], got[0], rtol=2e-2, atol=2e-3)
+    assert not torch.equal(low_grads[0], got[0]) and all(
+        torch.equal(a, b) for a, b in zip(low_grads[1:], got[1:], strict=True)
+    )
 
 
 def test_hidden_state_loss_by_hand() -> None:
@@ -522,8 +537,9 @@ def test_hidden_state_loss_by_hand() -> None:
 
 
 def test_a_model_whose_logits_are_not_its_output_layers_is_seen(tmp_path: Path) -> None:
-    """`head_mismatch` on a tiny LLaMA: None as it is; a reason once its logits are scaled after the output
-    layer (as a soft cap would change them), so the whole-logits loss is kept for it."""
+    """`head_mismatch` on a tiny LLaMA: None as it is, in fp32 and in bf16; a reason once its logits are scaled
+    after the output layer (as a soft cap would change them), or its output layer adds more than its bias,
+    so the whole-logits loss is kept for it."""
     from transformers import AutoModelForCausalLM
 
     from tsenor_cli.finetune.distill import head_mismatch, last_hidden
@@ -539,8 +555,18 @@ def test_a_model_whose_logits_are_not_its_output_layers_is_seen(tmp_path: Path) 
         output.logits = output.logits * 2.0  # type: ignore[attr-defined]
         return output
 
-    model.register_forward_hook(scaled)
+    # bf16 (a --dtype bf16 teacher): the fp32 layer of the loss differs by bf16's rounding alone.
+    assert head_mismatch(model.to(torch.bfloat16), vocab) is None
+    model.to(torch.float32)
+    hook = model.register_forward_hook(scaled)
     assert "differ from its output layer" in str(head_mismatch(model, vocab))
+    hook.remove()
+
+    def shifted(_module: nn.Module, _args: object, output: torch.Tensor) -> torch.Tensor:
+        return output + 1.0  # a layer that adds more than its bias
+
+    model.get_output_embeddings().register_forward_hook(shifted)
+    assert "more than weight · hidden + bias" in str(head_mismatch(model, vocab))
 
 
 @pytest.fixture(scope="module")
@@ -887,3 +913,115 @@ def test_bad_calibration_data_gets_one_line_errors_and_nothing_written(
         assert result.exit_code == 2, (label, result.output)
         assert words in message and "\n" not in message, (label, message)
         assert not out.exists(), label
+
+
+def _storage_bytes_of_a_real_forward(model: nn.Module, ids: torch.Tensor) -> int:
+    """The storages a real CPU forward with the model's own loss keeps for backward, each once, its
+    parameters' excepted: what `finetune.plan.saved_bytes` stands for, counted without its watch."""
+    own = {id(p.untyped_storage()) for p in model.parameters()}
+    kept: dict[int, torch.UntypedStorage] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if id(storage) not in own:
+            kept.setdefault(id(storage), storage)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids)
+    return sum(storage.nbytes() for storage in kept.values())
+
+
+def test_the_plan_sees_on_the_meta_device_what_a_real_forward_keeps(tmp_path: Path) -> None:
+    """`saved_bytes` on the meta device (where SDPA runs its math path, counted as the fused kernels keep
+    it) against the storages a real CPU forward keeps for backward: equal to the byte, at three sizes, and
+    linear in the tokens (no (T, T) probabilities counted)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tsenor_cli.finetune.plan import saved_bytes
+
+    src = make_tiny_llama(tmp_path / "m")
+    real = AutoModelForCausalLM.from_pretrained(src).train()
+    config = AutoConfig.from_pretrained(src)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config).train()
+    for batch, seqlen in ((2, 64), (2, 128), (4, 128)):
+        actual = _storage_bytes_of_a_real_forward(real, torch.randint(0, config.vocab_size, (batch, seqlen)))
+        watched = saved_bytes(meta, batch, seqlen, distill=False)
+        assert watched.saved == actual, (batch, seqlen, watched, actual)
+        linears = {id(p): p.numel() for m in real.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
+        assert watched.cast == sum(linears.values())  # what bf16 autocast copies: the linears' parameters
+    at = {n: saved_bytes(meta, 2, n, distill=True).saved for n in (64, 128, 256)}
+    assert at[256] - at[128] == 2 * (at[128] - at[64])  # linear in the tokens
+
+
+def test_the_training_estimate_by_hand() -> None:
+    """`training_estimate`'s terms from a workload worked by hand: float32 weights, gradients and two AdamW
+    moments a parameter, the teacher at its width, a byte a pruned weight, autocast's bf16 copies, and the
+    distillation loss's chunks beside its two gradients."""
+    from tsenor_cli.pruning.block.memory import LOSS_CHUNKS, TRAINING_SLACK, TrainingWorkload, training_estimate
+
+    work = TrainingWorkload(
+        params=1000, pruned=300, teacher=1000, teacher_width=2, saved=5000, cast=600, tokens=8, vocab=50,
+        hidden=4, chunk=100,
+    )  # fmt: skip
+    est = training_estimate(work)
+    assert (est.weights, est.gradients, est.optimizer, est.teacher, est.masks) == (4000, 4000, 8000, 2000, 300)
+    assert est.activations == 5000 + 1200
+    assert est.loss == LOSS_CHUNKS * 100 + 4 * (8 + 50) * 4
+    assert est.allocator == round(TRAINING_SLACK * 6200)
+    assert est.total == 4000 + 4000 + 8000 + 2000 + 300 + 6200 + est.loss + est.allocator
+    plain = training_estimate(dataclasses.replace(work, teacher=0, chunk=0, cast=0))
+    assert (plain.teacher, plain.loss, plain.activations) == (0, 0, 5000)
+
+
+def test_finetune_dry_run_prints_the_plan_writes_nothing_and_refuses_what_cannot_fit(
+    pruned: Path, text_file: Path, tmp_path: Path
+) -> None:
+    """`tsenor finetune --dry-run`: the plan as text and JSON, its sum the estimate's, nothing written; a
+    micro-batch that cannot fit ends as the run would, exit 5 with one line, before anything is read."""
+    out = tmp_path / "ft"
+    args = ["finetune", str(pruned), "--output", str(out), "--data", str(text_file), "--seqlen", "32"]
+    text = invoke([*args, "--dry-run", "--teacher", str(pruned)])
+    assert text.exit_code == 0, text.output
+    assert "fine-tuning plan" in text.output and "distillation loss" in text.output and "peak about" in text.output
+    plan = json.loads(invoke([*args, "--dry-run", "--json"]).output)
+    memory = plan["memory"]
+    assert memory["total"] == sum(memory[k] for k in ("weights", "gradients", "optimizer", "teacher", "masks",
+                                                      "activations", "loss", "allocator"))  # fmt: skip
+    assert plan["fits"] and plan["batch"] == 4 and plan["seqlen"] == 32 and memory["teacher"] == 0
+    assert memory["weights"] == 4 * plan["params"] and memory["masks"] == plan["pruned"] > 0
+    assert not out.exists()
+    huge = invoke([*args, "--batch-size", "100000000", "--dry-run"])
+    assert huge.exit_code == 5 and "pass a smaller --batch-size" in str(huge.exception)
+    refused = invoke([*args, "--batch-size", "100000000", "--max-steps", "1"])
+    assert refused.exit_code == 5 and not out.exists()
+
+
+def test_the_plan_of_a_model_whose_forward_cannot_run_on_the_meta_device_says_so(
+    tmp_path: Path, data_ctx: RunContext
+) -> None:
+    """A tiny Mixtral pruned by magnitude: its fused experts' grouped products have no meta kernel in this
+    transformers, so the plan either counts its activations or names why it could not, and leaves them out
+    of the total, never a silent zero."""
+    source = make_tiny_llama(tmp_path / "src", model_type="mixtral", num_layers=1, num_local_experts=4,
+                             num_experts_per_tok=2)  # fmt: skip
+    pruned = tmp_path / "pruned"
+    cfg = PruneConfig(
+        model=str(source),
+        matrix=MatrixPruneConfig(SparsityPattern.from_nm(8, 16, transposable=True), solver="exact"),
+        method="magnitude",
+        nsamples=2,
+        seqlen=16,
+        output=pruned,
+    )
+    prune_model(cfg, data_ctx)
+    from tsenor_cli.finetune.plan import plan_finetune
+
+    plan = plan_finetune(FinetuneConfig(run_dir=pruned, output=tmp_path / "ft", seqlen=16, batch_size=2), data_ctx)
+    if plan.unwatched is None:
+        assert plan.estimate.activations > 0
+    else:
+        assert plan.estimate.activations == 0 and plan.work.saved == 0
+        assert "activations not estimated" in plan.summary()[0] and plan.unwatched in plan.summary()[0]
+        assert json.loads(json.dumps(plan.to_dict()))["activations_unwatched"] == plan.unwatched

@@ -163,7 +163,7 @@ def test_the_steps_take_the_samples_per_step_and_the_learning_rate_follows_the_s
             assert rates == pytest.approx([1e-3, 5e-4], rel=1e-12)
 
 
-def test_the_schedule_and_the_step_size_change_the_result_and_repeat_exactly() -> None:
+def test_the_schedule_the_step_size_and_the_dtype_change_the_result_and_repeat_exactly() -> None:
     cpu = torch.device("cpu")
     results = {}
     for name, cfg in {
@@ -171,6 +171,8 @@ def test_the_schedule_and_the_step_size_change_the_result_and_repeat_exactly() -
         "default again": RefineConfig("block", 2, 1e-3),
         "one a step": RefineConfig("block", 2, 1e-3, samples_per_step=1),
         "cosine": RefineConfig("block", 2, 1e-3, schedule="cosine"),
+        "bf16": RefineConfig("block", 2, 1e-3, dtype="bf16"),
+        "bf16 again": RefineConfig("block", 2, 1e-3, dtype="bf16"),
     }.items():
         block, call, inputs, targets, masks = _pruned_block(torch.float32, cpu)
         record = refine_block(RefineJob(block, 0, inputs, call, targets, cfg, 0, cpu, masks))
@@ -179,6 +181,9 @@ def test_the_schedule_and_the_step_size_change_the_result_and_repeat_exactly() -
     assert torch.equal(results["default"], results["default again"])
     assert not torch.equal(results["default"], results["one a step"])
     assert not torch.equal(results["default"], results["cosine"])
+    # bf16 autocast changes the gradients (it is on), repeats exactly, and keeps float32 weights.
+    assert not torch.equal(results["default"], results["bf16"])
+    assert torch.equal(results["bf16"], results["bf16 again"]) and results["bf16"].dtype == torch.float32
 
 
 def test_the_weighted_squares_worked_by_hand() -> None:
@@ -364,8 +369,10 @@ def test_a_streamed_run_refines_as_a_whole_load_also_when_resumed(
         RefineConfig("block", 2, 1e-3),
         # 3 samples a step across the ranks' 3 and 2 samples, the learning rate changing every step.
         RefineConfig("block", 2, 1e-3, samples_per_step=3, schedule="cosine"),
+        # bf16 autocast: each rank's per-sample gradients are the one process's, bit for bit, too.
+        RefineConfig("block", 2, 1e-3, dtype="bf16"),
     ],
-    ids=["default", "3-a-step-cosine"],
+    ids=["default", "3-a-step-cosine", "bf16"],
 )
 def test_two_processes_refine_as_one(
     schedule: RefineConfig, tiny: Path, calib: Path, data_ctx: RunContext, tmp_path: Path
@@ -403,6 +410,7 @@ def test_two_processes_refine_as_one(
             "--refine-samples-per-step 0 must be a whole number >= 1",
         ),
         (["--refine", "block", "--refine-schedule", "linear"], "--refine-schedule 'linear' is not one of constant"),
+        (["--refine", "block", "--refine-dtype", "fp16"], "--refine-dtype 'fp16' is not one of fp32, bf16"),
     ],
 )
 def test_bad_refine_options_are_one_line_and_write_nothing(
@@ -421,15 +429,18 @@ def test_recipe_and_sweep_keys(tmp_path: Path) -> None:
     cfg = build_config({"model": "m", "nm": "16:32", **recipe}, force=False, resume=True, command="")
     assert cfg.refine == RefineConfig("block", 3, 1.0)
     assert cfg.result_fields()["refine"] == {"mode": "block", "epochs": 3, "lr": 1.0, "samples_per_step": 4}
-    tuned = validate_recipe({"refine": "block", "refine_samples_per_step": 1, "refine_schedule": "cosine"}, "r.yaml")
+    tuned = validate_recipe(
+        {"refine": "block", "refine_samples_per_step": 1, "refine_schedule": "cosine", "refine_dtype": "bf16"}, "r.yaml"
+    )
     tuned_cfg = build_config({"model": "m", "nm": "16:32", **tuned}, force=False, resume=True, command="")
-    assert tuned_cfg.refine == RefineConfig("block", samples_per_step=1, schedule="cosine")
+    assert tuned_cfg.refine == RefineConfig("block", samples_per_step=1, schedule="cosine", dtype="bf16")
     assert tuned_cfg.result_fields()["refine"] == {
         "mode": "block",
         "epochs": 2,
         "lr": 1e-3,
         "samples_per_step": 1,
         "schedule": "cosine",
+        "dtype": "bf16",
     }
     default = build_config({"model": "m", "nm": "16:32"}, force=False, resume=True, command="")
     assert not default.refine.on and "refine" not in default.result_fields()

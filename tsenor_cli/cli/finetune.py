@@ -12,6 +12,7 @@ from tsenor_cli.cli.app import Command, app, command_line, run_context
 from tsenor_cli.cli.options import (
     PPL,
     DataDirOpt,
+    DryRunOpt,
     ForceOpt,
     JsonOpt,
     LimitOpt,
@@ -33,6 +34,7 @@ from tsenor_cli.finetune.config import CALIBRATION_DATA, FINETUNE_FIELDS, Finetu
 
 if TYPE_CHECKING:
     from tsenor_cli.runfiles import FinetuneReport
+    from tsenor_cli.settings import RunContext
 
 
 def _check_data(data: str, given: dict[str, Any]) -> None:
@@ -89,6 +91,7 @@ def finetune_cmd(
     tasks: in_panel(TasksOpt, EVAL) = None,  # type: ignore[valid-type]
     limit: in_panel(LimitOpt, EVAL) = None,  # type: ignore[valid-type]
     bf16: Bf16AliasOpt = False,
+    dry_run: DryRunOpt = False,
     as_json: JsonOpt = False,
     data_dir: DataDirOpt = None,
     offline: OfflineOpt = False,
@@ -116,6 +119,9 @@ def finetune_cmd(
         resume=resume,
         command=command_line(),
     )
+    if dry_run:
+        _dry_run(cfg, run_ctx, as_json=as_json)
+        return
     from tsenor_cli.finetune.run import finetune
     from tsenor_cli.interrupt import stop_on_signals
 
@@ -124,3 +130,12 @@ def finetune_cmd(
     with stop_on_signals() as stop:
         report = finetune(cfg, run_ctx, stop=stop)
     typer.echo(json.dumps(report.to_json(), indent=2) if as_json else summary(report))
+
+
+def _dry_run(cfg: FinetuneConfig, run_ctx: RunContext, *, as_json: bool) -> None:
+    """Print the plan (text or JSON) and end as the run would: exit 5 when it cannot fit."""
+    from tsenor_cli.finetune.plan import plan_finetune
+
+    plan = plan_finetune(cfg, run_ctx)
+    typer.echo(json.dumps(plan.to_dict(), indent=2) if as_json else "\n".join(plan.lines()))
+    plan.check()

@@ -151,6 +151,9 @@ ForceOpt = Annotated[
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")]
+DryRunOpt = Annotated[
+    bool, typer.Option("--dry-run", help="Print the plan (what runs, its memory); read no weight, write nothing.")
+]
 PplOpt = Annotated[
     str, typer.Option("--ppl", help=f"Perplexity datasets, a comma list of {','.join(DATASET_NAMES)}, or none.")
 ]

@@ -17,6 +17,7 @@ from tsenor_cli.cli.app import Command, app, command_line, run_context
 from tsenor_cli.cli.options import (
     PPL,
     DataDirOpt,
+    DryRunOpt,
     ForceOpt,
     JsonOpt,
     MaxWindowsOpt,
@@ -64,9 +65,6 @@ ConfigOpt = Annotated[
     Path | None,
     typer.Option("--config", rich_help_panel=RUN, help="YAML recipe; flags typed on the command line override it."),
 ]
-DryRunOpt = Annotated[
-    bool, typer.Option("--dry-run", rich_help_panel=RUN, help="Print the plan (layers, shapes, memory); write nothing.")
-]
 EvalOpt = Annotated[
     bool, typer.Option("--eval", rich_help_panel=EVAL, help="Evaluate the pruned checkpoint afterwards (eval.json).")
 ]
@@ -85,7 +83,7 @@ def prune_cmd(
     resume: ResumeOpt = True,
     nproc: NprocOpt = 1,
     config: ConfigOpt = None,
-    dry_run: DryRunOpt = False,
+    dry_run: in_panel(DryRunOpt, RUN) = False,  # type: ignore[valid-type]
     run_eval: EvalOpt = False,
     ppl: in_panel(PplOpt, EVAL) = PPL,  # type: ignore[valid-type]
     tasks: in_panel(TasksOpt, EVAL) = None,  # type: ignore[valid-type]

@@ -36,6 +36,7 @@ from tsenor_cli.finetune.config import FinetuneConfig as FinetuneConfig
 from tsenor_cli.finetune.data import TrainingText, WindowDataset, calibration_windows, training_windows
 from tsenor_cli.finetune.distill import DistillTrainer, check_teacher
 from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsity
+from tsenor_cli.finetune.plan import plan_finetune
 from tsenor_cli.fixedmask import FixedMask
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.models.saving import SavedModel, save_model
@@ -221,6 +222,10 @@ def finetune(
         sparsity = read_run_sparsity(cfg.run_dir)
         run.check_location()
         check_not_input(cfg.output, str(cfg.run_dir))
+        plan = plan_finetune(cfg, ctx, sparsity)  # the dry run's estimate: said, and a run that cannot fit refused
+        for line in plan.summary():
+            say(line)
+        plan.check()
         args = _training_args(cfg, state_dir)
         # One writer per output folder, as for prune (docs/reliability.md): the main process holds the lock
         # from the folder check to the final swap; the other ranks of a torchrun/accelerate launch write

@@ -14,7 +14,9 @@ calibration samples j (the same over a step's samples, with the whole set's mean
 denominator, so a step's gradient is a plain sum of per-sample gradients). Every floating-point
 parameter of the block trains (norm scales, biases, and linears left dense too); the pruned matrices
 only at their kept positions. Training runs in float32 whatever the model's dtype (bf16 Adam updates
-below the weights' resolution would be lost), and the result is cast back. The error is measured
+below the weights' resolution would be lost), and the result is cast back; with `--refine-dtype bf16` the
+forwards and backwards run under bf16 autocast over those float32 weights (the objective, the gradients'
+sums and Adam stay float32), which bf16 matrix units run several times faster. The error is measured
 before and after on what the run keeps (the stored dtype), and the refined weights are kept only when
 they lower it: refinement never makes a block worse on its calibration data.
 
@@ -280,12 +282,14 @@ def _accumulate(job: RefineJob, stage: _Stage, rows: list[int], divisor: float) 
     the parameters' .grad (rows: this rank's local indices), one sample per forward (the recorded arguments
     are for batch 1)."""
     weights = None if stage.weights is None else stage.weights.to(device=job.device, dtype=torch.float32)
+    bf16 = job.cfg.dtype == "bf16"
     with torch.enable_grad():
         for j in rows:
             x = job.inputs[j : j + 1].to(device=job.device, dtype=torch.float32)
             y = stage.values[j : j + 1].to(device=job.device, dtype=torch.float32)
-            out = stage.output(x)
-            loss = _squares(out - y, weights).sum() / divisor
+            with torch.autocast(device_type=job.device.type, dtype=torch.bfloat16, enabled=bf16):
+                out = stage.output(x)
+            loss = _squares(out.float() - y, weights).sum() / divisor  # the objective in fp32 either way
             loss.backward()
 
 

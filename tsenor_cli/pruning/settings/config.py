@@ -30,6 +30,7 @@ DEFAULT_LR: float = FIELDS["refine_lr"].default
 DEFAULT_MASK_EVERY: int = FIELDS["refine_mask_every"].default
 REFINE_REGIONS: tuple[str, ...] = tuple(FIELDS["refine_regions"].choice_list() or ())
 REFINE_SCHEDULES: tuple[str, ...] = tuple(FIELDS["refine_schedule"].choice_list() or ())
+REFINE_DTYPES: tuple[str, ...] = tuple(FIELDS["refine_dtype"].choice_list() or ())
 # Samples per Adam step: a setting, never derived from the number of processes, so that a run's steps
 # are the same with any --nproc.
 SAMPLES_PER_STEP: int = FIELDS["refine_samples_per_step"].default
@@ -42,7 +43,8 @@ class RefineConfig:
     (pruning/block/joint.py) with `pattern` and `solver`, the run's own; regions: "block" (train towards the
     block's output) or "sub-blocks" (each region in turn towards the dense residual stream after it,
     pruning/block/regions.py); samples_per_step: calibration samples per Adam step; schedule: "constant"
-    or "cosine" (the learning rate along a half cosine from `lr` towards 0 over each stage's steps)."""
+    or "cosine" (the learning rate along a half cosine from `lr` towards 0 over each stage's steps); dtype:
+    "fp32" or "bf16" (the forwards and backwards under bf16 autocast, `refine.py`)."""
 
     mode: str = "none"
     epochs: int = DEFAULT_EPOCHS
@@ -51,6 +53,7 @@ class RefineConfig:
     regions: str = "block"
     samples_per_step: int = SAMPLES_PER_STEP
     schedule: str = "constant"
+    dtype: str = "fp32"
     # The run's own pattern and solver (not settings of their own: the run's result fields hold them).
     pattern: SparsityPattern | None = field(default=None, compare=False)
     solver: str = field(default="auto", compare=False)
@@ -76,6 +79,8 @@ class RefineConfig:
             )
         if self.schedule not in REFINE_SCHEDULES:
             raise UsageError(f"--refine-schedule {self.schedule!r} is not one of {', '.join(REFINE_SCHEDULES)}")
+        if self.dtype not in REFINE_DTYPES:
+            raise UsageError(f"--refine-dtype {self.dtype!r} is not one of {', '.join(REFINE_DTYPES)}")
         if self.mask_every and self.regions != "block":
             # A region's stage freezes the other regions' weights, whose masks a re-solve would still move.
             raise UsageError("--refine-mask-every needs --refine-regions block; drop one of the two")
@@ -96,6 +101,7 @@ class RefineConfig:
         fields |= {"mask_every": self.mask_every} if self.mask_every else {}
         # Absent when constant: runs made before the setting existed keep their resume key.
         fields |= {"schedule": self.schedule} if self.schedule != "constant" else {}
+        fields |= {"dtype": self.dtype} if self.dtype != "fp32" else {}
         return fields | ({"regions": self.regions} if self.regions != "block" else {})
 
 

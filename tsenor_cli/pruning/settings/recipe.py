@@ -159,6 +159,7 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
             str(values["refine_regions"]),
             values["refine_samples_per_step"],
             str(values["refine_schedule"]),
+            str(values["refine_dtype"]),
             pattern=pattern,
             solver=str(values["solver"]),
         ),

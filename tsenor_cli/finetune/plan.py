@@ -1,0 +1,270 @@
+"""`tsenor finetune --dry-run`: what one process of a fine-tuning run will hold, before any weight is read.
+
+The parameters come from the checkpoints' configs (the models built on the meta device, `models.loading.
+meta_model`), the pruned weights from the run's sparsity record, and what the forward keeps for backward
+from watching one forward of the student on the meta device at the run's micro-batch (`saved_bytes`):
+shapes without storage, so a model of any size is watched in about a second. The terms and their sum are
+the one memory estimate's (`pruning/block/memory.training_estimate`). The run itself prints the same
+estimate before it loads the model, and refuses one that cannot fit (exit 5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from tsenor_cli.errors import DoesNotFitError
+from tsenor_cli.finetune.config import CALIBRATION_DATA, FinetuneConfig
+from tsenor_cli.finetune.distill import CHUNK_BYTES, last_hidden
+from tsenor_cli.finetune.masks import RunSparsity, read_run_sparsity
+from tsenor_cli.outputs import human_bytes
+from tsenor_cli.pruning.block.memory import (
+    TrainingEstimate,
+    TrainingWorkload,
+    available_host_bytes,
+    device_present,
+    device_total_bytes,
+    resident_bytes,
+    training_estimate,
+)
+from tsenor_cli.settings import RunContext
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_PRODUCTS = frozenset({torch.nn.functional.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm})
+
+
+class _Watch(TorchFunctionMode):
+    """While active, with `saved_tensors_hooks(self.pack, self.unpack)`: the storages the forward keeps for
+    backward (parameters' own excepted, each storage once) and the parameters its matrix products take.
+
+    On the meta device SDPA runs its math path, which keeps the (T, T) attention probabilities; the fused
+    kernels that run on CPU and CUDA keep their inputs, their output (laid out as (B, T, heads, D)) and one
+    float32 log-sum-exp per query row instead, so a call is counted as those."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.params = {id(p): p for p in model.parameters()}
+        self.own = {id(p.untyped_storage()) for p in model.parameters()}
+        self.storages: dict[int, Any] = {}
+        self.extra = 0
+        self.products: dict[int, nn.Parameter] = {}
+        self.paused = False
+
+    def keep(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if id(storage) not in self.own:
+            self.storages.setdefault(id(storage), storage)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self.paused:
+            self.keep(tensor)
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @property
+    def saved(self) -> int:
+        return sum(storage.nbytes() for storage in self.storages.values()) + self.extra
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _PRODUCTS:
+            for arg in (*args, *kwargs.values()):
+                if id(arg) in self.params:
+                    self.products[id(arg)] = self.params[id(arg)]
+        if func is not _SDPA:
+            return func(*args, **kwargs)
+        self.paused = True
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.paused = False
+        if out.dim() == 4:  # the fused kernels' layout, (B, T, heads, D) in memory: the usual transpose back
+            batch, heads, length, width = out.shape  # and reshape are then views of it, as on a real device
+            out = out.as_strided(out.shape, (length * heads * width, width, heads * width, 1))
+        query = args[0] if args else kwargs["query"]
+        for tensor in (*args[:3], *(kwargs[k] for k in ("query", "key", "value") if k in kwargs), out):
+            self.keep(tensor)
+        self.extra += 4 * query[..., 0].numel()  # (B, heads, T) float32 log-sum-exps
+        return out
+
+
+@dataclass(frozen=True)
+class Watched:
+    """One forward of a model watched on the meta device: saved, the bytes kept for backward (float32);
+    cast, the parameters its matrix products take (what bf16 autocast copies)."""
+
+    saved: int
+    cast: int
+
+
+def saved_bytes(model: nn.Module, batch: int, seqlen: int, *, distill: bool) -> Watched:
+    """model: on the meta device, in train mode → what one forward of a (batch, seqlen) micro-batch keeps
+    for backward (`_Watch`). distill: the output layer computes no logits (the distillation loss takes the
+    last hidden states, `distill.last_hidden`; its own memory is `training_estimate`'s loss term); else
+    the model's own cross-entropy runs on the logits, as Trainer's loss does."""
+    ids = torch.zeros(batch, seqlen, dtype=torch.long, device="meta")
+    watch = _Watch(model)
+    with watch, torch.autograd.graph.saved_tensors_hooks(watch.pack, watch.unpack), torch.enable_grad():
+        if distill:
+            with last_hidden(model):
+                model(input_ids=ids)
+        else:
+            model(input_ids=ids, labels=ids)
+    return Watched(watch.saved, sum(p.numel() for p in watch.products.values()))
+
+
+@dataclass(frozen=True)
+class FinetunePlan:
+    """What the run will hold (`TrainingEstimate`), from what it was made of (`TrainingWorkload`), and
+    the memory it may take here (`available`: the host's, or the CUDA device's total). unwatched: why the
+    student's forward could not be watched on the meta device (then its activations are not in the
+    estimate, and the plan says so), else None."""
+
+    cfg: FinetuneConfig
+    work: TrainingWorkload
+    estimate: TrainingEstimate
+    batch: int
+    seqlen: int
+    available: int | None
+    unwatched: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.estimate.total <= self.available
+
+    def lines(self) -> list[str]:
+        cfg, work, est = self.cfg, self.work, self.estimate
+        teacher = (
+            f"; teacher {cfg.teacher}: {work.teacher / 1e6:.1f}M parameters, {human_bytes(est.teacher)}"
+            if cfg.teacher
+            else ""
+        )
+        return [
+            f"fine-tuning plan of {cfg.run_dir} (nothing read but configs, nothing written)",
+            f"  student: {work.params / 1e6:.1f}M parameters, {work.pruned / 1e6:.1f}M pruned{teacher}",
+            f"  micro-batch: {self.batch} windows x {self.seqlen} tokens, {cfg.dtype}, on {cfg.device}",
+            "  memory of one process: "
+            + ", ".join(f"{name} {human_bytes(value)}" for name, value in _terms(est) if value),
+            *(f"  {line}" for line in self.summary()),
+        ]
+
+    def summary(self) -> list[str]:
+        """The lines the run itself prints before it loads the model: the total, and what it leaves out."""
+        est = self.estimate
+        room = "" if self.available is None else f" ({human_bytes(self.available)} available here)"
+        missing = (
+            []
+            if self.unwatched is None
+            else [f"activations not estimated: the forward does not run on the meta device ({self.unwatched})"]
+        )
+        return [
+            *missing,
+            f"memory: total {human_bytes(est.total)} beside the runtime's {human_bytes(est.runtime)}, "
+            f"peak about {human_bytes(est.peak)}{room}",
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_dir": str(self.cfg.run_dir),
+            "batch": self.batch,
+            "seqlen": self.seqlen,
+            "dtype": self.cfg.dtype,
+            "device": self.cfg.device,
+            "params": self.work.params,
+            "pruned": self.work.pruned,
+            "teacher_params": self.work.teacher,
+            "memory": self.estimate.to_dict(),
+            "available": self.available,
+            "fits": self.fits,
+            "activations_unwatched": self.unwatched,
+        }
+
+    def check(self) -> None:
+        """DoesNotFitError when the run's total exceeds the memory available (one line, exit 5)."""
+        if self.fits:
+            return
+        assert self.available is not None
+        raise DoesNotFitError(
+            f"fine-tuning needs about {human_bytes(self.estimate.total)} ("
+            + ", ".join(f"{name} {human_bytes(value)}" for name, value in _terms(self.estimate) if value)
+            + f"), but {human_bytes(self.available)} are available; pass a smaller --batch-size (a larger "
+            "--grad-accum keeps the step's windows) or --seqlen (nothing was written)"
+        )
+
+
+def _terms(est: TrainingEstimate) -> list[tuple[str, int]]:
+    return [
+        ("weights", est.weights),
+        ("gradients", est.gradients),
+        ("AdamW moments", est.optimizer),
+        ("teacher", est.teacher),
+        ("masks", est.masks),
+        ("activations", est.activations),
+        ("distillation loss", est.loss),
+        ("beyond the tensors (allocator, mapped files)", est.allocator),
+    ]
+
+
+def _meta(name: str, ctx: RunContext, trust_remote_code: bool) -> Any:
+    from tsenor_cli.models.loading import meta_model, read_config, resolve_source
+
+    source, is_local = resolve_source(name, ctx)
+    return meta_model(read_config(name, source, is_local, ctx, trust_remote_code=trust_remote_code))
+
+
+def _params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _pruned(model: nn.Module, sparsity: RunSparsity) -> int:
+    """The pruned weights the record lists: each matrix's [out, in], an expert's own slice of its stack (a
+    record that names modules only: the whole parameter, once)."""
+    shapes = {(w.param, w.expert): w.shape for w in sparsity.record.pruned}
+    return sum(
+        shape[0] * shape[1] if shape is not None else model.get_parameter(param).numel()
+        for (param, _), shape in shapes.items()
+    )
+
+
+def plan_finetune(cfg: FinetuneConfig, ctx: RunContext, sparsity: RunSparsity | None = None) -> FinetunePlan:
+    """The plan of `cfg` (`FinetunePlan`): the student and the teacher built from their configs on the meta
+    device, one forward of the student watched (`saved_bytes`), the estimate's terms. sparsity: the run's
+    recorded pattern (None: read from `cfg.run_dir`, `masks.read_run_sparsity`)."""
+    sparsity = sparsity if sparsity is not None else read_run_sparsity(cfg.run_dir)
+    student = _meta(str(cfg.run_dir), ctx, cfg.trust_remote_code).train()
+    seqlen = int(sparsity.report.settings["seqlen"]) if cfg.data == CALIBRATION_DATA else cfg.seqlen
+    distill = cfg.teacher is not None
+    try:
+        watched: Watched | None = saved_bytes(student, cfg.batch_size, seqlen, distill=distill)
+        unwatched = None
+    except (RuntimeError, NotImplementedError) as exc:  # an op without a meta kernel (grouped expert products)
+        watched, unwatched = None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    head = student.get_output_embeddings().weight
+    teacher = _params(_meta(str(cfg.teacher), ctx, cfg.trust_remote_code)) if distill else 0
+    work = TrainingWorkload(
+        params=_params(student),
+        pruned=_pruned(student, sparsity),
+        teacher=teacher,
+        teacher_width=2 if cfg.bf16 else 4,
+        saved=watched.saved if watched is not None else 0,
+        cast=watched.cast if watched is not None and cfg.bf16 else 0,
+        tokens=cfg.batch_size * seqlen,
+        vocab=int(head.shape[0]),
+        hidden=int(head.shape[1]),
+        chunk=CHUNK_BYTES if distill else 0,
+    )
+    estimate = replace(training_estimate(work), runtime=resident_bytes())
+    device = torch.device(cfg.device)
+    available: int | None
+    if device.type == "cpu":
+        available = available_host_bytes()
+    else:  # planned on a machine without the GPU (a login node): not checked
+        available = device_total_bytes(device) if device_present(device) else None
+    return FinetunePlan(cfg, work, estimate, cfg.batch_size, seqlen, available, unwatched)
