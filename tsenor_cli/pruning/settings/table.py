@@ -161,8 +161,8 @@ PRUNE_FIELDS: tuple[Field, ...] = (
           "cosine (from --refine-lr along a half cosine towards 0 over the stage's steps).", REFINE,
           choices=("constant", "cosine")),
     Field("refine_dtype", str, "fp32", "Compute dtype of the refinement's forwards and backwards: fp32, or bf16 "
-          "autocast (the weights, Adam and the kept-or-not errors stay fp32; 2.5-4x faster on bf16 hardware).",
-          REFINE, choices=("fp32", "bf16")),
+          "autocast (the weights, Adam and the kept-or-not errors stay fp32; 1.8x faster a block on a CPU with "
+          "bf16 units, slower on one without).", REFINE, choices=("fp32", "bf16")),
     Field("moe_calibration", str, "routed", "Statistics of expert matrices: 'routed' (the tokens the router "
           "sends each expert) or 'all' (every calibration token through every expert, for the statistics only).",
           MOE, choices=("routed", "all")),
