@@ -238,5 +238,7 @@ class Checkpoint:
                         tensor = decode_matrix(key, tensor, code, info.pattern, self.folder / file)
                 except SafetensorError as exc:
                     raise _corrupt(self.folder / file, str(exc)) from exc
-                # safetensors copies out of its mapping, so the tensor outlives the handle
+                # The tensor is backed by safetensors' mapping of the file, which it keeps alive past the
+                # handle (measured: the resident set grows by its pages as they are touched); `.to` copies
+                # it only where the device or the dtype changes.
                 yield key, tensor.to(device=device, dtype=dtype or tensor.dtype)
