@@ -216,7 +216,8 @@ def _meta(name: str, ctx: RunContext, trust_remote_code: bool) -> Any:
     from tsenor_cli.models.loading import meta_model, read_config, resolve_source
 
     source, is_local = resolve_source(name, ctx)
-    return meta_model(read_config(name, source, is_local, ctx, trust_remote_code=trust_remote_code))
+    config = read_config(name, source, is_local, ctx, trust_remote_code=trust_remote_code)
+    return meta_model(config, trust_remote_code=trust_remote_code)
 
 
 def _params(model: nn.Module) -> int:
