@@ -192,8 +192,8 @@ class _HeadLoss(torch.autograd.Function):
                     softmax_minus_onehot = log_s.exp().scatter_add_(1, picked, torch.full_like(s[:, :1], -1.0))
                     g.add_(softmax_minus_onehot, alpha=(1.0 - share) / count)
                 if grad_hidden is not None:
-                    held = (g, student.weight) if student_low is None else (g.to(low), student_low)
-                    grad_hidden[start : start + rows] = held[0] @ held[1]
+                    product = g @ student.weight if student_low is None else g.to(low) @ student_low
+                    grad_hidden[start : start + rows] = product
                 if grad_weight is not None:
                     grad_weight.addmm_(g.T, piece)
                 if grad_bias is not None:

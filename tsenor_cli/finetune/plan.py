@@ -23,6 +23,7 @@ from tsenor_cli.finetune.distill import CHUNK_BYTES, last_hidden
 from tsenor_cli.finetune.masks import RunSparsity, read_run_sparsity
 from tsenor_cli.outputs import human_bytes
 from tsenor_cli.pruning.block.memory import (
+    TRAINING_TERMS,
     TrainingEstimate,
     TrainingWorkload,
     available_host_bytes,
@@ -130,7 +131,6 @@ class FinetunePlan:
     cfg: FinetuneConfig
     work: TrainingWorkload
     estimate: TrainingEstimate
-    batch: int
     seqlen: int
     available: int | None
     unwatched: str | None = None
@@ -149,9 +149,8 @@ class FinetunePlan:
         return [
             f"fine-tuning plan of {cfg.run_dir} (nothing read but configs, nothing written)",
             f"  student: {work.params / 1e6:.1f}M parameters, {work.pruned / 1e6:.1f}M pruned{teacher}",
-            f"  micro-batch: {self.batch} windows x {self.seqlen} tokens, {cfg.dtype}, on {cfg.device}",
-            "  memory of one process: "
-            + ", ".join(f"{name} {human_bytes(value)}" for name, value in _terms(est) if value),
+            f"  micro-batch: {cfg.batch_size} windows x {self.seqlen} tokens, {cfg.dtype}, on {cfg.device}",
+            f"  memory of one process: {_parts(est)}",
             *(f"  {line}" for line in self.summary()),
         ]
 
@@ -173,7 +172,7 @@ class FinetunePlan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "run_dir": str(self.cfg.run_dir),
-            "batch": self.batch,
+            "batch": self.cfg.batch_size,
             "seqlen": self.seqlen,
             "dtype": self.cfg.dtype,
             "device": self.cfg.device,
@@ -192,24 +191,24 @@ class FinetunePlan:
             return
         assert self.available is not None
         raise DoesNotFitError(
-            f"fine-tuning needs about {human_bytes(self.estimate.total)} ("
-            + ", ".join(f"{name} {human_bytes(value)}" for name, value in _terms(self.estimate) if value)
-            + f"), but {human_bytes(self.available)} are available; pass a smaller --batch-size (a larger "
-            "--grad-accum keeps the step's windows) or --seqlen (nothing was written)"
+            f"fine-tuning needs about {human_bytes(self.estimate.total)} ({_parts(self.estimate)}), but "
+            f"{human_bytes(self.available)} are available; pass a smaller --batch-size (a larger --grad-accum "
+            "keeps the step's windows) or --seqlen (nothing was written)"
         )
 
 
-def _terms(est: TrainingEstimate) -> list[tuple[str, int]]:
-    return [
-        ("weights", est.weights),
-        ("gradients", est.gradients),
-        ("AdamW moments", est.optimizer),
-        ("teacher", est.teacher),
-        ("masks", est.masks),
-        ("activations", est.activations),
-        ("distillation loss", est.loss),
-        ("beyond the tensors (allocator, mapped files)", est.allocator),
-    ]
+# How the plan names each term of `TRAINING_TERMS` (the others by their own name).
+_LABELS = {
+    "optimizer": "AdamW moments",
+    "loss": "distillation loss",
+    "allocator": "beyond the tensors (allocator, mapped files)",
+}
+
+
+def _parts(est: TrainingEstimate) -> str:
+    """The estimate's non-zero terms for a person: "weights 513.1 MiB, gradients 513.1 MiB, ..."."""
+    values = ((_LABELS.get(name, name), getattr(est, name)) for name in TRAINING_TERMS)
+    return ", ".join(f"{label} {human_bytes(value)}" for label, value in values if value)
 
 
 def _meta(name: str, ctx: RunContext, trust_remote_code: bool) -> Any:
@@ -268,4 +267,4 @@ def plan_finetune(cfg: FinetuneConfig, ctx: RunContext, sparsity: RunSparsity | 
         available = available_host_bytes()
     else:  # planned on a machine without the GPU (a login node): not checked
         available = device_total_bytes(device) if device_present(device) else None
-    return FinetunePlan(cfg, work, estimate, cfg.batch_size, seqlen, available, unwatched)
+    return FinetunePlan(cfg, work, estimate, seqlen, available, unwatched)
