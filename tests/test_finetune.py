@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -506,7 +507,19 @@ def test_the_loss_by_chunks_equals_the_whole_logits_loss_with_its_gradients(
     for mine, theirs in zip(got, expected, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
     assert not chunked.kl.requires_grad and not chunked.ce.requires_grad
-    # Under bf16 autocast the values stay fp32's; the states' gradient is a bf16 product (its rounding).
+    # Under bf16 autocast both output layers' products run in bf16, as autocast runs a linear (the whole-logits
+    # loss of bf16 products is the reference), the weight's gradient one product per group of 2 chunks.
+    monkeypatch.setattr(distill, "GROUP_BYTES", 2 * 11 * 6)
+    assert distill.group_rows(11, 3, 2) == 6
+
+    def low_logits(states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = (states.bfloat16() @ weight.bfloat16().T).float()
+        return out + bias if bias is not None else out
+
+    whole_low = distill.distillation_loss(
+        low_logits(hidden, head_w, head_b), low_logits(taught, teacher_w), ids, **settings
+    )
+    expected_low = torch.autograd.grad(whole_low.total, (hidden, head_w, head_b))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         low = distill.head_distillation_loss(
             distill.LastHidden(hidden, distill.OutputHead(head_w, head_b)),
@@ -515,11 +528,14 @@ def test_the_loss_by_chunks_equals_the_whole_logits_loss_with_its_gradients(
             **settings,
         )
     low_grads = torch.autograd.grad(low.total, (hidden, head_w, head_b))
-    assert float(low.total.detach()) == float(chunked.total.detach())
-    torch.testing.assert_close(low_grads[0], got[0], rtol=2e-2, atol=2e-3)
-    assert not torch.equal(low_grads[0], got[0]) and all(
-        torch.equal(a, b) for a, b in zip(low_grads[1:], got[1:], strict=True)
-    )
+    for name in ("total", "kl", "ce"):
+        mine, theirs = getattr(low, name).detach(), getattr(whole_low, name).detach()
+        assert float(mine) == pytest.approx(float(theirs), rel=1e-5), name
+    assert float(low.total.detach()) != float(chunked.total.detach())  # the products did run in bf16
+    for mine, theirs in zip(low_grads, expected_low, strict=True):
+        # the weight's gradient: three group products each rounded to bf16, against one
+        torch.testing.assert_close(mine, theirs, rtol=2e-2, atol=1e-4)
+    assert all(grad.dtype == torch.float32 for grad in low_grads)
 
 
 def test_hidden_state_loss_by_hand() -> None:
@@ -619,6 +635,64 @@ def test_distilling_by_chunks_trains_as_the_whole_logits_do(
     for name, tensor in reference.items():
         torch.testing.assert_close(ours[name], tensor, rtol=1e-4, atol=1e-3)
         assert float((ours[name] - tensor).abs().gt(1e-5).float().mean()) < 0.01, name
+
+
+def test_a_bf16_distillation_runs_its_loss_under_the_training_autocast(
+    pruned: Path, teacher: Path, text_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """accelerate puts bf16 autocast around the model's forward alone; the loss by chunks runs under it too
+    (its output layers' products in bf16, as the whole-logits loss takes them from the forward), and not in
+    an fp32 run. The bf16 loss curve is the whole-logits one to bf16's rounding."""
+    from tsenor_cli.finetune import distill
+
+    seen: list[object] = []
+    loss_by_chunks = distill.head_distillation_loss
+
+    def watched(*args: Any, **kwargs: Any) -> distill.DistillLoss:
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return loss_by_chunks(*args, **kwargs)
+
+    monkeypatch.setattr(distill, "head_distillation_loss", watched)
+    settings = {"teacher": str(teacher), "max_steps": 2}
+    low = finetune(_config(pruned, tmp_path / "bf16", text_file, dtype="bf16", **settings), LOCAL_CTX)
+    assert seen == [torch.bfloat16, torch.bfloat16]
+    finetune(_config(pruned, tmp_path / "fp32", text_file, **settings), LOCAL_CTX)
+    assert seen[2:] == [None, None]
+    monkeypatch.setattr(distill, "head_mismatch", lambda _model, _vocab: "a test's reason")
+    whole = finetune(_config(pruned, tmp_path / "whole", text_file, dtype="bf16", **settings), LOCAL_CTX)
+    assert len(seen) == 4  # the whole-logits loss takes its logits from the forward
+    assert [v for _, v in low.loss_curve] == pytest.approx([v for _, v in whole.loss_curve], rel=2e-2)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_freeze_embeddings_keeps_the_embeddings_and_the_output_layer_bit_for_bit(
+    pruned: Path, teacher: Path, text_file: Path, tmp_path: Path, dtype: str
+) -> None:
+    """--freeze-embeddings: the input embeddings and the output layer (found through transformers'
+    get_input_embeddings/get_output_embeddings) come out bit for bit; the decoder blocks train, their masks
+    held; the setting is in the report and the resume key, and a run without it keeps its old key."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "ft"
+    cfg = _config(pruned, out, text_file, teacher=str(teacher), freeze_embeddings=True, dtype=dtype)
+    report = finetune(cfg, LOCAL_CTX)
+    _check_mask_kept(pruned, out)
+    before, after = _weights(pruned), _weights(out)
+    model = AutoModelForCausalLM.from_pretrained(pruned)
+    fixed = {
+        name
+        for layer in (model.get_input_embeddings(), model.get_output_embeddings())
+        for name, _ in layer.named_parameters(prefix=_module_name(model, layer))
+    }
+    assert fixed & set(after)  # a tied output layer is stored once, as the embeddings
+    for name in after:
+        assert torch.equal(after[name], before[name]) == (name in fixed), name
+    assert report.settings["freeze_embeddings"] is True
+    assert "freeze_embeddings" not in dataclasses.replace(cfg, freeze_embeddings=False).result_fields()
+
+
+def _module_name(model: nn.Module, layer: nn.Module) -> str:
+    return next(name for name, module in model.named_modules() if module is layer)
 
 
 def test_the_hidden_state_term_adds_to_the_loss_and_trains(
@@ -958,7 +1032,7 @@ def test_the_plan_sees_on_the_meta_device_what_a_real_forward_keeps(tmp_path: Pa
 def test_the_training_estimate_by_hand() -> None:
     """`training_estimate`'s terms from a workload worked by hand: float32 weights, gradients and two AdamW
     moments a parameter, the teacher at its width, a byte a pruned weight, autocast's bf16 copies, and the
-    distillation loss's chunks beside its two gradients."""
+    distillation loss's chunks beside its two gradients (under bf16 its gradient group and bf16 copies too)."""
     from tsenor_cli.pruning.block.memory import LOSS_CHUNKS, TRAINING_SLACK, TrainingWorkload, training_estimate
 
     work = TrainingWorkload(
@@ -973,6 +1047,11 @@ def test_the_training_estimate_by_hand() -> None:
     assert est.total == 4000 + 4000 + 8000 + 2000 + 300 + 6200 + est.loss + est.allocator
     plain = training_estimate(dataclasses.replace(work, teacher=0, chunk=0, cast=0))
     assert (plain.teacher, plain.loss, plain.activations) == (0, 0, 5000)
+    # bf16: the gradient group, and the bf16 copies of the layer, of a group's product and of the states
+    low = training_estimate(dataclasses.replace(work, group=300))
+    frozen = training_estimate(dataclasses.replace(work, frozen=200))  # no gradient, no moments for those
+    assert (frozen.weights, frozen.gradients, frozen.optimizer) == (4000, 3200, 6400)
+    assert low.loss == est.loss + 300 + 2 * (50 * 4 + 50 * 4 + 8 * 4)
 
 
 def test_finetune_dry_run_prints_the_plan_writes_nothing_and_refuses_what_cannot_fit(

@@ -47,6 +47,8 @@ FINETUNE_FIELDS: tuple[Field, ...] = (
     PRUNE["device"],  # the same settings as prune's: one flag, help and default
     PRUNE["trust_remote_code"],
     KERNELS,  # the same setting as eval's
+    Field("freeze_embeddings", bool, False, "Keep the input embeddings and the output layer fixed (they are not "
+          "pruned): train the decoder blocks only.", TRAIN),
     Field("eval_every", int, 0, "Perplexity every K steps (0: before/after).", TRAIN, minimum=0),
     Field("save_every", int, 100, "Checkpoint for --resume every K steps (0: never).", TRAIN, minimum=0,
           result=False),
@@ -89,6 +91,7 @@ class FinetuneConfig:
     max_windows: int | None = None
     tasks: tuple[str, ...] = ()
     limit: int | float | None = None
+    freeze_embeddings: bool = default_of(FINETUNE_FIELDS, "freeze_embeddings")
     eval_every: int = default_of(FINETUNE_FIELDS, "eval_every")
     save_every: int = default_of(FINETUNE_FIELDS, "save_every")
     device: str = default_of(FINETUNE_FIELDS, "device")
@@ -131,8 +134,11 @@ class FinetuneConfig:
             )
 
     def result_fields(self) -> dict[str, Any]:
-        """What decides the fine-tuned weights and the recorded curves (what a resumed run must share)."""
+        """What decides the fine-tuned weights and the recorded curves (what a resumed run must share);
+        `freeze_embeddings` only when set, so that the runs before it keep their hash."""
+        frozen = {"freeze_embeddings": True} if self.freeze_embeddings else {}
         return {
+            **frozen,
             "run_dir": str(self.run_dir.resolve()),
             "data": self.data,
             "seqlen": self.seqlen,

@@ -84,11 +84,22 @@ def distillation_loss(
 # loss holds about seven tensors of that size at once (both logits, the log-softmaxes, the teacher's
 # probabilities, the gradient), so 32 MiB keeps it near a quarter of a GB whatever the batch.
 CHUNK_BYTES = 32 << 20
+# Under autocast, the loss's gradients with respect to the logits, in the autocast's dtype, of at most this
+# many bytes of positions, go into the output layer's weight gradient as one product: one (V × n)·(n × H)
+# product of SmolLM2's 2,044 positions took 149 ms in bf16, against 540 ms for the fp32 product of each
+# 170-position chunk added in turn (a product over 170 positions keeps the bf16 units idle).
+GROUP_BYTES = 256 << 20
 
 
 def chunk_rows(vocab: int) -> int:
     """Positions per chunk for a vocabulary of `vocab` logits."""
     return max(1, CHUNK_BYTES // (4 * vocab))
+
+
+def group_rows(vocab: int, rows: int, width: int) -> int:
+    """Positions per product into the weight gradient (`GROUP_BYTES` at `width` bytes a logit), a whole number
+    of chunks of `rows`."""
+    return max(1, GROUP_BYTES // (width * vocab * rows)) * rows
 
 
 @dataclass(frozen=True)
@@ -109,12 +120,23 @@ class OutputHead:
 
     def float(self) -> OutputHead:
         """The layer in fp32 (itself when it is)."""
-        return OutputHead(self.weight.float(), self.bias.float() if self.bias is not None else None)
+        return self.to(torch.float32)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (n, H) → fp32 logits (n, V)."""
-        out = hidden.float() @ self.weight.float().T
-        return out + self.bias.float() if self.bias is not None else out
+    def to(self, dtype: torch.dtype) -> OutputHead:
+        """The layer whose product runs in `dtype` (its weight in it); the bias stays fp32, added to fp32 logits."""
+        return OutputHead(self.weight.to(dtype), self.bias.float() if self.bias is not None else None)
+
+    def logits(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None, low: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """hidden (n, H) → fp32 logits (n, V): the product in the weight's dtype, the bias added in fp32; into
+        `out` (n, V) fp32 when given, through `low` (n, V) in the weight's dtype when it is not fp32."""
+        if self.weight.dtype == torch.float32:
+            logits = torch.mm(hidden.float(), self.weight.T, out=out)
+        else:
+            product = torch.mm(hidden.to(self.weight.dtype), self.weight.T, out=low)
+            logits = out.copy_(product) if out is not None else product.float()
+        return logits.add_(self.bias.float()) if self.bias is not None else logits
 
 
 @dataclass(frozen=True)
@@ -136,13 +158,132 @@ class _Taught:
     temperature: float
 
 
+@dataclass(frozen=True)
+class _Workspace:
+    """The (r, V) buffers `_HeadLoss` works a chunk in, made once a call and reused chunk after chunk: a fresh
+    tensor of a chunk's 33 MB is mapped anew by the C allocator and faults its pages in again (measured inside
+    a training run, SmolLM2 at 4 × 512, a step's 13 chunks: exp 229 ms on fresh tensors, 31 ms in these
+    buffers; log-softmax 215 and 138 ms). s, t: the student's and the teacher's
+    logits (t then the teacher's probabilities); log_q, log_p: their log-softmaxes (log_q then the gradient,
+    log_p the KL's terms);
+    low: the products in a low dtype (None in fp32)."""
+
+    s: torch.Tensor
+    t: torch.Tensor
+    log_q: torch.Tensor
+    log_p: torch.Tensor
+    low: torch.Tensor | None
+
+    @classmethod
+    def of(cls, like: torch.Tensor, rows: int, vocab: int, product: torch.dtype) -> _Workspace:
+        def buffer(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return like.new_empty((rows, vocab), dtype=dtype)
+
+        return cls(buffer(), buffer(), buffer(), buffer(), buffer(product) if product != torch.float32 else None)
+
+    def rows(self, count: int) -> _Workspace:
+        """The first `count` rows of each buffer (the last chunk's)."""
+        low = self.low[:count] if self.low is not None else None
+        return _Workspace(self.s[:count], self.t[:count], self.log_q[:count], self.log_p[:count], low)
+
+
+def _chunk_loss(
+    work: _Workspace, picked: torch.Tensor, taught: _Taught, count: int, sums: torch.Tensor, *, grad: bool
+) -> torch.Tensor | None:
+    """work: the chunk's workspace with both models' fp32 logits in `s` and `t` (r, V); picked: (r, 1) the next
+    tokens; count: the positions of the whole loss → the chunk's KL and CE sums added to `sums` (2,), and (with
+    `grad`) d loss / ds (r, V) fp32, in `work.log_q`: τ · share · (q − p) / count + (1 − share) ·
+    (softmax(s) − onehot) / count. The buffers' contents are spent."""
+    share, tau = taught.share, taught.temperature
+    # At τ ≠ 1 the cross-entropy needs log softmax(s) beside log softmax(s/τ): the one fresh (r, V) tensor.
+    log_s = torch.log_softmax(work.s, dim=-1) if tau != 1.0 else None
+    if tau != 1.0:
+        work.s.div_(tau)
+        work.t.div_(tau)
+    log_q = torch.log_softmax(work.s, dim=-1, out=work.log_q)
+    log_p = torch.log_softmax(work.t, dim=-1, out=work.log_p)
+    p = torch.exp(log_p, out=work.t)
+    # Σ p · (log p − log q) in log_p's buffer, no (r, V) temporary. Not as Σ p · log p − Σ p · log q: those
+    # two sums are each about the entropy, up to 100× the KL, and their difference lost 3e-4 of it in fp32.
+    sums[0] += log_p.sub_(log_q).mul_(p).sum()
+    log_s = log_q if log_s is None else log_s
+    sums[1] -= log_s.gather(1, picked).sum()
+    if not grad:
+        return None
+    # softmax(s) before log_q turns into q in place (the same tensor at τ = 1), into the spent logits' buffer
+    softmax = torch.exp(log_s, out=work.s) if share < 1.0 else None
+    g = log_q.exp_().sub_(p).mul_(share * tau / count)
+    if softmax is not None:
+        g.add_(softmax.scatter_add_(1, picked, torch.full_like(softmax[:, :1], -1.0)), alpha=(1.0 - share) / count)
+    return g
+
+
+class _Gradients:
+    """The gradients `_HeadLoss` keeps for backward, filled a chunk at a time: the states' (N, H) and the output
+    layer's weight (V, H) and bias (V,), each fp32 or None when not wanted.
+
+    With a bf16 (any low) product, as autocast runs a linear: g is rounded to it once, the states' gradient is
+    g · W per chunk and the weight's gᵀ · hidden once per group of chunks (`GROUP_BYTES`); in fp32, both per
+    chunk, the weight's added into an fp32 sum."""
+
+    def __init__(self, hidden: torch.Tensor, head: OutputHead, wants: tuple[bool, ...], rows: int) -> None:
+        low = head.weight.dtype if head.weight.dtype != torch.float32 else None
+        self.head, self.low, self.hidden = head, low, hidden
+        self.states = torch.empty_like(hidden, dtype=torch.float32) if wants[0] else None
+        self.weight: torch.Tensor | None = None
+        self.wants_weight = wants[1]
+        self.bias = torch.zeros_like(head.bias) if wants[2] and head.bias is not None else None
+        group = group_rows(head.weight.shape[0], rows, head.weight.element_size()) if low is not None else 0
+        shape = (min(group, hidden.shape[0]), head.weight.shape[0])
+        self.buffer = hidden.new_empty(shape, dtype=low) if low is not None and wants[1] else None
+        self.hidden_low = hidden.to(low) if self.buffer is not None else None
+        self.begin = 0  # the first position of the group in the buffer
+
+    @property
+    def wanted(self) -> bool:
+        return self.states is not None or self.wants_weight or self.bias is not None
+
+    def add(self, start: int, g: torch.Tensor, scratch: torch.Tensor | None = None) -> None:
+        """g: d loss / d logits (r, V) fp32 of the positions from `start`; scratch: an (r, V) buffer in the low
+        dtype it may be rounded into (else a new tensor)."""
+        stop = start + g.shape[0]
+        if self.bias is not None:
+            self.bias += g.sum(0)
+        if self.buffer is not None:
+            low = self.buffer[start - self.begin : stop - self.begin]
+            low.copy_(g)
+        elif self.low is not None:
+            low = scratch.copy_(g) if scratch is not None else g.to(self.low)
+        else:
+            low = g
+        if self.states is not None:
+            self.states[start:stop] = low @ self.head.weight
+        if self.low is None and self.wants_weight:
+            piece = self.hidden[start:stop].float()
+            self.weight = torch.mm(g.T, piece) if self.weight is None else self.weight.addmm_(g.T, piece)
+        if self.buffer is not None and (stop - self.begin == self.buffer.shape[0] or stop == self.hidden.shape[0]):
+            self._flush(stop)
+
+    def _flush(self, stop: int) -> None:
+        """The weight gradient of the buffered positions [begin, stop), one product in the low dtype."""
+        assert self.buffer is not None and self.hidden_low is not None
+        part = self.buffer[: stop - self.begin].T @ self.hidden_low[self.begin : stop]  # (V, H)
+        self.weight = part.float() if self.weight is None else self.weight.add_(part)
+        self.begin = stop
+
+
 class _HeadLoss(torch.autograd.Function):
     """`distillation_loss` from the last hidden states, a chunk of positions at a time (`chunk_rows`).
 
     The gradient is the closed form of the loss's, taken in the same pass: with q = softmax(s/τ) and
     p = softmax(t/τ), d(τ² · KL)/ds = τ · (q − p) and dCE/ds = softmax(s) − onehot(target), each over the
-    N positions; then dL/dhidden = g · W (in the autocast's dtype when one is on) and dL/dW = gᵀ · hidden.
-    Only those two (and the bias's) are kept for backward, never a (N, V) tensor.
+    N positions; then dL/dhidden = g · W and dL/dW = gᵀ · hidden (`_Gradients`). Only those (and the bias's)
+    are kept for backward, never a (N, V) tensor.
+
+    The output layers' products run as the models' forwards run them: under autocast in its dtype (bf16: 4×
+    fp32's speed on a CPU with bf16 units; the whole-logits loss and every other linear of the step take the
+    same rounding), else in fp32; the logits, softmaxes and sums are always fp32 (a bf16 log-softmax over
+    49k-128k entries loses the small probabilities the KL term weighs).
     """
 
     @staticmethod
@@ -156,52 +297,27 @@ class _HeadLoss(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden (N, H), weight (V, H), bias (V,) or None, targets (N,) long → (total, kl, ce) scalars."""
         count = hidden.shape[0]
-        share, temperature, teacher_hidden = taught.share, taught.temperature, taught.states
-        student = OutputHead(weight, bias).float()
-        teacher = taught.head.float()
-        wants = ctx.needs_input_grad
-        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if wants[0] else None
-        grad_weight = torch.zeros_like(student.weight) if wants[1] else None
-        grad_bias = torch.zeros_like(student.bias) if wants[2] and student.bias is not None else None
-        kl_sum = hidden.new_zeros((), dtype=torch.float32)
-        ce_sum = hidden.new_zeros((), dtype=torch.float32)
-        rows = chunk_rows(student.weight.shape[0])
-        # The states' gradient in the autocast's dtype, as autocast's own backward would take it: 3x fp32's
-        # speed on a CPU with bf16 units (54 → 18 ms a chunk of 170 rows, SmolLM2's head). The weight's stays
-        # an fp32 addmm: adding a bf16 product into the fp32 sum costs more than it saves (59 against 45 ms).
         device = hidden.device.type
-        low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        student_low = student.weight.to(low) if low is not None and wants[0] else None
-        # The logits and softmaxes in fp32 whatever the autocast (a bf16 log-softmax over 49k-128k entries
-        # loses the small probabilities the KL term weighs).
+        product = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
+        student, teacher = OutputHead(weight, bias).to(product), taught.head.to(product)
+        rows = chunk_rows(student.weight.shape[0])
+        grads = _Gradients(hidden, student, ctx.needs_input_grad, rows)
+        sums = hidden.new_zeros(2, dtype=torch.float32)  # Σ KL, Σ CE over the positions
+        whole = _Workspace.of(hidden, min(rows, count), student.weight.shape[0], product)
         with torch.autocast(device_type=device, enabled=False):
             for start in range(0, count, rows):
-                piece = hidden[start : start + rows].float()  # (r, H)
-                s = student.logits(piece)  # (r, V)
-                log_q = F.log_softmax(s / temperature, dim=-1)
-                log_p = F.log_softmax(teacher.logits(teacher_hidden[start : start + rows]) / temperature, dim=-1)
-                p = log_p.exp()
-                kl_sum += (p * (log_p - log_q)).sum()
-                log_s = log_q if temperature == 1.0 else F.log_softmax(s, dim=-1)
-                picked = targets[start : start + rows, None]  # (r, 1)
-                ce_sum -= log_s.gather(1, picked).sum()
-                if grad_hidden is None and grad_weight is None and grad_bias is None:
-                    continue
-                g = log_q.exp().sub_(p).mul_(share * temperature / count)  # (r, V)
-                if share < 1.0:
-                    softmax_minus_onehot = log_s.exp().scatter_add_(1, picked, torch.full_like(s[:, :1], -1.0))
-                    g.add_(softmax_minus_onehot, alpha=(1.0 - share) / count)
-                if grad_hidden is not None:
-                    product = g @ student.weight if student_low is None else g.to(low) @ student_low
-                    grad_hidden[start : start + rows] = product
-                if grad_weight is not None:
-                    grad_weight.addmm_(g.T, piece)
-                if grad_bias is not None:
-                    grad_bias += g.sum(0)
-        kl = kl_sum * temperature**2 / count
-        ce = ce_sum / count
+                stop = min(start + rows, count)
+                work = whole.rows(stop - start)
+                student.logits(hidden[start:stop], out=work.s, low=work.low)  # (r, V)
+                teacher.logits(taught.states[start:stop], out=work.t, low=work.low)
+                g = _chunk_loss(work, targets[start:stop, None], taught, count, sums, grad=grads.wanted)
+                if g is not None:
+                    grads.add(start, g, work.low)
+        kl = sums[0] * taught.temperature**2 / count
+        ce = sums[1] / count
+        share = taught.share
         total = share * kl + (1.0 - share) * ce if share < 1.0 else kl.clone()
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.save_for_backward(grads.states, grads.weight, grads.bias)
         ctx.dtypes = hidden.dtype, weight.dtype, bias.dtype if bias is not None else None
         ctx.mark_non_differentiable(kl, ce)
         return total, kl, ce
@@ -280,7 +396,7 @@ def head_mismatch(model: Any, vocab: int) -> str | None:
                 return f"its output layer took {len(taken)} positional inputs in one forward, not 1"
             layer = model.get_output_embeddings()(taken[0])  # (1, 8, V), as the forward computes it
             head = OutputHead.of(model)
-            mine = head.logits(taken[0].reshape(-1, taken[0].shape[-1])).reshape(logits.shape)
+            mine = head.float().logits(taken[0].reshape(-1, taken[0].shape[-1])).reshape(logits.shape)
     finally:
         model.train(was_training)
     if not torch.allclose(layer.float(), logits.float(), rtol=1e-4, atol=1e-4):
@@ -385,13 +501,16 @@ class DistillTrainer(Trainer):
                     f"the output layers took {len(taken)} and {len(taught)} inputs in one forward, not 1 (checked "
                     "before training); this is a bug in tsenor"
                 )
-            loss = head_distillation_loss(
-                LastHidden(taken[0], OutputHead.of(self.student)),
-                LastHidden(taught[0], OutputHead.of(self.teacher)),
-                input_ids,
-                weight=self.weight,
-                temperature=self.temperature,
-            )
+            # Under the training's autocast, which accelerate puts around the model's forward alone: without it
+            # the output layers' products ran in fp32 under --dtype bf16 (4.6 of a 10.2 s step, SmolLM2 4 × 512).
+            with self.accelerator.autocast():
+                loss = head_distillation_loss(
+                    LastHidden(taken[0], OutputHead.of(self.student)),
+                    LastHidden(taught[0], OutputHead.of(self.teacher)),
+                    input_ids,
+                    weight=self.weight,
+                    temperature=self.temperature,
+                )
         else:
             with torch.no_grad():
                 teacher_out = self.teacher(input_ids=input_ids, output_hidden_states=states)

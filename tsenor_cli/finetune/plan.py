@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from tsenor_cli.errors import DoesNotFitError
 from tsenor_cli.finetune.config import CALIBRATION_DATA, FinetuneConfig
-from tsenor_cli.finetune.distill import CHUNK_BYTES, last_hidden
+from tsenor_cli.finetune.distill import CHUNK_BYTES, GROUP_BYTES, last_hidden
 from tsenor_cli.finetune.masks import RunSparsity, read_run_sparsity
 from tsenor_cli.outputs import human_bytes
 from tsenor_cli.pruning.block.memory import (
@@ -146,9 +146,10 @@ class FinetunePlan:
             if cfg.teacher
             else ""
         )
+        frozen = f", {work.frozen / 1e6:.1f}M frozen (--freeze-embeddings)" if work.frozen else ""
         return [
             f"fine-tuning plan of {cfg.run_dir} (nothing read but configs, nothing written)",
-            f"  student: {work.params / 1e6:.1f}M parameters, {work.pruned / 1e6:.1f}M pruned{teacher}",
+            f"  student: {work.params / 1e6:.1f}M parameters, {work.pruned / 1e6:.1f}M pruned{frozen}{teacher}",
             f"  micro-batch: {cfg.batch_size} windows x {self.seqlen} tokens, {cfg.dtype}, on {cfg.device}",
             f"  memory of one process: {_parts(est)}",
             *(f"  {line}" for line in self.summary()),
@@ -178,6 +179,7 @@ class FinetunePlan:
             "device": self.cfg.device,
             "params": self.work.params,
             "pruned": self.work.pruned,
+            "frozen": self.work.frozen,
             "teacher_params": self.work.teacher,
             "memory": self.estimate.to_dict(),
             "available": self.available,
@@ -223,6 +225,17 @@ def _params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def frozen_parameters(model: nn.Module, cfg: FinetuneConfig) -> list[nn.Parameter]:
+    """The parameters `cfg` keeps out of training, each once: with --freeze-embeddings the input embeddings and
+    the output layer, as transformers names them (`get_input_embeddings`, `get_output_embeddings`), tied or not;
+    none otherwise."""
+    if not cfg.freeze_embeddings:
+        return []
+    layers = (model.get_input_embeddings(), model.get_output_embeddings())  # type: ignore[operator]
+    found = {id(p): p for layer in layers if layer is not None for p in layer.parameters()}
+    return list(found.values())
+
+
 def _pruned(model: nn.Module, sparsity: RunSparsity) -> int:
     """The pruned weights the record lists: each matrix's [out, in], an expert's own slice of its stack (a
     record that names modules only: the whole parameter, once)."""
@@ -250,6 +263,7 @@ def plan_finetune(cfg: FinetuneConfig, ctx: RunContext, sparsity: RunSparsity | 
     teacher = _params(_meta(str(cfg.teacher), ctx, cfg.trust_remote_code)) if distill else 0
     work = TrainingWorkload(
         params=_params(student),
+        frozen=sum(p.numel() for p in frozen_parameters(student, cfg)),
         pruned=_pruned(student, sparsity),
         teacher=teacher,
         teacher_width=2 if cfg.bf16 else 4,
@@ -259,6 +273,10 @@ def plan_finetune(cfg: FinetuneConfig, ctx: RunContext, sparsity: RunSparsity | 
         vocab=int(head.shape[0]),
         hidden=int(head.shape[1]),
         chunk=CHUNK_BYTES if distill else 0,
+        # the bf16 gradient group exists only for the output layer's own gradient
+        group=min(GROUP_BYTES, 2 * cfg.batch_size * seqlen * int(head.shape[0]))
+        if distill and cfg.bf16 and not cfg.freeze_embeddings
+        else 0,
     )
     estimate = replace(training_estimate(work), runtime=resident_bytes())
     device = torch.device(cfg.device)

@@ -36,11 +36,12 @@ from tsenor_cli.finetune.config import FinetuneConfig as FinetuneConfig
 from tsenor_cli.finetune.data import TrainingText, WindowDataset, calibration_windows, training_windows
 from tsenor_cli.finetune.distill import DistillTrainer, check_teacher
 from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsity
-from tsenor_cli.finetune.plan import plan_finetune
+from tsenor_cli.finetune.plan import frozen_parameters, plan_finetune
 from tsenor_cli.fixedmask import FixedMask
 from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.models.saving import SavedModel, save_model
 from tsenor_cli.progress import Progress, sink
+from tsenor_cli.pruning.block.memory import keep_freed_memory
 from tsenor_cli.pruning.run.card import card_text
 from tsenor_cli.pruning.run.output import MAX_SHARD_SIZE
 from tsenor_cli.pruning.run.report import versions
@@ -385,6 +386,8 @@ def _train(run: _Run) -> FinetuneReport:
     state = _load_state(state_dir, cfg) if cfg.resume else None
     inputs = _load_inputs(cfg, ctx, args, sparsity, say)
     model = inputs.loaded.model.to(args.device)
+    for parameter in frozen_parameters(model, cfg):  # Trainer's optimizer takes the parameters that train
+        parameter.requires_grad_(False)
     fixed = FixedMask(model, inputs.masks)
     kernels = _sparse_kernels(cfg, sparsity, model, args.device, say)
     mask = MaskCallback(fixed, refresh=kernels.refresh if kernels is not None else None)
@@ -532,6 +535,9 @@ def _training_loop(run: _Run, inputs: _Inputs, model: Any, mask: MaskCallback) -
     if resumed is not None:
         say(f"resuming after step {resumed}/{cfg.max_steps} from {checkpoint}")
     point.phase, point.step = "training", resumed or 0
+    kept = keep_freed_memory()  # each step's activations in pages the last step faulted in already
+    if kept is not None:
+        say(f"the C allocator keeps its defaults: {kept}")
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
     if stop.requested:  # StopCallback ended training after the step in hand (and saved it)
         point.phase = "stopped"

@@ -426,13 +426,16 @@ class TrainingWorkload:
     """What one process of a fine-tuning run (`tsenor finetune`) holds depends on (a plain record, filled by
     `finetune/plan.py` from the checkpoints' configs and one forward on the meta device; nothing read).
 
-    params: the student's parameters (every one trains, in float32); pruned: its pruned weights (one bool
+    params: the student's parameters (in float32); frozen: those of them kept out of training (no gradient, no
+    optimizer state: `--freeze-embeddings`); pruned: its pruned weights (one bool
     each, `fixedmask.FixedMask`); teacher: the teacher's parameters (0: no teacher) at `teacher_width`
     bytes each; saved: the bytes the student's forward keeps for backward on one micro-batch, observed
     (`finetune/plan.saved_bytes`), at float32 width; cast: the parameters bf16 autocast copies for its
     matrix products (0 in float32); tokens: positions per micro-batch (B·T); vocab, hidden: the output
     layer's shape; chunk: the distillation loss's bytes per chunk of logits (`finetune/distill.CHUNK_BYTES`;
-    0 without a teacher, whose loss the forward's observation holds)."""
+    0 without a teacher, whose loss the forward's observation holds); group: under bf16 autocast the loss's
+    bf16 gradients kept for one product into the output layer's (`distill.GROUP_BYTES`, at most the
+    micro-batch's), 0 in float32."""
 
     params: int
     pruned: int
@@ -444,6 +447,8 @@ class TrainingWorkload:
     vocab: int
     hidden: int
     chunk: int
+    group: int = 0
+    frozen: int = 0
 
 
 # What a training process holds beyond its live tensors and its runtime, as a share of the activations:
@@ -454,8 +459,9 @@ class TrainingWorkload:
 # (which the meta-device watch counts to the byte). Not measured on a GPU, whose caching allocator also
 # keeps freed blocks.
 TRAINING_SLACK = 0.4
-# The distillation loss's live (r, V) float32 tensors at once (`distill._HeadLoss`: the student's logits, its
-# log-softmax, the teacher's logits, log-softmax and probabilities, the gradient): each one chunk's bytes.
+# The distillation loss's live (r, V) float32 tensors at once, each one chunk's bytes (`distill._Workspace`:
+# both models' logits and log-softmaxes, the probabilities and the gradient made in their place; its bf16
+# products' buffer, half a chunk; at a temperature other than 1 the student's own log-softmax): at most 5.5.
 LOSS_CHUNKS = 6
 
 
@@ -503,17 +509,20 @@ TRAINING_TERMS: tuple[str, ...] = (
 
 
 def training_estimate(work: TrainingWorkload) -> TrainingEstimate:
-    """The `TrainingEstimate` of `work`: float32 weights, gradients and AdamW's two moments for every
-    parameter, the teacher at its width, one bool per pruned weight, the forward's saved tensors (under
+    """The `TrainingEstimate` of `work`: float32 weights for every parameter, gradients and AdamW's two moments
+    for every one that trains, the teacher at its width, one bool per pruned weight, the forward's saved tensors (under
     bf16 still counted at float32 width, an upper bound) with autocast's bf16 copies, the distillation
-    loss's chunks beside the two gradients it keeps (the states' (B·T, H), the output layer's (V, H)), and
+    loss's chunks beside the two gradients it keeps (the states' (B·T, H), the output layer's (V, H)), under
+    bf16 its gradient group with the bf16 copies of the layer, of a group's product and of the states, and
     the freed memory the allocator keeps (`TrainingEstimate`)."""
     loss = LOSS_CHUNKS * work.chunk + 4 * (work.tokens + work.vocab) * work.hidden if work.chunk else 0
+    if work.group:
+        loss += work.group + 2 * (2 * work.vocab + work.tokens) * work.hidden
     activations = work.saved + 2 * work.cast
     return TrainingEstimate(
         weights=4 * work.params,
-        gradients=4 * work.params,
-        optimizer=8 * work.params,
+        gradients=4 * (work.params - work.frozen),
+        optimizer=8 * (work.params - work.frozen),
         teacher=work.teacher * work.teacher_width,
         masks=work.pruned,
         activations=activations,
@@ -548,6 +557,36 @@ def return_free_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+# glibc's mallopt parameters (malloc.h) and what `keep_freed_memory` sets them to: blocks under the mmap
+# threshold come from the arenas (32 MiB, glibc's largest; a value set stops the dynamic one), and an arena's
+# free top is handed back past the trim threshold.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+KEPT_MMAP_THRESHOLD = 32 << 20
+KEPT_TRIM_THRESHOLD = 1 << 30
+
+
+def keep_freed_memory() -> str | None:
+    """Have the C allocator keep freed blocks under 32 MiB for reuse, for the rest of the process (glibc's
+    `mallopt`) → None when set, else why not (a C library without `mallopt`: macOS, Windows, musl's does nothing).
+
+    Why: a training step allocates the same few GB (activations, the distillation loss's chunks, gradients) and
+    frees them. By default glibc maps a block over its threshold (128 KiB, raised as such blocks are freed) by
+    itself and unmaps it when freed, and trims an arena's free top past 128 KiB, so the next step faults the
+    same pages in again, which a virtual machine makes dear. Measured with `tsenor finetune` (SmolLM2-135M
+    distilled at 4 × 512 under bf16 autocast, 12 steps, two runs each; docs/results.md "Twenty-second
+    session"): 6.40 and 6.46 s a step by default, 6.00 and 6.01 s with these thresholds. The peak is still
+    the live tensors' and `TRAINING_SLACK`'s. `tsenor finetune` sets it; a prune, which hands freed pages back
+    at its boundaries (`return_free_memory`), does not."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    if mallopt is None:
+        return "this C library has no mallopt"
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    if mallopt(_M_MMAP_THRESHOLD, KEPT_MMAP_THRESHOLD) != 1 or mallopt(_M_TRIM_THRESHOLD, KEPT_TRIM_THRESHOLD) != 1:
+        return "the C library's mallopt refused the thresholds"
+    return None
 
 
 def segment_length(blocks: int) -> int:
