@@ -691,6 +691,26 @@ def test_freeze_embeddings_keeps_the_embeddings_and_the_output_layer_bit_for_bit
     assert "freeze_embeddings" not in dataclasses.replace(cfg, freeze_embeddings=False).result_fields()
 
 
+def test_freeze_embeddings_on_a_model_that_names_no_embeddings_is_one_line(
+    pruned: Path, text_file: Path, tmp_path: Path
+) -> None:
+    """A model whose get_input_embeddings/get_output_embeddings name nothing (transformers raises
+    NotImplementedError) gets a UsageError naming the flag, not a traceback; without the flag nothing is frozen."""
+    from tsenor_cli.finetune.plan import frozen_parameters
+
+    class Bare(nn.Module):
+        def get_input_embeddings(self) -> nn.Module:
+            raise NotImplementedError
+
+        def get_output_embeddings(self) -> None:
+            return None
+
+    cfg = _config(pruned, tmp_path / "ft", text_file, freeze_embeddings=True)
+    with pytest.raises(TsenorError, match="--freeze-embeddings: Bare names no input embeddings"):
+        frozen_parameters(Bare(), cfg)
+    assert frozen_parameters(Bare(), dataclasses.replace(cfg, freeze_embeddings=False)) == []
+
+
 def _module_name(model: nn.Module, layer: nn.Module) -> str:
     return next(name for name, module in model.named_modules() if module is layer)
 

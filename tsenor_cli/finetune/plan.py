@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from tsenor_cli.errors import DoesNotFitError
+from tsenor_cli.errors import DoesNotFitError, UsageError
 from tsenor_cli.finetune.config import CALIBRATION_DATA, FinetuneConfig
 from tsenor_cli.finetune.distill import CHUNK_BYTES, GROUP_BYTES, last_hidden
 from tsenor_cli.finetune.masks import RunSparsity, read_run_sparsity
@@ -228,11 +228,21 @@ def _params(model: nn.Module) -> int:
 def frozen_parameters(model: nn.Module, cfg: FinetuneConfig) -> list[nn.Parameter]:
     """The parameters `cfg` keeps out of training, each once: with --freeze-embeddings the input embeddings and
     the output layer, as transformers names them (`get_input_embeddings`, `get_output_embeddings`), tied or not;
-    none otherwise."""
+    none otherwise. A model that names neither is a UsageError (nothing would be frozen)."""
     if not cfg.freeze_embeddings:
         return []
-    layers = (model.get_input_embeddings(), model.get_output_embeddings())  # type: ignore[operator]
+    layers: list[Any] = []
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        try:
+            layers.append(getattr(model, getter)())
+        except (AttributeError, NotImplementedError):  # transformers' answer for a model without the layer
+            layers.append(None)
     found = {id(p): p for layer in layers if layer is not None for p in layer.parameters()}
+    if not found:
+        raise UsageError(
+            f"--freeze-embeddings: {type(model).__name__} names no input embeddings or output layer "
+            "(get_input_embeddings, get_output_embeddings); drop --freeze-embeddings"
+        )
     return list(found.values())
 
 
