@@ -37,9 +37,9 @@ FINETUNE_RUN_OPTIONS = {
     "--data-dir", "--offline", "--help",
 }  # fmt: skip
 # PruneConfig attributes that a setting reaches converted (model: required; dtype "auto" → None; output → Path)
-# or through another object (layer: pattern, solver, method options; refine: RefineConfig), and the run's
-# own inputs; every other attribute must take its default from the table.
-PRUNE_CONVERTED = {"model", "matrix", "dtype", "output", "refine", "force", "resume", "command"}
+# or through another object (layer: pattern, solver, method options; refine: RefineConfig; distill: DistillConfig),
+# and the run's own inputs; every other attribute must take its default from the table.
+PRUNE_CONVERTED = {"model", "matrix", "dtype", "output", "refine", "distill", "force", "resume", "command"}
 FINETUNE_OWN = {"run_dir", "output", "ppl_datasets", "max_windows", "tasks", "limit", "force", "resume", "command"}
 
 

@@ -59,6 +59,15 @@ def prune(
     cfg = build_config(values, force=force, resume=resume, command=None)
     _check_calibration_source(cfg.calib_data, ctx)
     # The objects handed to the run as they are (not settings of it).
+    if cfg.distill.on:  # the prune, then the distillation into `output` (tsenor_cli/compress.py)
+        if not isinstance(model, str | Path) or sinks or hooks:
+            raise UsageError(
+                "distill_steps runs from a checkpoint path, without extra sinks or hooks; pass the model's folder, "
+                "or prune with distill_steps=0 and fine-tune after (tsenor finetune --teacher)"
+            )
+        from tsenor_cli.compress import compress
+
+        return compress(cfg, ctx, progress=progress).prune
     objects: dict[str, Any] = {"tokenizer": tokenizer, "ctx": ctx, "progress": progress, "sinks": sinks, "hooks": hooks}
     return api.prune(model, cfg, **objects)
 

@@ -127,6 +127,16 @@ def atomic_dir(path: Path, *, replace: bool = False) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def remove_dir(path: Path) -> None:
+    """Delete the folder `path` so that a kill leaves it whole or gone: it is first renamed to this process's
+    temporary of it (``.NAME.tmp-<pid>-…/NAME``, which `recover` deletes), then deleted."""
+    path = Path(path)
+    trash = Path(tempfile.mkdtemp(prefix=temp_prefix(path), dir=path.parent))
+    path.replace(trash / path.name)
+    _fsync_dir(path.parent)
+    shutil.rmtree(trash)
+
+
 def _leftovers(path: Path) -> list[tuple[str, Path]]:
     """(kind, entry) of the temporaries of writers of `path`: kind "tmp" for ``.NAME.tmp-<pid>-…`` (a new
     file or folder being built), "old" for ``.NAME.old-<pid>-…`` (an old folder moved aside); newest first."""

@@ -35,9 +35,9 @@ from tsenor_cli.pruning.settings.recipe import build_config, read_recipe
 from tsenor_cli.pruning.settings.table import ALL_FIELDS
 
 if TYPE_CHECKING:
+    from tsenor_cli.compress import Compressed, Ranks
     from tsenor_cli.evaluation.runner import EvalConfig
     from tsenor_cli.pruning.settings.config import PruneConfig
-    from tsenor_cli.runfiles import EvalReport, PruneReport
     from tsenor_cli.settings import RunContext
 
 RUN = "Run"
@@ -109,16 +109,17 @@ def prune_cmd(
         _dry_run(cfg, run_ctx, nproc, as_json=as_json)
         return
     _check_calibration_source(cfg, run_ctx)
-    if nproc > 1:
+    if nproc > 1 and not cfg.distill.on:
         _launch(ctx, cfg, nproc)
         return
+    from tsenor_cli.compress import compress
     from tsenor_cli.interrupt import stop_on_signals
-    from tsenor_cli.pruning.run.api import prune_and_evaluate
 
+    ranks = _stage_ranks(ctx, nproc) if nproc > 1 else None  # the ranks prune, this process distils
     with stop_on_signals() as stop:
-        report, evaluation = prune_and_evaluate(cfg, run_ctx, eval_cfg, stop=stop)
+        outcome = compress(cfg, run_ctx, eval_cfg, stop=stop, ranks=ranks)
     if run_ctx.distributed.is_root:  # rank 0 reports (and evaluates) for the run
-        _print_result(report, evaluation, as_json=as_json)
+        _print_result(outcome, as_json=as_json)
 
 
 def _check_calibration_source(cfg: PruneConfig, run_ctx: RunContext) -> None:
@@ -132,15 +133,29 @@ def _check_calibration_source(cfg: PruneConfig, run_ctx: RunContext) -> None:
 
 
 def _dry_run(cfg: PruneConfig, run_ctx: RunContext, nproc: int, *, as_json: bool) -> None:
-    """Print the plan (text or JSON) and end as the run would (`advice.check_plan`)."""
+    """Print the plan (text or JSON), with --distill-steps the distillation's after it, and end as the run
+    would (`advice.check_plan`, `FinetunePlan.check`)."""
     from tsenor_cli.pruning.plan.advice import check_plan
     from tsenor_cli.pruning.plan.plan import plan_model
     from tsenor_cli.pruning.plan.render import plan_dict, plan_lines
 
     processes = max(nproc, run_ctx.distributed.world_size)
     plan = plan_model(cfg, run_ctx, world_size=processes)
-    typer.echo(json.dumps(plan_dict(plan), indent=2) if as_json else "\n".join(plan_lines(plan, cfg)))
+    distill = None
+    if cfg.distill.on:
+        from tsenor_cli.compress import distill_plan
+
+        distill = distill_plan(cfg, run_ctx)
+    if as_json:
+        typer.echo(json.dumps(plan_dict(plan) | ({"distill": distill.to_dict()} if distill else {}), indent=2))
+    else:
+        then = ["", "then the distillation (--distill-steps):", *distill.lines()] if distill else []
+        typer.echo("\n".join([*plan_lines(plan, cfg), *then]))
     check_plan(plan, cfg, processes)
+    if distill is not None:
+        from tsenor_cli.compress import DISTILL_FIT_FLAGS
+
+        distill.check(fix=DISTILL_FIT_FLAGS)
 
 
 def _eval_config(
@@ -170,19 +185,43 @@ def _eval_config(
     return eval_cfg
 
 
-def _print_result(report: PruneReport, evaluation: EvalReport | None, *, as_json: bool) -> None:
-    """The run's summary (from the report's data) and the evaluation's table, or their JSON."""
+def _print_result(outcome: Compressed, *, as_json: bool) -> None:
+    """The run's summary (from the reports' data) and the evaluation's table, or their JSON."""
     from tsenor_cli.report.markdown import eval_table, prune_summary
 
+    report, distilled, evaluation = outcome.prune, outcome.distill, outcome.evaluation
     if as_json:
-        payload = report.to_json() if evaluation is None else {"prune": report.to_json(), "eval": evaluation.to_json()}
-        typer.echo(json.dumps(payload, indent=2))
+        parts = {"prune": report.to_json()} | ({"distill": distilled.to_json()} if distilled is not None else {})
+        parts |= {"eval": evaluation.to_json()} if evaluation is not None else {}
+        typer.echo(json.dumps(parts if len(parts) > 1 else parts["prune"], indent=2))
         return
     if evaluation is not None:
         typer.echo(eval_table(evaluation))
     totals = report.totals()
     typer.echo("\n".join(prune_summary(report)))
-    typer.echo(f"wrote {report.output} ({totals['layers_pruned']} layers pruned in {report.seconds:.1f} s)")
+    if distilled is None:
+        typer.echo(f"wrote {report.output} ({totals['layers_pruned']} layers pruned in {report.seconds:.1f} s)")
+        return
+    typer.echo(
+        f"wrote {distilled.output} ({totals['layers_pruned']} layers pruned in {report.seconds:.1f} s, then distilled "
+        f"for {distilled.steps} steps, {distilled.tokens} tokens, in {distilled.seconds:.1f} s)"
+    )
+
+
+def _stage_ranks(ctx: typer.Context, nproc: int) -> Ranks:
+    """--nproc K with --distill-steps: the K ranks run the prune of the stage (`launch.stage_arguments`); a
+    failed or stopped one ends this command with the ranks' exit code (their line printed)."""
+
+    def ranks(stage_cfg: PruneConfig) -> None:
+        from tsenor_cli.cli.app import launch_arguments
+        from tsenor_cli.pruning.run.launch import launch_prune, stage_arguments
+
+        assert stage_cfg.output is not None
+        args = stage_arguments(launch_arguments(ctx), stage_cfg.output)
+        if code := launch_prune(args, stage_cfg, nproc, stage=True):
+            raise typer.Exit(code)
+
+    return ranks
 
 
 def _launch(ctx: typer.Context, cfg: PruneConfig, nproc: int) -> None:

@@ -121,12 +121,17 @@ def saved_bytes(model: nn.Module, batch: int, seqlen: int, *, distill: bool) -> 
     return Watched(watch.saved, sum(p.numel() for p in watch.products.values()))
 
 
+# What makes a fine-tuning run fit, in `tsenor finetune`'s flags.
+FIT_FLAGS = "pass a smaller --batch-size (a larger --grad-accum keeps the step's windows) or --seqlen"
+
+
 @dataclass(frozen=True)
 class FinetunePlan:
     """What the run will hold (`TrainingEstimate`), from what it was made of (`TrainingWorkload`), and
     the memory it may take here (`available`: the host's, or the CUDA device's total). unwatched: why the
     student's forward could not be watched on the meta device (then its activations are not in the
-    estimate, and the plan says so), else None."""
+    estimate, and the plan says so), else None. before: planned before the prune (`plan_finetune`'s), its
+    pruned weights an upper bound."""
 
     cfg: FinetuneConfig
     work: TrainingWorkload
@@ -134,6 +139,7 @@ class FinetunePlan:
     seqlen: int
     available: int | None
     unwatched: str | None = None
+    before: bool = False
 
     @property
     def fits(self) -> bool:
@@ -147,9 +153,14 @@ class FinetunePlan:
             else ""
         )
         frozen = f", {work.frozen / 1e6:.1f}M frozen (--freeze-embeddings)" if work.frozen else ""
+        pruned = (
+            f"up to {work.pruned / 1e6:.1f}M pruned (the prune decides)"
+            if self.before
+            else f"{work.pruned / 1e6:.1f}M pruned"
+        )
         return [
             f"fine-tuning plan of {cfg.run_dir} (nothing read but configs, nothing written)",
-            f"  student: {work.params / 1e6:.1f}M parameters, {work.pruned / 1e6:.1f}M pruned{frozen}{teacher}",
+            f"  student: {work.params / 1e6:.1f}M parameters, {pruned}{frozen}{teacher}",
             f"  micro-batch: {cfg.batch_size} windows x {self.seqlen} tokens, {cfg.dtype}, on {cfg.device}",
             f"  memory of one process: {_parts(est)}",
             *(f"  {line}" for line in self.summary()),
@@ -187,15 +198,15 @@ class FinetunePlan:
             "activations_unwatched": self.unwatched,
         }
 
-    def check(self) -> None:
-        """DoesNotFitError when the run's total exceeds the memory available (one line, exit 5)."""
+    def check(self, fix: str = FIT_FLAGS) -> None:
+        """DoesNotFitError when the run's total exceeds the memory available (one line, exit 5). fix: the
+        flags that would make it fit, as the command that runs it names them."""
         if self.fits:
             return
         assert self.available is not None
         raise DoesNotFitError(
             f"fine-tuning needs about {human_bytes(self.estimate.total)} ({_parts(self.estimate)}), but "
-            f"{human_bytes(self.available)} are available; pass a smaller --batch-size (a larger --grad-accum "
-            "keeps the step's windows) or --seqlen (nothing was written)"
+            f"{human_bytes(self.available)} are available; {fix} (nothing was written)"
         )
 
 
@@ -256,13 +267,30 @@ def _pruned(model: nn.Module, sparsity: RunSparsity) -> int:
     )
 
 
-def plan_finetune(cfg: FinetuneConfig, ctx: RunContext, sparsity: RunSparsity | None = None) -> FinetunePlan:
+def plan_finetune(
+    cfg: FinetuneConfig,
+    ctx: RunContext,
+    sparsity: RunSparsity | None = None,
+    *,
+    before: str | None = None,
+) -> FinetunePlan:
     """The plan of `cfg` (`FinetunePlan`): the student and the teacher built from their configs on the meta
     device, one forward of the student watched (`saved_bytes`), the estimate's terms. sparsity: the run's
-    recorded pattern (None: read from `cfg.run_dir`, `masks.read_run_sparsity`)."""
-    sparsity = sparsity if sparsity is not None else read_run_sparsity(cfg.run_dir)
-    student = _meta(str(cfg.run_dir), ctx, cfg.trust_remote_code).train()
-    seqlen = int(sparsity.report.settings["seqlen"]) if cfg.data == CALIBRATION_DATA else cfg.seqlen
+    recorded pattern (None: read from `cfg.run_dir`, `masks.read_run_sparsity`). before: for a run planned
+    before its checkpoint is pruned (`tsenor prune --distill-steps`), the dense model whose config the student
+    shares; nothing is read from `cfg.run_dir` then, and every parameter counts as pruned (the masks' bytes:
+    an upper bound)."""
+    seqlen = cfg.seqlen
+    if before is not None:
+        if cfg.data == CALIBRATION_DATA:
+            raise UsageError("a distillation planned before its prune trains on text, not on --data calibration")
+        student = _meta(before, ctx, cfg.trust_remote_code).train()
+        pruned = _params(student)
+    else:
+        sparsity = sparsity if sparsity is not None else read_run_sparsity(cfg.run_dir)
+        student = _meta(str(cfg.run_dir), ctx, cfg.trust_remote_code).train()
+        pruned = _pruned(student, sparsity)
+        seqlen = int(sparsity.report.settings["seqlen"]) if cfg.data == CALIBRATION_DATA else cfg.seqlen
     distill = cfg.teacher is not None
     try:
         watched: Watched | None = saved_bytes(student, cfg.batch_size, seqlen, distill=distill)
@@ -274,7 +302,7 @@ def plan_finetune(cfg: FinetuneConfig, ctx: RunContext, sparsity: RunSparsity | 
     work = TrainingWorkload(
         params=_params(student),
         frozen=sum(p.numel() for p in frozen_parameters(student, cfg)),
-        pruned=_pruned(student, sparsity),
+        pruned=pruned,
         teacher=teacher,
         teacher_width=2 if cfg.bf16 else 4,
         saved=watched.saved if watched is not None else 0,
@@ -295,4 +323,4 @@ def plan_finetune(cfg: FinetuneConfig, ctx: RunContext, sparsity: RunSparsity | 
         available = available_host_bytes()
     else:  # planned on a machine without the GPU (a login node): not checked
         available = device_total_bytes(device) if device_present(device) else None
-    return FinetunePlan(cfg, work, estimate, seqlen, available, unwatched)
+    return FinetunePlan(cfg, work, estimate, seqlen, available, unwatched, before=before is not None)

@@ -13,9 +13,11 @@ leftovers of a killed run are recovered (`atomic.recover`) and what the folder h
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Any
 
 from tsenor_cli import atomic
 from tsenor_cli.errors import (
@@ -31,9 +33,11 @@ from tsenor_cli.locks import folder_lock
 from tsenor_cli.outputs import check_output_location, check_room, human_bytes, output_path
 from tsenor_cli.progress import Progress
 from tsenor_cli.runfiles import (
+    FINETUNE_FILE,
     INDEX_NAME,
     PRUNE_FILE,
     RESUME_DIR,
+    FinetuneReport,
     PruneReport,
     read_json,
 )
@@ -116,6 +120,26 @@ def finished_run(output: Path, result_hash: str) -> PruneReport | None:
     return report if report.result_hash == result_hash else None
 
 
+def finished_distillation(output: Path, result_hash: str, settings: dict[str, Any]) -> FinetuneReport | None:
+    """The distillation's record when `output` holds a finished `tsenor prune --distill-steps` run: the prune of
+    `result_hash` (`finished_run`) distilled with `settings` (`FinetuneConfig.result_fields`, as finetune.json
+    holds them), else None."""
+    path = output / FINETUNE_FILE
+    if finished_run(output, result_hash) is None or not path.is_file():
+        return None
+    record = FinetuneReport.from_json(read_json(path), str(path))
+    same = {key: record.settings.get(key) for key in settings} == json.loads(json.dumps(settings))
+    return record if same else None
+
+
+def remove_stage(stage: Path) -> None:
+    """Delete a distilling prune's pruned checkpoint (`pruned_stage`) once the distilled output is in place,
+    with what a killed writer of it left (`atomic.recover`); the caller holds the output's lock."""
+    atomic.recover(stage)
+    if stage.exists():
+        atomic.remove_dir(stage)
+
+
 def prepare_output(
     output: Path, *, force: bool, resume: bool, continue_hint: str = "pass --resume to continue it"
 ) -> ResumeStore:
@@ -129,13 +153,26 @@ def prepare_output(
     """
     output = output_path(output)
     store = ResumeStore(output)
+    check_output_contents(output, force=force, resume=resume, continue_hint=continue_hint)
+    if store.exists() and not resume:  # --force (checked above): the interrupted run's state goes now
+        store.discard()
+    return store
+
+
+def check_output_contents(
+    output: Path, *, force: bool, resume: bool, continue_hint: str = "pass --resume to continue it"
+) -> None:
+    """`prepare_output`'s refusals, deleting nothing: for a command that checks the folder it writes last
+    before its earlier stages run (`tsenor prune --distill-steps`: the distillation's output before the prune)."""
+    output = output_path(output)
+    store = ResumeStore(output)
     if not output.exists():
-        return store
+        return
     if not output.is_dir():
         raise OutputExistsError(f"--output {output} is a file; choose a directory path for the checkpoint")
     entries = [p.name for p in output.iterdir()]
     if not entries:
-        return store
+        return
     if not any(marker in entries for marker in RUN_MARKERS):
         raise OutputExistsError(
             f"--output {output} holds files that are not a tsenor run ({_listing(entries)}); "
@@ -146,13 +183,11 @@ def prepare_output(
             raise OutputExistsError(
                 f"{output} holds an interrupted run; {continue_hint}, or pass --force to start over"
             )
-        store.discard()
     elif not force and entries != [RESUME_DIR]:
         raise OutputExistsError(
             f"output directory {output} already holds a tsenor run; pass --force to replace it "
             "or choose another --output"
         )
-    return store
 
 
 def interruption(signal_name: str | None, where: str, saved: str) -> Interrupted:

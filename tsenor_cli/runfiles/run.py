@@ -69,6 +69,13 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
 
+def pruned_stage(output: Path) -> Path:
+    """Where `tsenor prune --distill-steps N --output OUTPUT` keeps the pruned checkpoint that the distillation
+    reads (`tsenor_cli/compress.py`): the hidden folder ``.OUTPUT.pruned`` beside OUTPUT, a prune run folder
+    of its own (its resume state, lock and report), deleted once OUTPUT holds the distilled model."""
+    return output.parent / f".{output.name}{PRUNED_STAGE_SUFFIX}"
+
+
 def shard_names(count: int) -> list[str]:
     """transformers' shard file names: model.safetensors alone, else model-0000k-of-0000n.safetensors."""
     if count == 1:
@@ -88,6 +95,7 @@ FINETUNE_PPL_PLOT_FILE = "finetune_ppl.png"  # the perplexity against steps
 RESUME_DIR = ".tsenor-resume"
 RESUME_STATE_FILE = "state.json"  # a prune's resume state (runfiles/resume.py)
 FINETUNE_STATE_FILE = "finetune_state.json"  # a finetune's, beside Trainer's checkpoint-N folders
+PRUNED_STAGE_SUFFIX = ".pruned"  # `pruned_stage`: a distilling prune's checkpoint before the distillation
 # Versions of the small state files (each carries its own `schema_version`).
 FINETUNE_STATE_VERSION = 1
 # 3: the block files and hidden-state files are named by block and listed with their sizes. Files of this

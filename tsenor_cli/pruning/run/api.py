@@ -262,24 +262,31 @@ def prune_and_evaluate(
     block by block as `tsenor eval` does by default (`evaluation.runner.load_for_evaluation`: one block in
     memory at a time for a perplexity-only evaluation, `eval_cfg.stream`).
 
-    Only rank 0 of a distributed run evaluates (the others return None). A stop signal during the
-    evaluation stops it at once (it has no safe point; `StopRequest.at_once`), as Ctrl-C does: one line
-    saying the checkpoint is complete and how to evaluate it.
+    Only rank 0 of a distributed run evaluates (the others return None), through `evaluate_checkpoint`.
     """
     report = prune_model(cfg, ctx, stop=stop)
     if eval_cfg is None or cfg.output is None or not ctx.distributed.is_root:
         return report, None
+    return report, evaluate_checkpoint(cfg.output, ctx, eval_cfg, cfg, stop=stop)
+
+
+def evaluate_checkpoint(
+    output: Path, ctx: RunContext, eval_cfg: EvalConfig, cfg: PruneConfig, *, stop: StopRequest | None = None
+) -> EvalReport:
+    """`--eval`: evaluate the finished checkpoint `output` into its eval.json (in `cfg`'s dtype and device) and
+    refresh its model card's table. A stop signal stops it at once (it has no safe point;
+    `StopRequest.at_once`), as Ctrl-C does: one line saying the checkpoint is complete and how to evaluate it."""
     try:
         with stop.at_once() if stop is not None else contextlib.nullcontext():
-            loaded = runner.load_for_evaluation(str(cfg.output), ctx, eval_cfg, dtype=cfg.dtype, device=cfg.device)
+            loaded = runner.load_for_evaluation(str(output), ctx, eval_cfg, dtype=cfg.dtype, device=cfg.device)
             evaluation = runner.evaluate_model(loaded, eval_cfg, ctx)
     except KeyboardInterrupt:
         how = f"stopped by {stop.name}" if stop is not None and stop.name else "interrupted"
         raise Interrupted(
-            f"{how} while evaluating; the checkpoint {cfg.output} is complete but has no {EVAL_FILE}: "
-            f"run `tsenor eval {cfg.output} --output {cfg.output}`",
+            f"{how} while evaluating; the checkpoint {output} is complete but has no {EVAL_FILE}: "
+            f"run `tsenor eval {output} --output {output}`",
             EXIT_RESUMABLE if stop is not None and stop.name else EXIT_SIGINT,
         ) from None
-    write_eval(cfg.output / EVAL_FILE, evaluation)
-    refresh_card(cfg.output)  # the model card's evaluation table
-    return report, evaluation
+    write_eval(output / EVAL_FILE, evaluation)
+    refresh_card(output)  # the model card's evaluation table
+    return evaluation

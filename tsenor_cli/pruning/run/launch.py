@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tsenor_cli.errors import PeerError
@@ -79,6 +80,16 @@ def without_option(args: Sequence[str], option: str) -> list[str]:
     return kept
 
 
+def stage_arguments(args: Sequence[str], stage: Path) -> list[str]:
+    """`tsenor prune ARGS` (a run with --distill-steps N) as the plain prune of its first stage: its output
+    `stage` (`runfiles.pruned_stage`), no distillation, no evaluation and no JSON summary (the launching
+    process distils, evaluates and prints the summary after the ranks, `tsenor_cli/compress.py`). Typed flags
+    override --config, so a recipe's steps are overridden."""
+    kept = without_option(without_option(without_option(args, "--output"), "-o"), "--tasks")
+    # --json: the launching process prints the one summary of the whole run.
+    return [*(arg for arg in kept if arg not in ("--eval", "--json")), "--output", str(stage), "--distill-steps", "0"]
+
+
 def die_with_parent(parent: int) -> None:
     """Have the kernel SIGKILL this process when the thread that started it ends (Linux's PR_SET_PDEATHSIG),
     and end now if `parent` (that process's pid) already did. Elsewhere: nothing (no such call)."""
@@ -117,14 +128,14 @@ def _free_port() -> int:
     return int(get_free_port())
 
 
-def _start_ranks(args: Sequence[str], nproc: int) -> list[subprocess.Popen[bytes]]:
+def _start_ranks(args: Sequence[str], nproc: int, *, stdout_to_stderr: bool = False) -> list[subprocess.Popen[bytes]]:
     default_worker_threads(nproc)
     shared = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), WORLD_SIZE_ENV: str(nproc)}
     command = [sys.executable, "-c", _RANK_ENTRY, str(os.getpid()), *without_option(args, "--nproc")]
     ranks = []
     for rank in range(nproc):
         env = child_environment({**shared, RANK_ENV: str(rank), LOCAL_RANK_ENV: str(rank)})
-        ranks.append(subprocess.Popen(command, env=env))
+        ranks.append(subprocess.Popen(command, env=env, stdout=sys.stderr.fileno() if stdout_to_stderr else None))
     return ranks
 
 
@@ -154,10 +165,11 @@ def _wait(ranks: Sequence[subprocess.Popen[bytes]]) -> dict[int, int]:
     return {rank: int(proc.returncode) for rank, proc in enumerate(ranks)}
 
 
-def launch(args: Sequence[str], nproc: int) -> int:
+def launch(args: Sequence[str], nproc: int, *, stdout_to_stderr: bool = False) -> int:
     """Run ``python -m tsenor_cli ARGS`` (less --nproc) in `nproc` processes on this node → the run's exit
-    code (`run_status`)."""
-    ranks = _start_ranks(args, nproc)
+    code (`run_status`). stdout_to_stderr: what the ranks print goes to this process's stderr (a stage of a
+    command whose own summary is its stdout)."""
+    ranks = _start_ranks(args, nproc, stdout_to_stderr=stdout_to_stderr)
     # Held for `_wait` once the ranks exist (a blocked mask is inherited across exec, so not before).
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     try:
@@ -168,11 +180,12 @@ def launch(args: Sequence[str], nproc: int) -> int:
     return run_status(codes, nproc)
 
 
-def launch_prune(args: Sequence[str], cfg: PruneConfig, nproc: int) -> int:
+def launch_prune(args: Sequence[str], cfg: PruneConfig, nproc: int, *, stage: bool = False) -> int:
     """`tsenor prune ARGS --nproc K`: the checks every rank would make, made once here so their line comes
-    once, then `launch` → the run's exit code."""
+    once, then `launch` → the run's exit code. stage: the ranks prune the first stage of a distilling run
+    (`stage_arguments`), whose summary goes to stderr: stdout is the whole command's."""
     from tsenor_cli.models.loading import resolve_device
 
     cfg.check_samples(nproc, f"--nproc {nproc}")
     resolve_device(cfg.device)
-    return launch(args, nproc)
+    return launch(args, nproc, stdout_to_stderr=stage)

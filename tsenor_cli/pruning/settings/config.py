@@ -106,6 +106,34 @@ class RefineConfig:
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+    """The whole-model distillation after the prune (`tsenor_cli/compress.py`, `--distill-steps`): steps (0:
+    off), lr, warmup, batch_size (windows a step), dtype ("fp32" or "bf16" autocast), freeze_embeddings,
+    save_every (its resume state every K steps; 0: none). The teacher is the run's model, the windows are
+    --seqlen tokens of the calibration text drawn with the run's seed. Not part of the prune's result
+    fields: the pruned checkpoint before it is the run without it, and the distillation's own record
+    (finetune.json) keys the rest."""
+
+    steps: int = default_of(PRUNE_FIELDS, "distill_steps")
+    lr: float = default_of(PRUNE_FIELDS, "distill_lr")
+    warmup: int = default_of(PRUNE_FIELDS, "distill_warmup")
+    batch_size: int = default_of(PRUNE_FIELDS, "distill_batch_size")
+    dtype: str = default_of(PRUNE_FIELDS, "distill_dtype")
+    freeze_embeddings: bool = default_of(PRUNE_FIELDS, "distill_freeze_embeddings")
+    save_every: int = default_of(PRUNE_FIELDS, "distill_save_every")
+
+    def __post_init__(self) -> None:
+        if self.on and self.warmup > self.steps:
+            raise UsageError(
+                f"--distill-warmup {self.warmup} exceeds --distill-steps {self.steps}; pass fewer warm-up steps"
+            )
+
+    @property
+    def on(self) -> bool:
+        return self.steps > 0
+
+
+@dataclass(frozen=True)
 class PruneConfig:
     """Everything `prune_model` needs.
 
@@ -125,6 +153,7 @@ class PruneConfig:
     result field: both give the same weights. save_format: dense, or packed (`tsenor_cli.packed`), not a
     result field either.
     refine: block-wise reconstruction after each block is pruned (pruning/block/refine.py); off by default.
+    distill: the whole-model distillation after the prune (`DistillConfig`); off by default.
     resume: save a resume state after each block and continue an interrupted run of the same
     settings found in `output` (runfiles/resume.py); False saves none. force: replace a tsenor run
     in `output`, and discard a resume state that is damaged or from other settings.
@@ -157,6 +186,7 @@ class PruneConfig:
     max_shard_size: str = default_of(PRUNE_FIELDS, "max_shard_size")
     save_format: str = default_of(PRUNE_FIELDS, "save_format")
     refine: RefineConfig = field(default_factory=RefineConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
         """Each setting's own checks (`table.PRUNE_FIELDS`), the solver's, and the method's options."""

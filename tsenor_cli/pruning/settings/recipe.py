@@ -30,6 +30,7 @@ from tsenor_cli.fields import by_name, read_mapping
 from tsenor_cli.progress import logger
 from tsenor_cli.pruning.methods.registry import get_pruner
 from tsenor_cli.pruning.settings.table import (
+    DISTILL_KEYS,
     EXAMPLE_RECIPE,
     METHOD_FIELDS,
     RECIPE_DEFAULTS,
@@ -118,7 +119,7 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
     """Cross-check a validated recipe (unset keys take `RECIPE_DEFAULTS`) and freeze it into a `PruneConfig`:
     the one place a run's settings are checked (each field's `validate`, then the cross-checks)."""
     from tsenor_cli.pruning.methods.types import MatrixPruneConfig
-    from tsenor_cli.pruning.settings.config import PruneConfig, RefineConfig
+    from tsenor_cli.pruning.settings.config import DistillConfig, PruneConfig, RefineConfig
 
     values = {**RECIPE_DEFAULTS, **recipe}
     table = fields_for(values["method"])
@@ -136,6 +137,9 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
     if values["refine"] == "none" and set(REFINE_KEYS[1:]) & recipe.keys():
         given = " and ".join(f"--{k.replace('_', '-')}" for k in REFINE_KEYS[1:] if k in recipe)
         logger.warning("ignoring %s: only --refine block reads it; add --refine block or drop it", given)
+    if not values["distill_steps"] and set(DISTILL_KEYS[1:]) & recipe.keys():
+        given = " and ".join(f"--{k.replace('_', '-')}" for k in DISTILL_KEYS[1:] if k in recipe)
+        logger.warning("ignoring %s: only --distill-steps N > 0 reads it; add --distill-steps or drop it", given)
     output = values["output"]
     plain = {name: values[name] for name in carried} | {
         "model": str(values["model"]),
@@ -163,4 +167,5 @@ def build_config(recipe: Mapping[str, Any], *, force: bool, resume: bool, comman
             pattern=pattern,
             solver=str(values["solver"]),
         ),
+        distill=DistillConfig(**{key.removeprefix("distill_"): values[key] for key in DISTILL_KEYS}),
     )

@@ -81,7 +81,7 @@ def _check_patterns(option: str) -> Any:
     return check
 
 
-MODEL, PATTERN, DATA, SELECT, OUT, MEMORY, REFINE, MOE = (
+MODEL, PATTERN, DATA, SELECT, OUT, MEMORY, REFINE, DISTILL, MOE = (
     "Model",
     "Pattern and method",
     "Calibration",
@@ -89,6 +89,7 @@ MODEL, PATTERN, DATA, SELECT, OUT, MEMORY, REFINE, MOE = (
     "Output",
     "Memory",
     "Refinement (--refine block)",
+    "Distillation (--distill-steps)",
     "Mixture of experts",
 )
 # Every setting of a pruning run; anything else in a recipe is refused.
@@ -163,6 +164,23 @@ PRUNE_FIELDS: tuple[Field, ...] = (
     Field("refine_dtype", str, "fp32", "Compute dtype of the refinement's forwards and backwards: fp32, or bf16 "
           "autocast (the weights, Adam and the kept-or-not errors stay fp32; 1.8x faster a block on a CPU with "
           "bf16 units, slower on one without).", REFINE, choices=("fp32", "bf16")),
+    # The whole-model stage after the blocks (`tsenor_cli/compress.py`): `tsenor finetune --teacher MODEL` of the
+    # pruned checkpoint on windows of the calibration text, in the same command. Its defaults are the measured
+    # ones of the quality recipes (docs/results.md, "Twenty-second session": lr 3e-4, 2 warm-up steps, 4 windows).
+    Field("distill_steps", int, 0, "After pruning, distil the whole pruned model from the dense one (MODEL) for this "
+          "many optimizer steps, its masks fixed, on windows of --seqlen tokens of the calibration text (--data, "
+          "--seed); the output is the distilled model. 0: off.", DISTILL, minimum=0),
+    Field("distill_lr", float, 3e-4, "Peak learning rate of the distillation (AdamW, linear decay to 0).", DISTILL,
+          positive=True),
+    Field("distill_warmup", int, 2, "Linear warm-up steps of the distillation.", DISTILL, minimum=0),
+    Field("distill_batch_size", int, 4, "Windows per distillation step.", DISTILL, minimum=1),
+    Field("distill_dtype", str, "fp32", "Compute dtype of the distillation: fp32, or bf16 autocast (weights and "
+          "AdamW stay fp32).", DISTILL, choices=("fp32", "bf16")),
+    Field("distill_freeze_embeddings", bool, False, "Keep the input embeddings and the output layer fixed while "
+          "distilling.", DISTILL),
+    Field("distill_save_every", int, 50, "Save the distillation's state every K steps, for a rerun after a kill to "
+          "continue it (0: never; the rerun then distils again from the pruned checkpoint).", DISTILL, minimum=0,
+          result=False),
     Field("moe_calibration", str, "routed", "Statistics of expert matrices: 'routed' (the tokens the router "
           "sends each expert) or 'all' (every calibration token through every expert, for the statistics only).",
           MOE, choices=("routed", "all")),
@@ -217,6 +235,16 @@ REFINE_KEYS: tuple[str, ...] = (
     "refine_samples_per_step",
     "refine_schedule",
     "refine_dtype",
+)
+# The settings DistillConfig holds; every one after the steps is read only with --distill-steps N > 0.
+DISTILL_KEYS: tuple[str, ...] = (
+    "distill_steps",
+    "distill_lr",
+    "distill_warmup",
+    "distill_batch_size",
+    "distill_dtype",
+    "distill_freeze_embeddings",
+    "distill_save_every",
 )
 
 
