@@ -12,7 +12,7 @@ Two instruments (docs/results.md, "Where the peak memory is: the allocator"):
 Linux only. Stop it with SIGKILL once it has seen the blocks you need (a plain SIGTERM finishes the block).
 
     PYTHONPATH=. python scripts/phase_memory.py OUT.json -- prune smollm2-135m --config configs/quality-16x32.yaml \\
-        --output DIR --force
+        --distill-steps 0 --output DIR --force
 """
 
 from __future__ import annotations

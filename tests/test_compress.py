@@ -50,16 +50,18 @@ def test_one_command_writes_what_the_prune_and_the_finetune_it_stands_for_write(
 ) -> None:
     model = tiny_llama(num_layers=2)
     out = tmp_path / "out"
-    result = invoke(["prune", str(model), *SMALL, "--data", str(calib), *DISTILL, "--output", str(out)])
+    shards = ["--max-shard-size", "5MB"]  # the distilled output's shards, as the prune's
+    result = invoke(["prune", str(model), *SMALL, "--data", str(calib), *DISTILL, *shards, "--output", str(out)])
     assert result.exit_code == 0, result.output
     assert "then distilled for 3 steps" in result.output
+    assert len(list(out.glob("*.safetensors"))) > 1  # the embeddings alone fill one shard
     assert not pruned_stage(out).exists()  # the stage goes once the output holds the distilled model
     assert verify_checkpoint(out).ok
     # The two commands: the plain prune, then tsenor finetune with the flags --distill-* stand for.
     pruned, tuned = tmp_path / "pruned", tmp_path / "tuned"
     assert invoke(["prune", str(model), *SMALL, "--data", str(calib), "--output", str(pruned)]).exit_code == 0
     flags = ["--teacher", str(model), "--data", str(calib), "--seqlen", "32", "--max-steps", "3", "--batch-size", "2"]
-    flags += ["--warmup", "1", "--lr", "3e-4", "--ppl", "none", "--save-every", "50"]
+    flags += ["--warmup", "1", "--lr", "3e-4", "--ppl", "none", "--save-every", "50", *shards]
     finetuned = invoke(["finetune", str(pruned), *flags, "--output", str(tuned)])
     assert finetuned.exit_code == 0, finetuned.output
     assert _sha(out) == _sha(tuned) != _sha(pruned)
@@ -72,7 +74,7 @@ def test_one_command_writes_what_the_prune_and_the_finetune_it_stands_for_write(
     assert distilled["steps"] == 3 and distilled["settings"]["teacher"] == str(model)
     assert distilled["settings"]["lr"] == 3e-4 and distilled["pruned_nonzero"] == 0
     # Run again: finished with the same settings, nothing to do; other distillation settings: refused at once.
-    again = invoke(["prune", str(model), *SMALL, "--data", str(calib), *DISTILL, "--output", str(out)])
+    again = invoke(["prune", str(model), *SMALL, "--data", str(calib), *DISTILL, *shards, "--output", str(out)])
     assert again.exit_code == 0 and "nothing to do" in again.output, again.output
     other = invoke(
         ["prune", str(model), *SMALL, "--data", str(calib), *DISTILL, "--distill-lr", "1e-4", "-o", str(out)]

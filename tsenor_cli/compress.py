@@ -91,6 +91,7 @@ def distill_config(cfg: PruneConfig, seqlen: int) -> FinetuneConfig:
         save_every=distill.save_every if cfg.resume else 0,
         device=cfg.device,
         trust_remote_code=cfg.trust_remote_code,
+        max_shard_size=cfg.max_shard_size,
         teacher=cfg.model,
         force=cfg.force,
         resume=cfg.resume,

@@ -47,6 +47,7 @@ FINETUNE_FIELDS: tuple[Field, ...] = (
     PRUNE["device"],  # the same settings as prune's: one flag, help and default
     PRUNE["trust_remote_code"],
     KERNELS,  # the same setting as eval's
+    PRUNE["max_shard_size"],  # the output's shards, as the prune's
     Field("freeze_embeddings", bool, False, "Keep the input embeddings and the output layer fixed (they are not "
           "pruned): train the decoder blocks only.", TRAIN),
     Field("eval_every", int, 0, "Perplexity every K steps (0: before/after).", TRAIN, minimum=0),
@@ -73,7 +74,8 @@ class FinetuneConfig:
     has nothing to continue from). device: cpu or cuda (Trainer's; under torchrun, each rank's GPU).
     dtype: fp32, or bf16 autocast with fp32 master weights. trust_remote_code: run the checkpoint's (and
     the teacher's) own model code (config.json auto_map). kernels: "sparse" trains the 2:4-pruned linears
-    on the GPU's sparse tensor cores under bf16 autocast (`kernels/sparse.py`).
+    on the GPU's sparse tensor cores under bf16 autocast (`kernels/sparse.py`). max_shard_size: the output's
+    largest safetensors shard ("2GB", as the prune's).
     """
 
     run_dir: Path
@@ -97,6 +99,7 @@ class FinetuneConfig:
     device: str = default_of(FINETUNE_FIELDS, "device")
     trust_remote_code: bool = default_of(FINETUNE_FIELDS, "trust_remote_code")
     kernels: str = default_of(FINETUNE_FIELDS, "kernels")
+    max_shard_size: str = default_of(FINETUNE_FIELDS, "max_shard_size")
     teacher: str | None = default_of(FINETUNE_FIELDS, "teacher")
     distill_weight: float = default_of(FINETUNE_FIELDS, "distill_weight")
     distill_temperature: float = default_of(FINETUNE_FIELDS, "distill_temperature")

@@ -43,7 +43,6 @@ from tsenor_cli.models.saving import SavedModel, save_model
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.pruning.block.memory import keep_freed_memory
 from tsenor_cli.pruning.run.card import card_text
-from tsenor_cli.pruning.run.output import MAX_SHARD_SIZE
 from tsenor_cli.pruning.run.report import versions
 from tsenor_cli.runfiles import (
     EVAL_FILE,
@@ -633,5 +632,5 @@ def _write_output(
     loaded.model.to(saved_dtype)
     # The output keeps its input's format: a packed prune fine-tuned is packed again (its masks are fixed).
     fmt = "packed" if declares_packed(cfg.run_dir) else "dense"
-    saved = SavedModel(loaded.model, loaded.tokenizer, MAX_SHARD_SIZE, layout=loaded.layout, packed=fmt == "packed")
+    saved = SavedModel(loaded.model, loaded.tokenizer, cfg.max_shard_size, layout=loaded.layout, packed=fmt == "packed")
     write_model_folder(cfg.output, sparsity.record, files, partial(save_model, saved=saved, sparsity=sparsity.record))
