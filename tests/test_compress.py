@@ -23,7 +23,7 @@ from tsenor_cli.pruning.run.launch import stage_arguments
 from tsenor_cli.pruning.run.verify import verify_checkpoint
 from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.pruning.settings.recipe import build_config, read_recipe
-from tsenor_cli.runfiles import FINETUNE_FILE, PRUNE_FILE, pruned_stage
+from tsenor_cli.runfiles import EVAL_FILE, FINETUNE_FILE, PRUNE_FILE, pruned_stage
 from tsenor_cli.settings import DistributedContext, RunContext
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def _cfg(model: Path, calib: Path, output: Path, *, resume: bool = True, **value
 
 
 def test_one_command_writes_what_the_prune_and_the_finetune_it_stands_for_write(
-    tiny_llama: Any, calib: Path, tmp_path: Path
+    tiny_llama: Any, calib: Path, data_dir: Path, tmp_path: Path
 ) -> None:
     model = tiny_llama(num_layers=2)
     out = tmp_path / "out"
@@ -73,9 +73,12 @@ def test_one_command_writes_what_the_prune_and_the_finetune_it_stands_for_write(
     distilled = json.loads((out / FINETUNE_FILE).read_text())
     assert distilled["steps"] == 3 and distilled["settings"]["teacher"] == str(model)
     assert distilled["settings"]["lr"] == 3e-4 and distilled["pruned_nonzero"] == 0
-    # Run again: finished with the same settings, nothing to do; other distillation settings: refused at once.
-    again = invoke(["prune", str(model), *SMALL, "--data", str(calib), *DISTILL, *shards, "--output", str(out)])
+    # Run again: finished with the same settings, nothing to do but --eval (of the distilled checkpoint);
+    # other distillation settings: refused at once.
+    evaluate = ["--eval", "--ppl", "wikitext2", "--max-windows", "2", "--data-dir", str(data_dir)]
+    again = invoke(["prune", str(model), *SMALL, "--data", str(calib), *DISTILL, *shards, *evaluate, "-o", str(out)])
     assert again.exit_code == 0 and "nothing to do" in again.output, again.output
+    assert json.loads((out / EVAL_FILE).read_text())["source"] == str(out.resolve())
     other = invoke(
         ["prune", str(model), *SMALL, "--data", str(calib), *DISTILL, "--distill-lr", "1e-4", "-o", str(out)]
     )
@@ -215,3 +218,22 @@ def test_the_python_api_distils_from_a_path_and_refuses_a_model_in_memory(
     with pytest.raises(UsageError, match="distill_steps runs from a checkpoint path"):
         tsenor_cli.prune(AutoModelForCausalLM.from_pretrained(model), tmp_path / "mem", ctx=data_ctx, **settings)
     assert not (tmp_path / "mem").exists()
+
+
+def test_a_packed_distilling_prune_writes_a_packed_distilled_checkpoint(
+    tiny_llama: Any, calib: Path, tmp_path: Path
+) -> None:
+    """--save-format packed: the stage is packed, the distillation reads it and writes its output packed
+    (its masks fixed), and it holds the dense one-command run's weights."""
+    from tsenor_cli.packed.files import declares_packed
+
+    model = tiny_llama(num_layers=2)
+    base = ["prune", str(model), *SMALL, "--data", str(calib), *DISTILL]
+    assert invoke([*base, "--output", str(tmp_path / "dense")]).exit_code == 0
+    packed = invoke([*base, "--save-format", "packed", "--output", str(tmp_path / "packed")])
+    assert packed.exit_code == 0, packed.output
+    assert declares_packed(tmp_path / "packed") and not declares_packed(tmp_path / "dense")
+    assert verify_checkpoint(tmp_path / "packed").ok
+    unpacked = invoke(["unpack", str(tmp_path / "packed"), "-o", str(tmp_path / "unpacked")])
+    assert unpacked.exit_code == 0, unpacked.output
+    assert _sha(tmp_path / "unpacked") == _sha(tmp_path / "dense")

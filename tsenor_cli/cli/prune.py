@@ -202,9 +202,15 @@ def _print_result(outcome: Compressed, *, as_json: bool) -> None:
     if distilled is None:
         typer.echo(f"wrote {report.output} ({totals['layers_pruned']} layers pruned in {report.seconds:.1f} s)")
         return
+    resumed = distilled.resumed_from_step
+    how = (
+        f"in {distilled.seconds:.1f} s"
+        if resumed is None
+        else f"resumed after step {resumed}, {distilled.seconds:.1f} s"
+    )
     typer.echo(
         f"wrote {distilled.output} ({totals['layers_pruned']} layers pruned in {report.seconds:.1f} s, then distilled "
-        f"for {distilled.steps} steps, {distilled.tokens} tokens, in {distilled.seconds:.1f} s)"
+        f"for {distilled.steps} steps, {distilled.tokens} tokens, {how})"
     )
 
 
