@@ -47,7 +47,7 @@ from tsenor_cli.pruning.block.distributed import assign_owners, shard_bounds, sh
 from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
 from tsenor_cli.pruning.run import api
-from tsenor_cli.pruning.run.launch import run_status, without_option
+from tsenor_cli.pruning.run.launch import KILLED_PEER_S, run_status, wait_ranks, without_option
 from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.pruning.settings.recipe import build_config, read_recipe
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE, read_sparsity
@@ -578,6 +578,43 @@ def test_the_run_status_is_the_agreed_exit_code_whatever_order_the_ranks_exit_in
         assert raised.value.exit_code == expected
     else:
         assert run_status(exits, 2) == expected
+
+
+def test_the_run_status_names_the_rank_killed_from_outside_not_the_peers_the_launcher_killed() -> None:
+    """Rank 1 died by SIGABRT; the launcher then killed rank 0: the line names rank 1 and its signal."""
+    with pytest.raises(PeerError, match="process 1 of 2 was killed by signal 6") as raised:
+        run_status({0: -9, 1: -6}, 2, killed={0})
+    assert raised.value.exit_code == 128 + 6
+
+
+def _python(code: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
+def test_a_rank_ending_with_its_code_is_not_killed_because_a_peer_died_by_a_signal() -> None:
+    """The CI failure (`assert 137 == 4`): both ranks were ending on rank 0's refusal, rank 1 died by a
+    signal, and the launcher killed rank 0 before it exited with 4. Rank 0 now gets `KILLED_PEER_S`."""
+    ranks = [
+        _python("import time; time.sleep(1.5); raise SystemExit(4)"),
+        _python("import os, signal; os.kill(os.getpid(), signal.SIGABRT)"),
+    ]
+    codes, killed = wait_ranks(ranks)
+    assert (codes, killed) == ({0: 4, 1: -signal.SIGABRT}, set())
+    assert run_status(codes, 2, killed) == 4
+
+
+def test_a_rank_stuck_after_its_peer_died_is_killed_and_the_peer_is_named() -> None:
+    """A rank waiting for a dead peer (here: sleeping) is killed after `KILLED_PEER_S`; the peer is the cause."""
+    ranks = [
+        _python("import time; time.sleep(120)"),
+        _python("import os, signal; os.kill(os.getpid(), signal.SIGKILL)"),
+    ]
+    start = time.monotonic()
+    codes, killed = wait_ranks(ranks)
+    assert time.monotonic() - start < KILLED_PEER_S + 30
+    assert (codes, killed) == ({0: -signal.SIGKILL, 1: -signal.SIGKILL}, {0})
+    with pytest.raises(PeerError, match="process 1 of 2 was killed by signal 9"):
+        run_status(codes, 2, killed)
 
 
 def _run_pids(marker: str) -> list[int]:

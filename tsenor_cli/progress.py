@@ -39,8 +39,11 @@ def bar(
     return tqdm(iterable, total=total, desc=desc, unit=unit, leave=leave, disable=None, dynamic_ncols=True)
 
 
-class _BarSafeHandler(logging.StreamHandler):
-    """Writes each record through `tqdm.write`, so a line never lands in the middle of a drawn bar."""
+class _BarSafeHandler(logging.Handler):
+    """Writes each record through `tqdm.write`, so a line never lands in the middle of a drawn bar, to the
+    stderr of the moment (as `logging.lastResort` does): a stream bound once outlived the invocation that
+    set it (typer's CliRunner closes its capture after the command; CI's log then showed "Logging error:
+    I/O operation on closed file" for a later library call in the same process)."""
 
     def emit(self, record: logging.LogRecord) -> None:
         message = self.format(record)
@@ -51,7 +54,7 @@ class _BarSafeHandler(logging.StreamHandler):
         lock = tqdm.get_lock()
         lock.acquire()
         try:
-            tqdm.write(message, file=self.stream, nolock=True)
+            tqdm.write(message, file=sys.stderr, nolock=True)
         except (OSError, ValueError):  # a closed or broken stream, as logging.StreamHandler handles it
             self.handleError(record)
         finally:
@@ -59,14 +62,14 @@ class _BarSafeHandler(logging.StreamHandler):
 
 
 def configure_logging(level: int = logging.INFO) -> None:
-    """Plain ``%(message)s`` lines of the ``tsenor`` logger on the current stderr, at `level`.
+    """Plain ``%(message)s`` lines of the ``tsenor`` logger on stderr (``sys.stderr`` when each line is
+    written: a test runner's captured stream too), at `level`.
 
-    Called by the CLI's root callback for every command, so it binds the stderr of that invocation
-    (a test runner's captured stream too) and replaces the handler of any earlier invocation.
+    Called by the CLI's root callback for every command; it replaces the handler of any earlier invocation.
     """
     for handler in [h for h in logger.handlers if isinstance(h, _BarSafeHandler)]:
         logger.removeHandler(handler)
-    handler = _BarSafeHandler(sys.stderr)
+    handler = _BarSafeHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
     logger.setLevel(level)

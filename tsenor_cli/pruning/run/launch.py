@@ -15,9 +15,10 @@ variables, one thread each) and:
   passes on only what was sent to it by another process (`kill -INT`), and SIGTERM, SIGUSR1, SIGUSR2 and
   SIGHUP (the ranks stop gracefully on the first three: docs/reliability.md, "Signals and schedulers");
 - the run's status is the ranks' (`run_status`): the agreed exit code of a failure or a stop (130, 75),
-  whose one line rank 0 printed. A rank killed by a signal cannot take part in the collectives any more,
-  so the others are killed at once; a rank that exited with a code leaves the others `AGREED_EXIT_S`
-  to exit with theirs.
+  whose one line rank 0 printed. A rank killed by a signal cannot take part in the collectives any more:
+  the others get `KILLED_PEER_S` to exit by themselves (a rank that crashed while the run ended leaves
+  peers that are ending too, with their code) and are killed then; a rank that exited with a code leaves
+  the others `AGREED_EXIT_S` to exit with theirs. A rank this process killed is never named as the cause.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tsenor_cli.errors import PeerError
+from tsenor_cli.progress import logger
 from tsenor_cli.settings import (
     LOCAL_RANK_ENV,
     RANK_ENV,
@@ -56,6 +58,11 @@ FORWARDED: tuple[signal.Signals, ...] = (
 # Ranks that agreed on a failure exit within a second of each other; a rank still running this long after
 # another exited with a code is stuck (e.g. in a collective with a peer that left) and is killed.
 AGREED_EXIT_S = 60.0
+# A rank killed by a signal from outside (out of memory, a crash) leaves its peers this long to exit by
+# themselves before they are killed. CI saw a run refused by rank 0 (exit code 4) end as "process 0 of 2
+# was killed by signal 9": a peer died by a signal as both ranks were ending, and rank 0 was killed at once.
+# A peer that waits for the dead rank in a collective never exits by itself, so the wait is short.
+KILLED_PEER_S = 5.0
 _POLL_S = 0.1
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # What a rank runs: its death signal first, then `tsenor ARGS` (tsenor_cli/__main__.py), which records the
@@ -102,18 +109,22 @@ def die_with_parent(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run_status(codes: Mapping[int, int], nproc: int) -> int:
+def run_status(codes: Mapping[int, int], nproc: int, killed: Collection[int] = ()) -> int:
     """The run's exit code from its ranks' (rank → returncode, negative: killed by that signal): 0 when every
     rank succeeded; else the code of the lowest rank that exited by itself (the ranks of a failed or stopped
     run exit with the agreed code, and rank 0 printed its line; a rank killed while it shut down does not
-    count); PeerError (128 + the signal) when every failed rank was killed, as none printed anything."""
+    count); PeerError (128 + the signal) when every failed rank was killed, as none printed anything. It
+    names the lowest rank killed from outside, not one of `killed` (the ranks the launcher itself killed
+    because a peer had died)."""
     exited = sorted(rank for rank, code in codes.items() if code > 0)
     if exited:
+        for rank in sorted(rank for rank, code in codes.items() if code < 0 and rank not in killed):
+            logger.debug("process %d of %d was killed by signal %d while the run ended", rank, nproc, -codes[rank])
         return codes[exited[0]]
-    killed = sorted(rank for rank, code in codes.items() if code < 0)
-    if not killed:
+    dead = sorted(rank for rank, code in codes.items() if code < 0)
+    if not dead:
         return 0
-    rank = killed[0]
+    rank = next((rank for rank in dead if rank not in killed), dead[0])
     raise PeerError(
         f"process {rank} of {nproc} was killed by signal {-codes[rank]} (e.g. out of memory); rerunning the "
         "same command continues from the last saved block",
@@ -139,16 +150,23 @@ def _start_ranks(args: Sequence[str], nproc: int, *, stdout_to_stderr: bool = Fa
     return ranks
 
 
-def _signal_ranks(ranks: Sequence[subprocess.Popen[bytes]], signum: int) -> None:
-    for proc in ranks:
+def _signal_ranks(ranks: Sequence[subprocess.Popen[bytes]], signum: int) -> set[int]:
+    """Send `signum` to the ranks still running → their indices."""
+    sent = set()
+    for rank, proc in enumerate(ranks):
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signum)
+                sent.add(rank)
+    return sent
 
 
-def _wait(ranks: Sequence[subprocess.Popen[bytes]]) -> dict[int, int]:
-    """Wait for every rank, passing on the signals this process receives (`FORWARDED`); the ranks' returncodes."""
-    first_exit: float | None = None
+def wait_ranks(ranks: Sequence[subprocess.Popen[bytes]]) -> tuple[dict[int, int], set[int]]:
+    """Wait for every rank, passing on the signals this process receives (`FORWARDED`) → the ranks'
+    returncodes and the ranks this process killed (`KILLED_PEER_S`, `AGREED_EXIT_S`)."""
+    died: float | None = None  # when a rank was first seen killed by a signal
+    exited: float | None = None  # when a rank was first seen exited with a code
+    killed: set[int] = set()
     while any(proc.poll() is None for proc in ranks):
         info = signal.sigtimedwait(FORWARDED, _POLL_S)
         # The terminal's Ctrl-C (si_code SI_KERNEL) reached the ranks too; a second copy would stop them
@@ -156,13 +174,14 @@ def _wait(ranks: Sequence[subprocess.Popen[bytes]]) -> dict[int, int]:
         if info is not None and not (info.si_signo == signal.SIGINT and info.si_code == 0x80):
             _signal_ranks(ranks, info.si_signo)
         codes = [proc.poll() for proc in ranks]
-        if any(code is not None and code < 0 for code in codes):
-            _signal_ranks(ranks, signal.SIGKILL)  # a killed rank's peers would wait for it in a collective
-        elif first_exit is None and any(code for code in codes):
-            first_exit = time.monotonic()
-        elif first_exit is not None and time.monotonic() - first_exit > AGREED_EXIT_S:
-            _signal_ranks(ranks, signal.SIGKILL)
-    return {rank: int(proc.returncode) for rank, proc in enumerate(ranks)}
+        now = time.monotonic()
+        if died is None and any(code is not None and code < 0 for code in codes):
+            died = now
+        if exited is None and any(code is not None and code > 0 for code in codes):
+            exited = now
+        if (died is not None and now - died > KILLED_PEER_S) or (exited is not None and now - exited > AGREED_EXIT_S):
+            killed |= _signal_ranks(ranks, signal.SIGKILL)  # stuck in a collective with a rank that left
+    return {rank: int(proc.returncode) for rank, proc in enumerate(ranks)}, killed
 
 
 def launch(args: Sequence[str], nproc: int, *, stdout_to_stderr: bool = False) -> int:
@@ -170,14 +189,14 @@ def launch(args: Sequence[str], nproc: int, *, stdout_to_stderr: bool = False) -
     code (`run_status`). stdout_to_stderr: what the ranks print goes to this process's stderr (a stage of a
     command whose own summary is its stdout)."""
     ranks = _start_ranks(args, nproc, stdout_to_stderr=stdout_to_stderr)
-    # Held for `_wait` once the ranks exist (a blocked mask is inherited across exec, so not before).
+    # Held for `wait_ranks` once the ranks exist (a blocked mask is inherited across exec, so not before).
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     try:
-        codes = _wait(ranks)
+        codes, killed = wait_ranks(ranks)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         _signal_ranks(ranks, signal.SIGKILL)  # only when this process itself failed: no rank outlives it
-    return run_status(codes, nproc)
+    return run_status(codes, nproc, killed)
 
 
 def launch_prune(args: Sequence[str], cfg: PruneConfig, nproc: int, *, stage: bool = False) -> int:
