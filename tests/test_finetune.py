@@ -241,6 +241,21 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(
     assert resumed.ppl("before") == full.ppl("before") and [s for s, _ in resumed.ppl_curve["wikitext2"]] == [0, 2, 4]
 
 
+@pytest.mark.realdata
+def test_the_last_step_is_checkpointed_only_when_an_evaluation_follows_it(
+    pruned: Path, text_file: Path, tmp_path: Path, data_ctx: RunContext
+) -> None:
+    """Trainer checkpoints the last step; without an evaluation after training the output is written right
+    after it, so tsenor does not (a kill in between resumes from step 2 to the same bytes, as tested above)."""
+    saved: dict[tuple[str, ...], list[int]] = {}
+    for ppl in ((), ("wikitext2",)):
+        saved[ppl] = []
+        cfg = _config(pruned, tmp_path / f"out{len(ppl)}", text_file, save_every=2, ppl_datasets=ppl, max_windows=1)
+        finetune(cfg, data_ctx, after_save=saved[ppl].append)
+        assert not (tmp_path / f"out{len(ppl)}" / RESUME_DIR).exists()
+    assert saved == {(): [2], ("wikitext2",): [2, 4]}
+
+
 def test_resume_takes_the_newest_checkpoint_written_to_the_end(tmp_path: Path) -> None:
     def checkpoint(step: int, state: str | None) -> Path:
         path = tmp_path / f"checkpoint-{step}"

@@ -129,12 +129,15 @@ def compress(
     _check_one_process(ctx)
     output = _output(cfg)
     stage = pruned_stage(output)
-    done = None if cfg.force else _finished(cfg, output)
+    # The settings' hash reads the input checkpoint's headers: once for the run (the stage's settings are
+    # the run's, `result_fields` holding neither the output nor the distillation).
+    key = cfg.result_hash()
+    done = None if cfg.force else _finished(cfg, key, output)
     if done is not None:
         say(f"{output} already holds this run, pruned and distilled with the same settings; nothing to do")
     else:
         _check_before(cfg, ctx, output, say)
-        report = _prune_stage(replace(cfg, output=stage, distill=DistillConfig()), ctx, say, progress, stop, ranks)
+        report = _prune_stage(replace(cfg, output=stage, distill=DistillConfig()), key, ctx, say, progress, stop, ranks)
         settings = distill_config(cfg, int(report.settings["seqlen"]))
         say(f"distilling {stage} from {cfg.model} into {output}: {settings.max_steps} steps of {settings.batch_size} "
             f"windows x {settings.seqlen} tokens of {cfg.calib_data}, {settings.dtype}")  # fmt: skip
@@ -146,25 +149,26 @@ def compress(
 
 def _prune_stage(
     stage_cfg: PruneConfig,
+    key: str,
     ctx: RunContext,
     say: Progress,
     progress: Progress | None,
     stop: StopRequest | None,
     ranks: Ranks | None,
 ) -> PruneReport:
-    """The prune into the stage → its report: found finished there (a rerun after a kill in the distillation),
-    or run here, or by the ranks."""
+    """The prune into the stage (its settings' hash `key`) → its report: found finished there (a rerun after
+    a kill in the distillation), or run here, or by the ranks."""
     from tsenor_cli.pruning.run.api import prune_model
 
     assert stage_cfg.output is not None
-    finished = finished_run(stage_cfg.output, stage_cfg.result_hash())
+    finished = finished_run(stage_cfg.output, key)
     if finished is not None:
         say(f"{stage_cfg.output} holds this run's prune, finished; distilling it")
         return finished
     if ranks is None:
         return prune_model(stage_cfg, ctx, progress, stop=stop)
     ranks(stage_cfg)
-    finished = finished_run(stage_cfg.output, stage_cfg.result_hash())
+    finished = finished_run(stage_cfg.output, key)
     if finished is None:
         raise RuntimeError(f"the ranks succeeded, but {stage_cfg.output} holds no finished prune of these settings")
     return finished
@@ -185,14 +189,13 @@ def _check_one_process(ctx: RunContext) -> None:
         )
 
 
-def _finished(cfg: PruneConfig, output: Path) -> tuple[PruneReport, FinetuneReport] | None:
-    """(the prune's report, the distillation's) when `output` holds this run finished, else None."""
-    report = finished_run(output, cfg.result_hash())
+def _finished(cfg: PruneConfig, key: str, output: Path) -> tuple[PruneReport, FinetuneReport] | None:
+    """(the prune's report, the distillation's) when `output` holds this run (its settings' hash `key`)
+    finished, else None."""
+    report = finished_run(output, key)
     if report is None:
         return None
-    distilled = finished_distillation(
-        output, cfg.result_hash(), distill_config(cfg, int(report.settings["seqlen"])).result_fields()
-    )
+    distilled = finished_distillation(output, key, distill_config(cfg, int(report.settings["seqlen"])).result_fields())
     return None if distilled is None else (report, distilled)
 
 

@@ -282,18 +282,25 @@ def _quiet(_message: str) -> None:
 
 class StopCallback(TrainerCallback):
     """Records the steps done, and ends training at the end of a step once `stop` is requested, with a
-    checkpoint of that step when `save` (the run's --save-every is not 0)."""
+    checkpoint of that step when `save` (the run's --save-every is not 0). Trainer also checkpoints the
+    last step (`DefaultFlowCallback`); with `save_last` False (nothing is evaluated after training, so the
+    output is written right after that step) that checkpoint is not written: it would be deleted with the
+    resume state a moment later, and it holds the float32 weights and AdamW's two moments, 12 bytes a
+    trained weight (about 96 GB for an 8B model)."""
 
-    def __init__(self, stop: StopRequest, point: _RunPoint, *, save: bool) -> None:
+    def __init__(self, stop: StopRequest, point: _RunPoint, *, save: bool, save_last: bool) -> None:
         self.stop = stop
         self.point = point
         self.save = save
+        self.save_last = save_last
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self.point.step = state.global_step
         if self.stop.requested:
             control.should_training_stop = True
             control.should_save = self.save
+        elif state.global_step >= state.max_steps and not self.save_last:
+            control.should_save = False
 
 
 def matching_evaluation(cfg: FinetuneConfig, loaded: Any, device: torch.device) -> tuple[Path, dict[str, Any]] | None:
@@ -515,7 +522,7 @@ def _training_loop(run: _Run, inputs: _Inputs, model: Any, mask: MaskCallback) -
         "args": run.args,
         "train_dataset": WindowDataset(inputs.text.windows),
         "data_collator": default_data_collator,
-        "callbacks": [mask, curve, StopCallback(stop, point, save=cfg.save_every > 0)],
+        "callbacks": [mask, curve, StopCallback(stop, point, save=cfg.save_every > 0, save_last=wants_eval)],
     }
     if inputs.teacher is None:
         trainer = Trainer(**common)
