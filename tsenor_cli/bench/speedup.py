@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from tsenor_cli.bench.machine import environment
 from tsenor_cli.errors import UsageError
-from tsenor_cli.kernels.sparse import backend_unavailable
+from tsenor_cli.kernels.sparse import SparseOperand, backend_unavailable
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.solver import nm_mask, transposable_nm_mask
 
@@ -184,16 +184,13 @@ Op = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _cslt_product(weight: torch.Tensor, sample: torch.Tensor) -> Op:
-    """weight (out, in) bf16 CUDA, 2:4 along rows; sample (T, in) → inp (T, in) ↦ inp·weightᵀ (T, out) by
-    `torch._cslt_sparse_mm` on the weight compressed once, with the algorithm searched once for this shape."""
-    packed = torch._cslt_compress(weight.contiguous())
-    # Searched here, outside every timed call: the search runs each candidate algorithm (seconds).
-    alg = torch._cslt_sparse_mm_search(packed, sample.t(), transpose_result=True)
-
-    def product(inp: torch.Tensor) -> torch.Tensor:
-        return torch._cslt_sparse_mm(packed, inp.t(), transpose_result=True, alg_id=alg)
-
-    return product
+    """weight (out, in) bf16 CUDA, 2:4 along rows; sample (T, in) → inp (T, in) ↦ inp·weightᵀ (T, out): the
+    product `--kernels sparse` runs (`kernels.sparse.SparseOperand`: the weight compressed once,
+    `torch._cslt_sparse_mm` with `transpose_result`), called once on `sample` here so that its algorithm
+    search for this shape (each candidate run: seconds) happens outside every timed call."""
+    operand = SparseOperand(weight, "cusparselt-direct")
+    operand.linear(sample)
+    return operand.linear
 
 
 def _operators(
