@@ -137,7 +137,7 @@ def compress(
         say(f"{output} already holds this run, pruned and distilled with the same settings; nothing to do")
     else:
         _check_before(cfg, ctx, output, say)
-        report = _prune_stage(replace(cfg, output=stage, distill=DistillConfig()), key, ctx, say, progress, stop, ranks)
+        report = _prune_stage(replace(cfg, output=stage, distill=DistillConfig()), key, ctx, progress, stop, ranks)
         settings = distill_config(cfg, int(report.settings["seqlen"]))
         say(f"distilling {stage} from {cfg.model} into {output}: {settings.max_steps} steps of {settings.batch_size} "
             f"windows x {settings.seqlen} tokens of {cfg.calib_data}, {settings.dtype}")  # fmt: skip
@@ -151,7 +151,6 @@ def _prune_stage(
     stage_cfg: PruneConfig,
     key: str,
     ctx: RunContext,
-    say: Progress,
     progress: Progress | None,
     stop: StopRequest | None,
     ranks: Ranks | None,
@@ -163,7 +162,7 @@ def _prune_stage(
     assert stage_cfg.output is not None
     finished = finished_run(stage_cfg.output, key)
     if finished is not None:
-        say(f"{stage_cfg.output} holds this run's prune, finished; distilling it")
+        sink(progress)(f"{stage_cfg.output} holds this run's prune, finished; distilling it")
         return finished
     if ranks is None:
         return prune_model(stage_cfg, ctx, progress, stop=stop)
