@@ -22,7 +22,7 @@ from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.pruning.run.launch import stage_arguments
 from tsenor_cli.pruning.run.verify import verify_checkpoint
 from tsenor_cli.pruning.settings.config import PruneConfig
-from tsenor_cli.pruning.settings.recipe import build_config, read_recipe
+from tsenor_cli.pruning.settings.recipe import build_config, overlay, read_recipe
 from tsenor_cli.runfiles import EVAL_FILE, FINETUNE_FILE, PRUNE_FILE, pruned_stage
 from tsenor_cli.settings import DistributedContext, RunContext
 
@@ -200,6 +200,22 @@ def test_distill_settings_without_steps_warn(caplog: pytest.LogCaptureFixture) -
     cfg = build_config({"model": "m", "nm": "2:4", "distill_lr": 1e-4}, force=False, resume=True, command=None)
     assert not cfg.distill.on and cfg.distill.lr == 1e-4
     assert "ignoring --distill-lr: only --distill-steps N > 0 reads it" in caplog.text
+
+
+def test_a_stage_turned_off_over_a_recipe_reads_none_of_its_settings(caplog: pytest.LogCaptureFixture) -> None:
+    # `--config configs/quality-16x32.yaml --distill-steps 0`: the recipe's advice, and the --nproc ranks' stage.
+    recipe = read_recipe(Path("configs/quality-16x32.yaml"))
+    merged = overlay(recipe, {"model": "m", "distill_steps": 0, "refine": "none"})
+    assert not {k for k in merged if k.startswith(("distill_", "refine_"))} - {"distill_steps"}
+    assert merged["loss_aware"] == recipe["loss_aware"] and merged["model"] == "m"
+    cfg = build_config(merged, force=False, resume=True, command=None)
+    assert not cfg.distill.on and not cfg.refine.on and "ignoring" not in caplog.text
+    # A setting typed beside the stage turned off is still named.
+    build_config(overlay(recipe, {"model": "m", "distill_steps": 0, "distill_lr": 1e-4}), force=False, resume=True,
+                 command=None)  # fmt: skip
+    assert "ignoring --distill-lr: only --distill-steps N > 0 reads it" in caplog.text
+    # The stage kept on keeps the recipe's settings.
+    assert overlay(recipe, {"distill_steps": 8})["distill_lr"] == recipe["distill_lr"]
 
 
 def test_the_python_api_distils_from_a_path_and_refuses_a_model_in_memory(

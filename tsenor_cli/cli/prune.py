@@ -31,7 +31,7 @@ from tsenor_cli.cli.options import (
     with_fields,
 )
 from tsenor_cli.errors import UsageError
-from tsenor_cli.pruning.settings.recipe import build_config, read_recipe
+from tsenor_cli.pruning.settings.recipe import build_config, overlay, read_recipe
 from tsenor_cli.pruning.settings.table import ALL_FIELDS
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ EvalOpt = Annotated[
 
 def merge_config(given: dict[str, Any], config: Path | None) -> dict[str, Any]:
     """The --config recipe's values, overridden by the settings typed on the command line."""
-    return given if config is None else {**read_recipe(config), **given}
+    return given if config is None else overlay(read_recipe(config), given)
 
 
 @app.command("prune", cls=Command)

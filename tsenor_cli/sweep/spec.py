@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tsenor_cli.errors import TsenorError, UsageError
-from tsenor_cli.pruning.settings.recipe import build_config, validate_recipe
+from tsenor_cli.pruning.settings.recipe import build_config, overlay, validate_recipe
 from tsenor_cli.yamlfile import read_yaml
 
 TOP_KEYS = ("base", "axes", "eval", "name", "slurm")
@@ -264,7 +264,7 @@ class SweepSpec:
                 yield RunSpec(name=name, recipe=tuple(recipe.items()), dense=True)
         for combo in itertools.product(*(values for _, values in self.axes)):
             values = tuple(zip(keys, combo, strict=True))
-            recipe = {**base, **dict(values)}
+            recipe = overlay(base, dict(values))
             yield RunSpec(name=self._run_name(recipe, values), recipe=tuple(recipe.items()), values=values)
 
     def check_names(self) -> None:

@@ -7,6 +7,7 @@ go through here:
 
 - `validate_recipe`: unknown keys and wrongly typed values are one `UsageError` line;
 - `RECIPE_DEFAULTS`: the value of each key left unset (the flags' and `PruneConfig`'s defaults);
+- `overlay`: one recipe over another (the flags over `--config`, a sweep's axes over its `base`);
 - `build_config`: a validated recipe → the frozen `PruneConfig`, every value checked once there
   (`Field.validate`) and cross-checked (exactly one of nm and sparsity, the method's options, the
   calibration file's contents).
@@ -69,6 +70,19 @@ def validate_recipe(data: Mapping[Any, Any], where: str) -> dict[str, Any]:
             f'{where}: nm must be a quoted string like "16:32" (unquoted YAML reads 16:32 as a base-60 number)'
         )
     return read_mapping(data, fields_for(data.get("method")).values(), where)
+
+
+def overlay(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """`top`'s values over `base`'s. A stage `top` switches off (`refine: none`, `distill_steps: 0`) drops
+    `base`'s settings of that stage: `--config quality-16x32.yaml --distill-steps 0` (the recipe's own
+    advice, and what `--nproc` hands its prune ranks) reads none of them, and warning about settings the
+    user did not type would be noise. Settings typed beside a stage turned off still warn (`build_config`)."""
+    merged = {**base, **top}
+    for keys, off in ((REFINE_KEYS, top.get("refine") == "none"), (DISTILL_KEYS, top.get("distill_steps") == 0)):
+        if off:
+            for key in set(keys[1:]) & base.keys() - top.keys():
+                del merged[key]
+    return merged
 
 
 def method_options(method: str, values: Mapping[str, Any]) -> MethodOptions:
