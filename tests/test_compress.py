@@ -191,8 +191,11 @@ def test_the_dry_run_plans_both_stages_and_the_ranks_get_the_stage(
     assert plan["distill"]["batch"] == 2 and plan["distill"]["teacher_params"] == plan["distill"]["params"]
     assert not (tmp_path / "o").exists()
     args = ["prune", "m", "--eval", "--tasks", "piqa", "-o", "x", "--json", "--config", "r.yaml"]
+    # The typed distillation flags are the launching process's: the ranks would only warn that they ignore them.
+    args += ["--distill-steps", "8", "--distill-lr=1e-4", "--distill-freeze-embeddings", "--distill-dtype", "bf16"]
+    args += ["--seed", "1"]
     assert stage_arguments(args, Path("/w/.x.pruned")) == [
-        "prune", "m", "--config", "r.yaml", "--output", "/w/.x.pruned", "--distill-steps", "0",
+        "prune", "m", "--config", "r.yaml", "--seed", "1", "--output", "/w/.x.pruned", "--distill-steps", "0",
     ]  # fmt: skip
 
 

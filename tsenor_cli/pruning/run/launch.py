@@ -91,8 +91,20 @@ def stage_arguments(args: Sequence[str], stage: Path) -> list[str]:
     """`tsenor prune ARGS` (a run with --distill-steps N) as the plain prune of its first stage: its output
     `stage` (`runfiles.pruned_stage`), no distillation, no evaluation and no JSON summary (the launching
     process distils, evaluates and prints the summary after the ranks, `tsenor_cli/compress.py`). Typed flags
-    override --config, so a recipe's steps are overridden."""
+    override --config, so a recipe's steps are overridden; the typed distillation flags are the launching
+    process's, dropped here so that the ranks do not warn that they ignore them."""
+    from tsenor_cli.fields import by_name
+    from tsenor_cli.pruning.settings.table import DISTILL_KEYS, PRUNE_FIELDS
+
     kept = without_option(without_option(without_option(args, "--output"), "-o"), "--tasks")
+    table = by_name(PRUNE_FIELDS)
+    for field in (table[key] for key in DISTILL_KEYS):
+        spellings = (field.cli_flag, *field.aliases)
+        if field.kind is bool:  # a flag without a value
+            kept = [arg for arg in kept if arg not in (*spellings, field.negation)]
+            continue
+        for spelling in spellings:
+            kept = without_option(kept, spelling)
     # --json: the launching process prints the one summary of the whole run.
     return [*(arg for arg in kept if arg not in ("--eval", "--json")), "--output", str(stage), "--distill-steps", "0"]
 
