@@ -98,6 +98,19 @@ def test_the_dry_run_of_a_dense_model_probes_one_block_not_the_model(tiny: Path,
     assert plan["probe_bytes"] < model_bytes / 20
 
 
+def test_the_dry_run_folds_the_blocks_that_share_a_row(tiny: Path, tmp_path: Path) -> None:
+    """Two blocks of seven linears: seven rows, "model.layers.{0-1}.…", until one block's weight differs."""
+    args = ["prune", "--model", str(_weightless(tiny, tmp_path / "w")), "--nm", "2:4", "--dry-run"]
+    rows = [line.split() for line in invoke(args).stdout.splitlines() if line.startswith("model.")]
+    assert len(rows) == 7 and all(row[0].startswith("model.layers.{0-1}.") and row[2] == "yes" for row in rows)
+    ignored = invoke([*args, "--ignore", "model.layers.1.mlp.down_proj"])
+    rows = [line.split()[:3] for line in ignored.stdout.splitlines() if line.startswith("model.")]
+    assert len(rows) == 8 and ["model.layers.0.mlp.down_proj", "64×128", "yes"] in rows
+    assert ["model.layers.1.mlp.down_proj", "64×128", "ignored:"] in rows
+    # The JSON keeps a row per matrix and block.
+    assert len(_plan(tmp_path / "w", "--ignore", "model.layers.1.mlp.down_proj")["layers"]) == 14
+
+
 def test_blocks_too_large_to_probe_are_decided_at_prune_time(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     source = make_tiny_llama(tmp_path / "src", model_type="mixtral", **MOE["mixtral"])
     monkeypatch.setattr(probe, "PROBE_BYTES", 1024)
@@ -106,10 +119,10 @@ def test_blocks_too_large_to_probe_are_decided_at_prune_time(monkeypatch: pytest
     rows = [line for line in result.stdout.splitlines() if line.startswith("model.layers.")]
     # The expert stacks and the router (a bare 2D parameter): their orientation and role need the watch.
     pending = [row for row in rows if ".experts." in row or ".mlp.gate " in row]
-    assert len(pending) == 6
+    assert len(pending) == 3 and all(row.startswith("model.layers.{0-1}.") for row in rows)  # both blocks a row
     assert all("decided at prune time: its block" in row and "too large to probe" in row for row in pending)
     # nn.Linear layers are known without watching: still checked against the pattern.
-    assert all(row.endswith("  yes") for row in rows if row not in pending) and len(rows) == 14
+    assert all(row.endswith("  yes") for row in rows if row not in pending) and len(rows) == 7
 
 
 def test_a_block_the_text_forward_skips_is_planned_as_pruned(tmp_path: Path) -> None:
@@ -121,7 +134,7 @@ def test_a_block_the_text_forward_skips_is_planned_as_pruned(tmp_path: Path) -> 
     assert result.exit_code == 0, result.output
     rows = [line for line in result.stdout.splitlines() if line.startswith("model.language_model.layers.")]
     idle = [row for row in rows if row.startswith("model.language_model.layers.1.")]
-    assert len(rows) == 21 and len(idle) == 7
+    assert len(rows) == 14 and len(idle) == 7  # blocks 0 and 2 share their rows: "layers.{0,2}."
     how = "yes, its block (MllamaCrossAttentionDecoderLayer) never runs on text: calibrated on the text reaching"
     assert all(how in row and row.endswith("else by magnitude") for row in idle)
     assert all(row.endswith("  yes") for row in rows if row not in idle)

@@ -33,6 +33,40 @@ _VERDICTS: dict[str, Callable[[str | None], str]] = {
 def plan_rows(plan: PrunePlan) -> list[tuple[str, str, str]]:
     """The dry run's table: (name, shape, verdict) for every weight matrix of the decoder blocks, the
     report's accounting before any weight is read (a stack of E experts is one row, "E×out×in")."""
+    return [(name, shape, verdict) for _block, name, shape, verdict in _block_rows(plan)]
+
+
+def grouped_rows(plan: PrunePlan) -> list[tuple[str, str, str]]:
+    """`plan_rows` with the rows that differ only in their block folded into one, its blocks as ranges:
+    "model.layers.{0-29}.mlp.up_proj" (a 70B model's 560 rows are 7; an MoE's thousands, a few dozen).
+    A block whose weight has another shape or verdict keeps a row of its own, so nothing said per block is
+    lost; `--json` lists every layer."""
+    groups: dict[tuple[str, str | None, str, str], list[int]] = {}
+    for block, name, shape, verdict in _block_rows(plan):
+        # The block's index as `ModelStructure.full_name` writes it: "<blocks>.<index>.<local>".
+        head, infix, tail = name.partition(f".{block}.")
+        key = (head, tail, shape, verdict) if infix and block != OUTSIDE_BLOCK else (name, None, shape, verdict)
+        groups.setdefault(key, []).append(block)
+    return [
+        (head if tail is None else f"{head}.{_ranges(blocks)}.{tail}", shape, verdict)
+        for (head, tail, shape, verdict), blocks in groups.items()
+    ]
+
+
+def _ranges(blocks: list[int]) -> str:
+    """Sorted block indices as ranges in braces: [0, 1, 2, 5] → "{0-2,5}"; one block: [5] → "5"."""
+    runs: list[list[int]] = []
+    for block in sorted(set(blocks)):
+        if runs and block == runs[-1][1] + 1:
+            runs[-1][1] = block
+        else:
+            runs.append([block, block])
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return text if len(blocks) == 1 else "{" + text + "}"
+
+
+def _block_rows(plan: PrunePlan) -> list[tuple[int, str, str, str]]:
+    """(block, name, shape, verdict) of `plan_rows`, block by block."""
     found: list[tuple[int, str, str, str]] = []
     for slot in plan.slots:
         shape = f"{slot.out_features}×{slot.in_features}"
@@ -47,7 +81,7 @@ def plan_rows(plan: PrunePlan) -> list[tuple[str, str, str]]:
     for weight in plan.outside_targets:
         verdict = f"NO: {weight.incompatible}" if weight.incompatible else f"yes, {OUTSIDE_REASON}"
         found.append((OUTSIDE_BLOCK, weight.name, f"{weight.out_features}×{weight.in_features}", verdict))
-    return [(name, shape, verdict) for _block, name, shape, verdict in found]
+    return found
 
 
 def _slot_layer(plan: PrunePlan, slot: LinearSlot) -> dict[str, Any]:
@@ -169,8 +203,8 @@ def _disk_line(plan: PrunePlan, cfg: PruneConfig) -> str:
 
 
 def plan_lines(plan: PrunePlan, cfg: PruneConfig) -> Iterator[str]:
-    """The dry run's text: the run in one line, a row per weight matrix (`plan_rows`), the memory and disk
-    estimates and each rank's share of the device memory."""
+    """The dry run's text: the run in one line, a row per weight matrix and the blocks that share it
+    (`grouped_rows`), the memory and disk estimates and each rank's share of the device memory."""
     calibration = (
         f"calibration {cfg.calib_data} {plan.nsamples}×{plan.seqlen}"
         if plan.calibrate
@@ -180,8 +214,8 @@ def plan_lines(plan: PrunePlan, cfg: PruneConfig) -> Iterator[str]:
         f"plan: {cfg.method} {cfg.pattern.label} ({cfg.pattern.kind}) on {plan.model} "
         f"({plan.model_type}, {plan.params / 1e6:.1f}M params, {plan.dtype}), {calibration}"
     )
-    yield f"{'layer':<44} {'shape':>13}  compatible"
-    for name, shape, verdict in plan_rows(plan):
+    yield f"{'layer (blocks)':<44} {'shape':>13}  compatible"
+    for name, shape, verdict in grouped_rows(plan):
         yield f"{name:<44} {shape:>13}  {verdict}"
     yield from _memory_lines(plan, cfg)
     yield _disk_line(plan, cfg)
