@@ -176,6 +176,12 @@ def test_table_rows_hand_checked(runs: list[Path]) -> None:
         "| 2:4 | alps | no | 50.00 | 35.50 | 70.00 | 55.00 ± 3.00 | 35.00 ± 3.00 | 60.00 ± 3.00 | 50.00 | nm24 |",
         "| 2:4 | alps | yes | 60.50 | 45.25 | 80.00 | 52.00 ± 3.00 | 30.00 ± 3.00 | 61.00 ± 3.00 | 47.67 | t24 |",
         "| 8:16 | alps | yes | 40.00 | 28.00 | - | - | - | - | - | t816 |",
+        "",
+        # The fixture's scores predate the per-document ones: no paired difference, and the reason.
+        "- nm24 against dense: zero-shot not paired, piqa: no per-document scores (evaluated before tsenor kept "
+        "them; run tsenor eval again)",
+        "- t24 against dense: zero-shot not paired, piqa: no per-document scores (evaluated before tsenor kept "
+        "them; run tsenor eval again)",
     ]
 
 
@@ -492,3 +498,65 @@ def test_tick_labels_stay_plain_numbers_over_wide_ranges() -> None:
     assert wide.yaxis.get_offset_text().get_text() == ""
     low, high = narrow.get_ylim()
     assert [t.get_text() for t in narrow.get_yticklabels() if low <= t.get_position()[1] <= high] == ["50", "100"]
+
+
+def _scored(name: str, docs: dict[str, tuple[float, ...]], digest: str = "d" * 64) -> ZeroShotResult:
+    """A run's zero-shot result with each document's acc (binary-outcome stderr, as lm-eval's)."""
+    tasks = []
+    for task, values in docs.items():
+        n, acc = len(values), sum(values) / len(values)
+        stderr = math.sqrt(acc * (1 - acc) / (n - 1))
+        tasks.append(TaskScore(task, acc, stderr, None, None, n, OFFLINE, "1.0", values, digest))
+    average = sum(t.acc for t in tasks) / len(tasks)
+    return ZeroShotResult(tuple(tasks), average, "acc", 0, n, "offline", "0.4.13")
+
+
+def test_paired_differences_hand_checked() -> None:
+    from tsenor_cli.report.paired import paired_difference
+
+    base = _scored("a", {"piqa": (1.0, 0.0, 1.0, 0.0), "boolq": (1.0, 1.0, 0.0, 0.0)})
+    other = _scored("b", {"piqa": (1.0, 1.0, 1.0, 0.0), "boolq": (1.0, 1.0, 0.0, 0.0)})
+    paired = paired_difference("b", other, "a", base)
+    # piqa: d = (0, 1, 0, 0), mean 1/4, sample variance (3·(1/4)² + (3/4)²)/3 = 1/4, se = √(1/16) = 1/4;
+    # boolq: d = 0, se 0. Avg: (1/4 + 0)/2 = 1/8, its error √(1/16 + 0)/2 = 1/8.
+    assert paired.difference == pytest.approx(0.125) and paired.stderr == pytest.approx(0.125)
+    assert paired.tasks == ("piqa", "boolq") and paired.documents == 8 and paired.reason is None
+    # Unpaired: piqa 0.5 ± √(1/12) and 0.75 ± √(3/48); boolq 0.5 ± √(1/12) twice.
+    unpaired = math.sqrt(1 / 12 + 3 / 48 + 2 / 12) / 2
+    assert paired.unpaired_stderr == pytest.approx(unpaired) and paired.stderr < paired.unpaired_stderr
+    # Other documents, or scores from before the documents were kept: not paired, and said why.
+    moved = _scored("c", {"piqa": (1.0, 1.0, 1.0, 0.0), "boolq": (1.0, 1.0, 0.0, 0.0)}, digest="e" * 64)
+    assert "other documents" in (paired_difference("c", moved, "a", base).reason or "")
+    old = replace(base, tasks=tuple(replace(t, doc_acc=None, docs_sha256=None) for t in base.tasks))
+    assert "per-document" in (paired_difference("b", other, "a", old).reason or "")
+
+
+def test_the_report_pairs_each_run_with_the_baseline(tmp_path: Path) -> None:
+    dense = _scored("dense", {"piqa": (1.0, 1.0, 1.0, 0.0)})
+    pruned = _scored("pruned", {"piqa": (1.0, 0.0, 1.0, 0.0)})
+    folders = []
+    for name, result, prune in (("dense", dense, None), ("pruned", pruned, _prune(2, 4, True, [0.1]))):
+        report = replace(_eval_report({"c4": 30.0}, None), zeroshot=result)
+        folders.append(_write_run(tmp_path, name, report.to_json(), prune))
+    table = build_table([load_run(f) for f in folders])
+    assert [(p.run, p.baseline) for p in table.paired] == [("pruned", "dense")]
+    assert table.paired[0].difference == pytest.approx(-0.25) and table.paired[0].stderr == pytest.approx(0.25)
+    assert "| pruned | -25.00 | 25.00 |" in table.to_markdown()
+    assert table.to_json()["paired"][0]["difference"] == pytest.approx(-0.25)
+    flipped = build_table([load_run(f) for f in folders], baseline="pruned")
+    assert [(p.run, p.difference) for p in flipped.paired] == [("dense", pytest.approx(0.25))]
+    with pytest.raises(UsageError, match="--baseline nope is not a run with zero-shot scores"):
+        build_table([load_run(f) for f in folders], baseline="nope")
+
+
+def test_per_document_scores_round_trip_and_are_checked() -> None:
+    result = _scored("a", {"piqa": (1.0, 0.0, 1.0)})
+    report = replace(_eval_report({"c4": 30.0}, None), zeroshot=result)
+    obj = json.loads(json.dumps(report.to_json()))
+    assert EvalReport.from_json(obj) == report
+    obj["zeroshot"]["tasks"]["piqa"]["doc_acc"] = [1.0, 0.0]
+    with pytest.raises(SchemaError, match="doc_acc has 2 documents, n_samples 3"):
+        EvalReport.from_json(obj)
+    obj["zeroshot"]["tasks"]["piqa"]["doc_acc"] = [1.0, "no", 1.0]
+    with pytest.raises(SchemaError, match="doc_acc must be a list of fractions"):
+        EvalReport.from_json(obj)

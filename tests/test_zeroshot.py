@@ -272,6 +272,13 @@ def test_offline_tasks_score_documents(tiny_model: tuple[Any, Any], data_dir: Pa
         assert [f.path for f in task.data_source.files] == [str(p.resolve()) for p in read]
         has_norm = task.name not in ("winogrande", "rte", "boolq")
         assert (task.acc_norm is not None) == has_norm
+        # Each document's score, for paired comparisons: they average to the task's acc.
+        assert task.doc_acc is not None and len(task.doc_acc) == 4 and set(task.doc_acc) <= {0.0, 1.0}
+        assert sum(task.doc_acc) / 4 == pytest.approx(task.acc) and len(task.docs_sha256 or "") == 64
+    # The same documents give the same digest; another limit, another one.
+    again = run_zeroshot(model, tokenizer, ZeroShotTasks(["piqa"], limit=4, batch_size=4), data_ctx)
+    fewer = run_zeroshot(model, tokenizer, ZeroShotTasks(["piqa"], limit=3, batch_size=4), data_ctx)
+    assert again.tasks[0].docs_sha256 == result.tasks[0].docs_sha256 != fewer.tasks[0].docs_sha256
     assert result.average == pytest.approx(sum(t.acc for t in result.tasks) / 8)
     assert result.average_metric == "acc" and result.lm_eval_version
     payload = json.loads(json.dumps(result.to_json()))

@@ -56,6 +56,12 @@ def report_cmd(
         help="Put runs evaluated under different protocols (window length and count, zero-shot limit and "
         "shots, data source) in one table, each row's protocol in a column; refused without it.",
     ),
+    baseline: str | None = typer.Option(
+        None,
+        "--baseline",
+        help="The run (its folder's name) the others' zero-shot scores are compared with, document by "
+        "document; default the first row with zero-shot scores (the dense model when given).",
+    ),
 ) -> None:
     """Merge runs into one table (perplexity + zero-shot, as the paper's Table 2) and plot them.
 
@@ -65,7 +71,7 @@ def report_cmd(
         raise UsageError("--output is required; pass the folder for table.md/.csv/.json and the plots")
     check_report_output(output, force)  # before any run is read: a report that cannot be written is refused now
     runs = [load_run(path) for path in _expand_sweeps(run_dirs)]
-    result = write_report(runs, output, force=force, allow_mixed=allow_mixed)
+    result = write_report(runs, output, force=force, allow_mixed=allow_mixed, baseline=baseline)
     for note in result.skipped:
         typer.echo(f"skipped {note}", err=True)
     typer.echo(f"wrote {', '.join(result.files)} to {result.directory}", err=True)

@@ -16,6 +16,7 @@ papers report acc, not acc_norm); the result says so in ``average_metric``.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -152,7 +153,15 @@ def _score(name: str, results: Mapping[str, Any], root: Path | None) -> TaskScor
             else _hub_task_source(results["configs"][name])
         ),
         version=str(results["versions"][name]),
+        **_documents(results["samples"][name]),
     )
+
+
+def _documents(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """TaskScore's doc_acc and docs_sha256 from lm-eval's logged samples of one task, in document order."""
+    ordered = sorted(samples, key=lambda sample: int(sample["doc_id"]))
+    digest = hashlib.sha256("\n".join(str(sample["doc_hash"]) for sample in ordered).encode())
+    return {"doc_acc": tuple(float(sample["acc"]) for sample in ordered), "docs_sha256": digest.hexdigest()}
 
 
 @dataclass(frozen=True)
@@ -219,7 +228,8 @@ def _evaluate(lm: Any, names: Sequence[str], tasks: ZeroShotTasks, manager: Any,
                 num_fewshot=tasks.num_fewshot,
                 limit=tasks.limit,
                 task_manager=manager,
-                log_samples=False,
+                # Each document's score, for comparisons paired document by document (`report.paired`).
+                log_samples=True,
                 random_seed=None,
                 numpy_random_seed=None,
                 torch_random_seed=None,

@@ -52,9 +52,12 @@ def _check_output(output: Path, runs: Sequence[Run], force: bool) -> None:
     check_report_output(output, force)
 
 
-def write_report(runs: Sequence[Run], output: Path, *, force: bool = False, allow_mixed: bool = False) -> ReportOutput:
+def write_report(
+    runs: Sequence[Run], output: Path, *, force: bool = False, allow_mixed: bool = False, baseline: str | None = None
+) -> ReportOutput:
     """Write table.md, table.csv, table.json and the PNG plots into `output` (atomically); runs evaluated
-    under different protocols are refused unless `allow_mixed` (`report.table.build_table`)."""
+    under different protocols are refused unless `allow_mixed`; zero-shot differences are paired against
+    `baseline` (`report.table.build_table`)."""
     # Imported here: matplotlib is for the plots only, and `tsenor prune` imports report.markdown.
     from tsenor_cli.report.plots import (
         PERPLEXITY_PNG,
@@ -64,7 +67,7 @@ def write_report(runs: Sequence[Run], output: Path, *, force: bool = False, allo
     )
 
     _check_output(output, runs, force)
-    table = build_table(runs, allow_mixed=allow_mixed)
+    table = build_table(runs, allow_mixed=allow_mixed, baseline=baseline)
     files = ["table.md", "table.csv", "table.json"]
     skipped = []
     with atomic.atomic_dir(output, replace=True) as tmp:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tsenor_cli.errors import UsageError
+from tsenor_cli.report.paired import Paired, paired_difference
 from tsenor_cli.runfiles import EvalReport, Run
 
 PPL_COLUMNS: tuple[tuple[str, str], ...] = (("c4", "C4"), ("wikitext2", "WT2"), ("ptb", "PTB"))
@@ -165,12 +166,14 @@ class Row:
 @dataclass(frozen=True)
 class Table:
     """The merged rows; `mixed`: the rows were evaluated under different protocols (`allow_mixed`), so the
-    Markdown has a Protocol column instead of one protocol line."""
+    Markdown has a Protocol column instead of one protocol line; `paired`: each other run's zero-shot
+    difference from the baseline run, document by document (`report.paired`)."""
 
     rows: tuple[Row, ...]
     ppl_datasets: tuple[str, ...]
     tasks: tuple[str, ...]
     mixed: bool = False
+    paired: tuple[Paired, ...] = ()
 
     @property
     def refined(self) -> bool:
@@ -248,6 +251,7 @@ class Table:
             "models": sorted({row.model for row in self.rows}),
             "protocol": None if self.mixed or not self.rows else self.rows[0].protocol.describe(),
             "rows": self.records(),
+            "paired": [item.to_json() for item in self.paired],
         }
 
     def to_csv(self) -> str:
@@ -288,7 +292,34 @@ class Table:
                 row.run,
             ]
             lines.append("| " + " | ".join(cells) + " |")
-        return "\n".join(lines) + "\n"
+        return "\n".join([*lines, *_paired_lines(self.paired)]) + "\n"
+
+
+def _paired_lines(paired: Sequence[Paired]) -> list[str]:
+    """The Markdown of the paired differences: a table of the runs paired, a line for each run not."""
+    if not paired:
+        return []
+    lines = [""]
+    done = [item for item in paired if item.reason is None]
+    if done:
+        lines += [
+            f"Zero-shot Avg against {paired[0].baseline}, paired document by document (points; ± the paired "
+            "standard error, beside the unpaired one from lm-eval's per-task errors):",
+            "",
+            "| Run | Δ Avg | ± paired | ± unpaired | tasks | documents |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+    for item in done:
+        cells = [_points(item.difference, "+.2f"), _points(item.stderr, ".2f"), _points(item.unpaired_stderr, ".2f")]
+        lines.append(f"| {item.run} | {' | '.join(cells)} | {len(item.tasks)} | {item.documents} |")
+    return lines + [
+        f"- {item.run} against {item.baseline}: zero-shot not paired, {item.reason}" for item in paired if item.reason
+    ]
+
+
+def _points(value: float | None, spec: str) -> str:
+    """A fraction in points with the format `spec`, or MISSING."""
+    return MISSING if value is None else format(100.0 * value, spec)
 
 
 def _percent(value: float | None) -> float | None:
@@ -361,10 +392,13 @@ def _mixed_error(rows: Sequence[Row]) -> UsageError:
     )
 
 
-def build_table(runs: Sequence[Run], *, allow_mixed: bool = False) -> Table:
+def build_table(runs: Sequence[Run], *, allow_mixed: bool = False, baseline: str | None = None) -> Table:
     """Rows sorted as the paper's tables; columns are the union over runs (blank where a run lacks one).
+    The zero-shot differences are paired against `baseline` (a run's name; None: the first row with
+    zero-shot scores, the dense model when one is given).
 
-    UsageError when the runs were evaluated under different protocols, unless `allow_mixed`.
+    UsageError when the runs were evaluated under different protocols, unless `allow_mixed`, or when
+    `baseline` names no run with zero-shot scores.
     """
     if not runs:
         raise UsageError("no runs to report; pass at least one run directory")
@@ -380,4 +414,18 @@ def build_table(runs: Sequence[Run], *, allow_mixed: bool = False) -> Table:
         ppl_datasets=_ordered({d for r in rows for d in r.perplexity}, [k for k, _ in PPL_COLUMNS]),
         tasks=_ordered({t for r in rows for t in r.accuracy}, [k for k, _ in TASK_COLUMNS]),
         mixed=mixed,
+        paired=_pair(runs, [row.run for row in rows], baseline),
     )
+
+
+def _pair(runs: Sequence[Run], order: Sequence[str], baseline: str | None) -> tuple[Paired, ...]:
+    """Each run with zero-shot scores against the baseline, in the table's row order."""
+    scored = {run.label: run.eval.zeroshot for run in runs if run.eval.zeroshot is not None}
+    if baseline is not None and baseline not in scored:
+        names = ", ".join(scored) or "none"
+        raise UsageError(f"--baseline {baseline} is not a run with zero-shot scores (those: {names}); pass one of them")
+    ordered = [label for label in order if label in scored]
+    if len(ordered) < 2:
+        return ()
+    base = baseline if baseline is not None else ordered[0]
+    return tuple(paired_difference(label, scored[label], base, scored[base]) for label in ordered if label != base)

@@ -575,7 +575,10 @@ class PerplexityRecord:
 @dataclass(frozen=True)
 class TaskScore:
     """One zero-shot task's lm-eval metrics (fractions in [0, 1]); acc_norm is None for tasks that do
-    not define it (WinoGrande, RTE, BoolQ)."""
+    not define it (WinoGrande, RTE, BoolQ). doc_acc: each document's `acc` in lm-eval's document order,
+    and docs_sha256: the digest of those documents (lm-eval's per-document hashes), so that two runs
+    scored on the same documents are compared document by document (`report.paired`); None in files
+    written before they were kept."""
 
     name: str
     acc: float
@@ -585,10 +588,16 @@ class TaskScore:
     n_samples: int
     data_source: DataSource | None
     version: str
+    doc_acc: tuple[float, ...] | None = None
+    docs_sha256: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        body = {k: v for k, v in _flat_json(self).items() if k != "name"}
-        return {**body, "data_source": self.data_source.to_json() if self.data_source else None}
+        body = {k: v for k, v in _flat_json(self).items() if k not in ("name", "doc_acc")}
+        return {
+            **body,
+            "data_source": self.data_source.to_json() if self.data_source else None,
+            "doc_acc": None if self.doc_acc is None else list(self.doc_acc),
+        }
 
     @classmethod
     def from_json(cls, name: str, obj: Any, where: str, version: int = SCHEMA_VERSION) -> TaskScore:
@@ -597,12 +606,26 @@ class TaskScore:
             source: DataSource | None = DataSource(kind=_field(obj, "source", TaskSource, where))
         else:
             source = _optional(obj, "data_source", DataSource.from_json, where)
-        score = cls(**_read(cls, obj, where, name=name, data_source=source))
+        score = cls(**_read(cls, obj, where, name=name, data_source=source, doc_acc=_doc_acc(obj, where)))
         for key in ("acc", "acc_norm"):
             value = getattr(score, key)
             if value is not None and not 0.0 <= value <= 1.0:
                 raise SchemaError(f"{where}: {key} {value} must be a fraction in [0, 1]")
+        if score.doc_acc is not None and len(score.doc_acc) != score.n_samples:
+            raise SchemaError(f"{where}: doc_acc has {len(score.doc_acc)} documents, n_samples {score.n_samples}")
         return score
+
+
+def _doc_acc(obj: Mapping[str, Any], where: str) -> tuple[float, ...] | None:
+    """``doc_acc``: absent or null (files before it), or a list of fractions in [0, 1]."""
+    values = obj.get("doc_acc")
+    if values is None:
+        return None
+    if not isinstance(values, list) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) and 0.0 <= v <= 1.0 for v in values
+    ):
+        raise SchemaError(f"{where}: doc_acc must be a list of fractions in [0, 1]")
+    return tuple(float(v) for v in values)
 
 
 @dataclass(frozen=True)
