@@ -99,7 +99,10 @@ def test_verify_flags_a_tampered_weight(tiny: Path, tmp_path: Path, data_dir: Pa
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     result = invoke(["verify", str(out)])
     assert result.exit_code == 6
-    assert "model.layers.1.mlp.up_proj" in result.output
+    rows = {line.split()[0]: line.split()[-1] for line in result.output.splitlines() if line.startswith("model.")}
+    # The untouched blocks' rows fold into one; the tampered weight keeps its own row.
+    assert rows["model.layers.1.mlp.up_proj"] == "VIOLATION" and rows["model.layers.0.mlp.up_proj"] == "ok"
+    assert rows["model.layers.{0-1}.mlp.down_proj"] == "ok" and len(rows) == 8
 
 
 def test_reconstruction_methods_beat_wanda_through_the_engine(tmp_path: Path, data_ctx: RunContext) -> None:

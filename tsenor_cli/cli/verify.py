@@ -18,7 +18,7 @@ def verify_cmd(
     as_json: JsonOpt = False,
 ) -> None:
     """Check each M×M tile keeps at most N per row and column (exactly N where weights were non-zero)."""
-    from tsenor_cli.pruning.run.verify import dense_lines, load_lines, verify_checkpoint
+    from tsenor_cli.pruning.run.verify import dense_lines, load_lines, table_lines, verify_checkpoint
 
     report = verify_checkpoint(directory)
     pattern = report.pattern
@@ -26,13 +26,8 @@ def verify_cmd(
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        unit = {"transposable": "tiles", "nm": "groups", "unstructured": "layer"}[pattern.kind]
         typer.echo(f"{directory}: {report.sparsity.method} {named}")
-        typer.echo(f"{'layer':<44} {'shape':>11} {unit:>8} {'>N (error)':>11} {'<N (info)':>10} {'density':>8}  status")
-        for c in report.layers:
-            status = "ok" if c.ok else (c.problem or "VIOLATION")
-            shape = f"{c.shape[0]}×{c.shape[1]}"
-            typer.echo(f"{c.name:<44} {shape:>11} {c.groups:>8} {c.over:>11} {c.under:>10} {c.density:>8.4f}  {status}")
+        typer.echo("\n".join(table_lines(report)))
         under = sum(c.under for c in report.layers)
         if under:
             typer.echo(f"info: {under} rows/columns keep fewer than N (weights that were already zero)")

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tsenor_cli.namefold import index_ranges
 from tsenor_cli.outputs import free_bytes, human_bytes, output_path
 from tsenor_cli.pruning.block.memory import KNOWN_GPUS, device_present
 from tsenor_cli.pruning.block.outside import OUTSIDE_BLOCK, OutsideWeight
@@ -48,21 +49,14 @@ def grouped_rows(plan: PrunePlan) -> list[tuple[str, str, str]]:
         key = (head, tail, shape, verdict) if infix and block != OUTSIDE_BLOCK else (name, None, shape, verdict)
         groups.setdefault(key, []).append(block)
     return [
-        (head if tail is None else f"{head}.{_ranges(blocks)}.{tail}", shape, verdict)
+        (head if tail is None else f"{head}.{_blocks(blocks)}.{tail}", shape, verdict)
         for (head, tail, shape, verdict), blocks in groups.items()
     ]
 
 
-def _ranges(blocks: list[int]) -> str:
-    """Sorted block indices as ranges in braces: [0, 1, 2, 5] → "{0-2,5}"; one block: [5] → "5"."""
-    runs: list[list[int]] = []
-    for block in sorted(set(blocks)):
-        if runs and block == runs[-1][1] + 1:
-            runs[-1][1] = block
-        else:
-            runs.append([block, block])
-    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-    return text if len(blocks) == 1 else "{" + text + "}"
+def _blocks(blocks: list[int]) -> str:
+    """The blocks of a folded row: "{0-2,5}"; one block: "5"."""
+    return str(blocks[0]) if len(set(blocks)) == 1 else "{" + index_ranges(blocks) + "}"
 
 
 def _block_rows(plan: PrunePlan) -> list[tuple[int, str, str, str]]:

@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from tsenor_cli.errors import InputNotFoundError, PackedFormatError, UsageError, VerificationError
 from tsenor_cli.models.checkpoint import Checkpoint
+from tsenor_cli.namefold import fold_names, template
 from tsenor_cli.packed.files import declares_packed
 from tsenor_cli.packed.layout import stored_mask
 from tsenor_cli.pattern import SparsityPattern
@@ -309,6 +310,25 @@ def _check(entry: PrunedWeight, weight: torch.Tensor | None, pattern: SparsityPa
     groups, over, under = check_weight(weight, pattern)
     density = float((weight != 0).float().mean())
     return LayerCheck(entry.name, (int(rows), int(cols)), groups, over, under, density)
+
+
+def table_lines(report: VerifyReport) -> list[str]:
+    """The check as a table: a row per weight, the weights whose rows say the same and whose names differ
+    only in their numbers folded into one ("model.layers.{0-29}.mlp.up_proj"; `namefold`); `--json`
+    keeps a row per weight."""
+    unit = {"transposable": "tiles", "nm": "groups", "unstructured": "layer"}[report.pattern.kind]
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for check in report.layers:
+        status = "ok" if check.ok else (check.problem or "VIOLATION")
+        shape = f"{check.shape[0]}×{check.shape[1]}"
+        cells = (shape, str(check.groups), str(check.over), str(check.under), f"{check.density:.4f}", status)
+        groups.setdefault((template(check.name), *cells), []).append(check.name)
+    rows = []
+    for (_, shape, count, over, under, density, status), names in groups.items():
+        for name in fold_names(names):
+            rows.append(f"{name:<44} {shape:>11} {count:>8} {over:>11} {under:>10} {density:>8}  {status}")
+    header = f"{'layer':<44} {'shape':>11} {unit:>8} {'>N (error)':>11} {'<N (info)':>10} {'density':>8}  status"
+    return [header, *rows]
 
 
 def load_lines(report: VerifyReport) -> list[str]:
