@@ -10,7 +10,9 @@ with two decimals as the paper does; CSV and JSON keep the raw values (accuracy 
 "Avg" is recomputed from the row's per-task ``acc`` values, the same rule as
 `tsenor_cli.evaluation.zeroshot.average_acc`: the unweighted mean over the tasks the run scored.
 A zero-shot cell shows lm-eval's standard error beside the accuracy (``52.00 ± 1.57``) when eval.json
-records one; CSV and JSON carry it as ``acc_stderr_<task>``.
+records one; CSV and JSON carry it as ``acc_stderr_<task>``. Under the table, each run's zero-shot "Avg"
+against a baseline run, paired document by document where both kept each document's score
+(`report/paired.py`): the error that says whether two models on the same documents differ.
 
 Numbers evaluated under different protocols (perplexity window length and window cap, zero-shot
 document limit and shots, where the data came from) do not compare: 21.98 at 512 tokens beside 222.40
