@@ -524,6 +524,10 @@ def test_paired_differences_hand_checked() -> None:
     # Unpaired: piqa 0.5 ± √(1/12) and 0.75 ± √(3/48); boolq 0.5 ± √(1/12) twice.
     unpaired = math.sqrt(1 / 12 + 3 / 48 + 2 / 12) / 2
     assert paired.unpaired_stderr == pytest.approx(unpaired) and paired.stderr < paired.unpaired_stderr
+    # One task without lm-eval's error: no unpaired error, the paired one unchanged.
+    bare = replace(other, tasks=(replace(other.tasks[0], acc_stderr=None), other.tasks[1]))
+    half = paired_difference("b", bare, "a", base)
+    assert half.unpaired_stderr is None and half.stderr == pytest.approx(0.125)
     # Other documents, or scores from before the documents were kept: not paired, and said why.
     moved = _scored("c", {"piqa": (1.0, 1.0, 1.0, 0.0), "boolq": (1.0, 1.0, 0.0, 0.0)}, digest="e" * 64)
     assert "other documents" in (paired_difference("c", moved, "a", base).reason or "")

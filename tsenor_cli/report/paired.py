@@ -76,10 +76,11 @@ def paired_difference(run: str, result: ZeroShotResult, baseline: str, base: Zer
         return Paired(run, baseline, reason=reasons[0])
     pairs = [item for item in found if not isinstance(item, str)]
     count = len(pairs)
-    errors = [(a.acc_stderr, b.acc_stderr) for a, b in shared]
-    unpaired = None
-    if all(a is not None and b is not None for a, b in errors):
-        unpaired = math.sqrt(math.fsum(a * a + b * b for a, b in errors if a is not None and b is not None)) / count
+    # The unpaired error needs lm-eval's error on every task of both runs; one missing leaves it None.
+    squares = [
+        a.acc_stderr**2 + b.acc_stderr**2 for a, b in shared if a.acc_stderr is not None and b.acc_stderr is not None
+    ]
+    unpaired = math.sqrt(math.fsum(squares)) / count if len(squares) == count else None
     return Paired(
         run,
         baseline,
