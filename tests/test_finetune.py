@@ -1112,6 +1112,28 @@ def test_finetune_dry_run_prints_the_plan_writes_nothing_and_refuses_what_cannot
     assert refused.exit_code == 5 and not out.exists()
 
 
+def test_finetune_in_bf16_on_a_cpu_without_bf16_instructions_says_so(
+    pruned: Path, text_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On an AVX2 CPU bf16 autocast makes a step several times slower than fp32 (`tsenor_cli/precision.py`):
+    the plan says so, naming both commands' flags; in fp32, or on a CPU with the instructions, nothing."""
+    from tsenor_cli import precision
+
+    args = ["finetune", str(pruned), "--output", str(tmp_path / "ft"), "--data", str(text_file), "--seqlen", "32",
+            "--dry-run"]  # fmt: skip
+    for flags, dtype, said in ((frozenset({"avx2"}), "bf16", True), (frozenset({"avx2"}), "fp32", False),
+                               (frozenset({"avx2", "amx_bf16"}), "bf16", False)):  # fmt: skip
+        monkeypatch.setattr(precision, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(precision, "_warned", set())
+        result = invoke([*args, "--dtype", dtype])
+        assert result.exit_code == 0, result.output
+        line = "training under bf16 autocast: this CPU has no bf16 matrix instructions"
+        assert (line in result.stderr) is said, result.stderr
+        assert (
+            not said or "pass --dtype fp32 to tsenor finetune (--distill-dtype fp32 to tsenor prune)" in result.stderr
+        )
+
+
 def test_the_plan_of_a_model_whose_forward_cannot_run_on_the_meta_device_says_so(
     tmp_path: Path, data_ctx: RunContext
 ) -> None:

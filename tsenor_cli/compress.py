@@ -201,8 +201,12 @@ def _finished(cfg: PruneConfig, key: str, output: Path) -> tuple[PruneReport, Fi
 def _check_before(cfg: PruneConfig, ctx: RunContext, output: Path, say: Progress) -> None:
     """What the distillation would refuse after the prune, refused before it: the output's location and
     contents, the input as the output, the settings (`distill_config`) and the memory (`distill_plan`)."""
+    from tsenor_cli.pruning.plan.plan import dtype_and_device, say_slow_products
+
     check_output_location(output)
     check_not_input(output, cfg.model)
+    # Both stages' half-precision products in one line, before the prune (its own plan sees no distillation).
+    say_slow_products(cfg, *dtype_and_device(cfg, ctx, present=False))
     check_output_contents(
         output, force=cfg.force, resume=cfg.resume, continue_hint="drop --no-resume-state to continue it"
     )

@@ -22,6 +22,7 @@ from tsenor_cli.finetune.config import CALIBRATION_DATA, FinetuneConfig
 from tsenor_cli.finetune.distill import CHUNK_BYTES, GROUP_BYTES, last_hidden
 from tsenor_cli.finetune.masks import RunSparsity, read_run_sparsity
 from tsenor_cli.outputs import human_bytes
+from tsenor_cli.precision import warn_slow_products
 from tsenor_cli.pruning.block.memory import (
     TRAINING_TERMS,
     TrainingEstimate,
@@ -122,6 +123,9 @@ def saved_bytes(model: nn.Module, batch: int, seqlen: int, *, distill: bool) -> 
 
 
 # What makes a fine-tuning run fit, in `tsenor finetune`'s flags.
+# The fix named when bf16 training would run on a device without bf16 products (`precision.py`): both commands' flags,
+# as the same plan serves `tsenor finetune` and the distillation of `tsenor prune --distill-steps`.
+FINETUNE_FP32 = "--dtype fp32 to tsenor finetune (--distill-dtype fp32 to tsenor prune)"
 FIT_FLAGS = "pass a smaller --batch-size (a larger --grad-accum keeps the step's windows) or --seqlen"
 
 
@@ -318,6 +322,8 @@ def plan_finetune(
     )
     estimate = replace(training_estimate(work), runtime=resident_bytes())
     device = torch.device(cfg.device)
+    if cfg.bf16:
+        warn_slow_products(device, torch.bfloat16, ["training under bf16 autocast"], FINETUNE_FP32)
     available: int | None
     if device.type == "cpu":
         available = available_host_bytes()

@@ -17,6 +17,7 @@ import torch
 
 from tsenor_cli.data.calibration import STAND_IN_SEQLEN
 from tsenor_cli.errors import IncompatibleModelError, UsageError
+from tsenor_cli.precision import warn_slow_products
 from tsenor_cli.progress import Progress, logger
 from tsenor_cli.pruning.block.idle import UNKNOWN_ORIENTATION
 from tsenor_cli.pruning.block.memory import (
@@ -157,6 +158,23 @@ def say_ruled(plan: ProbedWeights) -> None:
             "%d decoder weight(s) are not matmul weights of their block's forward and stay dense (see the report)",
             count,
         )
+
+
+def say_slow_products(cfg: PruneConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """One stderr line when the run asks `device` for half-precision products it has no instructions for
+    (`precision.py`: tens of times slower than float32 there): the weights' dtype, the refinement's and the
+    distillation's autocast, each named by its flag with the flag that avoids it."""
+    asked: dict[torch.dtype, list[tuple[str, str]]] = {}
+    if dtype in (torch.bfloat16, torch.float16):
+        name = "bf16" if dtype == torch.bfloat16 else "fp16"
+        setting = f"--dtype {cfg.dtype}" if cfg.dtype != "auto" else f"--dtype auto ({name} on {device.type})"
+        asked.setdefault(dtype, []).append((setting, "--dtype fp32"))
+    if cfg.refine.on and cfg.refine.dtype == "bf16":
+        asked.setdefault(torch.bfloat16, []).append(("--refine-dtype bf16", "--refine-dtype fp32"))
+    if cfg.distill.on and cfg.distill.dtype == "bf16":
+        asked.setdefault(torch.bfloat16, []).append(("--distill-dtype bf16", "--distill-dtype fp32"))
+    for half, pairs in asked.items():
+        warn_slow_products(device, half, [setting for setting, _ in pairs], " ".join(fix for _, fix in pairs))
 
 
 def _selection(cfg: PruneConfig, model: Any, structure: ModelStructure) -> tuple[Selection, tuple[OutsideWeight, ...]]:
@@ -537,6 +555,7 @@ def plan_model(
     from tsenor_cli.models.loading import config_value
 
     dtype, device = dtype_and_device(cfg, ctx, present=False)
+    say_slow_products(cfg, dtype, device)
     source, config, model, structure = _meta_structure(cfg, ctx, progress, conform=conform)
     hidden = int(config_value(config, "hidden_size"))
     selection, outside_targets = _selection(cfg, model, structure)

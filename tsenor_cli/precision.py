@@ -1,0 +1,98 @@
+"""Whether a device multiplies half-precision matrices in hardware, and the one line that says so when a
+setting asks for products the device would run far slower than float32.
+
+PyTorch's CPU products in bf16 or fp16 run on the CPU's matrix instructions where it has them (AVX-512 BF16
+or AMX for bf16, AVX-512 FP16 or AMX-FP16 for fp16 on x86; BF16 and half-precision SIMD on Arm) and
+otherwise on generic kernels, which are not a little slower but tens of times. Measured on a 2-core AMD
+EPYC with AVX2 only (torch 2.13.0, 2 threads; docs/results.md, "Twenty-seventh session"): a
+(2048 × 576)·(576 × 1536) product took 67 ms in float32, 4.0 s in bf16 and 4.2 s in fp16, and one
+SmolLM2-135M block's forward and backward over 4 × 512 tokens (a refinement step) 1.8 s in float32 against
+16.0 s under bf16 autocast, 9×. The same step under autocast ran 1.8× *faster* than float32 on the AVX-512
+BF16 machine of the earlier sessions ("Twenty-first session"). So `--refine-dtype bf16` (the 16:32 quality
+recipe's) or `--dtype bf16` is right on one machine and turns a 24-minute run into hours on another, and
+nothing in the run's output would say why: `warn_slow_products` says it once, before the work.
+
+`native_products` answers from what the device reports: a GPU through `torch.cuda.is_bf16_supported`
+(without emulation; every CUDA GPU multiplies fp16), a CPU through the instruction-set flags Linux lists in
+``/proc/cpuinfo``. Where neither tells (another OS, a GPU this machine lacks: a login node planning a GPU
+job), it answers None and nothing is said.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from tsenor_cli.progress import logger
+
+CPUINFO = Path("/proc/cpuinfo")
+# The flags (x86 ``flags``, Arm ``Features``) under which each dtype's products have their own instructions.
+CPU_FLAGS: dict[torch.dtype, frozenset[str]] = {
+    torch.bfloat16: frozenset({"avx512_bf16", "amx_bf16", "bf16"}),
+    torch.float16: frozenset({"avx512_fp16", "amx_fp16", "asimdhp"}),
+}
+NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# What the instructions are called in the line (the x86 ones: the machines this project's users run on).
+INSTRUCTIONS = {torch.bfloat16: "avx512_bf16 or amx_bf16", torch.float16: "avx512_fp16 or amx_fp16"}
+
+_warned: set[tuple[str, torch.dtype]] = set()
+
+
+@functools.cache
+def cpu_flags(path: Path = CPUINFO) -> frozenset[str] | None:
+    """The instruction-set flags of the first CPU `path` lists (x86 ``flags``, Arm ``Features``), None where
+    the file is absent or lists none (not Linux)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return None
+
+
+def native_products(device: torch.device, dtype: torch.dtype) -> bool | None:
+    """Whether `device` multiplies `dtype` (bf16 or fp16) matrices on instructions of its own: True, False, or
+    None when it cannot tell (see the module docstring). float32 and wider are always native (True)."""
+    if dtype not in CPU_FLAGS:
+        return True
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        return dtype == torch.float16 or torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "cpu":
+        flags = cpu_flags()
+        return None if flags is None else bool(flags & CPU_FLAGS[dtype])
+    return None
+
+
+def slow_products_line(device: torch.device, dtype: torch.dtype, settings: Sequence[str], fix: str) -> str | None:
+    """The warning for `settings` (the flags that ask for `dtype` products, e.g. ``--refine-dtype bf16``) on
+    `device`, with `fix` (the flags that avoid them); None when the device has the instructions or cannot tell."""
+    if not settings or native_products(device, dtype) is not False:
+        return None
+    what = " and ".join(settings)
+    name = NAMES[dtype]
+    if device.type == "cuda":
+        where = f"this GPU ({torch.cuda.get_device_name(device)}) has no {name} matrix units"
+    else:
+        where = f"this CPU has no {name} matrix instructions ({INSTRUCTIONS[dtype]})"
+    return (
+        f"{what}: {where}, and its {name} products run several to tens of times slower than fp32 "
+        f"(a refinement step 9x, a matrix product 60x on an AVX2 CPU); pass {fix}"
+    )
+
+
+def warn_slow_products(device: torch.device, dtype: torch.dtype, settings: Sequence[str], fix: str) -> None:
+    """Say `slow_products_line` on stderr, once per device kind and dtype in a process (a prune that distils
+    plans its distillation twice)."""
+    line = slow_products_line(device, dtype, settings, fix)
+    key = (device.type, dtype)
+    if line is not None and key not in _warned:
+        _warned.add(key)
+        logger.warning(line)
