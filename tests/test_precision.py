@@ -105,3 +105,11 @@ def test_the_dry_run_says_once_which_settings_compute_in_bf16(tiny: Path, cpu_wi
     cpu_with(AVX2 | {"amx_bf16"})
     assert "matrix instructions" not in _dry_run(tiny, "--refine", "block", "--refine-dtype", "bf16")
     assert not (tiny.parent / "never-written").exists()
+
+
+def test_a_benchmark_records_whether_its_cpu_multiplies_bf16(cpu_with: CpuWith) -> None:
+    from tsenor_cli.bench.machine import environment
+
+    for flags, said in ((AVX2, "generic"), (AVX2 | {"avx512_bf16"}, "native"), (None, "unknown")):
+        cpu_with(flags)
+        assert environment("cpu")["bf16_products"] == said

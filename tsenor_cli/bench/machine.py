@@ -3,7 +3,8 @@
 
 The benchmarks run on shared machines (CI and development VMs of 2 cores), where other processes slow
 both sides of a ratio, not always equally: the one-minute load average at the start says how busy the
-machine was.
+machine was. `bf16_products` says whether the device multiplies bf16 matrices on instructions of its own
+(`precision.py`): a CPU without them runs every bf16 timing tens of times slower, which no other field shows.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from typing import Any
 
 import torch
 
+from tsenor_cli.precision import native_products
 from tsenor_cli.version import __version__
+
+BF16_PRODUCTS = {True: "native", False: "generic", None: "unknown"}
 
 
 def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
     """{date (UTC), tsenor, torch, transformers, python, platform, processor, cpu_threads, load_average,
-    device}; on a CUDA device also gpu (its name), cuda, compute_capability and cusparselt."""
+    device, bf16_products ("native", "generic" or "unknown")}; on a CUDA device also gpu (its name), cuda,
+    compute_capability and cusparselt."""
     import transformers
 
     device = torch.device(device)
@@ -35,6 +40,7 @@ def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
         "cpu_threads": torch.get_num_threads(),
         "load_average": os.getloadavg()[0],
         "device": str(device),
+        "bf16_products": BF16_PRODUCTS[native_products(device, torch.bfloat16)],
     }
     if device.type == "cuda" and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability(device)
