@@ -3,12 +3,13 @@ setting asks for products the device would run far slower than float32.
 
 PyTorch's CPU products in bf16 or fp16 run on the CPU's matrix instructions where it has them (AVX-512 BF16
 or AMX for bf16, AVX-512 FP16 or AMX-FP16 for fp16 on x86; BF16 and half-precision SIMD on Arm) and
-otherwise on generic kernels, which are not a little slower but tens of times. Measured on a 2-core AMD
-EPYC with AVX2 only (torch 2.13.0, 2 threads; docs/results.md, "Twenty-seventh session"): a
-(2048 × 576)·(576 × 1536) product took 67 ms in float32, 4.0 s in bf16 and 4.2 s in fp16, and one
-SmolLM2-135M block's forward and backward over 4 × 512 tokens (a refinement step) 1.8 s in float32 against
-16.0 s under bf16 autocast, 9×. The same step under autocast ran 1.8× *faster* than float32 on the AVX-512
-BF16 machine of the earlier sessions ("Twenty-first session"). So `--refine-dtype bf16` (the 16:32 quality
+otherwise on generic kernels, which are not a little slower but tens of times. Measured by
+scripts/bf16_products.py on a 2-core AMD EPYC with AVX2 only (torch 2.13.0, one thread; docs/results.md,
+"Twenty-seventh session"): a (2048 × 576)·(576 × 1536) product took 57.5 ms in float32, 4.32 s in bf16 (75×)
+and 4.28 s in fp16 (77×), and one SmolLM2-135M block's forward and backward over 4 × 512 tokens (a
+refinement step) 1.32 s in float32 against 16.15 s under bf16 autocast (12×; 9× with two threads). The
+same step under autocast ran 1.8× *faster* than float32 on the AVX-512 BF16 machine of the earlier sessions
+("Twenty-first session"). So `--refine-dtype bf16` (the 16:32 quality
 recipe's) or `--dtype bf16` is right on one machine and turns a 24-minute run into hours on another, and
 nothing in the run's output would say why: `warn_slow_products` says it once, before the work.
 
@@ -84,7 +85,7 @@ def slow_products_line(device: torch.device, dtype: torch.dtype, settings: Seque
         where = f"this CPU has no {name} matrix instructions ({INSTRUCTIONS[dtype]})"
     return (
         f"{what}: {where}, and its {name} products run several to tens of times slower than fp32 "
-        f"(a refinement step 9x, a matrix product 60x on an AVX2 CPU); pass {fix}"
+        f"(a refinement step 9-12x, a matrix product 75x on an AVX2 CPU); pass {fix}"
     )
 
 

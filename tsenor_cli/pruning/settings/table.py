@@ -163,7 +163,7 @@ PRUNE_FIELDS: tuple[Field, ...] = (
           choices=("constant", "cosine")),
     Field("refine_dtype", str, "fp32", "Compute dtype of the refinement's forwards and backwards: fp32, or bf16 "
           "autocast (the weights, Adam and the kept-or-not errors stay fp32; 1.8x faster a block on a CPU with "
-          "bf16 units, 9x slower on an AVX2 one without them).", REFINE, choices=("fp32", "bf16")),
+          "bf16 units, 9-12x slower on an AVX2 one without them).", REFINE, choices=("fp32", "bf16")),
     # The whole-model stage after the blocks (`tsenor_cli/compress.py`): `tsenor finetune --teacher MODEL` of the
     # pruned checkpoint on windows of the calibration text, in the same command. Its defaults are the measured
     # ones of the quality recipes (docs/results.md, "Twenty-second session": lr 3e-4, 2 warm-up steps, 4 windows).
