@@ -22,7 +22,7 @@ from tsenor_cli.evaluation.perplexity import Windows, perplexity
 from tsenor_cli.evaluation.streamed import BlockCallbacks, streamed_perplexity
 from tsenor_cli.kernels import KERNELS
 from tsenor_cli.models.loading import LoadedModel, LoadOptions
-from tsenor_cli.precision import warn_slow_products
+from tsenor_cli.precision import NAMES, warn_slow_products
 from tsenor_cli.progress import sink
 from tsenor_cli.provenance import tsenor_versions
 from tsenor_cli.runfiles import (
@@ -189,9 +189,8 @@ def evaluate_model(
     seqlen = effective_seqlen(loaded, cfg.seqlen)
     first = next(loaded.model.parameters())
     device = first.device
-    if first.dtype in (torch.bfloat16, torch.float16):
-        name = "bf16" if first.dtype == torch.bfloat16 else "fp16"
-        warn_slow_products(device, first.dtype, [f"evaluating in {name}"], "--dtype fp32")
+    if first.dtype in NAMES:
+        warn_slow_products(device, first.dtype, [f"evaluating in {NAMES[first.dtype]}"], "--dtype fp32")
     kernels = sparse_kernels(loaded, device, sink(progress)) if cfg.kernels == "sparse" else None
     try:
         results = _perplexities(loaded, cfg, ctx, seqlen, progress, kernels)

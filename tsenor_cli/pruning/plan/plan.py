@@ -17,7 +17,7 @@ import torch
 
 from tsenor_cli.data.calibration import STAND_IN_SEQLEN
 from tsenor_cli.errors import IncompatibleModelError, UsageError
-from tsenor_cli.precision import warn_slow_products
+from tsenor_cli.precision import NAMES, warn_slow_products
 from tsenor_cli.progress import Progress, logger
 from tsenor_cli.pruning.block.idle import UNKNOWN_ORIENTATION
 from tsenor_cli.pruning.block.memory import (
@@ -166,8 +166,7 @@ def say_slow_products(cfg: PruneConfig, dtype: torch.dtype, device: torch.device
     distillation's autocast, each named by its flag with the flag that avoids it."""
     asked: dict[torch.dtype, list[tuple[str, str]]] = {}
     if dtype in (torch.bfloat16, torch.float16):
-        name = "bf16" if dtype == torch.bfloat16 else "fp16"
-        setting = f"--dtype {cfg.dtype}" if cfg.dtype != "auto" else f"--dtype auto ({name} on {device.type})"
+        setting = f"--dtype {cfg.dtype}" if cfg.dtype != "auto" else f"--dtype auto ({NAMES[dtype]} on {device.type})"
         asked.setdefault(dtype, []).append((setting, "--dtype fp32"))
     if cfg.refine.on and cfg.refine.dtype == "bf16":
         asked.setdefault(torch.bfloat16, []).append(("--refine-dtype bf16", "--refine-dtype fp32"))
