@@ -365,7 +365,9 @@ def step_8b(run: Run) -> dict[str, Any]:
 def step_70b(run: Run) -> dict[str, Any]:
     """One LLaMA-3.1-70B block by ALPS transposable 16:32 from a streamed checkpoint (random weights written
     to safetensors, read a block at a time), the 80 blocks projected at the default calibration, and the
-    run's host peak against the dry run's host estimate."""
+    run's host peak against the dry run's host estimate, with the phase it fell in."""
+    from tsenor_cli.bench.prune import host_peak_phases
+
     args = ["--methods", "alps", "--kinds", "transposable", "--stream"]
     result = _bench_prune(run, "e2e-70b", args, sizes=run.sizes.huge_model)
     checks = _prune_checks(result, WHOLE_70B_TARGET, "projected_whole_seconds_default_calibration")
@@ -375,6 +377,9 @@ def step_70b(run: Run) -> dict[str, Any]:
         checks.append(
             check(f"{label}: host peak less the start / dry-run host estimate", added, HOST_TARGET, fmt=".2f")
         )
+        # Where the peak fell: the first H200 run's 1.24 came with no phase to look at.
+        where = host_peak_phases(r["host_peak_bytes"], r["host_phase_peak_bytes"])
+        checks.append(info(f"{label}: host peak in", where))
     (r,) = result["runs"]
     return {
         "checks": checks,
@@ -383,6 +388,7 @@ def step_70b(run: Run) -> dict[str, Any]:
             "at the default calibration": r["projected_whole_seconds_default_calibration"],
         },
         "host_bytes": {k: r[f"host_{k}_bytes"] for k in ("start", "peak", "estimate")},
+        "host_phase_peak_bytes": r["host_phase_peak_bytes"],
         "phases_s": {k: round(v, 2) for k, v in r["phases"].items()},
         "files": ["e2e-70b.json"],
     }

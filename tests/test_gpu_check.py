@@ -178,6 +178,7 @@ def _e2e_70b(projected: float, start: int, peak: int, estimate: int) -> dict:
     run |= {"projected_whole_seconds": projected - 900.0, "projected_whole_seconds_default_calibration": projected}
     run |= {"host_start_bytes": start, "host_peak_bytes": peak, "host_estimate_bytes": estimate}
     run |= {"host_added_over_estimate": (peak - start) / estimate}
+    run |= {"host_phase_peak_bytes": {"load": start, "statistics": start + 1, "write": peak}}
     return {"runs": [run]}
 
 
@@ -212,6 +213,7 @@ def test_the_70b_step_judges_the_projection_and_the_host_peak_less_the_start(
     assert projected["ok"] and projected["shown"] == "1e+04" and projected["target"] == "≤ 1.08e+04"
     host = checks["alps transposable 16:32: host peak less the start / dry-run host estimate"]
     assert host["ok"] is host_ok and host["shown"] == f"{(peak_gib - 2) / 6:.2f}" and host["target"] == "≤ 1.00"
+    assert checks["alps transposable 16:32: host peak in"]["shown"] == "write"
     assert record["projected_s"] == {"at the run's calibration": 9100.0, "at the default calibration": 10_000.0}
     assert record["host_bytes"] == {"start": 2 * gib, "peak": peak_gib * gib, "estimate": 6 * gib}
 
@@ -243,8 +245,12 @@ def test_the_70b_step_runs_in_cpu_mode(
     assert step["name"] == "llama-70b" and step["status"] == "ok", step
     judged = {c["what"]: c["ok"] for c in step["checks"]}
     assert judged.pop("alps transposable 16:32: checkpoint verified") is True
-    assert set(judged.values()) == {None} and len(judged) == 4  # projection, device peak, save share, host peak
+    # Projection, device peak, save share, host peak, and the phase of the host peak (not judged).
+    assert set(judged.values()) == {None} and len(judged) == 5
     assert step["host_bytes"]["peak"] > step["host_bytes"]["start"] > 0 and step["host_bytes"]["estimate"] > 0
+    where = next(c["shown"] for c in step["checks"] if c["what"] == "alps transposable 16:32: host peak in")
+    assert max(step["host_phase_peak_bytes"].values()) <= step["host_bytes"]["peak"]
+    assert where == "outside the phases" or set(where.split(", ")) <= set(step["host_phase_peak_bytes"]), where
     assert step["projected_s"]["at the default calibration"] > step["projected_s"]["at the run's calibration"] > 0
     assert "| llama-70b | alps transposable 16:32: host peak less the start" in (out / "gpu-check.md").read_text()
 

@@ -1,5 +1,5 @@
 """The one timing system of a prune run: where it spends its time (and, for `tsenor bench prune`, its
-device memory), phase by phase, under one set of names (`PHASES`).
+device and host memory), phase by phase, under one set of names (`PHASES`).
 
 Code marks a phase with `phase(name)`; the marks go to the recording active on this thread (a context
 variable), and cost one variable read when none is. `prune_model` opens one for every run
@@ -9,11 +9,16 @@ phases nested in it (the statistics pass around a method's updates, the mask sol
 them), so the phases add up to the time they cover and what is left of the run's total is "other".
 A recording made for a device (`Timings(device)`, the bench's) also synchronizes a CUDA device at each
 boundary (else an asynchronous kernel's time lands in whichever phase next waits for it) and keeps the
-peak of `torch.cuda.max_memory_allocated` per phase (a phase's peak includes its nested phases); a
-plain run's recording does neither, so the marks cost it nothing on the device.
+peak of `torch.cuda.max_memory_allocated` per phase (a phase's peak includes its nested phases), and
+the host's: the process's resident-set high-water mark (VmHWM) read and reset (`reset_host_peak`) at each
+boundary, where the kernel allows it. The host peaks tell which phase a run's host peak fell in: the
+first GPU run of the 70B shape peaked at 1.24 × its dry-run host estimate with nothing to say where
+(docs/measurements/gpu-check-*-h200.md). A plain run's recording does neither, so the marks cost
+it nothing on the device and nothing in system calls.
 
 Work on another thread (the background writer's) is not marked: it overlaps the phases, and its seconds
-are shown beside their sum (`Timings.background`), never in it.
+are shown beside their sum (`Timings.background`), never in it. What it allocates is in the host peak
+of whichever phase the run's own thread is in at the time.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import contextvars
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -56,6 +62,30 @@ PHASES = (
 REFINE_PHASES = ("dense stream", "refine")
 
 
+def _status_bytes(field_name: str) -> int:
+    """A "VmXXX:  N kB" line of /proc/self/status in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field_name}:"):
+            return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field_name}")
+
+
+def reset_host_peak() -> int | None:
+    """Reset this process's resident-set high-water mark (VmHWM) to its resident set now and return that
+    (bytes), so the next `host_peak` is the peak of what runs in between, not of what ran before (the
+    random model's build); None where the kernel offers no reset (Linux before 4.0, another system)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak resident set (proc(5))
+        return _status_bytes("VmHWM")
+    except OSError:
+        return None
+
+
+def host_peak() -> int:
+    """This process's resident-set high-water mark (VmHWM) in bytes."""
+    return _status_bytes("VmHWM")
+
+
 @dataclass
 class _Open:
     name: str
@@ -68,8 +98,10 @@ class _Open:
 class Timings:
     """Exclusive seconds per phase (`seconds`), per phase and layer (`layers`, for the phases run under
     `phase(..., layer=NAME)` and those nested in them), seconds of work on other threads (`background`),
-    and with a `device` the peak device bytes per phase (`peaks`) and over the recording (`peak`); the
-    peaks stay empty/None off CUDA and without a device."""
+    and with a `device` the peak device bytes per phase (`peaks`) and over the recording (`peak`), which
+    stay empty/None off CUDA and without a device, and the peak resident bytes of the process per phase
+    (`host_peaks`) and over the recording (`host_peak`), which stay empty/None without a device or where
+    the kernel cannot reset the high-water mark (the recording's start resets it)."""
 
     device: torch.device | None = None
     seconds: dict[str, float] = field(default_factory=dict)
@@ -77,14 +109,27 @@ class Timings:
     peaks: dict[str, int] = field(default_factory=dict)
     peak: int | None = None
     background: dict[str, float] = field(default_factory=dict)
+    host_peaks: dict[str, int] = field(default_factory=dict)
+    host_peak: int | None = None
     _stack: list[_Open] = field(default_factory=list)
 
     @property
     def on_cuda(self) -> bool:
         return self.device is not None and self.device.type == "cuda"
 
+    def _fold_host_peak(self) -> None:
+        """Credit the process's resident-set peak since the last reset to every open phase, then reset it."""
+        if self.host_peak is None:
+            return
+        high = host_peak()
+        self.host_peak = max(self.host_peak, high)
+        for open_phase in self._stack:
+            self.host_peaks[open_phase.name] = max(self.host_peaks.get(open_phase.name, 0), high)
+        reset_host_peak()
+
     def _fold_peak(self) -> None:
-        """Credit the device's peak since the last reset to every open phase, then reset it."""
+        """Credit the device's and the host's peaks since the last reset to every open phase, then reset them."""
+        self._fold_host_peak()
         if not self.on_cuda:
             return
         torch.cuda.synchronize(self.device)
@@ -95,7 +140,10 @@ class Timings:
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def start(self) -> None:
-        """Begin the recording: the device's peak counter starts from what is allocated now."""
+        """Begin the recording: the device's peak counter starts from what is allocated now, and with a
+        device the host's from the resident set now."""
+        if self.device is not None:
+            self.host_peak = reset_host_peak()
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)

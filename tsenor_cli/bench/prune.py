@@ -51,7 +51,7 @@ import torch
 
 from tsenor_cli.bench.machine import environment
 from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
-from tsenor_cli.phases import PHASES, REFINE_PHASES
+from tsenor_cli.phases import PHASES, REFINE_PHASES, reset_host_peak
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.pruning.settings.config import REFINE_MODES
 from tsenor_cli.settings import RunContext
@@ -105,7 +105,8 @@ class RunResult:
     during the run (None where the kernel cannot reset the high-water mark), the dry run's host estimate,
     and the peak over it, whole and less the start: the dry run's fit check sets the estimate against
     the memory still available to a process whose runtime is already resident, so what the run adds to
-    the start is what the estimate predicts (a held model is resident at the start and counted in it)."""
+    the start is what the estimate predicts (a held model is resident at the start and counted in it);
+    the peak per phase (a phase's includes its nested phases': `phases.Timings.host_peaks`)."""
 
     method: str
     kind: str
@@ -133,6 +134,7 @@ class RunResult:
     host_estimate_bytes: int = 0
     host_peak_over_estimate: float | None = None
     host_added_over_estimate: float | None = None
+    host_phase_peak_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -252,30 +254,6 @@ def _local_name(full_name: str) -> str:
 def _rss_high_water() -> int:
     """The process's resident-set high-water mark in bytes (Linux reports KiB)."""
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def _status_bytes(field_name: str) -> int:
-    """A "VmXXX:  N kB" line of /proc/self/status in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field_name}:"):
-            return int(line.split()[1]) * 1024
-    raise OSError(f"/proc/self/status has no {field_name}")
-
-
-def reset_host_peak() -> int | None:
-    """Reset this process's resident-set high-water mark (VmHWM) to its resident set now and return that
-    (bytes), so the next `host_peak` is the peak of what runs in between, not of what ran before (the
-    random model's build); None where the kernel offers no reset (Linux before 4.0, another system)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak resident set (proc(5))
-        return _status_bytes("VmHWM")
-    except OSError:
-        return None
-
-
-def host_peak() -> int:
-    """This process's resident-set high-water mark (VmHWM) in bytes."""
-    return _status_bytes("VmHWM")
 
 
 def _random_tensor(spec: Any, std: float, device: torch.device, generator: torch.Generator) -> torch.Tensor:
@@ -522,6 +500,7 @@ def _one_run(
         host_estimate_bytes=host_estimate,
         host_peak_over_estimate=over,
         host_added_over_estimate=added,
+        host_phase_peak_bytes=dict(recorder.host_peaks),
     )
     if method == "alps":
         iterations = {r.name: r.iterations for r in report.layers if r.status == "pruned"}
@@ -574,12 +553,12 @@ def _timed_prune(
     start_rss = reset_host_peak()
     if start_rss is None:
         say("host peak not measured: this kernel cannot reset the peak resident set (/proc/self/clear_refs)")
+    # The recording resets the high-water mark at each phase boundary and keeps the peak over them.
     with record_phases(target.device) as recorder:
         start = time.perf_counter()
         report = prune_model(prune_cfg, ctx, say, built=loaded)
         seconds = time.perf_counter() - start
-    peak = host_peak() if start_rss is not None else None
-    return report, seconds, recorder, (start_rss, peak)
+    return report, seconds, recorder, (start_rss, recorder.host_peak)
 
 
 def default_tokens() -> int:
@@ -738,16 +717,29 @@ def _host_lines(result: E2EResult) -> list[str]:
         "estimate (`tsenor prune --dry-run`; the memory it is checked against is read by a process whose "
         "runtime is resident already, so (peak − start) / est. is the estimate's own error):",
         "",
-        "| method | pattern | at start GiB | peak GiB | dry-run host est. GiB | peak / est. | (peak − start) / est. |",
-        "|---|---|---|---|---|---|---|",
+        "| method | pattern | at start GiB | peak GiB | dry-run host est. GiB | peak / est. | (peak − start) / est. "
+        "| peak in |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for run in result.runs:
+        where = host_peak_phases(run.host_peak_bytes, run.host_phase_peak_bytes)
         lines.append(
             f"| {_label(run)} | {run.kind} {run.pattern} | {_gib(run.host_start_bytes)} | "
             f"{_gib(run.host_peak_bytes)} | {_gib(run.host_estimate_bytes)} | {_ratio(run.host_peak_over_estimate)} | "
-            f"{_ratio(run.host_added_over_estimate)} |"
+            f"{_ratio(run.host_added_over_estimate)} | {where} |"
         )
     return lines
+
+
+def host_peak_phases(peak: int | None, phase_peaks: dict[str, int]) -> str:
+    """The phases whose host peak (`phase_peaks`, `RunResult.host_phase_peak_bytes`) is the run's `peak`
+    ("statistics, solver": a phase and one nested in it), "outside the phases" when none reached it, "–"
+    where the peak was not measured."""
+    if peak is None or not phase_peaks:
+        return "–"
+    at_peak = [name for name, high in phase_peaks.items() if high == peak]
+    order = {name: index for index, name in enumerate(PHASES)}
+    return ", ".join(sorted(at_peak, key=lambda name: order.get(name, len(order)))) if at_peak else "outside the phases"
 
 
 def _projection_lines(result: E2EResult) -> list[str]:
