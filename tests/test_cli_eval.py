@@ -70,7 +70,10 @@ def test_eval_writes_eval_json(
     assert written["schema_version"] == SCHEMA_VERSION
     assert written["context"] == {"data_dir": str(data_dir.resolve()), "offline": True}
     # tsenor_source (the git commit) only when the package runs from a git checkout
-    assert set(written["versions"]) - {"tsenor_source"} == {"tsenor", "torch", "transformers", "datasets", "lm-eval"}
+    assert set(written["versions"]) - {"tsenor_source"} == {
+        *("tsenor", "torch", "transformers", "datasets", "lm-eval"),
+        *("cpu", "cpu_capability"),  # the CPU's kind: the last bits depend on it (precision.machine_versions)
+    }
     assert set(written["perplexity"]) == {"wikitext2", "ptb"}
     wt2 = written["perplexity"]["wikitext2"]
     assert wt2["windows"] == 2 and "wiki.test.raw" in wt2["data"]

@@ -40,6 +40,24 @@ def test_the_flags_are_read_from_an_x86_or_an_arm_cpuinfo(tmp_path: Path) -> Non
     assert precision.cpu_flags(arm) == frozenset({"fp", "asimd", "asimdhp", "bf16"})
     assert precision.cpu_flags(bare) is None
     assert precision.cpu_flags(tmp_path / "absent") is None
+    # The fields are the first CPU's: the second's block (after the blank line) is not read.
+    assert precision.cpu_fields(x86) == {"processor": "0", "flags": "fpu avx2 avx512_bf16"}
+    assert precision.cpu_fields(bare) == {"processor": "0", "model name": "a CPU"}
+
+
+def test_the_reports_name_the_cpus_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU's name with its family and model numbers (a VM's name alone says little), and torch's SIMD level."""
+    import platform
+
+    xeon = {"model name": "Intel(R) Xeon(R) Processor", "cpu family": "6", "model": "207", "flags": "avx512f"}
+    monkeypatch.setattr(precision, "cpu_fields", lambda: xeon)
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert precision.machine_versions() == {
+        "cpu": "Intel(R) Xeon(R) Processor (family 6, model 207)",
+        "cpu_capability": capability,
+    }
+    monkeypatch.setattr(precision, "cpu_fields", dict)  # no /proc/cpuinfo: the platform's name
+    assert precision.machine_versions()["cpu"] == (platform.processor() or platform.machine())
 
 
 @pytest.mark.parametrize(
@@ -113,3 +131,10 @@ def test_a_benchmark_records_whether_its_cpu_multiplies_bf16(cpu_with: CpuWith) 
     for flags, said in ((AVX2, "generic"), (AVX2 | {"avx512_bf16"}, "native"), (None, "unknown")):
         cpu_with(flags)
         assert environment("cpu")["bf16_products"] == said
+    assert environment("cpu")["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+def test_a_prune_report_records_the_cpus_kind() -> None:
+    from tsenor_cli.pruning.run.report import versions
+
+    assert {"cpu", "cpu_capability"} <= set(versions())

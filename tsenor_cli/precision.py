@@ -22,6 +22,7 @@ job), it answers None and nothing is said.
 from __future__ import annotations
 
 import functools
+import platform
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,18 +44,48 @@ _warned: set[tuple[str, torch.dtype]] = set()
 
 
 @functools.cache
-def cpu_flags(path: Path = CPUINFO) -> frozenset[str] | None:
-    """The instruction-set flags of the first CPU `path` lists (x86 ``flags``, Arm ``Features``), None where
-    the file is absent or lists none (not Linux)."""
+def cpu_fields(path: Path = CPUINFO) -> dict[str, str]:
+    """{field: value} of the first CPU `path` lists ("model name", "flags", ...), empty where the file is
+    absent (not Linux)."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
-        return None
+        return {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first CPU's block ends at its blank line
+            continue
         key, sep, value = line.partition(":")
-        if sep and key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return None
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_flags(path: Path = CPUINFO) -> frozenset[str] | None:
+    """The instruction-set flags of the first CPU `path` lists (x86 ``flags``, Arm ``Features``), None where
+    the file is absent or lists none (not Linux)."""
+    fields = cpu_fields(path)
+    value = fields.get("flags", fields.get("Features"))
+    return None if value is None else frozenset(value.split())
+
+
+def machine_versions() -> dict[str, str]:
+    """{"cpu": the CPU's name with its family and model numbers, "cpu_capability": the SIMD level torch's
+    kernels dispatch to}: what besides the code decides a run's last bits. The same command, seed and code
+    give other masks on another kind of CPU: SmolLM2-135M plain ALPS T2:4 gave WikiText-2 138.465 on the
+    earlier sessions' AVX-512 machines, 139.399 on an AVX2 EPYC and 139.134 on an AVX-512 Xeon with AMX
+    (docs/results.md, "Twenty-eighth session"). The reports record it so that two runs that differ can be
+    told apart; the name alone does not do it (a VM may call its CPU "Intel(R) Xeon(R) Processor")."""
+    fields = cpu_fields()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    labels = {"cpu family": "family", "model": "model"}
+    numbers = [f"{label} {fields[key]}" for key, label in labels.items() if key in fields]
+    return {
+        "cpu": f"{name} ({', '.join(numbers)})" if numbers else name,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
 
 
 def native_products(device: torch.device, dtype: torch.dtype) -> bool | None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tsenor_cli.precision import native_products
+from tsenor_cli.precision import machine_versions, native_products
 from tsenor_cli.version import __version__
 
 BF16_PRODUCTS = {True: "native", False: "generic", None: "unknown"}
@@ -24,7 +24,8 @@ BF16_PRODUCTS = {True: "native", False: "generic", None: "unknown"}
 
 def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
     """{date (UTC), tsenor, torch, transformers, python, platform, processor, cpu_threads, load_average,
-    device, bf16_products ("native", "generic" or "unknown")}; on a CUDA device also gpu (its name), cuda,
+    device, bf16_products ("native", "generic" or "unknown"), cpu and cpu_capability (the CPU's kind:
+    `precision.machine_versions`)}; on a CUDA device also gpu (its name), cuda,
     compute_capability and cusparselt."""
     import transformers
 
@@ -41,6 +42,7 @@ def environment(device: torch.device | str = "cpu") -> dict[str, Any]:
         "load_average": os.getloadavg()[0],
         "device": str(device),
         "bf16_products": BF16_PRODUCTS[native_products(device, torch.bfloat16)],
+        **machine_versions(),
     }
     if device.type == "cuda" and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability(device)

@@ -22,7 +22,7 @@ from tsenor_cli.evaluation.perplexity import Windows, perplexity
 from tsenor_cli.evaluation.streamed import BlockCallbacks, streamed_perplexity
 from tsenor_cli.kernels import KERNELS
 from tsenor_cli.models.loading import LoadedModel, LoadOptions
-from tsenor_cli.precision import NAMES, warn_slow_products
+from tsenor_cli.precision import NAMES, machine_versions, warn_slow_products
 from tsenor_cli.progress import sink
 from tsenor_cli.provenance import tsenor_versions
 from tsenor_cli.runfiles import (
@@ -124,7 +124,8 @@ def eval_target(output: Path | None, *, force: bool) -> Path | None:
 
 
 def package_versions() -> dict[str, str]:
-    """Versions of the libraries that decide the numbers (absent ones are reported as such)."""
+    """Versions of the libraries that decide the numbers (absent ones are reported as such), and the CPU's
+    kind (`precision.machine_versions`)."""
     versions = tsenor_versions()
     for key, dist in (
         ("torch", "torch"),
@@ -136,7 +137,7 @@ def package_versions() -> dict[str, str]:
             versions[key] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             versions[key] = "not installed"
-    return versions
+    return versions | machine_versions()
 
 
 def effective_seqlen(loaded: LoadedModel, seqlen: int | None) -> int:

@@ -9,6 +9,7 @@ def versions() -> dict[str, str]:
     import torch
     import transformers
 
+    from tsenor_cli.precision import machine_versions
     from tsenor_cli.provenance import tsenor_versions
 
     return {
@@ -16,4 +17,5 @@ def versions() -> dict[str, str]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
+        **machine_versions(),
     }
