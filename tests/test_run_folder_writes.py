@@ -49,6 +49,7 @@ ELSEWHERE = {
     "bench/prune.py": "the benchmark's generated checkpoints and outputs in a scratch folder",
     "bench/memory.py": "the benchmark's generated checkpoints, texts and outputs in a scratch folder",
     "bench/checkpoint.py": "the benchmark's dense and packed checkpoints in a scratch folder",
+    "phases.py": "/proc/self/clear_refs, to reset the process's peak resident set between phases",
 }
 
 
