@@ -51,7 +51,7 @@ import torch
 
 from tsenor_cli.bench.machine import environment
 from tsenor_cli.errors import BadInputError, InputNotFoundError, UsageError
-from tsenor_cli.phases import PHASES, REFINE_PHASES, reset_host_peak
+from tsenor_cli.phases import PHASES, REFINE_PHASES
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.pruning.settings.config import REFINE_MODES
 from tsenor_cli.settings import RunContext
@@ -550,11 +550,12 @@ def _timed_prune(
         del model
     gc.collect()  # what the last run left, before this one's peak is measured
     trim_heap()
-    start_rss = reset_host_peak()
-    if start_rss is None:
-        say("host peak not measured: this kernel cannot reset the peak resident set (/proc/self/clear_refs)")
-    # The recording resets the high-water mark at each phase boundary and keeps the peak over them.
+    # The recording resets the high-water mark at its start (the resident set then is its first `host_peak`)
+    # and at each phase boundary, and keeps the peak over them.
     with record_phases(target.device) as recorder:
+        start_rss = recorder.host_peak
+        if start_rss is None:
+            say("host peak not measured: this kernel cannot reset the peak resident set (/proc/self/clear_refs)")
         start = time.perf_counter()
         report = prune_model(prune_cfg, ctx, say, built=loaded)
         seconds = time.perf_counter() - start
