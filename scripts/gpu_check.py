@@ -439,6 +439,18 @@ def step_speedup(run: Run) -> dict[str, Any]:
     return {"checks": checks, "files": [out.name, md.name]}
 
 
+def fused_shown(shapes: list[dict[str, Any]]) -> str:
+    """Each shape of `tsenor bench kernels`: its fused compression's ms against the two apart, or why not."""
+    cells = []
+    for row in shapes:
+        label = "×".join(str(n) for n in row["shape"])
+        fused = row.get("compress_fused_ms")
+        apart = row["compress_ms"] + row["compress_t_ms"]
+        why = row.get("fused", "not measured")
+        cells.append(f"{label} {fused:.3f}/{apart:.3f}" if fused is not None else f"{label} no: {why}")
+    return "; ".join(cells)
+
+
 def step_kernels(run: Run) -> dict[str, Any]:
     """`tsenor bench kernels` at the 8B shape: prefill and an MLP training step, dense against
     `--kernels sparse` (on the CPU: the kernels' dense stand-in at toy sizes, its results checked)."""
@@ -465,6 +477,9 @@ def step_kernels(run: Run) -> dict[str, Any]:
              "never" if even is None else f"{even:,.0f}"),
         # The prefill replayed as CUDA graphs: what is left once no host work is done per kernel.
         info("prefill as a CUDA graph, sparse / dense tokens/s", graphed.get("note") or f"{graphed['speedup']:.2f}"),
+        # A training step's copies of W and Wᵀ in one fused pass, where checked against cuSPARSELt's own.
+        info("shapes whose copies the fused kernel makes, its ms against cuSPARSELt's W + Wᵀ",
+             fused_shown(result["shapes"])),
     ]  # fmt: skip
     return {"checks": checks, "files": [out.name, md.name]}
 

@@ -159,6 +159,20 @@ def test_the_speedup_step_judges_transposable_and_shows_ordinary(
     assert checks[1]["target"] == "none"
 
 
+def test_the_kernels_step_shows_each_shapes_fused_compression_or_why_not(gpu_check: ModuleType) -> None:
+    """`tsenor bench kernels`' shape rows, by hand: 0.2 ms fused against 1.1 + 1.2 ms apart; another shape
+    whose fused layout differed; an older result without the fused columns."""
+    rows = [
+        {"shape": [14336, 4096], "compress_ms": 1.1, "compress_t_ms": 1.2, "fused": "", "compress_fused_ms": 0.2},
+        {"shape": [1024, 4096], "compress_ms": 0.3, "compress_t_ms": 0.3, "fused": "its layout differs",
+         "compress_fused_ms": None},
+        {"shape": [4096, 4096], "compress_ms": 0.5, "compress_t_ms": 0.6},
+    ]  # fmt: skip
+    assert gpu_check.fused_shown(rows) == (
+        "14336×4096 0.200/2.300; 1024×4096 no: its layout differs; 4096×4096 no: not measured"
+    )
+
+
 def test_a_carry_folder_without_the_prepared_inputs_is_refused(gpu_check: ModuleType, tmp_path: Path) -> None:
     assert gpu_check.main(["run", "--device", "cpu", "--carry", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert not (tmp_path / "o").exists()

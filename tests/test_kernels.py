@@ -326,3 +326,117 @@ def test_the_graphed_prefill_record_says_which_side_was_not_captured() -> None:
         "note": "sparse not captured: X"
     }
     assert _graphed_record(8, "not captured: Y", 2.0) == {"note": "dense not captured: Y"}
+
+
+# ---------------------------------------------------------------- the fused compression of W and Wᵀ
+
+
+def test_the_tile_patterns_are_the_90_transposable_two_four_tiles() -> None:
+    """4×4 0/1 matrices with every row and column summing to 2: 90 of them (the 2-regular bipartite
+    graphs on 4 + 4 vertices), each once."""
+    tiles = sparse.tile_patterns()
+    assert tiles.shape == (90, 4, 4)
+    assert (tiles.sum(1) == 2).all() and (tiles.sum(2) == 2).all()
+    assert len({tuple(tile.flatten().tolist()) for tile in tiles}) == 90
+
+
+def test_the_probe_is_transposable_two_four_with_no_kept_zero_and_every_pattern() -> None:
+    probe = sparse.transposable_probe((128, 128), torch.device("cpu"), torch.bfloat16)
+    assert sparse.two_four_rows(probe) and sparse.two_four_rows(probe.t())
+    kept = probe != 0
+    assert int(kept.sum()) == 128 * 64  # exactly 2 of 4: no kept value is zero
+    assert float(probe.abs()[kept].min()) >= 0.5
+    tiles = kept.reshape(32, 4, 32, 4).permute(0, 2, 1, 3).reshape(-1, 16)
+    assert len({tuple(tile.tolist()) for tile in tiles}) == 90  # 1024 tiles show every pattern
+    torch.testing.assert_close(probe, sparse.transposable_probe((128, 128), torch.device("cpu"), torch.bfloat16))
+
+
+@pytest.fixture
+def cslt_on_cpu(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """torch's cuSPARSELt ops and fused tile kernel stood in on the CPU: a compressed form is the matrix
+    itself, the product A·B; → the shapes the fused kernel was called on."""
+    fused_calls: list[tuple[int, ...]] = []
+
+    def tile(matrix: torch.Tensor, algorithm: str = "", use_cutlass: bool = True) -> tuple[torch.Tensor, ...]:
+        assert algorithm == "largest_abs_values_greedy" and not use_cutlass
+        fused_calls.append(tuple(matrix.shape))
+        return matrix.clone(), None, matrix.t().contiguous(), None, None  # type: ignore[return-value]
+
+    def sparse_mm(packed: torch.Tensor, dense: torch.Tensor, transpose_result: bool = False, alg_id: int = 0):
+        product = packed @ dense
+        return product.t() if transpose_result else product
+
+    monkeypatch.setattr(torch, "_cslt_compress", lambda w: w.clone(), raising=False)
+    monkeypatch.setattr(torch, "_cslt_sparse_mm_search", lambda *a, **k: 0, raising=False)
+    monkeypatch.setattr(torch, "_cslt_sparse_mm", sparse_mm, raising=False)
+    monkeypatch.setattr(torch, sparse.FUSED_OP, tile, raising=False)
+    monkeypatch.setattr(sparse, "_FUSED", {})
+    monkeypatch.setattr(sparse, "_ALGORITHMS", {})
+    return fused_calls
+
+
+def test_training_makes_both_copies_in_one_fused_pass_where_the_shape_was_checked(
+    cslt_on_cpu: list[tuple[int, ...]],
+) -> None:
+    """Three transposable linears: two of a 128-multiple shape (checked once, then both copies from one
+    fused call per forward), one of 64 rows (the fused layout's 128 rows not met: apart, said in the line)."""
+    layers = nn.ModuleDict(
+        {name: _two_four_linear(o, i, transposable=True, device=torch.device("cpu"), dtype=torch.float64)
+         for name, (o, i) in {"a": (128, 256), "b": (128, 256), "c": (64, 128)}.items()}
+    )  # fmt: skip
+    plan = KernelPlan("cusparselt-direct", dict.fromkeys(layers, True), dtypes=(torch.float64,),
+                      training=True, dtype=torch.float64)  # fmt: skip
+    assert plan.install(layers) == 3
+    assert cslt_on_cpu == [(128, 256)]  # the check's probe: one shape, once
+    assert plan.fused == {"a": "", "b": "", "c": "a shape not in multiples of 128"}
+    assert plan.line().endswith(
+        "; W and Wᵀ compressed in one pass (torch's fused 2:4 kernel, checked against cuSPARSELt's own) for 2, "
+        "apart by cuSPARSELt for 1 (1 a shape not in multiples of 128)"
+    )
+    for name, layer in layers.items():
+        x = torch.randn(13, layer.in_features, dtype=torch.float64, requires_grad=True)
+        y = layer(x)
+        (x_grad,) = torch.autograd.grad(y.sum(), x)
+        torch.testing.assert_close(y, nn.functional.linear(x, layer.weight, layer.bias))
+        torch.testing.assert_close(x_grad, torch.ones_like(y) @ layer.weight)
+        assert plan.kernels[name].compressed == (False, True)
+    assert cslt_on_cpu == [(128, 256)] * 3  # the probe, then one fused call for each of a and b
+    plan.refresh()
+    with torch.no_grad():  # an evaluation: W's copy only, never through the fused kernel
+        layers["a"](torch.randn(8, 256, dtype=torch.float64))
+    assert plan.kernels["a"].compressed == (False,) and len(cslt_on_cpu) == 3
+
+
+def test_a_fused_layout_unlike_cusparselts_own_is_not_used_and_said(
+    cslt_on_cpu: list[tuple[int, ...]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch, "_cslt_compress", lambda w: w.flip(0).contiguous())  # another byte order
+    layer = _two_four_linear(128, 128, transposable=True, device=torch.device("cpu"), dtype=torch.float64)
+    plan = KernelPlan("cusparselt-direct", {"": True}, dtypes=(torch.float64,), training=True, dtype=torch.float64)
+    plan.install(layer)
+    assert plan.fused == {"": "its layout differs from cuSPARSELt's compression on this GPU"}
+    assert "for 0, apart by cuSPARSELt for 1 (1 its layout differs" in plan.line()
+    x = torch.randn(8, 128, dtype=torch.float64, requires_grad=True)
+    layer(x).sum().backward()
+    assert cslt_on_cpu == [(128, 128)]  # the check's call only: the copies were made apart
+    untrained = KernelPlan("cusparselt-direct", {"": True}, dtypes=(torch.float64,), dtype=torch.float64)
+    untrained.install(layer)
+    assert not untrained.fused and "one pass" not in untrained.line()  # evaluation: nothing checked
+
+
+def test_on_cuda_the_fused_copies_give_cusparselts_products(device: torch.device) -> None:
+    """The real fused kernel against cuSPARSELt's own compression on a pruned weight: the same products
+    to the bit, W's and Wᵀ's (skipped where the check found the layouts differ, which it then says)."""
+    if device.type != "cuda":
+        pytest.skip("the fused kernel and cuSPARSELt are CUDA's")
+    backend, dtype = _backend(device)
+    if backend != "cusparselt-direct":
+        pytest.skip(f"{backend}: the fused kernel serves cuSPARSELt")
+    problem = sparse.fused_problem((256, 512), device, dtype)
+    if problem:
+        pytest.skip(problem)
+    weight = _two_four_linear(256, 512, transposable=True, device=device, dtype=dtype).weight.detach()
+    forward, backward = sparse.fused_operands(weight)
+    x, dy = torch.randn(64, 512, device=device, dtype=dtype), torch.randn(64, 256, device=device, dtype=dtype)
+    assert torch.equal(forward.linear(x), sparse.SparseOperand(weight, backend).linear(x))
+    assert torch.equal(backward.linear(dy), sparse.SparseOperand(weight.t(), backend).linear(dy))

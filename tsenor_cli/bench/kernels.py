@@ -20,7 +20,9 @@ the plan, the weight checks and the installation a run does.
   --grad-accum`), which splits the sparse step into its products and its compression, and gives the
   tokens per optimizer step at which the sparse step breaks even with the dense one.
 - per shape: each distinct linear shape's forward product alone on `tokens` tokens, dense against sparse,
-  and the compression of W and of Wᵀ, so a report shows which linears gain and what a refresh costs.
+  the compression of W and of Wᵀ apart, and both in one pass by the fused kernel where it was checked for
+  the shape (`kernels.sparse.fused_problem`; the MLP step uses it there), so a report shows which
+  linears gain and what a refresh costs.
 
 On a CUDA GPU the kernels are the real ones (bf16); on the CPU (the CPU mode of `make gpu-check`, toy
 sizes) the same autograd function runs with the dense stand-in in fp32, so the path is exercised and
@@ -44,7 +46,7 @@ from tsenor_cli.bench.machine import environment
 from tsenor_cli.bench.prune import build_random_model, shape_config
 from tsenor_cli.bench.speedup import two_four_masks
 from tsenor_cli.errors import UsageError
-from tsenor_cli.kernels.sparse import STAND_IN, KernelPlan, SparseOperand, plan_kernels
+from tsenor_cli.kernels.sparse import STAND_IN, KernelPlan, SparseOperand, fused_operands, fused_problem, plan_kernels
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.runfiles import PrunedWeight, SparsityRecord
@@ -177,9 +179,10 @@ def _shape_rows(model: nn.Module, plan: KernelPlan, gen: torch.Generator, cfg: K
     ]
 
 
-def _time_shape(weight: torch.Tensor, backend: str, gen: torch.Generator, cfg: KernelsConfig) -> dict[str, float]:
-    """weight (out, in): its forward product on `cfg.tokens` random tokens dense and on `backend`, and its
-    compression and its transpose's, in milliseconds."""
+def _time_shape(weight: torch.Tensor, backend: str, gen: torch.Generator, cfg: KernelsConfig) -> dict[str, Any]:
+    """weight (out, in): its forward product on `cfg.tokens` random tokens dense and on `backend`, its
+    compression and its transpose's, and both by the fused kernel (`fused`: "" where it runs, else why
+    not and `compress_fused_ms` None), in milliseconds."""
     device = weight.device
     x = torch.randn(cfg.tokens, weight.shape[1], generator=gen, device=device, dtype=weight.dtype)  # (T, in)
     operand = SparseOperand(weight, backend)
@@ -189,7 +192,13 @@ def _time_shape(weight: torch.Tensor, backend: str, gen: torch.Generator, cfg: K
         "compress_ms": lambda: SparseOperand(weight, backend),
         "compress_t_ms": lambda: SparseOperand(weight.t(), backend),
     }
-    timed = {key: median_ms(call, device, cfg.warmup, cfg.repeats) for key, call in calls.items()}
+    timed: dict[str, Any] = {key: median_ms(call, device, cfg.warmup, cfg.repeats) for key, call in calls.items()}
+    shape = (int(weight.shape[0]), int(weight.shape[1]))
+    direct = backend == "cusparselt-direct"
+    timed["fused"] = fused_problem(shape, device, weight.dtype) if direct else f"not for {backend}"
+    timed["compress_fused_ms"] = None
+    if not timed["fused"]:
+        timed["compress_fused_ms"] = median_ms(lambda: fused_operands(weight), device, cfg.warmup, cfg.repeats)
     # A call's fixed cost, host or device: the sparse product alone took 0.4-0.8 ms at every token count
     # on an H200 where the dense one took 0.04-0.38 ms (docs/measurements/gpu.md, Runs). Issued back to back, the
     # host's time per call (before synchronizing) and the wall time per call (after) tell the two apart.
@@ -223,7 +232,8 @@ def run_kernels(cfg: KernelsConfig, progress: Progress | None = None) -> Kernels
     device = resolve_device(cfg.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, structure, record = _pruned_model(cfg, device, dtype)
-    plan = plan_kernels(model, record, device, dtype, backend=None if device.type == "cuda" else STAND_IN)
+    backend = None if device.type == "cuda" else STAND_IN
+    plan = plan_kernels(model, record, device, dtype, backend=backend, training=True)
     say(plan.line())
     if plan.backend is None:
         raise UsageError(f"the sparse kernels cannot run here: {plan.line()}")
@@ -355,18 +365,25 @@ def to_markdown(result: KernelsResult) -> str:
         ),
         "",
         "| shape (out×in) | linears | dense ms | sparse ms | dense / sparse | compress W ms | compress Wᵀ ms "
-        "| host ms a call, dense / sparse | burst ms a call, dense / sparse |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "| both fused ms | host ms a call, dense / sparse | burst ms a call, dense / sparse |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for row in result.shapes:
         out_features, in_features = row["shape"]
         lines.append(
             f"| {out_features}×{in_features} | {row['linears']} | {row['dense_ms']:.3f} | {row['sparse_ms']:.3f} | "
             f"{row['dense_ms'] / row['sparse_ms']:.2f} | {row['compress_ms']:.3f} | {row['compress_t_ms']:.3f} | "
-            f"{row['dense_host_ms']:.3f} / {row['sparse_host_ms']:.3f} | "
+            f"{_fused_cell(row)} | {row['dense_host_ms']:.3f} / {row['sparse_host_ms']:.3f} | "
             f"{row['dense_burst_ms']:.3f} / {row['sparse_burst_ms']:.3f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _fused_cell(row: dict[str, Any]) -> str:
+    """The fused compression's time, or why it did not run (rows of older results have neither)."""
+    if row.get("compress_fused_ms") is not None:
+        return f"{row['compress_fused_ms']:.3f}"
+    return str(row.get("fused") or "–")
 
 
 def _graphed_row(graphed: dict[str, Any]) -> str:

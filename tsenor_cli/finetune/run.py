@@ -431,7 +431,7 @@ def _sparse_kernels(
     from tsenor_cli.kernels.sparse import plan_kernels
 
     dtype = torch.bfloat16 if cfg.bf16 else next(model.parameters()).dtype
-    plan = plan_kernels(model, sparsity.record, torch.device(device), dtype)
+    plan = plan_kernels(model, sparsity.record, torch.device(device), dtype, training=True)
     if plan.backend is not None:
         plan.note = "forwards outside bf16 autocast (the fp32 evaluations) run dense"
         plan.install(model)

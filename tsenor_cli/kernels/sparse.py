@@ -25,11 +25,16 @@ same autograd function with dense products on a copy of the weights: the CPU tes
 
 The compressed copies are made from the weights once and reused, so whoever changes the weights
 (an optimizer step, a checkpoint loaded into them) calls `KernelPlan.refresh` (finetune's MaskCallback
-does, after each step's mask).
+does, after each step's mask). A training step therefore pays the compression of W and of Wᵀ again:
+cuSPARSELt's own took 42% of a sparse 8B MLP step's CUDA time on an H200, with Wᵀ's transposed copies
+another 6% (docs/measurements/gpu.md, Runs). For a transposable mask on cuSPARSELt, torch's fused 2:4
+tile kernel makes both copies in one pass over W instead (`fused_operands`), for each shape where it
+was checked, once in the process, to write the same bytes as cuSPARSELt's compression (`fused_problem`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -104,14 +109,18 @@ def cslt_algorithm(packed: torch.Tensor, shape: tuple[int, int], dense: torch.Te
 
 class SparseOperand:
     """A matrix A (r, c) keeping at most 2 of every 4 consecutive entries of each row, compressed once
-    for `backend`: `linear(y)` is y·Aᵀ (T, r) for y (T, c), in A's dtype."""
+    for `backend`: `linear(y)` is y·Aᵀ (T, r) for y (T, c), in A's dtype. `compressed`: A's compressed
+    form made elsewhere (cuSPARSELt's, by `fused_operands`), taken as it is."""
 
-    def __init__(self, matrix: torch.Tensor, backend: str) -> None:
+    def __init__(self, matrix: torch.Tensor, backend: str, *, compressed: torch.Tensor | None = None) -> None:
         self.backend = backend
         self.shape = (int(matrix.shape[0]), int(matrix.shape[1]))
+        if compressed is not None:
+            self.data: torch.Tensor = compressed
+            return
         dense = matrix.detach().contiguous()
         if backend == "cusparselt-direct":
-            self.data: torch.Tensor = torch._cslt_compress(dense)
+            self.data = torch._cslt_compress(dense)
         elif backend == "cutlass":
             from torch.sparse import SparseSemiStructuredTensorCUTLASS
 
@@ -133,19 +142,108 @@ class SparseOperand:
         return out[:tokens] if pad else out
 
 
+# torch's fused 2:4 tile kernel (the op behind torch.sparse's semi-structured training path): one pass
+# over W writes cuSPARSELt's compressed forms of W and of Wᵀ. Within each aligned 4×4 tile it keeps
+# values greedily from the largest |w| while their row and column hold fewer than 2: on the weights of a
+# transposable 2:4 mask (at most 2 non-zeros per row and per column of every tile) it keeps every
+# non-zero before any zero is reached, so it compresses those weights exactly; it is used for nothing else.
+FUSED_OP = "_sparse_semi_structured_tile"
+FUSED_ALGORITHM = "largest_abs_values_greedy"
+# Its cuSPARSELt layout takes rows and columns that are multiples of 128 (torch's own check).
+FUSED_MULTIPLE = 128
+# That layout is torch's reconstruction of cuSPARSELt's format, not cuSPARSELt's API, so each
+# (device, dtype, rows, columns) is checked once a process against cuSPARSELt's compression of a probe
+# (`_check_fused`): {key: "" when the bytes are equal, else why the fused kernel is not used}.
+_FUSED: dict[tuple[str, torch.dtype, int, int], str] = {}
+
+
+def tile_patterns() -> torch.Tensor:
+    """(90, 4, 4) bool: every 4×4 tile that keeps 2 entries in each row and 2 in each column."""
+    pairs = torch.tensor(list(itertools.combinations(range(4), 2)))  # (6, 2): the rows' kept columns
+    rows = torch.zeros(6, 4, dtype=torch.bool).scatter_(1, pairs, True)  # (6, 4)
+    tiles = rows[torch.cartesian_prod(*[torch.arange(6)] * 4)]  # (1296, 4, 4): 2 per row
+    return tiles[(tiles.sum(1) == 2).all(1)]
+
+
+def transposable_probe(shape: tuple[int, int], device: torch.device, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A seeded (r, c) matrix, r and c multiples of 4, whose aligned 4×4 tiles each keep one of the 90
+    transposable 2:4 patterns at random, with kept values of |v| in [0.5, 1.5): every pattern's
+    metadata is exercised and no kept value is zero (a zero could be stored in another slot)."""
+    rows, cols = shape
+    gen = torch.Generator(device=device).manual_seed(seed)
+    patterns = tile_patterns().to(device)
+    chosen = patterns[torch.randint(len(patterns), (rows // 4, cols // 4), generator=gen, device=device)]
+    mask = chosen.permute(0, 2, 1, 3).reshape(rows, cols)  # (r/4, 4, c/4, 4) → (r, c)
+    values = torch.rand(rows, cols, generator=gen, device=device) + 0.5
+    signs = torch.randint(2, (rows, cols), generator=gen, device=device) * 2 - 1
+    return (values * signs * mask).to(dtype)
+
+
+def fused_compress(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """matrix (r, c), contiguous, 2:4 along rows and along columns → (cuSPARSELt's compressed form of
+    it, of its transpose), from the one fused kernel."""
+    packed, _, packed_t, _, _ = getattr(torch, FUSED_OP)(matrix, algorithm=FUSED_ALGORITHM, use_cutlass=False)
+    return packed, packed_t
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _check_fused(shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> str:
+    probe = transposable_probe(shape, device, dtype)
+    try:
+        packed, packed_t = fused_compress(probe)
+    except RuntimeError as exc:
+        return f"torch.{FUSED_OP} failed ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+    own = torch._cslt_compress(probe), torch._cslt_compress(probe.t().contiguous())
+    if _same_bytes(packed, own[0]) and _same_bytes(packed_t, own[1]):
+        return ""
+    return "its layout differs from cuSPARSELt's compression on this GPU"
+
+
+def fused_problem(shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> str:
+    """Why the fused kernel does not make the cuSPARSELt copies of a transposable (r, c) weight on
+    `device` in `dtype`, or "" when it does (checked once a process for each shape, `_check_fused`)."""
+    rows, cols = shape
+    if rows % FUSED_MULTIPLE or cols % FUSED_MULTIPLE:
+        return f"a shape not in multiples of {FUSED_MULTIPLE}"
+    if not hasattr(torch, FUSED_OP):
+        return f"torch {torch.__version__} lacks torch.{FUSED_OP}"
+    key = (str(device), dtype, rows, cols)
+    if key not in _FUSED:
+        _FUSED[key] = _check_fused(shape, device, dtype)
+    return _FUSED[key]
+
+
+def fused_operands(weight: torch.Tensor) -> tuple[SparseOperand, SparseOperand]:
+    """weight (out, in) of a transposable 2:4 mask → (W's, Wᵀ's) cuSPARSELt operands from one fused pass."""
+    dense = weight.detach().contiguous()
+    packed, packed_t = fused_compress(dense)
+    backend = "cusparselt-direct"
+    return SparseOperand(dense, backend, compressed=packed), SparseOperand(dense.t(), backend, compressed=packed_t)
+
+
 class LinearKernel:
     """One linear's compressed weights: W's for the forward, Wᵀ's for the input gradient when
-    `transposable`, each made on first use in the dtype the layer computes in and kept until `refresh`."""
+    `transposable`, each made on first use in the dtype the layer computes in and kept until `refresh`.
+    A forward whose input gradient will be wanted (training) asks for `both`: made at once by the fused
+    kernel when computing in `fused` (the dtype it was checked for, or None). An evaluation never makes
+    Wᵀ's copy, which it would not use."""
 
-    def __init__(self, backend: str, transposable: bool) -> None:
+    def __init__(self, backend: str, transposable: bool, fused: torch.dtype | None = None) -> None:
         self.backend = backend
         self.transposable = transposable
+        self.fused = fused if backend == "cusparselt-direct" and transposable else None
         self._operands: dict[tuple[bool, torch.dtype], SparseOperand] = {}
 
-    def operand(self, weight: torch.Tensor, *, transposed: bool) -> SparseOperand:
+    def operand(self, weight: torch.Tensor, *, transposed: bool, both: bool = False) -> SparseOperand:
         key = (transposed, weight.dtype)
         if key not in self._operands:
-            self._operands[key] = SparseOperand(weight.t() if transposed else weight, self.backend)
+            if both and weight.dtype == self.fused:
+                self._operands[(False, weight.dtype)], self._operands[(True, weight.dtype)] = fused_operands(weight)
+            else:
+                self._operands[key] = SparseOperand(weight.t() if transposed else weight, self.backend)
         return self._operands[key]
 
     @property
@@ -163,13 +261,20 @@ class SparseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: LinearKernel
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        kernel: LinearKernel,
+        grad_enabled: bool,
     ) -> torch.Tensor:
-        # x (T, in), weight (out, in), bias (out,) → (T, out)
+        # x (T, in), weight (out, in), bias (out,) → (T, out). grad_enabled: the caller's grad mode
+        # (needs_input_grad says True under no_grad too, where no backward follows).
         ctx.save_for_backward(x, weight)
         ctx.kernel = kernel
         ctx.has_bias = bias is not None
-        out = kernel.operand(weight, transposed=False).linear(x)
+        both = kernel.transposable and grad_enabled and ctx.needs_input_grad[0]  # dX will run on Wᵀ's copy
+        out = kernel.operand(weight, transposed=False, both=both).linear(x)
         return out if bias is None else out + bias
 
     @staticmethod
@@ -183,7 +288,7 @@ class SparseLinearFunction(torch.autograd.Function):
             grad_w = grad.t() @ x  # (out, in), dense: FixedMask's hook zeroes its pruned positions
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.sum(0)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -205,7 +310,7 @@ def _sparse_forward(module: nn.Linear, kernel: LinearKernel, dtypes: tuple[torch
         bias = module.bias.to(dtype) if module.bias is not None else None
         flat = x.reshape(-1, x.shape[-1]).to(dtype)  # (B·S, in)
         with torch.autocast(x.device.type, enabled=False):  # the inputs are cast already
-            out = SparseLinearFunction.apply(flat, module.weight.to(dtype), bias, kernel)
+            out = SparseLinearFunction.apply(flat, module.weight.to(dtype), bias, kernel, torch.is_grad_enabled())
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     return forward
@@ -221,7 +326,12 @@ def two_four_rows(weight: torch.Tensor) -> bool:
 class KernelPlan:
     """The linears that run on 2:4 kernels and how: backend (None: every linear dense, `reason` says
     why), {module name: whether its input gradient runs on Wᵀ's compressed form}, {module name: why a
-    recorded pruned matrix stays dense}, the dtypes the kernels take and a note for the line."""
+    recorded pruned matrix stays dense}, the dtypes the kernels take and a note for the line.
+
+    training: the kernels serve training steps, whose refreshes make W's and Wᵀ's copies again each
+    optimizer step; then `install` checks the fused kernel for the transposable linears' shapes in
+    `dtype` (the dtype the model computes in) and `fused` records, per linear, "" where it makes the
+    copies or why not."""
 
     backend: str | None
     linears: Mapping[str, bool] = field(default_factory=dict)
@@ -229,8 +339,11 @@ class KernelPlan:
     reason: str = ""
     dtypes: tuple[torch.dtype, ...] = SPARSE_DTYPES
     note: str = ""
+    training: bool = False
+    dtype: torch.dtype | None = None
     kernels: dict[str, LinearKernel] = field(default_factory=dict)
     patched: list[nn.Module] = field(default_factory=list)
+    fused: dict[str, str] = field(default_factory=dict)
 
     def line(self) -> str:
         """The one line a run prints about its kernels."""
@@ -243,8 +356,20 @@ class KernelPlan:
         note = f"; {self.note}" if self.note else ""
         return (
             f"kernels: sparse ({BACKEND_NAMES[self.backend]}) for the forward of {len(self.linears)} "
-            f"2:4-pruned linears{both}{rest if self.dense else ''}{note}"
+            f"2:4-pruned linears{both}{rest if self.dense else ''}{self._fused_part()}{note}"
         )
+
+    def _fused_part(self) -> str:
+        """How a training step's copies are made, once `install` has checked the fused kernel."""
+        if not self.fused:
+            return ""
+        done = sum(not why for why in self.fused.values())
+        part = "; W and Wᵀ compressed in one pass (torch's fused 2:4 kernel, checked against cuSPARSELt's own)"
+        apart = Counter(why for why in self.fused.values() if why)
+        if not apart:
+            return f"{part} for {done}"
+        reasons = ", ".join(f"{n} {why}" for why, n in apart.items())
+        return f"{part} for {done}, apart by cuSPARSELt for {sum(apart.values())} ({reasons})"
 
     def install(self, root: nn.Module, prefix: str = "") -> int:
         """Route each planned linear under `root` (whose own name in the model is `prefix`) through its
@@ -265,12 +390,20 @@ class KernelPlan:
                     f"{name}: its weights are not {kind}, as the checkpoint's sparsity record says; "
                     "the checkpoint was modified after pruning (tsenor verify shows where), re-run tsenor prune"
                 )
-            kernel = LinearKernel(self.backend, self.linears[name])
+            kernel = LinearKernel(self.backend, self.linears[name], self._fused_dtype(name, weight))
             self.kernels[name] = kernel
             module.forward = _sparse_forward(module, kernel, self.dtypes)  # type: ignore[method-assign]
             self.patched.append(module)
             count += 1
         return count
+
+    def _fused_dtype(self, name: str, weight: torch.Tensor) -> torch.dtype | None:
+        """The dtype in which the fused kernel makes this linear's two copies, or None (`fused` says why)."""
+        wanted = self.training and self.linears[name] and self.backend == "cusparselt-direct"
+        if not wanted or self.dtype is None:
+            return None
+        self.fused[name] = fused_problem((int(weight.shape[0]), int(weight.shape[1])), weight.device, self.dtype)
+        return None if self.fused[name] else self.dtype
 
     def refresh(self) -> None:
         """Drop every compressed copy: made again from the weights at the next call (after the weights changed)."""
@@ -302,10 +435,12 @@ def plan_kernels(
     dtype: torch.dtype,
     *,
     backend: str | None = None,
+    training: bool = False,
 ) -> KernelPlan:
     """Which linears of `model` run on 2:4 kernels on `device` when computing in `dtype`, from the
     checkpoint's sparsity `record` (None: not a pruned checkpoint). backend: the kernel backend, by
     default the device's (`cuda_backend`); the stand-in is named by tests and CPU benchmarks only.
+    training: for training steps (`KernelPlan.training`).
     The model's blocks may be on the meta device (a streamed model): only names and shapes are read."""
     if record is None:
         return KernelPlan(None, reason="the checkpoint records no sparsity (not an output of tsenor prune)")
@@ -336,4 +471,4 @@ def plan_kernels(
     if not linears:
         reasons = ", ".join(sorted(set(dense.values())))
         return KernelPlan(None, reason=f"none of its {len(record.pruned)} pruned matrices can: {reasons}")
-    return KernelPlan(backend, linears, dense, dtypes=dtypes)
+    return KernelPlan(backend, linears, dense, dtypes=dtypes, training=training, dtype=dtype)
