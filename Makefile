@@ -13,6 +13,10 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 # The paper's LaTeX source, for comparing our ratios with its tables (`make results`).
 TSENOR_PAPER ?= $(abspath ../shared/paper/tsenor.tex)
 PYTEST_ARGS ?=
+# Each test runs on one intra-op thread (tests/conftest.py), so the suite runs one pytest-xdist worker a
+# core, at most 4 (a real-model prune holds about 2 GB). Whole files go to a worker, so that a file's
+# module fixtures (a real prune its tests share) are built once. TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= auto
 
 .PHONY: install test quality bench bench-memory bench-gpu bench-gpu-e2e bench-gpu-e2e-1b-alps bench-gpu-e2e-1b-sparsegpt \
 	bench-gpu-e2e-1b-wanda bench-gpu-e2e-8b bench-gpu-solver bench-gpu-speedup demo results clean model \
@@ -38,7 +42,7 @@ model: install
 	$(TSENOR) model materialize smollm2-135m
 
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile $(PYTEST_ARGS)
 
 quality: install
 	$(VENV)/bin/ruff check tsenor_cli tests scripts
