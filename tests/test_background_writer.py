@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from helpers_faults import FullDisk
 from helpers_tiny import sparsegpt_config
 
@@ -30,6 +31,7 @@ from tsenor_cli.errors import Interrupted, OutputUnwritableError
 from tsenor_cli.interrupt import stop_on_signals
 from tsenor_cli.pruning.run import run
 from tsenor_cli.pruning.run.api import prune_model
+from tsenor_cli.pruning.run.hooks import HostCopies
 from tsenor_cli.pruning.settings.config import RefineConfig
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR, RESUME_STATE_FILE
 from tsenor_cli.runfiles.resume import ResumeStore
@@ -125,6 +127,29 @@ def test_depth_0_writes_in_the_callers_thread() -> None:
     writer.submit(lambda: None, lambda _none: names.append(threading.current_thread().name))
     writer.close()
     assert names == [threading.current_thread().name]
+
+
+def test_the_host_copies_of_the_loops_buffers_are_reused_one_buffer_a_slot() -> None:
+    """Snapshot k copies into buffer k mod slots (the writer holds at most `slots` payloads, so that one is
+    written); the copy keeps what the loop wrote even after the loop writes its buffer again; a tensor that
+    is not the loop's buffer (a gathered copy) or None is taken as it is; another shape gets a new buffer."""
+    copies = HostCopies(2)
+    loop = torch.arange(6.0).reshape(2, 3)
+    taken = []
+    for _ in range(3):
+        taken.append(copies.copy("outputs", loop, loop))
+        copies.next_snapshot()
+        assert torch.equal(taken[-1], loop) and taken[-1].data_ptr() != loop.data_ptr()
+        loop.add_(10.0)  # the next block's rerun writes the buffer again
+    assert torch.equal(taken[1], torch.arange(6.0).reshape(2, 3) + 10.0)  # untouched by the loop's writes
+    pointers = [t.data_ptr() for t in taken]
+    assert pointers[0] != pointers[1] and pointers[2] == pointers[0]
+    assert copies.copy("dense", loop, loop).data_ptr() not in pointers  # each stream its own buffers
+    gathered = torch.ones(2, 3)
+    assert copies.copy("outputs", gathered, loop) is gathered and copies.copy("outputs", None, loop) is None
+    wider = torch.zeros(2, 4)
+    assert copies.copy("outputs", wider, wider).shape == (2, 4)
+    assert HostCopies(0).slots == 1  # a synchronous writer (depth 0) holds nothing between snapshots
 
 
 def test_the_host_estimate_counts_the_writers_payload(tiny: Path, calib: Path, data_ctx: RunContext) -> None:
