@@ -28,8 +28,10 @@ def all_finite(tensor: torch.Tensor) -> bool:
         return bool(torch.isfinite(tensor))
     row = tensor.numel() // max(1, tensor.shape[0])  # entries under one index of the first dimension
     rows = max(1, FINITE_SLICE // max(1, row))
-    # One verdict a slice, read once: a block on the GPU waits for its device once, not once a slice.
-    return bool(torch.stack([torch.isfinite(part).all() for part in tensor.split(rows)]).all())
+    # Each slice's verdict is read before the next slice: keeping the verdicts to read them once (one
+    # wait for a GPU instead of one a slice) left 0.6-0.8 GiB more resident at the 70B shape on the CPU
+    # (4.59-4.77 against 3.99 GiB, scripts/load_peak.py): small tensors kept between the freed slices.
+    return all(bool(torch.isfinite(part).all()) for part in tensor.split(rows))
 
 
 def first_non_finite(tensor: torch.Tensor) -> tuple[tuple[int, ...], float, int] | None:
