@@ -152,6 +152,14 @@ def test_the_host_copies_of_the_loops_buffers_are_reused_one_buffer_a_slot() -> 
     assert HostCopies(0).slots == 1  # a synchronous writer (depth 0) holds nothing between snapshots
 
 
+def test_a_host_copy_is_on_the_cpu_page_locked_when_the_loop_is_on_a_gpu(device: torch.device) -> None:
+    copies = HostCopies(1)
+    loop = torch.randn(3, 4, 5, device=device, dtype=torch.bfloat16)
+    held = copies.copy("outputs", loop, loop)
+    assert held is not None and held.device.type == "cpu" and torch.equal(held, loop.cpu())
+    assert held.is_pinned() == (device.type == "cuda")
+
+
 def test_the_host_estimate_counts_the_writers_payload(tiny: Path, calib: Path, data_ctx: RunContext) -> None:
     """By hand, the tiny LLaMA (hidden 64, fp32) at 4 × 32 tokens: with a resume state the writer holds a
     copy of the hidden states (S, T, H) (twice with --refine: the dense stream), and a streamed run's
