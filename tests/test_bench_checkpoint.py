@@ -19,7 +19,8 @@ def result(tiny_llama: Callable[..., Path], data_dir: Path, tmp_path_factory: py
     cfg = CheckpointBenchConfig(model, "tiny", size=64, shapes=("smollm2-135m",), loads=1, max_windows=1)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TSENOR_DATA_DIR", str(data_dir))
-        return run_checkpoint_bench(cfg, tmp_path_factory.mktemp("work"), say=lambda _: None)
+        # A --work-dir not made yet, as the CLI accepts it.
+        return run_checkpoint_bench(cfg, tmp_path_factory.mktemp("work") / "new", say=lambda _: None)
 
 
 def test_matrix_ratios_are_the_formats(result: dict) -> None:

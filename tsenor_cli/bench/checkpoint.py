@@ -235,6 +235,9 @@ def run_checkpoint_bench(
     matrices = matrix_rows(cfg)
     say("matrices: " + ", ".join(f"{r['pattern']} {r['packed'] / r['dense']:.4f}" for r in matrices))
     shapes = [shape_row(shape, *_nm(text)) for shape in cfg.shapes for text in cfg.patterns]
+    if work_dir is not None:
+        # --work-dir may name a folder still to be made (the CLI checked that it can be).
+        work_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="tsenor-bench-checkpoint-", dir=work_dir) as tmp:
         folders = prune_both(cfg, Path(tmp))
         check_same_tensors(folders["dense"], folders["packed"])
