@@ -305,6 +305,29 @@ def test_pack_refuses_a_folder_that_is_not_a_tsenor_output_or_breaks_its_pattern
     assert not (tmp_path / "out").exists()
 
 
+def test_a_loaded_packed_model_re_saves_dense_and_packs_again_once_its_record_is_copied(
+    pruned: dict[str, Path], tmp_path: Path
+) -> None:
+    """A loaded packed model is a plain dense one, so transformers' save_pretrained writes the dense tensors.
+    Its folder lacks the sparsity record: `tsenor pack` says in one line where to copy it from, writes
+    nothing, and once the record is copied packs it to the packed prune's tensors."""
+    import shutil
+
+    import tsenor_cli
+    from tsenor_cli.runfiles import SPARSITY_FILE
+
+    resaved, out = tmp_path / "resaved", tmp_path / "out"
+    tsenor_cli.load(pruned["packed"]).save_pretrained(resaved)
+    assert _same(_dense_tensors(resaved), _dense_tensors(pruned["dense"]))
+    refused = _tsenor("pack", resaved, "-o", out)
+    assert refused.returncode != 0 and len(refused.stderr.strip().splitlines()) == 1
+    assert f"copy {SPARSITY_FILE} from the folder it was loaded from" in refused.stderr
+    assert not out.exists()
+    shutil.copy(pruned["packed"] / SPARSITY_FILE, resaved)
+    assert _tsenor("pack", resaved, "-o", out).returncode == 0
+    assert _same(_dense_tensors(out), _dense_tensors(pruned["packed"]))
+
+
 def test_a_transposable_weight_with_zeros_among_its_kept_entries_packs_to_a_transposable_mask() -> None:
     """Real weights can be 0 before pruning: the zeros that fill a group must keep N per tile column too
     (row 0 keeps columns 2 and 3 with a zero at 3: filling it with its lowest zero, column 0, would give

@@ -527,7 +527,8 @@ def read_sparsity(directory: Path) -> SparsityRecord | None:
         return SparsityRecord.from_config(meta, where)
     if not record_path.is_file():
         raise InputNotFoundError(
-            f"{directory} lacks {SPARSITY_FILE}, which its {CONFIG_FILE} names; copy the whole checkpoint folder"
+            f"{directory} lacks {SPARSITY_FILE}, which its {CONFIG_FILE} names; copy the whole checkpoint folder "
+            f"(a model re-saved with save_pretrained: copy {SPARSITY_FILE} from the folder it was loaded from)"
         )
     record = SparsityRecord.from_json(read_json(record_path), str(record_path))
     if SparsityPattern.from_metadata(meta, where) != record.pattern:
