@@ -206,7 +206,23 @@ def test_auto_model_loads_the_packed_folder_with_no_missing_keys(pruned: dict[st
     assert _same(model.state_dict(), dense.state_dict())
     assert getattr(model.config, "quantization_config", None) is None  # a plain dense model afterwards
     assert _same(tsenor_cli.load(pruned["packed"]).state_dict(), dense.state_dict())
-    done = _load_in_subprocess(pruned["packed"], "import tsenor_cli")
+
+
+@pytest.mark.parametrize(
+    "prelude",
+    [
+        "import tsenor_cli",
+        "import transformers.quantizers.auto\nimport tsenor_cli",
+        "import tsenor_cli.models.packed",
+        # The Python API first: its import of the loader is what brings transformers' quantizers in.
+        "import tsenor_cli\nassert type(tsenor_cli.load(sys.argv[1])).__name__ == 'LlamaForCausalLM'",
+    ],
+    ids=["tsenor-first", "transformers-first", "loader-module", "api-load-first"],
+)
+def test_a_fresh_process_loads_the_packed_folder_whatever_it_imports_first(
+    pruned: dict[str, Path], prelude: str
+) -> None:
+    done = _load_in_subprocess(pruned["packed"], prelude)
     assert done.returncode == 0, done.stderr
     assert "'missing_keys': []" in done.stdout and "'unexpected_keys': []" in done.stdout
 
@@ -239,6 +255,20 @@ def test_pack_and_unpack_commands_round_trip(pruned: dict[str, Path], tmp_path: 
     again = _tsenor("pack", pruned["dense"], "-o", packed)
     assert again.returncode == 4 and "--force" in again.stderr
     assert _tsenor("pack", pruned["dense"], "-o", packed, "--force").returncode == 0
+
+
+def test_pack_and_unpack_write_shards_of_the_size_asked(pruned: dict[str, Path], tmp_path: Path) -> None:
+    """--max-shard-size as prune's: several shards holding the same tensors; a size that is not one is one
+    line, exit 2, and nothing written."""
+    packed, dense = tmp_path / "packed", tmp_path / "dense"
+    assert _tsenor("pack", pruned["dense"], "-o", packed, "--max-shard-size", "100KB").returncode == 0
+    assert _tsenor("unpack", packed, "-o", dense, "--max-shard-size", "100KB").returncode == 0
+    for folder in (packed, dense):
+        assert len(list(folder.glob("model-*-of-*.safetensors"))) > 1 and not (folder / "model.safetensors").exists()
+        assert _same(_dense_tensors(folder), _dense_tensors(pruned["dense"]))
+    for command, source in (("pack", pruned["dense"]), ("unpack", pruned["packed"])):
+        _one_line_exit_2(_tsenor(command, source, "-o", tmp_path / "out", "--max-shard-size", "1XB"), "'1XB'")
+        assert not (tmp_path / "out").exists()
 
 
 def _rewrite_header(path: Path, change: Callable[[dict[str, object]], None]) -> None:

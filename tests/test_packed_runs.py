@@ -94,3 +94,30 @@ def test_a_packed_refine_block_prune_decodes_to_its_dense_twin(
         decoded = packed.read([key])[key]
         assert decoded.dtype == tensor.dtype
         assert torch.equal(decoded.view(torch.uint8), tensor.view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_packed_source_pruned_again_to_dense_writes_a_config_that_does_not_declare_packed(
+    one: Path, calib: Path, data_ctx: RunContext, tmp_path: Path, stream: bool
+) -> None:
+    """A packed folder as the source of another prune, written dense: its config.json has no packed entry
+    (the streamed run once copied the source's, so a dense file claimed to be packed: `tsenor pack` refused
+    it as packed already and transformers without tsenor warned of an unknown quantization), and both
+    run modes write the same files."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    prune_model(sparsegpt_config(one, calib, out, resume=False, stream=stream), data_ctx)
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert "quantization_config" in json.loads((one / "config.json").read_text())  # the source's is packed
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert getattr(model.config, "quantization_config", None) is None
+    if stream:
+        whole = tmp_path / "whole"
+        prune_model(sparsegpt_config(one, calib, whole, resume=False, stream=False), data_ctx)
+        assert _sha(out / WEIGHTS) == _sha(whole / WEIGHTS)
+        assert (out / "config.json").read_text() == (whole / "config.json").read_text()

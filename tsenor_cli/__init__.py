@@ -2,12 +2,13 @@
 
 `from tsenor_cli import prune, evaluate, load`: the Python API (`tsenor_cli/api.py`, docs/guide/python-api.md),
 imported when first used (PEP 562) so that `import tsenor_cli` and `tsenor --help` load no torch. Importing
-the package also makes the packed format known to transformers (`models/packed.py`) the moment transformers
-loads its quantizers.
+the package also makes the packed format known to transformers the moment transformers loads its quantizers:
+`models/packed.py` registers it when imported, and a hook here imports it right after them.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -33,6 +34,8 @@ def __getattr__(name: str) -> Any:
 
 # transformers' module whose import makes its quantizers known: the packed format registers with it then.
 _QUANTIZERS = "transformers.quantizers.auto"
+# The module that registers the packed format when imported.
+_PACKED = "tsenor_cli.models.packed"
 
 
 def load(folder: Any, **kwargs: Any) -> Any:
@@ -59,17 +62,15 @@ class _RegisterPacked(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             run(module)
-            from tsenor_cli.models.packed import register
-
-            register()
+            # Importing registers. When that module's own import is what brought the quantizers in (as
+            # `load` does in a fresh process), this returns it half made and it registers at its end.
+            importlib.import_module(_PACKED)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
 if _QUANTIZERS in sys.modules:
-    from tsenor_cli.models.packed import register as _register
-
-    _register()
+    importlib.import_module(_PACKED)
 elif not any(isinstance(finder, _RegisterPacked) for finder in sys.meta_path):
     sys.meta_path.insert(0, _RegisterPacked())

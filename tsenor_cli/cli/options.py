@@ -131,11 +131,13 @@ def given_values(ctx: typer.Context, fields: Iterable[Field]) -> dict[str, Any]:
 PPL = ",".join(DATASET_NAMES)
 DEVICE = FIELDS["device"].default
 DTYPE = FIELDS["dtype"].default
+MAX_SHARD_SIZE = FIELDS["max_shard_size"].default
 KERNELS_DEFAULT = KERNELS.default
 
 DeviceOpt = field_annotation(FIELDS["device"], panel=False)
 DtypeOpt = field_annotation(FIELDS["dtype"], panel=False)
 TrustRemoteCodeOpt = field_annotation(FIELDS["trust_remote_code"], panel=False)
+MaxShardSizeOpt = field_annotation(FIELDS["max_shard_size"], panel=False)
 # `tsenor eval --kernels`; finetune takes the same field through FINETUNE_FIELDS.
 KernelsOpt = field_annotation(KERNELS, panel=False)
 OutputDirOpt = Annotated[

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from tsenor_cli.cli.app import Command, app
-from tsenor_cli.cli.options import ForceOpt, OutputDirOpt
+from tsenor_cli.cli.options import MAX_SHARD_SIZE, ForceOpt, MaxShardSizeOpt, OutputDirOpt
 from tsenor_cli.errors import UsageError
 
 SourceArg = Annotated[Path, typer.Argument(help="Checkpoint folder written by tsenor prune or tsenor finetune.")]
@@ -21,17 +21,29 @@ def _output(output: Path | None, command: str) -> Path:
 
 
 @app.command("pack", cls=Command)
-def pack_cmd(directory: SourceArg, output: OutputDirOpt = None, force: ForceOpt = False) -> None:
+def pack_cmd(
+    directory: SourceArg,
+    output: OutputDirOpt = None,
+    max_shard_size: MaxShardSizeOpt = MAX_SHARD_SIZE,
+    force: ForceOpt = False,
+) -> None:
     """Write the packed form of a dense tsenor checkpoint: each pruned matrix as its kept values and a mask
     (about 0.56x its bf16 bytes; docs/reference/packed-format.md)."""
     from tsenor_cli.pruning.run.packing import pack_folder
 
-    typer.echo(f"packed {directory} into {pack_folder(directory, _output(output, 'pack'), force=force)}")
+    written = pack_folder(directory, _output(output, "pack"), force=force, max_shard_size=max_shard_size)
+    typer.echo(f"packed {directory} into {written}")
 
 
 @app.command("unpack", cls=Command)
-def unpack_cmd(directory: SourceArg, output: OutputDirOpt = None, force: ForceOpt = False) -> None:
+def unpack_cmd(
+    directory: SourceArg,
+    output: OutputDirOpt = None,
+    max_shard_size: MaxShardSizeOpt = MAX_SHARD_SIZE,
+    force: ForceOpt = False,
+) -> None:
     """Write the dense form of a packed tsenor checkpoint (the dense prune's tensors, bit for bit)."""
     from tsenor_cli.pruning.run.packing import unpack_folder
 
-    typer.echo(f"unpacked {directory} into {unpack_folder(directory, _output(output, 'unpack'), force=force)}")
+    written = unpack_folder(directory, _output(output, "unpack"), force=force, max_shard_size=max_shard_size)
+    typer.echo(f"unpacked {directory} into {written}")

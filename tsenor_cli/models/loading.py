@@ -28,6 +28,7 @@ from tsenor_cli.models.checkpoint import INDEX_NAME, PICKLE_PATTERN, WEIGHTS_NAM
 from tsenor_cli.models.conformance import check_checkpoint
 from tsenor_cli.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, is_embedded, materialize
 from tsenor_cli.models.structure import ModelStructure, discover_structure
+from tsenor_cli.packed.files import drop_packed_entry
 from tsenor_cli.progress import logger, sink
 from tsenor_cli.runfiles import GENERATION_CONFIG_FILE
 from tsenor_cli.settings import RunContext
@@ -259,7 +260,8 @@ def read_config(name: str, source: str, is_local: bool, ctx: RunContext, *, trus
     """The transformers config of `name` (resolved to `source` by `resolve_source`), every failure one line:
     a local folder is checked first (`_check_local_config`); a hub id that cannot be had is `hub_error`'s
     line, and one transformers refuses (its own code without --trust-remote-code, an unknown model type)
-    is IncompatibleModelError naming the flag."""
+    is IncompatibleModelError naming the flag. A packed folder's config comes without the packed format's
+    entry (`drop_packed_entry`): tsenor's readers decode its matrices."""
     from transformers import AutoConfig
 
     from tsenor_cli.errors import one_line
@@ -267,7 +269,7 @@ def read_config(name: str, source: str, is_local: bool, ctx: RunContext, *, trus
     if is_local:
         _check_local_config(Path(source), trust_remote_code)
     try:
-        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, local_files_only=ctx.offline)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, local_files_only=ctx.offline)
     except OSError as exc:
         if is_local:
             raise InputNotFoundError(f"cannot read the config of {source}: {one_line(str(exc))}") from exc
@@ -277,6 +279,8 @@ def read_config(name: str, source: str, is_local: bool, ctx: RunContext, *, trus
         raise IncompatibleModelError(
             f"transformers cannot read the config of {name} ({one_line(str(exc))}){fix}"
         ) from exc
+    drop_packed_entry(config)
+    return config
 
 
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")

@@ -1,11 +1,12 @@
 """Loading a packed checkpoint through transformers' quantizer extension point: its matrices made dense as they load.
 
 config.json's ``quantization_config`` ({"quant_method": "tsenor_packed", ...}) makes transformers dispatch
-the loading to the quantizer registered here (`register`, which `import tsenor_cli` arranges the first
-time transformers' quantizers are imported). Its one conversion takes each weight with its code tensor
-(``…weight`` + ``…weight_tsenor_mask`` or ``…weight_tsenor_index``) and returns the dense weight
-(`packed.layout.decode`), so the model has no missing or unexpected keys and is an ordinary dense model
-afterwards (the quantization entry is removed once the weights are in: `save_pretrained` writes it dense).
+the loading to the quantizer registered here (`register`, run when this module is imported, which
+`import tsenor_cli` arranges the first time transformers' quantizers are imported). Its one conversion
+takes each weight with its code tensor (``…weight`` + ``…weight_tsenor_mask`` or ``…weight_tsenor_index``)
+and returns the dense weight (`packed.layout.decode`), so the model has no missing or unexpected keys and
+is an ordinary dense model afterwards (the quantization entry is removed once the weights are in:
+`save_pretrained` writes it dense).
 """
 
 from __future__ import annotations
@@ -181,8 +182,10 @@ def load(folder: str | Path, **kwargs: Any) -> Any:
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    register()
     config = AutoConfig.from_pretrained(str(folder))
     names = getattr(config, "architectures", None) or []
     cls = getattr(transformers, names[0], None) if names else None
     return (cls or AutoModelForCausalLM).from_pretrained(str(folder), **kwargs)
+
+
+register()

@@ -205,14 +205,27 @@ def quantization_entry() -> dict[str, Any]:
     return {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION}
 
 
+def is_packed_entry(entry: Any) -> bool:
+    """Whether a config's ``quantization_config`` (as config.json holds it) is the packed format's."""
+    return isinstance(entry, dict) and entry.get("quant_method") == QUANT_METHOD
+
+
+def drop_packed_entry(config: Any) -> None:
+    """Remove the packed format's ``quantization_config`` from a transformers `config` read from a packed
+    folder (any other quantization entry stays): it describes the files, not the model. tsenor's readers
+    decode the matrices, as transformers' load does before it drops the entry too, so a run's config
+    describes a dense model, and a dense output written from it is not declared packed."""
+    if is_packed_entry(getattr(config, "quantization_config", None)):
+        del config.quantization_config
+
+
 def declares_packed(folder: Path) -> bool:
     """Whether the config.json of `folder` says its weights are packed (an unreadable config says not)."""
     try:
         config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
-    entry = config.get("quantization_config") if isinstance(config, dict) else None
-    return isinstance(entry, dict) and entry.get("quant_method") == QUANT_METHOD
+    return isinstance(config, dict) and is_packed_entry(config.get("quantization_config"))
 
 
 def record_patterns(sparsity: SparsityRecord) -> dict[str, MatrixPattern]:

@@ -24,7 +24,8 @@ from tsenor_cli.runfiles.write import converted_folder, copy_run_files
 from tsenor_cli.tensorfile import TensorSpec
 
 
-def _check_paths(source: Path, output: Path, *, force: bool) -> None:
+def _check_paths(source: Path, output: Path, *, force: bool, max_shard_size: str) -> None:
+    parse_size(max_shard_size)  # a bad size refused before anything is read
     if not (source / CONFIG_FILE).is_file():
         raise InputNotFoundError(f"{source} has no {CONFIG_FILE}; pass a checkpoint folder written by tsenor")
     if output.resolve() == source.resolve():
@@ -55,7 +56,7 @@ def pack_folder(source: Path, output: Path, *, force: bool = False, max_shard_si
     PackedFormatError (exit 2) for a folder that is not a tsenor output, one already packed, or whose
     weights break their recorded pattern; OutputExistsError for an existing `output` without `force`."""
     source, output = Path(source), Path(output)
-    _check_paths(source, output, force=force)
+    _check_paths(source, output, force=force, max_shard_size=max_shard_size)
     if declares_packed(source):
         raise PackedFormatError(f"{source} is packed already; tsenor unpack writes its dense form")
     sparsity = read_sparsity(source)
@@ -87,7 +88,7 @@ def unpack_folder(source: Path, output: Path, *, force: bool = False, max_shard_
     """Write the dense form of the packed checkpoint `source` into `output` → output (every packed
     matrix decoded and checked against its pattern). PackedFormatError for a folder that is not packed."""
     source, output = Path(source), Path(output)
-    _check_paths(source, output, force=force)
+    _check_paths(source, output, force=force, max_shard_size=max_shard_size)
     if not declares_packed(source):
         raise PackedFormatError(f"{source} is not packed (its {CONFIG_FILE} has no tsenor_packed quantization_config)")
     checkpoint = Checkpoint.open(source)
