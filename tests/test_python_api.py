@@ -1,5 +1,6 @@
 """docs/guide/python-api.md: its code blocks run as written (a tiny model, 4 calibration samples in place
-of its paths and sizes), and the model pruned in memory equals the folder pruned, bit for bit."""
+of its paths and sizes), the model pruned in memory equals the folder pruned, bit for bit, and the folder
+loads back with its weights."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ def _blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.S)
 
 
-def test_the_guide_has_the_two_calls() -> None:
+def test_the_guide_has_the_two_calls_and_the_load() -> None:
     blocks = _blocks()
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     assert 'report = prune("models/llama", output=' in blocks[0] and "report = prune(model," in blocks[1]
+    assert 'model = tsenor_cli.load("pruned/llama-2of4")' in blocks[2]
     assert blocks[0].startswith("from tsenor_cli import prune\n")
 
 
@@ -44,6 +46,11 @@ def test_the_guides_calls_prune_a_folder_and_a_model_in_memory_alike(
     assert weights[0] == weights[1]
     layers = [(r.name, r.status, r.recon_error) for r in getattr(report, "layers", ())]
     assert layers and any(status == "pruned" for _, status, _ in layers)
+    from safetensors.torch import load_file
+
+    loaded = namespace["model"].state_dict()  # type: ignore[attr-defined]
+    saved = load_file(folder / "model.safetensors")
+    assert saved.keys() <= loaded.keys() and all(loaded[key].equal(saved[key]) for key in saved)
 
 
 def test_the_api_writes_the_cli_s_bytes(
