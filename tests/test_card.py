@@ -89,3 +89,14 @@ def test_an_evaluated_checkpoint_gets_the_table_and_the_model_index(tmp_path: Pa
     dense.mkdir()
     refresh_card(dense)  # no tsenor_report.json: not ours to describe
     assert not (dense / MODEL_CARD).exists()
+
+
+def test_a_packed_card_names_the_distribution_pip_installs() -> None:
+    """The packed card says what to install before loading: pyproject's project name (`tsenor`, which it
+    once said, is not this package)."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["name"]
+    text = ModelCard(card_text(_report("smollm2-135m", SparsityPattern.parse("2:4")), packed=True)).text
+    assert f"Load it with `pip install {project}`, then `import tsenor_cli`" in text
+    assert "pip install" not in ModelCard(card_text(_report("smollm2-135m", SparsityPattern.parse("2:4")))).text

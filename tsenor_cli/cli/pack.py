@@ -27,8 +27,8 @@ def pack_cmd(
     max_shard_size: MaxShardSizeOpt = MAX_SHARD_SIZE,
     force: ForceOpt = False,
 ) -> None:
-    """Write the packed form of a dense tsenor checkpoint: each pruned matrix as its kept values and a mask
-    (about 0.56x its bf16 bytes; docs/reference/packed-format.md)."""
+    """Write the packed form of a dense tsenor checkpoint: each pruned matrix as its kept values and their
+    positions (about 0.56x its bf16 bytes; docs/reference/packed-format.md)."""
     from tsenor_cli.pruning.run.packing import pack_folder
 
     written = pack_folder(directory, _output(output, "pack"), force=force, max_shard_size=max_shard_size)

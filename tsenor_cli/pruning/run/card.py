@@ -29,6 +29,7 @@ from tsenor_cli.runfiles import (
     read_json,
 )
 from tsenor_cli.runfiles.write import write_card
+from tsenor_cli.version import DISTRIBUTION
 
 # A hub id as the Hub accepts it in `base_model`: "org/name" (a local path is not one).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -110,8 +111,9 @@ def _storage(packed: bool) -> str:
         )
     return (
         "The checkpoint is **packed** (tsenor's packed N:M safetensors, `quantization_config` "
-        "`tsenor_packed` in config.json): each pruned matrix is stored as its kept values and a mask, about 0.56x "
-        "its dense bytes. Load it with `pip install tsenor`, then `import tsenor_cli` before "
+        "`tsenor_packed` in config.json): each pruned matrix is stored as its kept values and their positions "
+        "(indices within their groups or a bit mask, whichever is smaller), about 0.56x its dense bytes. Load it with "
+        f"`pip install {DISTRIBUTION}`, then `import tsenor_cli` before "
         "`AutoModelForCausalLM.from_pretrained(...)` (the weights are made dense as they load), or "
         "`tsenor_cli.load(folder)`; `tsenor unpack` writes the dense checkpoint"
     )

@@ -137,8 +137,8 @@ PRUNE_FIELDS: tuple[Field, ...] = (
     Field("max_shard_size", str, "2GB", "Largest safetensors shard of the output, e.g. 2GB, 500MB.", OUT,
           result=False, check=_check_shard_size),
     Field("save_format", str, "dense", "Checkpoint format: dense (loads anywhere) or packed (the pruned matrices' "
-          "kept values and a mask: about 0.56x their bf16 bytes; loads with transformers once tsenor_cli is imported; "
-          "docs/reference/packed-format.md).", OUT, choices=("dense", "packed"), result=False),
+          "kept values and their positions: about 0.56x their bf16 bytes; loads with transformers once tsenor_cli "
+          "is imported; docs/reference/packed-format.md).", OUT, choices=("dense", "packed"), result=False),
     Field("stream", bool, True, "Read each decoder block from the safetensors checkpoint when it is pruned and "
           "write the output from the pruned blocks' files: host memory of one block, not one model (same output, "
           "bit for bit); --no-stream loads the whole model.", MEMORY, negation="--no-stream", result=False),
