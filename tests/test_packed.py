@@ -249,12 +249,49 @@ def test_pack_and_unpack_commands_round_trip(pruned: dict[str, Path], tmp_path: 
     assert _tsenor("unpack", packed, "-o", dense).returncode == 0
     assert _same(_dense_tensors(packed), _dense_tensors(pruned["dense"]))
     assert _same(_dense_tensors(dense), _dense_tensors(pruned["dense"]))
+    for folder, twin in ((packed, pruned["packed"]), (dense, pruned["dense"])):  # the prune's own files
+        assert (folder / "model.safetensors").read_bytes() == (twin / "model.safetensors").read_bytes()
     assert (packed / "model.safetensors").stat().st_size < (pruned["dense"] / "model.safetensors").stat().st_size
     assert "quantization_config" not in json.loads((dense / "config.json").read_text())
     # the same checkpoint again, without and with --force
     again = _tsenor("pack", pruned["dense"], "-o", packed)
     assert again.returncode == 4 and "--force" in again.stderr
     assert _tsenor("pack", pruned["dense"], "-o", packed, "--force").returncode == 0
+
+
+def test_a_packed_shard_lays_its_data_out_as_safetensors_whatever_order_they_come_in(tmp_path: Path) -> None:
+    """The same tensors added in two orders give the same file, whose entries and data are those
+    safetensors.torch.save_file writes for the stored tensors (its metadata's key order is its own)."""
+    from safetensors.torch import save_file
+
+    from tsenor_cli.packed.files import PackedWriter
+
+    pattern = MatrixPattern.of("transposable", 2, 4, (8, 8))
+    tensors = {
+        "b.weight": _pruned("transposable", 2, 4, torch.bfloat16, rows=8, cols=8),
+        "a.norm": torch.ones(8, dtype=torch.float32),
+        "c.weight": _pruned("transposable", 2, 4, torch.bfloat16, rows=8, cols=8),
+    }
+    files = []
+    for i, order in enumerate((list(tensors), list(reversed(tensors)))):
+        writer = PackedWriter(tmp_path / str(i), 1 << 30)
+        (tmp_path / str(i)).mkdir()
+        for key in order:
+            writer.add(key, tensors[key], None if key == "a.norm" else pattern)
+        assert writer.finish(0) == ["model.safetensors"]
+        files.append((tmp_path / str(i) / "model.safetensors").read_bytes())
+    assert files[0] == files[1]
+    with safe_open(str(tmp_path / "0" / "model.safetensors"), framework="pt") as handle:
+        stored, metadata = {key: handle.get_tensor(key) for key in handle.keys()}, handle.metadata()  # noqa: SIM118
+    save_file(stored, str(tmp_path / "st.safetensors"), metadata=metadata)
+
+    def layout(blob: bytes) -> tuple[dict[str, object], bytes]:
+        (length,) = struct.unpack("<Q", blob[:8])
+        header = json.loads(blob[8 : 8 + length])
+        header.pop("__metadata__")
+        return header, blob[8 + length :]
+
+    assert layout(files[0]) == layout((tmp_path / "st.safetensors").read_bytes())
 
 
 def test_pack_and_unpack_write_shards_of_the_size_asked(pruned: dict[str, Path], tmp_path: Path) -> None:

@@ -229,7 +229,8 @@ def test_pack_of_a_folder_in_its_source_layout_equals_the_packed_prune(
     multimodal: dict[str, Path], tmp_path: Path
 ) -> None:
     """`tsenor pack` of the dense output (written under the source checkpoint's keys, which transformers
-    renames on load for Mllama) packs the same matrices as the packed prune: equal decoded tensors."""
+    renames on load for Mllama) packs the same matrices as the packed prune: equal decoded tensors, and
+    the same file bytes (a shard's data lie in safetensors' order, not in the order they came)."""
     from tsenor_cli.pruning.run.packing import pack_folder
 
     out = pack_folder(multimodal["dense"], tmp_path / "packed")
@@ -237,3 +238,6 @@ def test_pack_of_a_folder_in_its_source_layout_equals_the_packed_prune(
     assert {k: i.pattern for k, i in made.tensors.items()} == {k: i.pattern for k, i in pruned.tensors.items()}
     for key, tensor in pruned.iter_read(pruned.keys()):
         assert torch.equal(made.read([key])[key].view(torch.uint8), tensor.view(torch.uint8)), key
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert files == sorted(p.name for p in multimodal["packed"].glob("*.safetensors"))
+    assert all((out / name).read_bytes() == (multimodal["packed"] / name).read_bytes() for name in files)

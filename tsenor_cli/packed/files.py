@@ -4,13 +4,15 @@
 with its `MatrixPattern`, anything else with None, stored as it is); a packed matrix's size is only known
 once it is encoded (an unstructured one keeps a count of its own), so each shard's tensor bytes go to a
 data file as they come and the shard is assembled (header, then the bytes) when it is full: host memory
-holds one tensor. Shards follow huggingface_hub's split rule on the stored sizes, in the order given.
+holds one tensor. Shards follow huggingface_hub's split rule on the stored sizes, in the order given; in
+each shard the data lie in safetensors' own order (`tensorfile.file_header`), so a shard is the file
+``safetensors.torch.save_file`` writes for its tensors and metadata, whatever order they came in: a packed
+prune and `tsenor pack` of its dense twin write the same bytes.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ import torch
 from tsenor_cli.errors import PackedFormatError, one_line
 from tsenor_cli.packed.layout import MatrixPattern, decode, encode
 from tsenor_cli.runfiles import CONFIG_FILE, INDEX_NAME, WEIGHTS_NAME, PrunedWeight, SparsityRecord, shard_names
+from tsenor_cli.tensorfile import TensorSpec, file_header
 
 # Version 2 adds stacks of experts and transposed (Conv1D) parameters to the records; a version-1 file is
 # a version-2 file without them, read as it is.
@@ -31,7 +34,8 @@ READABLE_VERSIONS = ("1", "2")
 QUANT_METHOD = "tsenor_packed"
 VERSION_KEY = "tsenor_packed_version"
 PATTERNS_KEY = "tsenor_patterns"
-_HEADER_ALIGN = 8
+# Bytes copied at a time from a shard's data file into the shard.
+_COPY_CHUNK = 1 << 24
 
 
 @cache
@@ -81,12 +85,30 @@ def stored_tensors(path: Path, keys: Iterable[str]) -> dict[str, StoredTensor]:
 
 @dataclass
 class _Shard:
-    """One shard being filled: its tensors' header entries, its patterns, its data file and size."""
+    """One shard being filled: its tensors (spec, offset in the data file) in the order they came, its
+    patterns, its data file and size."""
 
     data: Path
-    entries: dict[str, dict[str, Any]]
+    tensors: dict[str, tuple[TensorSpec, int]]
     patterns: dict[str, dict[str, Any]]
     size: int = 0
+
+    def assemble(self, path: Path, metadata: Mapping[str, str]) -> None:
+        """Write the shard as the safetensors file `path`: the header, then each tensor's bytes copied from
+        the data file in the file's order."""
+        header, offsets = file_header([spec for spec, _ in self.tensors.values()], metadata)
+        with path.open("wb") as out, self.data.open("rb") as data:
+            out.write(header)
+            for key in sorted(offsets, key=offsets.__getitem__):
+                spec, start = self.tensors[key]
+                data.seek(start)
+                left = spec.nbytes
+                while left:
+                    chunk = data.read(min(left, _COPY_CHUNK))
+                    if not chunk:
+                        raise OSError(f"{self.data} ended before {key}'s bytes")
+                    out.write(chunk)
+                    left -= len(chunk)
 
 
 class PackedWriter:
@@ -116,16 +138,9 @@ class PackedWriter:
             shard.patterns[key] = pattern.to_json()
         with shard.data.open("ab") as handle:
             for name, part in parts:
-                nbytes = part.numel() * part.element_size()
-                shape = list(part.shape)
-                dtype = safetensors_dtype(part.dtype)
-                shard.entries[name] = {
-                    "dtype": dtype,
-                    "shape": shape,
-                    "data_offsets": [shard.size, shard.size + nbytes],
-                }
+                shard.tensors[name] = (TensorSpec.of(name, part), shard.size)
                 handle.write(part.reshape(-1).view(torch.uint8).numpy().data)
-                shard.size += nbytes
+                shard.size += part.numel() * part.element_size()
 
     def _shard_for(self, size: int) -> _Shard:
         """The shard the next `size` bytes go to: a new one when they would pass the limit (huggingface_hub's rule)."""
@@ -144,14 +159,11 @@ class PackedWriter:
         names = shard_names(max(len(shards), 1))
         weight_map: dict[str, str] = {}
         for shard, name in zip(shards, names, strict=False):
-            metadata = {"format": "pt", VERSION_KEY: str(FORMAT_VERSION), PATTERNS_KEY: json.dumps(shard.patterns)}
-            text = json.dumps({"__metadata__": metadata, **shard.entries}, separators=(",", ":")).encode("utf-8")
-            text += b" " * (-len(text) % _HEADER_ALIGN)
-            with (self.folder / name).open("wb") as out, shard.data.open("rb") as data:
-                out.write(struct.pack("<Q", len(text)) + text)
-                shutil.copyfileobj(data, out, 1 << 24)
+            patterns = json.dumps(dict(sorted(shard.patterns.items())))  # by name, as the data are
+            metadata = {"format": "pt", VERSION_KEY: str(FORMAT_VERSION), PATTERNS_KEY: patterns}
+            shard.assemble(self.folder / name, metadata)
             shard.data.unlink()
-            weight_map.update(dict.fromkeys(shard.entries, name))
+            weight_map.update(dict.fromkeys(shard.tensors, name))
         if len(shards) > 1:
             total = sum(shard.size for shard in shards)
             sizes = {"total_parameters": total_parameters, "total_size": total}
