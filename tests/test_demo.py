@@ -41,9 +41,12 @@ def test_demo_script_runs_every_step_on_a_tiny_model(tmp_path: Path, data_dir: P
         ["bash", str(REPO_ROOT / "scripts" / "demo.sh")], env=env, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for step in ("2/6", "3/6", "4/6", "5/6", "6/6", "done"):
+    for step in ("2/7", "3/7", "4/7", "5/7", "6/7", "7/7", "done"):
         assert step in proc.stdout
     assert (out / "alps-16x32" / "model.safetensors").is_file()
+    packed, dense = ((out / name / "model.safetensors").stat().st_size for name in ("alps-16x32-packed", "alps-16x32"))
+    assert packed < dense
+    assert f"packed: {packed / 1e6:.1f} MB of weights against {dense / 1e6:.1f} MB dense" in proc.stdout
     report = json.loads((out / "alps-16x32" / "tsenor_report.json").read_text())
     assert report["pattern"] == {"n": 16, "m": 32, "transposable": True}
     dense = json.loads((out / "dense" / "eval.json").read_text())
