@@ -316,7 +316,7 @@ def test_bad_run_dirs_get_one_line_errors_and_nothing_written(pruned: Path, text
 @pytest.mark.realdata
 def test_a_finetune_into_an_output_in_use_is_refused(pruned: Path, text_file: Path, tmp_path: Path) -> None:
     """finetune takes the same output lock as prune: a second writer gets one line, exit 4, nothing written."""
-    from tsenor_cli.runfiles.output import output_lock
+    from tsenor_cli.outputs import output_lock
 
     out = tmp_path / "ft"
     args = ["finetune", str(pruned), "--output", str(out), "--data", str(text_file), "--seqlen", "32"]

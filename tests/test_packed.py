@@ -308,6 +308,35 @@ def test_pack_and_unpack_write_shards_of_the_size_asked(pruned: dict[str, Path],
         assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", ["pack", "unpack"])
+def test_a_killed_conversion_leaves_nothing_behind_once_run_again(
+    pruned: dict[str, Path], tmp_path: Path, command: str
+) -> None:
+    """What a SIGKILLed pack/unpack left (its unfinished temporary, and an old output moved aside for
+    --force but not yet replaced) is put back or removed by the next run, under the output's lock, which
+    refuses a second run meanwhile (exit 4, nothing written)."""
+    import shutil
+
+    from tsenor_cli.outputs import output_lock
+
+    source = pruned["dense" if command == "pack" else "packed"]
+    out = tmp_path / "out"
+    with output_lock(out):
+        busy = _tsenor(command, source, "-o", out)
+    assert busy.returncode == 4 and "in use by another tsenor run" in busy.stderr and not out.exists()
+    unfinished = tmp_path / ".out.tmp-999999-unfinished"
+    unfinished.mkdir()
+    (unfinished / "model.safetensors").write_bytes(b"\0" * 4096)
+    aside = tmp_path / ".out.old-999999-aside"
+    shutil.copytree(source, aside / "out")  # a --force run killed between moving the old out aside and renaming
+    done = _tsenor(command, source, "-o", out)
+    assert done.returncode == 4 and "--force" in done.stderr  # the old output is back in place: not replaced
+    assert (out / "config.json").read_bytes() == (source / "config.json").read_bytes()
+    assert _tsenor(command, source, "-o", out, "--force").returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert _same(_dense_tensors(out), _dense_tensors(pruned["dense"]))
+
+
 def _rewrite_header(path: Path, change: Callable[[dict[str, object]], None]) -> None:
     """Edit the JSON header of a safetensors file in place (the data offsets unchanged)."""
     blob = path.read_bytes()

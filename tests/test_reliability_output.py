@@ -22,13 +22,13 @@ from typer.testing import Result
 from tsenor_cli import atomic
 from tsenor_cli.errors import OutputBusyError, OutputUnwritableError
 from tsenor_cli.locks import lock_path
+from tsenor_cli.outputs import output_lock
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
 from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR
 from tsenor_cli.runfiles import output as output_module
-from tsenor_cli.runfiles.output import output_lock
 from tsenor_cli.settings import RunContext
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def test_a_second_run_gets_the_lock_error_and_a_killed_holder_leaves_no_stale_lo
     holder = subprocess.Popen(
         [
             sys.executable, "-c",
-            "import sys, time; from pathlib import Path; from tsenor_cli.runfiles.output import output_lock\n"
+            "import sys, time; from pathlib import Path; from tsenor_cli.outputs import output_lock\n"
             "with output_lock(Path(sys.argv[1])):\n    print('locked', flush=True); time.sleep(600)",
             str(out),
         ],

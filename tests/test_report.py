@@ -318,6 +318,23 @@ def test_cli_report_markdown_json_and_force(runs: list[Path], tmp_path: Path) ->
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".report.")]
 
 
+def test_a_killed_report_s_leftovers_are_cleared_by_the_next(runs: list[Path], tmp_path: Path) -> None:
+    """A report killed while writing leaves its temporary, and one killed while replacing leaves the old
+    output moved aside; the next report puts the old one back (then refuses it without --force) and removes
+    the rest."""
+    out = tmp_path / "report"
+    assert write_report([load_run(runs[0])], out).files
+    aside = tmp_path / ".report.old-999999-aside"
+    aside.mkdir()
+    out.replace(aside / "report")
+    (tmp_path / ".report.tmp-999999-unfinished").mkdir()
+    with pytest.raises(OutputExistsError, match="--force"):
+        write_report([load_run(runs[0])], out)
+    assert (out / "table.md").is_file()
+    write_report([load_run(r) for r in runs], out, force=True)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".report.")]
+
+
 def test_errors(runs: list[Path], tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()

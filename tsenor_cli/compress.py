@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from tsenor_cli.errors import UsageError
 from tsenor_cli.finetune.config import FinetuneConfig
-from tsenor_cli.outputs import check_output_location, output_path
+from tsenor_cli.outputs import check_output_location, output_lock, output_path
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.pruning.settings.config import DistillConfig, PruneConfig
 from tsenor_cli.runfiles import EvalReport, FinetuneReport, PruneReport, pruned_stage
@@ -38,7 +38,6 @@ from tsenor_cli.runfiles.output import (
     check_output_contents,
     finished_distillation,
     finished_run,
-    output_lock,
     remove_stage,
 )
 from tsenor_cli.settings import RunContext

@@ -1,9 +1,9 @@
 """Exclusive folder locks: one process at a time works in a folder.
 
-`folder_lock` is the one implementation; `runfiles/output.output_lock` (a prune's or finetune's
---output) and the local sweep executor (each run directory, `sweep.executors.run_local`) hold it, each
-with its own error for a folder another process holds. Kept free of heavy imports: the process that
-runs a sweep takes these locks.
+`folder_lock` is the one implementation; `outputs.output_lock` (a prune's or finetune's --output, a
+folder `tsenor pack`/`unpack` or `report` writes) and the local sweep executor (each run directory,
+`sweep.executors.run_local`) hold it, each with its own error for a folder another process holds. Kept
+free of heavy imports: the process that runs a sweep takes these locks.
 """
 
 from __future__ import annotations

@@ -12,7 +12,12 @@ check before any work (exit 4, `OutputExistsError` / `OutputUnwritableError`):
 - `check_output_folder` (both, for a folder: prune's checkpoint, eval's eval.json, report's tables and
   plots, gpu-check's OUT) and `check_output_file` (a file path: `tsenor bench --output`).
 
-Torch-free (only `atomic` and `errors`), so `scripts/gpu_check.py` checks OUT with a Python that lacks
+While it is written, an output folder is held by one process (`output_lock`, prune's and finetune's for
+the whole run); a folder written whole and swapped in (`replacing`: `tsenor pack`/`unpack`, `report`)
+first gets back what a killed writer of it left (`atomic.recover`), as a prune's output does: a killed
+pack of a large model once left its tens of GB in a hidden temporary for good.
+
+Torch-free (only `atomic`, `errors` and `locks`), so `scripts/gpu_check.py` checks OUT with a Python that lacks
 torch before it says anything else.
 """
 
@@ -21,10 +26,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tsenor_cli import atomic
-from tsenor_cli.errors import OutputExistsError, OutputUnwritableError
+from tsenor_cli.errors import OutputBusyError, OutputExistsError, OutputUnwritableError
+from tsenor_cli.locks import folder_lock
 
 
 def output_path(output: Path) -> Path:
@@ -119,3 +127,34 @@ def check_output_file(path: Path, need: int, *, option: str = "--output", force:
     # The file's own path stands for a folder to create when it is missing: its parents must take files.
     check_output_location(path.parent if path.exists() else path, option=option, what=str(path.name))
     check_room(path, need, option=option)
+
+
+@contextmanager
+def output_lock(output: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `output` for the block; OutputBusyError when another process holds it.
+
+    `locks.folder_lock` (flock on ``.NAME.lock`` beside the folder, dropped by the kernel when its
+    holder dies; folders created for it removed again when the run leaves no `output`)."""
+
+    def busy(holder: str) -> OutputBusyError:
+        return OutputBusyError(
+            f"--output {output} is in use by another tsenor run ({holder}); wait for it to finish "
+            "or choose another --output"
+        )
+
+    with folder_lock(output, busy):
+        yield
+
+
+@contextmanager
+def replacing(output: Path, say: Callable[[str], None], check: Callable[[], None]) -> Iterator[Path]:
+    """The temporary folder of `output`, renamed into place over the old one when the block ends without
+    error (`atomic.atomic_dir(replace=True)`), under the output's lock, after what a killed writer of it
+    left is put back or removed (`atomic.recover`, each line to `say`) and `check` (the caller's refusal
+    of an existing output without --force) passes on the folder as recovered."""
+    with output_lock(output):
+        for line in atomic.recover(output):
+            say(line)
+        check()
+        with atomic.atomic_dir(output, replace=True) as tmp:
+            yield tmp

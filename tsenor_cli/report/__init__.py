@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tsenor_cli import atomic
 from tsenor_cli.errors import OutputExistsError, UsageError
-from tsenor_cli.outputs import check_output_folder
+from tsenor_cli.outputs import check_output_folder, replacing
+from tsenor_cli.progress import logger
 from tsenor_cli.report.table import Table, build_table
 from tsenor_cli.runfiles import Run, load_run
 
@@ -70,7 +70,7 @@ def write_report(
     table = build_table(runs, allow_mixed=allow_mixed, baseline=baseline)
     files = ["table.md", "table.csv", "table.json"]
     skipped = []
-    with atomic.atomic_dir(output, replace=True) as tmp:
+    with replacing(output, logger.warning, lambda: _check_output(output, runs, force)) as tmp:
         (tmp / "table.md").write_text(table.to_markdown(), encoding="utf-8")
         (tmp / "table.csv").write_text(table.to_csv(), encoding="utf-8")
         (tmp / "table.json").write_text(json.dumps(table.to_json(), indent=2) + "\n", encoding="utf-8")

@@ -6,7 +6,7 @@ written into the folder is `runfiles/write.py`'s.
 Before a model is loaded: the location must be creatable and writable (`check_output_location`, the one
 check every command's output gets: `tsenor_cli/outputs.py`) with room for the checkpoint and the resume
 state (`check_free_space`). For the whole run, including the
-final swap, an exclusive lock (`output_lock`) keeps a second run off the same folder; under it the
+final swap, an exclusive lock (`outputs.output_lock`) keeps a second run off the same folder; under it the
 leftovers of a killed run are recovered (`atomic.recover`) and what the folder holds is checked
 (`prepare_output`): ``--force`` replaces only a tsenor run or an empty folder.
 """
@@ -24,13 +24,11 @@ from tsenor_cli.errors import (
     EXIT_RESUMABLE,
     EXIT_SIGINT,
     Interrupted,
-    OutputBusyError,
     OutputExistsError,
     UsageError,
 )
 from tsenor_cli.interrupt import StopRequest
-from tsenor_cli.locks import folder_lock
-from tsenor_cli.outputs import check_output_location, check_room, human_bytes, output_path
+from tsenor_cli.outputs import check_output_location, check_room, human_bytes, output_lock, output_path
 from tsenor_cli.progress import Progress
 from tsenor_cli.runfiles import (
     FINETUNE_FILE,
@@ -46,23 +44,6 @@ from tsenor_cli.runfiles.resume import ResumeStore
 # What marks a folder as a tsenor run that --force may replace: a finished run's report (prune and
 # finetune both write it) or an interrupted run's resume state.
 RUN_MARKERS = (PRUNE_FILE, RESUME_DIR)
-
-
-@contextmanager
-def output_lock(output: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `output` for the block; OutputBusyError when another process holds it.
-
-    `locks.folder_lock` (flock on ``.NAME.lock`` beside the folder, dropped by the kernel when its
-    holder dies; folders created for it removed again when the run leaves no `output`)."""
-
-    def busy(holder: str) -> OutputBusyError:
-        return OutputBusyError(
-            f"--output {output} is in use by another tsenor run ({holder}); wait for it to finish "
-            "or choose another --output"
-        )
-
-    with folder_lock(output, busy):
-        yield
 
 
 def copied_bytes(source: str) -> int:

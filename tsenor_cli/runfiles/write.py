@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from tsenor_cli import atomic
 from tsenor_cli.errors import OutputUnwritableError
-from tsenor_cli.outputs import free_bytes, human_bytes
+from tsenor_cli.outputs import free_bytes, human_bytes, replacing
+from tsenor_cli.progress import logger
 from tsenor_cli.runfiles.run import (
     CONFIG_FILE,
     INDEX_NAME,
@@ -77,10 +78,12 @@ def write_model_folder(output: Path, sparsity: SparsityRecord, files: Files, wei
 
 
 @contextmanager
-def converted_folder(output: Path) -> Iterator[Path]:
+def converted_folder(output: Path, check: Callable[[], None]) -> Iterator[Path]:
     """The temporary folder of a checkpoint converted into `output` (`tsenor pack`/`unpack`), renamed into
-    place (replacing an existing one) when the block ends without error; nothing is written otherwise."""
-    with atomic.atomic_dir(output, replace=True) as tmp:
+    place (replacing an existing one) when the block ends without error; nothing is written otherwise.
+    Under the output's lock, a killed conversion's leftovers put back or cleared first, then `check`
+    (`outputs.replacing`)."""
+    with replacing(output, logger.warning, check) as tmp:
         yield tmp
 
 

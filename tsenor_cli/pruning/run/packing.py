@@ -30,6 +30,11 @@ def _check_paths(source: Path, output: Path, *, force: bool, max_shard_size: str
         raise InputNotFoundError(f"{source} has no {CONFIG_FILE}; pass a checkpoint folder written by tsenor")
     if output.resolve() == source.resolve():
         raise OutputExistsError(f"-o {output} is the input folder; choose another output folder")
+    _check_output(output, force=force)
+
+
+def _check_output(output: Path, *, force: bool) -> None:
+    """Before any work, and again under the output's lock once a killed run's old output is put back."""
     if output.exists() and not force:
         raise OutputExistsError(f"{output} already exists; pass --force to replace it or choose another -o")
 
@@ -67,7 +72,7 @@ def pack_folder(source: Path, output: Path, *, force: bool = False, max_shard_si
     lacking = sorted(set(patterns) - set(checkpoint.keys()))
     if lacking:
         raise PackedFormatError(f"{source}: its sparsity record names {lacking[0]}, which its weights lack")
-    with converted_folder(output) as tmp:
+    with converted_folder(output, lambda: _check_output(output, force=force)) as tmp:
         writer = PackedWriter(tmp, parse_size(max_shard_size))
         for key, tensor in checkpoint.iter_read(checkpoint.keys()):
             pattern = patterns.get(key)
@@ -93,7 +98,7 @@ def unpack_folder(source: Path, output: Path, *, force: bool = False, max_shard_
         raise PackedFormatError(f"{source} is not packed (its {CONFIG_FILE} has no tsenor_packed quantization_config)")
     checkpoint = Checkpoint.open(source)
     specs = [TensorSpec(key, info.shape, info.dtype) for key, info in checkpoint.tensors.items()]
-    with converted_folder(output) as tmp:
+    with converted_folder(output, lambda: _check_output(output, force=force)) as tmp:
         write_weights(
             tmp,
             specs,
