@@ -124,7 +124,7 @@ def test_fixed_mask_zeroes_gradients_and_weights() -> None:
         with torch.no_grad():
             model[0].weight[:, ::2] = 0.0
         pruned = model[0].weight.detach() == 0  # (16, 16)
-        fixed = FixedMask(model, {"0": pruned.clone()})
+        fixed = FixedMask(model, {"0.weight": pruned.clone()})
         if attached:
             fixed.attach()
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.0)
@@ -1161,3 +1161,62 @@ def test_the_plan_of_a_model_whose_forward_cannot_run_on_the_meta_device_says_so
         assert plan.estimate.activations == 0 and plan.work.saved == 0
         assert "activations not estimated" in plan.summary()[0] and plan.unwatched in plan.summary()[0]
         assert json.loads(json.dumps(plan.to_dict()))["activations_unwatched"] == plan.unwatched
+
+
+@pytest.fixture(scope="module")
+def pruned_moe(tmp_path_factory: pytest.TempPathFactory, data_ctx: RunContext) -> Path:
+    """A tiny Mixtral (transformers' fused experts: one (E, 2I, H) and one (E, H, I) parameter per block)
+    pruned to transposable 2:4 by magnitude."""
+    root = tmp_path_factory.mktemp("finetune-moe")
+    src = make_tiny_llama(root / "src", model_type="mixtral", num_layers=1, num_local_experts=4,
+                          num_experts_per_tok=2)  # fmt: skip
+    cfg = PruneConfig(
+        model=str(src),
+        matrix=MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exact"),
+        method="magnitude",
+        nsamples=2,
+        seqlen=16,
+        output=root / "pruned",
+    )
+    prune_model(cfg, data_ctx)
+    return root / "pruned"
+
+
+def test_finetune_of_a_model_with_fused_experts_keeps_each_expert_s_mask(
+    pruned_moe: Path, text_file: Path, tmp_path: Path
+) -> None:
+    """The stacks' pruned matrices stay exactly 0 and their kept weights train (once refused: the masks
+    were looked up as `<module>.weight`, which a stack of experts is not)."""
+    record = read_sparsity(pruned_moe)
+    assert record is not None and any(entry.expert is not None for entry in record.pruned)
+    out = tmp_path / "ft"
+    finetune(_config(pruned_moe, out, text_file), LOCAL_CTX)
+    before, after = _weights(pruned_moe), _weights(out)
+    stacks = sorted({entry.param for entry in record.pruned if entry.expert is not None})
+    assert stacks and all(key in before for key in stacks)
+    for key in stacks:
+        zero = before[key] == 0
+        assert 0.45 < float(zero.float().mean()) < 0.55
+        assert int(after[key][zero].count_nonzero()) == 0, key
+        assert float((after[key][~zero] != before[key][~zero]).float().mean()) > 0.9, key
+    assert verify_checkpoint(out).ok
+
+
+def test_an_expert_the_prune_left_dense_is_not_masked(pruned_moe: Path) -> None:
+    """Of a stack, only the recorded experts' matrices are masked: an expert the run left dense (no
+    calibration token reached it) keeps its zeros free to train."""
+    from transformers import AutoModelForCausalLM
+
+    from tsenor_cli.finetune.masks import pruned_masks, read_run_sparsity
+
+    sparsity = read_run_sparsity(pruned_moe)
+    stack = next(entry.param for entry in sparsity.record.pruned if entry.expert is not None)
+    kept = tuple(e for e in sparsity.record.pruned if e.param != stack or e.expert in (0, 2))
+    partial = dataclasses.replace(sparsity, record=dataclasses.replace(sparsity.record, pruned=kept))
+    model = AutoModelForCausalLM.from_pretrained(pruned_moe)
+    weight = model.get_parameter(stack).detach()
+    with torch.no_grad():
+        weight[1].zero_()  # zeros in a dense expert: not pruned positions
+    mask = pruned_masks(model, partial)[stack]
+    assert mask.shape == weight.shape and mask.dtype == torch.bool
+    assert torch.equal(mask[[0, 2]], weight[[0, 2]] == 0) and not mask[[1, 3]].any()

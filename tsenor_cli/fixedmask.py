@@ -19,11 +19,11 @@ from torch import nn
 class FixedMask:
     """The pruned weights of a model and their masks (True = pruned).
 
-    masks: {module name: mask of its ``weight``}, or with `parameters` {parameter name: its mask} (a
-    decoder block's parameters for `tsenor prune --refine`, expert stacks included)."""
+    masks: {parameter name in `model`: its mask} (a module's weight, or a stack of experts whole; a decoder
+    block's parameters for `tsenor prune --refine`, the model's for `tsenor finetune`)."""
 
-    def __init__(self, model: nn.Module, masks: dict[str, torch.Tensor], *, parameters: bool = False) -> None:
-        self.weights = [model.get_parameter(name if parameters else f"{name}.weight") for name in masks]
+    def __init__(self, model: nn.Module, masks: dict[str, torch.Tensor]) -> None:
+        self.weights = [model.get_parameter(name) for name in masks]
         self.pruned = [mask.to(weight.device) for mask, weight in zip(masks.values(), self.weights, strict=True)]
         self.names = tuple(masks)
         self._hooks: list[Any] = []

@@ -97,24 +97,36 @@ def read_run_sparsity(run_dir: Path) -> RunSparsity:
 
 
 def pruned_masks(model: nn.Module, sparsity: RunSparsity) -> dict[str, torch.Tensor]:
-    """{module name: (out, in) bool, True where the weight is pruned} for every recorded pruned module.
+    """{parameter name: bool mask of its shape, True where a pruned matrix's weight is 0} for every parameter
+    holding a recorded pruned matrix: a module's weight, or a stack of experts, whose experts the run left
+    dense stay False (trained freely), as `fixedmask.FixedMask` takes them.
 
-    Raises VerificationError when a module is missing or its zeros contradict the recorded pattern
-    (a tile row/column, N:M group or layer keeps more weights than the pattern allows).
+    Raises VerificationError when a parameter is missing or does not hold its matrix, or a matrix's zeros
+    contradict the recorded pattern (a tile row/column, N:M group or layer keeps more weights than it allows).
     """
     masks: dict[str, torch.Tensor] = {}
-    for module in sparsity.modules:
+    for entry in sparsity.record.pruned:
         try:
-            weight = model.get_parameter(f"{module}.weight")
+            param = model.get_parameter(entry.param)
         except AttributeError as exc:
             raise VerificationError(
-                f"{sparsity.directory}: pruned module {module} is not in the model; re-run tsenor prune"
+                f"{sparsity.directory}: pruned weight {entry.name} ({entry.param}) is not in the model; "
+                "re-run tsenor prune"
             ) from exc
-        _, over, _ = check_weight(weight.detach(), sparsity.pattern)
+        weight = entry.matrix_of(param.detach())
+        if weight is None:
+            raise VerificationError(
+                f"{sparsity.directory}: {entry.param} {tuple(param.shape)} does not hold the pruned matrix "
+                f"{entry.name} {entry.shape}; re-run tsenor prune"
+            )
+        _, over, _ = check_weight(weight, sparsity.pattern)
         if over:
             raise VerificationError(
-                f"{sparsity.directory}: the zeros of {module} contradict the recorded {sparsity.label} pattern "
+                f"{sparsity.directory}: the zeros of {entry.name} contradict the recorded {sparsity.label} pattern "
                 f"({over} groups keep too many weights); the checkpoint was modified after pruning, re-run tsenor prune"
             )
-        masks[module] = weight.detach() == 0
+        mask = masks.setdefault(entry.param, torch.zeros(param.shape, dtype=torch.bool, device=param.device))
+        view = entry.matrix_of(mask)  # a view of the mask: its matrix's positions only
+        assert view is not None  # the mask has the parameter's shape, which holds the matrix
+        view.copy_(weight == 0)
     return masks

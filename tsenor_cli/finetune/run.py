@@ -351,7 +351,7 @@ def matching_evaluation(cfg: FinetuneConfig, loaded: Any, device: torch.device) 
 @dataclass(frozen=True)
 class _Inputs:
     """What training reads, loaded and checked before any step: the model (fp32 on the CPU) and its
-    pruned masks {module: (out, in) bool}, the training windows, the teacher (None without --teacher), the
+    pruned masks {parameter: bool of its shape}, the training windows, the teacher (None without --teacher), the
     dtype the checkpoint was stored in, windows per optimizer step and windows available."""
 
     loaded: Any

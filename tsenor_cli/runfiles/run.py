@@ -350,6 +350,20 @@ class PrunedWeight:
     def to_json(self) -> dict[str, Any]:
         return {**_flat_json(self), "shape": list(self.shape) if self.shape is not None else None}
 
+    def matrix_of(self, tensor: Any) -> Any | None:
+        """The (out, in) matrix this record names in `tensor`, its parameter (a torch tensor; a view where
+        reshaping allows, so that writing it writes the parameter), or None when the tensor's size cannot
+        hold it: the whole tensor for a module's weight; expert `expert` of a stack, (E, out, in), (E·out,
+        in) or transposed (E, in, out); a transposed weight's transpose."""
+        if self.shape is None:  # a module's weight, (out, in)
+            return tensor
+        out_features, in_features = self.shape
+        stored = (in_features, out_features) if self.transposed else (out_features, in_features)
+        if tensor.numel() % (stored[0] * stored[1]):
+            return None
+        matrix = tensor.reshape(-1, *stored)[self.expert if self.expert is not None else 0]
+        return matrix.T if self.transposed else matrix
+
     @classmethod
     def from_json(cls, obj: Any, where: str) -> PrunedWeight:
         obj = _object(obj, where)

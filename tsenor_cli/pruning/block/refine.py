@@ -193,7 +193,7 @@ def _say(record: BlockRefinement, progress: Progress | None) -> None:
 def _mask_keeper(job: RefineJob, column_sq: Mapping[str, torch.Tensor]) -> FixedMask | JointMasks:
     """The mask fixed (`FixedMask`), or re-solved every `cfg.mask_every` steps (`joint.JointMasks`)."""
     if not job.cfg.mask_every:
-        return FixedMask(job.block, dict(job.masks), parameters=True)
+        return FixedMask(job.block, dict(job.masks))
     return JointMasks(job.block, job.masks, column_sq, job.cfg, job.dense)
 
 

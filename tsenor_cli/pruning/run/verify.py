@@ -178,17 +178,7 @@ class _Parameters:
             start = entry.expert * entry.shape[0]
             return mask[start : start + entry.shape[0]]
         tensor = self.tensor(entry.param)
-        if tensor is None:
-            return None
-        if entry.shape is None:  # a module's weight, (out, in)
-            return tensor
-        out_features, in_features = entry.shape
-        stored = (in_features, out_features) if entry.transposed else (out_features, in_features)
-        if tensor.numel() % (stored[0] * stored[1]):
-            return None
-        stack = tensor.reshape(-1, *stored)  # (count, a, b)
-        matrix = stack[entry.expert if entry.expert is not None else 0]
-        return matrix.T if entry.transposed else matrix
+        return None if tensor is None else entry.matrix_of(tensor)
 
 
 def _load_parameters(directory: Path) -> dict[str, torch.Tensor]:
