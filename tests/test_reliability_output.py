@@ -26,6 +26,7 @@ from tsenor_cli.outputs import output_lock
 from tsenor_cli.pattern import SparsityPattern
 from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
+from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR
 from tsenor_cli.runfiles import output as output_module
@@ -182,6 +183,27 @@ def test_not_enough_space_fails_before_the_model_is_loaded(
     # without the resume state the checkpoint fits: the check passes and the (stubbed) load is reached
     fits = _prune(tiny, calib, out, "--no-resume-state")
     assert isinstance(fits.exception, AssertionError)
+
+
+@pytest.mark.parametrize(("nm", "sparsity"), [((2, 4), None), (None, 0.5)], ids=["2:4", "unstructured"])
+def test_a_packed_prune_s_checkpoint_estimate_is_its_weight_bytes(
+    tiny: Path, calib: Path, tmp_path: Path, data_ctx: RunContext, nm: tuple[int, int] | None, sparsity: float | None
+) -> None:
+    """The dry run's checkpoint bytes (the free-space check's) for --save-format packed are the packed
+    files' tensor bytes, from the format's size function: once the dense size, which kept a run that fits
+    packed from starting on a disk too small for it dense."""
+    import struct
+
+    pattern = SparsityPattern.from_nm(*nm, transposable=True) if nm else SparsityPattern.unstructured(sparsity or 0)
+    settings = {"matrix": MatrixPruneConfig(pattern), "calib_data": str(calib), "nsamples": 2, "seqlen": 16}
+    dense = plan_model(PruneConfig(model=str(tiny), **settings), data_ctx)  # type: ignore[arg-type]
+    cfg = PruneConfig(model=str(tiny), method="magnitude", save_format="packed", output=tmp_path / "out", **settings)  # type: ignore[arg-type]
+    plan = plan_model(cfg, data_ctx)
+    assert dense.packed_savings == 0 < plan.packed_savings == dense.checkpoint_bytes - plan.checkpoint_bytes
+    prune_model(cfg, data_ctx)
+    blob = (tmp_path / "out" / "model.safetensors").read_bytes()
+    (length,) = struct.unpack("<Q", blob[:8])
+    assert plan.checkpoint_bytes == len(blob) - 8 - length
 
 
 # ---------------------------------------------------------------- temporaries of killed runs

@@ -17,6 +17,7 @@ import torch
 
 from tsenor_cli.data.calibration import STAND_IN_SEQLEN
 from tsenor_cli.errors import IncompatibleModelError, UsageError
+from tsenor_cli.packed.layout import MatrixPattern
 from tsenor_cli.precision import NAMES, warn_slow_products
 from tsenor_cli.progress import Progress, logger
 from tsenor_cli.pruning.block.idle import UNKNOWN_ORIENTATION
@@ -280,6 +281,7 @@ class PrunePlan:
     world_size: int = 1
     modules: frozenset[str] = frozenset()
     calibrate: bool = True
+    packed_savings: int = 0
 
     @property
     def calibration_seqlen(self) -> int:
@@ -310,8 +312,9 @@ class PrunePlan:
 
     @property
     def checkpoint_bytes(self) -> int:
-        """The pruned checkpoint's weights (all the model's parameters in the run's dtype)."""
-        return self.params * self.width
+        """The pruned checkpoint's weights: all the model's parameters in the run's dtype, less what the
+        packed format saves on the matrices it prunes (`packed_savings`; 0 for a dense checkpoint)."""
+        return self.params * self.width - self.packed_savings
 
     @property
     def cpu_bytes(self) -> int:
@@ -590,8 +593,26 @@ def plan_model(
         sizing=sizing,
         world_size=ranks,
         calibrate=reads_data(cfg),
+        packed_savings=_packed_savings(cfg, [s for s in candidates if s.full_name not in bad], dtype.itemsize),
         **found.plan_fields(),
     )
+
+
+def _packed_savings(cfg: PruneConfig, slots: Sequence[LinearSlot], width: int) -> int:
+    """Bytes a packed checkpoint (`--save-format packed`) saves on the matrices of `slots` against their
+    dense bytes at `width` bytes a weight, from the format's size function (`MatrixPattern.stored_nbytes`;
+    an unstructured matrix keeps its pattern's share of weights); 0 for a dense checkpoint."""
+    if cfg.save_format != "packed":
+        return 0
+    pattern = cfg.pattern
+    saved = 0
+    for slot in slots:
+        shape = (slot.out_features, slot.in_features)
+        stored = MatrixPattern.of(pattern.kind, pattern.n, pattern.m, shape, experts=slot.experts)
+        weights = slot.matrices * slot.out_features * slot.in_features
+        kept = weights - slot.matrices * round(pattern.sparsity * slot.out_features * slot.in_features)
+        saved += weights * width - stored.stored_nbytes(width, kept)
+    return saved
 
 
 def _load_solver(cfg: PruneConfig, device: torch.device) -> None:
