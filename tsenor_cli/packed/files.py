@@ -5,8 +5,8 @@ with its `MatrixPattern`, anything else with None, stored as it is); a packed ma
 once it is encoded (an unstructured one keeps a count of its own), so each shard's tensor bytes go to a
 data file as they come and the shard is assembled (header, then the bytes) when it is full: host memory
 holds one tensor. Shards follow huggingface_hub's split rule on the stored sizes, in the order given; in
-each shard the data lie in safetensors' own order (`tensorfile.file_header`), so a shard is the file
-``safetensors.torch.save_file`` writes for its tensors and metadata, whatever order they came in: a packed
+each shard the data lie in safetensors' own order (`tensorfile.file_header`): a shard's entries and data
+are those ``safetensors.torch.save_file`` writes for its tensors, whatever order they came in, so a packed
 prune and `tsenor pack` of its dense twin write the same bytes.
 """
 
