@@ -40,23 +40,27 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat. "
 
 
+def _magnitude_prune(src: Path, out: Path, n: int, m: int, data_ctx: RunContext, **changes: Any) -> Path:
+    """`src` pruned by magnitude to transposable n:m (the exact solver, 2 samples of 16 tokens) into `out`."""
+    cfg = PruneConfig(
+        model=str(src),
+        matrix=MatrixPruneConfig(SparsityPattern.from_nm(n, m, transposable=True), solver="exact"),
+        method="magnitude",
+        nsamples=2,
+        seqlen=16,
+        output=out,
+        **changes,
+    )
+    prune_model(cfg, data_ctx)
+    return out
+
+
 @pytest.fixture(scope="module")
 def pruned(tmp_path_factory: pytest.TempPathFactory, data_ctx: RunContext) -> Path:
     """A tiny random LLaMA pruned to transposable 8:16 by magnitude (calibration text from the data folder
     only feeds the block inputs, which magnitude ignores)."""
     root = tmp_path_factory.mktemp("finetune")
-    src = make_tiny_llama(root / "src")
-    cfg = PruneConfig(
-        model=str(src),
-        matrix=MatrixPruneConfig(SparsityPattern.from_nm(8, 16, transposable=True), solver="exact"),
-        method="magnitude",
-        calib_data="wikitext2",
-        nsamples=2,
-        seqlen=16,
-        output=root / "pruned",
-    )
-    prune_model(cfg, data_ctx)
-    return root / "pruned"
+    return _magnitude_prune(make_tiny_llama(root / "src"), root / "pruned", 8, 16, data_ctx, calib_data="wikitext2")
 
 
 @pytest.fixture(scope="module")
@@ -1142,16 +1146,7 @@ def test_the_plan_of_a_model_whose_forward_cannot_run_on_the_meta_device_says_so
     of the total, never a silent zero."""
     source = make_tiny_llama(tmp_path / "src", model_type="mixtral", num_layers=1, num_local_experts=4,
                              num_experts_per_tok=2)  # fmt: skip
-    pruned = tmp_path / "pruned"
-    cfg = PruneConfig(
-        model=str(source),
-        matrix=MatrixPruneConfig(SparsityPattern.from_nm(8, 16, transposable=True), solver="exact"),
-        method="magnitude",
-        nsamples=2,
-        seqlen=16,
-        output=pruned,
-    )
-    prune_model(cfg, data_ctx)
+    pruned = _magnitude_prune(source, tmp_path / "pruned", 8, 16, data_ctx)
     from tsenor_cli.finetune.plan import plan_finetune
 
     plan = plan_finetune(FinetuneConfig(run_dir=pruned, output=tmp_path / "ft", seqlen=16, batch_size=2), data_ctx)
@@ -1170,16 +1165,7 @@ def pruned_moe(tmp_path_factory: pytest.TempPathFactory, data_ctx: RunContext) -
     root = tmp_path_factory.mktemp("finetune-moe")
     src = make_tiny_llama(root / "src", model_type="mixtral", num_layers=1, num_local_experts=4,
                           num_experts_per_tok=2)  # fmt: skip
-    cfg = PruneConfig(
-        model=str(src),
-        matrix=MatrixPruneConfig(SparsityPattern.from_nm(2, 4, transposable=True), solver="exact"),
-        method="magnitude",
-        nsamples=2,
-        seqlen=16,
-        output=root / "pruned",
-    )
-    prune_model(cfg, data_ctx)
-    return root / "pruned"
+    return _magnitude_prune(src, root / "pruned", 2, 4, data_ctx)
 
 
 def test_finetune_of_a_model_with_fused_experts_keeps_each_expert_s_mask(

@@ -16,7 +16,6 @@ import json
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ import torch
 from tsenor_cli.errors import PackedFormatError, one_line
 from tsenor_cli.packed.layout import MatrixPattern, decode, encode
 from tsenor_cli.runfiles import CONFIG_FILE, INDEX_NAME, WEIGHTS_NAME, PrunedWeight, SparsityRecord, shard_names
-from tsenor_cli.tensorfile import TensorSpec, file_header
+from tsenor_cli.tensorfile import DTYPE_NAMES, TensorSpec, file_header
 
 # Version 2 adds stacks of experts and transposed (Conv1D) parameters to the records; a version-1 file is
 # a version-2 file without them, read as it is.
@@ -38,17 +37,7 @@ PATTERNS_KEY = "tsenor_patterns"
 _COPY_CHUNK = 1 << 24
 
 
-@cache
-def safetensors_dtype(dtype: torch.dtype) -> str:
-    """safetensors' name of `dtype` ("BF16"), read from the header it writes for a one-element stand-in."""
-    from safetensors.torch import save
-
-    blob = save({"x": torch.zeros(1, dtype=dtype, device="cpu")})  # cpu: also under a meta device context
-    (length,) = struct.unpack("<Q", blob[:8])
-    return str(json.loads(blob[8 : 8 + length])["x"]["dtype"])
-
-
-# The dtypes a packed file's tensors can have (safetensors' names are read from `safetensors_dtype`).
+# The dtypes a packed file's tensors can have (safetensors' names: `tensorfile.DTYPE_NAMES`).
 _STORED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8)
 
 
@@ -69,7 +58,7 @@ def stored_tensors(path: Path, keys: Iterable[str]) -> dict[str, StoredTensor]:
     """{key: StoredTensor} of `keys` in the safetensors file `path`, from its header alone (a file safe_open
     has read already, which checks its offsets); PackedFormatError for a key it lacks or a dtype a packed
     matrix's tensors never have."""
-    names = {safetensors_dtype(dtype): dtype for dtype in _STORED_DTYPES}
+    names = {DTYPE_NAMES[dtype]: dtype for dtype in _STORED_DTYPES}
     with path.open("rb") as handle:
         (length,) = struct.unpack("<Q", handle.read(8))
         header = json.loads(handle.read(length))
