@@ -1,5 +1,6 @@
 """Commands on packed folders: `tsenor verify` checks the tiles from the stored code (no dense weights
-built), `tsenor finetune` of a packed prune writes a packed checkpoint, `tsenor report` names the format."""
+built), `tsenor finetune` of a packed prune writes a packed checkpoint (and says so on its card), `tsenor
+report` names the format, of a run folder and of a sweep's run, its checkpoint kept or not."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from tsenor_cli.models.checkpoint import Checkpoint
 from tsenor_cli.packed.files import declares_packed
 from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.pruning.run.verify import verify_checkpoint
+from tsenor_cli.report import build_table, load_run
+from tsenor_cli.runfiles import EVAL_FILE, MODEL_DIR
+from tsenor_cli.runfiles.sweep import keep_reports
 from tsenor_cli.settings import RunContext
 
 TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat. "
@@ -99,6 +103,9 @@ def test_finetune_of_a_packed_prune_writes_a_packed_checkpoint(pruned: dict[str,
     for fmt, out in outs.items():
         _finetune(pruned[fmt], out, text)
     assert declares_packed(outs["packed"]) and not declares_packed(outs["dense"])
+    # The card says how each loads (it said "the ordinary dense safetensors layout" of a packed output).
+    assert "**packed**" in (outs["packed"] / "README.md").read_text()
+    assert "**packed**" not in (outs["dense"] / "README.md").read_text()
     with safe_open(str(outs["packed"] / "model.safetensors"), framework="pt") as handle:
         assert any(key.endswith("_tsenor_index") for key in handle.keys())  # noqa: SIM118
     packed, dense = Checkpoint.open(outs["packed"]), Checkpoint.open(outs["dense"])
@@ -133,3 +140,18 @@ def test_report_names_the_packed_format(pruned: dict[str, Path], data_dir: Path,
     assert rows["packed"]["ppl_wikitext2"] == rows["dense"]["ppl_wikitext2"]
     header = next(line for line in (report / "table.md").read_text().splitlines() if line.startswith("| N:M"))
     assert header.endswith("| Format | Run |")
+    # A sweep's run folder: eval.json and the prune's reports beside the checkpoint's folder `model/`,
+    # which goes when the sweep does not keep it. The run folder holds no config.json, so the format was
+    # read as dense there, and the table lost its Format column.
+    for kept in (True, False):
+        sweep_runs = {}
+        for fmt, run in runs.items():
+            sweep_runs[fmt] = tmp_path / f"sweep-{kept}" / fmt
+            shutil.copytree(run, sweep_runs[fmt] / MODEL_DIR)
+            shutil.copy2(run / EVAL_FILE, sweep_runs[fmt] / EVAL_FILE)
+            keep_reports(sweep_runs[fmt] / MODEL_DIR, sweep_runs[fmt])
+            if not kept:
+                shutil.rmtree(sweep_runs[fmt] / MODEL_DIR)
+        table = build_table([load_run(sweep_runs[fmt]) for fmt in ("dense", "packed")])
+        assert [row.checkpoint_format for row in table.rows] == ["dense", "packed"], kept
+        assert "| Format | Run |" in table.to_markdown()

@@ -1,13 +1,15 @@
 """The packed sink under the prune's run modes: a streamed, a resumed-after-kill and a `--nproc 2` packed
-prune each write the one-process (whole-model) packed prune's weight files byte for byte, and a packed
-`--refine block` prune decodes to its dense twin."""
+prune each write the one-process (whole-model) packed prune's weight files byte for byte, a packed
+`--refine block` prune decodes to its dense twin, and a finished run is not taken for done in the other format."""
 
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,9 @@ import torch
 from helpers_faults import Killed
 from helpers_tiny import sparsegpt_config
 
+from tsenor_cli.errors import OutputExistsError
 from tsenor_cli.models.checkpoint import Checkpoint
+from tsenor_cli.packed.files import declares_packed
 from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.pruning.settings.config import RefineConfig
 from tsenor_cli.settings import RunContext
@@ -121,3 +125,27 @@ def test_a_packed_source_pruned_again_to_dense_writes_a_config_that_does_not_dec
         prune_model(sparsegpt_config(one, calib, whole, resume=False, stream=False), data_ctx)
         assert _sha(out / WEIGHTS) == _sha(whole / WEIGHTS)
         assert (out / "config.json").read_text() == (whole / "config.json").read_text()
+
+
+def test_a_finished_run_rerun_in_the_other_format_is_refused_and_rewritten_with_force(
+    tiny: Path, calib: Path, one: Path, data_ctx: RunContext, tmp_path: Path
+) -> None:
+    """A rerun of a finished prune is a no-op, but the format is not in the settings' hash: the packed run
+    rerun to be written dense said "nothing to do" and left it packed (and the other way round)."""
+    out = tmp_path / "out"
+    shutil.copytree(one, out)
+    before = _sha(out / WEIGHTS)
+    dense = sparsegpt_config(tiny, calib, out, resume=False, stream=False)
+    with pytest.raises(OutputExistsError) as refused:
+        prune_model(dense, data_ctx)
+    assert str(refused.value) == (
+        f"{out} holds this run finished, stored packed, not dense as --save-format asks; tsenor unpack {out} "
+        "-o NEW converts it without pruning again, or pass --force to prune again"
+    )
+    assert refused.value.exit_code == 4 and _sha(out / WEIGHTS) == before
+    prune_model(replace(dense, save_format="packed"), data_ctx)  # the same format: a no-op
+    assert _sha(out / WEIGHTS) == before
+    prune_model(replace(dense, force=True), data_ctx)
+    assert not declares_packed(out)
+    with pytest.raises(OutputExistsError, match="stored dense, not packed as --save-format asks; tsenor pack"):
+        prune_model(replace(dense, save_format="packed"), data_ctx)

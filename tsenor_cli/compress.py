@@ -37,7 +37,6 @@ from tsenor_cli.runfiles.output import (
     check_not_input,
     check_output_contents,
     finished_distillation,
-    finished_run,
     remove_stage,
 )
 from tsenor_cli.settings import RunContext
@@ -157,16 +156,17 @@ def _prune_stage(
     """The prune into the stage (its settings' hash `key`) → its report: found finished there (a rerun after
     a kill in the distillation), or run here, or by the ranks."""
     from tsenor_cli.pruning.run.api import prune_model
+    from tsenor_cli.pruning.run.output import finished_prune
 
     assert stage_cfg.output is not None
-    finished = finished_run(stage_cfg.output, key)
+    finished = finished_prune(stage_cfg.output, key, stage_cfg.save_format)
     if finished is not None:
         sink(progress)(f"{stage_cfg.output} holds this run's prune, finished; distilling it")
         return finished
     if ranks is None:
         return prune_model(stage_cfg, ctx, progress, stop=stop)
     ranks(stage_cfg)
-    finished = finished_run(stage_cfg.output, key)
+    finished = finished_prune(stage_cfg.output, key, stage_cfg.save_format)
     if finished is None:
         raise RuntimeError(f"the ranks succeeded, but {stage_cfg.output} holds no finished prune of these settings")
     return finished
@@ -190,7 +190,9 @@ def _check_one_process(ctx: RunContext) -> None:
 def _finished(cfg: PruneConfig, key: str, output: Path) -> tuple[PruneReport, FinetuneReport] | None:
     """(the prune's report, the distillation's) when `output` holds this run (its settings' hash `key`)
     finished, else None."""
-    report = finished_run(output, key)
+    from tsenor_cli.pruning.run.output import finished_prune
+
+    report = finished_prune(output, key, cfg.save_format)
     if report is None:
         return None
     distilled = finished_distillation(output, key, distill_config(cfg, int(report.settings["seqlen"])).result_fields())

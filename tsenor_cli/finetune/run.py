@@ -628,7 +628,10 @@ def _write_output(
     evaluation = EvalReport.from_json(report.eval_after) if report.eval_after is not None else None
     if report.eval_after is not None:
         files[EVAL_FILE] = json.dumps(report.eval_after, indent=2) + "\n"
-    files[MODEL_CARD] = card_text(sparsity.report, evaluation=evaluation, finetuned=report)
+    # The output keeps its input's format: a packed prune fine-tuned is packed again (its masks are fixed),
+    # and its card says how to load it.
+    packed = declares_packed(cfg.run_dir)
+    files[MODEL_CARD] = card_text(sparsity.report, evaluation=evaluation, finetuned=report, packed=packed)
     for name, png in (
         (FINETUNE_LOSS_PLOT_FILE, _png(lambda out: plot_training_loss({label: report.loss_curve}, out))),
         (FINETUNE_PPL_PLOT_FILE, _png(lambda out: plot_perplexity_vs_steps({label: report.ppl_curve}, out))),
@@ -637,7 +640,5 @@ def _write_output(
             files[name] = png
     say(f"writing {cfg.output}")
     loaded.model.to(saved_dtype)
-    # The output keeps its input's format: a packed prune fine-tuned is packed again (its masks are fixed).
-    fmt = "packed" if declares_packed(cfg.run_dir) else "dense"
-    saved = SavedModel(loaded.model, loaded.tokenizer, cfg.max_shard_size, layout=loaded.layout, packed=fmt == "packed")
+    saved = SavedModel(loaded.model, loaded.tokenizer, cfg.max_shard_size, layout=loaded.layout, packed=packed)
     write_model_folder(cfg.output, sparsity.record, files, partial(save_model, saved=saved, sparsity=sparsity.record))

@@ -32,7 +32,7 @@ from typing import Any
 
 from tsenor_cli.errors import UsageError
 from tsenor_cli.report.paired import Paired, paired_difference
-from tsenor_cli.runfiles import EvalReport, Run
+from tsenor_cli.runfiles import CONFIG_FILE, EvalReport, Run
 
 PPL_COLUMNS: tuple[tuple[str, str], ...] = (("c4", "C4"), ("wikitext2", "WT2"), ("ptb", "PTB"))
 TASK_COLUMNS: tuple[tuple[str, str], ...] = (
@@ -343,10 +343,21 @@ def _ordered(found: set[str], preferred: Sequence[str]) -> tuple[str, ...]:
     return tuple(k for k in preferred if k in found) + tuple(sorted(found - set(preferred)))
 
 
-def row_of(run: Run) -> Row:
+def _checkpoint_format(run: Run) -> str:
+    """How the run's weights are stored. A folder holding the checkpoint says so in its config.json, which
+    `tsenor pack`/`unpack` rewrite; a sweep's run folder holds the prune's report beside its `model/` (or
+    alone, once the checkpoint was removed), whose settings record the format the prune wrote (none in a
+    report of an older tsenor: dense, the only format it wrote)."""
     # Imported here: tsenor_cli.packed imports torch, which `tsenor --help` must not load.
     from tsenor_cli.packed.files import declares_packed
 
+    if (run.path / CONFIG_FILE).is_file():
+        return "packed" if declares_packed(run.path) else "dense"
+    recorded = run.prune.settings.get("save_format") if run.prune is not None else None
+    return recorded if isinstance(recorded, str) else "dense"
+
+
+def row_of(run: Run) -> Row:
     prune = run.prune
     zeroshot = run.eval.zeroshot
     return Row(
@@ -362,7 +373,7 @@ def row_of(run: Run) -> Row:
         refine=_refine_label(prune.settings.get("refine")) if prune is not None else None,
         stderr={t.name: t.acc_stderr for t in zeroshot.tasks} if zeroshot is not None else {},
         protocol=Protocol.of(run.eval),
-        checkpoint_format="packed" if declares_packed(run.path) else "dense",
+        checkpoint_format=_checkpoint_format(run),
     )
 
 

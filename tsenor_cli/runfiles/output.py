@@ -181,7 +181,7 @@ def interruption(signal_name: str | None, where: str, saved: str) -> Interrupted
 class OutputRun:
     """The output folder of one prune or finetune run, for the run's whole life (`output_run`): its location
     checked before any work (`check_location`), the lock held (`locked`) and a killed run's leftovers
-    recovered (`recover`), what it holds checked (`prepare`) or found finished (`finished`). The process that owns
+    recovered (`recover`), what it holds checked (`prepare`). The process that owns
     the folder (rank 0 of several) locks, recovers and writes; the others only read it."""
 
     def __init__(self, output: Path, say: Progress) -> None:
@@ -205,9 +205,6 @@ class OutputRun:
 
     def prepare(self, *, force: bool, resume: bool, continue_hint: str = "pass --resume to continue it") -> ResumeStore:
         return prepare_output(self.output, force=force, resume=resume, continue_hint=continue_hint)
-
-    def finished(self, result_hash: str) -> PruneReport | None:
-        return finished_run(self.output, result_hash)
 
 
 @contextmanager

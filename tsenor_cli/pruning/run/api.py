@@ -29,6 +29,7 @@ from tsenor_cli.pruning.block.memory import check_fits
 from tsenor_cli.pruning.block.outside import check_outside
 from tsenor_cli.pruning.plan.plan import PrunePlan, dtype_and_device, plan_model
 from tsenor_cli.pruning.run.card import refresh_card
+from tsenor_cli.pruning.run.output import finished_prune
 from tsenor_cli.pruning.run.run import RunPoint, RunSetup, execute
 from tsenor_cli.pruning.run.seams import BlockHook, Sink
 from tsenor_cli.pruning.settings.config import PruneConfig
@@ -216,7 +217,7 @@ def _open_output(
     with team.agreed():
         if team.is_root:
             folder.recover()
-            done = None if cfg.force else folder.finished(cfg.result_hash())
+            done = None if cfg.force else finished_prune(output, cfg.result_hash(), cfg.save_format)
     done = team.broadcast_object(done)
     if done is not None:
         say(f"{output} already holds this run, finished with the same settings; nothing to do")

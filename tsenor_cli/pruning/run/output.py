@@ -12,11 +12,14 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tsenor_cli.errors import OutputExistsError
 from tsenor_cli.models.saving import SavedModel, save_model
+from tsenor_cli.packed.files import declares_packed
 from tsenor_cli.pruning.run.card import card_text
 from tsenor_cli.pruning.settings.table import FIELDS
 from tsenor_cli.report.markdown import prune_markdown
 from tsenor_cli.runfiles import MODEL_CARD, PRUNE_FILE, PRUNE_MARKDOWN, LayerRecord, PruneReport, SparsityRecord
+from tsenor_cli.runfiles.output import finished_run
 from tsenor_cli.runfiles.write import write_model_folder
 
 if TYPE_CHECKING:
@@ -63,3 +66,21 @@ def write_checkpoint(
         }
 
     write_model_folder(output, sparsity, files, partial(save_model, saved=saved, sparsity=sparsity))
+
+
+def finished_prune(output: Path, result_hash: str, save_format: str) -> PruneReport | None:
+    """The report of the run of settings hash `result_hash` when `output` holds it finished (a rerun is then
+    a no-op), else None. The format is not in the hash (the weights are the same), so a finished run stored
+    in another format than `save_format` is refused (exit 4) rather than left as it is: the rerun would
+    otherwise say "nothing to do" over a checkpoint not in the format asked for."""
+    report = finished_run(output, result_hash)
+    if report is None:
+        return None
+    stored = "packed" if declares_packed(output) else "dense"
+    if stored != save_format:
+        convert = "unpack" if stored == "packed" else "pack"
+        raise OutputExistsError(
+            f"{output} holds this run finished, stored {stored}, not {save_format} as --save-format asks; "
+            f"tsenor {convert} {output} -o NEW converts it without pruning again, or pass --force to prune again"
+        )
+    return report

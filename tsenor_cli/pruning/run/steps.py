@@ -276,12 +276,15 @@ def build_report(
     cfg, device = facts.cfg, facts.device
     settings_dict = {
         **cfg.result_fields(),
-        "result_hash": cfg.result_hash(),  # what a rerun of the same command compares (output.finished_run)
+        "result_hash": cfg.result_hash(),  # what a rerun of the same command compares (output.finished_prune)
         "device": str(device),
         "seqlen": facts.plan.seqlen,
         "solver": cfg.solver_that_runs(device),
         # Provenance: the result does not depend on it (docs/reliability.md), the timings do.
         "threads": torch.get_num_threads(),
+        # How the checkpoint stores the same weights: `tsenor report` reads it where the checkpoint is not
+        # beside the report (a sweep's run folder).
+        "save_format": cfg.save_format,
     }
     if facts.team.distributed:
         settings_dict["processes"] = facts.team.world_size
