@@ -330,6 +330,31 @@ def test_a_finetune_into_an_output_in_use_is_refused(pruned: Path, text_file: Pa
     assert not out.exists()
 
 
+def test_the_command_of_a_finished_run_rerun_does_nothing(
+    pruned: Path, text_file: Path, tmp_path: Path, data_ctx: RunContext
+) -> None:
+    """A batch job requeued after the final rename reruns its command: a finished run of the same settings is
+    left as it is, exit 0 (it was refused as "already holds a tsenor run", exit 4), as a prune's is; other
+    settings, or a source pruned again since, are still refused without --force."""
+    from tsenor_cli.errors import OutputExistsError
+
+    source = tmp_path / "source"
+    shutil.copytree(pruned, source)
+    out = tmp_path / "ft"
+    first = finetune(_config(source, out, text_file), LOCAL_CTX)
+    files = {path.name: path.stat().st_mtime_ns for path in out.iterdir()}
+    lines: list[str] = []
+    again = finetune(_config(source, out, text_file, resume=True), LOCAL_CTX, lines.append)
+    assert (again.steps, again.loss_curve) == (first.steps, first.loss_curve)
+    assert {path.name: path.stat().st_mtime_ns for path in out.iterdir()} == files
+    assert lines[-1] == f"{out} already holds this run, finished with the same settings; nothing to do"
+    with pytest.raises(OutputExistsError):
+        finetune(_config(source, out, text_file, max_steps=5), LOCAL_CTX)
+    _magnitude_prune(pruned.parent / "src", source, 4, 8, data_ctx, calib_data="wikitext2", force=True)
+    with pytest.raises(OutputExistsError):
+        finetune(_config(source, out, text_file), LOCAL_CTX)
+
+
 def test_c4_training_documents_are_not_the_c4_evaluation_documents(
     smollm2_path: Path, data_dir: Path, data_ctx: RunContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -60,7 +60,7 @@ from tsenor_cli.runfiles import (
     FinetuneReport,
     FinetuneState,
 )
-from tsenor_cli.runfiles.output import check_not_input, interruption, output_run
+from tsenor_cli.runfiles.output import check_not_input, finished_finetune, interruption, output_run
 from tsenor_cli.runfiles.write import write_model_folder
 from tsenor_cli.settings import RunContext
 
@@ -234,6 +234,10 @@ def finetune(
         with run.locked(owner=main):
             if main:
                 run.recover()
+            done = None if cfg.force else finished_finetune(cfg.output, cfg.run_dir, cfg.result_fields())
+            if done is not None:
+                say(f"{cfg.output} already holds this run, finished with the same settings; nothing to do")
+                return done
             run.prepare(force=cfg.force, resume=cfg.resume)
             return _train(_Run(cfg, ctx, args, sparsity, state_dir, say, start, after_save, stop, point))
 

@@ -105,8 +105,29 @@ def finished_distillation(output: Path, result_hash: str, settings: dict[str, An
     """The distillation's record when `output` holds a finished `tsenor prune --distill-steps` run: the prune of
     `result_hash` (`finished_run`) distilled with `settings` (`FinetuneConfig.result_fields`, as finetune.json
     holds them), else None."""
+    if finished_run(output, result_hash) is None:
+        return None
+    return _finetuned_with(output, settings)
+
+
+def finished_finetune(output: Path, run_dir: Path, settings: dict[str, Any]) -> FinetuneReport | None:
+    """The record of a finished `tsenor finetune` of `run_dir` in `output` with `settings`
+    (`FinetuneConfig.result_fields`, as finetune.json holds them), else None. Rerunning the command of a
+    finished run (a batch job requeued after the final rename) is then a no-op, as a prune's is. The
+    output's copy of the prune's report must be `run_dir`'s, byte for byte: a source pruned again since is
+    another input, which the settings (its path) do not tell apart."""
+    prune_report = run_dir / PRUNE_FILE
+    if not prune_report.is_file() or not (output / PRUNE_FILE).is_file():
+        return None
+    if (output / PRUNE_FILE).read_bytes() != prune_report.read_bytes():
+        return None
+    return _finetuned_with(output, settings)
+
+
+def _finetuned_with(output: Path, settings: dict[str, Any]) -> FinetuneReport | None:
+    """finetune.json of `output` when its run finished (no resume state) with `settings`, else None."""
     path = output / FINETUNE_FILE
-    if finished_run(output, result_hash) is None or not path.is_file():
+    if not path.is_file() or (output / RESUME_DIR).exists():
         return None
     record = FinetuneReport.from_json(read_json(path), str(path))
     same = {key: record.settings.get(key) for key in settings} == json.loads(json.dumps(settings))
