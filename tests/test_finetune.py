@@ -1093,6 +1093,35 @@ def test_the_plan_sees_on_the_meta_device_what_a_real_forward_keeps(tmp_path: Pa
     assert at[256] - at[128] == 2 * (at[128] - at[64])  # linear in the tokens
 
 
+@pytest.mark.parametrize(
+    ("model_type", "experts"),
+    [
+        ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16}),
+        ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    ],
+)
+def test_the_plan_watches_fused_expert_stacks_as_a_real_forward_keeps_them(
+    model_type: str, experts: dict[str, Any], tmp_path: Path
+) -> None:
+    """torch's meta kernel of the grouped expert product takes bf16 only: the plan of every fused-experts
+    MoE said "activations not estimated" and left them out of the memory it checks. Watched with the stacks
+    in bf16 and counted at float32's width, it equals a real CPU forward's storages to the byte."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tsenor_cli.finetune.plan import saved_bytes
+
+    src = make_tiny_llama(tmp_path / "m", model_type=model_type, num_layers=2, **experts)
+    real = AutoModelForCausalLM.from_pretrained(src).train()
+    config = AutoConfig.from_pretrained(src)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config).train()
+    assert any(p.dim() == 3 for p in meta.parameters())  # the experts are fused stacks
+    for batch, seqlen in ((2, 64), (4, 128)):
+        actual = _storage_bytes_of_a_real_forward(real, torch.randint(0, config.vocab_size, (batch, seqlen)))
+        assert saved_bytes(meta, batch, seqlen, distill=False).saved == actual, (batch, seqlen)
+    assert all(p.dtype == torch.float32 for p in meta.parameters())  # the stacks given back as they were
+
+
 def test_the_training_estimate_by_hand() -> None:
     """`training_estimate`'s terms from a workload worked by hand: float32 weights, gradients and two AdamW
     moments a parameter, the teacher at its width, a byte a pruned weight, autocast's bf16 copies, and the
