@@ -138,6 +138,8 @@ def test_hints_name_model_as_the_help_shows_it_not_the_hidden_flag() -> None:
     for offline in (True, False):
         message = str(hub_error("org/name", RunContext(ctx.data_dir, offline, ctx.cache_dir)))
         assert "--model" not in message and "as MODEL" in message
+        # Without network, the fix on a cluster: download where there is one, then run from the cache.
+        assert offline or "(hf download org/name) and pass --offline" in message
     help_text = invoke(["prune", "--help"]).output
     assert "--model" not in help_text and "[MODEL]" in help_text
     for path in (ROOT / "tsenor_cli").rglob("*.py"):

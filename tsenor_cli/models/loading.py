@@ -178,9 +178,12 @@ def hub_error(name: str, ctx: RunContext) -> InputNotFoundError:
             f"{name} is not in the local HF cache and the hub is off (--offline or HF_HUB_OFFLINE); pass the "
             f"path of a local checkpoint directory as MODEL, drop --offline, or pass MODEL {DEFAULT_MODEL} (embedded)"
         )
+    # A cluster's compute nodes often have no network: the usual fix is to download on a node that has it
+    # into the shared HF cache, then run offline from the cache.
     return InputNotFoundError(
-        f"cannot download {name} (offline or no access); pass the path of a local checkpoint directory as "
-        f"MODEL, or pass MODEL {DEFAULT_MODEL} (embedded)"
+        f"cannot download {name} (no network or no access); on a machine without network, download it where "
+        f"there is one (hf download {name}) and pass --offline, or pass the path of a local checkpoint "
+        f"directory as MODEL, or pass MODEL {DEFAULT_MODEL} (embedded)"
     )
 
 
