@@ -379,6 +379,28 @@ def test_errors(runs: list[Path], tmp_path: Path) -> None:
         EvalReport.from_json(future)
 
 
+def test_runs_of_the_same_name_are_labelled_by_their_paths(tmp_path: Path) -> None:
+    """Two sweeps each have a `dense` run: the report of both labels those rows by their paths below the
+    folder they share (it was refused: "run directory names repeat", which named every run), pairs against
+    either, and a run given twice is one line naming it."""
+    scores = {"piqa": 0.60, "hellaswag": 0.40, "boolq": 0.62}
+    dense_a = _write_run(tmp_path / "sweep-a" / "runs", "dense", _eval({"wikitext2": 20.0}, scores), None)
+    dense_b = _write_run(tmp_path / "sweep-b" / "runs", "dense", _eval({"wikitext2": 21.0}, scores), None)
+    pruned = _write_run(
+        tmp_path / "sweep-b" / "runs", "t24", _eval({"wikitext2": 45.0}, scores), _prune(2, 4, True, [0.1])
+    )
+    runs = [load_run(path) for path in (dense_a, dense_b, pruned)]
+    table = build_table(runs, baseline="sweep-b/runs/dense")
+    assert [row.run for row in table.rows] == ["sweep-a/runs/dense", "sweep-b/runs/dense", "t24"]
+    assert [p.run for p in table.paired] == ["sweep-a/runs/dense", "t24"]
+    written = write_report(runs, tmp_path / "report")
+    assert "| sweep-b/runs/dense |" in (tmp_path / "report" / "table.md").read_text()
+    assert written.table.rows == table.rows
+    with pytest.raises(UsageError) as twice:
+        build_table([runs[0], load_run(dense_a)])
+    assert str(twice.value) == f"run directory {dense_a.resolve()} is given twice; pass each run once"
+
+
 @pytest.mark.parametrize("accs", [None, {"piqa": 0.52, "boolq": 0.61}])
 def test_eval_file_round_trips(accs: dict[str, float] | None) -> None:
     """write → read → equal, through real JSON text (inf, the perplexity of a diverged model, included)."""

@@ -59,7 +59,8 @@ def report_cmd(
     baseline: str | None = typer.Option(
         None,
         "--baseline",
-        help="The run (its folder's name) the others' zero-shot scores are compared with, document by "
+        help="The run (its row's name: its folder's name, or where names repeat its path below the folder "
+        "they share, e.g. sweep-a/runs/dense) the others' zero-shot scores are compared with, document by "
         "document; default the first row with zero-shot scores (the dense model when given).",
     ),
 ) -> None:

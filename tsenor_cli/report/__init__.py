@@ -14,7 +14,7 @@ from pathlib import Path
 from tsenor_cli.errors import OutputExistsError, UsageError
 from tsenor_cli.outputs import check_output_folder, replacing
 from tsenor_cli.progress import logger
-from tsenor_cli.report.table import Table, build_table
+from tsenor_cli.report.table import Table, build_table, distinct_labels
 from tsenor_cli.runfiles import Run, load_run
 
 __all__ = ["ReportOutput", "Run", "Table", "build_table", "check_report_output", "load_run", "write_report"]
@@ -67,6 +67,7 @@ def write_report(
     )
 
     _check_output(output, runs, force)
+    runs = distinct_labels(runs)
     table = build_table(runs, allow_mixed=allow_mixed, baseline=baseline)
     files = ["table.md", "table.csv", "table.json"]
     skipped = []

@@ -26,13 +26,15 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from tsenor_cli.errors import UsageError
 from tsenor_cli.report.paired import Paired, paired_difference
-from tsenor_cli.runfiles import CONFIG_FILE, EvalReport, Run
+from tsenor_cli.runfiles import CONFIG_FILE, MODEL_DIR, EvalReport, Run
 
 PPL_COLUMNS: tuple[tuple[str, str], ...] = (("c4", "C4"), ("wikitext2", "WT2"), ("ptb", "PTB"))
 TASK_COLUMNS: tuple[tuple[str, str], ...] = (
@@ -345,14 +347,15 @@ def _ordered(found: set[str], preferred: Sequence[str]) -> tuple[str, ...]:
 
 def _checkpoint_format(run: Run) -> str:
     """How the run's weights are stored. A folder holding the checkpoint says so in its config.json, which
-    `tsenor pack`/`unpack` rewrite; a sweep's run folder holds the prune's report beside its `model/` (or
-    alone, once the checkpoint was removed), whose settings record the format the prune wrote (none in a
-    report of an older tsenor: dense, the only format it wrote)."""
+    `tsenor pack`/`unpack` rewrite: the run folder, or a sweep run's `model/`. Once a sweep removed that
+    checkpoint, the prune's report kept beside it records the format the prune wrote (none in a report of
+    a tsenor before packing: dense, the only format it wrote)."""
     # Imported here: tsenor_cli.packed imports torch, which `tsenor --help` must not load.
     from tsenor_cli.packed.files import declares_packed
 
-    if (run.path / CONFIG_FILE).is_file():
-        return "packed" if declares_packed(run.path) else "dense"
+    for folder in (run.path, run.path / MODEL_DIR):
+        if (folder / CONFIG_FILE).is_file():
+            return "packed" if declares_packed(folder) else "dense"
     recorded = run.prune.settings.get("save_format") if run.prune is not None else None
     return recorded if isinstance(recorded, str) else "dense"
 
@@ -405,6 +408,28 @@ def _mixed_error(rows: Sequence[Row]) -> UsageError:
     )
 
 
+def distinct_labels(runs: Sequence[Run]) -> list[Run]:
+    """`runs`, each labelled by its folder's name, or where names repeat (two sweeps each have their `dense`
+    run) by its path below the folder the repeating ones share ("sweep-a/runs/dense"). UsageError for one
+    folder given twice."""
+    paths = [run.path.resolve() for run in runs]
+    twice = sorted({str(path) for path in paths if paths.count(path) > 1})
+    if twice:
+        raise UsageError(f"run directory {twice[0]} is given twice; pass each run once")
+    names = [run.label for run in runs]
+    repeated = {name for name in names if names.count(name) > 1}
+    if not repeated:
+        return list(runs)
+    labelled = []
+    for run, path, name in zip(runs, paths, names, strict=True):
+        if name in repeated:
+            same = [other for other, other_name in zip(paths, names, strict=True) if other_name == name]
+            shared = Path(os.path.commonpath(same))
+            run = replace(run, name=path.relative_to(shared.parent if shared in same else shared).as_posix())
+        labelled.append(run)
+    return labelled
+
+
 def build_table(runs: Sequence[Run], *, allow_mixed: bool = False, baseline: str | None = None) -> Table:
     """Rows sorted as the paper's tables; columns are the union over runs (blank where a run lacks one).
     The zero-shot differences are paired against `baseline` (a run's name; None: the first row with
@@ -415,9 +440,7 @@ def build_table(runs: Sequence[Run], *, allow_mixed: bool = False, baseline: str
     """
     if not runs:
         raise UsageError("no runs to report; pass at least one run directory")
-    labels = [run.label for run in runs]
-    if len(set(labels)) != len(labels):
-        raise UsageError(f"run directory names repeat ({', '.join(labels)}); rows are labelled by name, rename one")
+    runs = distinct_labels(runs)
     rows = sorted((row_of(run) for run in runs), key=Row.sort_key)
     mixed = _mixed(rows)
     if mixed and not allow_mixed:

@@ -817,15 +817,17 @@ def _curve(value: Any, where: str) -> list[tuple[int, float]]:
 
 @dataclass(frozen=True)
 class Run:
-    """One run directory: its eval.json and, when it was pruned, its tsenor_report.json."""
+    """One run directory: its eval.json and, when it was pruned, its tsenor_report.json. name: the row's
+    label where the folder's name is not enough (`report.table.distinct_labels`), else None."""
 
     path: Path
     eval: EvalReport
     prune: PruneReport | None
+    name: str | None = None
 
     @property
     def label(self) -> str:
-        return self.path.name
+        return self.name if self.name is not None else self.path.name
 
 
 def load_run(path: Path) -> Run:
