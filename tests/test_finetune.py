@@ -355,6 +355,35 @@ def test_the_command_of_a_finished_run_rerun_does_nothing(
         finetune(_config(source, out, text_file), LOCAL_CTX)
 
 
+def test_two_torchrun_processes_train_as_one_with_their_batches_together(
+    pruned: Path, text_file: Path, tmp_path: Path
+) -> None:
+    """`torchrun --nproc-per-node 2 -m tsenor_cli finetune` (Trainer's DDP, gloo on the CPU) against one
+    process whose micro-batch holds both ranks' windows: the same loss curve, the same weights up to the
+    order of the gradient sum, the mask held, the output written and reported once."""
+    common = ["finetune", str(pruned), "--data", str(text_file), "--seqlen", "32", "--max-steps", "3",
+              "--ppl", "none", "--save-every", "0", "--offline"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "tsenor_cli"]
+    done = subprocess.run(
+        [*launch, *common, "--batch-size", "2", "--output", str(tmp_path / "ddp")],
+        capture_output=True, text=True, timeout=600, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The main process alone reports (both printed their summary and progress, the second's "wrote" false).
+    assert done.stdout.count("wrote ") == 1 and done.stderr.count("training data:") == 1
+    one = invoke([*common, "--batch-size", "4", "--output", str(tmp_path / "one")])
+    assert one.exit_code == 0, one.output
+    ddp, single = (json.loads((tmp_path / name / "finetune.json").read_text()) for name in ("ddp", "one"))
+    assert (ddp["world_size"], single["world_size"], ddp["tokens"]) == (2, 1, single["tokens"])
+    assert [step for step, _ in ddp["loss_curve"]] == [1, 2, 3]
+    for (_, a), (_, b) in zip(ddp["loss_curve"], single["loss_curve"], strict=True):
+        assert a == pytest.approx(b, rel=1e-6)
+    trained, alone = _weights(tmp_path / "ddp"), _weights(tmp_path / "one")
+    assert max(float((trained[k] - alone[k]).abs().max()) for k in alone) < 1e-6
+    _check_mask_kept(pruned, tmp_path / "ddp")
+
+
 def test_c4_training_documents_are_not_the_c4_evaluation_documents(
     smollm2_path: Path, data_dir: Path, data_ctx: RunContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:

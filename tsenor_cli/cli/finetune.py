@@ -129,7 +129,8 @@ def finetune_cmd(
     # both end in one line saying what was saved (exit 75 / 130).
     with stop_on_signals() as stop:
         report = finetune(cfg, run_ctx, stop=stop)
-    typer.echo(json.dumps(report.to_json(), indent=2) if as_json else summary(report))
+    if run_ctx.distributed.is_root:  # the main process reports for the run (it alone evaluates and writes)
+        typer.echo(json.dumps(report.to_json(), indent=2) if as_json else summary(report))
 
 
 def _dry_run(cfg: FinetuneConfig, run_ctx: RunContext, *, as_json: bool) -> None:

@@ -209,7 +209,8 @@ def finetune(
     `Interrupted` (exit 75); set while evaluating, it stops at once. Ctrl-C raises `Interrupted` (exit
     130). Both say what was saved and how to continue (`--resume`).
     """
-    say = sink(progress)
+    # Under torchrun or accelerate each process runs this; the main one alone reports, as a prune's rank 0.
+    say = sink(progress) if ctx.distributed.is_root else _quiet
     start = time.perf_counter()
     stop = stop if stop is not None else StopRequest()
     point = _RunPoint(max_steps=cfg.max_steps)
