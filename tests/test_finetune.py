@@ -23,6 +23,7 @@ from helpers_tiny import LOCAL_CTX, make_tiny_llama, sparsegpt_config
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from tsenor_cli.cli.finetune import summary
 from tsenor_cli.errors import Interrupted, TsenorError
 from tsenor_cli.finetune.run import FinetuneConfig, finetune, last_complete_checkpoint
 from tsenor_cli.fixedmask import FixedMask
@@ -348,6 +349,12 @@ def test_the_command_of_a_finished_run_rerun_does_nothing(
     assert (again.steps, again.loss_curve) == (first.steps, first.loss_curve)
     assert {path.name: path.stat().st_mtime_ns for path in out.iterdir()} == files
     assert lines[-1] == f"{out} already holds this run, finished with the same settings; nothing to do"
+    # The command's last line says so too (it said "wrote OUT in S s" over the untouched folder).
+    assert summary(first).splitlines()[-1] == f"wrote {out} in {first.seconds:.1f} s"
+    assert (
+        summary(again).splitlines()[-1]
+        == f"{out} already held this run (fine-tuned in {first.seconds:.1f} s); nothing written"
+    )
     with pytest.raises(OutputExistsError):
         finetune(_config(source, out, text_file, max_steps=5), LOCAL_CTX)
     _magnitude_prune(pruned.parent / "src", source, 4, 8, data_ctx, calib_data="wikitext2", force=True)

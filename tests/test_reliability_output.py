@@ -28,7 +28,7 @@ from tsenor_cli.pruning.methods.types import MatrixPruneConfig
 from tsenor_cli.pruning.plan.plan import plan_model
 from tsenor_cli.pruning.run.api import prune_model
 from tsenor_cli.pruning.settings.config import PruneConfig
-from tsenor_cli.runfiles import PRUNE_FILE, RESUME_DIR
+from tsenor_cli.runfiles import EVAL_FILE, PRUNE_FILE, RESUME_DIR
 from tsenor_cli.runfiles import output as output_module
 from tsenor_cli.settings import RunContext
 
@@ -125,6 +125,42 @@ def test_force_replaces_only_a_tsenor_run_or_an_empty_folder(tiny: Path, calib: 
     replaced = _prune(tiny, calib, empty, "--force")
     assert replaced.exit_code == 0, replaced.output
     assert (empty / PRUNE_FILE).is_file() and not (empty / "extra.txt").exists()  # the whole run was replaced
+
+
+def test_the_rerun_of_a_finished_prune_with_eval_writes_nothing_and_says_so(
+    tiny: Path, calib: Path, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A requeued `prune --eval` job: the prune is found finished, and the eval.json this same command wrote
+    is taken as it is (it was evaluated again), the summary is the first run's (its phases read back from
+    the report), and the last line says nothing was written (it said "wrote OUT"). Other evaluation flags
+    evaluate anew, and say so."""
+
+    def prune(*extra: str) -> Result:
+        # The command line the console script would record (in-process, sys.argv is pytest's).
+        args = ["--model", str(tiny), *FAST, "--calib-data", str(calib), "--output", str(out), *extra]
+        monkeypatch.setattr(sys, "argv", ["tsenor", "prune", *args])
+        return invoke(["prune", *args])
+
+    out = tmp_path / "out"
+    evaluate = ["--eval", "--ppl", "wikitext2", "--max-windows", "1", "--data-dir", str(data_dir)]
+    first = prune(*evaluate)
+    assert first.exit_code == 0, first.output
+    assert first.stdout.splitlines()[-1].startswith(f"wrote {out} (")
+    files = {path.name: path.stat().st_mtime_ns for path in out.iterdir()}
+    again = prune(*evaluate)
+    assert again.exit_code == 0, again.output
+    assert {path.name: path.stat().st_mtime_ns for path in out.iterdir()} == files
+    assert f"{out / EVAL_FILE} holds this command's evaluation; nothing to do" in again.stderr
+    done = again.stdout.splitlines()[-1]
+    assert done.startswith(f"{out} already held this run (") and done.endswith("); nothing written"), done
+    summary = [line for line in first.stdout.splitlines() if line.startswith("- total time:")]
+    assert summary and summary == [line for line in again.stdout.splitlines() if line.startswith("- total time:")]
+    assert "load " in summary[0]  # the phases, read back from tsenor_report.json on the rerun
+    more = prune(*evaluate[:-4], "--max-windows", "2", "--data-dir", str(data_dir))
+    assert more.exit_code == 0, more.output
+    assert more.stdout.splitlines()[-1].endswith(f"; evaluated it into its {EVAL_FILE}")
+    assert json.loads((out / EVAL_FILE).read_text())["perplexity"]["wikitext2"]["windows"] == 2
+    assert (out / PRUNE_FILE).stat().st_mtime_ns == files[PRUNE_FILE]
 
 
 # ---------------------------------------------------------------- the location, before any model is loaded

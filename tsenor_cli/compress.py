@@ -141,7 +141,11 @@ def compress(
             f"windows x {settings.seqlen} tokens of {cfg.calib_data}, {settings.dtype}")  # fmt: skip
         done = (report, _distil(settings, ctx, say, stop))
     _remove_stage(stage)
-    evaluation = evaluate_checkpoint(output, ctx, eval_cfg, cfg, stop=stop) if eval_cfg is not None else None
+    evaluation = (
+        evaluate_checkpoint(output, ctx, eval_cfg, cfg, stop=stop, rerun=done[1].found_finished)
+        if eval_cfg is not None
+        else None
+    )
     return Compressed(done[0], done[1], evaluation)
 
 

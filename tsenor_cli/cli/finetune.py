@@ -67,7 +67,11 @@ def summary(report: FinetuneReport) -> str:
             lines.append(f"{name}: {first[1]:.4f} (step {first[0]}) → {last[1]:.4f} (step {last[0]})")
     before, after = report.ppl("before"), report.ppl("after")
     lines.extend(f"{name} ppl: {before.get(name, float('nan')):.3f} → {after[name]:.3f}" for name in after)
-    lines.append(f"wrote {report.output} in {report.seconds:.1f} s")
+    lines.append(
+        f"{report.output} already held this run (fine-tuned in {report.seconds:.1f} s); nothing written"
+        if report.found_finished
+        else f"wrote {report.output} in {report.seconds:.1f} s"
+    )
     return "\n".join(lines)
 
 

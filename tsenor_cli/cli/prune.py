@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from tsenor_cli.compress import Compressed, Ranks
     from tsenor_cli.evaluation.runner import EvalConfig
     from tsenor_cli.pruning.settings.config import PruneConfig
+    from tsenor_cli.runfiles import EvalReport
     from tsenor_cli.settings import RunContext
 
 RUN = "Run"
@@ -200,7 +201,8 @@ def _print_result(outcome: Compressed, *, as_json: bool) -> None:
     totals = report.totals()
     typer.echo("\n".join(prune_summary(report)))
     if distilled is None:
-        typer.echo(f"wrote {report.output} ({totals['layers_pruned']} layers pruned in {report.seconds:.1f} s)")
+        typer.echo(_outcome(report.output, f"{totals['layers_pruned']} layers pruned in {report.seconds:.1f} s",
+                            found=report.found_finished, evaluation=evaluation))  # fmt: skip
         return
     resumed = distilled.resumed_from_step
     how = (
@@ -208,10 +210,23 @@ def _print_result(outcome: Compressed, *, as_json: bool) -> None:
         if resumed is None
         else f"resumed after step {resumed}, {distilled.seconds:.1f} s"
     )
-    typer.echo(
-        f"wrote {distilled.output} ({totals['layers_pruned']} layers pruned in {report.seconds:.1f} s, then distilled "
-        f"for {distilled.steps} steps, {distilled.tokens} tokens, {how})"
+    done = (
+        f"{totals['layers_pruned']} layers pruned in {report.seconds:.1f} s, then distilled for {distilled.steps} "
+        f"steps, {distilled.tokens} tokens, {how}"
     )
+    typer.echo(_outcome(distilled.output, done, found=distilled.found_finished, evaluation=evaluation))
+
+
+def _outcome(output: str | None, done: str, *, found: bool, evaluation: EvalReport | None) -> str:
+    """The last line: what was written, or that a rerun of a finished run's command found it all done (and
+    whether it evaluated it, when its eval.json was not this command's)."""
+    from tsenor_cli.runfiles import EVAL_FILE
+
+    if not found:
+        return f"wrote {output} ({done})"
+    if evaluation is not None and not evaluation.found_finished:
+        return f"{output} already held this run ({done}); evaluated it into its {EVAL_FILE}"
+    return f"{output} already held this run ({done}); nothing written"
 
 
 def _stage_ranks(ctx: typer.Context, nproc: int) -> Ranks:

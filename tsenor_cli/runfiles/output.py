@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,13 @@ from tsenor_cli.interrupt import StopRequest
 from tsenor_cli.outputs import check_output_location, check_room, human_bytes, output_lock, output_path
 from tsenor_cli.progress import Progress
 from tsenor_cli.runfiles import (
+    EVAL_FILE,
     FINETUNE_FILE,
     INDEX_NAME,
     PRUNE_FILE,
     RESUME_DIR,
+    ContextRecord,
+    EvalReport,
     FinetuneReport,
     PruneReport,
     read_json,
@@ -98,7 +102,21 @@ def finished_run(output: Path, result_hash: str) -> PruneReport | None:
     if not report_path.is_file() or (output / RESUME_DIR).exists():
         return None
     report = PruneReport.from_json(read_json(report_path), str(report_path))
-    return report if report.result_hash == result_hash else None
+    return replace(report, found_finished=True) if report.result_hash == result_hash else None
+
+
+def finished_evaluation(output: Path, command: str | None, context: ContextRecord) -> EvalReport | None:
+    """The eval.json of `output` when this command line (`command`) under the same data folder and hub
+    policy (`context`) wrote it, else None: the `--eval` of a rerun of a finished `tsenor prune` (a batch job
+    requeued after it was killed past the evaluation) is then a no-op as the prune is, instead of the whole
+    evaluation again. The prune's settings hash already matched, and the command line holds every evaluation
+    setting, so the evaluation it asks for is the one on disk; any other command evaluates anew."""
+    path = output / EVAL_FILE
+    if command is None or not path.is_file():
+        return None
+    record = EvalReport.from_json(read_json(path), str(path))
+    same = record.command == command and record.context == context
+    return replace(record, found_finished=True) if same else None
 
 
 def finished_distillation(output: Path, result_hash: str, settings: dict[str, Any]) -> FinetuneReport | None:
@@ -131,7 +149,7 @@ def _finetuned_with(output: Path, settings: dict[str, Any]) -> FinetuneReport | 
         return None
     record = FinetuneReport.from_json(read_json(path), str(path))
     same = {key: record.settings.get(key) for key in settings} == json.loads(json.dumps(settings))
-    return record if same else None
+    return replace(record, found_finished=True) if same else None
 
 
 def remove_stage(stage: Path) -> None:

@@ -208,6 +208,8 @@ class PruneReport:
     The file's ``totals`` are computed from these (`totals()`), not stored separately.
     phases: wall seconds per phase of the run (`phases.PHASES`), each exclusive of those nested in it, so that
     with what is left (`seconds` minus their sum, "other") they add up to `seconds`.
+    found_finished: the report was read back from a finished run's folder by a rerun of its command (a no-op
+    that wrote nothing: `runfiles.output.finished_run`); not a field of the file.
     """
 
     method: str
@@ -230,6 +232,7 @@ class PruneReport:
     refinement: tuple[BlockRefinement, ...] = ()
     phases: dict[str, float] = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    found_finished: bool = field(default=False, compare=False)
 
     @property
     def result_hash(self) -> str | None:
@@ -286,6 +289,7 @@ class PruneReport:
             "totals": self.totals(),
             "layers": [r.to_json() for r in self.layers],
             "refinement": [r.to_json() for r in self.refinement],
+            "phases": self.phases,
         }
 
     @classmethod
@@ -301,6 +305,7 @@ class PruneReport:
                 obj,
                 where,
                 schema_version=version,
+                found_finished=False,
                 pattern=SparsityPattern.from_report_json(raw_pattern, f"{where}: pattern")
                 if raw_pattern is not None
                 else None,
@@ -318,6 +323,10 @@ class PruneReport:
                     BlockRefinement.from_json(block, f"{where}: refinement[{i}]")
                     for i, block in enumerate(_typed(obj.get("refinement", []), list, "refinement", where))
                 ),
+                phases={
+                    str(name): _typed(seconds, float, f"phases.{name}", where)
+                    for name, seconds in _typed(obj.get("phases", {}), dict, "phases", where).items()
+                },
             )
         )
         if not 0.0 <= report.sparsity < 1.0:
@@ -677,6 +686,8 @@ class EvalReport:
     """``eval.json``: the model evaluated, perplexity per dataset and (optionally) zero-shot accuracy.
 
     model: what the user passed; source: the resolved folder or hub id; seconds: the whole evaluation.
+    found_finished: read back by a rerun of the command that wrote it (`runfiles.output.finished_evaluation`;
+    nothing evaluated or written); not a field of the file.
     """
 
     model: str
@@ -693,11 +704,12 @@ class EvalReport:
     command: str | None = None
     context: ContextRecord | None = None
     schema_version: int = SCHEMA_VERSION
+    found_finished: bool = field(default=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
-            **{k: v for k, v in _flat_json(self).items() if k != "schema_version"},
+            **{k: v for k, v in _flat_json(self).items() if k not in ("schema_version", "found_finished")},
             "perplexity": {name: entry.to_json() for name, entry in self.perplexity.items()},
             "zeroshot": self.zeroshot.to_json() if self.zeroshot is not None else None,
             "context": _flat_json(self.context) if self.context is not None else None,
@@ -719,6 +731,7 @@ class EvalReport:
                 obj,
                 where,
                 schema_version=version,
+                found_finished=False,
                 perplexity=perplexity,
                 zeroshot=ZeroShotResult.from_json(raw_zs, f"{where}: zeroshot", version)
                 if raw_zs is not None
@@ -739,7 +752,8 @@ class FinetuneReport:
     tokens: tokens trained on (steps × windows per step × seqlen); epochs: passes over the windows.
     seconds_per_step: median wall time of the optimizer steps this process ran (forward, backward,
     optimizer; without evaluation, checkpoints and batch loading). pruned_nonzero: weights outside the
-    mask that are nonzero after training (0 unless the mask was broken).
+    mask that are nonzero after training (0 unless the mask was broken). found_finished: read back from a
+    finished run's folder by a rerun of its command (a no-op that wrote nothing); not a field of the file.
     """
 
     settings: dict[str, Any]
@@ -766,6 +780,7 @@ class FinetuneReport:
     versions: dict[str, str] = field(default_factory=dict)
     ce_curve: list[tuple[int, float]] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
+    found_finished: bool = field(default=False, compare=False)
 
     def ppl(self, when: Literal["before", "after"]) -> dict[str, float]:
         """{dataset: ppl} of eval_before ("before") or eval_after ("after")."""
@@ -774,7 +789,7 @@ class FinetuneReport:
 
     def to_json(self) -> dict[str, Any]:
         """The file's object; ppl_before / ppl_after are derived from the evaluations (not read back)."""
-        body = {k: v for k, v in _flat_json(self).items() if k != "schema_version"}
+        body = {k: v for k, v in _flat_json(self).items() if k not in ("schema_version", "found_finished")}
         body["loss_curve"] = [[step, value] for step, value in self.loss_curve]
         body["ce_curve"] = [[step, value] for step, value in self.ce_curve]
         body["ppl_curve"] = {name: [[s, v] for s, v in curve] for name, curve in self.ppl_curve.items()}
@@ -796,6 +811,7 @@ class FinetuneReport:
                 obj,
                 where,
                 schema_version=version,
+                found_finished=False,
                 loss_curve=_curve(_field(obj, "loss_curve", list, where), f"{where}: loss_curve"),
                 ce_curve=_curve(obj.get("ce_curve", []), f"{where}: ce_curve"),
                 ppl_curve={str(k): _curve(v, f"{where}: ppl_curve.{k}") for k, v in raw_ppl.items()},

@@ -34,8 +34,15 @@ from tsenor_cli.pruning.run.run import RunPoint, RunSetup, execute
 from tsenor_cli.pruning.run.seams import BlockHook, Sink
 from tsenor_cli.pruning.settings.config import PruneConfig
 from tsenor_cli.replay import BlockInputs, capture_block_inputs
-from tsenor_cli.runfiles import EVAL_FILE, EvalReport, PruneReport, ResumeState
-from tsenor_cli.runfiles.output import OutputRun, check_free_space, check_not_input, copied_bytes, output_run
+from tsenor_cli.runfiles import EVAL_FILE, ContextRecord, EvalReport, PruneReport, ResumeState
+from tsenor_cli.runfiles.output import (
+    OutputRun,
+    check_free_space,
+    check_not_input,
+    copied_bytes,
+    finished_evaluation,
+    output_run,
+)
 from tsenor_cli.runfiles.resume import ResumeStore
 from tsenor_cli.runfiles.write import write_eval
 from tsenor_cli.settings import RunContext
@@ -268,15 +275,26 @@ def prune_and_evaluate(
     report = prune_model(cfg, ctx, stop=stop)
     if eval_cfg is None or cfg.output is None or not ctx.distributed.is_root:
         return report, None
-    return report, evaluate_checkpoint(cfg.output, ctx, eval_cfg, cfg, stop=stop)
+    return report, evaluate_checkpoint(cfg.output, ctx, eval_cfg, cfg, stop=stop, rerun=report.found_finished)
 
 
 def evaluate_checkpoint(
-    output: Path, ctx: RunContext, eval_cfg: EvalConfig, cfg: PruneConfig, *, stop: StopRequest | None = None
+    output: Path,
+    ctx: RunContext,
+    eval_cfg: EvalConfig,
+    cfg: PruneConfig,
+    *,
+    stop: StopRequest | None = None,
+    rerun: bool = False,
 ) -> EvalReport:
     """`--eval`: evaluate the finished checkpoint `output` into its eval.json (in `cfg`'s dtype and device) and
     refresh its model card's table. A stop signal stops it at once (it has no safe point;
-    `StopRequest.at_once`), as Ctrl-C does: one line saying the checkpoint is complete and how to evaluate it."""
+    `StopRequest.at_once`), as Ctrl-C does: one line saying the checkpoint is complete and how to evaluate it.
+    rerun: the run was found finished (a rerun of its command): an eval.json this command wrote is taken as
+    it is (`finished_evaluation`), said as the evaluation's progress is."""
+    if rerun and (done := finished_evaluation(output, eval_cfg.command, ContextRecord.of(ctx))) is not None:
+        sink(None)(f"{output / EVAL_FILE} holds this command's evaluation; nothing to do")
+        return done
     try:
         with stop.at_once() if stop is not None else contextlib.nullcontext():
             loaded = runner.load_for_evaluation(str(output), ctx, eval_cfg, dtype=cfg.dtype, device=cfg.device)
