@@ -318,6 +318,28 @@ def test_cli_report_markdown_json_and_force(runs: list[Path], tmp_path: Path) ->
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".report.")]
 
 
+def test_cli_report_without_output_prints_the_table_and_writes_nothing(runs: list[Path], tmp_path: Path) -> None:
+    """`tsenor report A B` prints the table that `--output` would hold (it was refused: "--output is
+    required"), as Markdown or JSON, and writes no file; --force without --output is a usage error."""
+    listing = sorted(p for p in tmp_path.rglob("*"))
+    runner = CliRunner()
+    shown = runner.invoke(app, ["report", *map(str, runs)])
+    assert shown.exit_code == 0, shown.output
+    as_json = runner.invoke(app, ["report", *map(str, runs), "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    assert sorted(p for p in tmp_path.rglob("*")) == listing
+    written = runner.invoke(app, ["report", *map(str, runs), "--output", str(tmp_path / "out"), "--json"])
+    assert written.exit_code == 0, written.output
+    assert shown.stdout == (tmp_path / "out" / "table.md").read_text()
+    assert (
+        json.loads(as_json.stdout)
+        == json.loads(written.stdout)
+        == json.loads((tmp_path / "out" / "table.json").read_text())
+    )
+    forced = runner.invoke(app, ["report", *map(str, runs), "--force"])
+    assert isinstance(forced.exception, UsageError) and "pass --output DIR or drop --force" in str(forced.exception)
+
+
 def test_a_killed_report_s_leftovers_are_cleared_by_the_next(runs: list[Path], tmp_path: Path) -> None:
     """A report killed while writing leaves its temporary, and one killed while replacing leaves the old
     output moved aside; the next report puts the old one back (then refuses it without --force) and removes

@@ -1,4 +1,5 @@
-"""`tsenor report RUN_DIR... --output DIR`: merge runs into the paper's Table 2 layout with plots."""
+"""`tsenor report RUN_DIR... [--output DIR]`: merge runs into the paper's Table 2 layout, printed, and with
+--output written as tables and plots."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import typer
 from tsenor_cli.cli.app import Command, app
 from tsenor_cli.cli.options import ForceOpt, JsonOpt, OutputDirOpt
 from tsenor_cli.errors import UsageError
-from tsenor_cli.report import check_report_output, load_run, write_report
+from tsenor_cli.report import check_report_output, load_run, merge_runs, write_report
 
 
 class ReportFormat(StrEnum):
@@ -66,17 +67,22 @@ def report_cmd(
 ) -> None:
     """Merge runs into one table (perplexity + zero-shot, as the paper's Table 2) and plot them.
 
-    --output receives table.md/.csv/.json and the PNG plots.
+    The table is printed; --output also receives table.md/.csv/.json and the PNG plots.
     """
-    if output is None:
-        raise UsageError("--output is required; pass the folder for table.md/.csv/.json and the plots")
-    check_report_output(output, force)  # before any run is read: a report that cannot be written is refused now
+    if output is not None:
+        check_report_output(output, force)  # before any run is read: a report that cannot be written is refused
+    elif force:
+        raise UsageError("--force replaces an --output folder, and none was given; pass --output DIR or drop --force")
     runs = [load_run(path) for path in _expand_sweeps(run_dirs)]
-    result = write_report(runs, output, force=force, allow_mixed=allow_mixed, baseline=baseline)
-    for note in result.skipped:
-        typer.echo(f"skipped {note}", err=True)
-    typer.echo(f"wrote {', '.join(result.files)} to {result.directory}", err=True)
-    if as_json or fmt is ReportFormat.json:
-        typer.echo(json.dumps(result.table.to_json(), indent=2))
+    if output is None:
+        table = merge_runs(runs, allow_mixed=allow_mixed, baseline=baseline)
     else:
-        typer.echo(result.table.to_markdown(), nl=False)
+        result = write_report(runs, output, force=force, allow_mixed=allow_mixed, baseline=baseline)
+        for note in result.skipped:
+            typer.echo(f"skipped {note}", err=True)
+        typer.echo(f"wrote {', '.join(result.files)} to {result.directory}", err=True)
+        table = result.table
+    if as_json or fmt is ReportFormat.json:
+        typer.echo(json.dumps(table.to_json(), indent=2))
+    else:
+        typer.echo(table.to_markdown(), nl=False)
