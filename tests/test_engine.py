@@ -262,12 +262,21 @@ def test_config_file_values_are_overridden_by_flags(tiny: Path, tmp_path: Path) 
     assert result.exit_code == 0, result.output
     plan = json.loads(result.output)
     assert plan["nsamples"] == 3 and plan["pattern"] == "8:16" and plan["method"] == "magnitude"
+    # An N:M pattern needs no quotes: YAML 1.1's base-60 reading (8:16 as 496) is not ours (it was exit 2).
     unquoted = tmp_path / "unquoted.yaml"
-    unquoted.write_text(f"model: {tiny}\nnm: 8:16\n")
-    assert invoke(["prune", "--config", str(unquoted), "--dry-run"]).exit_code == 2
+    unquoted.write_text(f"model: {tiny}\nnm: 8:16\nmethod: magnitude\nnsamples: 7\n")
+    bare = invoke(["prune", "--config", str(unquoted), "--nsamples", "3", "--dry-run", "--json"])
+    assert bare.exit_code == 0, bare.output
+    same = ("model", "nsamples", "pattern", "method", "blocks", "layers")
+    assert {key: json.loads(bare.output).get(key) for key in same} == {key: plan.get(key) for key in same}
     unknown = tmp_path / "unknown.yaml"
     unknown.write_text(f"model: {tiny}\nnm: '8:16'\nlearning_rate: 1\n")
     assert invoke(["prune", "--config", str(unknown), "--dry-run"]).exit_code == 2
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(f"model: {tiny}\nnm: 8:16\nmethd: wanda\n")
+    refused = invoke(["prune", "--config", str(typo), "--dry-run"])
+    assert refused.exit_code == 2
+    assert str(refused.exception).startswith(f"--config {typo}: unknown key 'methd' (did you mean 'method'?); known")
 
 
 def test_every_bad_input_gets_its_exit_code(tiny: Path, tmp_path: Path, data_dir: Path) -> None:

@@ -86,7 +86,7 @@ def test_a_bad_setting_is_one_line_naming_it_before_any_work(tiny_llama: Callabl
 
     model, out = tiny_llama(num_layers=2), tmp_path / "out"
     cases = [
-        ({"nm": "2:4", "nsample": 4}, "prune(): unknown key 'nsample'; known keys: model, dtype"),
+        ({"nm": "2:4", "nsample": 4}, "prune(): unknown key 'nsample' (did you mean 'nsamples'?); known keys: model"),
         ({"nm": "2:4", "nsamples": "many"}, "prune(): nsamples must be a int, got 'many'"),
         ({"nm": "2:4", "method": "sparsegpt", "alps_rho0": 0.2}, "--alps-rho0 is not an option of --method sparsegpt"),
         ({"nm": "2:4", "solver": "fast"}, "unknown --solver 'fast'; choose one of: auto"),

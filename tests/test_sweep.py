@@ -158,7 +158,7 @@ BAD_SWEEPS: dict[str, tuple[dict[str, Any], str]] = {
         "axes.nsamples[1]: nsamples must be a int",
     ),
     "bool given as text": ({"base": {"model": "m", "nm": "2:4", "transposable": "yes"}}, "transposable must be a bool"),
-    "unquoted nm": ({"base": {"model": "m"}, "axes": {"nm": [968]}}, "nm must be a quoted string"),
+    "nm a number": ({"base": {"model": "m"}, "axes": {"nm": [968]}}, "nm must be a pattern N:M such as 16:32, got 968"),
     "duplicate run names": (
         {"name": "{method}", "base": {"model": "m"}, "axes": {"method": ["alps"], "nm": ["2:4", "4:8"]}},
         "two runs are named 'alps'",

@@ -12,6 +12,7 @@ This module imports neither torch nor typer: `tsenor --help` reads it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -137,6 +138,15 @@ def read_mapping(data: Mapping[Any, Any], table: Iterable[Field], where: str) ->
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
         if key not in known:
-            raise UsageError(f"{where}: unknown key {raw_key!r}; known keys: {', '.join(known)}")
+            raise unknown_key(where, raw_key, known)
         values[key] = known[key].coerce(value, where)
     return values
+
+
+def unknown_key(where: str, key: Any, known: Iterable[str]) -> UsageError:
+    """The one line for a key of a recipe or sweep file that is not one of `known`: the closest known key
+    when one is near enough (a typo: 'methd' → 'method'), then every known key."""
+    names = list(known)
+    near = difflib.get_close_matches(str(key).replace("-", "_"), names, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return UsageError(f"{where}: unknown key {key!r}{hint}; known keys: {', '.join(names)}")

@@ -47,6 +47,7 @@ from tsenor_cli.settings import RunContext
 from tsenor_cli.sweep.job import RunJob, SweepTask, run_job
 from tsenor_cli.sweep.spec import TOP_KEYS, RunSpec, SlurmOptions, SweepSpec
 from tsenor_cli.sweep.status import RunView, collect, is_complete, is_sweep_dir, resolve, runs_text, slurm_queue
+from tsenor_cli.yamlfile import load_yaml
 
 POLL_SECONDS = 3.0
 
@@ -121,7 +122,7 @@ def _check_recipe(run: RunSpec, run_dir: Path) -> None:
     path = run_dir / RECIPE_FILE
     if run.dense or not path.is_file():
         return
-    old = validate_recipe(yaml.safe_load(path.read_text()) or {}, str(path))
+    old = validate_recipe(load_yaml(path.read_text()) or {}, str(path))
     new = run.recipe_dict()
     if old != new:
         key = next(k for k in sorted({*old, *new}) if old.get(k) != new.get(k))
@@ -172,10 +173,10 @@ def check_sweep_folder(sweep_file: Path, directory: Path, *, force: bool) -> Non
     recorded = directory / SWEEP_FILE
     if recorded.is_file():
         try:
-            old = yaml.safe_load(recorded.read_text()) or {}
+            old = load_yaml(recorded.read_text()) or {}
         except yaml.YAMLError:
             old = None
-        new = yaml.safe_load(sweep_file.read_text()) or {}
+        new = load_yaml(sweep_file.read_text()) or {}
         if not isinstance(old, dict):
             differ = ["its contents (not a sweep file)"]
         else:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tsenor_cli.errors import TsenorError, UsageError
+from tsenor_cli.fields import unknown_key
 from tsenor_cli.pruning.settings.recipe import build_config, overlay, validate_recipe
 from tsenor_cli.yamlfile import read_yaml
 
@@ -381,7 +382,7 @@ def _checked_mapping(raw: Any, keys: Mapping[str, tuple[type, ...]], where: str)
         raise UsageError(f"{where} must be a mapping with the keys {', '.join(keys)}")
     for key, value in raw.items():
         if key not in keys:
-            raise UsageError(f"{where}: unknown key {key!r}; known keys: {', '.join(keys)}")
+            raise unknown_key(where, key, keys)
         if not _is_type(value, keys[key]):
             raise UsageError(f"{where}.{key} must be a {_type_names(keys[key])}, got {value!r}")
     return dict(raw)

@@ -66,9 +66,7 @@ def validate_recipe(data: Mapping[Any, Any], where: str) -> dict[str, Any]:
     where a float is wanted, and text that reads as a number; bools are never accepted as numbers.
     """
     if "nm" in data and data["nm"] is not None and not isinstance(data["nm"], str):
-        raise UsageError(
-            f'{where}: nm must be a quoted string like "16:32" (unquoted YAML reads 16:32 as a base-60 number)'
-        )
+        raise UsageError(f"{where}: nm must be a pattern N:M such as 16:32, got {data['nm']!r}")
     return read_mapping(data, fields_for(data.get("method")).values(), where)
 
 
