@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from huggingface_hub import ModelCard
@@ -62,7 +63,7 @@ def test_the_card_names_the_base_model_pattern_method_and_calibration() -> None:
     assert {"tsenor", "16:32-sparsity", "transposable-sparsity"} <= set(card.data.tags)
     assert "every 32×32 tile keeps at most 16 weights per row and per column" in card.text
     assert "128 samples of 2048 tokens, seed 0: offline C4-en sample" in card.text
-    assert "1 matrices pruned, 1 left dense; density of the decoder's linear weights 0.5000" in card.text
+    assert "1 matrix pruned, 1 left dense; density of the decoder's linear weights 0.5000" in card.text
     assert "## Evaluation" not in card.text and card.data.eval_results is None
 
 
@@ -85,6 +86,10 @@ def test_an_evaluated_checkpoint_gets_the_table_and_the_model_index(tmp_path: Pa
     assert "| piqa | accuracy | 65.50% | 200 examples (--limit 200) |" in card.text
     results = {(r.dataset_type, r.metric_type): r.metric_value for r in card.data.eval_results}
     assert results == {("wikitext2", "perplexity"): 21.5, ("piqa", "accuracy"): 0.655}
+    one = replace(_evaluation(), perplexity={"wikitext2": replace(_evaluation().perplexity["wikitext2"], windows=1)})
+    (tmp_path / EVAL_FILE).write_text(json.dumps(one.to_json()))
+    refresh_card(tmp_path)  # one window is said so (it said "1 windows")
+    assert "| wikitext2 | perplexity | 21.50 | 1 window of 2048 tokens |" in (tmp_path / MODEL_CARD).read_text()
     dense = tmp_path / "dense"
     dense.mkdir()
     refresh_card(dense)  # no tsenor_report.json: not ours to describe

@@ -293,7 +293,7 @@ def _perplexities(
             data_source=text.source,
             seconds=spent + time.perf_counter() - t0,
         )
-        say(f"{name}: ppl {result.ppl:.3f} over {result.windows} windows of {seqlen}")
+        say(f"{name}: ppl {result.ppl:.3f} over {_windows(result.windows)} of {seqlen}")
     return results
 
 
