@@ -27,6 +27,11 @@ Progress = Callable[[str], None]
 T = TypeVar("T")
 
 
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """`n` and its noun, singular for one: "1 window", "8 windows", "1 matrix" (`plural` "matrices")."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 def sink(progress: Progress | None) -> Progress:
     """`progress`, or the ``tsenor`` logger's INFO when None."""
     return progress if progress is not None else logger.info

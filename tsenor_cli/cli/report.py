@@ -12,7 +12,7 @@ import typer
 from tsenor_cli.cli.app import Command, app
 from tsenor_cli.cli.options import ForceOpt, JsonOpt, OutputDirOpt
 from tsenor_cli.errors import UsageError
-from tsenor_cli.report import check_report_output, load_run, merge_runs, write_report
+from tsenor_cli.report import build_table, check_report_output, load_run, write_report
 
 
 class ReportFormat(StrEnum):
@@ -75,7 +75,7 @@ def report_cmd(
         raise UsageError("--force replaces an --output folder, and none was given; pass --output DIR or drop --force")
     runs = [load_run(path) for path in _expand_sweeps(run_dirs)]
     if output is None:
-        table = merge_runs(runs, allow_mixed=allow_mixed, baseline=baseline)
+        table = build_table(runs, allow_mixed=allow_mixed, baseline=baseline)
     else:
         result = write_report(runs, output, force=force, allow_mixed=allow_mixed, baseline=baseline)
         for note in result.skipped:

@@ -23,7 +23,7 @@ from tsenor_cli.evaluation.streamed import BlockCallbacks, streamed_perplexity
 from tsenor_cli.kernels import KERNELS
 from tsenor_cli.models.loading import LoadedModel, LoadOptions
 from tsenor_cli.precision import NAMES, machine_versions, warn_slow_products
-from tsenor_cli.progress import sink
+from tsenor_cli.progress import counted, sink
 from tsenor_cli.provenance import tsenor_versions
 from tsenor_cli.runfiles import (
     CONFIG_FILE,
@@ -271,7 +271,7 @@ def _perplexities(
     clock = _WindowClock(sum(counts.values()), say, every_window=progress is not None)
     if clock.total:
         parts = ", ".join(f"{name} {count}" for name, count in counts.items())
-        say(f"perplexity: {_windows(clock.total)} of {seqlen} tokens ({parts})")
+        say(f"perplexity: {counted(clock.total, 'window')} of {seqlen} tokens ({parts})")
     results: dict[str, PerplexityRecord] = {}
     for name, (text, spent) in streams.items():
         t0 = time.perf_counter()
@@ -293,7 +293,7 @@ def _perplexities(
             data_source=text.source,
             seconds=spent + time.perf_counter() - t0,
         )
-        say(f"{name}: ppl {result.ppl:.3f} over {_windows(result.windows)} of {seqlen}")
+        say(f"{name}: ppl {result.ppl:.3f} over {counted(result.windows, 'window')} of {seqlen}")
     return results
 
 
@@ -301,10 +301,6 @@ def window_count(tokens: int, seqlen: int, max_windows: int | None) -> int:
     """The windows `perplexity` evaluates in a stream of `tokens` (non-overlapping, capped by max_windows)."""
     whole = tokens // seqlen
     return whole if max_windows is None else min(whole, max_windows)
-
-
-def _windows(n: int) -> str:
-    return f"{n} window" if n == 1 else f"{n} windows"
 
 
 def duration(seconds: float) -> str:
@@ -339,7 +335,7 @@ class _WindowClock:
             if first:
                 self.say(
                     f"{name}: window {done}/{total} took {spent:.1f} s; the perplexity evaluation takes about "
-                    f"{duration(spent + left)} ({_windows(self.total)}; --max-windows N shortens it)"
+                    f"{duration(spent + left)} ({counted(self.total, 'window')}; --max-windows N shortens it)"
                 )
             elif self.every_window:
                 self.say(f"{name}: window {done}/{total} ({spent:.0f} s, about {duration(left)} left)")

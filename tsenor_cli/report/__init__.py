@@ -17,16 +17,7 @@ from tsenor_cli.progress import logger
 from tsenor_cli.report.table import Table, build_table, distinct_labels
 from tsenor_cli.runfiles import Run, load_run
 
-__all__ = [
-    "ReportOutput",
-    "Run",
-    "Table",
-    "build_table",
-    "check_report_output",
-    "load_run",
-    "merge_runs",
-    "write_report",
-]
+__all__ = ["ReportOutput", "Run", "Table", "build_table", "check_report_output", "load_run", "write_report"]
 
 
 @dataclass(frozen=True)
@@ -61,13 +52,6 @@ def _check_output(output: Path, runs: Sequence[Run], force: bool) -> None:
     check_report_output(output, force)
 
 
-def merge_runs(runs: Sequence[Run], *, allow_mixed: bool = False, baseline: str | None = None) -> Table:
-    """The runs' table, each row labelled apart (`distinct_labels`), written nowhere: what `tsenor report`
-    prints without --output. Runs evaluated under different protocols are refused unless `allow_mixed`;
-    zero-shot differences are paired against `baseline` (`report.table.build_table`)."""
-    return build_table(distinct_labels(runs), allow_mixed=allow_mixed, baseline=baseline)
-
-
 def write_report(
     runs: Sequence[Run], output: Path, *, force: bool = False, allow_mixed: bool = False, baseline: str | None = None
 ) -> ReportOutput:
@@ -84,7 +68,7 @@ def write_report(
 
     _check_output(output, runs, force)
     runs = distinct_labels(runs)
-    table = merge_runs(runs, allow_mixed=allow_mixed, baseline=baseline)
+    table = build_table(runs, allow_mixed=allow_mixed, baseline=baseline)
     files = ["table.md", "table.csv", "table.json"]
     skipped = []
     with replacing(output, logger.warning, lambda: _check_output(output, runs, force)) as tmp:

@@ -17,6 +17,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from tsenor_cli.models.embedded import EMBEDDED_MODELS
 from tsenor_cli.packed.files import declares_packed
+from tsenor_cli.progress import counted
 from tsenor_cli.runfiles import (
     EVAL_FILE,
     FINETUNE_FILE,
@@ -88,8 +89,7 @@ def _eval_results(evaluation: EvalReport, name: str) -> list[EvalResult]:
 
 def _evaluation_table(evaluation: EvalReport) -> list[str]:
     rows = [
-        f"| {dataset} | perplexity | {entry.ppl:.2f} | {entry.windows} window{'' if entry.windows == 1 else 's'} "
-        f"of {entry.seqlen} tokens |"
+        f"| {dataset} | perplexity | {entry.ppl:.2f} | {counted(entry.windows, 'window')} of {entry.seqlen} tokens |"
         for dataset, entry in evaluation.perplexity.items()
     ]
     if evaluation.zeroshot is not None:
@@ -154,7 +154,7 @@ def card_text(
         + (f", mask solver {report.settings['solver']}" if report.settings.get("solver") else ""),
         f"- **Calibration**: {report.settings.get('nsamples')} samples of {report.settings.get('seqlen')} tokens, "
         f"seed {report.settings.get('seed')}: {report.calibration}",
-        f"- **Weights**: {totals['layers_pruned']} {'matrix' if totals['layers_pruned'] == 1 else 'matrices'} pruned, "
+        f"- **Weights**: {counted(totals['layers_pruned'], 'matrix', 'matrices')} pruned, "
         f"{totals['layers_skipped'] + totals['layers_idle'] + totals['layers_ignored']} left dense"
         + (f"; density of the decoder's linear weights {density:.4f}" if density is not None else ""),
     ]
