@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -115,13 +117,49 @@ def test_eval_writes_beside_a_checkpoint_and_replaces_only_its_eval_json_with_fo
     args = ["--model", str(tiny), "--ppl", "wikitext2", "--seqlen", "32", "--max-windows", "1", "--output", str(folder)]
     assert eval_cli(args).exit_code == 0
     assert sorted(p.name for p in folder.iterdir()) == ["eval.json", "notes.txt"]
-    again = eval_cli(args)
+    again = eval_cli([*args, "--seqlen", "16"])  # another evaluation (the same command is a no-op: below)
     assert isinstance(again.exception, OutputExistsError)
     assert (
         str(again.exception)
         == f"{folder / 'eval.json'} already exists; pass --force to overwrite it or choose another --output"
     )
     assert eval_cli([*args, "--force"]).exit_code == 0 and (folder / "notes.txt").read_text() == "kept"
+
+
+def test_the_same_eval_again_of_the_unchanged_model_writes_nothing_and_says_so(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`tsenor eval DIR --output DIR` again (a requeued batch job; a script run again after its prune found its
+    run finished): the eval.json this command line wrote of the folder as it is on disk is printed again, and
+    nothing is loaded, evaluated or written (it was refused, exit 4, though the prune before it succeeded).
+    Writing into the folder (eval.json, the model card) keeps the model's identity; a weight file written
+    again since does not, and the eval.json is then refused as before."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny, folder)
+    args = ["--model", str(folder), "--ppl", "wikitext2", "--seqlen", "32", "--max-windows", "1"]
+    args += ["--output", str(folder)]
+    first = eval_cli(args)
+    assert first.exit_code == 0, first.output
+    (folder / "README.md").write_text("a model card refreshed after the evaluation")
+    written = (folder / "eval.json").read_bytes(), (folder / "eval.json").stat().st_mtime_ns
+
+    def never(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the model was loaded again")
+
+    monkeypatch.setattr("tsenor_cli.evaluation.runner.load_for_evaluation", never)
+    again = eval_cli(args)
+    assert again.exit_code == 0, again.output
+    assert again.stdout == first.stdout  # the same table
+    held = f"{folder} already held this command's evaluation of {folder} as it is now; nothing written"
+    assert held in again.stderr.splitlines()
+    assert ((folder / "eval.json").read_bytes(), (folder / "eval.json").stat().st_mtime_ns) == written
+
+    weights = folder / "model.safetensors"
+    later = weights.stat().st_mtime_ns + 10**9
+    os.utime(weights, ns=(later, later))  # the same bytes written again: another model as far as a stat tells
+    changed = eval_cli(args)
+    assert isinstance(changed.exception, OutputExistsError) and changed.exit_code == 4
+    assert ((folder / "eval.json").read_bytes(), (folder / "eval.json").stat().st_mtime_ns) == written
 
 
 def test_seqlen_default_capped_by_model(tiny: Path) -> None:

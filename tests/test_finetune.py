@@ -964,7 +964,7 @@ def test_the_prunes_own_evaluation_is_reused_as_before_when_its_settings_match(
 ) -> None:
     """RUN_DIR/eval.json of the same evaluation (datasets, windows, window length, float32, device kind)
     is the "before" of fine-tuning instead of evaluating again, and gives what the evaluation gives;
-    other settings, or weights newer than it, evaluate again, with an estimate of how long it takes."""
+    other settings, or weights written since it, evaluate again, with an estimate of how long it takes."""
     run = tmp_path / "run"
     shutil.copytree(pruned, run)
     evaluated = invoke(["eval", "--model", str(run), "--ppl", "wikitext2", "--max-windows", "1", "--output", str(run)])
@@ -991,7 +991,7 @@ def test_the_prunes_own_evaluation_is_reused_as_before_when_its_settings_match(
     )
     assert any(re.fullmatch(estimate, line) for line in said), said
     assert other.eval_before is not None and other.eval_before["max_windows"] == 2
-    (run / "model.safetensors").touch()  # weights newer than the evaluation: it is not theirs
+    (run / "model.safetensors").touch()  # the weights written since the evaluation: it is not theirs
     fresh, said = run_finetune("fresh", 1)
     assert any(line.startswith("evaluating the pruned checkpoint before fine-tuning") for line in said)
     assert reused.ppl("before") == fresh.ppl("before")  # the reused number is the one evaluation gives

@@ -128,7 +128,7 @@ def test_force_replaces_only_a_tsenor_run_or_an_empty_folder(tiny: Path, calib: 
 
 
 def test_the_rerun_of_a_finished_prune_with_eval_writes_nothing_and_says_so(
-    tiny: Path, calib: Path, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny: Path, calib: Path, data_dir: Path, tmp_path: Path
 ) -> None:
     """A requeued `prune --eval` job: the prune is found finished, and the eval.json this same command wrote
     is taken as it is (it was evaluated again), the summary is the first run's (its phases read back from
@@ -136,10 +136,7 @@ def test_the_rerun_of_a_finished_prune_with_eval_writes_nothing_and_says_so(
     evaluate anew, and say so."""
 
     def prune(*extra: str) -> Result:
-        # The command line the console script would record (in-process, sys.argv is pytest's).
-        args = ["--model", str(tiny), *FAST, "--calib-data", str(calib), "--output", str(out), *extra]
-        monkeypatch.setattr(sys, "argv", ["tsenor", "prune", *args])
-        return invoke(["prune", *args])
+        return invoke(["prune", "--model", str(tiny), *FAST, "--calib-data", str(calib), "--output", str(out), *extra])
 
     out = tmp_path / "out"
     evaluate = ["--eval", "--ppl", "wikitext2", "--max-windows", "1", "--data-dir", str(data_dir)]

@@ -123,9 +123,8 @@ def evaluate(
     tasks (lm-eval). options: `LOAD_OPTIONS` (dtype, device, trust_remote_code, device_map) and
     `EVAL_OPTIONS` (num_fewshot, limit, batch_size, seqlen, max_windows, stream: None streams where it
     can, True insists, False loads the model whole), as `tsenor eval`'s flags of the same names."""
-    from tsenor_cli.evaluation.runner import EvalConfig, eval_target, evaluate_model, load_for_evaluation
+    from tsenor_cli.evaluation.runner import EvalConfig, EvalModel, evaluate_into
     from tsenor_cli.models.loading import LoadOptions
-    from tsenor_cli.runfiles.write import write_eval
 
     unknown = sorted(set(options) - {*LOAD_OPTIONS, *EVAL_OPTIONS})
     if unknown:
@@ -138,16 +137,12 @@ def evaluate(
         settings["ppl_datasets"] = _names(ppl, "ppl")
     cfg = EvalConfig(**settings, tasks=_tasks(tasks), stream=stream is not False)
     cfg.check(ctx, stream=bool(stream), device_map=options.get("device_map"))
-    target = eval_target(Path(output) if output is not None else None, force=force)
     # The model's dtype and device default as `tsenor prune`'s and `tsenor eval`'s do (one declaration).
     dtype, device = options.get("dtype", FIELDS["dtype"].default), options.get("device", FIELDS["device"].default)
     how = {key: options[key] for key in ("trust_remote_code", "device_map") if key in options}
     load = LoadOptions(**how, check_tokenizer=True)
-    loaded = load_for_evaluation(str(model), ctx, cfg, dtype=dtype, device=device, options=load)
-    report = evaluate_model(loaded, cfg, ctx)
-    if target is not None:
-        write_eval(target, report)
-    return report
+    target = Path(output) if output is not None else None
+    return evaluate_into(EvalModel(str(model), dtype, device, load), cfg, ctx, output=target, force=force)
 
 
 def _names(value: str | Sequence[str], what: str) -> tuple[str, ...]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import typer
 
@@ -37,10 +35,6 @@ from tsenor_cli.cli.options import (
     pick_model,
 )
 from tsenor_cli.errors import EXIT_SIGINT, Interrupted
-
-if TYPE_CHECKING:
-    from tsenor_cli.runfiles import EvalReport
-
 
 MODEL, PERPLEXITY, ZEROSHOT = "Model", "Perplexity", "Zero-shot (lm-eval)"
 
@@ -96,8 +90,9 @@ def eval_cmd(
     offline: OfflineOpt = False,
 ) -> None:
     """Evaluate a model: perplexity (SparseGPT protocol) and optional lm-eval zero-shot tasks."""
-    from tsenor_cli.evaluation.runner import EvalConfig, eval_target, evaluate_model, load_for_evaluation
+    from tsenor_cli.evaluation.runner import EvalConfig, EvalModel, evaluate_into
     from tsenor_cli.models.loading import LoadOptions
+    from tsenor_cli.report.markdown import eval_table
 
     # Validate every option before the (slow) model load, so a typo fails at once.
     model = pick_model(model, model_option)
@@ -115,25 +110,10 @@ def eval_cmd(
     )
     run_ctx = run_context(ctx, data_dir, offline)
     cfg.check(run_ctx, stream=bool(stream), device_map=device_map)
-    target = eval_target(output, force=force)
+    how = LoadOptions(trust_remote_code=trust_remote_code, device_map=device_map, check_tokenizer=True)
     try:
-        how = LoadOptions(trust_remote_code=trust_remote_code, device_map=device_map, check_tokenizer=True)
-        loaded = load_for_evaluation(model, run_ctx, cfg, dtype=dtype, device=device, options=how)
-        report = evaluate_model(loaded, cfg, run_ctx)
+        report = evaluate_into(EvalModel(model, dtype, device, how), cfg, run_ctx, output=output, force=force)
     except KeyboardInterrupt:
         # eval.json is written only once every metric is in, so nothing is left half-done.
         raise Interrupted("interrupted while evaluating; nothing was written", EXIT_SIGINT) from None
-    _write_and_print(report, target, as_json=as_json)
-
-
-def _write_and_print(report: EvalReport, target: Path | None, *, as_json: bool) -> None:
-    """eval.json at `target` (when given), and the table or the JSON on stdout."""
-    from tsenor_cli.progress import logger
-    from tsenor_cli.report.markdown import eval_table
-    from tsenor_cli.runfiles.write import write_eval
-
-    payload = report.to_json()
-    if target is not None:
-        write_eval(target, report)
-        logger.info("wrote %s", target)
-    typer.echo(json.dumps(payload, indent=2) if as_json else eval_table(report))
+    typer.echo(json.dumps(report.to_json(), indent=2) if as_json else eval_table(report))

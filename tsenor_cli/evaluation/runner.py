@@ -32,6 +32,7 @@ from tsenor_cli.runfiles import (
     EvalReport,
     PerplexityRecord,
     ZeroShotResult,
+    model_digest,
     read_sparsity,
 )
 from tsenor_cli.settings import RunContext
@@ -123,6 +124,24 @@ def eval_target(output: Path | None, *, force: bool) -> Path | None:
     return target
 
 
+def finished_evaluation_in(
+    output: Path | None, model: str, cfg: EvalConfig, ctx: RunContext, *, force: bool
+) -> EvalReport | None:
+    """`tsenor eval MODEL --output OUT` run again (a requeued batch job, a script rerun after its prune found
+    its run finished): OUT's eval.json when this command line wrote it of MODEL's folder as that is on disk
+    now (`runfiles.output.finished_evaluation`), else None: without --output, with --force, for a hub id
+    (its snapshot may move), or when OUT holds another evaluation, which `eval_target` then refuses."""
+    from tsenor_cli.models.loading import resolve_source
+    from tsenor_cli.runfiles.output import finished_evaluation
+
+    if output is None or force or not (output / EVAL_FILE).is_file():
+        return None
+    source, is_local = resolve_source(model, ctx)
+    if not is_local:
+        return None
+    return finished_evaluation(output, cfg.command, ContextRecord.of(ctx), Path(source))
+
+
 def package_versions() -> dict[str, str]:
     """Versions of the libraries that decide the numbers (absent ones are reported as such), and the CPU's
     kind (`precision.machine_versions`)."""
@@ -174,6 +193,40 @@ def load_for_evaluation(
     )
 
 
+@dataclass(frozen=True)
+class EvalModel:
+    """The model `evaluate_into` evaluates and how it is loaded: `name` (an embedded name, a checkpoint folder
+    or a hub id), its dtype (None: `auto`) and device, and the rest of the load (`load_for_evaluation`)."""
+
+    name: str
+    dtype: str | None
+    device: str
+    options: LoadOptions | None = None
+
+
+def evaluate_into(
+    model: EvalModel, cfg: EvalConfig, ctx: RunContext, *, output: Path | None, force: bool
+) -> EvalReport:
+    """`tsenor eval MODEL` and `tsenor_cli.evaluate`: `model` loaded (`load_for_evaluation`) and evaluated under
+    `cfg`, into `output`/eval.json when `output` is given (refused before any work when it cannot be written,
+    or holds an eval.json and not `force`: `eval_target`). The same command line again on the unchanged
+    folder returns the eval.json on disk (`found_finished`) and writes nothing (`finished_evaluation_in`)."""
+    from tsenor_cli.progress import logger
+    from tsenor_cli.runfiles.write import write_eval
+
+    done = finished_evaluation_in(output, model.name, cfg, ctx, force=force)
+    if done is not None:
+        logger.info("%s already held this command's evaluation of %s as it is now; nothing written", output, model.name)
+        return done
+    target = eval_target(output, force=force)
+    loaded = load_for_evaluation(model.name, ctx, cfg, dtype=model.dtype, device=model.device, options=model.options)
+    report = evaluate_model(loaded, cfg, ctx)
+    if target is not None:
+        write_eval(target, report)
+        logger.info("wrote %s", target)
+    return report
+
+
 def evaluate_model(
     loaded: LoadedModel,
     cfg: EvalConfig,
@@ -187,6 +240,8 @@ def evaluate_model(
     if cfg.tasks and loaded.checkpoint is not None:
         raise UsageError(STREAM_TASKS)
     started = time.perf_counter()
+    # The folder's identity as it was evaluated (a rerun compares it: `finished_evaluation_in`).
+    digest = model_digest(Path(loaded.source)) if Path(loaded.source).is_dir() else None
     seqlen = effective_seqlen(loaded, cfg.seqlen)
     first = next(loaded.model.parameters())
     device = first.device
@@ -213,6 +268,7 @@ def evaluate_model(
         seconds=time.perf_counter() - started,
         command=cfg.command,
         context=ContextRecord.of(ctx),
+        model_digest=digest,
     )
 
 

@@ -59,6 +59,7 @@ from tsenor_cli.runfiles import (
     EvalReport,
     FinetuneReport,
     FinetuneState,
+    model_digest,
 )
 from tsenor_cli.runfiles.output import check_not_input, finished_finetune, interruption, output_run
 from tsenor_cli.runfiles.write import write_model_folder
@@ -314,15 +315,15 @@ def matching_evaluation(cfg: FinetuneConfig, loaded: Any, device: torch.device) 
 
     Looked for in RUN_DIR/eval.json (`tsenor prune --eval`, `tsenor eval --output RUN_DIR`) and beside
     RUN_DIR (a sweep's runs/NAME/eval.json for runs/NAME/model). It matches when it evaluated this folder
-    (`source`) after its weights were written, in float32 on the same kind of device, with the window
+    (`source`) as it is on disk now (`runfiles.model_digest`; an eval.json written before tsenor recorded
+    it matches nothing), in float32 on the same kind of device, with the window
     length evaluation uses by default, the same --max-windows, every --ppl dataset and, with --tasks,
     the same tasks at the same --limit with no few-shot examples.
     """
     from tsenor_cli.evaluation.runner import effective_seqlen
-    from tsenor_cli.models.loading import WEIGHT_PATTERNS
 
     folder = cfg.run_dir.resolve()
-    weights = [p.stat().st_mtime for pattern in WEIGHT_PATTERNS for p in folder.glob(pattern)]
+    digest = model_digest(folder)
     for path in (folder / EVAL_FILE, folder.parent / EVAL_FILE):
         try:
             record = EvalReport.from_json(json.loads(path.read_text(encoding="utf-8")), str(path)).to_json()
@@ -331,7 +332,7 @@ def matching_evaluation(cfg: FinetuneConfig, loaded: Any, device: torch.device) 
         zeroshot = record.get("zeroshot")
         same = (
             record["source"] == str(folder)
-            and path.stat().st_mtime >= max(weights, default=float("inf"))
+            and record.get("model_digest") == digest
             and record["dtype"] == "float32"
             and torch.device(record["device"]).type == device.type
             and record["seqlen"] == effective_seqlen(loaded, None)

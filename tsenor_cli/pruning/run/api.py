@@ -292,7 +292,7 @@ def evaluate_checkpoint(
     `StopRequest.at_once`), as Ctrl-C does: one line saying the checkpoint is complete and how to evaluate it.
     rerun: the run was found finished (a rerun of its command): an eval.json this command wrote is taken as
     it is (`finished_evaluation`), said as the evaluation's progress is."""
-    if rerun and (done := finished_evaluation(output, eval_cfg.command, ContextRecord.of(ctx))) is not None:
+    if rerun and (done := finished_evaluation(output, eval_cfg.command, ContextRecord.of(ctx), output)) is not None:
         sink(None)(f"{output / EVAL_FILE} holds this command's evaluation; nothing to do")
         return done
     try:
