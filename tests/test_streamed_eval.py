@@ -192,14 +192,3 @@ def test_device_map_auto_loads_the_whole_model_where_accelerate_places_it(tmp_pa
     plain = perplexity(load_model(str(folder), LOCAL_CTX).model, ids, Windows(SEQLEN), device="cpu")
     device = next(mapped.model.parameters()).device
     assert perplexity(mapped.model, ids, Windows(SEQLEN), device=device).ppl == pytest.approx(plain.ppl, rel=1e-5)
-
-
-def test_a_hub_id_is_loaded_whole_with_one_info_line(caplog: pytest.LogCaptureFixture) -> None:
-    """Streaming is the default, so a hub id (no local safetensors folder to read blocks from) is not
-    refused: the load goes on whole, and the line says how to stream it."""
-    from tsenor_cli.models.loading import _stream_checkpoint
-
-    with caplog.at_level("INFO", logger="tsenor"):
-        assert _stream_checkpoint("org/model", "org/model", is_local=False) is None
-    lines = [r for r in caplog.records if "hub id" in r.getMessage()]
-    assert len(lines) == 1 and lines[0].levelname == "INFO" and "loaded whole" in lines[0].getMessage()

@@ -21,6 +21,7 @@ from tsenor_cli.errors import OutputExistsError, UsageError
 from tsenor_cli.evaluation.perplexity import Windows, perplexity
 from tsenor_cli.evaluation.streamed import BlockCallbacks, streamed_perplexity
 from tsenor_cli.kernels import KERNELS
+from tsenor_cli.models.identity import identity_digest
 from tsenor_cli.models.loading import LoadedModel, LoadOptions
 from tsenor_cli.precision import NAMES, machine_versions, warn_slow_products
 from tsenor_cli.progress import counted, sink
@@ -32,7 +33,6 @@ from tsenor_cli.runfiles import (
     EvalReport,
     PerplexityRecord,
     ZeroShotResult,
-    model_digest,
     read_sparsity,
 )
 from tsenor_cli.settings import RunContext
@@ -128,18 +128,14 @@ def finished_evaluation_in(
     output: Path | None, model: str, cfg: EvalConfig, ctx: RunContext, *, force: bool
 ) -> EvalReport | None:
     """`tsenor eval MODEL --output OUT` run again (a requeued batch job, a script rerun after its prune found
-    its run finished): OUT's eval.json when this command line wrote it of MODEL's folder as that is on disk
-    now (`runfiles.output.finished_evaluation`), else None: without --output, with --force, for a hub id
-    (its snapshot may move), or when OUT holds another evaluation, which `eval_target` then refuses."""
-    from tsenor_cli.models.loading import resolve_source
+    its run finished): OUT's eval.json when this command line wrote it of MODEL as it is now (its identity:
+    `runfiles.output.finished_evaluation`), else None: without --output, with --force, or when OUT holds
+    another evaluation, which `eval_target` then refuses."""
     from tsenor_cli.runfiles.output import finished_evaluation
 
     if output is None or force or not (output / EVAL_FILE).is_file():
         return None
-    source, is_local = resolve_source(model, ctx)
-    if not is_local:
-        return None
-    return finished_evaluation(output, cfg.command, ContextRecord.of(ctx), Path(source))
+    return finished_evaluation(output, cfg.command, ContextRecord.of(ctx), identity_digest(model))
 
 
 def package_versions() -> dict[str, str]:
@@ -176,7 +172,7 @@ def load_for_evaluation(
 ) -> LoadedModel:
     """The model to evaluate under `cfg`: streamed (blocks on the meta device, read one at a time by
     `evaluation/streamed.py`) when `cfg.stream` and only perplexity is asked for and no --device-map
-    places it; a pickle checkpoint or a hub id is then loaded whole with one line saying so
+    places it; pickle weights (a folder's or a hub id's) are then loaded whole with one line saying so
     (`models.loading.load_model`). Zero-shot tasks need the whole model: loaded whole. options: the rest of
     the load (None: `LoadOptions()`)."""
     from tsenor_cli.models.loading import load_model, parse_dtype
@@ -240,8 +236,8 @@ def evaluate_model(
     if cfg.tasks and loaded.checkpoint is not None:
         raise UsageError(STREAM_TASKS)
     started = time.perf_counter()
-    # The folder's identity as it was evaluated (a rerun compares it: `finished_evaluation_in`).
-    digest = model_digest(Path(loaded.source)) if Path(loaded.source).is_dir() else None
+    # The checkpoint's identity as it was evaluated (a rerun compares it: `finished_evaluation_in`).
+    identity = identity_digest(loaded.name)
     seqlen = effective_seqlen(loaded, cfg.seqlen)
     first = next(loaded.model.parameters())
     device = first.device
@@ -268,7 +264,7 @@ def evaluate_model(
         seconds=time.perf_counter() - started,
         command=cfg.command,
         context=ContextRecord.of(ctx),
-        model_digest=digest,
+        model_identity=identity,
     )
 
 

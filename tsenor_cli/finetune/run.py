@@ -39,6 +39,7 @@ from tsenor_cli.finetune.masks import RunSparsity, pruned_masks, read_run_sparsi
 from tsenor_cli.finetune.plan import frozen_parameters, plan_finetune
 from tsenor_cli.fixedmask import FixedMask
 from tsenor_cli.interrupt import StopRequest
+from tsenor_cli.models.identity import identity_digest
 from tsenor_cli.models.saving import SavedModel, save_model
 from tsenor_cli.progress import Progress, sink
 from tsenor_cli.pruning.block.memory import keep_freed_memory
@@ -59,7 +60,6 @@ from tsenor_cli.runfiles import (
     EvalReport,
     FinetuneReport,
     FinetuneState,
-    model_digest,
 )
 from tsenor_cli.runfiles.output import check_not_input, finished_finetune, interruption, output_run
 from tsenor_cli.runfiles.write import write_model_folder
@@ -315,15 +315,15 @@ def matching_evaluation(cfg: FinetuneConfig, loaded: Any, device: torch.device) 
 
     Looked for in RUN_DIR/eval.json (`tsenor prune --eval`, `tsenor eval --output RUN_DIR`) and beside
     RUN_DIR (a sweep's runs/NAME/eval.json for runs/NAME/model). It matches when it evaluated this folder
-    (`source`) as it is on disk now (`runfiles.model_digest`; an eval.json written before tsenor recorded
-    it matches nothing), in float32 on the same kind of device, with the window
+    (`source`) as it is on disk now (`models.identity.identity_digest`; an eval.json written before tsenor
+    recorded it matches nothing), in float32 on the same kind of device, with the window
     length evaluation uses by default, the same --max-windows, every --ppl dataset and, with --tasks,
     the same tasks at the same --limit with no few-shot examples.
     """
     from tsenor_cli.evaluation.runner import effective_seqlen
 
     folder = cfg.run_dir.resolve()
-    digest = model_digest(folder)
+    identity = identity_digest(str(folder))
     for path in (folder / EVAL_FILE, folder.parent / EVAL_FILE):
         try:
             record = EvalReport.from_json(json.loads(path.read_text(encoding="utf-8")), str(path)).to_json()
@@ -332,7 +332,8 @@ def matching_evaluation(cfg: FinetuneConfig, loaded: Any, device: torch.device) 
         zeroshot = record.get("zeroshot")
         same = (
             record["source"] == str(folder)
-            and record.get("model_digest") == digest
+            and identity is not None
+            and record.get("model_identity") == identity
             and record["dtype"] == "float32"
             and torch.device(record["device"]).type == device.type
             and record["seqlen"] == effective_seqlen(loaded, None)

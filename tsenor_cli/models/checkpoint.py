@@ -128,7 +128,7 @@ def _dense_view(
     return infos
 
 
-def _weight_map(index: Path) -> dict[str, str]:
+def read_weight_map(index: Path) -> dict[str, str]:
     """{key: shard file name} of a transformers index file; BadInputError when it is not one."""
     try:
         payload = json.loads(index.read_text(encoding="utf-8"))
@@ -173,7 +173,7 @@ class Checkpoint:
                 f"{folder} has no {WEIGHTS_NAME} nor {INDEX_NAME} ({held}); reading a checkpoint block by block "
                 "needs safetensors weights: convert it with save_pretrained, or load it whole"
             )
-        weight_map = _weight_map(index)
+        weight_map = read_weight_map(index)
         tensors: dict[str, TensorInfo] = {}
         codes: set[str] = set()
         for file in dict.fromkeys(weight_map.values()):

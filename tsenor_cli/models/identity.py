@@ -5,6 +5,7 @@ is another input, whose run is neither continued nor taken for done."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -64,3 +65,13 @@ def checkpoint_identity(model: str) -> dict[str, Any] | None:
     except ValueError:  # HFValidationError: no hub id either, e.g. a missing folder (the loader says so)
         return None
     return {"hub_commit": Path(cached).parent.name} if isinstance(cached, str) else None
+
+
+def identity_digest(model: str) -> str | None:
+    """sha256 of `checkpoint_identity(model)` (None where that is None): what eval.json records of the model
+    it evaluated, so that the same `tsenor eval` again, and `tsenor finetune`'s reuse of that evaluation,
+    know the model is still the one on disk (`runfiles.output.finished_evaluation`)."""
+    identity = checkpoint_identity(model)
+    if identity is None:
+        return None
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()

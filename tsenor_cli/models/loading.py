@@ -24,7 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tsenor_cli.errors import BadInputError, IncompatibleModelError, InputNotFoundError, UsageError
-from tsenor_cli.models.checkpoint import INDEX_NAME, PICKLE_PATTERN, WEIGHTS_NAME, Checkpoint
+from tsenor_cli.models.checkpoint import INDEX_NAME, PICKLE_PATTERN, WEIGHTS_NAME, Checkpoint, read_weight_map
 from tsenor_cli.models.conformance import check_checkpoint
 from tsenor_cli.models.embedded import DEFAULT_MODEL, EMBEDDED_MODELS, is_embedded, materialize
 from tsenor_cli.models.structure import ModelStructure, discover_structure
@@ -433,7 +433,7 @@ def load_model(
     stream: read only what lies outside the decoder blocks; the blocks stay on the meta device, to be read
     one at a time from `LoadedModel.checkpoint` (`models/streaming.py`). It needs a local folder of
     safetensors weights (every bad one is refused here, before anything is read: `models/checkpoint.py`);
-    a folder of pickle weights is loaded whole, with one warning line saying so.
+    a folder of pickle weights is loaded whole, with one warning line; a hub id streams its `hub_snapshot`.
     options: `LoadOptions` (None: its defaults). Its before_weights(config, tokenizer) runs once both are
     loaded and before the weights are read, so a check that needs only them (e.g. that the calibration
     text fills its windows) fails in seconds; check_tokenizer refuses, before the weights are read, a
@@ -453,6 +453,8 @@ def load_model(
     torch_device = resolve_device(device)
     torch_dtype = dtype if dtype is not None else default_dtype(torch_device)
     src = _open_source(name, ctx, trust_remote_code=how.trust_remote_code, progress=progress)
+    if stream and not src.is_local:
+        src = _snapshot_source(src, progress)
     source, is_local, config = src.path, src.is_local, src.config
     stored = checkpoint_dtype(config)
     meta = _checked_meta(src)
@@ -500,6 +502,52 @@ def _open_source(
     hub = {"trust_remote_code": trust_remote_code, "local_files_only": ctx.offline}
     config = read_config(name, source, is_local, ctx, trust_remote_code=trust_remote_code)
     return _Source(name, source, is_local, ctx, config, hub)
+
+
+# What a streamed load of a hub id fetches besides the weights: the config, tokenizer, generation and processor
+# files (`PROCESSOR_FILES`) that from_pretrained reads, with the model's own code when it is allowed to run.
+SNAPSHOT_FILES = ("*.json", "*.txt", "*.jinja", "*.model", "*.tiktoken", "tokenizer*")
+
+
+def hub_snapshot(name: str, ctx: RunContext, *, trust_remote_code: bool) -> Path | None:
+    """The local snapshot of hub model `name` in the HF cache, downloaded there as `hf download` does (only
+    read from it under the offline policy): its small files (`SNAPSHOT_FILES`) and the safetensors weights
+    its index names, or model.safetensors; not the other copies a repository may hold (`original/`, GGUF,
+    consolidated weights), which from_pretrained does not read either. None when the model has no
+    safetensors weights (pickle only). A download that fails, or weights the offline cache lacks, is
+    `hub_error`'s line."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    small = [*SNAPSHOT_FILES, *(["*.py"] if trust_remote_code else [])]
+    try:
+        folder = Path(snapshot_download(name, allow_patterns=small, local_files_only=ctx.offline))
+        index = folder / INDEX_NAME
+        weights = sorted(set(read_weight_map(index).values())) if index.is_file() else []
+        folder = Path(snapshot_download(name, allow_patterns=weights or [WEIGHTS_NAME], local_files_only=ctx.offline))
+    except (HfHubHTTPError, LocalEntryNotFoundError) as exc:
+        raise hub_error(name, ctx) from exc
+    missing = [file for file in weights if not (folder / file).is_file()]
+    if missing:  # the offline cache holds the index but not every shard it names
+        raise hub_error(name, ctx)
+    if weights or (folder / WEIGHTS_NAME).is_file():
+        return folder
+    if ctx.offline and not any(folder.glob(PICKLE_PATTERN)):  # the cache holds no weights of it at all
+        raise hub_error(name, ctx)
+    return None
+
+
+def _snapshot_source(src: _Source, progress: Callable[[str], None] | None) -> _Source:
+    """`src`, a hub id to stream, as its local snapshot (`hub_snapshot`), read as a local folder from there on;
+    `src` itself when the model has no safetensors weights (it is then loaded whole, with one line)."""
+    trust = src.hub["trust_remote_code"]
+    folder = hub_snapshot(src.name, src.ctx, trust_remote_code=trust)
+    if folder is None:
+        logger.info("%s has pickle weights only; streaming needs safetensors, so it is loaded whole", src.name)
+        return src
+    sink(progress)(f"{src.name}: streaming from its snapshot in the HF cache, {folder}")
+    config = read_config(src.name, str(folder), True, src.ctx, trust_remote_code=trust)
+    return _Source(src.name, str(folder), True, src.ctx, config, src.hub)
 
 
 def _checked_meta(src: _Source) -> Any:
@@ -565,15 +613,9 @@ def _load_whole(src: _Source, dtype: torch.dtype, device_map: str | None, device
 
 def _stream_checkpoint(name: str, source: str, is_local: bool) -> Checkpoint | None:
     """The checkpoint a streamed load reads its blocks from (its headers checked), None for a folder of
-    pickle weights (loaded whole, with a warning line) or a hub id (loaded whole, with an info line)."""
+    pickle weights (loaded whole, with a warning line) or a hub id without safetensors weights (loaded
+    whole; `_snapshot_source` said so)."""
     if not is_local:
-        # Streaming is the default, so a hub id is not refused: it loads whole, and the line says how to stream it.
-        logger.info(
-            "%s is a hub id; streaming reads a local safetensors folder, so it is loaded whole "
-            "(hf download %s --local-dir DIR, then MODEL DIR, streams it)",
-            name,
-            name,
-        )
         return None
     folder = Path(source)
     if (

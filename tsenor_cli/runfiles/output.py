@@ -41,7 +41,6 @@ from tsenor_cli.runfiles import (
     EvalReport,
     FinetuneReport,
     PruneReport,
-    model_digest,
     read_json,
 )
 from tsenor_cli.runfiles.resume import ResumeStore
@@ -106,19 +105,21 @@ def finished_run(output: Path, result_hash: str) -> PruneReport | None:
     return replace(report, found_finished=True) if report.result_hash == result_hash else None
 
 
-def finished_evaluation(output: Path, command: str | None, context: ContextRecord, model: Path) -> EvalReport | None:
+def finished_evaluation(
+    output: Path, command: str | None, context: ContextRecord, model: str | None
+) -> EvalReport | None:
     """The eval.json of `output` when it holds the evaluation this command asks for, else None: written by
     this command line (`command`, which holds every evaluation setting) under the same data folder and hub
-    policy (`context`), of the checkpoint folder `model` as it is on disk now (`model_digest`). A rerun of
-    the command (a batch job requeued after it was killed past the evaluation, a script run again) is then a
-    no-op, as a finished prune's is, instead of the whole evaluation again or a refusal; a model written
-    again since, or any other command, evaluates anew."""
+    policy (`context`), of the checkpoint whose identity is `model` (`models.identity.identity_digest`; None:
+    it has none, and nothing matches). A rerun of the command (a batch job requeued after it was killed past
+    the evaluation, a script run again) is then a no-op, as a finished prune's is, instead of the whole
+    evaluation again or a refusal; a checkpoint written again since, or any other command, evaluates anew."""
     path = output / EVAL_FILE
-    if command is None or not path.is_file() or not model.is_dir():
+    if command is None or model is None or not path.is_file():
         return None
     record = EvalReport.from_json(read_json(path), str(path))
-    same = record.command == command and record.context == context
-    return replace(record, found_finished=True) if same and record.model_digest == model_digest(model) else None
+    same = record.command == command and record.context == context and record.model_identity == model
+    return replace(record, found_finished=True) if same else None
 
 
 def finished_distillation(output: Path, result_hash: str, settings: dict[str, Any]) -> FinetuneReport | None:

@@ -31,7 +31,6 @@ missing field or a wrong type is one `SchemaError` line naming the file and the 
 
 from __future__ import annotations
 
-import hashlib
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -97,9 +96,6 @@ RESUME_DIR = ".tsenor-resume"
 RESUME_STATE_FILE = "state.json"  # a prune's resume state (runfiles/resume.py)
 FINETUNE_STATE_FILE = "finetune_state.json"  # a finetune's, beside Trainer's checkpoint-N folders
 PRUNED_STAGE_SUFFIX = ".pruned"  # `pruned_stage`: a distilling prune's checkpoint before the distillation
-# The files of a run folder that record runs rather than make up the model (`model_digest` leaves them
-# out, so that an evaluation written into the folder, or a refreshed model card, keeps the model's identity).
-RUN_RECORDS = (EVAL_FILE, MODEL_CARD, *PRUNE_REPORTS, FINETUNE_FILE, FINETUNE_LOSS_PLOT_FILE, FINETUNE_PPL_PLOT_FILE)
 # Versions of the small state files (each carries its own `schema_version`).
 FINETUNE_STATE_VERSION = 1
 # 3: the block files and hidden-state files are named by block and listed with their sizes. Files of this
@@ -690,8 +686,9 @@ class EvalReport:
     """``eval.json``: the model evaluated, perplexity per dataset and (optionally) zero-shot accuracy.
 
     model: what the user passed; source: the resolved folder or hub id; seconds: the whole evaluation.
-    model_digest: `model_digest(source)` when the source is a local folder (None for a hub id, and in files
-    written before it was recorded): what a rerun of the command compares to know the model is unchanged.
+    model_identity: the sha256 of the evaluated checkpoint's identity (`models.identity.identity_digest`: its
+    files' sizes, times and safetensors headers, or a cached hub snapshot's commit), None where it has none
+    (an embedded model) and in files written before it was recorded: what a rerun of the command compares.
     found_finished: read back by a rerun of the command that wrote it (`runfiles.output.finished_evaluation`;
     nothing evaluated or written); not a field of the file.
     """
@@ -709,7 +706,7 @@ class EvalReport:
     seconds: float
     command: str | None = None
     context: ContextRecord | None = None
-    model_digest: str | None = None
+    model_identity: str | None = None
     schema_version: int = SCHEMA_VERSION
     found_finished: bool = field(default=False, compare=False)
 
@@ -923,22 +920,6 @@ class FinetuneState:
 def block_range(done: int) -> str:
     """The first `done` blocks for a person: "block 1", "blocks 1-3" (never "blocks 1-1")."""
     return "block 1" if done == 1 else f"blocks 1-{done}"
-
-
-def model_digest(folder: Path) -> str:
-    """The identity of the checkpoint in `folder` as it is on disk now: the sha256 of the name, size and
-    modification time (ns) of each of its top-level files, the run records (`RUN_RECORDS`) and hidden
-    entries (temporaries, locks, the resume state) left out. This is rsync's quick check: rewriting a weight,
-    config or tokenizer file (pruning the folder again with --force, say) changes it, reading the model does
-    not, and it costs one stat per file whatever the model's size. eval.json records it, so that a rerun of
-    `tsenor eval` knows the model it evaluated is still the one on disk (`runfiles.output.finished_evaluation`)."""
-    digest = hashlib.sha256()
-    for entry in sorted(folder.iterdir()):
-        if entry.name.startswith(".") or entry.name in RUN_RECORDS or not entry.is_file():
-            continue
-        stat = entry.stat()
-        digest.update(f"{entry.name}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-    return digest.hexdigest()
 
 
 def block_file(index: int) -> str:

@@ -21,6 +21,7 @@ from tsenor_cli.errors import EXIT_RESUMABLE, EXIT_SIGINT, Interrupted, ResumeSt
 from tsenor_cli.evaluation import runner
 from tsenor_cli.evaluation.runner import EvalConfig
 from tsenor_cli.interrupt import StopRequest
+from tsenor_cli.models.identity import identity_digest
 from tsenor_cli.outputs import output_path
 from tsenor_cli.phases import recording
 from tsenor_cli.progress import Progress, sink
@@ -292,7 +293,8 @@ def evaluate_checkpoint(
     `StopRequest.at_once`), as Ctrl-C does: one line saying the checkpoint is complete and how to evaluate it.
     rerun: the run was found finished (a rerun of its command): an eval.json this command wrote is taken as
     it is (`finished_evaluation`), said as the evaluation's progress is."""
-    if rerun and (done := finished_evaluation(output, eval_cfg.command, ContextRecord.of(ctx), output)) is not None:
+    identity = identity_digest(str(output)) if rerun else None
+    if (done := finished_evaluation(output, eval_cfg.command, ContextRecord.of(ctx), identity)) is not None:
         sink(None)(f"{output / EVAL_FILE} holds this command's evaluation; nothing to do")
         return done
     try:

@@ -75,11 +75,11 @@ def load_for_pruning(
 ) -> LoadedModel:
     """The model on the CPU (`built` when given: a model in memory, held whole), its weights checked finite.
 
-    With `cfg.stream` and a safetensors checkpoint on disk only what lies outside the decoder blocks is
-    read (`models/streaming.py`); anything else (a pickle checkpoint, a hub id, a model built in memory)
-    is loaded whole. before_weights(config, tokenizer): runs before any weight is read (a fresh run reads
-    its calibration text there: text too short for --nsamples × --seqlen is found in seconds, not after
-    minutes of reading a large checkpoint)."""
+    With `cfg.stream` and a safetensors checkpoint (a folder, or a hub id's snapshot in the HF cache) only
+    what lies outside the decoder blocks is read (`models/streaming.py`); anything else (pickle weights, a
+    model built in memory) is loaded whole. before_weights(config, tokenizer): runs before any weight is
+    read (a fresh run reads its calibration text there: text too short for --nsamples × --seqlen is found
+    in seconds, not after minutes of reading a large checkpoint)."""
     from tsenor_cli.models.loading import LoadOptions, load_model
 
     if built is not None:
