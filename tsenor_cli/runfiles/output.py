@@ -106,19 +106,19 @@ def finished_run(output: Path, result_hash: str) -> PruneReport | None:
 
 
 def finished_evaluation(
-    output: Path, command: str | None, context: ContextRecord, model: str | None
+    output: Path, command: str | None, context: ContextRecord, identity: str | None
 ) -> EvalReport | None:
     """The eval.json of `output` when it holds the evaluation this command asks for, else None: written by
     this command line (`command`, which holds every evaluation setting) under the same data folder and hub
-    policy (`context`), of the checkpoint whose identity is `model` (`models.identity.identity_digest`; None:
+    policy (`context`), of the checkpoint whose identity is `identity` (`models.identity.identity_digest`; None:
     it has none, and nothing matches). A rerun of the command (a batch job requeued after it was killed past
     the evaluation, a script run again) is then a no-op, as a finished prune's is, instead of the whole
     evaluation again or a refusal; a checkpoint written again since, or any other command, evaluates anew."""
     path = output / EVAL_FILE
-    if command is None or model is None or not path.is_file():
+    if command is None or identity is None or not path.is_file():
         return None
     record = EvalReport.from_json(read_json(path), str(path))
-    same = record.command == command and record.context == context and record.model_identity == model
+    same = record.command == command and record.context == context and record.model_identity == identity
     return replace(record, found_finished=True) if same else None
 
 
